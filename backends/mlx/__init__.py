@@ -1,0 +1,1 @@
+"""etmlx: an ExecuTorch delegate that runs programs on MLX."""

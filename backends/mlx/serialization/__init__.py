@@ -1,0 +1,1 @@
+"""Blob format: schema, generated bindings and the serializer."""
