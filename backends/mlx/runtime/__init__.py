@@ -1,0 +1,90 @@
+"""Loads the etmlx C++ backend into the ExecuTorch runtime of this process.
+
+Importing this package registers the backend ``EtmlxBackend`` with the
+ExecuTorch runtime that ``executorch.runtime`` (its pybindings) uses, so a
+.pte delegating to etmlx can then be loaded with ``executorch.runtime``.
+
+The shared library is ``_lib/libetmlx_backend.so`` next to this file (built by
+``make setup`` / CMake); set ``ETMLX_BACKEND_LIB`` to use another file.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from pathlib import Path
+
+__all__ = ["BACKEND_ID", "library_path", "load", "schema_version"]
+
+BACKEND_ID = "EtmlxBackend"
+
+_LIB_NAME = "libetmlx_backend.so"
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+
+
+def library_path() -> Path:
+    """Path of the backend shared library that load() uses."""
+    override = os.environ.get("ETMLX_BACKEND_LIB")
+    if override:
+        return Path(override)
+    return Path(__file__).resolve().parent / "_lib" / _LIB_NAME
+
+
+def _registered_backends() -> list[str]:
+    from executorch.runtime import Runtime
+
+    return list(Runtime.get().backend_registry.registered_backend_names)
+
+
+def load() -> ctypes.CDLL:
+    """Load the backend library once and check that it registered itself.
+
+    Safe to call repeatedly; later calls return the already loaded library.
+    """
+    global _lib
+    with _lock:
+        if _lib is not None:
+            return _lib
+        # Load the ExecuTorch pybindings first, so libexecutorch.so (and its
+        # backend registry) is already in the process; the backend library
+        # then binds to that same copy.
+        import executorch.runtime  # noqa: F401
+
+        _registered_backends()
+        path = library_path()
+        if not path.is_file():
+            hint = (
+                "ETMLX_BACKEND_LIB points at a missing file"
+                if os.environ.get("ETMLX_BACKEND_LIB")
+                else "run `make setup` to build it"
+            )
+            raise ImportError(f"etmlx backend library not found: {path} ({hint})")
+        try:
+            lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+        except OSError as exc:
+            raise ImportError(f"cannot load etmlx backend library {path}: {exc} "
+                              "(run `make setup` to rebuild it)") from exc
+        lib.etmlx_backend_id.restype = ctypes.c_char_p
+        lib.etmlx_schema_version.restype = ctypes.c_uint32
+        lib_id = lib.etmlx_backend_id().decode()
+        if lib_id != BACKEND_ID:
+            raise RuntimeError(f"{path} registers backend {lib_id!r}, expected {BACKEND_ID!r}")
+        names = _registered_backends()
+        if BACKEND_ID not in names:
+            raise RuntimeError(
+                f"loaded {path} but {BACKEND_ID} is not among the ExecuTorch runtime's "
+                f"registered backends {names}; the library is probably linked against a "
+                "different libexecutorch.so than the executorch Python package uses "
+                "(run `make setup` to rebuild it)")
+        _lib = lib
+        return lib
+
+
+def schema_version() -> int:
+    """Blob schema version the loaded C++ runtime accepts."""
+    return int(load().etmlx_schema_version())
+
+
+load()

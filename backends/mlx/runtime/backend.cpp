@@ -1,0 +1,314 @@
+// The ExecuTorch BackendInterface of etmlx and its registration.
+//
+// init():    validates the blob (loader.cpp) and builds the per-method handle.
+// execute(): binds ExecuTorch inputs to slots, runs the interpreter, evaluates
+//            the outputs with mlx and copies them into the output tensors.
+// Every mlx exception is caught here and turned into an Error + log line.
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <new>
+#include <vector>
+
+#include <executorch/runtime/backend/interface.h>
+#include <executorch/runtime/core/error.h>
+#include <executorch/runtime/core/evalue.h>
+#include <executorch/runtime/core/result.h>
+#include <executorch/runtime/platform/log.h>
+#include <mlx/ops.h>
+#include <mlx/transforms.h>
+
+#include "blob_header.h"
+#include "interpreter.h"
+#include "io.h"
+#include "loader.h"
+
+namespace etmlx {
+
+namespace mx = mlx::core;
+using executorch::runtime::ArrayRef;
+using executorch::runtime::Backend;
+using executorch::runtime::BackendExecutionContext;
+using executorch::runtime::BackendInitContext;
+using executorch::runtime::BackendInterface;
+using executorch::runtime::CompileSpec;
+using executorch::runtime::DelegateHandle;
+using executorch::runtime::Error;
+using executorch::runtime::EValue;
+using executorch::runtime::FreeableBuffer;
+using executorch::runtime::Result;
+using executorch::runtime::Span;
+
+constexpr const char kBackendId[] = "EtmlxBackend";
+
+namespace {
+
+struct Handle {
+  Program program;
+  // Current value of each mutable buffer (parallel to program.mutable_slots).
+  std::vector<mx::array> state;
+};
+
+// A private copy of an evaluated array, for state that must not alias memory
+// the caller owns.
+mx::array own_copy(const mx::array& a) {
+  mx::array c = mx::contiguous(a);
+  mx::eval(c);
+  const size_t nbytes = c.nbytes();
+  if (nbytes == 0) return mx::zeros(c.shape(), c.dtype());
+  std::shared_ptr<uint64_t[]> buf(new uint64_t[(nbytes + 7) / 8]);
+  std::memcpy(buf.get(), c.data<uint8_t>(), nbytes);
+  return mx::array(static_cast<void*>(buf.get()), c.shape(), c.dtype(), [buf](void*) {});
+}
+
+template <typename Specs>
+size_t count(const Specs* specs) {
+  return specs ? specs->size() : 0;
+}
+
+Error run(Handle& h, Span<EValue*> args) {
+  const Program& prog = h.program;
+  const fb::Graph& g = *prog.graph;
+  const size_t n_in = count(g.inputs());
+  const size_t n_out = count(g.outputs());
+  if (args.size() != n_in + n_out) {
+    ET_LOG(Error, "etmlx: execute got %zu arguments but the graph has %zu inputs and %zu outputs",
+           args.size(), n_in, n_out);
+    return Error::InvalidArgument;
+  }
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (args[i] == nullptr) {
+      ET_LOG(Error, "etmlx: argument %zu is null", i);
+      return Error::InvalidArgument;
+    }
+  }
+
+  Interpreter interp(prog);
+  auto& tensors = interp.tensors();
+  auto& values = interp.values();
+
+  for (size_t i = 0; i < prog.constants.size(); ++i) {
+    tensors[prog.constant_slots[i]] = prog.constants[i];
+  }
+  for (size_t j = 0; j < prog.mutable_slots.size(); ++j) {
+    tensors[prog.mutable_slots[j]] = h.state[j];
+  }
+
+  // Inputs. The wrappers alias ExecuTorch memory; they stay referenced here
+  // until the outputs are evaluated and copied out.
+  std::vector<mx::array> wrappers;
+  wrappers.reserve(n_in);
+  for (size_t i = 0; i < n_in; ++i) {
+    const fb::IoSpec* spec = g.inputs()->Get(static_cast<flatbuffers::uoffset_t>(i));
+    const fb::Slot* slot = spec->slot();
+    const EValue& arg = *args[i];
+    if (slot->kind() == fb::SlotKind::Value) {
+      if (!arg.isInt()) {
+        ET_LOG(Error, "etmlx: input %zu must be an int (symbolic size), got EValue tag %d", i,
+               static_cast<int>(arg.tag));
+        return Error::InvalidArgument;
+      }
+      values[slot->idx()] = arg.toInt();
+      continue;
+    }
+    if (!arg.isTensor()) {
+      ET_LOG(Error, "etmlx: input %zu must be a tensor, got EValue tag %d", i,
+             static_cast<int>(arg.tag));
+      return Error::InvalidArgument;
+    }
+    mx::array a(0.0f);
+    Error err = wrap_input(arg.toTensor(), spec->dtype(), i, &a);
+    if (err != Error::Ok) return err;
+    wrappers.push_back(a);
+    tensors[slot->idx()] = std::move(a);
+  }
+
+  try {
+    if (!interp.run()) return Error::InvalidProgram;
+  } catch (const std::exception& e) {
+    ET_LOG(Error, "etmlx: instruction %zu (%s) failed: %s", interp.pc(), interp.node_name(),
+           e.what());
+    return Error::InvalidProgram;
+  }
+
+  // Outputs: check dtypes, resize the ExecuTorch tensors (shapes are known
+  // before evaluation, so an oversized result is refused before computing it).
+  std::vector<mx::array> to_eval;
+  std::vector<int> eval_index(n_out, -1);
+  for (size_t i = 0; i < n_out; ++i) {
+    const fb::IoSpec* spec = g.outputs()->Get(static_cast<flatbuffers::uoffset_t>(i));
+    const fb::Slot* slot = spec->slot();
+    EValue& arg = *args[n_in + i];
+    if (slot->kind() == fb::SlotKind::Value) {
+      if (!values[slot->idx()].has_value()) {
+        ET_LOG(Error, "etmlx: output %zu reads value slot %u, which is never written", i,
+               slot->idx());
+        return Error::InvalidProgram;
+      }
+      if (!arg.isInt()) {
+        ET_LOG(Error, "etmlx: output %zu must be an int EValue, got tag %d", i,
+               static_cast<int>(arg.tag));
+        return Error::InvalidArgument;
+      }
+      continue;
+    }
+    if (!tensors[slot->idx()].has_value()) {
+      ET_LOG(Error, "etmlx: output %zu reads tensor slot %u, which is never written", i,
+             slot->idx());
+      return Error::InvalidProgram;
+    }
+    if (!arg.isTensor()) {
+      ET_LOG(Error, "etmlx: output %zu must be a tensor, got EValue tag %d", i,
+             static_cast<int>(arg.tag));
+      return Error::InvalidArgument;
+    }
+    const mx::array& a = *tensors[slot->idx()];
+    Error err = prepare_output(arg.toTensor(), a, spec->dtype(), i);
+    if (err != Error::Ok) return err;
+    eval_index[i] = static_cast<int>(to_eval.size());
+    to_eval.push_back(mx::contiguous(a));
+  }
+  const size_t first_state = to_eval.size();
+  for (size_t j = 0; j < prog.mutable_slots.size(); ++j) {
+    const auto& s = tensors[prog.mutable_slots[j]];
+    if (!s.has_value()) {
+      ET_LOG(Error, "etmlx: mutable buffer %zu (tensor slot %u) was cleared", j,
+             prog.mutable_slots[j]);
+      return Error::InvalidProgram;
+    }
+    const mx::array& init = h.state[j];
+    if (s->dtype() != init.dtype() || s->shape() != init.shape()) {
+      ET_LOG(Error, "etmlx: mutable buffer %zu changed its dtype or shape", j);
+      return Error::InvalidProgram;
+    }
+    to_eval.push_back(*s);
+  }
+
+  try {
+    mx::eval(to_eval);
+  } catch (const std::exception& e) {
+    ET_LOG(Error, "etmlx: evaluating the graph failed: %s", e.what());
+    return Error::InvalidProgram;
+  }
+
+  for (size_t i = 0; i < n_out; ++i) {
+    const fb::IoSpec* spec = g.outputs()->Get(static_cast<flatbuffers::uoffset_t>(i));
+    EValue& arg = *args[n_in + i];
+    if (spec->slot()->kind() == fb::SlotKind::Value) {
+      arg = EValue(*values[spec->slot()->idx()]);
+      continue;
+    }
+    Error err = copy_output(arg.toTensor(), to_eval[eval_index[i]], i);
+    if (err != Error::Ok) return err;
+  }
+
+  // Commit the new state. A state that aliases an input's memory (e.g. the
+  // graph stored an input unchanged) gets a private copy, since the caller may
+  // reuse that memory after this call.
+  std::vector<mx::array> new_state;
+  new_state.reserve(prog.mutable_slots.size());
+  for (size_t j = 0; j < prog.mutable_slots.size(); ++j) {
+    mx::array s = to_eval[first_state + j];
+    bool aliases = false;
+    for (const auto& w : wrappers) {
+      if (w.data_shared_ptr() && s.data_shared_ptr() == w.data_shared_ptr()) aliases = true;
+    }
+    new_state.push_back(aliases ? own_copy(s) : s);
+  }
+  h.state = std::move(new_state);
+  return Error::Ok;
+}
+
+class EtmlxBackend final : public BackendInterface {
+ public:
+  bool is_available() const override { return true; }
+
+  Result<DelegateHandle*> init(BackendInitContext& context, FreeableBuffer* processed,
+                               ArrayRef<CompileSpec> compile_specs) const override {
+    (void)context;
+    (void)compile_specs;
+    if (processed == nullptr) {
+      ET_LOG(Error, "etmlx: init got no processed blob");
+      return Error::InvalidArgument;
+    }
+    Result<const void*> data = processed->data_safe();
+    if (!data.ok() || data.get() == nullptr) {
+      ET_LOG(Error, "etmlx: init got an empty or non-pointer processed blob");
+      return Error::InvalidArgument;
+    }
+    try {
+      std::unique_ptr<Handle> h(new Handle());
+      Error err = load_program(data.get(), processed->size(), h->program);
+      if (err != Error::Ok) return err;
+      h->state.reserve(h->program.mutable_initial.size());
+      for (uint32_t c : h->program.mutable_initial) {
+        h->state.push_back(h->program.constants[c]);
+      }
+      // Everything needed later lives in the handle's private copy.
+      processed->Free();
+      return static_cast<DelegateHandle*>(h.release());
+    } catch (const std::bad_alloc&) {
+      ET_LOG(Error, "etmlx: out of memory while loading the graph");
+      return Error::MemoryAllocationFailed;
+    } catch (const std::exception& e) {
+      ET_LOG(Error, "etmlx: loading the graph failed: %s", e.what());
+      return Error::InvalidProgram;
+    } catch (...) {
+      ET_LOG(Error, "etmlx: loading the graph failed with an unknown exception");
+      return Error::Internal;
+    }
+  }
+
+  Error execute(BackendExecutionContext& context, DelegateHandle* handle,
+                Span<EValue*> args) const override {
+    (void)context;
+    if (handle == nullptr) {
+      ET_LOG(Error, "etmlx: execute called without a handle");
+      return Error::InvalidArgument;
+    }
+    try {
+      return run(*static_cast<Handle*>(handle), args);
+    } catch (const std::bad_alloc&) {
+      ET_LOG(Error, "etmlx: out of memory during execution");
+      return Error::MemoryAllocationFailed;
+    } catch (const std::exception& e) {
+      ET_LOG(Error, "etmlx: execution failed: %s", e.what());
+      return Error::Internal;
+    } catch (...) {
+      ET_LOG(Error, "etmlx: execution failed with an unknown exception");
+      return Error::Internal;
+    }
+  }
+
+  void destroy(DelegateHandle* handle) const override {
+    delete static_cast<Handle*>(handle);
+  }
+};
+
+EtmlxBackend g_backend;
+
+const bool g_registered = [] {
+  const Error err = executorch::runtime::register_backend(Backend{kBackendId, &g_backend});
+  if (err != Error::Ok) {
+    ET_LOG(Error, "etmlx: registering backend %s failed (error 0x%x)", kBackendId,
+           static_cast<unsigned>(err));
+    return false;
+  }
+  return true;
+}();
+
+}  // namespace
+}  // namespace etmlx
+
+extern "C" __attribute__((visibility("default"))) const char* etmlx_backend_id() {
+  return etmlx::kBackendId;
+}
+
+extern "C" __attribute__((visibility("default"))) uint32_t etmlx_schema_version() {
+  return etmlx::kSchemaVersion;
+}
+
+extern "C" __attribute__((visibility("default"))) bool etmlx_backend_registered() {
+  return etmlx::g_registered;
+}

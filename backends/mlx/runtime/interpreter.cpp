@@ -1,0 +1,652 @@
+#include "interpreter.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdarg>
+#include <cstdio>
+#include <limits>
+
+#include <executorch/runtime/platform/log.h>
+#include <mlx/ops.h>
+
+namespace etmlx {
+
+namespace mx = mlx::core;
+
+namespace {
+
+// No single intermediate may exceed this many bytes (logical size, so a
+// broadcast view counts at its full size). It keeps a corrupted shape literal
+// from asking the allocator for terabytes; real graphs stay far below it.
+constexpr uint64_t kMaxArrayBytes = uint64_t{1} << 36;
+constexpr int64_t kMaxDim = std::numeric_limits<int32_t>::max();
+
+}  // namespace
+
+Interpreter::Interpreter(const Program& program)
+    : program_(program), tensors_(program.num_tensors), values_(program.num_values) {}
+
+bool Interpreter::fail(const char* fmt, ...) {
+  char msg[512];
+  va_list ap;
+  va_start(ap, fmt);
+  std::vsnprintf(msg, sizeof(msg), fmt, ap);
+  va_end(ap);
+  ET_LOG(Error, "etmlx: instruction %zu (%s) %s", pc_, node_name_, msg);
+  return false;
+}
+
+bool Interpreter::run() {
+  const auto* instrs = program_.graph->instructions();
+  if (instrs == nullptr) return true;
+  for (flatbuffers::uoffset_t i = 0; i < instrs->size(); ++i) {
+    const fb::Instruction* instr = instrs->Get(i);
+    pc_ = i;
+    node_name_ = instr ? fb::EnumNameNode(instr->node_type()) : "";
+    if (node_name_ == nullptr || node_name_[0] == '\0') node_name_ = "?";
+    if (instr == nullptr || instr->node() == nullptr) return fail("has no node");
+    if (!run_node(*instr)) return false;
+  }
+  return true;
+}
+
+bool Interpreter::run_node(const fb::Instruction& instr) {
+#include "node_dispatch.inc"
+}
+
+bool Interpreter::unknown_node(int type) {
+  return fail("has unknown node type %d (blob from a newer etmlx?)", type);
+}
+
+// ---------------------------------------------------------------------------
+// Slots
+
+const mx::array* Interpreter::read(const fb::Tid* t) {
+  if (t == nullptr) {
+    fail("is missing a tensor operand");
+    return nullptr;
+  }
+  const uint32_t idx = t->idx();
+  if (idx >= tensors_.size()) {
+    fail("names tensor slot %u but the graph has %zu", idx, tensors_.size());
+    return nullptr;
+  }
+  if (!tensors_[idx].has_value()) {
+    fail("reads tensor slot %u before it is written", idx);
+    return nullptr;
+  }
+  return &*tensors_[idx];
+}
+
+bool Interpreter::write(const fb::Tid* t, mx::array a) {
+  if (t == nullptr) return fail("is missing its output");
+  const uint32_t idx = t->idx();
+  if (idx >= tensors_.size()) {
+    return fail("writes tensor slot %u but the graph has %zu", idx, tensors_.size());
+  }
+  const uint64_t nbytes = static_cast<uint64_t>(a.size()) * a.itemsize();
+  if (a.size() != 0 && nbytes / a.size() != a.itemsize()) {
+    return fail("produces a result whose size overflows");
+  }
+  if (nbytes > kMaxArrayBytes) {
+    return fail("produces a %llu-byte result (limit %llu)",
+                static_cast<unsigned long long>(nbytes),
+                static_cast<unsigned long long>(kMaxArrayBytes));
+  }
+  tensors_[idx] = std::move(a);
+  return true;
+}
+
+bool Interpreter::read_value(int64_t idx, int64_t* out) {
+  if (idx < 0 || static_cast<uint64_t>(idx) >= values_.size()) {
+    return fail("names value slot %lld but the graph has %zu", static_cast<long long>(idx),
+                values_.size());
+  }
+  if (!values_[idx].has_value()) {
+    return fail("reads value slot %lld before it is written", static_cast<long long>(idx));
+  }
+  *out = *values_[idx];
+  return true;
+}
+
+bool Interpreter::write_value(const fb::Vid* v, int64_t x) {
+  if (v == nullptr) return fail("is missing its output");
+  if (v->idx() >= values_.size()) {
+    return fail("writes value slot %u but the graph has %zu", v->idx(), values_.size());
+  }
+  values_[v->idx()] = x;
+  return true;
+}
+
+bool Interpreter::resolve(const fb::IntOrVid* iv, int64_t* out) {
+  if (iv == nullptr) return fail("is missing an int operand");
+  if (iv->vid() >= 0) return read_value(iv->vid(), out);
+  *out = iv->literal();
+  return true;
+}
+
+bool Interpreter::resolve_shape(
+    const flatbuffers::Vector<flatbuffers::Offset<fb::IntOrVid>>* v, std::vector<int64_t>* out) {
+  if (v == nullptr) return fail("is missing its shape");
+  if (v->size() > static_cast<flatbuffers::uoffset_t>(kMaxRank)) {
+    return fail("has a shape of rank %u (max %d)", v->size(), kMaxRank);
+  }
+  out->clear();
+  for (flatbuffers::uoffset_t i = 0; i < v->size(); ++i) {
+    int64_t x = 0;
+    if (!resolve(v->Get(i), &x)) return false;
+    out->push_back(x);
+  }
+  return true;
+}
+
+bool Interpreter::norm_axis(int64_t axis, int ndim, int* out, const char* what) {
+  if (ndim <= 0) return fail("%s %lld given for a 0-d tensor", what, static_cast<long long>(axis));
+  int64_t a = axis < 0 ? axis + ndim : axis;
+  if (a < 0 || a >= ndim) {
+    return fail("%s %lld is out of range for a %d-d tensor", what, static_cast<long long>(axis),
+                ndim);
+  }
+  *out = static_cast<int>(a);
+  return true;
+}
+
+bool Interpreter::safe_indices(const mx::array& idx, int dim_size, const char* what,
+                               mx::array* out) {
+  if (!mx::issubdtype(idx.dtype(), mx::integer)) {
+    return fail("%s must have an integer dtype, got %s", what, mlx_dtype_name(idx.dtype()));
+  }
+  if (dim_size <= 0) {
+    if (idx.size() != 0) return fail("indexes into an empty axis");
+    *out = idx;
+    return true;
+  }
+  // mlx gathers and scatters without bounds checks, so a bad index (e.g. a
+  // corrupted constant) would read or write out of bounds. Wrap negative
+  // indices like PyTorch, then clamp into [0, dim_size).
+  mx::array i = idx;
+  const mx::Dtype dt = i.dtype();
+  if (dt.size() < 4) {
+    i = mx::astype(i, mx::int32);
+  }
+  const mx::Dtype it = i.dtype();
+  if (mx::issubdtype(it, mx::signedinteger)) {
+    i = mx::where(mx::less(i, mx::array(0, it)), mx::add(i, mx::array(dim_size, it)), i);
+  }
+  i = mx::clip(i, mx::array(0, it), mx::array(dim_size - 1, it));
+  *out = i;
+  return true;
+}
+
+// ---------------------------------------------------------------------------
+// Element-wise
+
+bool Interpreter::exec_unary(const fb::UnaryNode& n) {
+  const mx::array* x = read(n.x());
+  if (!x) return false;
+  const mx::array& a = *x;
+  std::optional<mx::array> r;
+  switch (n.op()) {
+    case fb::UnaryOp::Neg: r = mx::negative(a); break;
+    case fb::UnaryOp::Exp: r = mx::exp(a); break;
+    case fb::UnaryOp::Log: r = mx::log(a); break;
+    case fb::UnaryOp::Sqrt: r = mx::sqrt(a); break;
+    case fb::UnaryOp::Rsqrt: r = mx::rsqrt(a); break;
+    case fb::UnaryOp::Abs: r = mx::abs(a); break;
+    case fb::UnaryOp::Tanh: r = mx::tanh(a); break;
+    case fb::UnaryOp::Sigmoid: r = mx::sigmoid(a); break;
+    case fb::UnaryOp::LogicalNot: r = mx::logical_not(a); break;
+    case fb::UnaryOp::Sin: r = mx::sin(a); break;
+    case fb::UnaryOp::Cos: r = mx::cos(a); break;
+    case fb::UnaryOp::Floor: r = mx::floor(a); break;
+    case fb::UnaryOp::Ceil: r = mx::ceil(a); break;
+    case fb::UnaryOp::Erf: r = mx::erf(a); break;
+    case fb::UnaryOp::Square: r = mx::square(a); break;
+    case fb::UnaryOp::Log1p: r = mx::log1p(a); break;
+    case fb::UnaryOp::Expm1: r = mx::expm1(a); break;
+    case fb::UnaryOp::Reciprocal: r = mx::reciprocal(a); break;
+    case fb::UnaryOp::Sign: r = mx::sign(a); break;
+    case fb::UnaryOp::IsNan: r = mx::isnan(a); break;
+    case fb::UnaryOp::IsInf: r = mx::isinf(a); break;
+    case fb::UnaryOp::BitwiseNot:
+      // torch.bitwise_not on bool is logical not.
+      r = a.dtype() == mx::bool_ ? mx::logical_not(a) : mx::bitwise_invert(a);
+      break;
+  }
+  if (!r) return fail("has unknown unary op %d", static_cast<int>(n.op()));
+  return write(n.out(), std::move(*r));
+}
+
+bool Interpreter::exec_binary(const fb::BinaryNode& n) {
+  const mx::array* pa = read(n.a());
+  if (!pa) return false;
+  const mx::array* pb = read(n.b());
+  if (!pb) return false;
+  const mx::array& a = *pa;
+  const mx::array& b = *pb;
+  std::optional<mx::array> r;
+  switch (n.op()) {
+    case fb::BinaryOp::Add: r = mx::add(a, b); break;
+    case fb::BinaryOp::Subtract: r = mx::subtract(a, b); break;
+    case fb::BinaryOp::Multiply: r = mx::multiply(a, b); break;
+    case fb::BinaryOp::Divide: r = mx::divide(a, b); break;
+    case fb::BinaryOp::Power: r = mx::power(a, b); break;
+    case fb::BinaryOp::Minimum: r = mx::minimum(a, b); break;
+    case fb::BinaryOp::Maximum: r = mx::maximum(a, b); break;
+    case fb::BinaryOp::Equal: r = mx::equal(a, b); break;
+    case fb::BinaryOp::NotEqual: r = mx::not_equal(a, b); break;
+    case fb::BinaryOp::Less: r = mx::less(a, b); break;
+    case fb::BinaryOp::LessEqual: r = mx::less_equal(a, b); break;
+    case fb::BinaryOp::Greater: r = mx::greater(a, b); break;
+    case fb::BinaryOp::GreaterEqual: r = mx::greater_equal(a, b); break;
+    case fb::BinaryOp::LogicalAnd: r = mx::logical_and(a, b); break;
+    case fb::BinaryOp::LogicalOr: r = mx::logical_or(a, b); break;
+    case fb::BinaryOp::FloorDivide: r = mx::floor_divide(a, b); break;
+    case fb::BinaryOp::Remainder: r = mx::remainder(a, b); break;
+    case fb::BinaryOp::BitwiseAnd: r = mx::bitwise_and(a, b); break;
+    case fb::BinaryOp::BitwiseOr: r = mx::bitwise_or(a, b); break;
+    case fb::BinaryOp::BitwiseXor: r = mx::bitwise_xor(a, b); break;
+  }
+  if (!r) return fail("has unknown binary op %d", static_cast<int>(n.op()));
+  return write(n.out(), std::move(*r));
+}
+
+bool Interpreter::exec_where(const fb::WhereNode& n) {
+  const mx::array* c = read(n.cond());
+  if (!c) return false;
+  const mx::array* x = read(n.x());
+  if (!x) return false;
+  const mx::array* y = read(n.y());
+  if (!y) return false;
+  return write(n.out(), mx::where(*c, *x, *y));
+}
+
+bool Interpreter::exec_as_type(const fb::AsTypeNode& n) {
+  const mx::array* x = read(n.x());
+  if (!x) return false;
+  const auto dt = to_mlx(n.dtype());
+  if (!dt) return fail("has unknown dtype %d", static_cast<int>(n.dtype()));
+  return write(n.out(), mx::astype(*x, *dt));
+}
+
+bool Interpreter::exec_copy(const fb::CopyNode& n) {
+  const mx::array* x = read(n.x());
+  if (!x) return false;
+  // Arrays are immutable, so aliasing is a copy.
+  return write(n.out(), *x);
+}
+
+// ---------------------------------------------------------------------------
+// Creation
+
+bool Interpreter::exec_full(const fb::FullNode& n) {
+  std::vector<int64_t> dims;
+  if (!resolve_shape(n.shape(), &dims)) return false;
+  mx::Shape shape;
+  for (int64_t d : dims) {
+    if (d < 0 || d > kMaxDim) return fail("has invalid size %lld", static_cast<long long>(d));
+    shape.push_back(static_cast<int32_t>(d));
+  }
+  const auto dt = to_mlx(n.dtype());
+  if (!dt) return fail("has unknown dtype %d", static_cast<int>(n.dtype()));
+  const double v = n.value();
+  std::optional<mx::array> scalar;
+  if (*dt == mx::bool_) {
+    scalar = mx::array(v != 0.0);
+  } else if (mx::issubdtype(*dt, mx::integer)) {
+    // 2^63 is exactly representable; anything at or beyond it (or NaN) would
+    // make the conversion undefined.
+    if (!(v >= -9223372036854775808.0 && v < 9223372036854775808.0)) {
+      return fail("fill value %g does not fit an integer tensor", v);
+    }
+    scalar = mx::array(static_cast<int64_t>(v), mx::int64);
+  } else {
+    scalar = mx::array(static_cast<float>(v), mx::float32);
+  }
+  return write(n.out(), mx::full(std::move(shape), *scalar, *dt));
+}
+
+bool Interpreter::exec_arange(const fb::ArangeNode& n) {
+  const double start = n.start(), stop = n.stop(), step = n.step();
+  if (!std::isfinite(start) || !std::isfinite(stop) || !std::isfinite(step) || step == 0.0) {
+    return fail("has invalid range start=%g stop=%g step=%g", start, stop, step);
+  }
+  const double count = std::ceil((stop - start) / step);
+  if (count > static_cast<double>(kMaxDim)) return fail("would produce %g elements", count);
+  const auto dt = to_mlx(n.dtype());
+  if (!dt) return fail("has unknown dtype %d", static_cast<int>(n.dtype()));
+  return write(n.out(), mx::arange(start, stop, step, *dt));
+}
+
+// ---------------------------------------------------------------------------
+// Reductions
+
+bool Interpreter::exec_reduce(const fb::ReduceNode& n) {
+  const mx::array* px = read(n.x());
+  if (!px) return false;
+  const mx::array& x = *px;
+  const int ndim = static_cast<int>(x.ndim());
+  std::vector<int> axes;
+  if (n.axes() == nullptr) return fail("is missing its axes");
+  if (n.axes()->size() == 0) {
+    for (int i = 0; i < ndim; ++i) axes.push_back(i);
+  } else {
+    if (n.axes()->size() > static_cast<flatbuffers::uoffset_t>(ndim)) {
+      return fail("reduces over %u axes of a %d-d tensor", n.axes()->size(), ndim);
+    }
+    for (flatbuffers::uoffset_t i = 0; i < n.axes()->size(); ++i) {
+      int a = 0;
+      if (!norm_axis(n.axes()->Get(i), ndim, &a, "axis")) return false;
+      if (std::find(axes.begin(), axes.end(), a) != axes.end()) {
+        return fail("names axis %d twice", a);
+      }
+      axes.push_back(a);
+    }
+  }
+  const bool keep = n.keepdims();
+  std::optional<mx::array> r;
+  switch (n.op()) {
+    case fb::ReduceOp::Sum: r = mx::sum(x, axes, keep); break;
+    case fb::ReduceOp::Mean: r = mx::mean(x, axes, keep); break;
+    case fb::ReduceOp::Max: r = mx::max(x, axes, keep); break;
+    case fb::ReduceOp::Min: r = mx::min(x, axes, keep); break;
+    case fb::ReduceOp::Prod: r = mx::prod(x, axes, keep); break;
+    case fb::ReduceOp::Any: r = mx::any(x, axes, keep); break;
+    case fb::ReduceOp::All: r = mx::all(x, axes, keep); break;
+    case fb::ReduceOp::LogSumExp: r = mx::logsumexp(x, axes, keep); break;
+  }
+  if (!r) return fail("has unknown reduce op %d", static_cast<int>(n.op()));
+  return write(n.out(), std::move(*r));
+}
+
+bool Interpreter::exec_arg_reduce(const fb::ArgReduceNode& n) {
+  const mx::array* x = read(n.x());
+  if (!x) return false;
+  int axis = 0;
+  if (!norm_axis(n.axis(), static_cast<int>(x->ndim()), &axis, "axis")) return false;
+  if (x->shape(axis) == 0) return fail("reduces over an empty axis");
+  std::optional<mx::array> r;
+  switch (n.op()) {
+    case fb::ArgReduceOp::ArgMax: r = mx::argmax(*x, axis, n.keepdims()); break;
+    case fb::ArgReduceOp::ArgMin: r = mx::argmin(*x, axis, n.keepdims()); break;
+  }
+  if (!r) return fail("has unknown arg-reduce op %d", static_cast<int>(n.op()));
+  return write(n.out(), std::move(*r));
+}
+
+bool Interpreter::exec_softmax(const fb::SoftmaxNode& n) {
+  const mx::array* x = read(n.x());
+  if (!x) return false;
+  int axis = 0;
+  if (!norm_axis(n.axis(), static_cast<int>(x->ndim()), &axis, "axis")) return false;
+  if (n.log()) {
+    return write(n.out(),
+                 mx::subtract(*x, mx::logsumexp(*x, std::vector<int>{axis}, /*keepdims=*/true)));
+  }
+  return write(n.out(), mx::softmax(*x, std::vector<int>{axis}, /*precise=*/true));
+}
+
+bool Interpreter::exec_cumsum(const fb::CumsumNode& n) {
+  const mx::array* x = read(n.x());
+  if (!x) return false;
+  int axis = 0;
+  if (!norm_axis(n.axis(), static_cast<int>(x->ndim()), &axis, "axis")) return false;
+  return write(n.out(), mx::cumsum(*x, axis, n.reverse(), n.inclusive()));
+}
+
+bool Interpreter::exec_sort(const fb::SortNode& n) {
+  const mx::array* x = read(n.x());
+  if (!x) return false;
+  int axis = 0;
+  if (!norm_axis(n.axis(), static_cast<int>(x->ndim()), &axis, "axis")) return false;
+  return write(n.out(), mx::sort(*x, axis));
+}
+
+bool Interpreter::exec_argsort(const fb::ArgsortNode& n) {
+  const mx::array* x = read(n.x());
+  if (!x) return false;
+  int axis = 0;
+  if (!norm_axis(n.axis(), static_cast<int>(x->ndim()), &axis, "axis")) return false;
+  return write(n.out(), mx::argsort(*x, axis));
+}
+
+bool Interpreter::exec_arg_partition(const fb::ArgPartitionNode& n) {
+  const mx::array* x = read(n.x());
+  if (!x) return false;
+  int axis = 0;
+  if (!norm_axis(n.axis(), static_cast<int>(x->ndim()), &axis, "axis")) return false;
+  const int64_t dim = x->shape(axis);
+  int64_t kth = n.kth() < 0 ? int64_t{n.kth()} + dim : int64_t{n.kth()};
+  if (kth < 0 || kth >= dim) {
+    return fail("kth %d is out of range for an axis of size %lld", n.kth(),
+                static_cast<long long>(dim));
+  }
+  return write(n.out(), mx::argpartition(*x, static_cast<int>(kth), axis));
+}
+
+// ---------------------------------------------------------------------------
+// Indexing
+
+bool Interpreter::exec_take_along_axis(const fb::TakeAlongAxisNode& n) {
+  const mx::array* x = read(n.x());
+  if (!x) return false;
+  const mx::array* idx = read(n.indices());
+  if (!idx) return false;
+  int axis = 0;
+  if (!norm_axis(n.axis(), static_cast<int>(x->ndim()), &axis, "axis")) return false;
+  if (idx->ndim() != x->ndim()) {
+    return fail("indices have rank %zu but the input has rank %zu", idx->ndim(), x->ndim());
+  }
+  mx::array safe = *idx;
+  if (!safe_indices(*idx, x->shape(axis), "indices", &safe)) return false;
+  return write(n.out(), mx::take_along_axis(*x, safe, axis));
+}
+
+bool Interpreter::exec_take(const fb::TakeNode& n) {
+  const mx::array* x = read(n.x());
+  if (!x) return false;
+  const mx::array* idx = read(n.indices());
+  if (!idx) return false;
+  int axis = 0;
+  if (!norm_axis(n.axis(), static_cast<int>(x->ndim()), &axis, "axis")) return false;
+  mx::array safe = *idx;
+  if (!safe_indices(*idx, x->shape(axis), "indices", &safe)) return false;
+  return write(n.out(), mx::take(*x, safe, axis));
+}
+
+bool Interpreter::exec_put_along_axis(const fb::PutAlongAxisNode& n) {
+  const mx::array* x = read(n.x());
+  if (!x) return false;
+  const mx::array* idx = read(n.indices());
+  if (!idx) return false;
+  const mx::array* vals = read(n.values());
+  if (!vals) return false;
+  int axis = 0;
+  if (!norm_axis(n.axis(), static_cast<int>(x->ndim()), &axis, "axis")) return false;
+  if (idx->ndim() != x->ndim()) {
+    return fail("indices have rank %zu but the input has rank %zu", idx->ndim(), x->ndim());
+  }
+  mx::array safe = *idx;
+  if (!safe_indices(*idx, x->shape(axis), "indices", &safe)) return false;
+  std::optional<mx::array> r;
+  switch (n.mode()) {
+    case fb::ScatterMode::Replace: r = mx::put_along_axis(*x, safe, *vals, axis); break;
+    case fb::ScatterMode::Add: r = mx::scatter_add_axis(*x, safe, *vals, axis); break;
+  }
+  if (!r) return fail("has unknown scatter mode %d", static_cast<int>(n.mode()));
+  return write(n.out(), std::move(*r));
+}
+
+// ---------------------------------------------------------------------------
+// Shape
+
+bool Interpreter::exec_reshape(const fb::ReshapeNode& n) {
+  const mx::array* x = read(n.x());
+  if (!x) return false;
+  std::vector<int64_t> dims;
+  if (!resolve_shape(n.shape(), &dims)) return false;
+  mx::Shape shape;
+  int inferred = 0;
+  for (int64_t d : dims) {
+    if (d == -1) {
+      if (++inferred > 1) return fail("has more than one -1 in its shape");
+    } else if (d < 0 || d > kMaxDim) {
+      return fail("has invalid size %lld", static_cast<long long>(d));
+    }
+    shape.push_back(static_cast<int32_t>(d));
+  }
+  return write(n.out(), mx::reshape(*x, std::move(shape)));
+}
+
+bool Interpreter::exec_transpose(const fb::TransposeNode& n) {
+  const mx::array* x = read(n.x());
+  if (!x) return false;
+  const int ndim = static_cast<int>(x->ndim());
+  if (n.perm() == nullptr) return fail("is missing its permutation");
+  if (n.perm()->size() != static_cast<flatbuffers::uoffset_t>(ndim)) {
+    return fail("permutation has %u entries for a %d-d tensor", n.perm()->size(), ndim);
+  }
+  std::vector<int> perm;
+  std::vector<bool> seen(ndim, false);
+  for (flatbuffers::uoffset_t i = 0; i < n.perm()->size(); ++i) {
+    int a = 0;
+    if (!norm_axis(n.perm()->Get(i), ndim, &a, "permutation entry")) return false;
+    if (seen[a]) return fail("permutation names axis %d twice", a);
+    seen[a] = true;
+    perm.push_back(a);
+  }
+  return write(n.out(), mx::transpose(*x, std::move(perm)));
+}
+
+bool Interpreter::exec_expand_dims(const fb::ExpandDimsNode& n) {
+  const mx::array* x = read(n.x());
+  if (!x) return false;
+  int axis = 0;
+  if (!norm_axis(n.axis(), static_cast<int>(x->ndim()) + 1, &axis, "axis")) return false;
+  return write(n.out(), mx::expand_dims(*x, axis));
+}
+
+bool Interpreter::exec_squeeze(const fb::SqueezeNode& n) {
+  const mx::array* x = read(n.x());
+  if (!x) return false;
+  const int ndim = static_cast<int>(x->ndim());
+  if (n.axes() == nullptr) return fail("is missing its axes");
+  // PyTorch semantics: only size-1 axes are removed, others are ignored; no
+  // axes means every size-1 axis.
+  std::vector<int> axes;
+  if (n.axes()->size() == 0) {
+    for (int i = 0; i < ndim; ++i) {
+      if (x->shape(i) == 1) axes.push_back(i);
+    }
+  } else {
+    for (flatbuffers::uoffset_t i = 0; i < n.axes()->size(); ++i) {
+      if (ndim == 0 && (n.axes()->Get(i) == 0 || n.axes()->Get(i) == -1)) continue;
+      int a = 0;
+      if (!norm_axis(n.axes()->Get(i), ndim, &a, "axis")) return false;
+      if (x->shape(a) == 1 && std::find(axes.begin(), axes.end(), a) == axes.end()) {
+        axes.push_back(a);
+      }
+    }
+  }
+  if (axes.empty()) return write(n.out(), *x);
+  return write(n.out(), mx::squeeze(*x, axes));
+}
+
+bool Interpreter::exec_broadcast_to(const fb::BroadcastToNode& n) {
+  const mx::array* x = read(n.x());
+  if (!x) return false;
+  std::vector<int64_t> dims;
+  if (!resolve_shape(n.shape(), &dims)) return false;
+  const int ndim = static_cast<int>(x->ndim());
+  const int out_ndim = static_cast<int>(dims.size());
+  if (out_ndim < ndim) return fail("cannot broadcast a %d-d tensor to rank %d", ndim, out_ndim);
+  mx::Shape shape;
+  for (int i = 0; i < out_ndim; ++i) {
+    int64_t d = dims[i];
+    const int src = i - (out_ndim - ndim);  // aligned from the right
+    if (d == -1 && src >= 0) d = x->shape(src);  // torch.expand: -1 keeps the size
+    if (d < 0 || d > kMaxDim) return fail("has invalid size %lld", static_cast<long long>(d));
+    shape.push_back(static_cast<int32_t>(d));
+  }
+  return write(n.out(), mx::broadcast_to(*x, shape));
+}
+
+bool Interpreter::exec_slice(const fb::SliceNode& n) {
+  const mx::array* x = read(n.x());
+  if (!x) return false;
+  const int ndim = static_cast<int>(x->ndim());
+  int axis = 0;
+  if (!norm_axis(n.axis(), ndim, &axis, "axis")) return false;
+  if (n.step() < 1) return fail("has step %d (must be >= 1)", n.step());
+  int64_t start = 0, stop = 0;
+  if (!resolve(n.start(), &start) || !resolve(n.stop(), &stop)) return false;
+  const int64_t dim = x->shape(axis);
+  // PyTorch semantics: negative bounds count from the end, then clamp.
+  if (start < 0) start = start < -dim ? 0 : start + dim;
+  if (stop < 0) stop = stop < -dim ? 0 : stop + dim;
+  start = std::clamp<int64_t>(start, 0, dim);
+  stop = std::clamp<int64_t>(stop, start, dim);
+  mx::Shape lo(ndim, 0), hi(x->shape()), strides(ndim, 1);
+  lo[axis] = static_cast<int32_t>(start);
+  hi[axis] = static_cast<int32_t>(stop);
+  strides[axis] = n.step();
+  return write(n.out(), mx::slice(*x, std::move(lo), std::move(hi), std::move(strides)));
+}
+
+bool Interpreter::exec_concat(const fb::ConcatNode& n) {
+  if (n.xs() == nullptr || n.xs()->size() == 0) return fail("has no inputs");
+  std::vector<mx::array> xs;
+  xs.reserve(n.xs()->size());
+  for (flatbuffers::uoffset_t i = 0; i < n.xs()->size(); ++i) {
+    const mx::array* x = read(n.xs()->Get(i));
+    if (!x) return false;
+    xs.push_back(*x);
+  }
+  const int ndim = static_cast<int>(xs[0].ndim());
+  int axis = 0;
+  if (!norm_axis(n.axis(), ndim, &axis, "axis")) return false;
+  int64_t total = 0;
+  for (const auto& x : xs) {
+    if (static_cast<int>(x.ndim()) != ndim) {
+      return fail("concatenates tensors of ranks %d and %zu", ndim, x.ndim());
+    }
+    total += x.shape(axis);
+  }
+  if (total > kMaxDim) return fail("result axis of size %lld is too large", static_cast<long long>(total));
+  return write(n.out(), mx::concatenate(std::move(xs), axis));
+}
+
+// ---------------------------------------------------------------------------
+// Linear algebra
+
+bool Interpreter::exec_matmul(const fb::MatmulNode& n) {
+  const mx::array* a = read(n.a());
+  if (!a) return false;
+  const mx::array* b = read(n.b());
+  if (!b) return false;
+  return write(n.out(), mx::matmul(*a, *b));
+}
+
+bool Interpreter::exec_addmm(const fb::AddmmNode& n) {
+  const mx::array* bias = read(n.bias());
+  if (!bias) return false;
+  const mx::array* a = read(n.a());
+  if (!a) return false;
+  const mx::array* b = read(n.b());
+  if (!b) return false;
+  return write(n.out(), mx::addmm(*bias, *a, *b, static_cast<float>(n.alpha()),
+                                  static_cast<float>(n.beta())));
+}
+
+// ---------------------------------------------------------------------------
+// Symbolic sizes
+
+bool Interpreter::exec_sym_size(const fb::SymSizeNode& n) {
+  const mx::array* x = read(n.x());
+  if (!x) return false;
+  int axis = 0;
+  if (!norm_axis(n.axis(), static_cast<int>(x->ndim()), &axis, "axis")) return false;
+  return write_value(n.out(), x->shape(axis));
+}
+
+}  // namespace etmlx

@@ -1,0 +1,95 @@
+// Executes the instruction list of a verified Program on mlx arrays.
+//
+// The interpreter owns the per-call slot tables: one optional mlx array per
+// tensor slot and one optional int64 per value slot. Every exec_<node>()
+// reads its operands (an unset slot is an error, never a crash), validates
+// every axis / shape argument from the blob against the actual operand
+// shapes, and writes its result. mlx builds the graph lazily; nothing is
+// computed until the caller evaluates the outputs.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include <mlx/array.h>
+
+#include "loader.h"
+
+namespace etmlx {
+
+class Interpreter {
+ public:
+  explicit Interpreter(const Program& program);
+
+  std::vector<std::optional<mlx::core::array>>& tensors() { return tensors_; }
+  std::vector<std::optional<int64_t>>& values() { return values_; }
+
+  // Runs every instruction in order. Returns false after logging on the first
+  // failure. mlx exceptions propagate to the caller (which converts them).
+  bool run();
+
+  // Index and name of the instruction being run (for the caller's messages).
+  size_t pc() const { return pc_; }
+  const char* node_name() const { return node_name_; }
+
+ private:
+  bool run_node(const fb::Instruction& instr);
+
+  // One per union member of fb::Node (see generated/node_dispatch.inc).
+  bool exec_unary(const fb::UnaryNode& n);
+  bool exec_binary(const fb::BinaryNode& n);
+  bool exec_where(const fb::WhereNode& n);
+  bool exec_as_type(const fb::AsTypeNode& n);
+  bool exec_copy(const fb::CopyNode& n);
+  bool exec_full(const fb::FullNode& n);
+  bool exec_arange(const fb::ArangeNode& n);
+  bool exec_reduce(const fb::ReduceNode& n);
+  bool exec_arg_reduce(const fb::ArgReduceNode& n);
+  bool exec_softmax(const fb::SoftmaxNode& n);
+  bool exec_cumsum(const fb::CumsumNode& n);
+  bool exec_sort(const fb::SortNode& n);
+  bool exec_argsort(const fb::ArgsortNode& n);
+  bool exec_arg_partition(const fb::ArgPartitionNode& n);
+  bool exec_take_along_axis(const fb::TakeAlongAxisNode& n);
+  bool exec_take(const fb::TakeNode& n);
+  bool exec_put_along_axis(const fb::PutAlongAxisNode& n);
+  bool exec_reshape(const fb::ReshapeNode& n);
+  bool exec_transpose(const fb::TransposeNode& n);
+  bool exec_expand_dims(const fb::ExpandDimsNode& n);
+  bool exec_squeeze(const fb::SqueezeNode& n);
+  bool exec_broadcast_to(const fb::BroadcastToNode& n);
+  bool exec_slice(const fb::SliceNode& n);
+  bool exec_concat(const fb::ConcatNode& n);
+  bool exec_matmul(const fb::MatmulNode& n);
+  bool exec_addmm(const fb::AddmmNode& n);
+  bool exec_sym_size(const fb::SymSizeNode& n);
+  bool unknown_node(int type);
+
+  // Slot access. read() returns nullptr (after logging) for an unset or
+  // out-of-range slot.
+  const mlx::core::array* read(const fb::Tid* t);
+  bool write(const fb::Tid* t, mlx::core::array a);
+  bool read_value(int64_t idx, int64_t* out);
+  bool write_value(const fb::Vid* v, int64_t x);
+  bool resolve(const fb::IntOrVid* iv, int64_t* out);
+  bool resolve_shape(const flatbuffers::Vector<flatbuffers::Offset<fb::IntOrVid>>* v,
+                     std::vector<int64_t>* out);
+
+  // Normalizes `axis` (negative counts from the end) against `ndim`.
+  bool norm_axis(int64_t axis, int ndim, int* out, const char* what);
+  // Indices of `x` along `axis` made safe for mlx gather/scatter (which does
+  // not bounds-check): integer dtype required, negative wrapped, clamped.
+  bool safe_indices(const mlx::core::array& idx, int dim_size, const char* what,
+                    mlx::core::array* out);
+  bool fail(const char* fmt, ...) __attribute__((format(printf, 2, 3)));
+
+  const Program& program_;
+  std::vector<std::optional<mlx::core::array>> tensors_;
+  std::vector<std::optional<int64_t>> values_;
+  size_t pc_ = 0;
+  const char* node_name_ = "";
+};
+
+}  // namespace etmlx

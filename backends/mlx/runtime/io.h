@@ -1,0 +1,31 @@
+// Moving data between ExecuTorch tensors and mlx arrays.
+#pragma once
+
+#include <cstddef>
+
+#include <executorch/runtime/core/error.h>
+#include <executorch/runtime/core/portable_type/tensor.h>
+#include <mlx/array.h>
+
+#include "dtypes.h"
+
+namespace etmlx {
+
+using ETTensor = executorch::runtime::etensor::Tensor;
+
+// Wraps the memory of graph input `index` as an mlx array without copying
+// (the array's deleter is a no-op: the caller keeps ownership). The tensor must
+// be contiguous in the default dim order and have dtype `expected`.
+executorch::runtime::Error wrap_input(const ETTensor& t, fb::DType expected, size_t index,
+                                      mlx::core::array* out);
+
+// Checks the (not yet evaluated) result `a` of graph output `index` against
+// `expected` and the output tensor `t`, and resizes `t` to `a`'s shape.
+executorch::runtime::Error prepare_output(const ETTensor& t, const mlx::core::array& a,
+                                          fb::DType expected, size_t index);
+
+// Copies the evaluated, row-contiguous array `a` into `t` (already resized).
+executorch::runtime::Error copy_output(const ETTensor& t, const mlx::core::array& a,
+                                       size_t index);
+
+}  // namespace etmlx

@@ -1,0 +1,391 @@
+#include "loader.h"
+
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <string>
+
+#include <executorch/runtime/platform/log.h>
+#include <flatbuffers/flatbuffers.h>
+#include <mlx/ops.h>
+
+#include "blob_header.h"
+
+namespace etmlx {
+
+namespace mx = mlx::core;
+using executorch::runtime::Error;
+
+namespace {
+
+uint32_t read_u32_le(const uint8_t* p) {
+  return static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8) |
+         (static_cast<uint32_t>(p[2]) << 16) | (static_cast<uint32_t>(p[3]) << 24);
+}
+
+uint64_t read_u64_le(const uint8_t* p) {
+  uint64_t v = 0;
+  for (int i = 7; i >= 0; --i) v = (v << 8) | p[i];
+  return v;
+}
+
+// Range checks of every slot a node names. The per-node switch is generated
+// from schema.fbs (slot_checks.inc) and calls the members below.
+class SlotChecker {
+ public:
+  SlotChecker(uint32_t num_tensors, uint32_t num_values)
+      : num_tensors_(num_tensors), num_values_(num_values) {}
+
+  bool check(const fb::Instruction& instr, size_t index) {
+    index_ = index;
+    if (instr.node() == nullptr) {
+      ET_LOG(Error, "etmlx: instruction %zu has no node", index_);
+      return false;
+    }
+#include "slot_checks.inc"
+  }
+
+ private:
+  bool tensor(const fb::Tid* t, const char* what) {
+    if (t == nullptr) {
+      ET_LOG(Error, "etmlx: instruction %zu: %s is missing", index_, what);
+      return false;
+    }
+    if (t->idx() >= num_tensors_) {
+      ET_LOG(Error, "etmlx: instruction %zu: %s names tensor slot %u but the graph has %u",
+             index_, what, t->idx(), num_tensors_);
+      return false;
+    }
+    return true;
+  }
+
+  bool value(const fb::Vid* v, const char* what) {
+    if (v == nullptr) {
+      ET_LOG(Error, "etmlx: instruction %zu: %s is missing", index_, what);
+      return false;
+    }
+    if (v->idx() >= num_values_) {
+      ET_LOG(Error, "etmlx: instruction %zu: %s names value slot %u but the graph has %u",
+             index_, what, v->idx(), num_values_);
+      return false;
+    }
+    return true;
+  }
+
+  bool tensors(const flatbuffers::Vector<const fb::Tid*>* ts, const char* what) {
+    if (ts == nullptr) {
+      ET_LOG(Error, "etmlx: instruction %zu: %s is missing", index_, what);
+      return false;
+    }
+    for (flatbuffers::uoffset_t i = 0; i < ts->size(); ++i) {
+      if (!tensor(ts->Get(i), what)) return false;
+    }
+    return true;
+  }
+
+  bool int_or_vid(const fb::IntOrVid* iv, const char* what) {
+    if (iv == nullptr) {
+      ET_LOG(Error, "etmlx: instruction %zu: %s is missing", index_, what);
+      return false;
+    }
+    if (iv->vid() >= 0 && static_cast<uint32_t>(iv->vid()) >= num_values_) {
+      ET_LOG(Error, "etmlx: instruction %zu: %s names value slot %d but the graph has %u",
+             index_, what, iv->vid(), num_values_);
+      return false;
+    }
+    return true;
+  }
+
+  bool int_or_vids(const flatbuffers::Vector<flatbuffers::Offset<fb::IntOrVid>>* v,
+                   const char* what) {
+    if (v == nullptr) {
+      ET_LOG(Error, "etmlx: instruction %zu: %s is missing", index_, what);
+      return false;
+    }
+    for (flatbuffers::uoffset_t i = 0; i < v->size(); ++i) {
+      if (!int_or_vid(v->Get(i), what)) return false;
+    }
+    return true;
+  }
+
+  bool dtype(fb::DType d, const char* what) {
+    if (!dtype_in_range(d)) {
+      ET_LOG(Error, "etmlx: instruction %zu: %s has unknown dtype %d", index_, what,
+             static_cast<int>(d));
+      return false;
+    }
+    return true;
+  }
+
+  bool enum_in_range(int v, int max, const char* what) {
+    if (v < 0 || v > max) {
+      ET_LOG(Error, "etmlx: instruction %zu: %s has out-of-range value %d (max %d)", index_,
+             what, v, max);
+      return false;
+    }
+    return true;
+  }
+
+  bool unknown_node(int type) {
+    ET_LOG(Error, "etmlx: instruction %zu: unknown node type %d (blob from a newer etmlx?)",
+           index_, type);
+    return false;
+  }
+
+  uint32_t num_tensors_;
+  uint32_t num_values_;
+  size_t index_ = 0;
+};
+
+bool check_io(const flatbuffers::Vector<flatbuffers::Offset<fb::IoSpec>>* specs,
+              const char* which, uint32_t num_tensors, uint32_t num_values) {
+  if (specs == nullptr) return true;
+  for (flatbuffers::uoffset_t i = 0; i < specs->size(); ++i) {
+    const fb::IoSpec* spec = specs->Get(i);
+    if (spec == nullptr || spec->slot() == nullptr) {
+      ET_LOG(Error, "etmlx: %s %u has no slot", which, i);
+      return false;
+    }
+    const fb::Slot* slot = spec->slot();
+    const int kind = static_cast<int>(slot->kind());
+    if (kind < 0 || kind > static_cast<int>(fb::SlotKind::MAX)) {
+      ET_LOG(Error, "etmlx: %s %u has unknown slot kind %d", which, i, kind);
+      return false;
+    }
+    if (slot->kind() == fb::SlotKind::Tensor) {
+      if (slot->idx() >= num_tensors) {
+        ET_LOG(Error, "etmlx: %s %u names tensor slot %u but the graph has %u", which, i,
+               slot->idx(), num_tensors);
+        return false;
+      }
+      if (!dtype_in_range(spec->dtype())) {
+        ET_LOG(Error, "etmlx: %s %u has unknown dtype %d", which, i,
+               static_cast<int>(spec->dtype()));
+        return false;
+      }
+    } else {
+      if (slot->idx() >= num_values) {
+        ET_LOG(Error, "etmlx: %s %u names value slot %u but the graph has %u", which, i,
+               slot->idx(), num_values);
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+// Builds constant `i` as an mlx array. `keep` owns the memory `data` points
+// into; the array aliases it when the data is suitably aligned.
+bool make_constant(const fb::Constant& c, size_t i, const std::shared_ptr<uint64_t[]>& keep,
+                   uint32_t num_tensors, mx::array* out) {
+  if (c.slot() == nullptr || c.slot()->idx() >= num_tensors) {
+    ET_LOG(Error, "etmlx: constant %zu names tensor slot %u but the graph has %u", i,
+           c.slot() ? c.slot()->idx() : 0u, num_tensors);
+    return false;
+  }
+  if (!dtype_in_range(c.dtype())) {
+    ET_LOG(Error, "etmlx: constant %zu has unknown dtype %d", i, static_cast<int>(c.dtype()));
+    return false;
+  }
+  const auto* shape = c.shape();
+  const auto* data = c.data();
+  if (shape == nullptr || data == nullptr) {
+    ET_LOG(Error, "etmlx: constant %zu has no shape or data", i);
+    return false;
+  }
+  if (shape->size() > static_cast<flatbuffers::uoffset_t>(kMaxRank)) {
+    ET_LOG(Error, "etmlx: constant %zu has rank %u (max %d)", i, shape->size(), kMaxRank);
+    return false;
+  }
+  const size_t itemsize = dtype_itemsize(c.dtype());
+  mx::Shape mshape;
+  uint64_t numel = 1;
+  for (flatbuffers::uoffset_t d = 0; d < shape->size(); ++d) {
+    const int64_t dim = shape->Get(d);
+    if (dim < 0 || dim > std::numeric_limits<int32_t>::max()) {
+      ET_LOG(Error, "etmlx: constant %zu has invalid size %lld in dimension %u", i,
+             static_cast<long long>(dim), d);
+      return false;
+    }
+    mshape.push_back(static_cast<int32_t>(dim));
+    if (dim != 0 && numel > std::numeric_limits<uint64_t>::max() / static_cast<uint64_t>(dim)) {
+      ET_LOG(Error, "etmlx: constant %zu: element count overflows", i);
+      return false;
+    }
+    numel *= static_cast<uint64_t>(dim);
+  }
+  if (numel > std::numeric_limits<uint64_t>::max() / itemsize ||
+      numel * itemsize != static_cast<uint64_t>(data->size())) {
+    ET_LOG(Error,
+           "etmlx: constant %zu: data has %u bytes but shape and dtype %s need %llu", i,
+           data->size(), dtype_name(c.dtype()),
+           static_cast<unsigned long long>(numel * itemsize));
+    return false;
+  }
+  const mx::Dtype dt = *to_mlx(c.dtype());
+  if (numel == 0) {
+    *out = mx::zeros(mshape, dt);
+    return true;
+  }
+  const uint8_t* src = data->data();
+  if (reinterpret_cast<uintptr_t>(src) % itemsize == 0) {
+    // Alias the private payload copy; the deleter keeps it alive.
+    *out = mx::array(const_cast<uint8_t*>(src), std::move(mshape), dt,
+                     [keep](void*) {});
+  } else {
+    const size_t nbytes = data->size();
+    std::shared_ptr<uint64_t[]> buf(new uint64_t[(nbytes + 7) / 8]);
+    std::memcpy(buf.get(), src, nbytes);
+    *out = mx::array(static_cast<void*>(buf.get()), std::move(mshape), dt, [buf](void*) {});
+  }
+  return true;
+}
+
+}  // namespace
+
+Error check_header(const void* data, size_t size, uint64_t* payload_len) {
+  if (data == nullptr || size < kBlobHeaderSize) {
+    ET_LOG(Error, "etmlx: blob is %zu bytes, shorter than its %zu-byte header", size,
+           kBlobHeaderSize);
+    return Error::DelegateInvalidCompatibility;
+  }
+  const auto* p = static_cast<const uint8_t*>(data);
+  if (std::memcmp(p, kBlobMagic, sizeof(kBlobMagic)) != 0) {
+    ET_LOG(Error, "etmlx: blob does not start with the magic \"EMLX\" (not an etmlx blob)");
+    return Error::DelegateInvalidCompatibility;
+  }
+  const uint32_t version = read_u32_le(p + 4);
+  if (version != kSchemaVersion) {
+    ET_LOG(Error, "etmlx: blob schema version %u is not supported (runtime supports %u)",
+           version, kSchemaVersion);
+    return Error::DelegateInvalidCompatibility;
+  }
+  const uint64_t len = read_u64_le(p + 8);
+  if (len != size - kBlobHeaderSize) {
+    ET_LOG(Error, "etmlx: blob header says the payload is %llu bytes but %zu follow it",
+           static_cast<unsigned long long>(len), size - kBlobHeaderSize);
+    return Error::InvalidProgram;
+  }
+  *payload_len = len;
+  return Error::Ok;
+}
+
+Error load_program(const void* data, size_t size, Program& out) {
+  uint64_t len = 0;
+  Error err = check_header(data, size, &len);
+  if (err != Error::Ok) return err;
+  if (len < 8 || len >= FLATBUFFERS_MAX_BUFFER_SIZE) {
+    ET_LOG(Error, "etmlx: payload of %llu bytes is not a valid flatbuffer size",
+           static_cast<unsigned long long>(len));
+    return Error::InvalidProgram;
+  }
+  const uint8_t* src = static_cast<const uint8_t*>(data) + kBlobHeaderSize;
+  if (!fb::GraphBufferHasIdentifier(src)) {
+    ET_LOG(Error, "etmlx: payload lacks the flatbuffer file identifier \"ETMX\"");
+    return Error::InvalidProgram;
+  }
+
+  // Private, 8-byte aligned copy: the verifier checks alignment relative to
+  // the buffer start, and scalars are then read from aligned addresses.
+  std::shared_ptr<uint64_t[]> payload;
+  try {
+    payload.reset(new uint64_t[(len + 7) / 8]);
+  } catch (const std::bad_alloc&) {
+    ET_LOG(Error, "etmlx: cannot allocate %llu bytes for the graph",
+           static_cast<unsigned long long>(len));
+    return Error::MemoryAllocationFailed;
+  }
+  std::memcpy(payload.get(), src, len);
+  const auto* buf = reinterpret_cast<const uint8_t*>(payload.get());
+
+  flatbuffers::Verifier::Options opts;
+  opts.max_depth = 32;
+  opts.max_tables = 4u << 20;
+  opts.check_alignment = true;
+  opts.max_size = FLATBUFFERS_MAX_BUFFER_SIZE;
+  flatbuffers::Verifier verifier(buf, static_cast<size_t>(len), opts);
+  if (!fb::VerifyGraphBuffer(verifier)) {
+    ET_LOG(Error, "etmlx: payload failed flatbuffer verification (corrupt or truncated blob)");
+    return Error::InvalidProgram;
+  }
+  const fb::Graph* g = fb::GetGraph(buf);
+
+  const uint32_t nt = g->num_tensors();
+  const uint32_t nv = g->num_values();
+  if (nt > kMaxTensorSlots) {
+    ET_LOG(Error, "etmlx: graph declares %u tensor slots (max %u)", nt, kMaxTensorSlots);
+    return Error::InvalidProgram;
+  }
+  if (nv > kMaxValueSlots) {
+    ET_LOG(Error, "etmlx: graph declares %u value slots (max %u)", nv, kMaxValueSlots);
+    return Error::InvalidProgram;
+  }
+  if (!check_io(g->inputs(), "input", nt, nv) || !check_io(g->outputs(), "output", nt, nv)) {
+    return Error::InvalidProgram;
+  }
+
+  if (const auto* instrs = g->instructions()) {
+    SlotChecker checker(nt, nv);
+    for (flatbuffers::uoffset_t i = 0; i < instrs->size(); ++i) {
+      const fb::Instruction* instr = instrs->Get(i);
+      if (instr == nullptr || !checker.check(*instr, i)) return Error::InvalidProgram;
+    }
+  }
+
+  Program p;
+  p.payload = payload;
+  p.payload_size = static_cast<size_t>(len);
+  p.graph = g;
+  p.num_tensors = nt;
+  p.num_values = nv;
+
+  const auto* consts = g->constants();
+  const size_t nconst = consts ? consts->size() : 0;
+  try {
+    p.constants.reserve(nconst);
+    p.constant_slots.reserve(nconst);
+    for (size_t i = 0; i < nconst; ++i) {
+      const fb::Constant* c = consts->Get(static_cast<flatbuffers::uoffset_t>(i));
+      if (c == nullptr) {
+        ET_LOG(Error, "etmlx: constant %zu is missing", i);
+        return Error::InvalidProgram;
+      }
+      mx::array arr(0.0f);
+      if (!make_constant(*c, i, payload, nt, &arr)) return Error::InvalidProgram;
+      p.constants.push_back(std::move(arr));
+      p.constant_slots.push_back(c->slot()->idx());
+    }
+  } catch (const std::exception& e) {
+    ET_LOG(Error, "etmlx: building constants failed: %s", e.what());
+    return Error::InvalidProgram;
+  }
+
+  if (const auto* mbs = g->mutable_buffers()) {
+    for (flatbuffers::uoffset_t i = 0; i < mbs->size(); ++i) {
+      const fb::MutableBuffer* mb = mbs->Get(i);
+      if (mb == nullptr || mb->slot() == nullptr) {
+        ET_LOG(Error, "etmlx: mutable buffer %u has no slot", i);
+        return Error::InvalidProgram;
+      }
+      if (mb->slot()->idx() >= nt) {
+        ET_LOG(Error, "etmlx: mutable buffer %u names tensor slot %u but the graph has %u", i,
+               mb->slot()->idx(), nt);
+        return Error::InvalidProgram;
+      }
+      if (mb->initial() >= nconst) {
+        ET_LOG(Error,
+               "etmlx: mutable buffer %u takes its initial value from constant %u but the "
+               "graph has %zu constants",
+               i, mb->initial(), nconst);
+        return Error::InvalidProgram;
+      }
+      p.mutable_slots.push_back(mb->slot()->idx());
+      p.mutable_initial.push_back(mb->initial());
+    }
+  }
+
+  out = std::move(p);
+  return Error::Ok;
+}
+
+}  // namespace etmlx

@@ -1,0 +1,55 @@
+// Validation of an etmlx blob and construction of the immutable per-method
+// program (the verified flatbuffer plus constants as mlx arrays).
+//
+// Nothing in the blob is trusted: load_program() checks the header, runs the
+// flatbuffers verifier, then range-checks every slot index, enum and constant
+// before anything else reads it. On failure it logs one "etmlx: ..." line
+// naming the problem and returns an error; it never aborts.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include <executorch/runtime/core/error.h>
+#include <mlx/array.h>
+
+#include "dtypes.h"
+
+namespace etmlx {
+
+// Generous upper bounds that no real graph reaches, so that a corrupted count
+// cannot make the runtime allocate gigabytes of slot tables.
+constexpr uint32_t kMaxTensorSlots = 1u << 20;
+constexpr uint32_t kMaxValueSlots = 1u << 20;
+constexpr int kMaxRank = 16;
+
+struct Program {
+  // Aligned private copy of the flatbuffer payload: `graph` points into it and
+  // constants may alias it, so the caller's buffer can be freed after init.
+  std::shared_ptr<uint64_t[]> payload;
+  size_t payload_size = 0;
+  const fb::Graph* graph = nullptr;
+
+  uint32_t num_tensors = 0;
+  uint32_t num_values = 0;
+
+  // constants[i] is Graph.constants[i]; constant_slots[i] its tensor slot.
+  std::vector<mlx::core::array> constants;
+  std::vector<uint32_t> constant_slots;
+
+  // Mutable buffers: slot and index of the constant with the initial value.
+  std::vector<uint32_t> mutable_slots;
+  std::vector<uint32_t> mutable_initial;
+};
+
+// `data`/`size` is the whole processed blob (16-byte header + flatbuffer).
+// Returns Error::Ok and fills `out`, or logs and returns
+// DelegateInvalidCompatibility (bad magic / version) or InvalidProgram.
+executorch::runtime::Error load_program(const void* data, size_t size, Program& out);
+
+// Header-only check, usable without touching the payload.
+executorch::runtime::Error check_header(const void* data, size_t size, uint64_t* payload_len);
+
+}  // namespace etmlx
