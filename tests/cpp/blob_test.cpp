@@ -12,7 +12,7 @@
 // DTYPE is one of f32 f16 bf16 i32 i64 bool u8 i8 i16 u32; SHAPE is "2,3",
 // or "-" for a 0-d tensor.
 //
-// Printed for each output: "OUT <k> <dims or -> : <values>", values with %.9g.
+// Printed for each output: "OUT <k> <dims or -> : <values>", values with %.17g.
 // With --fuzz N, N mutated blobs (bit flips, byte writes, truncations,
 // extensions, header edits) go through init and, when that succeeds,
 // execute; the process must not crash (build with -DETMLX_ASAN=ON).
@@ -282,7 +282,7 @@ void print_outputs(const std::vector<ArgSpec>& specs, Args& args) {
     std::printf(" :");
     const auto* p = static_cast<const uint8_t*>(t.const_data_ptr());
     for (ssize_t e = 0; e < t.numel(); ++e) {
-      std::printf(" %.9g", load(p + e * t.element_size(), t.scalar_type()));
+      std::printf(" %.17g", load(p + e * t.element_size(), t.scalar_type()));
     }
     std::printf("\n");
   }
