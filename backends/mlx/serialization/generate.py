@@ -136,12 +136,16 @@ def render_header_h() -> str:
     )
 
 
-def render_node_table(members: list[str]) -> str:
+def render_node_table(members: list[str], tables: dict[str, list[Field]]) -> str:
     lines = [f'"""{BANNER}."""', "", f"SCHEMA_VERSION = {SCHEMA_VERSION}", f"MAGIC = {MAGIC!r}",
              "HEADER_SIZE = 16", "", "# union member name -> tag in the Node union (tag 0 is NONE)",
              "NODE_TAGS = {"]
     for i, m in enumerate(members, start=1):
         lines.append(f"    {m!r}: {i},")
+    lines += ["}", "", "# union member name -> {field: schema type}, in declaration order", "NODE_FIELDS = {"]
+    for m in members:
+        fields = ", ".join(f"{f.name!r}: {f.type!r}" for f in tables[m])
+        lines.append(f"    {m!r}: {{{fields}}},")
     lines += ["}", ""]
     return "\n".join(lines)
 
@@ -166,7 +170,7 @@ def generate(out_root: Path) -> None:
     (gen_cpp / "node_dispatch.inc").write_text(render_dispatch(members))
     (gen_cpp / "slot_checks.inc").write_text(render_slot_checks(members, tables))
     (gen_cpp / "blob_header.h").write_text(render_header_h())
-    (out_root / "backends" / "mlx" / "serialization" / "node_table.py").write_text(render_node_table(members))
+    (out_root / "backends" / "mlx" / "serialization" / "node_table.py").write_text(render_node_table(members, tables))
 
 
 DERIVED = [

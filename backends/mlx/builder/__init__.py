@@ -1,0 +1,1 @@
+"""Turns an edge-dialect ExportedProgram into an etmlx Graph."""

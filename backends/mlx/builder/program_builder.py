@@ -1,0 +1,259 @@
+"""Walks a (delegated) edge program and emits an etmlx Graph.
+
+Slots: every tensor the graph touches gets a tensor slot (Tid); symbolic ints
+get value slots (Vid). Constants (parameters, buffers, lifted constants) are
+embedded in the graph; user inputs and outputs keep the program's order, which
+is the order ExecuTorch passes them to the backend.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from torch.export import ExportedProgram
+
+from backends.mlx import dtypes as D
+from backends.mlx.builder.registry import REGISTRY, aten_target
+from backends.mlx.serialization import fb_classes as fbc
+from backends.mlx.serialization.fb.SlotKind import SlotKind
+from backends.mlx.serialization.node_table import NODE_FIELDS, NODE_TAGS
+
+
+class BuildError(RuntimeError):
+    """A handler or the builder met something it claimed to support; a bug."""
+
+
+class ValueSlot(int):
+    """A value-slot index (symbolic int), distinct from a plain tensor slot."""
+
+
+class ProgramBuilder:
+    def __init__(self, ep: ExportedProgram):
+        self.ep = ep
+        self.num_tensors = 0
+        self.num_values = 0
+        self.instructions: list = []
+        self.constants: list = []
+        self.inputs: list = []
+        self.outputs: list = []
+        self.env: dict[torch.fx.Node, Any] = {}
+
+    # ---- slots -----------------------------------------------------------
+    def new_tensor(self) -> int:
+        self.num_tensors += 1
+        return self.num_tensors - 1
+
+    def new_value(self) -> ValueSlot:
+        self.num_values += 1
+        return ValueSlot(self.num_values - 1)
+
+    def tid(self, arg) -> int:
+        """Tensor slot holding an fx-node argument."""
+        if not isinstance(arg, torch.fx.Node):
+            raise BuildError(f"expected a tensor argument, got {arg!r}")
+        slot = self.env.get(arg)
+        if slot is None or isinstance(slot, (tuple, ValueSlot)):
+            raise BuildError(f"{arg.name} has no tensor slot")
+        return slot
+
+    def int_or_vid(self, arg) -> tuple:
+        """('lit', n) for a known int, ('vid', v) for a symbolic one."""
+        if isinstance(arg, torch.fx.Node):
+            slot = self.env.get(arg)
+            if not isinstance(slot, ValueSlot):
+                raise BuildError(f"{arg.name} is not a symbolic int")
+            return ("vid", int(slot))
+        if isinstance(arg, torch.SymInt):
+            hint = arg.node.maybe_as_int()
+            if hint is None:
+                raise BuildError(f"unbacked symbolic int {arg} outside the graph")
+            return ("lit", hint)
+        return ("lit", int(arg))
+
+    @staticmethod
+    def meta(node: torch.fx.Node):
+        return node.meta["val"]
+
+    # ---- emission --------------------------------------------------------
+    def emit(self, kind: str, **fields) -> None:
+        spec = NODE_FIELDS.get(kind)
+        if spec is None:
+            raise BuildError(f"unknown node kind {kind}")
+        unknown = set(fields) - set(spec)
+        if unknown:
+            raise BuildError(f"{kind} has no field(s) {sorted(unknown)}")
+        obj = fbc.node_class(kind)()
+        for name, value in fields.items():
+            head, *rest = name.split("_")  # the object API spells fields in camelCase
+            setattr(obj, head + "".join(w.title() for w in rest), _convert(spec[name], value))
+        instr = fbc.InstructionT()
+        instr.nodeType = NODE_TAGS[kind]
+        instr.node = obj
+        self.instructions.append(instr)
+
+    def op(self, kind: str, **fields) -> int:
+        """Emit a node whose output is a fresh tensor slot; return that slot."""
+        out = self.new_tensor()
+        self.emit(kind, out=out, **fields)
+        return out
+
+    def full(self, value, dtype: torch.dtype, shape: Sequence = ()) -> int:
+        return self.op("FullNode", shape=list(shape), value=float(value), dtype=D.to_schema(dtype))
+
+    def cast(self, tid: int, src: torch.dtype, dst: torch.dtype) -> int:
+        if src == dst:
+            return tid
+        return self.op("AsTypeNode", x=tid, dtype=D.to_schema(dst))
+
+    def operand(self, arg, dtype: torch.dtype) -> int:
+        """A tensor argument cast to `dtype`, or a Python scalar as a 0-d tensor."""
+        if isinstance(arg, torch.fx.Node):
+            return self.cast(self.tid(arg), self.meta(arg).dtype, dtype)
+        if isinstance(arg, (bool, int, float)):
+            return self.full(arg, dtype)
+        raise BuildError(f"unsupported operand {arg!r}")
+
+    def add_constant(self, tensor: torch.Tensor) -> int:
+        tensor = tensor.detach().contiguous().cpu()
+        slot = self.new_tensor()
+        c = fbc.ConstantT()
+        c.slot = _tid(slot)
+        c.dtype = D.to_schema(tensor.dtype)
+        c.shape = list(tensor.shape)
+        c.data = tensor.reshape(-1).view(torch.uint8).numpy().copy() if tensor.numel() else np.zeros(0, np.uint8)
+        self.constants.append(c)
+        return slot
+
+    # ---- graph walk ------------------------------------------------------
+    def build(self):
+        sig = self.ep.graph_signature
+        if sig.buffers_to_mutate:
+            raise BuildError("buffer mutation inside the delegate is not supported yet")
+        const_names = {**sig.inputs_to_parameters, **sig.inputs_to_buffers,
+                       **sig.inputs_to_lifted_tensor_constants}
+        user_inputs = set(sig.user_inputs)
+        for node in self.ep.graph.nodes:
+            if node.op == "placeholder":
+                if node.name in const_names:
+                    self.env[node] = self.add_constant(self._constant_value(const_names[node.name]))
+                elif node.name in user_inputs:
+                    self._add_input(node)
+                else:
+                    raise BuildError(f"placeholder {node.name} is neither a constant nor a user input")
+            elif node.op == "call_function":
+                self._call(node)
+            elif node.op == "output":
+                for out in node.args[0]:
+                    self._add_output(out)
+            elif node.op != "get_attr":
+                raise BuildError(f"unsupported fx node kind {node.op}")
+        graph = fbc.GraphT()
+        graph.numTensors = self.num_tensors
+        graph.numValues = self.num_values
+        graph.constants = self.constants
+        graph.inputs = self.inputs
+        graph.outputs = self.outputs
+        graph.mutableBuffers = []
+        graph.instructions = self.instructions
+        return graph
+
+    def _constant_value(self, name: str) -> torch.Tensor:
+        if name in self.ep.state_dict:
+            return self.ep.state_dict[name]
+        if name in self.ep.constants:
+            return self.ep.constants[name]
+        raise BuildError(f"constant {name} not found in the program")
+
+    def _add_input(self, node):
+        val = self.meta(node)
+        if isinstance(val, torch.Tensor):
+            slot = self.new_tensor()
+            self.inputs.append(_io(SlotKind.Tensor, slot, D.to_schema(val.dtype)))
+        elif isinstance(val, (int, torch.SymInt)):
+            slot = self.new_value()
+            self.inputs.append(_io(SlotKind.Value, slot, D.to_schema(torch.int64)))
+        else:
+            raise BuildError(f"input {node.name} of type {type(val).__name__} is not supported")
+        self.env[node] = slot
+
+    def _add_output(self, out):
+        if not isinstance(out, torch.fx.Node):
+            raise BuildError(f"output {out!r} is not a graph value")
+        slot = self.env[out]
+        if isinstance(slot, ValueSlot):
+            self.outputs.append(_io(SlotKind.Value, slot, D.to_schema(torch.int64)))
+        else:
+            self.outputs.append(_io(SlotKind.Tensor, slot, D.to_schema(self.meta(out).dtype)))
+
+    def _call(self, node):
+        if node.target is operator.getitem:
+            source, index = node.args
+            self.env[node] = self.env[source][index]
+            return
+        entry = REGISTRY.lookup(node.target)
+        if entry is None:
+            raise BuildError(f"no handler for {aten_target(node.target)} ({node.name})")
+        reason = entry.supports(node)
+        if reason is not None:
+            raise BuildError(f"{node.name}: {reason}")
+        try:
+            result = entry.handler(self, node)
+        except BuildError:
+            raise
+        except Exception as exc:  # a handler bug: surface it with the node that triggered it
+            raise BuildError(f"handler for {aten_target(node.target)} failed on {node.name}: {exc}") from exc
+        self.env[node] = result
+
+
+def _tid(i: int):
+    t = fbc.TidT()
+    t.idx = int(i)
+    return t
+
+
+def _vid(i: int):
+    v = fbc.VidT()
+    v.idx = int(i)
+    return v
+
+
+def _int_or_vid(value):
+    iv = fbc.IntOrVidT()
+    if isinstance(value, tuple):
+        kind, n = value
+        if kind == "vid":
+            iv.vid = int(n)
+            return iv
+        value = n
+    iv.literal = int(value)
+    iv.vid = -1
+    return iv
+
+
+def _io(kind, slot, dtype):
+    io = fbc.IoSpecT()
+    s = fbc.SlotT()
+    s.kind = kind
+    s.idx = int(slot)
+    io.slot = s
+    io.dtype = dtype
+    return io
+
+
+def _convert(schema_type: str, value):
+    if schema_type == "Tid":
+        return _tid(value)
+    if schema_type == "Vid":
+        return _vid(value)
+    if schema_type == "[Tid]":
+        return [_tid(v) for v in value]
+    if schema_type == "IntOrVid":
+        return _int_or_vid(value)
+    if schema_type == "[IntOrVid]":
+        return [_int_or_vid(v) for v in value]
+    if schema_type == "[int]":
+        return [int(v) for v in value]
+    return value

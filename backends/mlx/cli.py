@@ -1,0 +1,43 @@
+"""The `etmlx` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _demo(args) -> int:
+    from backends.mlx import demo
+
+    return demo.main(Path(args.out))
+
+
+def _inspect(args) -> int:
+    from backends.mlx.inspect_pte import describe
+
+    print(describe(Path(args.pte)))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="etmlx", description="ExecuTorch programs on MLX")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="export a small built-in model and run it through the runtime")
+    demo.add_argument("--out", default="out/demo.pte", help="where to write the .pte (default: out/demo.pte)")
+    demo.set_defaults(func=_demo)
+    inspect = sub.add_parser("inspect", help="list the etmlx delegate graphs inside a .pte")
+    inspect.add_argument("pte", help="path to a .pte file")
+    inspect.set_defaults(func=_inspect)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "out", None):
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,14 @@
+"""Op handlers, one module per op family. Importing this package registers them all."""
+
+from backends.mlx.ops import (  # noqa: F401
+    cast,
+    comparison,
+    creation,
+    elementwise,
+    indexing,
+    linalg,
+    reduction,
+    shape,
+    softmax,
+    sorting,
+)

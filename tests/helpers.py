@@ -1,0 +1,54 @@
+"""Shared test helpers: export a function to a .pte and run it in the ExecuTorch runtime."""
+
+from __future__ import annotations
+
+import torch
+
+from backends.mlx.export import export_to_pte
+from backends.mlx.runner import run
+
+FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+INTS = (torch.int32, torch.int64)
+ALL = FLOATS + INTS
+
+# Tolerances against eager PyTorch: float32 differs only by kernel rounding; the half types
+# by one or two ulps of their 11- and 8-bit mantissas.
+TOL = {
+    torch.float32: dict(rtol=1e-5, atol=1e-5),
+    torch.float16: dict(rtol=2e-3, atol=2e-3),
+    torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2),
+}
+
+
+class FnModule(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+def export_fn(fn, inputs, **kw):
+    return export_to_pte(FnModule(fn), tuple(inputs), **kw)
+
+
+def assert_matches(actual, expected, dtype=None):
+    actual = actual if isinstance(actual, (list, tuple)) else [actual]
+    expected = expected if isinstance(expected, (list, tuple)) else [expected]
+    assert len(actual) == len(expected), f"{len(actual)} outputs, expected {len(expected)}"
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        assert a.dtype == e.dtype, f"output {i}: dtype {a.dtype}, eager gives {e.dtype}"
+        assert tuple(a.shape) == tuple(e.shape), f"output {i}: shape {tuple(a.shape)}, eager gives {tuple(e.shape)}"
+        if e.dtype.is_floating_point:
+            torch.testing.assert_close(a, e, equal_nan=True, **TOL.get(e.dtype, {}))
+        else:
+            assert torch.equal(a, e), f"output {i}: {a} != {e}"
+
+
+def check_parity(fn, inputs, **kw):
+    """Export fn, run the .pte, compare with eager; return the export result."""
+    result = export_fn(fn, inputs, **kw)
+    expected = fn(*inputs)
+    assert_matches(run(result.pte, inputs), expected)
+    return result

@@ -1,0 +1,177 @@
+"""Every op family against eager PyTorch, through the real .pte and the ExecuTorch runtime.
+
+Each case exports one function for one dtype; the function is applied to inputs of
+several shapes in the same program, so a case covers shapes without re-exporting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import pytest
+import torch
+
+from helpers import ALL, FLOATS, INTS, assert_matches, export_fn
+from backends.mlx.runner import run
+
+SHAPES = [(7,), (3, 5), (2, 3, 4)]
+MATRIX_SHAPES = [(3, 5), (2, 3, 4)]
+
+
+def rand(shape, dtype, low=-3.0, high=3.0):
+    if dtype.is_floating_point:
+        return (torch.rand(shape) * (high - low) + low).to(dtype)
+    return torch.randint(int(low), int(high) + 1, shape, dtype=dtype)
+
+
+def positive(shape, dtype):
+    if dtype.is_floating_point:
+        return (torch.rand(shape) * 3 + 0.25).to(dtype)
+    return torch.randint(1, 6, shape, dtype=dtype)
+
+
+def distinct(shape, dtype):
+    """Values without ties (sorting ties are unspecified in torch), exact in every dtype."""
+    n = int(torch.tensor(shape).prod())
+    return (torch.randperm(n) - n // 2).reshape(shape).to(dtype)
+
+
+@dataclass
+class Case:
+    name: str
+    fn: Callable
+    make: Callable  # (shape, dtype) -> tuple of inputs
+    dtypes: Sequence[torch.dtype] = ALL
+    shapes: Sequence[tuple] = tuple(SHAPES)
+
+
+def one(gen=rand):
+    return lambda s, d: (gen(s, d),)
+
+
+def two(gen=rand, gen2=None):
+    return lambda s, d: (gen(s, d), (gen2 or gen)(s, d))
+
+
+def last_dim_index(shape, k=2):
+    return torch.randint(0, shape[-1], (*shape[:-1], k))
+
+
+CASES = [
+    # arithmetic
+    Case("add", lambda a, b: a + b, two()),
+    Case("add_scalar", lambda a: a + 2, one()),
+    Case("sub_alpha", lambda a, b: torch.sub(a, b, alpha=2), two()),
+    Case("rsub", lambda a: 1 - a, one()),
+    Case("mul", lambda a, b: a * b, two()),
+    Case("mul_scalar_float", lambda a: a * 0.5, one()),
+    Case("div", lambda a, b: a / b, two(rand, positive)),
+    Case("div_floor", lambda a, b: torch.div(a, b, rounding_mode="floor"), two(rand, positive)),
+    Case("div_trunc", lambda a, b: torch.div(a, b, rounding_mode="trunc"), two(rand, positive), FLOATS),
+    Case("remainder", lambda a, b: torch.remainder(a, b), two(rand, positive)),
+    Case("neg", lambda a: -a, one()),
+    Case("abs", torch.abs, one()),
+    Case("exp", torch.exp, one()),
+    Case("log", torch.log, one(positive)),
+    Case("sqrt", torch.sqrt, one(positive)),
+    Case("rsqrt", torch.rsqrt, one(positive), FLOATS),
+    Case("pow_scalar", lambda a: a**2, one()),
+    Case("pow_tensor", lambda a, b: torch.pow(a, b), two(positive, lambda s, d: rand(s, d, -2, 2)), FLOATS),
+    Case("minimum", torch.minimum, two()),
+    Case("maximum", torch.maximum, two()),
+    Case("clamp", lambda a: torch.clamp(a, -1, 2), one()),
+    Case("clamp_min_only", lambda a: torch.clamp(a, min=0.5), one(), FLOATS),
+    Case("tanh_sigmoid", lambda a: torch.tanh(a) + torch.sigmoid(a), one(), FLOATS),
+    # comparisons and where
+    Case("eq", lambda a, b: a == b, two(lambda s, d: rand(s, d, -1, 1))),
+    Case("lt_ge", lambda a, b: torch.stack([a < b, a >= b]), two()),
+    Case("gt_scalar", lambda a: a > 0, one()),
+    Case("where", lambda a, b: torch.where(a > b, a, b), two()),
+    Case("where_scalar", lambda a: torch.where(a > 0, a, 0), one()),
+    Case("logical", lambda a, b: torch.logical_and(a > 0, b > 0) | ~(a > b), two()),
+    # casts
+    Case("to_float32", lambda a: a.to(torch.float32), one()),
+    Case("to_float16", lambda a: a.to(torch.float16), one()),
+    Case("to_int32", lambda a: a.to(torch.int32), one()),
+    Case("to_int64", lambda a: a.to(torch.int64), one()),
+    Case("to_bool", lambda a: a.to(torch.bool), one(lambda s, d: rand(s, d, -1, 1))),
+    # creation (the input only carries the dtype and shape)
+    Case("full_like", lambda a: a + torch.full(a.shape, 3, dtype=a.dtype), one()),
+    Case("zeros_ones", lambda a: a + torch.zeros(a.shape, dtype=a.dtype) + torch.ones(a.shape, dtype=a.dtype),
+         one()),
+    Case("arange", lambda a: a + torch.arange(a.shape[-1], dtype=a.dtype), one()),
+    Case("arange_step", lambda a: a * torch.arange(1, 2 * a.shape[-1] + 1, 2).to(a.dtype), one()),
+    # reductions
+    Case("sum", lambda a: (a.sum(-1), a.sum()), one()),
+    Case("sum_keepdim", lambda a: a.sum(0, keepdim=True), one()),
+    Case("mean", lambda a: (a.mean(-1), a.mean()), one(), FLOATS),
+    Case("amax_amin", lambda a: (a.amax(-1), a.amin(0)), one()),
+    Case("argmax_argmin", lambda a: (a.argmax(-1), a.argmin(0), a.argmax()), one(distinct)),
+    Case("argmax_ties_first", lambda a: a.argmax(-1), one(lambda s, d: rand(s, d, 0, 2)), INTS),
+    Case("logsumexp", lambda a: torch.logsumexp(a, -1), one(), FLOATS),
+    Case("softmax", lambda a: torch.softmax(a, -1), one(), FLOATS),
+    Case("log_softmax", lambda a: torch.log_softmax(a, 0), one(), FLOATS),
+    Case("cumsum", lambda a: torch.cumsum(a, -1), one()),
+    # sorting
+    Case("sort", lambda a: torch.sort(a, -1), one(distinct)),
+    Case("sort_descending", lambda a: torch.sort(a, 0, descending=True), one(distinct)),
+    Case("argsort", lambda a: torch.argsort(a, -1, descending=True), one(distinct)),
+    Case("topk", lambda a: torch.topk(a, 2, -1), one(distinct)),
+    Case("topk_smallest", lambda a: torch.topk(a, 3, 0, largest=False), one(distinct), ALL, [(5,), (4, 3)]),
+    # gather and scatter
+    Case("gather", lambda a, i: torch.gather(a, -1, i), lambda s, d: (rand(s, d), last_dim_index(s))),
+    Case("take_along_dim", lambda a, i: torch.take_along_dim(a, i, -1),
+         lambda s, d: (rand(s, d), last_dim_index(s))),
+    Case("index_select", lambda a, i: torch.index_select(a, 0, i),
+         lambda s, d: (rand(s, d), torch.randint(0, s[0], (4,)))),
+    Case("scatter", lambda a, i, v: torch.scatter(a, -1, i, v),
+         lambda s, d: (rand(s, d), torch.argsort(torch.rand(s), -1)[..., :2], rand((*s[:-1], 2), d))),
+    Case("scatter_add", lambda a, i, v: torch.scatter_add(a, -1, i, v),
+         lambda s, d: (rand(s, d), last_dim_index(s, 3), rand((*s[:-1], 3), d))),
+    Case("embedding", lambda w, i: torch.nn.functional.embedding(i, w),
+         lambda s, d: (rand((10, 4), d), torch.randint(0, 10, s)), FLOATS),
+    # shapes
+    Case("reshape", lambda a: a.reshape(-1, 1), one()),
+    Case("permute_transpose", lambda a: (a.permute(*reversed(range(a.dim()))), a.transpose(0, -1)), one()),
+    Case("unsqueeze_squeeze", lambda a: (a.unsqueeze(1), a.unsqueeze(0).squeeze(0), a.unsqueeze(-1).squeeze()),
+         one()),
+    Case("expand", lambda a: a.unsqueeze(0).expand(3, *a.shape), one()),
+    Case("slice", lambda a: (a[..., 1:], a[::2], a[-2:], a[..., 1:-1:2]), one()),
+    Case("select", lambda a: (a[0], a[-1]), one()),
+    Case("cat", lambda a, b: (torch.cat([a, b], 0), torch.cat([a, b, a], -1)), two()),
+    # linear algebra (MLX multiplies floating types)
+    Case("matmul", lambda a, b: a @ b.transpose(-1, -2), two(), FLOATS, MATRIX_SHAPES),
+    Case("linear", lambda x, w, bias: torch.nn.functional.linear(x, w, bias),
+         lambda s, d: (rand(s, d), rand((6, s[-1]), d), rand((6,), d)), FLOATS, MATRIX_SHAPES),
+    Case("addmm", lambda c, a, b: torch.addmm(c, a, b, beta=0.5, alpha=2.0),
+         lambda s, d: (rand((s[0], 6), d), rand(s, d), rand((s[1], 6), d)), FLOATS, [(3, 5), (1, 4)]),
+]
+
+
+def _params():
+    for case in CASES:
+        for dtype in case.dtypes:
+            yield pytest.param(case, dtype, id=f"{case.name}-{str(dtype).replace('torch.', '')}")
+
+
+def _flat_module(case, arity):
+    def fn(*flat):
+        outs = []
+        for i in range(0, len(flat), arity):
+            out = case.fn(*flat[i:i + arity])
+            outs.extend(out if isinstance(out, (tuple, list)) else [out])
+        return tuple(outs)
+
+    return fn
+
+
+@pytest.mark.parametrize("case,dtype", list(_params()))
+def test_op_matches_eager(case, dtype):
+    groups = [case.make(shape, dtype) for shape in case.shapes]
+    arity = len(groups[0])
+    flat = [t for g in groups for t in g]
+    fn = _flat_module(case, arity)
+    result = export_fn(fn, flat)
+    assert result.ops_outside == 0, result.summary()
+    assert_matches(run(result.pte, flat), list(fn(*flat)))
