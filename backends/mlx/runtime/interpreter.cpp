@@ -151,6 +151,25 @@ bool Interpreter::norm_axis(int64_t axis, int ndim, int* out, const char* what) 
   return true;
 }
 
+bool Interpreter::axis_operand(const mx::array& x, int64_t axis, mx::array* x1, int* ax,
+                               bool* scalar) {
+  if (x.ndim() == 0 && (axis == 0 || axis == -1)) {
+    *x1 = mx::reshape(x, {1});
+    *ax = 0;
+    *scalar = true;
+    return true;
+  }
+  *x1 = x;
+  *scalar = false;
+  return norm_axis(axis, static_cast<int>(x.ndim()), ax, "axis");
+}
+
+namespace {
+mx::array unscalar(mx::array r, bool scalar) {
+  return scalar ? mx::reshape(r, {}) : r;
+}
+}  // namespace
+
 bool Interpreter::safe_indices(const mx::array& idx, int dim_size, const char* what,
                                mx::array* out) {
   if (!mx::issubdtype(idx.dtype(), mx::integer)) {
@@ -331,10 +350,12 @@ bool Interpreter::exec_reduce(const fb::ReduceNode& n) {
   if (n.axes()->size() == 0) {
     for (int i = 0; i < ndim; ++i) axes.push_back(i);
   } else {
-    if (n.axes()->size() > static_cast<flatbuffers::uoffset_t>(ndim)) {
+    if (n.axes()->size() > static_cast<flatbuffers::uoffset_t>(std::max(ndim, 1))) {
       return fail("reduces over %u axes of a %d-d tensor", n.axes()->size(), ndim);
     }
     for (flatbuffers::uoffset_t i = 0; i < n.axes()->size(); ++i) {
+      // PyTorch accepts dim 0 / -1 on a 0-d tensor (reduces over nothing).
+      if (ndim == 0 && (n.axes()->Get(i) == 0 || n.axes()->Get(i) == -1)) continue;
       int a = 0;
       if (!norm_axis(n.axes()->Get(i), ndim, &a, "axis")) return false;
       if (std::find(axes.begin(), axes.end(), a) != axes.end()) {
@@ -360,121 +381,144 @@ bool Interpreter::exec_reduce(const fb::ReduceNode& n) {
 }
 
 bool Interpreter::exec_arg_reduce(const fb::ArgReduceNode& n) {
-  const mx::array* x = read(n.x());
-  if (!x) return false;
+  const mx::array* px = read(n.x());
+  if (!px) return false;
+  mx::array x = *px;
   int axis = 0;
-  if (!norm_axis(n.axis(), static_cast<int>(x->ndim()), &axis, "axis")) return false;
-  if (x->shape(axis) == 0) return fail("reduces over an empty axis");
+  bool scalar = false;
+  if (!axis_operand(*px, n.axis(), &x, &axis, &scalar)) return false;
+  if (x.shape(axis) == 0) return fail("reduces over an empty axis");
   std::optional<mx::array> r;
   switch (n.op()) {
-    case fb::ArgReduceOp::ArgMax: r = mx::argmax(*x, axis, n.keepdims()); break;
-    case fb::ArgReduceOp::ArgMin: r = mx::argmin(*x, axis, n.keepdims()); break;
+    case fb::ArgReduceOp::ArgMax: r = mx::argmax(x, axis, n.keepdims()); break;
+    case fb::ArgReduceOp::ArgMin: r = mx::argmin(x, axis, n.keepdims()); break;
   }
   if (!r) return fail("has unknown arg-reduce op %d", static_cast<int>(n.op()));
-  return write(n.out(), std::move(*r));
+  return write(n.out(), unscalar(std::move(*r), scalar));
 }
 
 bool Interpreter::exec_softmax(const fb::SoftmaxNode& n) {
-  const mx::array* x = read(n.x());
-  if (!x) return false;
+  const mx::array* px = read(n.x());
+  if (!px) return false;
+  mx::array x = *px;
   int axis = 0;
-  if (!norm_axis(n.axis(), static_cast<int>(x->ndim()), &axis, "axis")) return false;
+  bool scalar = false;
+  if (!axis_operand(*px, n.axis(), &x, &axis, &scalar)) return false;
   if (n.log()) {
-    return write(n.out(),
-                 mx::subtract(*x, mx::logsumexp(*x, std::vector<int>{axis}, /*keepdims=*/true)));
+    return write(n.out(), unscalar(mx::subtract(x, mx::logsumexp(x, std::vector<int>{axis},
+                                                                 /*keepdims=*/true)),
+                                   scalar));
   }
-  return write(n.out(), mx::softmax(*x, std::vector<int>{axis}, /*precise=*/true));
+  return write(n.out(), unscalar(mx::softmax(x, std::vector<int>{axis}, /*precise=*/true), scalar));
 }
 
 bool Interpreter::exec_cumsum(const fb::CumsumNode& n) {
-  const mx::array* x = read(n.x());
-  if (!x) return false;
+  const mx::array* px = read(n.x());
+  if (!px) return false;
+  mx::array x = *px;
   int axis = 0;
-  if (!norm_axis(n.axis(), static_cast<int>(x->ndim()), &axis, "axis")) return false;
-  return write(n.out(), mx::cumsum(*x, axis, n.reverse(), n.inclusive()));
+  bool scalar = false;
+  if (!axis_operand(*px, n.axis(), &x, &axis, &scalar)) return false;
+  return write(n.out(), unscalar(mx::cumsum(x, axis, n.reverse(), n.inclusive()), scalar));
 }
 
 bool Interpreter::exec_sort(const fb::SortNode& n) {
-  const mx::array* x = read(n.x());
-  if (!x) return false;
+  const mx::array* px = read(n.x());
+  if (!px) return false;
+  mx::array x = *px;
   int axis = 0;
-  if (!norm_axis(n.axis(), static_cast<int>(x->ndim()), &axis, "axis")) return false;
-  return write(n.out(), mx::sort(*x, axis));
+  bool scalar = false;
+  if (!axis_operand(*px, n.axis(), &x, &axis, &scalar)) return false;
+  return write(n.out(), unscalar(mx::sort(x, axis), scalar));
 }
 
 bool Interpreter::exec_argsort(const fb::ArgsortNode& n) {
-  const mx::array* x = read(n.x());
-  if (!x) return false;
+  const mx::array* px = read(n.x());
+  if (!px) return false;
+  mx::array x = *px;
   int axis = 0;
-  if (!norm_axis(n.axis(), static_cast<int>(x->ndim()), &axis, "axis")) return false;
-  return write(n.out(), mx::argsort(*x, axis));
+  bool scalar = false;
+  if (!axis_operand(*px, n.axis(), &x, &axis, &scalar)) return false;
+  return write(n.out(), unscalar(mx::argsort(x, axis), scalar));
 }
 
 bool Interpreter::exec_arg_partition(const fb::ArgPartitionNode& n) {
-  const mx::array* x = read(n.x());
-  if (!x) return false;
+  const mx::array* px = read(n.x());
+  if (!px) return false;
+  mx::array x = *px;
   int axis = 0;
-  if (!norm_axis(n.axis(), static_cast<int>(x->ndim()), &axis, "axis")) return false;
-  const int64_t dim = x->shape(axis);
+  bool scalar = false;
+  if (!axis_operand(*px, n.axis(), &x, &axis, &scalar)) return false;
+  const int64_t dim = x.shape(axis);
   int64_t kth = n.kth() < 0 ? int64_t{n.kth()} + dim : int64_t{n.kth()};
   if (kth < 0 || kth >= dim) {
     return fail("kth %d is out of range for an axis of size %lld", n.kth(),
                 static_cast<long long>(dim));
   }
-  return write(n.out(), mx::argpartition(*x, static_cast<int>(kth), axis));
+  return write(n.out(), unscalar(mx::argpartition(x, static_cast<int>(kth), axis), scalar));
 }
 
 // ---------------------------------------------------------------------------
 // Indexing
 
 bool Interpreter::exec_take_along_axis(const fb::TakeAlongAxisNode& n) {
-  const mx::array* x = read(n.x());
-  if (!x) return false;
-  const mx::array* idx = read(n.indices());
-  if (!idx) return false;
-  int axis = 0;
-  if (!norm_axis(n.axis(), static_cast<int>(x->ndim()), &axis, "axis")) return false;
-  if (idx->ndim() != x->ndim()) {
-    return fail("indices have rank %zu but the input has rank %zu", idx->ndim(), x->ndim());
+  const mx::array* px = read(n.x());
+  if (!px) return false;
+  const mx::array* pidx = read(n.indices());
+  if (!pidx) return false;
+  if (pidx->ndim() != px->ndim()) {
+    return fail("indices have rank %zu but the input has rank %zu", pidx->ndim(), px->ndim());
   }
-  mx::array safe = *idx;
-  if (!safe_indices(*idx, x->shape(axis), "indices", &safe)) return false;
-  return write(n.out(), mx::take_along_axis(*x, safe, axis));
+  mx::array x = *px;
+  int axis = 0;
+  bool scalar = false;
+  if (!axis_operand(*px, n.axis(), &x, &axis, &scalar)) return false;
+  const mx::array idx = scalar ? mx::reshape(*pidx, {1}) : *pidx;
+  mx::array safe = idx;
+  if (!safe_indices(idx, x.shape(axis), "indices", &safe)) return false;
+  return write(n.out(), unscalar(mx::take_along_axis(x, safe, axis), scalar));
 }
 
 bool Interpreter::exec_take(const fb::TakeNode& n) {
-  const mx::array* x = read(n.x());
-  if (!x) return false;
+  const mx::array* px = read(n.x());
+  if (!px) return false;
   const mx::array* idx = read(n.indices());
   if (!idx) return false;
+  mx::array x = *px;
   int axis = 0;
-  if (!norm_axis(n.axis(), static_cast<int>(x->ndim()), &axis, "axis")) return false;
+  bool scalar = false;
+  if (!axis_operand(*px, n.axis(), &x, &axis, &scalar)) return false;
   mx::array safe = *idx;
-  if (!safe_indices(*idx, x->shape(axis), "indices", &safe)) return false;
-  return write(n.out(), mx::take(*x, safe, axis));
+  if (!safe_indices(*idx, x.shape(axis), "indices", &safe)) return false;
+  // Result shape: x.shape[:axis] + indices.shape + x.shape[axis+1:].
+  return write(n.out(), mx::take(x, safe, axis));
 }
 
 bool Interpreter::exec_put_along_axis(const fb::PutAlongAxisNode& n) {
-  const mx::array* x = read(n.x());
-  if (!x) return false;
-  const mx::array* idx = read(n.indices());
-  if (!idx) return false;
-  const mx::array* vals = read(n.values());
-  if (!vals) return false;
-  int axis = 0;
-  if (!norm_axis(n.axis(), static_cast<int>(x->ndim()), &axis, "axis")) return false;
-  if (idx->ndim() != x->ndim()) {
-    return fail("indices have rank %zu but the input has rank %zu", idx->ndim(), x->ndim());
+  const mx::array* px = read(n.x());
+  if (!px) return false;
+  const mx::array* pidx = read(n.indices());
+  if (!pidx) return false;
+  const mx::array* pvals = read(n.values());
+  if (!pvals) return false;
+  if (pidx->ndim() != px->ndim()) {
+    return fail("indices have rank %zu but the input has rank %zu", pidx->ndim(), px->ndim());
   }
-  mx::array safe = *idx;
-  if (!safe_indices(*idx, x->shape(axis), "indices", &safe)) return false;
+  mx::array x = *px;
+  int axis = 0;
+  bool scalar = false;
+  if (!axis_operand(*px, n.axis(), &x, &axis, &scalar)) return false;
+  const mx::array idx = scalar ? mx::reshape(*pidx, {1}) : *pidx;
+  const mx::array vals = scalar && pvals->ndim() == 0 ? mx::reshape(*pvals, {1}) : *pvals;
+  mx::array safe = idx;
+  if (!safe_indices(idx, x.shape(axis), "indices", &safe)) return false;
   std::optional<mx::array> r;
   switch (n.mode()) {
-    case fb::ScatterMode::Replace: r = mx::put_along_axis(*x, safe, *vals, axis); break;
-    case fb::ScatterMode::Add: r = mx::scatter_add_axis(*x, safe, *vals, axis); break;
+    case fb::ScatterMode::Replace: r = mx::put_along_axis(x, safe, vals, axis); break;
+    case fb::ScatterMode::Add: r = mx::scatter_add_axis(x, safe, vals, axis); break;
   }
   if (!r) return fail("has unknown scatter mode %d", static_cast<int>(n.mode()));
-  return write(n.out(), std::move(*r));
+  return write(n.out(), unscalar(std::move(*r), scalar));
 }
 
 // ---------------------------------------------------------------------------

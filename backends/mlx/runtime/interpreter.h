@@ -79,6 +79,11 @@ class Interpreter {
 
   // Normalizes `axis` (negative counts from the end) against `ndim`.
   bool norm_axis(int64_t axis, int ndim, int* out, const char* what);
+  // For single-axis ops: like norm_axis, but a 0-d `x` with axis 0 or -1 is
+  // accepted as PyTorch does, by viewing it as shape [1] (`*scalar` set; the
+  // caller reshapes its result back to 0-d).
+  bool axis_operand(const mlx::core::array& x, int64_t axis, mlx::core::array* x1, int* ax,
+                    bool* scalar);
   // Indices of `x` along `axis` made safe for mlx gather/scatter (which does
   // not bounds-check): integer dtype required, negative wrapped, clamped.
   bool safe_indices(const mlx::core::array& idx, int dim_size, const char* what,

@@ -193,6 +193,13 @@ bool make_constant(const fb::Constant& c, size_t i, const std::shared_ptr<uint64
     ET_LOG(Error, "etmlx: constant %zu has no shape or data", i);
     return false;
   }
+  // The verifier checks the alignment of a vector's length, not of its
+  // elements; a builder always aligns [long] to 8, so anything else is corrupt
+  // (and reading it would be a misaligned load).
+  if (reinterpret_cast<uintptr_t>(shape->data()) % alignof(int64_t) != 0) {
+    ET_LOG(Error, "etmlx: constant %zu has a misaligned shape vector", i);
+    return false;
+  }
   if (shape->size() > static_cast<flatbuffers::uoffset_t>(kMaxRank)) {
     ET_LOG(Error, "etmlx: constant %zu has rank %u (max %d)", i, shape->size(), kMaxRank);
     return false;
