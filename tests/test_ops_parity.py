@@ -126,7 +126,7 @@ CASES = [
     Case("index_select", lambda a, i: torch.index_select(a, 0, i),
          lambda s, d: (rand(s, d), torch.randint(0, s[0], (4,)))),
     Case("scatter", lambda a, i, v: torch.scatter(a, -1, i, v),
-         lambda s, d: (rand(s, d), torch.argsort(torch.rand(s), -1)[..., :2], rand((*s[:-1], 2), d))),
+         lambda s, d: (rand(s, d), torch.argsort(torch.rand(s), -1)[..., :2].contiguous(), rand((*s[:-1], 2), d))),
     Case("scatter_add", lambda a, i, v: torch.scatter_add(a, -1, i, v),
          lambda s, d: (rand(s, d), last_dim_index(s, 3), rand((*s[:-1], 3), d))),
     Case("embedding", lambda w, i: torch.nn.functional.embedding(i, w),

@@ -1,0 +1,175 @@
+"""A malformed delegate blob is rejected with an ExecuTorch error and a log line, never a crash."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import backends.mlx.preprocess as preprocess
+from backends.mlx.inspect_pte import delegate_blobs
+from backends.mlx.runner import load_method, run
+from backends.mlx.serialization import serializer
+from helpers import export_fn  # noqa: E402
+
+HERE = Path(__file__).parent
+
+
+class _Model(torch.nn.Module):
+    """Small, but with a weight (a constant in the blob) and several node kinds."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("bias", torch.linspace(-1, 1, 5))
+
+    def forward(self, a, b, idx):
+        h = torch.softmax(a @ b, -1) + self.bias
+        return torch.gather(h, 1, idx), h.sum(0), torch.cumsum(h, 1).topk(2)[1]
+
+
+_model = _Model()
+
+
+def _inputs():
+    return [torch.randn(3, 4), torch.randn(4, 5), torch.randint(0, 5, (3, 2))]
+
+
+@pytest.fixture(scope="module")
+def good_pte():
+    torch.manual_seed(0)
+    return export_fn(_model, _inputs()).pte
+
+
+def _export_with(monkeypatch, mangle):
+    """Export the model with serialize() replaced by mangle(graph) -> bytes."""
+    monkeypatch.setattr(preprocess, "serialize", mangle)
+    return export_fn(_model, _inputs()).pte
+
+
+def _assert_rejected(pte, capfd, *needles):
+    with pytest.raises(RuntimeError):
+        load_method(pte)
+    log = capfd.readouterr().err
+    for needle in needles:
+        assert needle in log, f"expected {needle!r} in the runtime log, got:\n{log}"
+
+
+def _patched_blob(pte: bytes, offset: int, data: bytes) -> bytes:
+    blob = delegate_blobs(pte)[0]
+    at = pte.find(blob)
+    out = bytearray(pte)
+    out[at + offset: at + offset + len(data)] = data
+    return bytes(out)
+
+
+def test_good_blob_runs(good_pte):
+    torch.manual_seed(1)
+    inputs = _inputs()
+    outs = run(good_pte, inputs)
+    assert torch.allclose(outs[1], _model(*inputs)[1], atol=1e-5)
+
+
+def test_wrong_magic(good_pte, capfd):
+    _assert_rejected(_patched_blob(good_pte, 0, b"NOPE"), capfd, "magic")
+
+
+def test_newer_schema_version(good_pte, capfd):
+    _assert_rejected(_patched_blob(good_pte, 4, (2).to_bytes(4, "little")), capfd, "schema version 2")
+
+
+def test_header_length_mismatch(good_pte, capfd):
+    _assert_rejected(_patched_blob(good_pte, 8, (12345).to_bytes(8, "little")), capfd, "12345")
+
+
+def test_truncated_blob(monkeypatch, capfd):
+    pte = _export_with(monkeypatch, lambda g: serializer.serialize(g)[:-40])
+    _assert_rejected(pte, capfd, "etmlx")
+
+
+def test_truncated_payload_with_consistent_header(monkeypatch, capfd):
+    def truncate(graph):
+        blob = serializer.serialize(graph)
+        payload = blob[16:][: len(blob) // 2]
+        return blob[:8] + len(payload).to_bytes(8, "little") + payload
+
+    _assert_rejected(_export_with(monkeypatch, truncate), capfd, "etmlx")
+
+
+def _mangled(edit):
+    def mangle(graph):
+        edit(graph)
+        return serializer.serialize(graph)
+
+    return mangle
+
+
+def test_out_of_range_tensor_slot(monkeypatch, capfd):
+    def edit(g):
+        g.instructions[0].node.out.idx = g.numTensors + 7
+
+    _assert_rejected(_export_with(monkeypatch, _mangled(edit)), capfd, "slot")
+
+
+def test_out_of_range_io_slot(monkeypatch, capfd):
+    def edit(g):
+        g.inputs[0].slot.idx = 10**6
+
+    _assert_rejected(_export_with(monkeypatch, _mangled(edit)), capfd, "slot")
+
+
+def test_unsupported_dtype(monkeypatch, capfd):
+    def edit(g):
+        g.constants[0].dtype = 99
+
+    _assert_rejected(_export_with(monkeypatch, _mangled(edit)), capfd, "dtype")
+
+
+def test_unknown_node_type(monkeypatch, capfd):
+    def edit(g):
+        g.instructions[0].nodeType = 250
+
+    _assert_rejected(_export_with(monkeypatch, _mangled(edit)), capfd, "unknown node type 250")
+
+
+def test_constant_size_mismatch(monkeypatch, capfd):
+    def edit(g):
+        g.constants[0].data = g.constants[0].data[:-1]
+
+    _assert_rejected(_export_with(monkeypatch, _mangled(edit)), capfd, "constant")
+
+
+def test_read_before_write_fails_at_run_time(monkeypatch, capfd):
+    def edit(g):
+        # The last instruction reads a fresh slot nobody writes.
+        g.numTensors += 1
+        node = g.instructions[-1].node
+        for name in ("x", "a"):
+            if hasattr(node, name) and getattr(node, name) is not None:
+                getattr(node, name).idx = g.numTensors - 1
+                break
+
+    pte = _export_with(monkeypatch, _mangled(edit))
+    method = load_method(pte)
+    with pytest.raises(RuntimeError):
+        method.execute(_inputs())
+    assert "before it is written" in capfd.readouterr().err
+
+
+def test_many_random_corruptions_never_crash(good_pte, tmp_path):
+    """Bit flips and byte overwrites anywhere in a real blob, run in a child so a crash is seen."""
+    src = tmp_path / "good.pte"
+    src.write_bytes(good_pte)
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "corruption_worker.py"), str(src), "400", "7"],
+        capture_output=True, text=True, timeout=540,
+    )
+    assert proc.returncode == 0, f"worker died (rc={proc.returncode}):\n{proc.stderr[-3000:]}"
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["tried"] == 400
+    # Flips in constant data legitimately still run; most structural flips must be refused.
+    assert summary["rejected_at_load"] + summary["rejected_at_run"] >= 100, summary
+    assert summary["unexpected"] == [], summary
