@@ -21,6 +21,22 @@ namespace {
 constexpr uint64_t kMaxArrayBytes = uint64_t{1} << 36;
 constexpr int64_t kMaxDim = std::numeric_limits<int32_t>::max();
 
+// Element count of `shape` if every entry is >= 0 and the product stays within
+// kMaxArrayBytes (so it cannot wrap); std::nullopt otherwise. Entries equal
+// to -1 are skipped when `skip_minus_one` (reshape's inferred dimension).
+template <typename Dims>
+std::optional<uint64_t> checked_numel(const Dims& shape, bool skip_minus_one = false) {
+  uint64_t n = 1;
+  for (const auto d64 : shape) {
+    const int64_t d = static_cast<int64_t>(d64);
+    if (skip_minus_one && d == -1) continue;
+    if (d < 0) return std::nullopt;
+    if (d != 0 && n > kMaxArrayBytes / static_cast<uint64_t>(d)) return std::nullopt;
+    n *= static_cast<uint64_t>(d);
+  }
+  return n;
+}
+
 }  // namespace
 
 Interpreter::Interpreter(const Program& program)
@@ -84,10 +100,11 @@ bool Interpreter::write(const fb::Tid* t, mx::array a) {
   if (idx >= tensors_.size()) {
     return fail("writes tensor slot %u but the graph has %zu", idx, tensors_.size());
   }
-  const uint64_t nbytes = static_cast<uint64_t>(a.size()) * a.itemsize();
-  if (a.size() != 0 && nbytes / a.size() != a.itemsize()) {
-    return fail("produces a result whose size overflows");
-  }
+  // Recomputed from the shape with overflow checks (a.size() could have
+  // wrapped for an absurd shape).
+  const auto numel = checked_numel(a.shape());
+  if (!numel) return fail("produces a result of absurd size");
+  const uint64_t nbytes = *numel * a.itemsize();
   if (nbytes > kMaxArrayBytes) {
     return fail("produces a %llu-byte result (limit %llu)",
                 static_cast<unsigned long long>(nbytes),
@@ -306,6 +323,7 @@ bool Interpreter::exec_full(const fb::FullNode& n) {
     if (d < 0 || d > kMaxDim) return fail("has invalid size %lld", static_cast<long long>(d));
     shape.push_back(static_cast<int32_t>(d));
   }
+  if (!checked_numel(dims)) return fail("has a shape that is too large");
   const auto dt = to_mlx(n.dtype());
   if (!dt) return fail("has unknown dtype %d", static_cast<int>(n.dtype()));
   const double v = n.value();
@@ -539,6 +557,7 @@ bool Interpreter::exec_reshape(const fb::ReshapeNode& n) {
     }
     shape.push_back(static_cast<int32_t>(d));
   }
+  if (!checked_numel(dims, /*skip_minus_one=*/true)) return fail("has a shape that is too large");
   return write(n.out(), mx::reshape(*x, std::move(shape)));
 }
 
@@ -612,6 +631,7 @@ bool Interpreter::exec_broadcast_to(const fb::BroadcastToNode& n) {
     if (d < 0 || d > kMaxDim) return fail("has invalid size %lld", static_cast<long long>(d));
     shape.push_back(static_cast<int32_t>(d));
   }
+  if (!checked_numel(shape)) return fail("has a shape that is too large");
   return write(n.out(), mx::broadcast_to(*x, shape));
 }
 
