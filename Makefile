@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 DEPS_STAMP := $(VENV)/.etmlx-deps
 LIB := backends/mlx/runtime/_lib/libetmlx_backend.so
-RUNTIME_SOURCES := CMakeLists.txt $(wildcard backends/mlx/runtime/*.cpp backends/mlx/runtime/*.h backends/mlx/runtime/generated/*)
+RUNTIME_SOURCES := CMakeLists.txt $(wildcard backends/mlx/runtime/*.cpp backends/mlx/runtime/*.h backends/mlx/runtime/generated/* tests/cpp/*.cpp)
 
 .PHONY: setup test demo bench regenerate clean
 

@@ -20,6 +20,16 @@ def _inspect(args) -> int:
     return 0
 
 
+def _bench(args) -> int:
+    if args.what == "sampler":
+        from backends.mlx.bench import sampler
+
+        vocabs = tuple(int(v) for v in args.vocabs.split(",")) if args.vocabs else sampler.VOCABS
+        batches = tuple(int(b) for b in args.batches.split(",")) if args.batches else sampler.BATCHES
+        return sampler.main(args.json, repeats=args.repeats, vocabs=vocabs, batches=batches)
+    raise ValueError(f"unknown benchmark {args.what!r}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="etmlx", description="ExecuTorch programs on MLX")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -29,6 +39,13 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = sub.add_parser("inspect", help="list the etmlx delegate graphs inside a .pte")
     inspect.add_argument("pte", help="path to a .pte file")
     inspect.set_defaults(func=_inspect)
+    bench = sub.add_parser("bench", help="benchmarks with same-run baselines")
+    bench.add_argument("what", choices=["sampler"], help="which benchmark")
+    bench.add_argument("--json", help="also write the records to this path")
+    bench.add_argument("--repeats", type=int, default=30, help="timed calls per measurement (median)")
+    bench.add_argument("--vocabs", help="comma-separated vocabulary sizes (default 32000,128256,262144)")
+    bench.add_argument("--batches", help="comma-separated batch sizes (default 1,8)")
+    bench.set_defaults(func=_bench)
     return parser
 
 

@@ -17,7 +17,22 @@ def _runtime():
     return Runtime.get()
 
 
-def load_method(pte: PteSource, method: str = "forward"):
+class LoadedMethod:
+    """A method together with the program that owns it.
+
+    ExecuTorch's Method points into its Program; if the Program is collected first, the
+    method reads freed memory. Holding both here keeps the pair alive together.
+    """
+
+    def __init__(self, program, method):
+        self.program = program
+        self.method = method
+
+    def execute(self, inputs: Sequence) -> list:
+        return list(self.method.execute(list(inputs)))
+
+
+def load_method(pte: PteSource, method: str = "forward") -> LoadedMethod:
     """Load `method` of a .pte (path or bytes); the delegate's init() runs here."""
     if isinstance(pte, (str, Path)) and not Path(pte).is_file():
         raise FileNotFoundError(f"pte: no such file {pte}")
@@ -25,12 +40,12 @@ def load_method(pte: PteSource, method: str = "forward"):
     loaded = program.load_method(method)
     if loaded is None:
         raise ValueError(f"method {method!r} not in the program (has {sorted(program.method_names)})")
-    return loaded
+    return LoadedMethod(program, loaded)
 
 
 def run(pte: PteSource, inputs: Sequence, method: str = "forward") -> list:
     """Load and execute once; returns the outputs as a list."""
-    return list(load_method(pte, method).execute(list(inputs)))
+    return load_method(pte, method).execute(inputs)
 
 
 def as_tensors(outputs) -> list[torch.Tensor]:

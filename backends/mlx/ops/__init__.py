@@ -8,6 +8,7 @@ from backends.mlx.ops import (  # noqa: F401
     indexing,
     linalg,
     reduction,
+    sampling,
     shape,
     softmax,
     sorting,

@@ -65,6 +65,7 @@ class Interpreter {
   bool exec_matmul(const fb::MatmulNode& n);
   bool exec_addmm(const fb::AddmmNode& n);
   bool exec_sym_size(const fb::SymSizeNode& n);
+  bool exec_random_bits(const fb::RandomBitsNode& n);  // random_bits.cpp
   bool unknown_node(int type);
 
   // Slot access. read() returns nullptr (after logging) for an unset or

@@ -33,6 +33,7 @@ NODE_TAGS = {
     'MatmulNode': 25,
     'AddmmNode': 26,
     'SymSizeNode': 27,
+    'RandomBitsNode': 28,
 }
 
 # union member name -> {field: schema type}, in declaration order
@@ -64,4 +65,5 @@ NODE_FIELDS = {
     'MatmulNode': {'a': 'Tid', 'b': 'Tid', 'out': 'Tid'},
     'AddmmNode': {'bias': 'Tid', 'a': 'Tid', 'b': 'Tid', 'alpha': 'double', 'beta': 'double', 'out': 'Tid'},
     'SymSizeNode': {'x': 'Tid', 'axis': 'int', 'out': 'Vid'},
+    'RandomBitsNode': {'shape': '[IntOrVid]', 'seed': 'Tid', 'width': 'int', 'out': 'Tid'},
 }

@@ -106,6 +106,9 @@ struct AddmmNodeBuilder;
 struct SymSizeNode;
 struct SymSizeNodeBuilder;
 
+struct RandomBitsNode;
+struct RandomBitsNodeBuilder;
+
 struct Instruction;
 struct InstructionBuilder;
 
@@ -489,11 +492,12 @@ enum class Node : uint8_t {
   MatmulNode = 25,
   AddmmNode = 26,
   SymSizeNode = 27,
+  RandomBitsNode = 28,
   MIN = NONE,
-  MAX = SymSizeNode
+  MAX = RandomBitsNode
 };
 
-inline const Node (&EnumValuesNode())[28] {
+inline const Node (&EnumValuesNode())[29] {
   static const Node values[] = {
     Node::NONE,
     Node::UnaryNode,
@@ -522,13 +526,14 @@ inline const Node (&EnumValuesNode())[28] {
     Node::ConcatNode,
     Node::MatmulNode,
     Node::AddmmNode,
-    Node::SymSizeNode
+    Node::SymSizeNode,
+    Node::RandomBitsNode
   };
   return values;
 }
 
 inline const char * const *EnumNamesNode() {
-  static const char * const names[29] = {
+  static const char * const names[30] = {
     "NONE",
     "UnaryNode",
     "BinaryNode",
@@ -557,13 +562,14 @@ inline const char * const *EnumNamesNode() {
     "MatmulNode",
     "AddmmNode",
     "SymSizeNode",
+    "RandomBitsNode",
     nullptr
   };
   return names;
 }
 
 inline const char *EnumNameNode(Node e) {
-  if (::flatbuffers::IsOutRange(e, Node::NONE, Node::SymSizeNode)) return "";
+  if (::flatbuffers::IsOutRange(e, Node::NONE, Node::RandomBitsNode)) return "";
   const size_t index = static_cast<size_t>(e);
   return EnumNamesNode()[index];
 }
@@ -678,6 +684,10 @@ template<> struct NodeTraits<backends::mlx::serialization::fb::AddmmNode> {
 
 template<> struct NodeTraits<backends::mlx::serialization::fb::SymSizeNode> {
   static const Node enum_value = Node::SymSizeNode;
+};
+
+template<> struct NodeTraits<backends::mlx::serialization::fb::RandomBitsNode> {
+  static const Node enum_value = Node::RandomBitsNode;
 };
 
 template <bool B = false>
@@ -2884,6 +2894,97 @@ inline ::flatbuffers::Offset<SymSizeNode> CreateSymSizeNode(
   return builder_.Finish();
 }
 
+struct RandomBitsNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef RandomBitsNodeBuilder Builder;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_SHAPE = 4,
+    VT_SEED = 6,
+    VT_WIDTH = 8,
+    VT_OUT = 10
+  };
+  const ::flatbuffers::Vector<::flatbuffers::Offset<backends::mlx::serialization::fb::IntOrVid>> *shape() const {
+    return GetPointer<const ::flatbuffers::Vector<::flatbuffers::Offset<backends::mlx::serialization::fb::IntOrVid>> *>(VT_SHAPE);
+  }
+  const backends::mlx::serialization::fb::Tid *seed() const {
+    return GetStruct<const backends::mlx::serialization::fb::Tid *>(VT_SEED);
+  }
+  int32_t width() const {
+    return GetField<int32_t>(VT_WIDTH, 4);
+  }
+  const backends::mlx::serialization::fb::Tid *out() const {
+    return GetStruct<const backends::mlx::serialization::fb::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyOffsetRequired(verifier, VT_SHAPE) &&
+           verifier.VerifyVector(shape()) &&
+           verifier.VerifyVectorOfTables(shape()) &&
+           VerifyField<backends::mlx::serialization::fb::Tid>(verifier, VT_SEED, 4) &&
+           VerifyField<int32_t>(verifier, VT_WIDTH, 4) &&
+           VerifyFieldRequired<backends::mlx::serialization::fb::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct RandomBitsNodeBuilder {
+  typedef RandomBitsNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_shape(::flatbuffers::Offset<::flatbuffers::Vector<::flatbuffers::Offset<backends::mlx::serialization::fb::IntOrVid>>> shape) {
+    fbb_.AddOffset(RandomBitsNode::VT_SHAPE, shape);
+  }
+  void add_seed(const backends::mlx::serialization::fb::Tid *seed) {
+    fbb_.AddStruct(RandomBitsNode::VT_SEED, seed);
+  }
+  void add_width(int32_t width) {
+    fbb_.AddElement<int32_t>(RandomBitsNode::VT_WIDTH, width, 4);
+  }
+  void add_out(const backends::mlx::serialization::fb::Tid *out) {
+    fbb_.AddStruct(RandomBitsNode::VT_OUT, out);
+  }
+  explicit RandomBitsNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<RandomBitsNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<RandomBitsNode>(end);
+    fbb_.Required(o, RandomBitsNode::VT_SHAPE);
+    fbb_.Required(o, RandomBitsNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<RandomBitsNode> CreateRandomBitsNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    ::flatbuffers::Offset<::flatbuffers::Vector<::flatbuffers::Offset<backends::mlx::serialization::fb::IntOrVid>>> shape = 0,
+    const backends::mlx::serialization::fb::Tid *seed = nullptr,
+    int32_t width = 4,
+    const backends::mlx::serialization::fb::Tid *out = nullptr) {
+  RandomBitsNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_width(width);
+  builder_.add_seed(seed);
+  builder_.add_shape(shape);
+  return builder_.Finish();
+}
+
+inline ::flatbuffers::Offset<RandomBitsNode> CreateRandomBitsNodeDirect(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const std::vector<::flatbuffers::Offset<backends::mlx::serialization::fb::IntOrVid>> *shape = nullptr,
+    const backends::mlx::serialization::fb::Tid *seed = nullptr,
+    int32_t width = 4,
+    const backends::mlx::serialization::fb::Tid *out = nullptr) {
+  auto shape__ = shape ? _fbb.CreateVector<::flatbuffers::Offset<backends::mlx::serialization::fb::IntOrVid>>(*shape) : 0;
+  return backends::mlx::serialization::fb::CreateRandomBitsNode(
+      _fbb,
+      shape__,
+      seed,
+      width,
+      out);
+}
+
 struct Instruction FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef InstructionBuilder Builder;
   enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
@@ -2977,6 +3078,9 @@ struct Instruction FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   }
   const backends::mlx::serialization::fb::SymSizeNode *node_as_SymSizeNode() const {
     return node_type() == backends::mlx::serialization::fb::Node::SymSizeNode ? static_cast<const backends::mlx::serialization::fb::SymSizeNode *>(node()) : nullptr;
+  }
+  const backends::mlx::serialization::fb::RandomBitsNode *node_as_RandomBitsNode() const {
+    return node_type() == backends::mlx::serialization::fb::Node::RandomBitsNode ? static_cast<const backends::mlx::serialization::fb::RandomBitsNode *>(node()) : nullptr;
   }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
@@ -3094,6 +3198,10 @@ template<> inline const backends::mlx::serialization::fb::AddmmNode *Instruction
 
 template<> inline const backends::mlx::serialization::fb::SymSizeNode *Instruction::node_as<backends::mlx::serialization::fb::SymSizeNode>() const {
   return node_as_SymSizeNode();
+}
+
+template<> inline const backends::mlx::serialization::fb::RandomBitsNode *Instruction::node_as<backends::mlx::serialization::fb::RandomBitsNode>() const {
+  return node_as_RandomBitsNode();
 }
 
 struct InstructionBuilder {
@@ -3629,6 +3737,10 @@ inline bool VerifyNode(::flatbuffers::VerifierTemplate<B> &verifier, const void 
     }
     case Node::SymSizeNode: {
       auto ptr = reinterpret_cast<const backends::mlx::serialization::fb::SymSizeNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Node::RandomBitsNode: {
+      auto ptr = reinterpret_cast<const backends::mlx::serialization::fb::RandomBitsNode *>(obj);
       return verifier.VerifyTable(ptr);
     }
     default: return true;

@@ -31,6 +31,7 @@ class Node(object):
     MatmulNode = 25
     AddmmNode = 26
     SymSizeNode = 27
+    RandomBitsNode = 28
 
 def NodeCreator(unionType, table):
     from flatbuffers.table import Table
@@ -117,4 +118,7 @@ def NodeCreator(unionType, table):
     if unionType == Node.SymSizeNode:
         import backends.mlx.serialization.fb.SymSizeNode
         return backends.mlx.serialization.fb.SymSizeNode.SymSizeNodeT.InitFromBuf(table.Bytes, table.Pos)
+    if unionType == Node.RandomBitsNode:
+        import backends.mlx.serialization.fb.RandomBitsNode
+        return backends.mlx.serialization.fb.RandomBitsNode.RandomBitsNodeT.InitFromBuf(table.Bytes, table.Pos)
     return None

@@ -1,0 +1,1 @@
+"""Benchmarks (`etmlx bench ...`): each prints ratios against baselines measured in the same run."""

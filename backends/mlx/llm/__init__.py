@@ -1,0 +1,1 @@
+"""LLM pieces: the on-device sampling head and its host reference."""

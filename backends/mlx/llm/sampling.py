@@ -1,0 +1,69 @@
+"""SamplingHead: wrap a logits-returning model so its exported program returns token ids.
+
+    head = SamplingHead(model)
+    tokens = head(*model_args, temperature=torch.tensor(0.8), seed=torch.tensor(42))
+
+`temperature` is a graph input (change it per call, no re-export); `temperature <= 0`
+is exact greedy decoding. Passing a `seed` tensor at export makes a seeded,
+reproducible program; exporting with `seed=None` makes an unseeded one that draws
+from MLX's global key sequence. In a decode loop pass `seed = base_seed + step`
+(see `SeedSchedule`): reusing one seed every step reuses the same noise.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import backends.mlx.custom_kernel_ops  # noqa: F401  (registers mlx::sample)
+from backends.mlx.custom_kernel_ops.sample import check_sample_args
+
+
+def last_position(logits: torch.Tensor) -> torch.Tensor:
+    """[B, V] as is; [B, S, V] -> the last position's [B, V]."""
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"the wrapped model must return a logits tensor, got {type(logits).__name__}")
+    if logits.dim() == 3:
+        return logits[:, -1, :]
+    if logits.dim() == 2:
+        return logits
+    raise ValueError(f"logits must be [batch, vocab] or [batch, seq, vocab], got shape {tuple(logits.shape)}")
+
+
+class SamplingHead(nn.Module):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        self.model = model
+
+    def forward(self, *args, temperature: torch.Tensor, seed: torch.Tensor | None = None, **kwargs):
+        logits = last_position(self.model(*args, **kwargs))
+        check_sample_args(logits, temperature, seed)
+        return torch.ops.mlx.sample(logits, temperature, seed)
+
+
+class GreedyHead(nn.Module):
+    """argmax of the last position's logits: no random op, no runtime knobs."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args, **kwargs):
+        return torch.argmax(last_position(self.model(*args, **kwargs)), dim=-1)
+
+
+class SeedSchedule:
+    """Seeds for a decode loop: step k uses base_seed + k, so every step draws fresh noise
+    while the whole generation stays reproducible from base_seed."""
+
+    def __init__(self, base_seed: int):
+        if not isinstance(base_seed, int) or isinstance(base_seed, bool):
+            raise TypeError(f"base_seed must be an int, got {type(base_seed).__name__}")
+        self.base_seed = base_seed
+
+    def __call__(self, step: int) -> torch.Tensor:
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        return torch.tensor(self.base_seed + step, dtype=torch.int64)
