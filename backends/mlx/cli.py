@@ -27,6 +27,10 @@ def _bench(args) -> int:
         vocabs = tuple(int(v) for v in args.vocabs.split(",")) if args.vocabs else sampler.VOCABS
         batches = tuple(int(b) for b in args.batches.split(",")) if args.batches else sampler.BATCHES
         return sampler.main(args.json, repeats=args.repeats, vocabs=vocabs, batches=batches)
+    if args.what == "agreement":
+        from backends.mlx.bench import agreement
+
+        return agreement.main(rows=args.rows)
     raise ValueError(f"unknown benchmark {args.what!r}")
 
 
@@ -40,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("pte", help="path to a .pte file")
     inspect.set_defaults(func=_inspect)
     bench = sub.add_parser("bench", help="benchmarks with same-run baselines")
-    bench.add_argument("what", choices=["sampler"], help="which benchmark")
+    bench.add_argument("what", choices=["sampler", "agreement"], help="which benchmark")
+    bench.add_argument("--rows", type=int, default=2000, help="agreement: rows per dtype")
     bench.add_argument("--json", help="also write the records to this path")
     bench.add_argument("--repeats", type=int, default=30, help="timed calls per measurement (median)")
     bench.add_argument("--vocabs", help="comma-separated vocabulary sizes (default 32000,128256,262144)")
