@@ -6,6 +6,8 @@ import torch
 
 from backends.mlx.export import ExportResult, export_to_pte
 from backends.mlx.custom_kernel_ops.sample import check_sample_args
+from backends.mlx.llm.processing import check_knobs
+from backends.mlx.llm.sampler_config import SamplerConfig
 from backends.mlx.llm.sampling import GreedyHead, SamplingHead, last_position
 
 
@@ -24,11 +26,13 @@ def export_sampling_head(
     greedy_only: bool = False,
     per_row: bool = False,
     strict: bool = True,
+    config: SamplerConfig | None = None,
 ) -> ExportResult:
     """Export `model` wrapped in SamplingHead (or GreedyHead).
 
-    The program's inputs are example_args, then temperature, then seed (seeded only).
-    With per_row, temperature and seed are [batch] tensors, one value per row.
+    The program's inputs are example_args, then temperature, then seed (seeded only), then
+    the knobs of `config` in `config.knob_names()` order (see `sampler_inputs`). With
+    per_row, temperature, seed and the knobs are [batch] tensors, one value per row.
     """
     if greedy_only:
         return export_to_pte(GreedyHead(model), example_args, strict=strict)
@@ -36,9 +40,34 @@ def export_sampling_head(
         logits = last_position(model(*example_args))
     batch = logits.shape[0]
     shape = (batch,) if per_row else ()
+    config = config or SamplerConfig()
     kwargs = {"temperature": torch.ones(shape)}
     if seeded:
         kwargs["seed"] = torch.zeros(shape, dtype=torch.int64)
+    examples = {
+        "top_k": torch.zeros(shape, dtype=torch.int64),
+        "top_p": torch.ones(shape),
+        "min_p": torch.zeros(shape),
+        "bias_ids": torch.zeros((batch, config.logit_bias) if per_row else (config.logit_bias,), dtype=torch.int64),
+        "bias_values": torch.zeros((batch, config.logit_bias) if per_row else (config.logit_bias,)),
+    }
+    for name in config.knob_names():
+        kwargs[name] = examples[name]
     # Checked eagerly: inside a strict (dynamo) trace the same error arrives wrapped.
     check_sample_args(logits, kwargs["temperature"], kwargs.get("seed"))
-    return export_to_pte(SamplingHead(model), example_args, kwargs, strict=strict)
+    check_knobs(config, logits, {n: kwargs.get(n) for n in examples})
+    return export_to_pte(SamplingHead(model, config), example_args, kwargs, strict=strict)
+
+
+def sampler_inputs(config: SamplerConfig, model_args, temperature, seed=None, **knobs) -> list:
+    """The runtime input list of an export_sampling_head program, in its order."""
+    unknown = set(knobs) - set(config.knob_names())
+    if unknown:
+        raise ValueError(f"knobs not in this program: {sorted(unknown)}")
+    missing = [n for n in config.knob_names() if n not in knobs]
+    if missing:
+        raise ValueError(f"missing knobs: {missing}")
+    inputs = [*model_args, temperature]
+    if seed is not None:
+        inputs.append(seed)
+    return inputs + [knobs[n] for n in config.knob_names()]

@@ -17,6 +17,8 @@ from torch import nn
 
 import backends.mlx.custom_kernel_ops  # noqa: F401  (registers mlx::sample)
 from backends.mlx.custom_kernel_ops.sample import check_sample_args
+from backends.mlx.llm.processing import check_knobs, process_and_sample
+from backends.mlx.llm.sampler_config import SamplerConfig
 
 
 def last_position(logits: torch.Tensor) -> torch.Tensor:
@@ -31,16 +33,26 @@ def last_position(logits: torch.Tensor) -> torch.Tensor:
 
 
 class SamplingHead(nn.Module):
-    def __init__(self, model: nn.Module):
+    """Returns token ids [B]; with `config.logprobs = N` also (chosen logprob [B],
+    top-N ids [B, N], top-N logprobs [B, N]). Knobs enabled in `config` are keyword
+    inputs named as in `SamplerConfig.knob_names()`, each a scalar or one value per row."""
+
+    def __init__(self, model: nn.Module, config: SamplerConfig | None = None):
         super().__init__()
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         self.model = model
+        self.config = config or SamplerConfig()
 
-    def forward(self, *args, temperature: torch.Tensor, seed: torch.Tensor | None = None, **kwargs):
+    def forward(self, *args, temperature: torch.Tensor, seed: torch.Tensor | None = None, top_k=None,
+                top_p=None, min_p=None, bias_ids=None, bias_values=None, **kwargs):
         logits = last_position(self.model(*args, **kwargs))
         check_sample_args(logits, temperature, seed)
-        return torch.ops.mlx.sample(logits, temperature, seed)
+        knobs = dict(top_k=top_k, top_p=top_p, min_p=min_p, bias_ids=bias_ids, bias_values=bias_values)
+        check_knobs(self.config, logits, knobs)
+        if self.config.plain:
+            return torch.ops.mlx.sample(logits, temperature, seed)
+        return process_and_sample(self.config, logits, temperature, seed, knobs)
 
 
 class GreedyHead(nn.Module):

@@ -80,3 +80,19 @@ def _sample(b, node):
     row_positive = b.op("ReshapeNode", x=row_positive, shape=[batch])
     token = b.op("WhereNode", cond=row_positive, x=_argmax(b, score), y=_argmax(b, x))
     return b.op("AsTypeNode", x=token, dtype=to_schema(torch.int64))
+
+
+def _opt(b, node, i, name):
+    arg = node.args[i] if len(node.args) > i else node.kwargs.get(name)
+    return None if arg is None else b.tid(arg)
+
+
+@REGISTRY.register(torch.ops.mlx.filter_threshold.default)
+def _filter_threshold(b, node):
+    candidates = node.args[4] if len(node.args) > 4 else node.kwargs.get("candidates", 256)
+    fields = dict(z=b.tid(node.args[0]), candidates=int(candidates))
+    for i, name in ((1, "top_k"), (2, "top_p"), (3, "min_p")):
+        tid = _opt(b, node, i, name)
+        if tid is not None:
+            fields[name] = tid
+    return b.op("FilterThresholdNode", **fields)

@@ -34,6 +34,7 @@ NODE_TAGS = {
     'AddmmNode': 26,
     'SymSizeNode': 27,
     'RandomBitsNode': 28,
+    'FilterThresholdNode': 29,
 }
 
 # union member name -> {field: schema type}, in declaration order
@@ -66,4 +67,5 @@ NODE_FIELDS = {
     'AddmmNode': {'bias': 'Tid', 'a': 'Tid', 'b': 'Tid', 'alpha': 'double', 'beta': 'double', 'out': 'Tid'},
     'SymSizeNode': {'x': 'Tid', 'axis': 'int', 'out': 'Vid'},
     'RandomBitsNode': {'shape': '[IntOrVid]', 'seed': 'Tid', 'width': 'int', 'out': 'Tid'},
+    'FilterThresholdNode': {'z': 'Tid', 'top_k': 'Tid', 'top_p': 'Tid', 'min_p': 'Tid', 'candidates': 'int', 'out': 'Tid'},
 }

@@ -109,6 +109,9 @@ struct SymSizeNodeBuilder;
 struct RandomBitsNode;
 struct RandomBitsNodeBuilder;
 
+struct FilterThresholdNode;
+struct FilterThresholdNodeBuilder;
+
 struct Instruction;
 struct InstructionBuilder;
 
@@ -493,11 +496,12 @@ enum class Node : uint8_t {
   AddmmNode = 26,
   SymSizeNode = 27,
   RandomBitsNode = 28,
+  FilterThresholdNode = 29,
   MIN = NONE,
-  MAX = RandomBitsNode
+  MAX = FilterThresholdNode
 };
 
-inline const Node (&EnumValuesNode())[29] {
+inline const Node (&EnumValuesNode())[30] {
   static const Node values[] = {
     Node::NONE,
     Node::UnaryNode,
@@ -527,13 +531,14 @@ inline const Node (&EnumValuesNode())[29] {
     Node::MatmulNode,
     Node::AddmmNode,
     Node::SymSizeNode,
-    Node::RandomBitsNode
+    Node::RandomBitsNode,
+    Node::FilterThresholdNode
   };
   return values;
 }
 
 inline const char * const *EnumNamesNode() {
-  static const char * const names[30] = {
+  static const char * const names[31] = {
     "NONE",
     "UnaryNode",
     "BinaryNode",
@@ -563,13 +568,14 @@ inline const char * const *EnumNamesNode() {
     "AddmmNode",
     "SymSizeNode",
     "RandomBitsNode",
+    "FilterThresholdNode",
     nullptr
   };
   return names;
 }
 
 inline const char *EnumNameNode(Node e) {
-  if (::flatbuffers::IsOutRange(e, Node::NONE, Node::RandomBitsNode)) return "";
+  if (::flatbuffers::IsOutRange(e, Node::NONE, Node::FilterThresholdNode)) return "";
   const size_t index = static_cast<size_t>(e);
   return EnumNamesNode()[index];
 }
@@ -688,6 +694,10 @@ template<> struct NodeTraits<backends::mlx::serialization::fb::SymSizeNode> {
 
 template<> struct NodeTraits<backends::mlx::serialization::fb::RandomBitsNode> {
   static const Node enum_value = Node::RandomBitsNode;
+};
+
+template<> struct NodeTraits<backends::mlx::serialization::fb::FilterThresholdNode> {
+  static const Node enum_value = Node::FilterThresholdNode;
 };
 
 template <bool B = false>
@@ -2985,6 +2995,100 @@ inline ::flatbuffers::Offset<RandomBitsNode> CreateRandomBitsNodeDirect(
       out);
 }
 
+struct FilterThresholdNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef FilterThresholdNodeBuilder Builder;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_Z = 4,
+    VT_TOP_K = 6,
+    VT_TOP_P = 8,
+    VT_MIN_P = 10,
+    VT_CANDIDATES = 12,
+    VT_OUT = 14
+  };
+  const backends::mlx::serialization::fb::Tid *z() const {
+    return GetStruct<const backends::mlx::serialization::fb::Tid *>(VT_Z);
+  }
+  const backends::mlx::serialization::fb::Tid *top_k() const {
+    return GetStruct<const backends::mlx::serialization::fb::Tid *>(VT_TOP_K);
+  }
+  const backends::mlx::serialization::fb::Tid *top_p() const {
+    return GetStruct<const backends::mlx::serialization::fb::Tid *>(VT_TOP_P);
+  }
+  const backends::mlx::serialization::fb::Tid *min_p() const {
+    return GetStruct<const backends::mlx::serialization::fb::Tid *>(VT_MIN_P);
+  }
+  int32_t candidates() const {
+    return GetField<int32_t>(VT_CANDIDATES, 256);
+  }
+  const backends::mlx::serialization::fb::Tid *out() const {
+    return GetStruct<const backends::mlx::serialization::fb::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<backends::mlx::serialization::fb::Tid>(verifier, VT_Z, 4) &&
+           VerifyField<backends::mlx::serialization::fb::Tid>(verifier, VT_TOP_K, 4) &&
+           VerifyField<backends::mlx::serialization::fb::Tid>(verifier, VT_TOP_P, 4) &&
+           VerifyField<backends::mlx::serialization::fb::Tid>(verifier, VT_MIN_P, 4) &&
+           VerifyField<int32_t>(verifier, VT_CANDIDATES, 4) &&
+           VerifyFieldRequired<backends::mlx::serialization::fb::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct FilterThresholdNodeBuilder {
+  typedef FilterThresholdNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_z(const backends::mlx::serialization::fb::Tid *z) {
+    fbb_.AddStruct(FilterThresholdNode::VT_Z, z);
+  }
+  void add_top_k(const backends::mlx::serialization::fb::Tid *top_k) {
+    fbb_.AddStruct(FilterThresholdNode::VT_TOP_K, top_k);
+  }
+  void add_top_p(const backends::mlx::serialization::fb::Tid *top_p) {
+    fbb_.AddStruct(FilterThresholdNode::VT_TOP_P, top_p);
+  }
+  void add_min_p(const backends::mlx::serialization::fb::Tid *min_p) {
+    fbb_.AddStruct(FilterThresholdNode::VT_MIN_P, min_p);
+  }
+  void add_candidates(int32_t candidates) {
+    fbb_.AddElement<int32_t>(FilterThresholdNode::VT_CANDIDATES, candidates, 256);
+  }
+  void add_out(const backends::mlx::serialization::fb::Tid *out) {
+    fbb_.AddStruct(FilterThresholdNode::VT_OUT, out);
+  }
+  explicit FilterThresholdNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<FilterThresholdNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<FilterThresholdNode>(end);
+    fbb_.Required(o, FilterThresholdNode::VT_Z);
+    fbb_.Required(o, FilterThresholdNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<FilterThresholdNode> CreateFilterThresholdNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const backends::mlx::serialization::fb::Tid *z = nullptr,
+    const backends::mlx::serialization::fb::Tid *top_k = nullptr,
+    const backends::mlx::serialization::fb::Tid *top_p = nullptr,
+    const backends::mlx::serialization::fb::Tid *min_p = nullptr,
+    int32_t candidates = 256,
+    const backends::mlx::serialization::fb::Tid *out = nullptr) {
+  FilterThresholdNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_candidates(candidates);
+  builder_.add_min_p(min_p);
+  builder_.add_top_p(top_p);
+  builder_.add_top_k(top_k);
+  builder_.add_z(z);
+  return builder_.Finish();
+}
+
 struct Instruction FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef InstructionBuilder Builder;
   enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
@@ -3081,6 +3185,9 @@ struct Instruction FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   }
   const backends::mlx::serialization::fb::RandomBitsNode *node_as_RandomBitsNode() const {
     return node_type() == backends::mlx::serialization::fb::Node::RandomBitsNode ? static_cast<const backends::mlx::serialization::fb::RandomBitsNode *>(node()) : nullptr;
+  }
+  const backends::mlx::serialization::fb::FilterThresholdNode *node_as_FilterThresholdNode() const {
+    return node_type() == backends::mlx::serialization::fb::Node::FilterThresholdNode ? static_cast<const backends::mlx::serialization::fb::FilterThresholdNode *>(node()) : nullptr;
   }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
@@ -3202,6 +3309,10 @@ template<> inline const backends::mlx::serialization::fb::SymSizeNode *Instructi
 
 template<> inline const backends::mlx::serialization::fb::RandomBitsNode *Instruction::node_as<backends::mlx::serialization::fb::RandomBitsNode>() const {
   return node_as_RandomBitsNode();
+}
+
+template<> inline const backends::mlx::serialization::fb::FilterThresholdNode *Instruction::node_as<backends::mlx::serialization::fb::FilterThresholdNode>() const {
+  return node_as_FilterThresholdNode();
 }
 
 struct InstructionBuilder {
@@ -3741,6 +3852,10 @@ inline bool VerifyNode(::flatbuffers::VerifierTemplate<B> &verifier, const void 
     }
     case Node::RandomBitsNode: {
       auto ptr = reinterpret_cast<const backends::mlx::serialization::fb::RandomBitsNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Node::FilterThresholdNode: {
+      auto ptr = reinterpret_cast<const backends::mlx::serialization::fb::FilterThresholdNode *>(obj);
       return verifier.VerifyTable(ptr);
     }
     default: return true;

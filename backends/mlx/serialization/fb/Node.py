@@ -32,6 +32,7 @@ class Node(object):
     AddmmNode = 26
     SymSizeNode = 27
     RandomBitsNode = 28
+    FilterThresholdNode = 29
 
 def NodeCreator(unionType, table):
     from flatbuffers.table import Table
@@ -121,4 +122,7 @@ def NodeCreator(unionType, table):
     if unionType == Node.RandomBitsNode:
         import backends.mlx.serialization.fb.RandomBitsNode
         return backends.mlx.serialization.fb.RandomBitsNode.RandomBitsNodeT.InitFromBuf(table.Bytes, table.Pos)
+    if unionType == Node.FilterThresholdNode:
+        import backends.mlx.serialization.fb.FilterThresholdNode
+        return backends.mlx.serialization.fb.FilterThresholdNode.FilterThresholdNodeT.InitFromBuf(table.Bytes, table.Pos)
     return None

@@ -1,0 +1,85 @@
+"""The sampler pipeline in torch ops and etmlx custom ops (order: sampler_config.py).
+
+Traced by torch.export it becomes the device program; run eagerly it is the host
+reference (its custom ops' CPU implementations reproduce the device, and the rest
+is float32 elementwise arithmetic, which rounds identically on both).
+"""
+
+from __future__ import annotations
+
+import torch
+
+import backends.mlx.custom_kernel_ops  # noqa: F401  (registers mlx::sample, mlx::filter_threshold)
+from backends.mlx.llm.sampler_config import SamplerConfig
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_INTS = (torch.int32, torch.int64)
+
+
+def _check_row_knob(name, value, batch, dtypes):
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(value).__name__}")
+    if value.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {value.dtype}")
+    if not (value.dim() == 0 or (value.dim() == 1 and value.shape[0] == batch)):
+        raise ValueError(f"{name} must be a scalar or [batch={batch}], got shape {tuple(value.shape)}")
+
+
+def check_knobs(config: SamplerConfig, logits: torch.Tensor, knobs: dict) -> None:
+    """Every knob the config enables is given with the right dtype and shape; no other is."""
+    batch, vocab = logits.shape
+    enabled = set(config.knob_names())
+    for name, value in knobs.items():
+        if name not in enabled:
+            if value is not None:
+                raise ValueError(f"{name} was given but the sampler was not configured with it")
+            continue
+        if value is None:
+            raise ValueError(f"{name} is required: the sampler was configured with it")
+    for name, dtypes in (("top_k", _INTS), ("top_p", _FLOATS), ("min_p", _FLOATS)):
+        if name in enabled:
+            _check_row_knob(name, knobs[name], batch, dtypes)
+    if config.logit_bias:
+        ids, values = knobs["bias_ids"], knobs["bias_values"]
+        for name, t, dtypes in (("bias_ids", ids, _INTS), ("bias_values", values, _FLOATS)):
+            if not isinstance(t, torch.Tensor) or t.dtype not in dtypes:
+                raise TypeError(f"{name} must be a tensor with dtype in {[str(d) for d in dtypes]}")
+            if tuple(t.shape) not in ((config.logit_bias,), (batch, config.logit_bias)):
+                raise ValueError(f"{name} must be [{config.logit_bias}] or [{batch}, {config.logit_bias}], "
+                                 f"got {tuple(t.shape)}")
+    if config.logprobs > vocab:
+        raise ValueError(f"logprobs={config.logprobs} exceeds the vocabulary ({vocab})")
+
+
+def _rows(t: torch.Tensor, batch: int, dtype) -> torch.Tensor:
+    return t.to(dtype).reshape(-1).expand(batch)
+
+
+def apply_logit_bias(x: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    batch, vocab = x.shape
+    ids = ids.to(torch.int64).expand(batch, -1)
+    values = values.to(torch.float32).expand(batch, -1)
+    valid = (ids >= 0) & (ids < vocab)  # out-of-range ids are ignored, never clamped onto a real token
+    return x.scatter_add(1, ids.clamp(0, vocab - 1), torch.where(valid, values, torch.zeros_like(values)))
+
+
+def process_and_sample(config: SamplerConfig, logits: torch.Tensor, temperature, seed, knobs: dict):
+    batch = logits.shape[0]
+    raw = logits.to(torch.float32)
+    raw = torch.where(torch.isnan(raw), torch.full_like(raw, float("-inf")), raw)
+    x = apply_logit_bias(raw, knobs["bias_ids"], knobs["bias_values"]) if config.logit_bias else raw
+    t = _rows(temperature, batch, torch.float32)
+    sampled = t > 0
+    z = x / torch.where(sampled, t, torch.ones_like(t)).unsqueeze(1)
+    if config.filters:
+        row = lambda name, dt: _rows(knobs[name], batch, dt) if getattr(config, name) else None
+        thr = torch.ops.mlx.filter_threshold(z, row("top_k", torch.int64), row("top_p", torch.float32),
+                                             row("min_p", torch.float32), config.candidates)
+        z = torch.where(z >= thr, z, torch.full_like(z, float("-inf")))
+    tokens = torch.ops.mlx.sample(z, sampled.to(torch.float32), seed)
+    if not config.logprobs:
+        return tokens
+    dist = torch.log_softmax(raw if config.logprobs_mode == "raw" else z, dim=-1)
+    chosen = dist.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    top_logprobs, top_ids = torch.topk(dist, config.logprobs, dim=-1)
+    return tokens, chosen, top_ids, top_logprobs

@@ -1,0 +1,61 @@
+"""Which sampler features an exported program contains (chosen at export; values are inputs).
+
+Processing order, per row:
+  1. logit bias       add the given values at the given ids (OpenAI's logit_bias; -100 bans)
+  2. temperature      divide by T (rows with T <= 0 or NaN are greedy: argmax after step 1)
+  3. top-k            keep the k best scores (ties at the k-th kept)
+  4. top-p            of what top-k kept, the smallest best-first prefix whose mass reaches p
+  5. min-p            keep tokens with p >= min_p * p_max
+  6. sample           Gumbel-max over the kept tokens (renormalized implicitly)
+
+Bias before temperature, as OpenAI and vLLM apply it to the logits, so a ban survives any
+temperature; temperature before the filters (OpenAI, vLLM; llama.cpp applies it last), so
+top-p and min-p measure the distribution that is actually sampled; top-k before top-p, as in
+all three. Top-k, top-p and min-p then combine as an intersection of kept sets.
+
+"Off" values, per row: top_k <= 0 or >= V; top_p >= 1 (or NaN); min_p <= 0; bias 0.
+Clamped, documented: min_p to [0, 1]; top_p <= 0 keeps only the best token; bias ids
+outside [0, V) are ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LOGPROB_MODES = ("raw", "processed")
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    top_k: bool = False
+    top_p: bool = False
+    min_p: bool = False
+    logit_bias: int = 0  # max (id, value) pairs per row; 0 = no bias input
+    logprobs: int = 0  # also return the chosen token's logprob and the top-N alternatives
+    logprobs_mode: str = "raw"  # "raw": the model's softmax; "processed": after bias, T and filters
+    candidates: int = 256  # scores sorted before falling back to a whole-row sort
+
+    def __post_init__(self):
+        if not isinstance(self.logit_bias, int) or self.logit_bias < 0:
+            raise ValueError(f"logit_bias must be an int >= 0 (pairs per row), got {self.logit_bias!r}")
+        if not isinstance(self.logprobs, int) or self.logprobs < 0:
+            raise ValueError(f"logprobs must be an int >= 0, got {self.logprobs!r}")
+        if self.logprobs_mode not in LOGPROB_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROB_MODES}, got {self.logprobs_mode!r}")
+        if not isinstance(self.candidates, int) or self.candidates < 1:
+            raise ValueError(f"candidates must be an int >= 1, got {self.candidates!r}")
+
+    @property
+    def filters(self) -> bool:
+        return self.top_k or self.top_p or self.min_p
+
+    @property
+    def plain(self) -> bool:
+        """Temperature and seed only: the issue-3 program."""
+        return not (self.filters or self.logit_bias or self.logprobs)
+
+    def knob_names(self) -> list[str]:
+        names = [n for n in ("top_k", "top_p", "min_p") if getattr(self, n)]
+        if self.logit_bias:
+            names += ["bias_ids", "bias_values"]
+        return names
