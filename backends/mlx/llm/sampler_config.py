@@ -14,6 +14,12 @@ top-p and min-p measure the distribution that is actually sampled; top-k before 
 all three. Top-k, top-p and min-p then combine as an intersection of kept sets.
 
 "Off" values, per row: top_k <= 0 or >= V; top_p >= 1 (or NaN); min_p <= 0; bias 0.
+Logprobs: "raw" (the default) is log_softmax of the model's logits: what OpenAI and vLLM
+report by default, independent of the sampling knobs, and what scoring needs. "processed"
+is log_softmax of the distribution actually sampled (after bias, temperature, filters; at
+T=1 for greedy rows): filtered tokens get -inf, and when fewer than N tokens are kept the
+remaining alternatives are -inf with unspecified ids.
+
 Clamped, documented: min_p to [0, 1]; top_p <= 0 keeps only the best token; bias ids
 outside [0, V) are ignored.
 """
