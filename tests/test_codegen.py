@@ -18,7 +18,7 @@ def test_stale_detection_notices_an_edit(tmp_path, monkeypatch):
     # A schema with one more node must make the checked-in files stale.
     schema = tmp_path / "schema.fbs"
     text = generate.SCHEMA.read_text().replace("union Node {", "table ExtraNode { x: Tid (required); }\nunion Node {")
-    text = text.replace("  FilterThresholdNode,\n}", "  FilterThresholdNode,\n  ExtraNode,\n}")
+    text = re.sub(r"(union Node \{[^}]*?)\n\}", r"\1\n  ExtraNode,\n}", text)
     schema.write_text(text)
     monkeypatch.setattr(generate, "SCHEMA", schema)
     assert any("node_dispatch.inc" in s for s in generate.stale_files())

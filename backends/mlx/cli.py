@@ -26,7 +26,7 @@ def _bench(args) -> int:
 
         vocabs = tuple(int(v) for v in args.vocabs.split(",")) if args.vocabs else sampler.VOCABS
         batches = tuple(int(b) for b in args.batches.split(",")) if args.batches else sampler.BATCHES
-        return sampler.main(args.json, repeats=args.repeats, vocabs=vocabs, batches=batches)
+        return sampler.main(args.json, repeats=args.repeats, vocabs=vocabs, batches=batches, suite=args.suite)
     if args.what == "agreement":
         from backends.mlx.bench import agreement
 
@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.set_defaults(func=_inspect)
     bench = sub.add_parser("bench", help="benchmarks with same-run baselines")
     bench.add_argument("what", choices=["sampler", "agreement"], help="which benchmark")
+    bench.add_argument("--suite", choices=["all", "basic", "features"], default="all",
+                       help="sampler: basic (temperature by vocab and batch), features (top-k/top-p), or all")
     bench.add_argument("--rows", type=int, default=2000, help="agreement: rows per dtype")
     bench.add_argument("--json", help="also write the records to this path")
     bench.add_argument("--repeats", type=int, default=30, help="timed calls per measurement (median)")

@@ -59,14 +59,21 @@ def measure(vocab: int, batch: int, repeats: int) -> list[dict]:
 
     config = f"V={vocab} B={batch}"
     return [
-        {"config": config, "logits": "float32", "vocab": vocab, "batch": batch, "impl": name,
+        {"config": config, "logits": "normal", "vocab": vocab, "batch": batch, "impl": name,
          "median_ms": _median_ms(fn, repeats)}
         for name, fn in (("etmlx", etmlx), ("host_torch", host_torch), ("read_once", read_once))
     ]
 
 
-def main(json_path: str | None = None, repeats: int = 30, vocabs=VOCABS, batches=BATCHES) -> int:
+def main(json_path: str | None = None, repeats: int = 30, vocabs=VOCABS, batches=BATCHES,
+         suite: str = "all") -> int:
     records = []
+    if suite in ("all", "features"):
+        from backends.mlx.bench import sampler_features
+
+        records += sampler_features.main(repeats=repeats)
+    if suite == "features":
+        return _write(json_path, records)
     print(f"{'config':<18}{'etmlx ms':>10}{'host ms':>10}{'read ms':>10}{'host/etmlx':>12}{'etmlx/read':>12}")
     for vocab in vocabs:
         for batch in batches:
@@ -75,6 +82,10 @@ def main(json_path: str | None = None, repeats: int = 30, vocabs=VOCABS, batches
             ms = {r["impl"]: r["median_ms"] for r in rows}
             print(f"{rows[0]['config']:<18}{ms['etmlx']:>10.3f}{ms['host_torch']:>10.3f}{ms['read_once']:>10.3f}"
                   f"{ms['host_torch'] / ms['etmlx']:>12.2f}{ms['etmlx'] / ms['read_once']:>12.2f}")
+    return _write(json_path, records)
+
+
+def _write(json_path, records) -> int:
     if json_path:
         Path(json_path).write_text(json.dumps(records, indent=1))
         print(f"wrote {len(records)} records to {json_path}")

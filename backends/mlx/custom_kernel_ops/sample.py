@@ -76,3 +76,16 @@ def _sample_fake(logits, temperature, seed=None):
 
 
 __all__ = ["sample", "check_sample_args", "row_noise"]
+
+
+@torch.library.custom_op("mlx::sample_fused", mutates_args=())
+def sample_fused(logits: torch.Tensor, temperature: torch.Tensor, seed: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """mlx::sample's exact semantics and reference, lowered to one fused GumbelMaxNode
+    (one pass on the CPU device, skipping tokens that cannot win) instead of the
+    RandomBitsNode composition."""
+    return sample(logits, temperature, seed)
+
+
+@sample_fused.register_fake
+def _sample_fused_fake(logits, temperature, seed=None):
+    return _sample_fake(logits, temperature, seed)

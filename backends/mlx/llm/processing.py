@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-import backends.mlx.custom_kernel_ops  # noqa: F401  (registers mlx::sample, mlx::filter_threshold)
+import backends.mlx.custom_kernel_ops  # noqa: F401  (registers mlx::sample_fused, mlx::filter_threshold)
 from backends.mlx.llm.sampler_config import SamplerConfig
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -76,7 +76,7 @@ def process_and_sample(config: SamplerConfig, logits: torch.Tensor, temperature,
         thr = torch.ops.mlx.filter_threshold(z, row("top_k", torch.int64), row("top_p", torch.float32),
                                              row("min_p", torch.float32), config.candidates)
         z = torch.where(z >= thr, z, torch.full_like(z, float("-inf")))
-    tokens = torch.ops.mlx.sample(z, sampled.to(torch.float32), seed)
+    tokens = torch.ops.mlx.sample_fused(z, sampled.to(torch.float32), seed)
     if not config.logprobs:
         return tokens
     dist = torch.log_softmax(raw if config.logprobs_mode == "raw" else z, dim=-1)

@@ -40,6 +40,9 @@ class SamplerConfig:
     logprobs: int = 0  # also return the chosen token's logprob and the top-N alternatives
     logprobs_mode: str = "raw"  # "raw": the model's softmax; "processed": after bias, T and filters
     candidates: int = 256  # scores sorted before falling back to a whole-row sort
+    # Draw with the fused GumbelMaxNode (one pass on CPU) even without other features. Every
+    # non-plain program uses it; the plain default keeps the RandomBitsNode composition.
+    fused: bool = False
 
     def __post_init__(self):
         if not isinstance(self.logit_bias, int) or self.logit_bias < 0:
@@ -58,7 +61,7 @@ class SamplerConfig:
     @property
     def plain(self) -> bool:
         """Temperature and seed only: the issue-3 program."""
-        return not (self.filters or self.logit_bias or self.logprobs)
+        return not (self.filters or self.logit_bias or self.logprobs or self.fused)
 
     def knob_names(self) -> list[str]:
         names = [n for n in ("top_k", "top_p", "min_p") if getattr(self, n)]

@@ -96,3 +96,13 @@ def _filter_threshold(b, node):
         if tid is not None:
             fields[name] = tid
     return b.op("FilterThresholdNode", **fields)
+
+
+@REGISTRY.register(torch.ops.mlx.sample_fused.default)
+def _sample_fused(b, node):
+    logits, temperature = node.args[:2]
+    seed = node.args[2] if len(node.args) > 2 else node.kwargs.get("seed")
+    fields = dict(scores=b.operand(logits, F32), temperature=b.operand(temperature, F32))
+    if seed is not None:
+        fields["seed"] = b.tid(seed)
+    return b.op("GumbelMaxNode", **fields)

@@ -67,6 +67,7 @@ class Interpreter {
   bool exec_sym_size(const fb::SymSizeNode& n);
   bool exec_random_bits(const fb::RandomBitsNode& n);  // random_bits.cpp
   bool exec_filter_threshold(const fb::FilterThresholdNode& n);  // filter_threshold.cpp
+  bool exec_gumbel_max(const fb::GumbelMaxNode& n);  // gumbel_max.cpp
   bool unknown_node(int type);
 
   // Slot access. read() returns nullptr (after logging) for an unset or

@@ -35,6 +35,7 @@ NODE_TAGS = {
     'SymSizeNode': 27,
     'RandomBitsNode': 28,
     'FilterThresholdNode': 29,
+    'GumbelMaxNode': 30,
 }
 
 # union member name -> {field: schema type}, in declaration order
@@ -68,4 +69,5 @@ NODE_FIELDS = {
     'SymSizeNode': {'x': 'Tid', 'axis': 'int', 'out': 'Vid'},
     'RandomBitsNode': {'shape': '[IntOrVid]', 'seed': 'Tid', 'width': 'int', 'out': 'Tid'},
     'FilterThresholdNode': {'z': 'Tid', 'top_k': 'Tid', 'top_p': 'Tid', 'min_p': 'Tid', 'candidates': 'int', 'out': 'Tid'},
+    'GumbelMaxNode': {'scores': 'Tid', 'temperature': 'Tid', 'seed': 'Tid', 'out': 'Tid'},
 }

@@ -112,6 +112,9 @@ struct RandomBitsNodeBuilder;
 struct FilterThresholdNode;
 struct FilterThresholdNodeBuilder;
 
+struct GumbelMaxNode;
+struct GumbelMaxNodeBuilder;
+
 struct Instruction;
 struct InstructionBuilder;
 
@@ -497,11 +500,12 @@ enum class Node : uint8_t {
   SymSizeNode = 27,
   RandomBitsNode = 28,
   FilterThresholdNode = 29,
+  GumbelMaxNode = 30,
   MIN = NONE,
-  MAX = FilterThresholdNode
+  MAX = GumbelMaxNode
 };
 
-inline const Node (&EnumValuesNode())[30] {
+inline const Node (&EnumValuesNode())[31] {
   static const Node values[] = {
     Node::NONE,
     Node::UnaryNode,
@@ -532,13 +536,14 @@ inline const Node (&EnumValuesNode())[30] {
     Node::AddmmNode,
     Node::SymSizeNode,
     Node::RandomBitsNode,
-    Node::FilterThresholdNode
+    Node::FilterThresholdNode,
+    Node::GumbelMaxNode
   };
   return values;
 }
 
 inline const char * const *EnumNamesNode() {
-  static const char * const names[31] = {
+  static const char * const names[32] = {
     "NONE",
     "UnaryNode",
     "BinaryNode",
@@ -569,13 +574,14 @@ inline const char * const *EnumNamesNode() {
     "SymSizeNode",
     "RandomBitsNode",
     "FilterThresholdNode",
+    "GumbelMaxNode",
     nullptr
   };
   return names;
 }
 
 inline const char *EnumNameNode(Node e) {
-  if (::flatbuffers::IsOutRange(e, Node::NONE, Node::FilterThresholdNode)) return "";
+  if (::flatbuffers::IsOutRange(e, Node::NONE, Node::GumbelMaxNode)) return "";
   const size_t index = static_cast<size_t>(e);
   return EnumNamesNode()[index];
 }
@@ -698,6 +704,10 @@ template<> struct NodeTraits<backends::mlx::serialization::fb::RandomBitsNode> {
 
 template<> struct NodeTraits<backends::mlx::serialization::fb::FilterThresholdNode> {
   static const Node enum_value = Node::FilterThresholdNode;
+};
+
+template<> struct NodeTraits<backends::mlx::serialization::fb::GumbelMaxNode> {
+  static const Node enum_value = Node::GumbelMaxNode;
 };
 
 template <bool B = false>
@@ -3089,6 +3099,81 @@ inline ::flatbuffers::Offset<FilterThresholdNode> CreateFilterThresholdNode(
   return builder_.Finish();
 }
 
+struct GumbelMaxNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef GumbelMaxNodeBuilder Builder;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_SCORES = 4,
+    VT_TEMPERATURE = 6,
+    VT_SEED = 8,
+    VT_OUT = 10
+  };
+  const backends::mlx::serialization::fb::Tid *scores() const {
+    return GetStruct<const backends::mlx::serialization::fb::Tid *>(VT_SCORES);
+  }
+  const backends::mlx::serialization::fb::Tid *temperature() const {
+    return GetStruct<const backends::mlx::serialization::fb::Tid *>(VT_TEMPERATURE);
+  }
+  const backends::mlx::serialization::fb::Tid *seed() const {
+    return GetStruct<const backends::mlx::serialization::fb::Tid *>(VT_SEED);
+  }
+  const backends::mlx::serialization::fb::Tid *out() const {
+    return GetStruct<const backends::mlx::serialization::fb::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<backends::mlx::serialization::fb::Tid>(verifier, VT_SCORES, 4) &&
+           VerifyFieldRequired<backends::mlx::serialization::fb::Tid>(verifier, VT_TEMPERATURE, 4) &&
+           VerifyField<backends::mlx::serialization::fb::Tid>(verifier, VT_SEED, 4) &&
+           VerifyFieldRequired<backends::mlx::serialization::fb::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct GumbelMaxNodeBuilder {
+  typedef GumbelMaxNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_scores(const backends::mlx::serialization::fb::Tid *scores) {
+    fbb_.AddStruct(GumbelMaxNode::VT_SCORES, scores);
+  }
+  void add_temperature(const backends::mlx::serialization::fb::Tid *temperature) {
+    fbb_.AddStruct(GumbelMaxNode::VT_TEMPERATURE, temperature);
+  }
+  void add_seed(const backends::mlx::serialization::fb::Tid *seed) {
+    fbb_.AddStruct(GumbelMaxNode::VT_SEED, seed);
+  }
+  void add_out(const backends::mlx::serialization::fb::Tid *out) {
+    fbb_.AddStruct(GumbelMaxNode::VT_OUT, out);
+  }
+  explicit GumbelMaxNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<GumbelMaxNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<GumbelMaxNode>(end);
+    fbb_.Required(o, GumbelMaxNode::VT_SCORES);
+    fbb_.Required(o, GumbelMaxNode::VT_TEMPERATURE);
+    fbb_.Required(o, GumbelMaxNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<GumbelMaxNode> CreateGumbelMaxNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const backends::mlx::serialization::fb::Tid *scores = nullptr,
+    const backends::mlx::serialization::fb::Tid *temperature = nullptr,
+    const backends::mlx::serialization::fb::Tid *seed = nullptr,
+    const backends::mlx::serialization::fb::Tid *out = nullptr) {
+  GumbelMaxNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_seed(seed);
+  builder_.add_temperature(temperature);
+  builder_.add_scores(scores);
+  return builder_.Finish();
+}
+
 struct Instruction FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef InstructionBuilder Builder;
   enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
@@ -3188,6 +3273,9 @@ struct Instruction FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   }
   const backends::mlx::serialization::fb::FilterThresholdNode *node_as_FilterThresholdNode() const {
     return node_type() == backends::mlx::serialization::fb::Node::FilterThresholdNode ? static_cast<const backends::mlx::serialization::fb::FilterThresholdNode *>(node()) : nullptr;
+  }
+  const backends::mlx::serialization::fb::GumbelMaxNode *node_as_GumbelMaxNode() const {
+    return node_type() == backends::mlx::serialization::fb::Node::GumbelMaxNode ? static_cast<const backends::mlx::serialization::fb::GumbelMaxNode *>(node()) : nullptr;
   }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
@@ -3313,6 +3401,10 @@ template<> inline const backends::mlx::serialization::fb::RandomBitsNode *Instru
 
 template<> inline const backends::mlx::serialization::fb::FilterThresholdNode *Instruction::node_as<backends::mlx::serialization::fb::FilterThresholdNode>() const {
   return node_as_FilterThresholdNode();
+}
+
+template<> inline const backends::mlx::serialization::fb::GumbelMaxNode *Instruction::node_as<backends::mlx::serialization::fb::GumbelMaxNode>() const {
+  return node_as_GumbelMaxNode();
 }
 
 struct InstructionBuilder {
@@ -3856,6 +3948,10 @@ inline bool VerifyNode(::flatbuffers::VerifierTemplate<B> &verifier, const void 
     }
     case Node::FilterThresholdNode: {
       auto ptr = reinterpret_cast<const backends::mlx::serialization::fb::FilterThresholdNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Node::GumbelMaxNode: {
+      auto ptr = reinterpret_cast<const backends::mlx::serialization::fb::GumbelMaxNode *>(obj);
       return verifier.VerifyTable(ptr);
     }
     default: return true;

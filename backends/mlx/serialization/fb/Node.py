@@ -33,6 +33,7 @@ class Node(object):
     SymSizeNode = 27
     RandomBitsNode = 28
     FilterThresholdNode = 29
+    GumbelMaxNode = 30
 
 def NodeCreator(unionType, table):
     from flatbuffers.table import Table
@@ -125,4 +126,7 @@ def NodeCreator(unionType, table):
     if unionType == Node.FilterThresholdNode:
         import backends.mlx.serialization.fb.FilterThresholdNode
         return backends.mlx.serialization.fb.FilterThresholdNode.FilterThresholdNodeT.InitFromBuf(table.Bytes, table.Pos)
+    if unionType == Node.GumbelMaxNode:
+        import backends.mlx.serialization.fb.GumbelMaxNode
+        return backends.mlx.serialization.fb.GumbelMaxNode.GumbelMaxNodeT.InitFromBuf(table.Bytes, table.Pos)
     return None
