@@ -64,7 +64,7 @@ def _filtered_probs(logits_row, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, 
     x = logits_row.double().clone()
     for i, v in bias:
         x[i] += v
-    z = (x / temperature).float().numpy()[None]
+    z = (x.float() / torch.tensor(temperature, dtype=torch.float32)).numpy()[None]
     thr = threshold_reference(z, np.array([top_k]), np.array([top_p], np.float32), np.array([min_p], np.float32))
     kept = z[0] >= thr[0, 0]
     p = np.where(kept, np.exp(z[0].astype(np.float64) - z[0].max()), 0.0)

@@ -1,7 +1,7 @@
-"""torch.ops.mlx.filter_threshold(z, top_k, top_p, min_p, candidates) -> [B, 1] float32.
+"""torch.ops.mlx.filter_threshold(x, temperature, top_k, top_p, min_p, candidates) -> [B, 1] float32.
 
-Per row, the score threshold of top-k / top-p / min-p over float32 scores z [B, V]:
-tokens with z >= threshold are kept (semantics in schema.fbs, FilterThresholdNode).
+Per row, the threshold of top-k / top-p / min-p over the scores z = x / t (t = 1 for rows
+with t <= 0): tokens with z >= threshold are kept (semantics in schema.fbs, FilterThresholdNode).
 The device sorts only the best `candidates` scores unless a row needs more; the CPU
 implementation is the host reference and sorts whole rows, which gives the same values.
 """
@@ -59,18 +59,25 @@ def threshold_reference(z, top_k=None, top_p=None, min_p=None) -> np.ndarray:
     return np.minimum(thr, m).astype(np.float32)
 
 
+def scaled_scores(x: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """z = x / t in float32 with t = 1 for greedy rows and NaN as -inf, as the device computes it."""
+    t = temperature.to(torch.float32).reshape(-1).expand(x.shape[0])
+    z = x.to(torch.float32) / torch.where(t > 0, t, torch.ones_like(t)).unsqueeze(1)
+    return torch.where(torch.isnan(z), torch.full_like(z, float("-inf")), z)
+
+
 @torch.library.custom_op("mlx::filter_threshold", mutates_args=())
-def filter_threshold(z: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor],
-                     min_p: Optional[torch.Tensor], candidates: int = 256) -> torch.Tensor:
+def filter_threshold(x: torch.Tensor, temperature: torch.Tensor, top_k: Optional[torch.Tensor],
+                     top_p: Optional[torch.Tensor], min_p: Optional[torch.Tensor], candidates: int = 256) -> torch.Tensor:
     as_np = lambda t: None if t is None else t.detach().cpu().numpy()
-    out = threshold_reference(as_np(z.float()), as_np(top_k), as_np(top_p), as_np(min_p))
+    out = threshold_reference(scaled_scores(x, temperature).numpy(), as_np(top_k), as_np(top_p), as_np(min_p))
     return torch.from_numpy(out)
 
 
 @filter_threshold.register_fake
-def _filter_threshold_fake(z, top_k, top_p, min_p, candidates=256):
-    if z.dim() != 2 or z.dtype != torch.float32:
-        raise ValueError(f"z must be a [batch, vocab] float32 tensor, got {tuple(z.shape)} {z.dtype}")
+def _filter_threshold_fake(x, temperature, top_k, top_p, min_p, candidates=256):
+    if x.dim() != 2 or x.dtype != torch.float32:
+        raise ValueError(f"x must be a [batch, vocab] float32 tensor, got {tuple(x.shape)} {x.dtype}")
     if candidates < 1:
         raise ValueError(f"candidates must be >= 1, got {candidates}")
-    return z.new_empty((z.shape[0], 1))
+    return x.new_empty((x.shape[0], 1))

@@ -79,13 +79,17 @@ __all__ = ["sample", "check_sample_args", "row_noise"]
 
 
 @torch.library.custom_op("mlx::sample_fused", mutates_args=())
-def sample_fused(logits: torch.Tensor, temperature: torch.Tensor, seed: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """mlx::sample's exact semantics and reference, lowered to one fused GumbelMaxNode
-    (one pass on the CPU device, skipping tokens that cannot win) instead of the
-    RandomBitsNode composition."""
-    return sample(logits, temperature, seed)
+def sample_fused(x: torch.Tensor, temperature: torch.Tensor, seed: Optional[torch.Tensor] = None,
+                 threshold: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """mlx::sample over the tokens with x / t >= threshold (all when None), lowered to one
+    fused GumbelMaxNode (one pass on the CPU device, skipping tokens that cannot win)."""
+    if threshold is not None:
+        t = temperature.to(torch.float32).reshape(-1).expand(x.shape[0])
+        z = x.to(torch.float32) / torch.where(t > 0, t, torch.ones_like(t)).unsqueeze(1)
+        x = torch.where(z >= threshold, x.to(torch.float32), torch.full_like(z, float("-inf")))
+    return sample(x, temperature, seed)
 
 
 @sample_fused.register_fake
-def _sample_fused_fake(logits, temperature, seed=None):
-    return _sample_fake(logits, temperature, seed)
+def _sample_fused_fake(x, temperature, seed=None, threshold=None):
+    return _sample_fake(x, temperature, seed)

@@ -65,21 +65,26 @@ def apply_logit_bias(x: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -
 
 def process_and_sample(config: SamplerConfig, logits: torch.Tensor, temperature, seed, knobs: dict):
     batch = logits.shape[0]
-    raw = logits.to(torch.float32)
-    raw = torch.where(torch.isnan(raw), torch.full_like(raw, float("-inf")), raw)
-    x = apply_logit_bias(raw, knobs["bias_ids"], knobs["bias_values"]) if config.logit_bias else raw
+    x = logits.to(torch.float32)
+    if config.logit_bias:
+        x = apply_logit_bias(x, knobs["bias_ids"], knobs["bias_values"])
     t = _rows(temperature, batch, torch.float32)
-    sampled = t > 0
-    z = x / torch.where(sampled, t, torch.ones_like(t)).unsqueeze(1)
+    thr = None
     if config.filters:
         row = lambda name, dt: _rows(knobs[name], batch, dt) if getattr(config, name) else None
-        thr = torch.ops.mlx.filter_threshold(z, row("top_k", torch.int64), row("top_p", torch.float32),
+        thr = torch.ops.mlx.filter_threshold(x, t, row("top_k", torch.int64), row("top_p", torch.float32),
                                              row("min_p", torch.float32), config.candidates)
-        z = torch.where(z >= thr, z, torch.full_like(z, float("-inf")))
-    tokens = torch.ops.mlx.sample_fused(z, sampled.to(torch.float32), seed)
+    tokens = torch.ops.mlx.sample_fused(x, t, seed, thr)
     if not config.logprobs:
         return tokens
-    dist = torch.log_softmax(raw if config.logprobs_mode == "raw" else z, dim=-1)
+    if config.logprobs_mode == "raw":
+        scores = logits.to(torch.float32)
+    else:
+        scores = x / torch.where(t > 0, t, torch.ones_like(t)).unsqueeze(1)
+        if thr is not None:
+            scores = torch.where(scores >= thr, scores, torch.full_like(scores, float("-inf")))
+    scores = torch.where(torch.isnan(scores), torch.full_like(scores, float("-inf")), scores)
+    dist = torch.log_softmax(scores, dim=-1)
     chosen = dist.gather(1, tokens.unsqueeze(1)).squeeze(1)
     top_logprobs, top_ids = torch.topk(dist, config.logprobs, dim=-1)
     return tokens, chosen, top_ids, top_logprobs

@@ -89,9 +89,10 @@ def _opt(b, node, i, name):
 
 @REGISTRY.register(torch.ops.mlx.filter_threshold.default)
 def _filter_threshold(b, node):
-    candidates = node.args[4] if len(node.args) > 4 else node.kwargs.get("candidates", 256)
-    fields = dict(z=b.tid(node.args[0]), candidates=int(candidates))
-    for i, name in ((1, "top_k"), (2, "top_p"), (3, "min_p")):
+    candidates = node.args[5] if len(node.args) > 5 else node.kwargs.get("candidates", 256)
+    fields = dict(x=b.operand(node.args[0], F32), temperature=b.operand(node.args[1], F32),
+                  candidates=int(candidates))
+    for i, name in ((2, "top_k"), (3, "top_p"), (4, "min_p")):
         tid = _opt(b, node, i, name)
         if tid is not None:
             fields[name] = tid
@@ -101,8 +102,9 @@ def _filter_threshold(b, node):
 @REGISTRY.register(torch.ops.mlx.sample_fused.default)
 def _sample_fused(b, node):
     logits, temperature = node.args[:2]
-    seed = node.args[2] if len(node.args) > 2 else node.kwargs.get("seed")
-    fields = dict(scores=b.operand(logits, F32), temperature=b.operand(temperature, F32))
-    if seed is not None:
-        fields["seed"] = b.tid(seed)
+    fields = dict(x=b.operand(logits, F32), temperature=b.operand(temperature, F32))
+    for i, name in ((2, "seed"), (3, "threshold")):
+        tid = _opt(b, node, i, name)
+        if tid is not None:
+            fields[name] = tid
     return b.op("GumbelMaxNode", **fields)

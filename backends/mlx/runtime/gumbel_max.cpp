@@ -47,19 +47,29 @@ struct Best {
   int64_t index = 0;
   bool hopeless(float s) const { return s == kNegInf || s + kMaxNoise < score; }
   void offer(float s, uint32_t word, int64_t j) {
-    const float total = clean(s + (-std::log(-std::log(uniform_from_word(word)))));
+    const float u = uniform_from_word(word);
+    // -log(-log u) <= -log(1 - u) <= u / (1 - u): a log-free bound (with slack for float32
+    // rounding) that rules out most tokens before their two logs are computed.
+    const double bound = static_cast<double>(u) / (1.0 - static_cast<double>(u)) * (1.0 + 1e-6) + 1e-6;
+    if (static_cast<double>(s) + bound < static_cast<double>(score)) return;
+    const float total = clean(s + (-std::log(-std::log(u))));
     if (total > score || (total == score && j < index)) score = total, index = j;
   }
 };
 
 // The row's draw: word base + j of an n-word draw from `key` is token j's noise.
-int64_t sampled_row(const float* x, int vocab, float t, RngKey key, uint64_t n, uint64_t base) {
+int64_t sampled_row(const float* x, int vocab, float t, float floor, RngKey key, uint64_t n, uint64_t base) {
   Best best;
+  // Tokens below the row's keep threshold are excluded like -inf ones.
+  auto score_of = [&](float v) {
+    const float s = clean(v / t);
+    return s < floor ? kNegInf : s;
+  };
   if (base == 0 && n == static_cast<uint64_t>(vocab)) {
     // The row is the whole draw: one hash serves the two tokens of each word pair.
     const uint64_t half = n / 2, offset = n / 2 + n % 2;
     for (uint64_t i = 0; i < half; ++i) {
-      const float a = clean(x[i] / t), b = clean(x[offset + i] / t);
+      const float a = score_of(x[i]), b = score_of(x[offset + i]);
       const bool skip_a = best.hopeless(a), skip_b = best.hopeless(b);
       if (skip_a && skip_b) continue;
       uint32_t wa = 0, wb = 0;
@@ -68,13 +78,13 @@ int64_t sampled_row(const float* x, int vocab, float t, RngKey key, uint64_t n, 
       if (!skip_b) best.offer(b, wb, static_cast<int64_t>(offset + i));
     }
     if (n % 2) {
-      const float m = clean(x[half] / t);
+      const float m = score_of(x[half]);
       if (!best.hopeless(m)) best.offer(m, word_at(key, n, half), static_cast<int64_t>(half));
     }
     return best.index;
   }
   for (int j = 0; j < vocab; ++j) {
-    const float s = clean(x[j] / t);
+    const float s = score_of(x[j]);
     if (best.hopeless(s)) continue;
     best.offer(s, word_at(key, n, base + static_cast<uint64_t>(j)), j);
   }
@@ -84,11 +94,11 @@ int64_t sampled_row(const float* x, int vocab, float t, RngKey key, uint64_t n, 
 }  // namespace
 
 bool Interpreter::exec_gumbel_max(const fb::GumbelMaxNode& n) {
-  const mx::array* scores = read(n.scores());
+  const mx::array* scores = read(n.x());
   if (!scores) return false;
   const mx::array* temperature = read(n.temperature());
   if (!temperature) return false;
-  if (scores->ndim() != 2 || scores->dtype() != mx::float32) return fail("scores must be a [B, V] float32 tensor");
+  if (scores->ndim() != 2 || scores->dtype() != mx::float32) return fail("x must be a [B, V] float32 tensor");
   const int rows = scores->shape(0), vocab = scores->shape(1);
   if (temperature->dtype() != mx::float32 || temperature->ndim() > 1 ||
       (temperature->ndim() == 1 && temperature->shape(0) != rows)) {
@@ -103,7 +113,15 @@ bool Interpreter::exec_gumbel_max(const fb::GumbelMaxNode& n) {
       return fail("seed must be an integer scalar or [%d]", rows);
     }
   }
-  if (vocab == 0) return fail("scores have an empty vocabulary");
+  if (vocab == 0) return fail("x has an empty vocabulary");
+  const mx::array* threshold = nullptr;
+  if (n.threshold() != nullptr) {
+    threshold = read(n.threshold());
+    if (!threshold) return false;
+    if (threshold->dtype() != mx::float32 || threshold->size() != static_cast<size_t>(rows)) {
+      return fail("threshold must be [%d, 1] float32", rows);
+    }
+  }
   const mx::array t_rows = mx::broadcast_to(mx::reshape(*temperature, {-1}), {rows});
 
   if (mx::default_device() != mx::Device::cpu) {
@@ -116,7 +134,9 @@ bool Interpreter::exec_gumbel_max(const fb::GumbelMaxNode& n) {
     const mx::array u = mx::minimum(mx::divide(mx::astype(*bits, mx::float32), mx::array(4294967295.0f)),
                                     mx::array(0.99999994f));
     const mx::array g = mx::negative(mx::log(mx::negative(mx::log(u))));
-    mx::array s = mx::add(mx::divide(x, mx::where(sampled, t, mx::array(1.0f))), g);
+    mx::array z = mx::divide(x, mx::where(sampled, t, mx::array(1.0f)));
+    if (threshold) z = mx::where(mx::greater_equal(z, mx::reshape(*threshold, {rows, 1})), z, mx::array(kNegInf));
+    mx::array s = mx::add(z, g);
     s = mx::where(mx::isnan(s), mx::array(kNegInf), s);
     const mx::array pick = mx::where(mx::reshape(sampled, {rows}), mx::argmax(s, 1), mx::argmax(x, 1));
     return write(n.out(), mx::astype(pick, mx::int64));
@@ -136,7 +156,9 @@ bool Interpreter::exec_gumbel_max(const fb::GumbelMaxNode& n) {
   const bool per_row = seed != nullptr && seed->ndim() == 1;
   const mx::array x = mx::contiguous(*scores);
   const mx::array t = mx::contiguous(t_rows);
-  mx::eval({x, t});
+  const mx::array floor = threshold ? mx::contiguous(mx::reshape(*threshold, {rows}))
+                                    : mx::full({rows}, mx::array(kNegInf));
+  mx::eval({x, t, floor});
   const float* xs = x.data<float>();
   const float* ts = t.data<float>();
   std::vector<int64_t> out(rows);
@@ -145,9 +167,9 @@ bool Interpreter::exec_gumbel_max(const fb::GumbelMaxNode& n) {
     if (!(ts[r] > 0.0f)) {
       out[r] = greedy_row(row, vocab);
     } else if (per_row) {
-      out[r] = sampled_row(row, vocab, ts[r], keys[r], static_cast<uint64_t>(vocab), 0);
+      out[r] = sampled_row(row, vocab, ts[r], floor.data<float>()[r], keys[r], static_cast<uint64_t>(vocab), 0);
     } else {
-      out[r] = sampled_row(row, vocab, ts[r], keys[0], static_cast<uint64_t>(rows) * vocab,
+      out[r] = sampled_row(row, vocab, ts[r], floor.data<float>()[r], keys[0], static_cast<uint64_t>(rows) * vocab,
                            static_cast<uint64_t>(r) * vocab);
     }
   }

@@ -68,6 +68,6 @@ NODE_FIELDS = {
     'AddmmNode': {'bias': 'Tid', 'a': 'Tid', 'b': 'Tid', 'alpha': 'double', 'beta': 'double', 'out': 'Tid'},
     'SymSizeNode': {'x': 'Tid', 'axis': 'int', 'out': 'Vid'},
     'RandomBitsNode': {'shape': '[IntOrVid]', 'seed': 'Tid', 'width': 'int', 'out': 'Tid'},
-    'FilterThresholdNode': {'z': 'Tid', 'top_k': 'Tid', 'top_p': 'Tid', 'min_p': 'Tid', 'candidates': 'int', 'out': 'Tid'},
-    'GumbelMaxNode': {'scores': 'Tid', 'temperature': 'Tid', 'seed': 'Tid', 'out': 'Tid'},
+    'FilterThresholdNode': {'x': 'Tid', 'temperature': 'Tid', 'top_k': 'Tid', 'top_p': 'Tid', 'min_p': 'Tid', 'candidates': 'int', 'out': 'Tid'},
+    'GumbelMaxNode': {'x': 'Tid', 'temperature': 'Tid', 'seed': 'Tid', 'threshold': 'Tid', 'out': 'Tid'},
 }

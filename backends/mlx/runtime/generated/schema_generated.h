@@ -3008,15 +3008,19 @@ inline ::flatbuffers::Offset<RandomBitsNode> CreateRandomBitsNodeDirect(
 struct FilterThresholdNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef FilterThresholdNodeBuilder Builder;
   enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
-    VT_Z = 4,
-    VT_TOP_K = 6,
-    VT_TOP_P = 8,
-    VT_MIN_P = 10,
-    VT_CANDIDATES = 12,
-    VT_OUT = 14
+    VT_X = 4,
+    VT_TEMPERATURE = 6,
+    VT_TOP_K = 8,
+    VT_TOP_P = 10,
+    VT_MIN_P = 12,
+    VT_CANDIDATES = 14,
+    VT_OUT = 16
   };
-  const backends::mlx::serialization::fb::Tid *z() const {
-    return GetStruct<const backends::mlx::serialization::fb::Tid *>(VT_Z);
+  const backends::mlx::serialization::fb::Tid *x() const {
+    return GetStruct<const backends::mlx::serialization::fb::Tid *>(VT_X);
+  }
+  const backends::mlx::serialization::fb::Tid *temperature() const {
+    return GetStruct<const backends::mlx::serialization::fb::Tid *>(VT_TEMPERATURE);
   }
   const backends::mlx::serialization::fb::Tid *top_k() const {
     return GetStruct<const backends::mlx::serialization::fb::Tid *>(VT_TOP_K);
@@ -3036,7 +3040,8 @@ struct FilterThresholdNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Tabl
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
     return VerifyTableStart(verifier) &&
-           VerifyFieldRequired<backends::mlx::serialization::fb::Tid>(verifier, VT_Z, 4) &&
+           VerifyFieldRequired<backends::mlx::serialization::fb::Tid>(verifier, VT_X, 4) &&
+           VerifyFieldRequired<backends::mlx::serialization::fb::Tid>(verifier, VT_TEMPERATURE, 4) &&
            VerifyField<backends::mlx::serialization::fb::Tid>(verifier, VT_TOP_K, 4) &&
            VerifyField<backends::mlx::serialization::fb::Tid>(verifier, VT_TOP_P, 4) &&
            VerifyField<backends::mlx::serialization::fb::Tid>(verifier, VT_MIN_P, 4) &&
@@ -3050,8 +3055,11 @@ struct FilterThresholdNodeBuilder {
   typedef FilterThresholdNode Table;
   ::flatbuffers::FlatBufferBuilder &fbb_;
   ::flatbuffers::uoffset_t start_;
-  void add_z(const backends::mlx::serialization::fb::Tid *z) {
-    fbb_.AddStruct(FilterThresholdNode::VT_Z, z);
+  void add_x(const backends::mlx::serialization::fb::Tid *x) {
+    fbb_.AddStruct(FilterThresholdNode::VT_X, x);
+  }
+  void add_temperature(const backends::mlx::serialization::fb::Tid *temperature) {
+    fbb_.AddStruct(FilterThresholdNode::VT_TEMPERATURE, temperature);
   }
   void add_top_k(const backends::mlx::serialization::fb::Tid *top_k) {
     fbb_.AddStruct(FilterThresholdNode::VT_TOP_K, top_k);
@@ -3075,7 +3083,8 @@ struct FilterThresholdNodeBuilder {
   ::flatbuffers::Offset<FilterThresholdNode> Finish() {
     const auto end = fbb_.EndTable(start_);
     auto o = ::flatbuffers::Offset<FilterThresholdNode>(end);
-    fbb_.Required(o, FilterThresholdNode::VT_Z);
+    fbb_.Required(o, FilterThresholdNode::VT_X);
+    fbb_.Required(o, FilterThresholdNode::VT_TEMPERATURE);
     fbb_.Required(o, FilterThresholdNode::VT_OUT);
     return o;
   }
@@ -3083,7 +3092,8 @@ struct FilterThresholdNodeBuilder {
 
 inline ::flatbuffers::Offset<FilterThresholdNode> CreateFilterThresholdNode(
     ::flatbuffers::FlatBufferBuilder &_fbb,
-    const backends::mlx::serialization::fb::Tid *z = nullptr,
+    const backends::mlx::serialization::fb::Tid *x = nullptr,
+    const backends::mlx::serialization::fb::Tid *temperature = nullptr,
     const backends::mlx::serialization::fb::Tid *top_k = nullptr,
     const backends::mlx::serialization::fb::Tid *top_p = nullptr,
     const backends::mlx::serialization::fb::Tid *min_p = nullptr,
@@ -3095,20 +3105,22 @@ inline ::flatbuffers::Offset<FilterThresholdNode> CreateFilterThresholdNode(
   builder_.add_min_p(min_p);
   builder_.add_top_p(top_p);
   builder_.add_top_k(top_k);
-  builder_.add_z(z);
+  builder_.add_temperature(temperature);
+  builder_.add_x(x);
   return builder_.Finish();
 }
 
 struct GumbelMaxNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef GumbelMaxNodeBuilder Builder;
   enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
-    VT_SCORES = 4,
+    VT_X = 4,
     VT_TEMPERATURE = 6,
     VT_SEED = 8,
-    VT_OUT = 10
+    VT_THRESHOLD = 10,
+    VT_OUT = 12
   };
-  const backends::mlx::serialization::fb::Tid *scores() const {
-    return GetStruct<const backends::mlx::serialization::fb::Tid *>(VT_SCORES);
+  const backends::mlx::serialization::fb::Tid *x() const {
+    return GetStruct<const backends::mlx::serialization::fb::Tid *>(VT_X);
   }
   const backends::mlx::serialization::fb::Tid *temperature() const {
     return GetStruct<const backends::mlx::serialization::fb::Tid *>(VT_TEMPERATURE);
@@ -3116,15 +3128,19 @@ struct GumbelMaxNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   const backends::mlx::serialization::fb::Tid *seed() const {
     return GetStruct<const backends::mlx::serialization::fb::Tid *>(VT_SEED);
   }
+  const backends::mlx::serialization::fb::Tid *threshold() const {
+    return GetStruct<const backends::mlx::serialization::fb::Tid *>(VT_THRESHOLD);
+  }
   const backends::mlx::serialization::fb::Tid *out() const {
     return GetStruct<const backends::mlx::serialization::fb::Tid *>(VT_OUT);
   }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
     return VerifyTableStart(verifier) &&
-           VerifyFieldRequired<backends::mlx::serialization::fb::Tid>(verifier, VT_SCORES, 4) &&
+           VerifyFieldRequired<backends::mlx::serialization::fb::Tid>(verifier, VT_X, 4) &&
            VerifyFieldRequired<backends::mlx::serialization::fb::Tid>(verifier, VT_TEMPERATURE, 4) &&
            VerifyField<backends::mlx::serialization::fb::Tid>(verifier, VT_SEED, 4) &&
+           VerifyField<backends::mlx::serialization::fb::Tid>(verifier, VT_THRESHOLD, 4) &&
            VerifyFieldRequired<backends::mlx::serialization::fb::Tid>(verifier, VT_OUT, 4) &&
            verifier.EndTable();
   }
@@ -3134,14 +3150,17 @@ struct GumbelMaxNodeBuilder {
   typedef GumbelMaxNode Table;
   ::flatbuffers::FlatBufferBuilder &fbb_;
   ::flatbuffers::uoffset_t start_;
-  void add_scores(const backends::mlx::serialization::fb::Tid *scores) {
-    fbb_.AddStruct(GumbelMaxNode::VT_SCORES, scores);
+  void add_x(const backends::mlx::serialization::fb::Tid *x) {
+    fbb_.AddStruct(GumbelMaxNode::VT_X, x);
   }
   void add_temperature(const backends::mlx::serialization::fb::Tid *temperature) {
     fbb_.AddStruct(GumbelMaxNode::VT_TEMPERATURE, temperature);
   }
   void add_seed(const backends::mlx::serialization::fb::Tid *seed) {
     fbb_.AddStruct(GumbelMaxNode::VT_SEED, seed);
+  }
+  void add_threshold(const backends::mlx::serialization::fb::Tid *threshold) {
+    fbb_.AddStruct(GumbelMaxNode::VT_THRESHOLD, threshold);
   }
   void add_out(const backends::mlx::serialization::fb::Tid *out) {
     fbb_.AddStruct(GumbelMaxNode::VT_OUT, out);
@@ -3153,7 +3172,7 @@ struct GumbelMaxNodeBuilder {
   ::flatbuffers::Offset<GumbelMaxNode> Finish() {
     const auto end = fbb_.EndTable(start_);
     auto o = ::flatbuffers::Offset<GumbelMaxNode>(end);
-    fbb_.Required(o, GumbelMaxNode::VT_SCORES);
+    fbb_.Required(o, GumbelMaxNode::VT_X);
     fbb_.Required(o, GumbelMaxNode::VT_TEMPERATURE);
     fbb_.Required(o, GumbelMaxNode::VT_OUT);
     return o;
@@ -3162,15 +3181,17 @@ struct GumbelMaxNodeBuilder {
 
 inline ::flatbuffers::Offset<GumbelMaxNode> CreateGumbelMaxNode(
     ::flatbuffers::FlatBufferBuilder &_fbb,
-    const backends::mlx::serialization::fb::Tid *scores = nullptr,
+    const backends::mlx::serialization::fb::Tid *x = nullptr,
     const backends::mlx::serialization::fb::Tid *temperature = nullptr,
     const backends::mlx::serialization::fb::Tid *seed = nullptr,
+    const backends::mlx::serialization::fb::Tid *threshold = nullptr,
     const backends::mlx::serialization::fb::Tid *out = nullptr) {
   GumbelMaxNodeBuilder builder_(_fbb);
   builder_.add_out(out);
+  builder_.add_threshold(threshold);
   builder_.add_seed(seed);
   builder_.add_temperature(temperature);
-  builder_.add_scores(scores);
+  builder_.add_x(x);
   return builder_.Finish();
 }
 

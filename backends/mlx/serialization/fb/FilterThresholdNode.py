@@ -29,7 +29,7 @@ class FilterThresholdNode(object):
         self._tab = flatbuffers.table.Table(buf, pos)
 
     # FilterThresholdNode
-    def Z(self):
+    def X(self):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(4))
         if o != 0:
             x = o + self._tab.Pos
@@ -40,7 +40,7 @@ class FilterThresholdNode(object):
         return None
 
     # FilterThresholdNode
-    def TopK(self):
+    def Temperature(self):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(6))
         if o != 0:
             x = o + self._tab.Pos
@@ -51,7 +51,7 @@ class FilterThresholdNode(object):
         return None
 
     # FilterThresholdNode
-    def TopP(self):
+    def TopK(self):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
         if o != 0:
             x = o + self._tab.Pos
@@ -62,7 +62,7 @@ class FilterThresholdNode(object):
         return None
 
     # FilterThresholdNode
-    def MinP(self):
+    def TopP(self):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
         if o != 0:
             x = o + self._tab.Pos
@@ -73,15 +73,26 @@ class FilterThresholdNode(object):
         return None
 
     # FilterThresholdNode
-    def Candidates(self):
+    def MinP(self):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(12))
+        if o != 0:
+            x = o + self._tab.Pos
+            from backends.mlx.serialization.fb.Tid import Tid
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # FilterThresholdNode
+    def Candidates(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))
         if o != 0:
             return self._tab.Get(flatbuffers.number_types.Int32Flags, o + self._tab.Pos)
         return 256
 
     # FilterThresholdNode
     def Out(self):
-        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(16))
         if o != 0:
             x = o + self._tab.Pos
             from backends.mlx.serialization.fb.Tid import Tid
@@ -91,43 +102,49 @@ class FilterThresholdNode(object):
         return None
 
 def FilterThresholdNodeStart(builder):
-    builder.StartObject(6)
+    builder.StartObject(7)
 
 def Start(builder):
     FilterThresholdNodeStart(builder)
 
-def FilterThresholdNodeAddZ(builder, z):
-    builder.PrependStructSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(z), 0)
+def FilterThresholdNodeAddX(builder, x):
+    builder.PrependStructSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(x), 0)
 
-def AddZ(builder, z):
-    FilterThresholdNodeAddZ(builder, z)
+def AddX(builder, x):
+    FilterThresholdNodeAddX(builder, x)
+
+def FilterThresholdNodeAddTemperature(builder, temperature):
+    builder.PrependStructSlot(1, flatbuffers.number_types.UOffsetTFlags.py_type(temperature), 0)
+
+def AddTemperature(builder, temperature):
+    FilterThresholdNodeAddTemperature(builder, temperature)
 
 def FilterThresholdNodeAddTopK(builder, topK):
-    builder.PrependStructSlot(1, flatbuffers.number_types.UOffsetTFlags.py_type(topK), 0)
+    builder.PrependStructSlot(2, flatbuffers.number_types.UOffsetTFlags.py_type(topK), 0)
 
 def AddTopK(builder, topK):
     FilterThresholdNodeAddTopK(builder, topK)
 
 def FilterThresholdNodeAddTopP(builder, topP):
-    builder.PrependStructSlot(2, flatbuffers.number_types.UOffsetTFlags.py_type(topP), 0)
+    builder.PrependStructSlot(3, flatbuffers.number_types.UOffsetTFlags.py_type(topP), 0)
 
 def AddTopP(builder, topP):
     FilterThresholdNodeAddTopP(builder, topP)
 
 def FilterThresholdNodeAddMinP(builder, minP):
-    builder.PrependStructSlot(3, flatbuffers.number_types.UOffsetTFlags.py_type(minP), 0)
+    builder.PrependStructSlot(4, flatbuffers.number_types.UOffsetTFlags.py_type(minP), 0)
 
 def AddMinP(builder, minP):
     FilterThresholdNodeAddMinP(builder, minP)
 
 def FilterThresholdNodeAddCandidates(builder, candidates):
-    builder.PrependInt32Slot(4, candidates, 256)
+    builder.PrependInt32Slot(5, candidates, 256)
 
 def AddCandidates(builder, candidates):
     FilterThresholdNodeAddCandidates(builder, candidates)
 
 def FilterThresholdNodeAddOut(builder, out):
-    builder.PrependStructSlot(5, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
+    builder.PrependStructSlot(6, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
 
 def AddOut(builder, out):
     FilterThresholdNodeAddOut(builder, out)
@@ -149,14 +166,16 @@ class FilterThresholdNodeT(object):
     # FilterThresholdNodeT
     def __init__(
         self,
-        z = None,
+        x = None,
+        temperature = None,
         topK = None,
         topP = None,
         minP = None,
         candidates = 256,
         out = None,
     ):
-        self.z = z  # type: Optional[backends.mlx.serialization.fb.Tid.TidT]
+        self.x = x  # type: Optional[backends.mlx.serialization.fb.Tid.TidT]
+        self.temperature = temperature  # type: Optional[backends.mlx.serialization.fb.Tid.TidT]
         self.topK = topK  # type: Optional[backends.mlx.serialization.fb.Tid.TidT]
         self.topP = topP  # type: Optional[backends.mlx.serialization.fb.Tid.TidT]
         self.minP = minP  # type: Optional[backends.mlx.serialization.fb.Tid.TidT]
@@ -184,8 +203,10 @@ class FilterThresholdNodeT(object):
     def _UnPack(self, filterThresholdNode):
         if filterThresholdNode is None:
             return
-        if filterThresholdNode.Z() is not None:
-            self.z = backends.mlx.serialization.fb.Tid.TidT.InitFromObj(filterThresholdNode.Z())
+        if filterThresholdNode.X() is not None:
+            self.x = backends.mlx.serialization.fb.Tid.TidT.InitFromObj(filterThresholdNode.X())
+        if filterThresholdNode.Temperature() is not None:
+            self.temperature = backends.mlx.serialization.fb.Tid.TidT.InitFromObj(filterThresholdNode.Temperature())
         if filterThresholdNode.TopK() is not None:
             self.topK = backends.mlx.serialization.fb.Tid.TidT.InitFromObj(filterThresholdNode.TopK())
         if filterThresholdNode.TopP() is not None:
@@ -199,9 +220,12 @@ class FilterThresholdNodeT(object):
     # FilterThresholdNodeT
     def Pack(self, builder):
         FilterThresholdNodeStart(builder)
-        if self.z is not None:
-            z = self.z.Pack(builder)
-            FilterThresholdNodeAddZ(builder, z)
+        if self.x is not None:
+            x = self.x.Pack(builder)
+            FilterThresholdNodeAddX(builder, x)
+        if self.temperature is not None:
+            temperature = self.temperature.Pack(builder)
+            FilterThresholdNodeAddTemperature(builder, temperature)
         if self.topK is not None:
             topK = self.topK.Pack(builder)
             FilterThresholdNodeAddTopK(builder, topK)

@@ -29,7 +29,7 @@ class GumbelMaxNode(object):
         self._tab = flatbuffers.table.Table(buf, pos)
 
     # GumbelMaxNode
-    def Scores(self):
+    def X(self):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(4))
         if o != 0:
             x = o + self._tab.Pos
@@ -62,7 +62,7 @@ class GumbelMaxNode(object):
         return None
 
     # GumbelMaxNode
-    def Out(self):
+    def Threshold(self):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
         if o != 0:
             x = o + self._tab.Pos
@@ -72,17 +72,28 @@ class GumbelMaxNode(object):
             return obj
         return None
 
+    # GumbelMaxNode
+    def Out(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(12))
+        if o != 0:
+            x = o + self._tab.Pos
+            from backends.mlx.serialization.fb.Tid import Tid
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
 def GumbelMaxNodeStart(builder):
-    builder.StartObject(4)
+    builder.StartObject(5)
 
 def Start(builder):
     GumbelMaxNodeStart(builder)
 
-def GumbelMaxNodeAddScores(builder, scores):
-    builder.PrependStructSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(scores), 0)
+def GumbelMaxNodeAddX(builder, x):
+    builder.PrependStructSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(x), 0)
 
-def AddScores(builder, scores):
-    GumbelMaxNodeAddScores(builder, scores)
+def AddX(builder, x):
+    GumbelMaxNodeAddX(builder, x)
 
 def GumbelMaxNodeAddTemperature(builder, temperature):
     builder.PrependStructSlot(1, flatbuffers.number_types.UOffsetTFlags.py_type(temperature), 0)
@@ -96,8 +107,14 @@ def GumbelMaxNodeAddSeed(builder, seed):
 def AddSeed(builder, seed):
     GumbelMaxNodeAddSeed(builder, seed)
 
+def GumbelMaxNodeAddThreshold(builder, threshold):
+    builder.PrependStructSlot(3, flatbuffers.number_types.UOffsetTFlags.py_type(threshold), 0)
+
+def AddThreshold(builder, threshold):
+    GumbelMaxNodeAddThreshold(builder, threshold)
+
 def GumbelMaxNodeAddOut(builder, out):
-    builder.PrependStructSlot(3, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
+    builder.PrependStructSlot(4, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
 
 def AddOut(builder, out):
     GumbelMaxNodeAddOut(builder, out)
@@ -119,14 +136,16 @@ class GumbelMaxNodeT(object):
     # GumbelMaxNodeT
     def __init__(
         self,
-        scores = None,
+        x = None,
         temperature = None,
         seed = None,
+        threshold = None,
         out = None,
     ):
-        self.scores = scores  # type: Optional[backends.mlx.serialization.fb.Tid.TidT]
+        self.x = x  # type: Optional[backends.mlx.serialization.fb.Tid.TidT]
         self.temperature = temperature  # type: Optional[backends.mlx.serialization.fb.Tid.TidT]
         self.seed = seed  # type: Optional[backends.mlx.serialization.fb.Tid.TidT]
+        self.threshold = threshold  # type: Optional[backends.mlx.serialization.fb.Tid.TidT]
         self.out = out  # type: Optional[backends.mlx.serialization.fb.Tid.TidT]
 
     @classmethod
@@ -150,27 +169,32 @@ class GumbelMaxNodeT(object):
     def _UnPack(self, gumbelMaxNode):
         if gumbelMaxNode is None:
             return
-        if gumbelMaxNode.Scores() is not None:
-            self.scores = backends.mlx.serialization.fb.Tid.TidT.InitFromObj(gumbelMaxNode.Scores())
+        if gumbelMaxNode.X() is not None:
+            self.x = backends.mlx.serialization.fb.Tid.TidT.InitFromObj(gumbelMaxNode.X())
         if gumbelMaxNode.Temperature() is not None:
             self.temperature = backends.mlx.serialization.fb.Tid.TidT.InitFromObj(gumbelMaxNode.Temperature())
         if gumbelMaxNode.Seed() is not None:
             self.seed = backends.mlx.serialization.fb.Tid.TidT.InitFromObj(gumbelMaxNode.Seed())
+        if gumbelMaxNode.Threshold() is not None:
+            self.threshold = backends.mlx.serialization.fb.Tid.TidT.InitFromObj(gumbelMaxNode.Threshold())
         if gumbelMaxNode.Out() is not None:
             self.out = backends.mlx.serialization.fb.Tid.TidT.InitFromObj(gumbelMaxNode.Out())
 
     # GumbelMaxNodeT
     def Pack(self, builder):
         GumbelMaxNodeStart(builder)
-        if self.scores is not None:
-            scores = self.scores.Pack(builder)
-            GumbelMaxNodeAddScores(builder, scores)
+        if self.x is not None:
+            x = self.x.Pack(builder)
+            GumbelMaxNodeAddX(builder, x)
         if self.temperature is not None:
             temperature = self.temperature.Pack(builder)
             GumbelMaxNodeAddTemperature(builder, temperature)
         if self.seed is not None:
             seed = self.seed.Pack(builder)
             GumbelMaxNodeAddSeed(builder, seed)
+        if self.threshold is not None:
+            threshold = self.threshold.Pack(builder)
+            GumbelMaxNodeAddThreshold(builder, threshold)
         if self.out is not None:
             out = self.out.Pack(builder)
             GumbelMaxNodeAddOut(builder, out)
