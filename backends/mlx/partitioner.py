@@ -15,7 +15,7 @@ from executorch.exir.backend.canonical_partitioners.pattern_op_partitioner impor
     generate_partitions_from_list_of_nodes,
 )
 from executorch.exir.backend.partitioner import DelegationSpec, Partitioner, PartitionResult
-from executorch.exir.backend.utils import tag_constant_data
+from executorch.exir.backend.utils import tag_constant_data, tag_mutated_buffer
 from torch.export.exported_program import ExportedProgram
 from torch.fx.passes.operator_support import OperatorSupportBase
 
@@ -76,6 +76,8 @@ class MLXPartitioner(Partitioner):
             tags[tag] = self.delegation_spec
         if tags:
             tag_constant_data(exported_program)
+            # State mutated inside a partition (penalty counts, KV caches) is owned by the delegate.
+            tag_mutated_buffer(exported_program)
         return PartitionResult(tagged_exported_program=exported_program, partition_tags=tags)
 
     def report(self) -> str:

@@ -39,6 +39,8 @@ class ProgramBuilder:
         self.constants: list = []
         self.inputs: list = []
         self.outputs: list = []
+        self.mutable_buffers: list = []
+        self.buffer_slots: dict[str, int] = {}  # buffer target name -> its mutable tensor slot
         self.env: dict[torch.fx.Node, Any] = {}
 
     # ---- slots -----------------------------------------------------------
@@ -130,14 +132,15 @@ class ProgramBuilder:
     # ---- graph walk ------------------------------------------------------
     def build(self):
         sig = self.ep.graph_signature
-        if sig.buffers_to_mutate:
-            raise BuildError("buffer mutation inside the delegate is not supported yet")
         const_names = {**sig.inputs_to_parameters, **sig.inputs_to_buffers,
                        **sig.inputs_to_lifted_tensor_constants}
+        mutated = set(sig.buffers_to_mutate.values())
         user_inputs = set(sig.user_inputs)
         for node in self.ep.graph.nodes:
             if node.op == "placeholder":
-                if node.name in const_names:
+                if node.name in sig.inputs_to_buffers and sig.inputs_to_buffers[node.name] in mutated:
+                    self.env[node] = self._add_mutable_buffer(sig.inputs_to_buffers[node.name])
+                elif node.name in const_names:
                     self.env[node] = self.add_constant(self._constant_value(const_names[node.name]))
                 elif node.name in user_inputs:
                     self._add_input(node)
@@ -146,8 +149,16 @@ class ProgramBuilder:
             elif node.op == "call_function":
                 self._call(node)
             elif node.op == "output":
+                user_outputs = set(sig.user_outputs)
                 for out in node.args[0]:
-                    self._add_output(out)
+                    name = getattr(out, "name", None)
+                    if name in sig.buffers_to_mutate:
+                        # The delegate owns the state: write the new value into the buffer's slot.
+                        self.emit("CopyNode", x=self.tid(out), out=self.buffer_slots[sig.buffers_to_mutate[name]])
+                    elif name in user_outputs or name is None:
+                        self._add_output(out)
+                    else:
+                        raise BuildError(f"output {name} is neither a user output nor a buffer mutation")
             elif node.op != "get_attr":
                 raise BuildError(f"unsupported fx node kind {node.op}")
         graph = fbc.GraphT()
@@ -156,9 +167,21 @@ class ProgramBuilder:
         graph.constants = self.constants
         graph.inputs = self.inputs
         graph.outputs = self.outputs
-        graph.mutableBuffers = []
+        graph.mutableBuffers = self.mutable_buffers
         graph.instructions = self.instructions
         return graph
+
+    def _add_mutable_buffer(self, name: str) -> int:
+        """State the delegate keeps across calls, starting from the buffer's exported value."""
+        initial = len(self.constants)
+        self.add_constant(self._constant_value(name))
+        slot = self.new_tensor()
+        mb = fbc.MutableBufferT()
+        mb.slot = _tid(slot)
+        mb.initial = initial
+        self.mutable_buffers.append(mb)
+        self.buffer_slots[name] = slot
+        return slot
 
     def _constant_value(self, name: str) -> torch.Tensor:
         if name in self.ep.state_dict:
