@@ -50,13 +50,19 @@ def export_sampling_head(
         "min_p": torch.zeros(shape),
         "bias_ids": torch.zeros((batch, config.logit_bias) if per_row else (config.logit_bias,), dtype=torch.int64),
         "bias_values": torch.zeros((batch, config.logit_bias) if per_row else (config.logit_bias,)),
+        "presence_penalty": torch.zeros(shape),
+        "frequency_penalty": torch.zeros(shape),
+        "repetition_penalty": torch.ones(shape),
+        "penalty_reset": torch.zeros(shape, dtype=torch.int64),
+        "penalty_add": torch.full((batch, config.penalty_seed), -1, dtype=torch.int64),
     }
     for name in config.knob_names():
         kwargs[name] = examples[name]
     # Checked eagerly: inside a strict (dynamo) trace the same error arrives wrapped.
     check_sample_args(logits, kwargs["temperature"], kwargs.get("seed"))
     check_knobs(config, logits, {n: kwargs.get(n) for n in examples})
-    return export_to_pte(SamplingHead(model, config), example_args, kwargs, strict=strict)
+    head = SamplingHead(model, config, batch=batch, vocab=logits.shape[1])
+    return export_to_pte(head, example_args, kwargs, strict=strict)
 
 
 def sampler_inputs(config: SamplerConfig, model_args, temperature, seed=None, **knobs) -> list:

@@ -47,6 +47,16 @@ def check_knobs(config: SamplerConfig, logits: torch.Tensor, knobs: dict) -> Non
             if tuple(t.shape) not in ((config.logit_bias,), (batch, config.logit_bias)):
                 raise ValueError(f"{name} must be [{config.logit_bias}] or [{batch}, {config.logit_bias}], "
                                  f"got {tuple(t.shape)}")
+    if config.penalties:
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+            _check_row_knob(name, knobs[name], batch, _FLOATS)
+        _check_row_knob("penalty_reset", knobs["penalty_reset"], batch, _INTS + (torch.bool,))
+        if config.penalty_seed:
+            add = knobs["penalty_add"]
+            if not isinstance(add, torch.Tensor) or add.dtype not in _INTS:
+                raise TypeError("penalty_add must be an integer tensor")
+            if tuple(add.shape) != (batch, config.penalty_seed):
+                raise ValueError(f"penalty_add must be [{batch}, {config.penalty_seed}], got {tuple(add.shape)}")
     if config.logprobs > vocab:
         raise ValueError(f"logprobs={config.logprobs} exceeds the vocabulary ({vocab})")
 
@@ -63,9 +73,36 @@ def apply_logit_bias(x: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -
     return x.scatter_add(1, ids.clamp(0, vocab - 1), torch.where(valid, values, torch.zeros_like(values)))
 
 
-def process_and_sample(config: SamplerConfig, logits: torch.Tensor, temperature, seed, knobs: dict):
+def counts_for_step(counts: torch.Tensor, reset: torch.Tensor, add: torch.Tensor | None) -> torch.Tensor:
+    """The counts this step uses: rows reset to zero where asked, then `add` ids counted (-1 skipped)."""
+    batch, vocab = counts.shape
+    keep = (reset.reshape(-1).expand(batch) == 0).unsqueeze(1)
+    c = torch.where(keep, counts, torch.zeros_like(counts))
+    if add is not None:
+        valid = (add >= 0) & (add < vocab)
+        c = c.scatter_add(1, add.to(torch.int64).clamp(0, vocab - 1), valid.to(torch.int32))
+    return c
+
+
+def apply_penalties(x: torch.Tensor, counts: torch.Tensor, presence, frequency, repetition) -> torch.Tensor:
+    batch = x.shape[0]
+    seen = counts > 0
+    r = _rows(repetition, batch, torch.float32).unsqueeze(1)
+    x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+    f = _rows(frequency, batch, torch.float32).unsqueeze(1)
+    p = _rows(presence, batch, torch.float32).unsqueeze(1)
+    return x - counts.to(torch.float32) * f - seen.to(torch.float32) * p
+
+
+def process_and_sample(config: SamplerConfig, logits: torch.Tensor, temperature, seed, knobs: dict,
+                       counts_state: torch.Tensor | None = None):
     batch = logits.shape[0]
     x = logits.to(torch.float32)
+    counts = None
+    if config.penalties:
+        counts = counts_for_step(counts_state, knobs["penalty_reset"], knobs["penalty_add"])
+        x = apply_penalties(x, counts, knobs["presence_penalty"], knobs["frequency_penalty"],
+                            knobs["repetition_penalty"])
     if config.logit_bias:
         x = apply_logit_bias(x, knobs["bias_ids"], knobs["bias_values"])
     t = _rows(temperature, batch, torch.float32)
@@ -75,8 +112,13 @@ def process_and_sample(config: SamplerConfig, logits: torch.Tensor, temperature,
         thr = torch.ops.mlx.filter_threshold(x, t, row("top_k", torch.int64), row("top_p", torch.float32),
                                              row("min_p", torch.float32), config.candidates)
     tokens = torch.ops.mlx.sample_fused(x, t, seed, thr)
+    extra = ()
+    if counts is not None:
+        counts = counts.scatter_add(1, tokens.unsqueeze(1), torch.ones_like(tokens, dtype=torch.int32).unsqueeze(1))
+        counts_state.copy_(counts)
+        extra = (counts.clone(),) if config.expose_counts else ()  # a separate tensor from the state
     if not config.logprobs:
-        return tokens
+        return (tokens, *extra) if extra else tokens
     if config.logprobs_mode == "raw":
         scores = logits.to(torch.float32)
     else:
@@ -87,4 +129,4 @@ def process_and_sample(config: SamplerConfig, logits: torch.Tensor, temperature,
     dist = torch.log_softmax(scores, dim=-1)
     chosen = dist.gather(1, tokens.unsqueeze(1)).squeeze(1)
     top_logprobs, top_ids = torch.topk(dist, config.logprobs, dim=-1)
-    return tokens, chosen, top_ids, top_logprobs
+    return (tokens, chosen, top_ids, top_logprobs, *extra)

@@ -1,6 +1,9 @@
 """Which sampler features an exported program contains (chosen at export; values are inputs).
 
 Processing order, per row:
+  0. penalties        repetition (HF, llama.cpp: divide positive logits by r, multiply negative
+                      ones, for tokens seen), then presence and frequency (OpenAI:
+                      logit - count * frequency - (count > 0) * presence)
   1. logit bias       add the given values at the given ids (OpenAI's logit_bias; -100 bans)
   2. temperature      divide by T (rows with T <= 0 or NaN are greedy: argmax after step 1)
   3. top-k            keep the k best scores (ties at the k-th kept)
@@ -8,12 +11,20 @@ Processing order, per row:
   5. min-p            keep tokens with p >= min_p * p_max
   6. sample           Gumbel-max over the kept tokens (renormalized implicitly)
 
-Bias before temperature, as OpenAI and vLLM apply it to the logits, so a ban survives any
+Penalties first, on the model's own preferences (vLLM and llama.cpp also penalize before
+temperature and the filters; repetition before presence/frequency as vLLM does); bias after
+them, so an explicit -100 ban holds however the penalties moved a token. Bias before temperature, as OpenAI and vLLM apply it to the logits, so a ban survives any
 temperature; temperature before the filters (OpenAI, vLLM; llama.cpp applies it last), so
 top-p and min-p measure the distribution that is actually sampled; top-k before top-p, as in
 all three. Top-k, top-p and min-p then combine as an intersection of kept sets.
 
-"Off" values, per row: top_k <= 0 or >= V; top_p >= 1 (or NaN); min_p <= 0; bias 0.
+"Off" values, per row: top_k <= 0 or >= V; top_p >= 1 (or NaN); min_p <= 0; bias 0;
+presence and frequency 0; repetition 1.
+
+Penalty counts are state the program owns ([B, V] int32, on the device): every sampled token
+is counted; `penalty_reset` (1 per row) zeroes a row before the step (start of a sequence);
+`penalty_add` ([B, penalty_seed] ids, -1 = none) adds tokens before the step, which is how a
+caller seeds the counts from the prompt (or not: prompt counting is the caller's choice).
 Logprobs: "raw" (the default) is log_softmax of the model's logits: what OpenAI and vLLM
 report by default, independent of the sampling knobs, and what scoring needs. "processed"
 is log_softmax of the distribution actually sampled (after bias, temperature, filters; at
@@ -40,6 +51,9 @@ class SamplerConfig:
     logprobs: int = 0  # also return the chosen token's logprob and the top-N alternatives
     logprobs_mode: str = "raw"  # "raw": the model's softmax; "processed": after bias, T and filters
     candidates: int = 256  # scores sorted before falling back to a whole-row sort
+    penalties: bool = False  # presence / frequency / repetition with device-owned token counts
+    penalty_seed: int = 0  # ids per row that `penalty_add` can add to the counts in one step
+    expose_counts: bool = False  # also return the counts after the step (tests, debugging)
     # Draw with the fused GumbelMaxNode (one pass on CPU) even without other features. Every
     # non-plain program uses it; the plain default keeps the RandomBitsNode composition.
     fused: bool = False
@@ -51,6 +65,10 @@ class SamplerConfig:
             raise ValueError(f"logprobs must be an int >= 0, got {self.logprobs!r}")
         if self.logprobs_mode not in LOGPROB_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROB_MODES}, got {self.logprobs_mode!r}")
+        if not isinstance(self.penalty_seed, int) or self.penalty_seed < 0:
+            raise ValueError(f"penalty_seed must be an int >= 0, got {self.penalty_seed!r}")
+        if (self.penalty_seed or self.expose_counts) and not self.penalties:
+            raise ValueError("penalty_seed and expose_counts need penalties=True")
         if not isinstance(self.candidates, int) or self.candidates < 1:
             raise ValueError(f"candidates must be an int >= 1, got {self.candidates!r}")
 
@@ -61,10 +79,14 @@ class SamplerConfig:
     @property
     def plain(self) -> bool:
         """Temperature and seed only: the issue-3 program."""
-        return not (self.filters or self.logit_bias or self.logprobs or self.fused)
+        return not (self.filters or self.logit_bias or self.logprobs or self.fused or self.penalties)
 
     def knob_names(self) -> list[str]:
         names = [n for n in ("top_k", "top_p", "min_p") if getattr(self, n)]
         if self.logit_bias:
             names += ["bias_ids", "bias_values"]
+        if self.penalties:
+            names += ["presence_penalty", "frequency_penalty", "repetition_penalty", "penalty_reset"]
+            if self.penalty_seed:
+                names.append("penalty_add")
         return names

@@ -37,22 +37,35 @@ class SamplingHead(nn.Module):
     top-N ids [B, N], top-N logprobs [B, N]). Knobs enabled in `config` are keyword
     inputs named as in `SamplerConfig.knob_names()`, each a scalar or one value per row."""
 
-    def __init__(self, model: nn.Module, config: SamplerConfig | None = None):
+    def __init__(self, model: nn.Module, config: SamplerConfig | None = None, *, batch: int | None = None,
+                 vocab: int | None = None):
         super().__init__()
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         self.model = model
         self.config = config or SamplerConfig()
+        if self.config.penalties:
+            if not (isinstance(batch, int) and batch > 0 and isinstance(vocab, int) and vocab > 0):
+                raise ValueError("penalties keep [batch, vocab] counts: pass batch= and vocab= (positive ints)")
+            self.register_buffer("penalty_counts", torch.zeros(batch, vocab, dtype=torch.int32))
+        else:
+            self.penalty_counts = None
 
     def forward(self, *args, temperature: torch.Tensor, seed: torch.Tensor | None = None, top_k=None,
-                top_p=None, min_p=None, bias_ids=None, bias_values=None, **kwargs):
+                top_p=None, min_p=None, bias_ids=None, bias_values=None, presence_penalty=None,
+                frequency_penalty=None, repetition_penalty=None, penalty_reset=None, penalty_add=None, **kwargs):
         logits = last_position(self.model(*args, **kwargs))
         check_sample_args(logits, temperature, seed)
-        knobs = dict(top_k=top_k, top_p=top_p, min_p=min_p, bias_ids=bias_ids, bias_values=bias_values)
+        knobs = dict(top_k=top_k, top_p=top_p, min_p=min_p, bias_ids=bias_ids, bias_values=bias_values,
+                     presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                     repetition_penalty=repetition_penalty, penalty_reset=penalty_reset, penalty_add=penalty_add)
         check_knobs(self.config, logits, knobs)
+        if self.penalty_counts is not None and tuple(self.penalty_counts.shape) != tuple(logits.shape):
+            raise ValueError(f"penalty counts are {tuple(self.penalty_counts.shape)} but logits are "
+                             f"{tuple(logits.shape)}")
         if self.config.plain:
             return torch.ops.mlx.sample(logits, temperature, seed)
-        return process_and_sample(self.config, logits, temperature, seed, knobs)
+        return process_and_sample(self.config, logits, temperature, seed, knobs, self.penalty_counts)
 
 
 class GreedyHead(nn.Module):
