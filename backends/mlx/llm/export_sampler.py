@@ -65,14 +65,56 @@ def export_sampling_head(
     return export_to_pte(head, example_args, kwargs, strict=strict)
 
 
-def sampler_inputs(config: SamplerConfig, model_args, temperature, seed=None, **knobs) -> list:
-    """The runtime input list of an export_sampling_head program, in its order."""
+def check_values(config: SamplerConfig, temperature, vocab: int | None = None, **knobs) -> None:
+    """Reject knob values outside their documented ranges (the device would clamp them)."""
+
+    def values(name, t):
+        v = torch.as_tensor(t).detach().double().reshape(-1)
+        if bool(torch.isnan(v).any()):
+            raise ValueError(f"{name} contains NaN")
+        return v
+
+    if bool((values("temperature", temperature) < 0).any()):
+        raise ValueError("temperature must be >= 0 (0 = greedy)")
+    if "top_k" in knobs and bool((values("top_k", knobs["top_k"]) < 0).any()):
+        raise ValueError("top_k must be >= 0 (0 = off)")
+    if "top_p" in knobs:
+        p = values("top_p", knobs["top_p"])
+        if bool(((p <= 0) | (p > 1)).any()):
+            raise ValueError("top_p must be in (0, 1] (1 = off)")
+    if "min_p" in knobs:
+        m = values("min_p", knobs["min_p"])
+        if bool(((m < 0) | (m > 1)).any()):
+            raise ValueError("min_p must be in [0, 1] (0 = off)")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if name in knobs:
+            values(name, knobs[name])
+    if "repetition_penalty" in knobs and bool((values("repetition_penalty", knobs["repetition_penalty"]) <= 0).any()):
+        raise ValueError("repetition_penalty must be > 0 (1 = off)")
+    if "bias_values" in knobs:
+        b = values("bias_values", knobs["bias_values"])
+        if bool(((b < -100) | (b > 100)).any()):
+            raise ValueError("bias_values must be in [-100, 100] (OpenAI's logit_bias range)")
+    if "bias_ids" in knobs and vocab is not None:
+        ids = torch.as_tensor(knobs["bias_ids"])
+        if bool(((ids < 0) | (ids >= vocab)).any()):
+            raise ValueError(f"bias_ids must be token ids in [0, {vocab})")
+
+
+def sampler_inputs(config: SamplerConfig, model_args, temperature, seed=None, *, vocab: int | None = None,
+                   validate: bool = True, **knobs) -> list:
+    """The runtime input list of an export_sampling_head program, in its order.
+
+    With `validate` (the default) values outside their documented ranges raise ValueError;
+    pass validate=False to send them anyway (the device then clamps as documented)."""
     unknown = set(knobs) - set(config.knob_names())
     if unknown:
         raise ValueError(f"knobs not in this program: {sorted(unknown)}")
     missing = [n for n in config.knob_names() if n not in knobs]
     if missing:
         raise ValueError(f"missing knobs: {missing}")
+    if validate:
+        check_values(config, temperature, vocab, **knobs)
     inputs = [*model_args, temperature]
     if seed is not None:
         inputs.append(seed)
