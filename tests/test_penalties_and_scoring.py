@@ -129,3 +129,28 @@ def test_scoring_rejects_bad_targets():
         head(torch.zeros(2, 3, dtype=torch.int64), targets=torch.zeros(2, 4, dtype=torch.int64))
     with pytest.raises(TypeError, match="targets"):
         head(torch.zeros(2, 3, dtype=torch.int64), targets=torch.zeros(2, 3))
+
+
+def test_window_counts_only_the_last_tokens():
+    batch, vocab, width = 3, 25, 5
+    config = SamplerConfig(penalties=True, penalty_seed=4, penalty_window=width, expose_counts=True)
+    method = load_method(export_sampling_head(LogitsInput(), (torch.zeros(batch, vocab),), config=config,
+                                              per_row=True).pte)
+    head = SamplingHead(LogitsInput(), config, batch=batch, vocab=vocab)
+    logits = torch.randn(batch, vocab)
+    history: list[list[int]] = [[] for _ in range(batch)]
+    prompt = [4, 9, 9, -1]
+    for step in range(12):
+        first = step == 0
+        knobs = _knobs(batch, presence=0.4, frequency=0.6, repetition=1.3, reset=int(first),
+                       add=prompt if first else None)
+        seeds = torch.arange(batch) * 77 + step
+        tokens, counts = method.execute(sampler_inputs(config, [logits], torch.ones(batch), seeds, **knobs))
+        eager_tokens, eager_counts = head(logits, temperature=torch.ones(batch), seed=seeds, **knobs)
+        assert torch.equal(tokens, eager_tokens) and torch.equal(counts, eager_counts)
+        for r in range(batch):
+            if first:
+                history[r] = [t for t in prompt if t >= 0]
+            history[r].append(int(tokens[r]))
+            expected = np.bincount(history[r][-width:], minlength=vocab)
+            assert np.array_equal(counts[r].numpy(), expected), f"step {step} row {r}"

@@ -95,6 +95,12 @@ def check_values(config: SamplerConfig, temperature, vocab: int | None = None, *
         b = values("bias_values", knobs["bias_values"])
         if bool(((b < -100) | (b > 100)).any()):
             raise ValueError("bias_values must be in [-100, 100] (OpenAI's logit_bias range)")
+    if "penalty_add" in knobs:
+        add = torch.as_tensor(knobs["penalty_add"])
+        if add.numel() and bool(((add[..., 1:] >= 0) & (add[..., :-1] < 0)).any()):
+            raise ValueError("penalty_add must be left-aligned: ids first, -1 only as trailing padding")
+        if vocab is not None and bool((add >= vocab).any()):
+            raise ValueError(f"penalty_add ids must be < {vocab}")
     if "bias_ids" in knobs and vocab is not None:
         ids = torch.as_tensor(knobs["bias_ids"])
         if bool(((ids < 0) | (ids >= vocab)).any()):

@@ -84,6 +84,26 @@ def counts_for_step(counts: torch.Tensor, reset: torch.Tensor, add: torch.Tensor
     return c
 
 
+def window_for_step(window: torch.Tensor, reset: torch.Tensor, add: torch.Tensor | None) -> torch.Tensor:
+    """The recent-token window this step uses (oldest first, -1 = empty): rows reset where asked,
+    then the `add` ids appended (left-aligned, -1 padding), keeping the last W."""
+    batch, width = window.shape
+    keep = (reset.reshape(-1).expand(batch) == 0).unsqueeze(1)
+    w = torch.where(keep, window, torch.full_like(window, -1))
+    if add is None:
+        return w
+    add = add.to(torch.int64)
+    added = (add >= 0).sum(1, keepdim=True)
+    history = torch.cat([w, add], 1)
+    return history.gather(1, added + torch.arange(width).unsqueeze(0))
+
+
+def counts_of_window(window: torch.Tensor, vocab: int) -> torch.Tensor:
+    valid = (window >= 0) & (window < vocab)
+    zeros = torch.zeros(window.shape[0], vocab, dtype=torch.int32)
+    return zeros.scatter_add(1, window.clamp(0, vocab - 1), valid.to(torch.int32))
+
+
 def apply_penalties(x: torch.Tensor, counts: torch.Tensor, presence, frequency, repetition) -> torch.Tensor:
     batch = x.shape[0]
     seen = counts > 0
@@ -98,9 +118,14 @@ def process_and_sample(config: SamplerConfig, logits: torch.Tensor, temperature,
                        counts_state: torch.Tensor | None = None):
     batch = logits.shape[0]
     x = logits.to(torch.float32)
-    counts = None
-    if config.penalties:
+    counts = window = None
+    vocab = logits.shape[1]
+    if config.penalties and config.penalty_window:
+        window = window_for_step(counts_state, knobs["penalty_reset"], knobs["penalty_add"])
+        counts = counts_of_window(window, vocab)
+    elif config.penalties:
         counts = counts_for_step(counts_state, knobs["penalty_reset"], knobs["penalty_add"])
+    if counts is not None:
         x = apply_penalties(x, counts, knobs["presence_penalty"], knobs["frequency_penalty"],
                             knobs["repetition_penalty"])
     if config.logit_bias:
@@ -113,7 +138,11 @@ def process_and_sample(config: SamplerConfig, logits: torch.Tensor, temperature,
                                              row("min_p", torch.float32), config.candidates)
     tokens = torch.ops.mlx.sample_fused(x, t, seed, thr)
     extra = ()
-    if counts is not None:
+    if window is not None:
+        window = torch.cat([window, tokens.unsqueeze(1)], 1)[:, 1:]
+        counts_state.copy_(window)
+        extra = (counts_of_window(window, vocab),) if config.expose_counts else ()
+    elif counts is not None:
         counts = counts.scatter_add(1, tokens.unsqueeze(1), torch.ones_like(tokens, dtype=torch.int32).unsqueeze(1))
         counts_state.copy_(counts)
         extra = (counts.clone(),) if config.expose_counts else ()  # a separate tensor from the state

@@ -25,6 +25,9 @@ Penalty counts are state the program owns ([B, V] int32, on the device): every s
 is counted; `penalty_reset` (1 per row) zeroes a row before the step (start of a sequence);
 `penalty_add` ([B, penalty_seed] ids, -1 = none) adds tokens before the step, which is how a
 caller seeds the counts from the prompt (or not: prompt counting is the caller's choice).
+With `penalty_window = W` only the last W tokens count (prompt tokens added through
+`penalty_add` included, in order; pass them left-aligned, -1 only as trailing padding): the
+state is then the [B, W] window of recent ids instead of [B, V] counts.
 Logprobs: "raw" (the default) is log_softmax of the model's logits: what OpenAI and vLLM
 report by default, independent of the sampling knobs, and what scoring needs. "processed"
 is log_softmax of the distribution actually sampled (after bias, temperature, filters; at
@@ -53,6 +56,7 @@ class SamplerConfig:
     candidates: int = 256  # scores sorted before falling back to a whole-row sort
     penalties: bool = False  # presence / frequency / repetition with device-owned token counts
     penalty_seed: int = 0  # ids per row that `penalty_add` can add to the counts in one step
+    penalty_window: int = 0  # count only the last N tokens (0: every token since the reset)
     expose_counts: bool = False  # also return the counts after the step (tests, debugging)
     # Draw with the fused GumbelMaxNode (one pass on CPU) even without other features. Every
     # non-plain program uses it; the plain default keeps the RandomBitsNode composition.
@@ -67,8 +71,10 @@ class SamplerConfig:
             raise ValueError(f"logprobs_mode must be one of {LOGPROB_MODES}, got {self.logprobs_mode!r}")
         if not isinstance(self.penalty_seed, int) or self.penalty_seed < 0:
             raise ValueError(f"penalty_seed must be an int >= 0, got {self.penalty_seed!r}")
-        if (self.penalty_seed or self.expose_counts) and not self.penalties:
-            raise ValueError("penalty_seed and expose_counts need penalties=True")
+        if not isinstance(self.penalty_window, int) or self.penalty_window < 0:
+            raise ValueError(f"penalty_window must be an int >= 0, got {self.penalty_window!r}")
+        if (self.penalty_seed or self.expose_counts or self.penalty_window) and not self.penalties:
+            raise ValueError("penalty_seed, penalty_window and expose_counts need penalties=True")
         if not isinstance(self.candidates, int) or self.candidates < 1:
             raise ValueError(f"candidates must be an int >= 1, got {self.candidates!r}")
 

@@ -47,9 +47,17 @@ class SamplingHead(nn.Module):
         if self.config.penalties:
             if not (isinstance(batch, int) and batch > 0 and isinstance(vocab, int) and vocab > 0):
                 raise ValueError("penalties keep [batch, vocab] counts: pass batch= and vocab= (positive ints)")
-            self.register_buffer("penalty_counts", torch.zeros(batch, vocab, dtype=torch.int32))
+            if self.config.penalty_window:
+                self.register_buffer("penalty_window", torch.full((batch, self.config.penalty_window), -1,
+                                                                  dtype=torch.int64))
+                self.penalty_counts = None
+            else:
+                self.register_buffer("penalty_counts", torch.zeros(batch, vocab, dtype=torch.int32))
+                self.penalty_window = None
+            self.vocab = vocab
         else:
             self.penalty_counts = None
+            self.penalty_window = None
 
     def forward(self, *args, temperature: torch.Tensor, seed: torch.Tensor | None = None, top_k=None,
                 top_p=None, min_p=None, bias_ids=None, bias_values=None, presence_penalty=None,
@@ -60,12 +68,13 @@ class SamplingHead(nn.Module):
                      presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                      repetition_penalty=repetition_penalty, penalty_reset=penalty_reset, penalty_add=penalty_add)
         check_knobs(self.config, logits, knobs)
-        if self.penalty_counts is not None and tuple(self.penalty_counts.shape) != tuple(logits.shape):
-            raise ValueError(f"penalty counts are {tuple(self.penalty_counts.shape)} but logits are "
+        state = self.penalty_counts if self.penalty_counts is not None else self.penalty_window
+        if state is not None and (state.shape[0] != logits.shape[0] or self.vocab != logits.shape[1]):
+            raise ValueError(f"penalty state is for batch {state.shape[0]} and vocab {self.vocab} but logits are "
                              f"{tuple(logits.shape)}")
         if self.config.plain:
             return torch.ops.mlx.sample(logits, temperature, seed)
-        return process_and_sample(self.config, logits, temperature, seed, knobs, self.penalty_counts)
+        return process_and_sample(self.config, logits, temperature, seed, knobs, state)
 
 
 class GreedyHead(nn.Module):
