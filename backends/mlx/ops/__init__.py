@@ -7,6 +7,7 @@ from backends.mlx.ops import (  # noqa: F401
     elementwise,
     indexing,
     linalg,
+    normalization,
     reduction,
     sampling,
     shape,

@@ -38,7 +38,8 @@ def promoted(a, b) -> torch.dtype:
 
 
 def float_only(node: torch.fx.Node):
-    return None if out_dtype(node) in FLOAT_DTYPES else f"needs a floating dtype, got {out_dtype(node)}"
+    dtype = out_dtype(node) if isinstance(node.meta["val"], torch.Tensor) else node.meta["val"][0].dtype
+    return None if dtype in FLOAT_DTYPES else f"needs a floating dtype, got {dtype}"
 
 
 def static_shape(node: torch.fx.Node):

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import torch
+
 from backends.mlx.builder.registry import REGISTRY
 from backends.mlx.ops.common import aten, ndim, norm_axis, out_dtype
+from backends.mlx.serialization.fb.BinaryOp import BinaryOp
 from backends.mlx.serialization.fb.ScatterMode import ScatterMode
 
 
@@ -103,3 +106,54 @@ def _scatter(mode):
 
 REGISTRY.register(aten.scatter.src, aten.scatter.value, supports=_scatter_supported)(_scatter(ScatterMode.Replace))
 REGISTRY.register(aten.scatter_add.default, supports=_scatter_supported)(_scatter(ScatterMode.Add))
+
+
+def _index_supported(node):
+    src, indices = node.args[:2]
+    present = [i for i, t in enumerate(indices) if t is not None]
+    if not present:
+        return "indexing without an index tensor"
+    if any(indices[i].meta["val"].dtype not in (torch.int32, torch.int64) for i in present):
+        return "boolean-mask indexing is not supported"
+    if len(present) > 1:
+        if present != list(range(len(present))):
+            return "several index tensors must be the leading dims, with no gaps"
+        if not all(isinstance(d, int) for d in src.meta["val"].shape[: len(present)]):
+            return "several index tensors need static sizes on the indexed dims"
+    return None
+
+
+def _wrapped(b, idx_tid, size):
+    """Negative indices count from the end, as in PyTorch."""
+    i64 = torch.int64
+    negative = b.op("BinaryNode", op=BinaryOp.Less, a=idx_tid, b=b.full(0, i64))
+    return b.op("WhereNode", cond=negative, x=b.op("BinaryNode", op=BinaryOp.Add, a=idx_tid, b=b.full(size, i64)),
+                y=idx_tid)
+
+
+@REGISTRY.register(aten.index.Tensor, supports=_index_supported)
+def _index(b, node):
+    """x[i0, i1, ..., :] with integer index tensors.
+
+    One index tensor (any dim): a take along that axis. Several leading ones: they broadcast
+    together and become one flat index into x viewed as [prod(indexed dims), rest...]."""
+    src, indices = node.args[:2]
+    present = [i for i, t in enumerate(indices) if t is not None]
+    if len(present) == 1:
+        axis = present[0]
+        return b.op("TakeNode", x=b.tid(src), indices=b.tid(indices[axis]), axis=axis)
+    shape = list(src.meta["val"].shape)
+    k = len(present)
+    flat = None
+    for d in range(k):
+        idx = _wrapped(b, b.operand(indices[d], torch.int64), shape[d])
+        stride = 1
+        for s in shape[d + 1:k]:
+            stride *= s
+        term = idx if stride == 1 else b.op("BinaryNode", op=BinaryOp.Multiply, a=idx, b=b.full(stride, torch.int64))
+        flat = term if flat is None else b.op("BinaryNode", op=BinaryOp.Add, a=flat, b=term)
+    lead = 1
+    for s in shape[:k]:
+        lead *= s
+    view = b.op("ReshapeNode", x=b.tid(src), shape=[lead, *[b.int_or_vid(s) for s in shape[k:]]])
+    return b.op("TakeNode", x=view, indices=flat, axis=0)

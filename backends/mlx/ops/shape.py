@@ -112,3 +112,20 @@ def _sym_size(b, node):
     out = b.new_value()
     b.emit("SymSizeNode", x=b.tid(src), axis=norm_axis(dim, ndim(src)), out=out)
     return out
+
+
+@REGISTRY.register(aten.split_with_sizes_copy.default, aten.split_with_sizes.default, aten.split_copy.Tensor,
+                   aten.split.Tensor)
+def _split(b, node):
+    """Consecutive slices along one axis (split.Tensor's single size repeats, the last may be short)."""
+    src, sizes = node.args[:2]
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+    axis = norm_axis(dim, ndim(src))
+    total = src.meta["val"].shape[axis]
+    if isinstance(sizes, int):
+        sizes = [min(sizes, total - start) for start in range(0, total, sizes)]
+    outs, start = [], 0
+    for size in sizes:
+        outs.append(b.op("SliceNode", x=b.tid(src), axis=axis, start=start, stop=start + size))
+        start += size
+    return tuple(outs)
