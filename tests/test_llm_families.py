@@ -75,3 +75,47 @@ def test_sampling_head_on_a_language_model(make):
         for seed in range(5):
             sampled = method.execute([ids, torch.tensor(0.8), torch.tensor(seed)])[0]
             assert torch.equal(sampled, head(ids, temperature=torch.tensor(0.8), seed=torch.tensor(seed)))
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self, causal=False, gqa=False, masked=False):
+        super().__init__()
+        self.causal, self.gqa, self.masked = causal, gqa, masked
+
+    def forward(self, q, k, v, mask):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask if self.masked else None, is_causal=self.causal, enable_gqa=self.gqa)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["plain", "causal", "gqa_causal", "bool_mask", "float_mask"])
+def test_sdpa_lowers_to_the_fused_kernel_and_matches_eager(kind, dtype):
+    torch.manual_seed(0)
+    b, h, hkv, length, d = 2, 4, (2 if "gqa" in kind else 4), 6, 8
+    q = torch.randn(b, h, length, d).to(dtype)
+    k = torch.randn(b, hkv, length, d).to(dtype)
+    v = torch.randn(b, hkv, length, d).to(dtype)
+    if kind == "bool_mask":
+        mask = torch.rand(b, 1, length, length) > 0.3
+        mask[..., 0] = True  # every query attends somewhere
+    else:
+        mask = (torch.randn(b, 1, length, length) * 2).to(dtype)
+    module = _Attention(causal="causal" in kind, gqa="gqa" in kind, masked="mask" in kind)
+    result = export_to_pte(module, (q, k, v, mask))
+    assert result.ops_outside == 0, result.summary()
+    out = load_method(result.pte).execute([q, k, v, mask])[0]
+    tol = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
+    torch.testing.assert_close(out, module(q, k, v, mask), atol=tol, rtol=tol)
+
+
+def test_llama_with_sdpa_attention_is_fully_delegated():
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                         attn_implementation="sdpa"))
+    wrapped = Logits(model.eval())
+    ids = torch.randint(0, VOCAB, (1, 9))
+    result = export_to_pte(wrapped, (ids,))
+    assert result.ops_outside == 0, result.summary()
+    with torch.no_grad():
+        torch.testing.assert_close(load_method(result.pte).execute([ids])[0], wrapped(ids), atol=1e-5, rtol=1e-5)

@@ -1,6 +1,7 @@
 """Op handlers, one module per op family. Importing this package registers them all."""
 
 from backends.mlx.ops import (  # noqa: F401
+    attention,
     cast,
     comparison,
     creation,

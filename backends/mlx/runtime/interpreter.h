@@ -68,6 +68,7 @@ class Interpreter {
   bool exec_random_bits(const fb::RandomBitsNode& n);  // random_bits.cpp
   bool exec_filter_threshold(const fb::FilterThresholdNode& n);  // filter_threshold.cpp
   bool exec_gumbel_max(const fb::GumbelMaxNode& n);  // gumbel_max.cpp
+  bool exec_sdpa(const fb::SdpaNode& n);  // attention.cpp
   bool unknown_node(int type);
 
   // Slot access. read() returns nullptr (after logging) for an unset or

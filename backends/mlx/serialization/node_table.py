@@ -36,6 +36,7 @@ NODE_TAGS = {
     'RandomBitsNode': 28,
     'FilterThresholdNode': 29,
     'GumbelMaxNode': 30,
+    'SdpaNode': 31,
 }
 
 # union member name -> {field: schema type}, in declaration order
@@ -70,4 +71,5 @@ NODE_FIELDS = {
     'RandomBitsNode': {'shape': '[IntOrVid]', 'seed': 'Tid', 'width': 'int', 'out': 'Tid'},
     'FilterThresholdNode': {'x': 'Tid', 'temperature': 'Tid', 'top_k': 'Tid', 'top_p': 'Tid', 'min_p': 'Tid', 'candidates': 'int', 'out': 'Tid'},
     'GumbelMaxNode': {'x': 'Tid', 'temperature': 'Tid', 'seed': 'Tid', 'threshold': 'Tid', 'out': 'Tid'},
+    'SdpaNode': {'q': 'Tid', 'k': 'Tid', 'v': 'Tid', 'mask': 'Tid', 'scale': 'float', 'causal': 'bool', 'out': 'Tid'},
 }

@@ -115,6 +115,9 @@ struct FilterThresholdNodeBuilder;
 struct GumbelMaxNode;
 struct GumbelMaxNodeBuilder;
 
+struct SdpaNode;
+struct SdpaNodeBuilder;
+
 struct Instruction;
 struct InstructionBuilder;
 
@@ -501,11 +504,12 @@ enum class Node : uint8_t {
   RandomBitsNode = 28,
   FilterThresholdNode = 29,
   GumbelMaxNode = 30,
+  SdpaNode = 31,
   MIN = NONE,
-  MAX = GumbelMaxNode
+  MAX = SdpaNode
 };
 
-inline const Node (&EnumValuesNode())[31] {
+inline const Node (&EnumValuesNode())[32] {
   static const Node values[] = {
     Node::NONE,
     Node::UnaryNode,
@@ -537,13 +541,14 @@ inline const Node (&EnumValuesNode())[31] {
     Node::SymSizeNode,
     Node::RandomBitsNode,
     Node::FilterThresholdNode,
-    Node::GumbelMaxNode
+    Node::GumbelMaxNode,
+    Node::SdpaNode
   };
   return values;
 }
 
 inline const char * const *EnumNamesNode() {
-  static const char * const names[32] = {
+  static const char * const names[33] = {
     "NONE",
     "UnaryNode",
     "BinaryNode",
@@ -575,13 +580,14 @@ inline const char * const *EnumNamesNode() {
     "RandomBitsNode",
     "FilterThresholdNode",
     "GumbelMaxNode",
+    "SdpaNode",
     nullptr
   };
   return names;
 }
 
 inline const char *EnumNameNode(Node e) {
-  if (::flatbuffers::IsOutRange(e, Node::NONE, Node::GumbelMaxNode)) return "";
+  if (::flatbuffers::IsOutRange(e, Node::NONE, Node::SdpaNode)) return "";
   const size_t index = static_cast<size_t>(e);
   return EnumNamesNode()[index];
 }
@@ -708,6 +714,10 @@ template<> struct NodeTraits<backends::mlx::serialization::fb::FilterThresholdNo
 
 template<> struct NodeTraits<backends::mlx::serialization::fb::GumbelMaxNode> {
   static const Node enum_value = Node::GumbelMaxNode;
+};
+
+template<> struct NodeTraits<backends::mlx::serialization::fb::SdpaNode> {
+  static const Node enum_value = Node::SdpaNode;
 };
 
 template <bool B = false>
@@ -3195,6 +3205,112 @@ inline ::flatbuffers::Offset<GumbelMaxNode> CreateGumbelMaxNode(
   return builder_.Finish();
 }
 
+struct SdpaNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef SdpaNodeBuilder Builder;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_Q = 4,
+    VT_K = 6,
+    VT_V = 8,
+    VT_MASK = 10,
+    VT_SCALE = 12,
+    VT_CAUSAL = 14,
+    VT_OUT = 16
+  };
+  const backends::mlx::serialization::fb::Tid *q() const {
+    return GetStruct<const backends::mlx::serialization::fb::Tid *>(VT_Q);
+  }
+  const backends::mlx::serialization::fb::Tid *k() const {
+    return GetStruct<const backends::mlx::serialization::fb::Tid *>(VT_K);
+  }
+  const backends::mlx::serialization::fb::Tid *v() const {
+    return GetStruct<const backends::mlx::serialization::fb::Tid *>(VT_V);
+  }
+  const backends::mlx::serialization::fb::Tid *mask() const {
+    return GetStruct<const backends::mlx::serialization::fb::Tid *>(VT_MASK);
+  }
+  float scale() const {
+    return GetField<float>(VT_SCALE, 0.0f);
+  }
+  bool causal() const {
+    return GetField<uint8_t>(VT_CAUSAL, 0) != 0;
+  }
+  const backends::mlx::serialization::fb::Tid *out() const {
+    return GetStruct<const backends::mlx::serialization::fb::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<backends::mlx::serialization::fb::Tid>(verifier, VT_Q, 4) &&
+           VerifyFieldRequired<backends::mlx::serialization::fb::Tid>(verifier, VT_K, 4) &&
+           VerifyFieldRequired<backends::mlx::serialization::fb::Tid>(verifier, VT_V, 4) &&
+           VerifyField<backends::mlx::serialization::fb::Tid>(verifier, VT_MASK, 4) &&
+           VerifyField<float>(verifier, VT_SCALE, 4) &&
+           VerifyField<uint8_t>(verifier, VT_CAUSAL, 1) &&
+           VerifyFieldRequired<backends::mlx::serialization::fb::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct SdpaNodeBuilder {
+  typedef SdpaNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_q(const backends::mlx::serialization::fb::Tid *q) {
+    fbb_.AddStruct(SdpaNode::VT_Q, q);
+  }
+  void add_k(const backends::mlx::serialization::fb::Tid *k) {
+    fbb_.AddStruct(SdpaNode::VT_K, k);
+  }
+  void add_v(const backends::mlx::serialization::fb::Tid *v) {
+    fbb_.AddStruct(SdpaNode::VT_V, v);
+  }
+  void add_mask(const backends::mlx::serialization::fb::Tid *mask) {
+    fbb_.AddStruct(SdpaNode::VT_MASK, mask);
+  }
+  void add_scale(float scale) {
+    fbb_.AddElement<float>(SdpaNode::VT_SCALE, scale, 0.0f);
+  }
+  void add_causal(bool causal) {
+    fbb_.AddElement<uint8_t>(SdpaNode::VT_CAUSAL, static_cast<uint8_t>(causal), 0);
+  }
+  void add_out(const backends::mlx::serialization::fb::Tid *out) {
+    fbb_.AddStruct(SdpaNode::VT_OUT, out);
+  }
+  explicit SdpaNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<SdpaNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<SdpaNode>(end);
+    fbb_.Required(o, SdpaNode::VT_Q);
+    fbb_.Required(o, SdpaNode::VT_K);
+    fbb_.Required(o, SdpaNode::VT_V);
+    fbb_.Required(o, SdpaNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<SdpaNode> CreateSdpaNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const backends::mlx::serialization::fb::Tid *q = nullptr,
+    const backends::mlx::serialization::fb::Tid *k = nullptr,
+    const backends::mlx::serialization::fb::Tid *v = nullptr,
+    const backends::mlx::serialization::fb::Tid *mask = nullptr,
+    float scale = 0.0f,
+    bool causal = false,
+    const backends::mlx::serialization::fb::Tid *out = nullptr) {
+  SdpaNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_scale(scale);
+  builder_.add_mask(mask);
+  builder_.add_v(v);
+  builder_.add_k(k);
+  builder_.add_q(q);
+  builder_.add_causal(causal);
+  return builder_.Finish();
+}
+
 struct Instruction FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef InstructionBuilder Builder;
   enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
@@ -3297,6 +3413,9 @@ struct Instruction FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   }
   const backends::mlx::serialization::fb::GumbelMaxNode *node_as_GumbelMaxNode() const {
     return node_type() == backends::mlx::serialization::fb::Node::GumbelMaxNode ? static_cast<const backends::mlx::serialization::fb::GumbelMaxNode *>(node()) : nullptr;
+  }
+  const backends::mlx::serialization::fb::SdpaNode *node_as_SdpaNode() const {
+    return node_type() == backends::mlx::serialization::fb::Node::SdpaNode ? static_cast<const backends::mlx::serialization::fb::SdpaNode *>(node()) : nullptr;
   }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
@@ -3426,6 +3545,10 @@ template<> inline const backends::mlx::serialization::fb::FilterThresholdNode *I
 
 template<> inline const backends::mlx::serialization::fb::GumbelMaxNode *Instruction::node_as<backends::mlx::serialization::fb::GumbelMaxNode>() const {
   return node_as_GumbelMaxNode();
+}
+
+template<> inline const backends::mlx::serialization::fb::SdpaNode *Instruction::node_as<backends::mlx::serialization::fb::SdpaNode>() const {
+  return node_as_SdpaNode();
 }
 
 struct InstructionBuilder {
@@ -3973,6 +4096,10 @@ inline bool VerifyNode(::flatbuffers::VerifierTemplate<B> &verifier, const void 
     }
     case Node::GumbelMaxNode: {
       auto ptr = reinterpret_cast<const backends::mlx::serialization::fb::GumbelMaxNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Node::SdpaNode: {
+      auto ptr = reinterpret_cast<const backends::mlx::serialization::fb::SdpaNode *>(obj);
       return verifier.VerifyTable(ptr);
     }
     default: return true;

@@ -34,6 +34,7 @@ class Node(object):
     RandomBitsNode = 28
     FilterThresholdNode = 29
     GumbelMaxNode = 30
+    SdpaNode = 31
 
 def NodeCreator(unionType, table):
     from flatbuffers.table import Table
@@ -129,4 +130,7 @@ def NodeCreator(unionType, table):
     if unionType == Node.GumbelMaxNode:
         import backends.mlx.serialization.fb.GumbelMaxNode
         return backends.mlx.serialization.fb.GumbelMaxNode.GumbelMaxNodeT.InitFromBuf(table.Bytes, table.Pos)
+    if unionType == Node.SdpaNode:
+        import backends.mlx.serialization.fb.SdpaNode
+        return backends.mlx.serialization.fb.SdpaNode.SdpaNodeT.InitFromBuf(table.Bytes, table.Pos)
     return None

@@ -1,0 +1,52 @@
+"""scaled_dot_product_attention, kept whole and lowered to MLX's fused attention kernel."""
+
+from __future__ import annotations
+
+import math
+
+from backends.mlx.builder.registry import REGISTRY
+from backends.mlx.ops.common import aten, float_only
+
+
+def _sdpa_args(node):
+    names = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal"]
+    args = dict(zip(names, node.args))
+    for name in names[3:] + ["scale", "enable_gqa"]:
+        if name in node.kwargs:
+            args[name] = node.kwargs[name]
+    return args
+
+
+def _sdpa_supported(node):
+    reason = float_only(node)
+    if reason:
+        return reason
+    a = _sdpa_args(node)
+    if a.get("dropout_p", 0.0):
+        return "attention dropout is not supported"
+    q, k = a["query"].meta["val"], a["key"].meta["val"]
+    if q.dim() != 4 or k.dim() != 4:
+        return "attention needs 4-d q, k, v"
+    if not all(isinstance(d, int) for d in q.shape) or not all(isinstance(d, int) for d in k.shape):
+        return "attention with symbolic shapes is not supported yet"
+    if q.shape[1] % k.shape[1]:
+        return "query heads must be a multiple of key/value heads"
+    if a.get("is_causal", False) and a.get("attn_mask") is not None:
+        return "is_causal together with attn_mask"
+    if a.get("is_causal", False) and q.shape[2] != k.shape[2]:
+        return "causal attention with L != S"
+    return None
+
+
+@REGISTRY.register(aten.scaled_dot_product_attention.default, supports=_sdpa_supported)
+def _sdpa(b, node):
+    a = _sdpa_args(node)
+    q = a["query"]
+    scale = a.get("scale")
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.meta["val"].shape[-1])
+    fields = dict(q=b.tid(q), k=b.tid(a["key"]), v=b.tid(a["value"]), scale=float(scale),
+                  causal=bool(a.get("is_causal", False)))
+    if a.get("attn_mask") is not None:
+        fields["mask"] = b.tid(a["attn_mask"])
+    return b.op("SdpaNode", **fields)
