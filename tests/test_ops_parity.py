@@ -135,6 +135,8 @@ CASES = [
          lambda s, d: (rand(s, d), torch.tensor([0, -1, 1]))),
     Case("index_two_tensors", lambda a, i, j: a[i, j],
          lambda s, d: (rand(s, d), torch.tensor([[0], [1]]), torch.tensor([0, -1, 2, 1])), ALL, [(3, 5), (2, 3, 4)]),
+    Case("index_copy", lambda a, i, v: a.index_copy(-1, i, v),
+         lambda s, d: (rand(s, d), torch.tensor([2, 0]), rand((*s[:-1], 2), d))),
     # shapes
     Case("split", lambda a: torch.split(a, [2, a.shape[-1] - 2], -1) + torch.split(a, 2, 0), one()),
     Case("layer_norm", lambda a, w, bias: torch.nn.functional.layer_norm(a, a.shape[-1:], w, bias, 1e-5),

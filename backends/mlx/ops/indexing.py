@@ -157,3 +157,28 @@ def _index(b, node):
         lead *= s
     view = b.op("ReshapeNode", x=b.tid(src), shape=[lead, *[b.int_or_vid(s) for s in shape[k:]]])
     return b.op("TakeNode", x=view, indices=flat, axis=0)
+
+
+def _index_copy_supported(node):
+    src, dim, index, source = node.args[:4]
+    if index.meta["val"].dim() != 1:
+        return "index_copy needs a 1-d index"
+    if not all(isinstance(d, int) for d in source.meta["val"].shape):
+        return "index_copy with symbolic shapes is not supported yet"
+    return None
+
+
+@REGISTRY.register(aten.index_copy.default, supports=_index_copy_supported)
+def _index_copy(b, node):
+    """self with source's slices written at `index` along dim (a KV-cache update): a put along the axis
+    with the 1-d index broadcast to source's shape."""
+    src, dim, index, source = node.args[:4]
+    rank = ndim(src)
+    axis = norm_axis(dim, max(rank, 1))
+    shape = list(source.meta["val"].shape)
+    view = [1] * rank
+    view[axis] = shape[axis]
+    idx = b.op("ReshapeNode", x=b.tid(index), shape=view)
+    idx = b.op("BroadcastToNode", x=idx, shape=shape)
+    return b.op("PutAlongAxisNode", x=b.tid(src), indices=idx, values=b.operand(source, out_dtype(node)), axis=axis,
+                mode=ScatterMode.Replace)
