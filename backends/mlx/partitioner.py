@@ -25,7 +25,7 @@ from backends.mlx.preprocess import BACKEND_ID
 
 # Ops we lower better whole than decomposed; kept only if every node of the op is claimable.
 _KEEP_WHOLE = (torch.ops.aten.linear.default, torch.ops.aten.logsumexp.default,
-               torch.ops.aten.scaled_dot_product_attention.default)
+               torch.ops.aten.scaled_dot_product_attention.default, torch.ops.aten.index_copy.default)
 
 
 def unsupported_reason(node: torch.fx.Node) -> Optional[str]:
