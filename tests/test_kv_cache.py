@@ -73,3 +73,24 @@ def test_unsupported_architecture_is_refused_by_name():
         StaticCacheLM(gpt2, max_seq_len=16)
     with pytest.raises(ValueError, match="max_seq_len"):
         StaticCacheLM(_llama(), max_seq_len=0)
+
+
+@pytest.mark.parametrize("make", [_llama, _qwen2], ids=["llama", "qwen2"])
+def test_one_program_prefills_any_length_then_decodes(make):
+    torch.manual_seed(2)
+    model = make().eval()
+    length = torch.export.Dim("length", min=1, max=32)
+    result = export_to_pte(StaticCacheLM(model, max_seq_len=32), (torch.tensor([[1, 2, 3]]), torch.arange(3)),
+                           dynamic_shapes=({1: length}, {0: length}))
+    assert result.ops_outside == 0, result.summary()
+    method = load_method(result.pte)
+    seq = torch.randint(0, VOCAB, (14,)).tolist()
+    with torch.no_grad():
+        full = model(input_ids=torch.tensor([seq]), use_cache=False).logits[0]
+    for prompt_len in (1, 7, 11):  # each prefill rewrites positions 0..n-1, so the cache can be reused
+        prefill = method.execute([torch.tensor([seq[:prompt_len]]), torch.arange(prompt_len)])[0]
+        assert prefill.shape == (1, prompt_len, VOCAB)
+        torch.testing.assert_close(prefill[0], full[:prompt_len], atol=1e-5, rtol=1e-5)
+        for pos in range(prompt_len, prompt_len + 3):
+            step = method.execute([torch.tensor([[seq[pos]]]), torch.tensor([pos])])[0]
+            torch.testing.assert_close(step[0, -1], full[pos], atol=1e-5, rtol=1e-5)

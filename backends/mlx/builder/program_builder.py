@@ -42,6 +42,8 @@ class ProgramBuilder:
         self.mutable_buffers: list = []
         self.buffer_slots: dict[str, int] = {}  # buffer target name -> its mutable tensor slot
         self.env: dict[torch.fx.Node, Any] = {}
+        self.symbol_sources: dict[Any, tuple[int, int]] = {}  # sympy symbol -> (input tensor slot, axis)
+        self.symbol_values: dict[Any, ValueSlot] = {}
 
     # ---- slots -----------------------------------------------------------
     def new_tensor(self) -> int:
@@ -70,10 +72,23 @@ class ProgramBuilder:
             return ("vid", int(slot))
         if isinstance(arg, torch.SymInt):
             hint = arg.node.maybe_as_int()
-            if hint is None:
-                raise BuildError(f"unbacked symbolic int {arg} outside the graph")
-            return ("lit", hint)
+            if hint is not None:
+                return ("lit", hint)
+            return ("vid", int(self.symbol_value(arg)))
         return ("lit", int(arg))
+
+    def symbol_value(self, sym: torch.SymInt) -> ValueSlot:
+        """A value slot holding a symbolic input size, read from the input that carries it."""
+        expr = sym.node.expr
+        if expr in self.symbol_values:
+            return self.symbol_values[expr]
+        source = self.symbol_sources.get(expr)
+        if source is None:
+            raise BuildError(f"symbolic size {expr} is not a dimension of any input")
+        out = self.new_value()
+        self.emit("SymSizeNode", x=source[0], axis=source[1], out=out)
+        self.symbol_values[expr] = out
+        return out
 
     @staticmethod
     def meta(node: torch.fx.Node):
@@ -195,6 +210,9 @@ class ProgramBuilder:
         if isinstance(val, torch.Tensor):
             slot = self.new_tensor()
             self.inputs.append(_io(SlotKind.Tensor, slot, D.to_schema(val.dtype)))
+            for axis, size in enumerate(val.shape):
+                if isinstance(size, torch.SymInt) and size.node.maybe_as_int() is None:
+                    self.symbol_sources.setdefault(size.node.expr, (slot, axis))
         elif isinstance(val, (int, torch.SymInt)):
             slot = self.new_value()
             self.inputs.append(_io(SlotKind.Value, slot, D.to_schema(torch.int64)))

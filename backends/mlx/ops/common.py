@@ -47,5 +47,14 @@ def static_shape(node: torch.fx.Node):
     return None if all(isinstance(s, int) for s in val.shape) else "needs a static shape"
 
 
+def resolvable_dims(shape) -> bool:
+    """Every size is a literal or a plain symbol (an input's dynamic dimension, read at run time)."""
+    return all(isinstance(s, int) or (isinstance(s, torch.SymInt) and s.node.expr.is_Symbol) for s in shape)
+
+
+def resolvable_shape(node: torch.fx.Node):
+    return None if resolvable_dims(node.meta["val"].shape) else "sizes are expressions of symbolic sizes"
+
+
 def half_type(dtype: torch.dtype) -> bool:
     return dtype in (torch.float16, torch.bfloat16)

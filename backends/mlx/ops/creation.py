@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from backends.mlx.builder.registry import REGISTRY, aten_target
 from backends.mlx.dtypes import to_schema
-from backends.mlx.ops.common import aten, out_dtype, static_shape
+from backends.mlx.ops.common import aten, out_dtype, resolvable_shape
 
 
 @REGISTRY.register(aten.full.default)
@@ -28,9 +28,9 @@ def _like_value(node):
     return 1.0 if target is aten.ones_like.default else 0.0
 
 
-@REGISTRY.register(aten.full_like.default, aten.zeros_like.default, aten.ones_like.default, supports=static_shape)
+@REGISTRY.register(aten.full_like.default, aten.zeros_like.default, aten.ones_like.default, supports=resolvable_shape)
 def _like(b, node):
-    shape = list(node.meta["val"].shape)
+    shape = [b.int_or_vid(s) for s in node.meta["val"].shape]
     return b.op("FullNode", shape=shape, value=_like_value(node), dtype=to_schema(out_dtype(node)))
 
 

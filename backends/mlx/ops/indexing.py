@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from backends.mlx.builder.registry import REGISTRY
-from backends.mlx.ops.common import aten, ndim, norm_axis, out_dtype
+from backends.mlx.ops.common import aten, ndim, norm_axis, out_dtype, resolvable_dims
 from backends.mlx.serialization.fb.BinaryOp import BinaryOp
 from backends.mlx.serialization.fb.ScatterMode import ScatterMode
 
@@ -163,8 +163,8 @@ def _index_copy_supported(node):
     src, dim, index, source = node.args[:4]
     if index.meta["val"].dim() != 1:
         return "index_copy needs a 1-d index"
-    if not all(isinstance(d, int) for d in source.meta["val"].shape):
-        return "index_copy with symbolic shapes is not supported yet"
+    if not resolvable_dims(source.meta["val"].shape):
+        return "index_copy with sizes that are expressions of symbolic sizes"
     return None
 
 
@@ -175,9 +175,9 @@ def _index_copy(b, node):
     src, dim, index, source = node.args[:4]
     rank = ndim(src)
     axis = norm_axis(dim, max(rank, 1))
-    shape = list(source.meta["val"].shape)
+    shape = [b.int_or_vid(s) for s in source.meta["val"].shape]
     view = [1] * rank
-    view[axis] = shape[axis]
+    view[axis] = -1
     idx = b.op("ReshapeNode", x=b.tid(index), shape=view)
     idx = b.op("BroadcastToNode", x=idx, shape=shape)
     return b.op("PutAlongAxisNode", x=b.tid(src), indices=idx, values=b.operand(source, out_dtype(node)), axis=axis,
