@@ -60,7 +60,11 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "out", None):
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (FileNotFoundError, ValueError, TypeError) as exc:  # bad input: one clear line, no traceback
+        print(f"etmlx: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
