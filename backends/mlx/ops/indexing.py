@@ -66,12 +66,10 @@ def _select(b, node):
     src, dim, index = node.args[:3]
     axis = norm_axis(dim, ndim(src))
     start = b.int_or_vid(index)
-    if start[0] == "lit" and start[1] < 0:
-        size = src.meta["val"].shape[axis]
-        start = ("lit", start[1] + int(size))
-    stop = ("lit", start[1] + 1) if start[0] == "lit" else None
-    if stop is None:
+    if start[0] != "lit":
         raise ValueError("select with a symbolic index is not supported")
+    # A negative index stays negative: the runtime counts it from the actual size (which may be dynamic).
+    stop = ("lit", 2**62) if start[1] == -1 else ("lit", start[1] + 1)
     sl = b.op("SliceNode", x=b.tid(src), axis=axis, start=start, stop=stop)
     return b.op("SqueezeNode", x=sl, axes=[axis])
 
