@@ -59,10 +59,15 @@ def threshold_reference(z, top_k=None, top_p=None, min_p=None) -> np.ndarray:
     return np.minimum(thr, m).astype(np.float32)
 
 
-def scaled_scores(x: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """z = x / t in float32 with t = 1 for greedy rows and NaN as -inf, as the device computes it."""
+def divide_by_temperature(x: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """z = x / t in float32, one t per row (scalar broadcast), t = 1 for greedy rows (t <= 0 or NaN)."""
     t = temperature.to(torch.float32).reshape(-1).expand(x.shape[0])
-    z = x.to(torch.float32) / torch.where(t > 0, t, torch.ones_like(t)).unsqueeze(1)
+    return x.to(torch.float32) / torch.where(t > 0, t, torch.ones_like(t)).unsqueeze(1)
+
+
+def scaled_scores(x: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """divide_by_temperature with NaN as -inf, as the device computes the scores it filters."""
+    z = divide_by_temperature(x, temperature)
     return torch.where(torch.isnan(z), torch.full_like(z, float("-inf")), z)
 
 

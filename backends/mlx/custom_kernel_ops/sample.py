@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from backends.mlx.custom_kernel_ops.filter_threshold import divide_by_temperature
 from backends.mlx.llm.sample_reference import row_noise, sample_reference
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -84,8 +85,7 @@ def sample_fused(x: torch.Tensor, temperature: torch.Tensor, seed: Optional[torc
     """mlx::sample over the tokens with x / t >= threshold (all when None), lowered to one
     fused GumbelMaxNode (one pass on the CPU device, skipping tokens that cannot win)."""
     if threshold is not None:
-        t = temperature.to(torch.float32).reshape(-1).expand(x.shape[0])
-        z = x.to(torch.float32) / torch.where(t > 0, t, torch.ones_like(t)).unsqueeze(1)
+        z = divide_by_temperature(x, temperature)
         x = torch.where(z >= threshold, x.to(torch.float32), torch.full_like(z, float("-inf")))
     return sample(x, temperature, seed)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 import backends.mlx.custom_kernel_ops  # noqa: F401  (registers mlx::sample_fused, mlx::filter_threshold)
+from backends.mlx.custom_kernel_ops.filter_threshold import divide_by_temperature
 from backends.mlx.llm.sampler_config import SamplerConfig
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -151,7 +152,7 @@ def process_and_sample(config: SamplerConfig, logits: torch.Tensor, temperature,
     if config.logprobs_mode == "raw":
         scores = logits.to(torch.float32)
     else:
-        scores = x / torch.where(t > 0, t, torch.ones_like(t)).unsqueeze(1)
+        scores = divide_by_temperature(x, t)
         if thr is not None:
             scores = torch.where(scores >= thr, scores, torch.full_like(scores, float("-inf")))
     scores = torch.where(torch.isnan(scores), torch.full_like(scores, float("-inf")), scores)
