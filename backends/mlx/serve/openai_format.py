@@ -44,9 +44,14 @@ def completion_logprobs(tokens: list[TokenEvent], top: int, text: TokenText, off
         offsets.append(offset)
         strings.append(text(t.token))
         offset += len(strings[-1])
+    def alternatives(t):
+        best = {}  # keyed by text: of ids with the same text (e.g. partial characters) keep the likeliest
+        for i, lp in (t.top or [])[:top]:
+            best.setdefault(text(i), lp)
+        return best
+
     return {"tokens": strings, "token_logprobs": [t.logprob for t in tokens],
-            "top_logprobs": [{text(i): lp for i, lp in (t.top or [])[:top]} for t in tokens],
-            "text_offset": offsets}
+            "top_logprobs": [alternatives(t) for t in tokens], "text_offset": offsets}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
