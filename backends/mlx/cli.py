@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from backends.mlx import llm_cli
+from backends.mlx.serve import cli as serve_cli
 
 
 def _demo(args) -> int:
@@ -29,6 +30,8 @@ def _bench(args) -> int:
         vocabs = tuple(int(v) for v in args.vocabs.split(",")) if args.vocabs else sampler.VOCABS
         batches = tuple(int(b) for b in args.batches.split(",")) if args.batches else sampler.BATCHES
         return sampler.main(args.json, repeats=args.repeats, vocabs=vocabs, batches=batches, suite=args.suite)
+    if args.what == "serve":
+        return serve_cli.bench(args)
     if args.what == "agreement":
         from backends.mlx.bench import agreement
 
@@ -46,8 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("pte", help="path to a .pte file")
     inspect.set_defaults(func=_inspect)
     llm_cli.add_parsers(sub)
+    serve_cli.add_parsers(sub)
     bench = sub.add_parser("bench", help="benchmarks with same-run baselines")
-    bench.add_argument("what", choices=["sampler", "agreement"], help="which benchmark")
+    bench.add_argument("what", choices=["sampler", "agreement", "serve"], help="which benchmark")
     bench.add_argument("--suite", choices=["all", "basic", "features"], default="all",
                        help="sampler: basic (temperature by vocab and batch), features (top-k/top-p), or all")
     bench.add_argument("--rows", type=int, default=2000, help="agreement: rows per dtype")
@@ -55,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=30, help="timed calls per measurement (median)")
     bench.add_argument("--vocabs", help="comma-separated vocabulary sizes (default 32000,128256,262144)")
     bench.add_argument("--batches", help="comma-separated batch sizes (default 1,8)")
+    serve_cli.add_bench_arguments(bench)
     bench.set_defaults(func=_bench)
     return parser
 

@@ -55,6 +55,10 @@ class LmtpSession:
         if not line:
             return
         kind, _, data = line.partition(" ")
+        handler = {"GENERATE": self._generate, "SCORE": self._score, "MODEL_INFO": self._model_info}.get(kind)
+        if handler is None:
+            return await self._message(None, error=f"unknown message type {kind[:40]!r} (GENERATE, SCORE, "
+                                                   "MODEL_INFO)")
         try:
             payload = json.loads(data) if data.strip() else {}
         except json.JSONDecodeError as exc:
@@ -62,9 +66,6 @@ class LmtpSession:
         if not isinstance(payload, dict):
             return await self._message(None, error=f"malformed line: {kind} takes a JSON object")
         stream_id = payload.get("stream_id")
-        handler = {"GENERATE": self._generate, "SCORE": self._score, "MODEL_INFO": self._model_info}.get(kind)
-        if handler is None:
-            return await self._message(stream_id, error=f"unknown message type {kind!r} (GENERATE, SCORE, MODEL_INFO)")
         if stream_id is None or isinstance(stream_id, (bool, dict, list)):
             return await self._message(None, error=f"{kind} needs a 'stream_id' (an int or a string)")
         try:
