@@ -9,6 +9,7 @@ asks for exactly --max-tokens tokens (the end-of-sequence token is banned) with 
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -52,13 +54,18 @@ async def _stream(http, url, model, i, max_tokens, eos_ids):
     return first, tokens, time.perf_counter() - start
 
 
-async def _health_poller(http, url, stop: asyncio.Event, latencies: list):
+def _health_poller(url: str, stop: threading.Event, latencies: list) -> None:
+    """On its own thread with a blocking keep-alive connection, so the latency measured is the
+    server's, not this process's event loop busy parsing 16 streams."""
+    host, port = url.split("//", 1)[1].split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
     while not stop.is_set():
         start = time.perf_counter()
-        async with http.get(url + "/health") as response:
-            await response.read()
+        connection.request("GET", "/health")
+        connection.getresponse().read()
         latencies.append(time.perf_counter() - start)
-        await asyncio.sleep(0.02)
+        stop.wait(0.02)
+    connection.close()
 
 
 async def _run(url: str, streams, max_tokens: int) -> list[dict]:
@@ -75,13 +82,14 @@ async def _run(url: str, streams, max_tokens: int) -> list[dict]:
         await _stream(http, url, model, 0, 4, eos_ids)  # warm-up
         records = []
         for count in streams:
-            stop, latencies = asyncio.Event(), []
-            poller = asyncio.create_task(_health_poller(http, url, stop, latencies))
+            stop, latencies = threading.Event(), []
+            poller = threading.Thread(target=_health_poller, args=(url, stop, latencies), daemon=True)
+            poller.start()
             start = time.perf_counter()
             results = await asyncio.gather(*[_stream(http, url, model, i, max_tokens, eos_ids) for i in range(count)])
             wall = time.perf_counter() - start
             stop.set()
-            await poller
+            poller.join(timeout=60)
             ttfts = [r[0] for r in results]
             total = sum(r[1] for r in results)
             records.append({"streams": count, "tokens": total, "seconds": wall, "tokens_per_s": total / wall,
