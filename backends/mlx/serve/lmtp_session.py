@@ -108,7 +108,7 @@ class LmtpSession:
         except (TypeError, ValueError):
             raise LmtpError("'logit_bias' must map token ids to numbers") from None
         room = meta.max_seq_len - len(prompt)
-        max_tokens = payload.get("max_tokens", min(32, room))
+        max_tokens = payload.get("max_tokens", max(1, min(32, room)))  # a too-long prompt is reported as such
         params = SamplingParams(**knobs)
         self._submit(stream_id, EngineRequest(prompt, params, max_tokens, queue_sink(self.loop, self.events,
                                                                                      stream_id)), scoring=False)

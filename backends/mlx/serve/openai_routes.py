@@ -74,6 +74,8 @@ class OpenAIRoutes:
             return error_response(error)
         except (ValueError, TypeError) as exc:
             return error_response(ApiError(str(exc)))
+        except RuntimeError as exc:  # the engine stopped (shutting down)
+            return error_response(ApiError(str(exc), status=503, type="server_error"))
         pieces = self._pieces(first, events, texts)
         if job.stream:
             return await self._stream(request, job, chat, pieces, texts)
