@@ -101,3 +101,19 @@ def test_bench_client_counts_tokens_against_a_running_server(pte):
         srv.stop()
     assert [r["streams"] for r in records] == [1, 3] and [r["tokens"] for r in records] == [5, 15]
     assert all(r["health_samples"] >= 1 and r["ttft_p50_ms"] > 0 for r in records)
+
+
+@pytest.mark.parametrize("extra, message", [(["--max-batch", "9"], "--max-batch must be in [1, 4]"),
+                                            (["--max-batch", "0"], "--max-batch must be in [1, 4]")])
+def test_serve_rejects_a_bad_max_batch(pte, extra, message):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", "backends.mlx.cli", "serve", str(pte), *extra], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
+
+
+def test_serve_names_a_missing_pte(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", "backends.mlx.cli", "serve", str(tmp_path / "none.pte")], env=env,
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "none.pte does not exist" in done.stderr
