@@ -116,3 +116,20 @@ def test_bad_files(pte, tmp_path):
     Path(str(copy) + ".json").write_text(json.dumps({"inputs": ["tokens", "positions", "temperature", "mystery"]}))
     unknown = _run(copy, "--prompt-ids", "1")
     assert unknown.returncode == 2 and "input 'mystery' is not one etmlx_decode knows" in unknown.stderr
+
+
+@pytest.mark.parametrize("sidecar, message", [
+    ("[" * 200 + "]" * 200, "nesting too deep"),
+    ('{"max_seq_len": 48} x', "unexpected text after the value"),
+    ('{"eos_token_ids": [1.5]}', '"eos_token_ids" must be a list of integers'),
+    ('{"max_seq_len": 0}', '"max_seq_len" must be an integer >= 1'),
+    ('{"inputs": [1, 2]}', '"inputs" must be a list of strings'),
+    ('{"inputs": ["\\ud800"]}', "lone surrogate"),
+    ('["not", "an", "object"]', "must hold a JSON object"),
+])
+def test_malformed_sidecar(pte, tmp_path, sidecar, message):
+    copy = tmp_path / "copy.pte"
+    shutil.copy(pte, copy)
+    Path(str(copy) + ".json").write_text(sidecar)
+    done = _run(copy, "--prompt-ids", "1")
+    assert done.returncode == 2 and message in done.stderr, done.stderr
