@@ -113,7 +113,7 @@ int run(const etmlx::DecodeArgs& args) {
   const auto& prompt = args.prompt_ids;
   const auto n = static_cast<int64_t>(prompt.size());
   if (!vocab)
-    std::fprintf(stderr, "etmlx_decode: note: vocabulary size unknown (no %s.json, no --vocab-size); "
+    std::fprintf(stderr, "etmlx_decode: note: vocabulary size unknown (neither %s.json nor --vocab-size gives it); "
                  "prompt ids are checked only for >= 0\n", args.pte.c_str());
   for (int64_t id : prompt) {
     if (id < 0 || (vocab && id >= *vocab)) {

@@ -128,6 +128,7 @@ class Parser {
   }
 
   bool number(Value* out) {
+    if (at_end()) return fail("unexpected end of input");
     const size_t start = pos_;
     if (peek() == '-') ++pos_;
     if (peek() == '0') {
