@@ -2,7 +2,8 @@
 // of an app on a phone or a Mac with no Python in the loop.
 //
 //   etmlx_decode FILE.pte --prompt-ids 1,2,3 [--max-tokens N] [--temperature T]
-//                [--seed S] [--eos ID[,ID...]] [--vocab-size V] [--json]
+//                [--seed S] [--top-k K] [--top-p P] [--min-p M] [--eos ID[,ID...]] ...
+//                (etmlx_decode --help lists every option)
 //
 // It loads FILE.pte with ExecuTorch's Module, runs one prefill call over the
 // prompt and then one call per generated token; call k samples with seed
@@ -90,6 +91,9 @@ int run(const etmlx::DecodeArgs& args) {
   std::string error;
   const auto sidecar = etmlx::read_sidecar(args.pte + ".json", &have_sidecar, &error);
   if (!sidecar) return fail(kBadInput, error);
+  if (sidecar->batch.value_or(1) != 1)
+    return fail(kBadInput, args.pte + " decodes " + std::to_string(*sidecar->batch) +
+                               " rows per call; etmlx_decode runs one sequence (export with --batch 1)");
 
   executorch::runtime::runtime_init();
   if (!executorch::runtime::get_backend_class(etmlx_backend_id()))
@@ -102,7 +106,7 @@ int run(const etmlx::DecodeArgs& args) {
   if (method.empty()) return fail(kRunFailed, error);
   const auto meta = module.method_meta(method);
   if (!meta.ok()) return fail(kRunFailed, "no metadata for method " + method);
-  auto inputs = etmlx::StepInputs::plan(meta.get(), sidecar->inputs, &error);
+  auto inputs = etmlx::StepInputs::plan(meta.get(), sidecar->inputs, args.knobs, &error);
   if (!inputs) return fail(kBadInput, args.pte + ": " + error);
 
   // Without a sidecar the bound of the tokens input is the cache length: the

@@ -7,6 +7,8 @@
 
 namespace etmlx {
 
+const char kSidecarFormat[] = "etmlx-decoder/1";
+
 namespace {
 
 using json::Value;
@@ -45,6 +47,11 @@ std::optional<Sidecar> read_sidecar(const std::string& path, bool* found, std::s
   }
   if (root->kind != Value::Kind::Object) {
     *error = path + " must hold a JSON object";
+    return std::nullopt;
+  }
+  const Value* format = root->find("format");
+  if (!format || format->kind != Value::Kind::String || format->text != kSidecarFormat) {
+    *error = path + " is not etmlx decoder metadata (\"format\": \"" + kSidecarFormat + "\" expected)";
     return std::nullopt;
   }
   if (!read_int(*root, "max_seq_len", 1, &meta.max_seq_len, &why) ||

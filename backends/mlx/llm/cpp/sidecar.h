@@ -10,6 +10,9 @@
 
 namespace etmlx {
 
+// The "format" a decoder sidecar declares (backends/mlx/llm/decoder_meta.py).
+extern const char kSidecarFormat[];
+
 struct Sidecar {
   std::optional<int64_t> max_seq_len;
   std::optional<int64_t> vocab_size;
@@ -19,8 +22,8 @@ struct Sidecar {
 };
 
 // Reads `path`. Returns nullopt with `error` set when the file exists but
-// cannot be read or a known field has the wrong type; a missing file gives an
-// empty Sidecar (`*found` = false).
+// cannot be read, declares another format, or a known field has the wrong
+// type; a missing file gives an empty Sidecar (`*found` = false).
 std::optional<Sidecar> read_sidecar(const std::string& path, bool* found, std::string* error);
 
 }  // namespace etmlx

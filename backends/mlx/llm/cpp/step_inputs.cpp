@@ -1,6 +1,5 @@
 #include "step_inputs.h"
 
-#include <cstring>
 
 namespace etmlx {
 
@@ -35,19 +34,20 @@ bool supported_fill_type(ScalarType t) {
 
 std::optional<StepInputs> StepInputs::plan(const MethodMeta& meta,
                                            const std::optional<std::vector<std::string>>& names,
+                                           const std::map<std::string, double>& knobs,
                                            std::string* error) {
   const size_t n = meta.num_inputs();
   std::vector<std::string> order;
   if (names) {
     order = *names;
-  } else if (n == 4) {
-    order = {"tokens", "positions", "temperature", "seed"};
   } else if (n == 5) {
     order = {"tokens", "start_pos", "lengths", "temperature", "seed"};
+  } else if (n == 4) {
+    order = {"tokens", "start_pos", "lengths", "temperature"};  // unseeded
   } else {
     *error = "the program has " + std::to_string(n) +
              " inputs; without FILE.pte.json's \"inputs\" only the plain decoder "
-             "(tokens, start_pos, lengths, temperature, seed) is understood";
+             "(tokens, start_pos, lengths, temperature[, seed]) is understood";
     return std::nullopt;
   }
   if (order.size() != n) {
@@ -57,6 +57,7 @@ std::optional<StepInputs> StepInputs::plan(const MethodMeta& meta,
   }
 
   StepInputs plan;
+  std::map<std::string, double> unused = knobs;
   for (size_t i = 0; i < n; ++i) {
     const std::string& name = order[i];
     const auto tag = meta.input_tag(i);
@@ -92,13 +93,6 @@ std::optional<StepInputs> StepInputs::plan(const MethodMeta& meta,
         return std::nullopt;
       }
       plan.max_call_length_ = slot.sizes[1];
-    } else if (name == "positions") {
-      slot.role = Role::Positions;
-      if (!expect(ScalarType::Long, "int64")) return std::nullopt;
-      if (slot.sizes.size() != 1) {
-        *error = "input 'positions' must be [L]";
-        return std::nullopt;
-      }
     } else if (name == "start_pos" || name == "lengths") {
       slot.role = name == "start_pos" ? Role::StartPos : Role::Lengths;
       if (!expect(ScalarType::Long, "int64") || !per_row()) return std::nullopt;
@@ -119,7 +113,11 @@ std::optional<StepInputs> StepInputs::plan(const MethodMeta& meta,
         return std::nullopt;
       }
       slot.role = Role::Knob;
-      slot.off_value = knob->off;
+      slot.value = knob->off;
+      if (const auto given = unused.find(name); given != unused.end()) {
+        slot.value = given->second;
+        unused.erase(given);
+      }
     }
     if ((slot.role == Role::Knob || slot.role == Role::PenaltyReset) && !supported_fill_type(slot.dtype)) {
       *error = "input '" + name + "' has a dtype etmlx_decode cannot fill";
@@ -130,6 +128,16 @@ std::optional<StepInputs> StepInputs::plan(const MethodMeta& meta,
   if (plan.max_call_length_ == 0) {
     *error = "the program has no 'tokens' input";
     return std::nullopt;
+  }
+  for (const auto& [name, value] : unused) {
+    // Asking for a feature the program cannot apply would silently sample
+    // something else; its off value is harmless.
+    for (const auto& k : kKnobs) {
+      if (name == k.name && value != k.off) {
+        *error = "the program was exported without " + name + " (see `etmlx export --sampler`)";
+        return std::nullopt;
+      }
+    }
   }
   return plan;
 }
@@ -162,12 +170,6 @@ std::vector<EValue> StepInputs::build(const std::vector<int64_t>& tokens, int64_
       case Role::Tokens:
         t = make_tensor_ptr({1, length}, std::vector<int64_t>(tokens));
         break;
-      case Role::Positions: {
-        std::vector<int64_t> pos(tokens.size());
-        for (size_t k = 0; k < pos.size(); ++k) pos[k] = start_pos + static_cast<int64_t>(k);
-        t = make_tensor_ptr({length}, std::move(pos));
-        break;
-      }
       case Role::StartPos:
         t = make_tensor_ptr(slot.sizes, std::vector<int64_t>{start_pos});
         break;
@@ -185,7 +187,7 @@ std::vector<EValue> StepInputs::build(const std::vector<int64_t>& tokens, int64_
         t = filled(slot, first ? 1 : 0);
         break;
       case Role::Knob:
-        t = filled(slot, slot.off_value);
+        t = filled(slot, slot.value);
         break;
     }
     alive_.push_back(t);

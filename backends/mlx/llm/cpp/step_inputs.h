@@ -1,10 +1,12 @@
 // The inputs of one decoder call, laid out by input name in the program's
-// order. Sampler knobs that etmlx_decode does not expose get their "off"
-// values (backends/mlx/llm/sampler_config.py), so any export's program runs
-// as plain temperature + seed sampling.
+// order (backends/mlx/llm/decoder_export.py). Sampler knobs get the values
+// given on the command line, the others their "off" values
+// (backends/mlx/llm/sampler_config.py); logit bias and penalty seeding are
+// always off.
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -17,10 +19,12 @@ namespace etmlx {
 
 class StepInputs {
  public:
-  // Matches `names` against the method's inputs (count, dtypes, ranks).
-  // Without names, the order of the decoder interface is assumed.
+  // Matches `names` against the method's inputs (count, dtypes, shapes).
+  // Without names, the plain decoder (no knobs) is assumed. `knobs` holds
+  // values by input name; one the program lacks is an error unless it is off.
   static std::optional<StepInputs> plan(const executorch::runtime::MethodMeta& meta,
                                         const std::optional<std::vector<std::string>>& names,
+                                        const std::map<std::string, double>& knobs,
                                         std::string* error);
 
   // Longest `tokens` one call accepts (the upper bound of its length axis).
@@ -34,13 +38,13 @@ class StepInputs {
                                                  int64_t seed, bool first);
 
  private:
-  enum class Role { Tokens, Positions, StartPos, Lengths, Temperature, Seed, Knob, PenaltyReset };
+  enum class Role { Tokens, StartPos, Lengths, Temperature, Seed, Knob, PenaltyReset };
   struct Slot {
     std::string name;
     Role role;
     executorch::aten::ScalarType dtype;
     std::vector<int32_t> sizes;  // static shape (per-row and knob inputs)
-    double off_value = 0;        // Knob only
+    double value = 0;            // Knob only
   };
 
   executorch::extension::TensorPtr filled(const Slot& slot, double value) const;
