@@ -16,9 +16,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from backends.mlx.llm import builtin_model
-from backends.mlx.llm.builtin_corpus import CORPUS_PATH, ROLE_TEXT, EOS_TEXT, generate_corpus, load_documents
+from backends.mlx.llm.builtin_corpus import CORPUS_PATH, EOS_TEXT, ROLE_TEXT, generate_corpus, load_documents
 from backends.mlx.llm.builtin_model import (DEFAULT_RECIPE, STAMP, BuiltinRecipe, build_checkpoint,
                                             ensure_builtin_checkpoint, read_stamp)
+from backends.mlx.llm.builtin_training import TrainingPlan, train
 
 TEST_RECIPE = dataclasses.replace(DEFAULT_RECIPE, steps=60)
 TINY_RECIPE = BuiltinRecipe(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32,
@@ -28,6 +29,15 @@ STORY_PROMPTS = ("One morning, Mira went to", "Early on Sunday, Leo went to the"
 # What "corpus-like" means: at least this share of adjacent word pairs in the output occur in the corpus.
 CORPUS_LIKE = 0.8
 NOT_CORPUS_LIKE = 0.3
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # This model's matrices are tiny: a second thread costs more synchronisation than it saves.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")
@@ -274,3 +284,21 @@ def test_missing_corpus_and_non_empty_out_dir_are_errors(tmp_path):
     (tmp_path / "out" / "x").write_text("x")
     with pytest.raises(ValueError, match="out_dir"):
         build_checkpoint(tmp_path / "out", TINY_RECIPE)
+
+
+def test_learning_rate_warms_up_then_decays_to_its_floor():
+    plan = TrainingPlan(steps=100, batch=1, seq_len=8, lr=0.01, warmup=10, seed=0)
+    rates = [plan.lr_at(step) for step in range(100)]
+    assert rates[0] == pytest.approx(0.001) and rates[9] == pytest.approx(0.01)
+    assert all(a >= b for a, b in zip(rates[9:], rates[10:]))
+    assert rates[-1] == pytest.approx(0.001, rel=0.01)
+
+
+def test_bad_training_plans_are_named():
+    with pytest.raises(ValueError, match="steps"):
+        TrainingPlan(steps=0, batch=1, seq_len=8, lr=0.01, warmup=0, seed=0)
+    with pytest.raises(ValueError, match="lr"):
+        TrainingPlan(steps=1, batch=1, seq_len=8, lr=-1.0, warmup=0, seed=0)
+    plan = TrainingPlan(steps=1, batch=1, seq_len=8, lr=0.01, warmup=0, seed=0)
+    with pytest.raises(ValueError, match="shorter than one window"):
+        train(torch.nn.Linear(1, 1), torch.arange(5), plan)

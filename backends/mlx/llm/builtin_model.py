@@ -3,8 +3,8 @@
 `ensure_builtin_checkpoint(cache_dir)` returns a Hugging Face checkpoint directory (config.json,
 generation_config.json, model.safetensors, tokenizer.json, tokenizer_config.json with the chat
 template) that `AutoModelForCausalLM` / `AutoTokenizer` load from the directory alone. The first call
-trains the tokenizer and the model on the shipped corpus (`data/corpus.txt`), which takes a couple of
-minutes on a laptop CPU; later calls only verify the cache.
+trains the tokenizer and the model on the shipped corpus (`data/corpus.txt`): about a minute of CPU
+time on one thread (longer in wall time on a busy machine); later calls only verify the cache.
 
 The cache is trusted only while its stamp (`etmlx_builtin.json`, written last) names the current
 recipe hash and the SHA-256 of every file: an interrupted build, a damaged file or a changed recipe,
@@ -199,8 +199,8 @@ def _build(out_dir: Path, recipe: BuiltinRecipe, corpus: bytes, digest: str) -> 
     stamp_tmp = out_dir / (STAMP + ".tmp")
     stamp_tmp.write_text(json.dumps(stamp, indent=1))
     os.replace(stamp_tmp, out_dir / STAMP)
-    print(f"[builtin model] trained {recipe.steps} steps in {seconds:.0f} s ({cpu_seconds:.0f} s CPU), loss {losses[0]:.2f} -> "
-          f"{losses[-1]:.2f}", file=sys.stderr, flush=True)
+    print(f"[builtin model] trained {recipe.steps} steps in {seconds:.0f} s ({cpu_seconds:.0f} s CPU), "
+          f"loss {losses[0]:.2f} -> {losses[-1]:.2f}", file=sys.stderr, flush=True)
     return stamp
 
 

@@ -2,8 +2,8 @@
 
 Documents become one token stream (BOS, document, EOS, BOS, ...) and each step takes random windows
 of it, so the model also learns that a story or a chat turn ends with EOS and what follows BOS.
-Every random choice comes from generators seeded by the recipe, so with the same thread count and
-library versions a build gives the same weights.
+Every random choice comes from generators seeded by the plan, so on the same machine with the same
+library versions (and thread count; builtin_model trains on one thread) a run gives the same weights.
 """
 
 from __future__ import annotations
