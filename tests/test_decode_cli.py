@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from helpers import run_cli
 
-def _etmlx(*args):
-    return subprocess.run([sys.executable, "-m", "backends.mlx.cli", *args], capture_output=True, text=True,
-                          timeout=540)
+
+_etmlx = run_cli
 
 
 def test_export_then_generate_matches_transformers_greedy(tmp_path):

@@ -96,9 +96,9 @@ def run_generate(args) -> int:
     prompt = _prompt_ids(args, decoder)
     params = _params(args)
     stops = StopStrings(args.stop)
-    if args.stop and not decoder.meta.tokenizer:
-        raise ValueError("--stop needs text: this .pte has no tokenizer")
-    detok = IncrementalDetokenizer(decoder.tokenizer, prompt) if decoder.meta.tokenizer else None
+    if args.stop and not decoder.has_tokenizer:
+        decoder.tokenizer  # raises, naming the missing tokenizer: stop strings need text
+    detok = IncrementalDetokenizer(decoder.tokenizer, prompt) if decoder.has_tokenizer else None
     tokens, logprobs, tops, text = [], [], [], []
     finish = "length"
     start = time.perf_counter()
@@ -133,7 +133,7 @@ def run_generate(args) -> int:
               "decode_tokens_per_s": round(decode_tps, 2)}
     if args.json:
         out = {"tokens": tokens, **report}
-        if decoder.meta.tokenizer:
+        if detok:
             out["text"] = "".join(text)
         if decoder.meta.config.logprobs:
             out["logprobs"] = logprobs

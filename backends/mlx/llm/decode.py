@@ -70,6 +70,10 @@ class Decoder:
         self._tokenizer = None
 
     @property
+    def has_tokenizer(self) -> bool:
+        return bool(self.meta.tokenizer) and tokenizer_path(self.pte).is_dir()
+
+    @property
     def tokenizer(self):
         if self._tokenizer is None:
             path = tokenizer_path(self.pte)
