@@ -68,7 +68,7 @@ def _until_data(sock) -> bytes:
     return data
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_aborts_streams_and_exits_cleanly(pte, sig):
     port = _free_port()
     process, health = _start(pte, port)
