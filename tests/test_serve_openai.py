@@ -283,3 +283,17 @@ def test_memory_stays_flat_over_200_sequential_requests(server, client):
     # per request (kept responses, queues, tokenizer state); smaller leaks need a longer run.
     assert after[0] - before[0] < 16 * 1024, (before, after)
     assert after[1] - before[1] < 16 * 1024, (before, after)
+
+
+def test_streamed_choices_interleave_and_equal_the_non_stream_ones(server, client):
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=7, temperature=1.0,
+                  seed=21, n=2, logit_bias=_no_eos(server))
+    whole = client.chat.completions.create(**kwargs)
+    texts, finishes = {0: "", 1: ""}, {}
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert texts == {c.index: c.message.content for c in whole.choices}
+    assert finishes == {0: "length", 1: "length"}
