@@ -11,9 +11,13 @@ from backends.mlx.serve import cli as serve_cli
 
 
 def _demo(args) -> int:
+    if args.classifier:
+        from backends.mlx import demo_classifier
+
+        return demo_classifier.main(Path(args.out or "out/classifier.pte"))
     from backends.mlx import demo
 
-    return demo.main(Path(args.out))
+    return demo.main(Path(args.out or "out/builtin.pte"), prompt=args.prompt, max_tokens=args.max_tokens)
 
 
 def _inspect(args) -> int:
@@ -43,7 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="etmlx", description="ExecuTorch programs on MLX")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="export a small built-in model and run it through the runtime")
-    demo.add_argument("--out", default="out/demo.pte", help="where to write the .pte (default: out/demo.pte)")
+    demo.add_argument("--out", help="where to write the .pte (default: out/builtin.pte, out/classifier.pte)")
+    demo.add_argument("--prompt", default="One morning, Mira went to", help="prompt for the built-in model")
+    demo.add_argument("--max-tokens", type=int, default=60)
+    demo.add_argument("--classifier", action="store_true",
+                      help="the small classifier demo instead (no training; compares with eager PyTorch)")
     demo.set_defaults(func=_demo)
     inspect = sub.add_parser("inspect", help="list the etmlx delegate graphs inside a .pte")
     inspect.add_argument("pte", help="path to a .pte file")
