@@ -10,9 +10,11 @@ from typing import Any, Optional
 
 import torch
 from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
+from executorch.exir.backend.compile_spec_schema import CompileSpec
 
 from backends.mlx.builder.registry import aten_target
 from backends.mlx.partitioner import MLXPartitioner
+from backends.mlx.preprocess import FUSE_SPEC
 
 _NOT_OPS = {"executorch_call_delegate", "getitem"}
 
@@ -66,15 +68,19 @@ def export_to_pte(
     *,
     dynamic_shapes: Any = None,
     strict: bool = False,
+    fuse: bool = True,
 ) -> ExportResult:
+    """`fuse=False` keeps RMSNorm / LayerNorm / rotary subgraphs as separate ops (for comparisons)."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     if not isinstance(args, tuple):
         raise TypeError(f"args must be a tuple of example inputs, got {type(args).__name__}")
+    if not isinstance(fuse, bool):
+        raise TypeError(f"fuse must be a bool, got {type(fuse).__name__}")
     module = module.eval()
     with torch.no_grad():
         ep = torch.export.export(module, args, kwargs or {}, dynamic_shapes=dynamic_shapes, strict=strict)
-    partitioner = MLXPartitioner()
+    partitioner = MLXPartitioner(None if fuse else [CompileSpec(FUSE_SPEC, b"0")])
     edge = to_edge_transform_and_lower(
         ep, partitioner=[partitioner], compile_config=EdgeCompileConfig(_check_ir_validity=False)
     )
