@@ -60,15 +60,19 @@ def instruction_counts(pte: bytes) -> Counter:
     return counts
 
 
-def median_ms(method, inputs, runs: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        method.execute(inputs)
-    times = []
+def median_ms(methods, inputs, runs: int, warmup: int = 3) -> list[float]:
+    """Median wall time per method; calls alternate between the methods so that load from
+    other processes on a shared machine hits both alike."""
+    for method in methods:
+        for _ in range(warmup):
+            method.execute(inputs)
+    times = [[] for _ in methods]
     for _ in range(runs):
-        start = time.perf_counter()
-        method.execute(inputs)
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+        for method, acc in zip(methods, times):
+            start = time.perf_counter()
+            method.execute(inputs)
+            acc.append((time.perf_counter() - start) * 1e3)
+    return [statistics.median(t) for t in times]
 
 
 def main(argv=None) -> int:
@@ -83,12 +87,10 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     model = Logits(make_model(args.family, args.hidden, args.layers, args.seq).eval().to(DTYPES[args.dtype]))
     ids = torch.randint(0, 1024, (1, args.seq))
-    results = {}
-    for fuse in (False, True):
-        pte = export_to_pte(model, (ids,), fuse=fuse).pte
-        method = load_method(pte)
-        counts = instruction_counts(pte)
-        results[fuse] = (median_ms(method, [ids], args.runs), method.execute([ids])[0], counts)
+    ptes = {fuse: export_to_pte(model, (ids,), fuse=fuse).pte for fuse in (False, True)}
+    methods = {fuse: load_method(pte) for fuse, pte in ptes.items()}
+    times = dict(zip(methods, median_ms(list(methods.values()), [ids], args.runs)))
+    results = {fuse: (times[fuse], methods[fuse].execute([ids])[0], instruction_counts(ptes[fuse])) for fuse in ptes}
     diff = (results[True][1].float() - results[False][1].float()).abs().max().item()
     print(f"{args.family} hidden={args.hidden} layers={args.layers} seq={args.seq} {args.dtype}, "
           f"median of {args.runs} calls:")

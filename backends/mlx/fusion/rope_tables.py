@@ -81,11 +81,11 @@ def _scaled_trig(node, trig, consts) -> Optional[torch.fx.Node]:
     """E when node = trig(E) or trig(E) * 1 (transformers' attention_scaling), in float32."""
     if is_op(node, trig):
         return node.args[0]
-    ops = binary_operands(node, aten.mul.Tensor)
+    ops = binary_operands(node, aten.mul.Tensor, aten.mul.Scalar)
     if ops is None:
         return None
     for t, k in (ops, ops[::-1]):
-        if is_op(t, trig) and consts.scalar(k) == 1:
+        if is_op(t, trig) and consts.scalar(k) == 1 and dtype(node) == dtype(t):
             return t.args[0]
     return None
 

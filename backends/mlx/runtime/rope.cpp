@@ -1,13 +1,15 @@
 // exec_rope: rotate-half rotary embedding (semantics in schema.fbs).
 //
-// From cos and sin the node composes the same products and sums the exported
-// graph computed, so it is bit-identical to it. When the exporter proved the
+// From cos and sin the node composes the ops the exported graph had, so it is
+// bit-identical to it. When the exporter proved the
 // tables are cos/sin((offset[b] + l) * inv_freq) it also passes offset and
 // freqs, and devices with a fused kernel (Metal, CUDA) run
 // mlx::core::fast::rope instead: one pass over x, no tables read. On the CPU
 // device fast::rope is itself a composition that recomputes the tables for
-// every call, so there the shared tables are cheaper (measured; see the
-// fused-kernel benchmark).
+// every call, so there the shared tables are cheaper (measured on x [1, 8, 64, 64]
+// float32: 0.80 ms for fast::rope against 0.47 ms from the tables).
+#include <cstdlib>
+
 #include <mlx/fast.h>
 #include <mlx/ops.h>
 
@@ -28,6 +30,15 @@ bool broadcasts_to(const mx::array& t, const mx::array& x) {
     if (t.shape(i) != 1 && t.shape(i) != x.shape(lead + i)) return false;
   }
   return true;
+}
+
+// Whether to use mx::fast::rope where the exporter allowed it. ETMLX_FAST_ROPE=1 or 0
+// overrides the device's choice (tests run the kernel path on the CPU with it).
+bool use_fast_rope() {
+  const char* env = std::getenv("ETMLX_FAST_ROPE");
+  if (env != nullptr && env[0] == '1') return true;
+  if (env != nullptr && env[0] == '0') return false;
+  return mx::default_device() != mx::Device::cpu;
 }
 
 mx::array last_axis(const mx::array& a, int start, int stop) {
@@ -76,18 +87,14 @@ bool Interpreter::exec_rope(const fb::RopeNode& n) {
     if (freqs->dtype() != mx::float32 || freqs->ndim() != 1 || freqs->shape(0) != half) {
       return fail("needs float32 freqs of %d elements", half);
     }
-    if (mx::default_device() != mx::Device::cpu) {
+    if (use_fast_rope()) {
       return write(n.out(), mx::fast::rope(*x, dims, /*traditional=*/false, std::nullopt, 1.0f, *offset, *freqs));
     }
   }
-  // x * cos + rotate_half(x) * sin, half by half: the low half is x1*c - x2*s (equal to
-  // x1*c + (-x2)*s bit for bit), the high half x2*c + x1*s.
-  const mx::array x1 = last_axis(*x, 0, half), x2 = last_axis(*x, half, dims);
-  const mx::array lo = mx::subtract(mx::multiply(x1, last_axis(*cos, 0, half)),
-                                    mx::multiply(x2, last_axis(*sin, 0, half)));
-  const mx::array hi = mx::add(mx::multiply(x2, last_axis(*cos, half, dims)),
-                               mx::multiply(x1, last_axis(*sin, half, dims)));
-  return write(n.out(), mx::concatenate({lo, hi}, -1));
+  // The graph's own ops (the negation is exact), which on the CPU device also beat a
+  // half-by-half form that reads strided halves of the tables.
+  const mx::array rotated = mx::concatenate({mx::negative(last_axis(*x, half, dims)), last_axis(*x, 0, half)}, -1);
+  return write(n.out(), mx::add(mx::multiply(*x, *cos), mx::multiply(rotated, *sin)));
 }
 
 }  // namespace etmlx
