@@ -4,11 +4,12 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 DEPS_STAMP := $(VENV)/.etmlx-deps
 LIB := backends/mlx/runtime/_lib/libetmlx_backend.so
-RUNTIME_SOURCES := CMakeLists.txt $(wildcard backends/mlx/runtime/*.cpp backends/mlx/runtime/*.h backends/mlx/runtime/generated/* tests/cpp/*.cpp)
+DECODE := build/etmlx_decode
+RUNTIME_SOURCES := CMakeLists.txt $(wildcard backends/mlx/runtime/*.cpp backends/mlx/runtime/*.h backends/mlx/runtime/generated/* tests/cpp/*.cpp backends/mlx/llm/cpp/*.cpp backends/mlx/llm/cpp/*.h)
 
 .PHONY: setup test demo bench regenerate clean
 
-setup: $(DEPS_STAMP) $(LIB)
+setup: $(DEPS_STAMP) $(LIB) $(DECODE)
 
 $(VPY):
 	$(PYTHON) -m venv $(VENV)
@@ -19,9 +20,18 @@ $(DEPS_STAMP): requirements.txt pyproject.toml | $(VPY)
 	$(VPY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $@
 
+CONFIGURE := $(VENV)/bin/cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE=$(abspath $(VPY))
+
 $(LIB): $(DEPS_STAMP) $(RUNTIME_SOURCES)
-	$(VENV)/bin/cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE=$(abspath $(VPY)) > build.log 2>&1 || (cat build.log; exit 1)
+	$(CONFIGURE) > build.log 2>&1 || (cat build.log; exit 1)
 	$(VENV)/bin/cmake --build build -j2 >> build.log 2>&1 || (cat build.log; exit 1)
+	@touch $@
+
+# The $(LIB) build above builds every target, this one too; this rule catches
+# a deleted binary or build directory.
+$(DECODE): $(LIB)
+	@test -f build/CMakeCache.txt || $(CONFIGURE) > build.log 2>&1 || (cat build.log; exit 1)
+	$(VENV)/bin/cmake --build build -j2 --target etmlx_decode >> build.log 2>&1 || (cat build.log; exit 1)
 	@touch $@
 
 test: setup

@@ -52,3 +52,18 @@ def check_parity(fn, inputs, **kw):
     expected = fn(*inputs)
     assert_matches(run(result.pte, inputs), expected)
     return result
+
+
+def run_cli(*args):
+    """`etmlx ARGS` in this process (a subprocess per call would reload torch each time):
+    an object with returncode, stdout and stderr."""
+    import contextlib
+    import io
+    from types import SimpleNamespace
+
+    from backends.mlx.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in args])
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())

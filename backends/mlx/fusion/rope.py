@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from backends.mlx.dtypes import FLOAT_DTYPES
 from backends.mlx.fusion.graph_match import (Constants, aten, binary_operands, dtype, is_op, last_axis, only_user,
                                              same_shape, shape)
 from backends.mlx.fusion.plan import Fusion
@@ -94,7 +95,7 @@ def match_rope(root, consts: Constants) -> Optional[Fusion]:
                 continue
             if only_user(mul_x) is not root or only_user(mul_r) is not root or cos is x or sin is x:
                 continue
-            if not dtype(x).is_floating_point or dtype(root) != dtype(x) or not same_shape(shape(root), shape(x)):
+            if dtype(x) not in FLOAT_DTYPES or dtype(root) != dtype(x) or not same_shape(shape(root), shape(x)):
                 continue
             if not (_table_fits(cos, x) and _table_fits(sin, x)):
                 continue

@@ -1,0 +1,205 @@
+// etmlx_decode: the on-device decode loop as a standalone program, the shape
+// of an app on a phone or a Mac with no Python in the loop.
+//
+//   etmlx_decode FILE.pte --prompt-ids 1,2,3 [--max-tokens N] [--temperature T]
+//                [--seed S] [--top-k K] [--top-p P] [--min-p M] [--eos ID[,ID...]] ...
+//                (etmlx_decode --help lists every option)
+//
+// It loads FILE.pte with ExecuTorch's Module, runs one prefill call over the
+// prompt and then one call per generated token; call k samples with seed
+// S + k on the device, so only token ids cross to the host. Token ids go to
+// stdout; errors print one "etmlx_decode: error: ..." line to stderr and exit
+// with 2 (bad input) or 1 (the program failed to load or run).
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <string>
+#include <system_error>
+#include <vector>
+
+#include <executorch/extension/module/module.h>
+#include <executorch/runtime/backend/interface.h>
+#include <executorch/runtime/platform/runtime.h>
+
+#include "decode_args.h"
+#include "sidecar.h"
+#include "step_inputs.h"
+
+// Defined in libetmlx_backend.so. Calling it also keeps the library (and the
+// static registration of its backend) linked into this program.
+extern "C" const char* etmlx_backend_id();
+
+namespace {
+
+using executorch::aten::ScalarType;
+using executorch::extension::module::Module;
+using executorch::runtime::Error;
+
+constexpr int kBadInput = 2;
+constexpr int kRunFailed = 1;
+
+int fail(int code, const std::string& message) {
+  std::fprintf(stderr, "etmlx_decode: error: %s\n", message.c_str());
+  return code;
+}
+
+std::string error_name(Error e) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "0x%x", static_cast<unsigned>(e));
+  return buf;
+}
+
+bool is_eos(const std::vector<int64_t>& eos, int64_t token) {
+  for (int64_t e : eos)
+    if (e == token) return true;
+  return false;
+}
+
+std::string method_to_run(Module& module, std::string* error) {
+  const auto names = module.method_names();
+  if (!names.ok()) {
+    *error = "could not list the program's methods (error " + error_name(names.error()) + ")";
+    return "";
+  }
+  if (names->count("forward")) return "forward";
+  if (names->size() == 1) return *names->begin();
+  *error = "the program has no 'forward' method";
+  return "";
+}
+
+struct Timings {
+  double first_token_s = 0;
+  double decode_tokens_per_s = 0;
+};
+
+void print_json(const std::vector<int64_t>& tokens, const char* finish, const Timings& t) {
+  std::printf("{\"tokens\": [");
+  for (size_t i = 0; i < tokens.size(); ++i)
+    std::printf("%s%lld", i ? ", " : "", static_cast<long long>(tokens[i]));
+  std::printf("], \"finish_reason\": \"%s\", \"time_to_first_token_s\": %.6f, "
+              "\"decode_tokens_per_s\": %.3f}\n",
+              finish, t.first_token_s, t.decode_tokens_per_s);
+}
+
+int run(const etmlx::DecodeArgs& args) {
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(args.pte, ec))
+    return fail(kBadInput, args.pte + ": no such file");
+
+  bool have_sidecar = false;
+  std::string error;
+  const auto sidecar = etmlx::read_sidecar(args.pte + ".json", &have_sidecar, &error);
+  if (!sidecar) return fail(kBadInput, error);
+  if (sidecar->batch.value_or(1) != 1)
+    return fail(kBadInput, args.pte + " decodes " + std::to_string(*sidecar->batch) +
+                               " rows per call; etmlx_decode runs one sequence (export with --batch 1)");
+
+  executorch::runtime::runtime_init();
+  if (!executorch::runtime::get_backend_class(etmlx_backend_id()))
+    return fail(kRunFailed, std::string("backend ") + etmlx_backend_id() + " is not registered");
+
+  Module module(args.pte, Module::LoadMode::Mmap);
+  if (const Error e = module.load(); e != Error::Ok)
+    return fail(kRunFailed, args.pte + " is not a loadable ExecuTorch program (error " + error_name(e) + ")");
+  const std::string method = method_to_run(module, &error);
+  if (method.empty()) return fail(kRunFailed, error);
+  const auto meta = module.method_meta(method);
+  if (!meta.ok()) return fail(kRunFailed, "no metadata for method " + method);
+  auto inputs = etmlx::StepInputs::plan(meta.get(), sidecar->inputs, args.knobs, &error);
+  if (!inputs) return fail(kBadInput, args.pte + ": " + error);
+
+  // Without a sidecar the bound of the tokens input is the cache length: the
+  // exporter sizes it with an example as long as the cache.
+  const int64_t max_seq_len = sidecar->max_seq_len.value_or(inputs->max_call_length());
+  const auto vocab = args.vocab_size ? args.vocab_size : sidecar->vocab_size;
+  const std::vector<int64_t>& eos = args.eos_ids ? *args.eos_ids : sidecar->eos_token_ids;
+  const auto& prompt = args.prompt_ids;
+  const auto n = static_cast<int64_t>(prompt.size());
+  if (!vocab)
+    std::fprintf(stderr, "etmlx_decode: note: vocabulary size unknown (neither %s.json nor --vocab-size gives it); "
+                 "prompt ids are checked only for >= 0\n", args.pte.c_str());
+  for (int64_t id : prompt) {
+    if (id < 0 || (vocab && id >= *vocab)) {
+      return fail(kBadInput, "--prompt-ids must be token ids in [0, " +
+                                 (vocab ? std::to_string(*vocab) : std::string("vocab_size")) + "), got " +
+                                 std::to_string(id));
+    }
+  }
+  if (n > inputs->max_call_length())
+    return fail(kBadInput, "prompt (" + std::to_string(n) + " tokens) is longer than the program's " +
+                               std::to_string(inputs->max_call_length()) + "-token input");
+  if (n + args.max_tokens > max_seq_len)
+    return fail(kBadInput, "prompt (" + std::to_string(n) + ") + max_tokens (" + std::to_string(args.max_tokens) +
+                               ") exceeds max_seq_len " + std::to_string(max_seq_len));
+  if (const Error e = module.load_method(method); e != Error::Ok)
+    return fail(kRunFailed, "could not load method " + method + " (error " + error_name(e) + ")");
+
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  Clock::time_point first_token_at = start;
+  std::vector<int64_t> generated;
+  std::vector<int64_t> call_tokens = prompt;
+  int64_t position = 0;
+  const char* finish = "length";
+  for (int64_t step = 0; step < args.max_tokens; ++step) {
+    // Step 0 is the prefill; its token is the first generated one.
+    auto values = inputs->build(call_tokens, position, args.temperature, args.seed + step, step == 0);
+    const auto out = module.execute(method, values);
+    if (!out.ok())
+      return fail(kRunFailed, "step " + std::to_string(step) + " failed (error " + error_name(out.error()) + ")");
+    if (out->empty() || !(*out)[0].isTensor())
+      return fail(kRunFailed, "the program's first output is not a tensor of token ids");
+    const auto& ids = (*out)[0].toTensor();
+    if (ids.scalar_type() != ScalarType::Long || ids.numel() < 1)
+      return fail(kRunFailed, "the program's first output is not int64 token ids");
+    const int64_t token = ids.const_data_ptr<int64_t>()[0];
+    if (step == 0) first_token_at = Clock::now();
+    generated.push_back(token);
+    if (!args.json) {
+      std::printf("%lld ", static_cast<long long>(token));
+      std::fflush(stdout);
+    }
+    if (is_eos(eos, token)) {
+      finish = "stop";
+      break;
+    }
+    position += static_cast<int64_t>(call_tokens.size());
+    call_tokens.assign(1, token);
+  }
+  const auto end = Clock::now();
+
+  Timings t;
+  t.first_token_s = std::chrono::duration<double>(first_token_at - start).count();
+  const double decode_s = std::chrono::duration<double>(end - first_token_at).count();
+  if (generated.size() > 1 && decode_s > 0)
+    t.decode_tokens_per_s = static_cast<double>(generated.size() - 1) / decode_s;
+  if (args.json) {
+    print_json(generated, finish, t);
+  } else {
+    std::printf("\n");
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  etmlx::DecodeArgs args;
+  std::string error;
+  if (!etmlx::parse_decode_args(argc, argv, &args, &error)) {
+    fail(kBadInput, error);
+    std::fprintf(stderr, "(etmlx_decode --help shows the usage)\n");
+    return kBadInput;
+  }
+  if (args.help) {
+    std::printf("%s", etmlx::kDecodeUsage);
+    return 0;
+  }
+  try {
+    return run(args);
+  } catch (const std::exception& e) {
+    // Module and the standard containers may throw (e.g. bad_alloc).
+    return fail(kRunFailed, e.what());
+  }
+}

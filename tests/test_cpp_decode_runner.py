@@ -1,0 +1,181 @@
+"""build/etmlx_decode (the C++ decode loop, no Python) gives the Python Decoder's tokens; bad input fails cleanly."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from backends.mlx.llm.decode import Decoder, export_decoder
+from backends.mlx.llm.sampler_config import SamplerConfig
+from backends.mlx.llm.step_inputs import SamplingParams
+
+BINARY = Path(__file__).resolve().parents[1] / "build" / "etmlx_decode"
+MAX_SEQ_LEN = 48
+VOCAB = 80
+PROMPT = [7, 1, 33, 20]
+
+
+def _run(*args):
+    assert BINARY.is_file(), f"{BINARY} is missing: `make setup` builds it"
+    return subprocess.run([str(BINARY), *map(str, args)], capture_output=True, text=True, timeout=120)
+
+
+def _ids(done) -> list[int]:
+    assert done.returncode == 0, done.stderr[-2000:]
+    return [int(t) for t in done.stdout.split()]
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(3)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                        eos_token_id=None, bos_token_id=None)).eval()
+
+
+@pytest.fixture(scope="module")
+def pte(model, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("cpp_decode") / "llama.pte"
+    export_decoder(model, out, MAX_SEQ_LEN)
+    return out
+
+
+# Every knob, logit bias, penalty seeding and logprob outputs: the runner must fill them all.
+FULL = SamplerConfig(top_k=True, top_p=True, min_p=True, logit_bias=2, penalties=True, penalty_seed=4, logprobs=3)
+
+
+@pytest.fixture(scope="module")
+def full_pte(model, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("cpp_decode_full") / "full.pte"
+    export_decoder(model, out, MAX_SEQ_LEN, config=FULL)
+    return out
+
+
+@pytest.fixture(scope="module")
+def decoder(pte) -> Decoder:
+    return Decoder(pte)
+
+
+def test_greedy_matches_python_decoder(pte, decoder):
+    expected = decoder.generate(PROMPT, 20).tokens
+    assert len(expected) == 20
+    assert _ids(_run(pte, "--prompt-ids", ",".join(map(str, PROMPT)), "--max-tokens", 20)) == expected
+
+
+@pytest.mark.parametrize("seed", [42, 7])
+def test_seeded_sampling_matches_python_decoder(pte, decoder, seed):
+    expected = decoder.generate(PROMPT, 16, SamplingParams(temperature=1.0, seed=seed)).tokens
+    # Sampling at T=1 must not be the greedy path, or this test would not check the seeds.
+    assert expected != decoder.generate(PROMPT, 16).tokens
+    got = _ids(_run(pte, "--prompt-ids", "7,1,33,20", "--max-tokens", 16, "--temperature", 1.0, "--seed", seed))
+    assert got == expected
+
+
+def test_json_output_and_eos_stop(pte, decoder):
+    greedy = decoder.generate([5, 6], 12).tokens
+    stop_id = greedy[3]
+    first_stop = greedy.index(stop_id)
+    done = _run(pte, "--prompt-ids", "5,6", "--max-tokens", 12, "--eos", stop_id, "--json")
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["tokens"] == greedy[:first_stop + 1] and result["finish_reason"] == "stop"
+    full = json.loads(_run(pte, "--prompt-ids", "5,6", "--max-tokens", 12, "--json").stdout)
+    assert full["tokens"] == greedy and full["finish_reason"] == "length"
+
+
+def test_without_sidecar_limits_come_from_the_program(pte, decoder, tmp_path):
+    alone = tmp_path / "alone.pte"
+    shutil.copy(pte, alone)
+    done = _run(alone, "--prompt-ids", "7,1,33,20", "--max-tokens", 10)
+    assert _ids(done) == decoder.generate(PROMPT, 10).tokens
+    assert "vocabulary size unknown" in done.stderr
+    too_long = _run(alone, "--prompt-ids", "1,2,3", "--max-tokens", 46)
+    assert too_long.returncode == 2 and f"exceeds max_seq_len {MAX_SEQ_LEN}" in too_long.stderr
+    out_of_range = _run(alone, "--prompt-ids", "1,80", "--vocab-size", VOCAB)
+    assert out_of_range.returncode == 2 and "[0, 80)" in out_of_range.stderr
+
+
+@pytest.mark.parametrize("args, code, message", [
+    (["--prompt-ids", "1,2,3", "--max-tokens", 60], 2, "exceeds max_seq_len 48"),
+    (["--prompt-ids", "", "--max-tokens", 3], 2, "--prompt-ids is empty"),
+    (["--prompt-ids", "1,x"], 2, "'x' is not an integer token id"),
+    (["--prompt-ids", "1,500"], 2, "token ids in [0, 80), got 500"),
+    (["--prompt-ids", "-1"], 2, "token ids in [0, 80), got -1"),
+    (["--prompt-ids", "1", "--max-tokens", 0], 2, "--max-tokens must be an integer >= 1"),
+    (["--prompt-ids", "1", "--temperature", "warm"], 2, "--temperature must be a number >= 0"),
+    (["--prompt-ids", "1", "--temperature", -1], 2, "--temperature must be a number >= 0"),
+    (["--prompt-ids", "1", "--top-p", 0], 2, "--top-p must be in (0, 1]"),
+    (["--prompt-ids", "1", "--top-k", -3], 2, "--top-k must be an integer >= 0"),
+    (["--prompt-ids", "1", "--repetition-penalty", 0], 2, "--repetition-penalty must be > 0"),
+    (["--prompt-ids", "1", "--max-tokens", 3, "--top-k", 5], 2, "exported without top_k"),
+    (["--prompt-ids", "1", "--frobnicate", 1], 2, "unknown option --frobnicate"),
+    (["--max-tokens", 3], 2, "--prompt-ids is required"),
+])
+def test_bad_command_line(pte, args, code, message):
+    done = _run(pte, *args)
+    assert done.returncode == code and message in done.stderr, done.stderr
+    assert done.stdout == ""
+
+
+def test_bad_files(pte, tmp_path):
+    missing = _run(tmp_path / "nope.pte", "--prompt-ids", "1")
+    assert missing.returncode == 2 and "nope.pte: no such file" in missing.stderr
+    truncated = tmp_path / "truncated.pte"
+    truncated.write_bytes(pte.read_bytes()[:1000])
+    bad = _run(truncated, "--prompt-ids", "1")
+    assert bad.returncode == 1 and "is not a loadable ExecuTorch program" in bad.stderr
+    copy = tmp_path / "copy.pte"
+    shutil.copy(pte, copy)
+    Path(str(copy) + ".json").write_text('{"max_seq_len": 48, "vocab_size": ')
+    broken = _run(copy, "--prompt-ids", "1")
+    assert broken.returncode == 2 and "is not valid JSON" in broken.stderr
+    Path(str(copy) + ".json").write_text(json.dumps({"format": "etmlx-decoder/1",
+                                                     "inputs": ["tokens", "start_pos", "lengths", "temperature",
+                                                                "mystery"]}))
+    unknown = _run(copy, "--prompt-ids", "1")
+    assert unknown.returncode == 2 and "input 'mystery' is not one etmlx_decode knows" in unknown.stderr
+
+
+@pytest.mark.parametrize("sidecar, message", [
+    ("[" * 200 + "]" * 200, "nesting too deep"),
+    ('{"max_seq_len": 48} x', "unexpected text after the value"),
+    ('{"max_seq_len": 48}', 'is not etmlx decoder metadata'),
+    ('{"format": "etmlx-decoder/1", "eos_token_ids": [1.5]}', '"eos_token_ids" must be a list of integers'),
+    ('{"format": "etmlx-decoder/1", "max_seq_len": 0}', '"max_seq_len" must be an integer >= 1'),
+    ('{"format": "etmlx-decoder/1", "inputs": [1, 2]}', '"inputs" must be a list of strings'),
+    ('{"format": "etmlx-decoder/1", "batch": 4}', "decodes 4 rows per call"),
+    ('{"inputs": ["\\ud800"]}', "lone surrogate"),
+    ('["not", "an", "object"]', "must hold a JSON object"),
+])
+def test_malformed_sidecar(pte, tmp_path, sidecar, message):
+    copy = tmp_path / "copy.pte"
+    shutil.copy(pte, copy)
+    Path(str(copy) + ".json").write_text(sidecar)
+    done = _run(copy, "--prompt-ids", "1")
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_knobs_off_by_default_in_a_full_sampler_program(full_pte, decoder):
+    # With every knob at its off value the full program samples exactly as the plain one.
+    greedy = decoder.generate(PROMPT, 12).tokens
+    seeded = decoder.generate(PROMPT, 12, SamplingParams(temperature=1.0, seed=42)).tokens
+    assert _ids(_run(full_pte, "--prompt-ids", "7,1,33,20", "--max-tokens", 12)) == greedy
+    assert _ids(_run(full_pte, "--prompt-ids", "7,1,33,20", "--max-tokens", 12, "--temperature", 1,
+                     "--seed", 42)) == seeded
+
+
+def test_knobs_match_python_decoder(full_pte):
+    params = SamplingParams(temperature=1.5, seed=5, top_k=5, top_p=0.9, min_p=0.05, repetition_penalty=1.3,
+                            presence_penalty=0.5, frequency_penalty=0.25)
+    expected = Decoder(full_pte).generate(PROMPT, 16, params).tokens
+    assert expected != Decoder(full_pte).generate(PROMPT, 16, SamplingParams(temperature=1.5, seed=5)).tokens
+    got = _ids(_run(full_pte, "--prompt-ids", "7,1,33,20", "--max-tokens", 16, "--temperature", 1.5, "--seed", 5,
+                    "--top-k", 5, "--top-p", 0.9, "--min-p", 0.05, "--repetition-penalty", 1.3,
+                    "--presence-penalty", 0.5, "--frequency-penalty", 0.25))
+    assert got == expected
