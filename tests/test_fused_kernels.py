@@ -288,20 +288,27 @@ def test_rope_without_a_proof_keeps_the_tables(case, dtype, monkeypatch):
     assert_matches(kernel, module(*inputs))
 
 
-def test_rope_with_a_dynamic_length_is_fused():
-    # Positions from an input vector: a symbolic-length arange is not delegated yet, so the
-    # provable spellings cannot be exported with a dynamic length today.
+@pytest.mark.parametrize("positions", ["per_row", "input"])
+def test_rope_with_a_dynamic_length(positions, monkeypatch):
     torch.manual_seed(0)
-    module = Rotary(positions="input")
-    inputs = _rope_inputs(torch.float32, "input", length=6)
+    module = Rotary(positions=positions)
+    inputs = _rope_inputs(torch.float32, positions, length=6)
     length = torch.export.Dim("length", min=2, max=32)
-    result = export_to_pte(module, tuple(inputs), dynamic_shapes=({2: length}, {2: length}, {0: length}))
+    extra_dims = {0: length} if positions == "input" else None
+    result = export_to_pte(module, tuple(inputs), dynamic_shapes=({2: length}, {2: length}, extra_dims))
     assert result.ops_outside == 0, result.summary()
-    assert fused_counts(result.pte) == Counter(RopeNode=2)
+    nodes = rope_nodes(result.pte)
+    assert len(nodes) == 2
+    # start_pos[b] + arange(L) with a symbolic L is still provably consecutive; an input vector is not.
+    assert all((n.offset is not None) == (positions == "per_row") for n in nodes)
     method = load_method(result.pte)
     for n in (2, 5, 13):
-        q, k, pos = rand(2, 4, n, 8), rand(2, 2, n, 8), torch.randperm(40)[:n]
-        assert_matches(method.execute([q, k, pos]), module(q, k, pos))
+        q, k = rand(2, 4, n, 8), rand(2, 2, n, 8)
+        extra = torch.tensor([3, 20]) if positions == "per_row" else torch.randperm(40)[:n]
+        out = method.execute([q, k, extra])
+        assert_matches(out, module(q, k, extra))
+        for a, b in zip(_fast_rope_run(monkeypatch, result.pte, [q, k, extra]), out):
+            assert torch.equal(a, b)
 
 
 class RotateWrongHalves(nn.Module):
@@ -463,17 +470,38 @@ def test_half_precision_llama_matches_the_unfused_program(dtype):
     torch.testing.assert_close(a.float(), b.float(), **TOL[dtype])
 
 
-def test_static_cache_module_fuses_norms_and_rotary():
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2"])
+def test_static_cache_decoder_fuses_norms_and_rotary(family, monkeypatch):
+    """The decoder's cache module (dynamic L, positions start_pos[b] + l): rotary nodes are proven."""
     from backends.mlx.llm.kv_cache import StaticCacheLM
 
     torch.manual_seed(0)
-    model = _hf("llama").eval()
-    lm = StaticCacheLM(model, max_seq_len=16)
-    tokens, pos = torch.tensor([[3, 7, 1]]), torch.tensor([0, 1, 2])
-    result = export_to_pte(lm, (tokens, pos))
+    model = _hf(family).eval()
+    max_len = 16
+    length = torch.export.Dim("length", min=1, max=max_len)
+    example = (torch.ones(2, max_len, dtype=torch.int64), torch.zeros(2, dtype=torch.int64),
+               torch.full((2,), max_len, dtype=torch.int64))
+    result = export_to_pte(StaticCacheLM(model, max_seq_len=max_len, batch=2), example,
+                           dynamic_shapes=({1: length}, None, None))
     assert result.ops_outside == 0, result.summary()
-    assert fused_counts(result.pte) == MODEL_NODES["llama"]
+    assert fused_counts(result.pte) == MODEL_NODES[family]
+    assert all(n.offset is not None and n.freqs is not None for n in rope_nodes(result.pte))
+    a, b = torch.randint(0, VOCAB, (2, 9)).tolist()
     with torch.no_grad():
-        full = model(input_ids=tokens, use_cache=False).logits
-    out = load_method(result.pte).execute([tokens, pos])[0]
-    torch.testing.assert_close(out, full, atol=1e-5, rtol=1e-5)
+        full = model(input_ids=torch.tensor([a, b]), use_cache=False).logits
+    calls = [(torch.tensor([a[:5], b[:5]]), [0, 0], [5, 3]),  # row b: 3 real tokens, padded
+             (torch.tensor([a[5:7], b[3:5]]), [5, 3], [2, 2])]
+    method = load_method(result.pte)
+    for tokens, starts, lengths in calls:
+        inputs = [tokens, torch.tensor(starts), torch.tensor(lengths)]
+        out = method.execute(inputs)[0]
+        expected = torch.stack([full[0, starts[0] + lengths[0] - 1], full[1, starts[1] + lengths[1] - 1]])
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    if MODEL_NODES[family]["RopeNode"]:  # a fresh program: the kernel path from the same cache state
+        kernel = load_method(result.pte)
+        monkeypatch.setenv("ETMLX_FAST_ROPE", "1")
+        replay = [kernel.execute([t, torch.tensor(s), torch.tensor(n)])[0] for t, s, n in calls]
+        monkeypatch.delenv("ETMLX_FAST_ROPE")
+        plain = load_method(result.pte)
+        for (t, s, n), got in zip(calls, replay):
+            assert torch.equal(got, plain.execute([t, torch.tensor(s), torch.tensor(n)])[0])
