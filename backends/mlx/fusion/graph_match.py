@@ -121,6 +121,6 @@ class Constants:
         if isinstance(arg, (int, float)):
             return arg
         t = self.tensor(arg)
-        if t is None or t.dim() != 0:
+        if t is None or t.dim() != 0 or t.dtype == torch.bool:
             return None
         return t.item()

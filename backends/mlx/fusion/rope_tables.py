@@ -150,7 +150,8 @@ class _Terms:
     def plus(self, other: "_Terms") -> Optional["_Terms"]:
         if (self.batch is not None and other.batch is not None) or (self.seq and other.seq):
             return None
-        return _Terms(self.batch or other.batch, self.shift + other.shift, self.seq or other.seq)
+        batch = self.batch if self.batch is not None else other.batch
+        return _Terms(batch, self.shift + other.shift, self.seq or other.seq)
 
 
 def _int_constant(arg, consts) -> Optional[int]:
