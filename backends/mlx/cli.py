@@ -7,12 +7,17 @@ import sys
 from pathlib import Path
 
 from backends.mlx import llm_cli
+from backends.mlx.serve import cli as serve_cli
 
 
 def _demo(args) -> int:
+    if args.classifier:
+        from backends.mlx import demo_classifier
+
+        return demo_classifier.main(Path(args.out or "out/classifier.pte"))
     from backends.mlx import demo
 
-    return demo.main(Path(args.out))
+    return demo.main(Path(args.out or "out/builtin.pte"), prompt=args.prompt, max_tokens=args.max_tokens)
 
 
 def _inspect(args) -> int:
@@ -29,6 +34,8 @@ def _bench(args) -> int:
         vocabs = tuple(int(v) for v in args.vocabs.split(",")) if args.vocabs else sampler.VOCABS
         batches = tuple(int(b) for b in args.batches.split(",")) if args.batches else sampler.BATCHES
         return sampler.main(args.json, repeats=args.repeats, vocabs=vocabs, batches=batches, suite=args.suite)
+    if args.what == "serve":
+        return serve_cli.bench(args)
     if args.what == "agreement":
         from backends.mlx.bench import agreement
 
@@ -40,14 +47,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="etmlx", description="ExecuTorch programs on MLX")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="export a small built-in model and run it through the runtime")
-    demo.add_argument("--out", default="out/demo.pte", help="where to write the .pte (default: out/demo.pte)")
+    demo.add_argument("--out", help="where to write the .pte (default: out/builtin.pte, out/classifier.pte)")
+    demo.add_argument("--prompt", default="One morning, Mira went to", help="prompt for the built-in model")
+    demo.add_argument("--max-tokens", type=int, default=60)
+    demo.add_argument("--classifier", action="store_true",
+                      help="the small classifier demo instead (no training; compares with eager PyTorch)")
     demo.set_defaults(func=_demo)
     inspect = sub.add_parser("inspect", help="list the etmlx delegate graphs inside a .pte")
     inspect.add_argument("pte", help="path to a .pte file")
     inspect.set_defaults(func=_inspect)
     llm_cli.add_parsers(sub)
+    serve_cli.add_parsers(sub)
     bench = sub.add_parser("bench", help="benchmarks with same-run baselines")
-    bench.add_argument("what", choices=["sampler", "agreement"], help="which benchmark")
+    bench.add_argument("what", choices=["sampler", "agreement", "serve"], help="which benchmark")
     bench.add_argument("--suite", choices=["all", "basic", "features"], default="all",
                        help="sampler: basic (temperature by vocab and batch), features (top-k/top-p), or all")
     bench.add_argument("--rows", type=int, default=2000, help="agreement: rows per dtype")
@@ -55,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=30, help="timed calls per measurement (median)")
     bench.add_argument("--vocabs", help="comma-separated vocabulary sizes (default 32000,128256,262144)")
     bench.add_argument("--batches", help="comma-separated batch sizes (default 1,8)")
+    serve_cli.add_bench_arguments(bench)
     bench.set_defaults(func=_bench)
     return parser
 

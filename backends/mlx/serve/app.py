@@ -1,0 +1,164 @@
+"""The server process: load the .pte once, start the engine, serve HTTP (OpenAI API, /health, LMTP
+over WebSocket) and optionally LMTP lines over plain TCP; stop cleanly on SIGINT/SIGTERM.
+
+    etmlx serve FILE.pte [--host 127.0.0.1] [--port 8000] [--max-batch N] [--lmtp-port P]
+
+`ServerThread` runs the same server on a background thread (tests, benchmarks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from aiohttp import web
+
+from backends.mlx.llm.decoder_meta import DecoderMeta
+from backends.mlx.serve.engine import Engine
+from backends.mlx.serve.program_worker import ProgramWorker
+from backends.mlx.serve.service import Service, load_tokenizer
+
+log = logging.getLogger("etmlx.serve")
+
+
+def load_service(pte: Path, max_batch: int | None = None, model_name: str | None = None) -> Service:
+    pte = Path(pte)
+    if not pte.is_file():
+        raise FileNotFoundError(f"{pte} does not exist")
+    meta = DecoderMeta.load(pte)
+    if max_batch is not None and not 1 <= max_batch <= meta.batch:
+        raise ValueError(f"--max-batch must be in [1, {meta.batch}]: {pte} was exported with batch {meta.batch} "
+                         "(re-export with --batch N for more rows)")
+    tokenizer = load_tokenizer(pte, meta)
+    engine = Engine(ProgramWorker(pte), meta, max_batch=max_batch).start()
+    return Service(meta=meta, tokenizer=tokenizer, engine=engine, model_name=model_name or pte.stem)
+
+
+def make_app(service: Service) -> web.Application:
+    from backends.mlx.serve.lmtp_routes import LmtpRoutes
+    from backends.mlx.serve.openai_routes import OpenAIRoutes
+
+    app = web.Application(client_max_size=8 * 1024 * 1024)
+    OpenAIRoutes(service).add_to(app)
+    lmtp = LmtpRoutes(service)
+    lmtp.add_to(app)
+
+    async def health(request: web.Request) -> web.Response:
+        engine = service.engine  # plain ints the engine thread writes: no lock, no wait on the engine
+        return web.json_response({"status": "ok" if engine.running else "stopped", "active_rows": engine.active_rows,
+                                  "waiting": engine.waiting, "steps": engine.steps, "tokens": engine.tokens},
+                                 status=200 if engine.running else 503)
+
+    app.router.add_get("/health", health)
+    app["lmtp"] = lmtp
+    return app
+
+
+class Server:
+    """The aiohttp site(s) around a Service, on the running event loop."""
+
+    def __init__(self, service: Service, host: str, port: int, lmtp_port: int | None = None):
+        self.service, self.host, self.port, self.lmtp_port = service, host, port, lmtp_port
+        self.app = make_app(service)
+        # handler_cancellation: a client that disconnects cancels its handler, and so its rows.
+        self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        self.tcp_server = None
+
+    async def start(self) -> None:
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, self.host, self.port, shutdown_timeout=5.0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+        if self.lmtp_port is not None:
+            from backends.mlx.serve.lmtp_routes import serve_lmtp_lines
+
+            self.tcp_server = await serve_lmtp_lines(self.service, self.host, self.lmtp_port)
+            self.lmtp_port = self.tcp_server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        # The engine first: every in-flight request gets its final "abort" event while the loop still
+        # runs, so open streams end properly; then the sockets close.
+        await asyncio.get_running_loop().run_in_executor(None, self.service.engine.stop)
+        await self.app["lmtp"].close_all()
+        if self.tcp_server is not None:
+            self.tcp_server.close()
+        await self.runner.cleanup()
+        await asyncio.get_running_loop().run_in_executor(None, self.service.engine.program.close)
+
+
+def serve(pte: Path, host: str = "127.0.0.1", port: int = 8000, max_batch: int | None = None,
+          lmtp_port: int | None = None, model_name: str | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    # The engine thread's Python work between program calls holds the GIL; a short switch
+    # interval bounds how long the event loop can wait for it.
+    sys.setswitchinterval(0.001)
+    started = time.perf_counter()
+    service = load_service(pte, max_batch, model_name)
+
+    async def main() -> None:
+        server = Server(service, host, port, lmtp_port)
+        await server.start()
+        meta = service.meta
+        lines = f", LMTP lines on {host}:{server.lmtp_port}" if server.lmtp_port is not None else ""
+        log.info("serving %s (%d rows, max_seq_len %d) on http://%s:%d%s; ready in %.1f s", service.model_name,
+                 service.engine.usable, meta.max_seq_len, host, server.port, lines, time.perf_counter() - started)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("shutting down: aborting %d active and %d waiting requests", service.engine.active_rows,
+                 service.engine.waiting)
+        await server.stop()
+
+    asyncio.run(main())
+    return 0
+
+
+class ServerThread:
+    """The server on a background thread and event loop: start(), .port, stop()."""
+
+    def __init__(self, pte: Path, host: str = "127.0.0.1", port: int = 0, max_batch: int | None = None,
+                 lmtp_port: int | None = None, model_name: str | None = None):
+        self.service = load_service(pte, max_batch, model_name)
+        self.server = Server(self.service, host, port, lmtp_port)
+        self.loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="etmlx-server", daemon=True)
+        self._error: BaseException | None = None
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_until_complete(self.server.start())
+        except BaseException as exc:  # reported by start()
+            self._error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        self.loop.run_forever()
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.server.host}:{self.server.port}"
+
+    def start(self) -> "ServerThread":
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(timeout=60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)

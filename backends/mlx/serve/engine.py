@@ -1,0 +1,259 @@
+"""The engine thread: owns the program and runs the batched decode loop.
+
+Each slot of the exported batch is a row. A request waits until a slot is free, then joins at the
+next call: its whole prompt is prefilled in the same call in which the other rows decode one token
+(the call's length is the longest row's; shorter rows pad, which the cache allows). Every row has
+its own SamplingParams, seed schedule (base seed + the row's own step), penalty reset at its first
+call and cache position, so a request gets the tokens it would get alone.
+
+Hand-off: other threads call `submit` / `cancel` (a queue.Queue into this thread); results go out
+through each request's `sink`, called on this thread (the server wraps it in
+loop.call_soon_threadsafe). A cancelled or finished row is freed before the next call.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from backends.mlx.llm.decode import check_prompt
+from backends.mlx.llm.decoder_meta import DecoderMeta
+from backends.mlx.llm.step_inputs import SamplingParams, step_inputs
+
+log = logging.getLogger("etmlx.serve")
+_ids = itertools.count(1)
+# Logit bias that forces a scored token; raw logprobs are unaffected by bias (see scoring below).
+FORCE_BIAS = 100.0
+
+
+@dataclass
+class TokenEvent:
+    """One sampled token of a request, or its end. finish_reason: None while running, then "stop"
+    (end-of-sequence token), "length", "cancelled", "abort" (server shutdown) or "error"."""
+
+    token: int | None
+    logprob: float | None = None
+    top: list[tuple[int, float]] | None = None  # (token id, logprob), best first
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class EngineRequest:
+    prompt: list[int]
+    params: SamplingParams
+    max_tokens: int
+    sink: Callable[[TokenEvent], None]  # called on the engine thread; must not block
+    stop_at_eos: bool = True
+    # Scoring: force these tokens one per step (greedy + bias); the events carry their raw logprobs.
+    forced: list[int] | None = None
+    id: int = field(default_factory=lambda: next(_ids))
+
+
+@dataclass
+class _Row:
+    request: EngineRequest
+    feed: list[int]  # tokens of the next call
+    pos: int = 0  # cache position of feed[0]
+    step: int = 0  # the row's decode step (0 = prefill): seed = params.seed + step
+    produced: int = 0
+
+
+class Engine:
+    def __init__(self, program, meta: DecoderMeta, max_batch: int | None = None):
+        """program: anything with execute(inputs) -> outputs (a loaded method or a ProgramWorker)."""
+        if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int)
+                                      or not 1 <= max_batch <= meta.batch):
+            raise ValueError(f"max_batch must be an int in [1, {meta.batch}] (the program's batch), got {max_batch!r}")
+        self.program = program
+        self.meta = meta
+        self.rows: list[_Row | None] = [None] * meta.batch
+        self.usable = max_batch or meta.batch
+        self._inbox: queue.Queue = queue.Queue()
+        self._waiting: deque[EngineRequest] = deque()
+        self._thread = threading.Thread(target=self._run, name="etmlx-engine", daemon=True)
+        # Read by /health from other threads: plain ints, written only here.
+        self.steps = 0
+        self.tokens = 0
+        self.active_rows = 0
+        self.waiting = 0
+        self.running = False
+
+    # ---- other threads ----
+    def start(self) -> "Engine":
+        self.running = True
+        self._thread.start()
+        return self
+
+    def check(self, request: EngineRequest) -> None:
+        """Raise ValueError/TypeError for a request the program cannot run (before it is queued)."""
+        request.params.check(self.meta)
+        check_prompt(self.meta, request.prompt, request.max_tokens)
+        if request.forced is not None:
+            config = self.meta.config
+            if not config.logprobs or config.logprobs_mode != "raw" or config.logit_bias < 1:
+                raise ValueError("scoring is not available for this .pte: it needs raw logprobs and logit bias "
+                                 "(export with --logprobs N and --sampler logit-bias=N)")
+            if len(request.forced) != request.max_tokens:
+                raise ValueError("forced tokens and max_tokens disagree")
+
+    def submit(self, request: EngineRequest) -> int:
+        self.check(request)
+        if not self.running:
+            raise RuntimeError("the engine is not running")
+        self._inbox.put(("add", request))
+        return request.id
+
+    def cancel(self, request_id: int) -> None:
+        """Free the request's row before the next call (no-op once it finished)."""
+        self._inbox.put(("cancel", request_id))
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Abort whatever is in flight (each request gets a final "abort" event) and end the thread."""
+        if self._thread.is_alive():
+            self._inbox.put(("stop", None))
+            self._thread.join(timeout)
+        self.running = False
+
+    # ---- the engine thread ----
+    def _run(self) -> None:
+        try:
+            while self._drain():
+                self._admit()
+                if self.active_rows:
+                    self._step()
+        except Exception:  # never die silently: end every request with the error
+            log.exception("engine loop failed")
+            self._end_all("error", "the engine stopped after an internal error")
+        finally:
+            self.running = False
+
+    def _drain(self) -> bool:
+        """Apply queued submissions and cancellations; False when asked to stop."""
+        idle = not self.active_rows and not self._waiting
+        while True:
+            try:
+                kind, value = self._inbox.get(block=idle)
+            except queue.Empty:
+                return True
+            idle = False
+            if kind == "add":
+                self._waiting.append(value)
+            elif kind == "cancel":
+                self._cancel(value)
+            elif kind == "stop":
+                self._end_all("abort", None)
+                return False
+            self.waiting = len(self._waiting)
+
+    def _cancel(self, request_id: int) -> None:
+        for request in list(self._waiting):
+            if request.id == request_id:
+                self._waiting.remove(request)
+                self._emit(request, TokenEvent(None, finish_reason="cancelled"))
+        for slot, row in enumerate(self.rows):
+            if row is not None and row.request.id == request_id:
+                self._free(slot, TokenEvent(None, finish_reason="cancelled"))
+
+    def _end_all(self, reason: str, error: str | None) -> None:
+        while self._waiting:
+            self._emit(self._waiting.popleft(), TokenEvent(None, finish_reason=reason, error=error))
+        for slot, row in enumerate(self.rows):
+            if row is not None:
+                self._free(slot, TokenEvent(None, finish_reason=reason, error=error))
+        self.waiting = 0
+
+    def _free(self, slot: int, final: TokenEvent | None) -> None:
+        row = self.rows[slot]
+        self.rows[slot] = None
+        self.active_rows -= 1
+        if final is not None:
+            self._emit(row.request, final)
+
+    def _emit(self, request: EngineRequest, event: TokenEvent) -> bool:
+        try:
+            request.sink(event)
+            return True
+        except Exception:  # e.g. the client's event loop is closed: treat as a cancellation
+            log.debug("sink of request %d failed; dropping it", request.id, exc_info=True)
+            return False
+
+    def _admit(self) -> None:
+        # Every row of a call writes positions pos .. pos+L-1, so a prompt of length L joins only
+        # while each decoding row still has L free positions; otherwise it waits a few steps.
+        room = min((self.meta.max_seq_len - row.pos for row in self.rows if row is not None),
+                   default=self.meta.max_seq_len)
+        for request in list(self._waiting):
+            if self.active_rows >= self.usable:
+                break
+            if len(request.prompt) > room:
+                continue
+            slot = next(i for i in range(self.usable) if self.rows[i] is None)
+            self.rows[slot] = _Row(request, feed=list(request.prompt))
+            self._waiting.remove(request)
+            self.active_rows += 1
+        self.waiting = len(self._waiting)
+
+    def _step(self) -> None:
+        meta = self.meta
+        width = max(len(row.feed) for row in self.rows if row is not None)
+        tokens = torch.zeros(meta.batch, width, dtype=torch.int64)
+        starts, lengths, params, steps, resets = [], [], [], [], []
+        for slot, row in enumerate(self.rows):
+            if row is None:  # an idle slot computes a throwaway token at position 0 of its own cache
+                starts.append(0), lengths.append(1), params.append(SamplingParams()), steps.append(0)
+                resets.append(True)
+                continue
+            tokens[slot, :len(row.feed)] = torch.tensor(row.feed, dtype=torch.int64)
+            starts.append(row.pos), lengths.append(len(row.feed)), steps.append(row.step)
+            resets.append(row.step == 0)
+            request = row.request
+            if request.forced is not None:  # greedy with the scored token pushed to the top
+                params.append(SamplingParams(logit_bias={request.forced[row.produced]: FORCE_BIAS}))
+            else:
+                params.append(request.params)
+        try:
+            outputs = self.program.execute(step_inputs(meta, tokens, starts, lengths, params, steps, resets))
+        except Exception as exc:
+            log.exception("program call failed")
+            for slot, row in enumerate(self.rows):
+                if row is not None:
+                    self._free(slot, TokenEvent(None, finish_reason="error", error=str(exc)))
+            return
+        self.steps += 1
+        sampled = outputs[0].tolist()
+        logprobs = outputs[1].tolist() if meta.config.logprobs else None
+        top_ids = outputs[2].tolist() if meta.config.logprobs else None
+        top_lps = outputs[3].tolist() if meta.config.logprobs else None
+        for slot, row in enumerate(self.rows):
+            if row is None:
+                continue
+            token = int(sampled[slot])
+            event = TokenEvent(token)
+            if logprobs is not None:
+                event.logprob = float(logprobs[slot])
+                event.top = list(zip(top_ids[slot], top_lps[slot]))
+            request = row.request
+            if request.forced is not None and token != request.forced[row.produced]:
+                self._free(slot, TokenEvent(None, finish_reason="error",
+                                            error=f"could not force token {request.forced[row.produced]}"))
+                continue
+            row.produced += 1
+            self.tokens += 1
+            if request.stop_at_eos and token in meta.eos_token_ids:
+                event.finish_reason = "stop"
+            elif row.produced >= request.max_tokens:
+                event.finish_reason = "length"
+            if not self._emit(request, event) or event.finish_reason:
+                self._free(slot, None)
+                continue
+            row.pos += len(row.feed)
+            row.feed = [token]
+            row.step += 1

@@ -1,0 +1,74 @@
+"""LMTP transports: a WebSocket at /lmtp (one or more lines per text frame) and, optionally, plain
+TCP with one message per line."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import weakref
+
+from aiohttp import WSMsgType, web
+
+from backends.mlx.serve.lmtp_session import LmtpSession
+from backends.mlx.serve.service import Service
+
+log = logging.getLogger("etmlx.serve")
+
+
+class LmtpRoutes:
+    def __init__(self, service: Service):
+        self.service = service
+        self.sockets: weakref.WeakSet = weakref.WeakSet()
+
+    def add_to(self, app: web.Application) -> None:
+        app.router.add_get("/lmtp", self.websocket)
+
+    async def websocket(self, request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse(heartbeat=30.0)
+        await ws.prepare(request)
+        self.sockets.add(ws)
+        session = LmtpSession(self.service, ws.send_str)
+        try:
+            async for message in ws:
+                if message.type == WSMsgType.TEXT:
+                    for line in message.data.splitlines():
+                        await session.handle_line(line)
+                elif message.type == WSMsgType.BINARY:
+                    await ws.send_str('MSG {"stream_id": null, "error": "LMTP frames are text"}')
+                elif message.type == WSMsgType.ERROR:
+                    break
+        finally:
+            await session.close()
+        return ws
+
+    async def close_all(self) -> None:
+        for ws in list(self.sockets):
+            await ws.close(message=b"server shutting down")
+
+
+async def serve_lmtp_lines(service: Service, host: str, port: int):
+    """LMTP over plain TCP, one message per line."""
+    async def connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        async def send(line: str) -> None:
+            writer.write(line.encode() + b"\n")
+            await writer.drain()
+
+        session = LmtpSession(service, send)
+        try:
+            while True:
+                line = await reader.readline()
+                if not line:
+                    break
+                try:
+                    text = line.decode()
+                except UnicodeDecodeError:
+                    await send('MSG {"stream_id": null, "error": "malformed line: not UTF-8"}')
+                    continue
+                await session.handle_line(text)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            await session.close()
+            writer.close()
+
+    return await asyncio.start_server(connection, host, port, limit=4 * 1024 * 1024)

@@ -1,0 +1,173 @@
+"""One LMTP connection: lines `TYPE JSON` in, `TOKEN [...]` and `MSG {...}` lines out.
+
+In:  GENERATE {"stream_id", "prompt": [ids], "max_tokens", "temperature", "top_k", "top_p", "min_p",
+               "seed", "logit_bias": {"id": bias}, "presence_penalty", "frequency_penalty",
+               "repetition_penalty", "top_logprobs"}         (temperature defaults to 0: greedy)
+     SCORE    {"stream_id", "prompt": [ids], "scored": [ids]}  logprob of each scored token
+     MODEL_INFO {"stream_id"}
+Out: TOKEN [{"token", "stream_id", "logprob", "finish_reason", "top_logprobs": {"id": lp}}, ...]
+     carries every token that arrived since the last send, of all streams interleaved (order
+     within a stream kept); a stream's last token has a finish_reason. SCORE tokens have no
+     top_logprobs. A stream that fails gets TOKEN [{"stream_id", "error", "finish_reason": "error"}];
+     a line that names no usable stream gets MSG {"stream_id": null, "error"}. The connection stays.
+     MSG {"stream_id", "model_info": {...}} answers MODEL_INFO.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Awaitable, Callable
+
+from backends.mlx.llm.step_inputs import SamplingParams
+from backends.mlx.serve.engine import EngineRequest, TokenEvent
+from backends.mlx.serve.service import Service, queue_sink
+
+log = logging.getLogger("etmlx.serve")
+_KNOBS = {"temperature": float, "top_p": float, "min_p": float, "presence_penalty": float,
+          "frequency_penalty": float, "repetition_penalty": float, "top_k": int, "seed": int}
+
+
+class LmtpError(ValueError):
+    pass
+
+
+def _ids(value, name: str, vocab: int) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise LmtpError(f"'{name}' must be a list of token ids")
+    if any(not 0 <= t < vocab for t in value):
+        raise LmtpError(f"'{name}' token ids must be in [0, {vocab})")
+    return value
+
+
+class LmtpSession:
+    def __init__(self, service: Service, send: Callable[[str], Awaitable[None]]):
+        self.service = service
+        self.send = send
+        self.loop = asyncio.get_running_loop()
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.streams: dict[object, tuple[int, bool]] = {}  # stream_id -> (engine request id, scoring)
+        self.sender = asyncio.create_task(self._send_tokens())
+
+    async def handle_line(self, line: str) -> None:
+        line = line.strip()
+        if not line:
+            return
+        kind, _, data = line.partition(" ")
+        handler = {"GENERATE": self._generate, "SCORE": self._score, "MODEL_INFO": self._model_info}.get(kind)
+        if handler is None:
+            return await self._message(None, error=f"unknown message type {kind[:40]!r} (GENERATE, SCORE, "
+                                                   "MODEL_INFO)")
+        try:
+            payload = json.loads(data) if data.strip() else {}
+        except json.JSONDecodeError as exc:
+            return await self._message(None, error=f"malformed line: the data after {kind!r} is not JSON ({exc})")
+        if not isinstance(payload, dict):
+            return await self._message(None, error=f"malformed line: {kind} takes a JSON object")
+        stream_id = payload.get("stream_id")
+        if stream_id is None or isinstance(stream_id, (bool, dict, list)):
+            return await self._message(None, error=f"{kind} needs a 'stream_id' (an int or a string)")
+        try:
+            await handler(stream_id, payload)
+        except (ValueError, TypeError) as exc:
+            await self._stream_error(stream_id, str(exc))
+
+    async def _model_info(self, stream_id, payload) -> None:
+        meta, config = self.service.meta, self.service.meta.config
+        await self._message(stream_id, model_info={
+            "model": self.service.model_name, "max_seq_len": meta.max_seq_len, "vocab_size": meta.vocab_size,
+            "batch": self.service.engine.usable, "eos_token_ids": meta.eos_token_ids, "model_type": meta.model_type,
+            "logprobs": config.logprobs, "sampler": [k for k in config.knob_names() if k != "penalty_reset"],
+            "score": bool(config.logprobs and config.logprobs_mode == "raw" and config.logit_bias)})
+
+    def _check_new(self, stream_id, payload) -> None:
+        if stream_id in self.streams:
+            raise LmtpError(f"stream {stream_id!r} is still running")
+        model = payload.get("model")
+        if model not in (None, "", self.service.model_name):
+            raise LmtpError(f"unknown model {model!r}: this server serves {self.service.model_name!r}")
+
+    async def _generate(self, stream_id, payload) -> None:
+        self._check_new(stream_id, payload)
+        meta = self.service.meta
+        prompt = _ids(payload.get("prompt"), "prompt", meta.vocab_size)
+        knobs = {}
+        for name, kind in _KNOBS.items():
+            value = payload.get(name)
+            if value is not None:
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and
+                                                                                      not isinstance(value, int)):
+                    raise LmtpError(f"'{name}' must be {'an int' if kind is int else 'a number'}")
+                knobs[name] = kind(value)
+        bias = payload.get("logit_bias") or {}
+        if not isinstance(bias, dict):
+            raise LmtpError("'logit_bias' must be an object of token id -> bias")
+        try:
+            knobs["logit_bias"] = {int(k): float(v) for k, v in bias.items()}
+        except (TypeError, ValueError):
+            raise LmtpError("'logit_bias' must map token ids to numbers") from None
+        room = meta.max_seq_len - len(prompt)
+        max_tokens = payload.get("max_tokens", max(1, min(32, room)))  # a too-long prompt is reported as such
+        params = SamplingParams(**knobs)
+        self._submit(stream_id, EngineRequest(prompt, params, max_tokens, queue_sink(self.loop, self.events,
+                                                                                     stream_id)), scoring=False)
+
+    async def _score(self, stream_id, payload) -> None:
+        self._check_new(stream_id, payload)
+        meta = self.service.meta
+        prompt = _ids(payload.get("prompt"), "prompt", meta.vocab_size)
+        scored = _ids(payload.get("scored"), "scored", meta.vocab_size)
+        if not scored:
+            raise LmtpError("'scored' is empty: give the tokens to score")
+        request = EngineRequest(prompt, SamplingParams(), len(scored), queue_sink(self.loop, self.events, stream_id),
+                                stop_at_eos=False, forced=list(scored))
+        self._submit(stream_id, request, scoring=True)
+
+    def _submit(self, stream_id, request: EngineRequest, scoring: bool) -> None:
+        self.service.engine.submit(request)  # raises ValueError/TypeError for what the program cannot do
+        self.streams[stream_id] = (request.id, scoring)
+
+    async def _message(self, stream_id, **fields) -> None:
+        await self.send("MSG " + json.dumps({"stream_id": stream_id, **fields}))
+
+    async def _stream_error(self, stream_id, error: str) -> None:
+        await self.send("TOKEN " + json.dumps([{"stream_id": stream_id, "error": error, "finish_reason": "error"}]))
+
+    def _token(self, stream_id, event: TokenEvent) -> dict:
+        _, scoring = self.streams.get(stream_id, (None, False))
+        if event.token is None:  # ended without a token: cancelled, aborted or failed
+            entry = {"stream_id": stream_id, "token": None, "finish_reason": event.finish_reason}
+            if event.error:
+                entry["error"] = event.error
+            return entry
+        entry = {"token": event.token, "stream_id": stream_id, "logprob": event.logprob,
+                 "finish_reason": event.finish_reason}
+        if not scoring and event.top is not None:
+            entry["top_logprobs"] = {str(i): lp for i, lp in event.top}
+        return entry
+
+    async def _send_tokens(self) -> None:
+        while True:
+            batch = [await self.events.get()]
+            while not self.events.empty():
+                batch.append(self.events.get_nowait())
+            entries = [self._token(stream_id, event) for stream_id, event in batch]
+            for stream_id, event in batch:
+                if event.finish_reason:
+                    self.streams.pop(stream_id, None)
+            try:
+                await self.send("TOKEN " + json.dumps(entries))
+            except (ConnectionError, RuntimeError):
+                return
+
+    async def close(self) -> None:
+        """The connection ended: cancel its streams."""
+        for request_id, _ in self.streams.values():
+            self.service.engine.cancel(request_id)
+        self.streams.clear()
+        self.sender.cancel()
+        try:
+            await self.sender
+        except (asyncio.CancelledError, Exception):
+            pass

@@ -1,0 +1,204 @@
+"""OpenAI request bodies (completions and chat completions) to a checked generation job.
+
+Every value is checked here, so a bad request gets a 400 naming the parameter before anything is
+queued. Extensions beyond OpenAI's set, as vLLM names them: top_k, min_p, repetition_penalty.
+Seeds: choice i of a request with seed s draws with s + i * max_seq_len + step, so the choices of
+one request never share a draw and the same request repeats exactly. Without a seed the server
+picks one at random.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+from backends.mlx.llm.decoder_meta import DecoderMeta
+from backends.mlx.llm.step_inputs import SamplingParams
+from backends.mlx.serve.api_errors import ApiError
+
+MAX_N = 16
+MAX_STOPS = 4
+
+
+@dataclass
+class Job:
+    prompt: list[int]
+    choices: list[SamplingParams]  # one per choice (n)
+    max_tokens: int
+    stops: list[str] = field(default_factory=list)
+    logprobs: int | None = None  # None: none; k: chosen token's logprob and k alternatives
+    stream: bool = False
+    include_usage: bool = False
+
+
+def _number(body: dict, name: str, default, low=None, high=None, *, integer=False, low_open=False):
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int,) if integer else (int, float)):
+        raise ApiError(f"'{name}' must be {'an integer' if integer else 'a number'}, got {value!r}", param=name)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ApiError(f"'{name}' must be finite, got {value!r}", param=name)
+    if low is not None and (value <= low if low_open else value < low) or high is not None and value > high:
+        bounds = f"{'(' if low_open else '['}{low}, {high}]"
+        raise ApiError(f"'{name}' must be in {bounds}, got {value!r}", param=name)
+    return value
+
+
+def _flag(body: dict, name: str, default=False) -> bool:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ApiError(f"'{name}' must be a boolean, got {value!r}", param=name)
+    return value
+
+
+def check_model(body: dict, model_name: str) -> None:
+    model = body.get("model")
+    if model is not None and model != model_name:
+        raise ApiError(f"The model '{model}' does not exist; this server serves '{model_name}'", status=404,
+                       param="model", code="model_not_found")
+
+
+def _stops(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise ApiError("'stop' must be a non-empty string or a list of them", param="stop")
+    if len(stops) > MAX_STOPS:
+        raise ApiError(f"'stop' takes at most {MAX_STOPS} strings, got {len(stops)}", param="stop")
+    return stops
+
+
+def _logit_bias(body: dict, meta: DecoderMeta) -> dict:
+    raw = body.get("logit_bias")
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ApiError("'logit_bias' must be an object of token id -> bias", param="logit_bias")
+    bias = {}
+    for key, value in raw.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise ApiError(f"'logit_bias' keys must be token ids, got {key!r}", param="logit_bias") from None
+        if not 0 <= token < meta.vocab_size:
+            raise ApiError(f"'logit_bias' token {token} is outside the vocabulary [0, {meta.vocab_size})",
+                           param="logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise ApiError(f"'logit_bias' values must be numbers in [-100, 100], got {value!r}", param="logit_bias")
+        bias[token] = float(value)
+    return bias
+
+
+def _prompt_budget(meta: DecoderMeta, prompt: list[int], body: dict, names) -> int:
+    if len(prompt) >= meta.max_seq_len:
+        raise ApiError(f"This model's maximum context length is {meta.max_seq_len} tokens; the prompt has "
+                       f"{len(prompt)} tokens and leaves no room to generate", param="messages" if "messages" in body
+                       else "prompt", code="context_length_exceeded")
+    room = meta.max_seq_len - len(prompt)
+    for name in names:
+        if body.get(name) is not None:
+            max_tokens = _number(body, name, None, 1, None, integer=True)
+            if max_tokens > room:
+                raise ApiError(f"This model's maximum context length is {meta.max_seq_len} tokens; the prompt "
+                               f"({len(prompt)} tokens) plus '{name}' ({max_tokens}) exceeds it", param=name,
+                               code="context_length_exceeded")
+            return max_tokens
+    return room
+
+
+def build_job(body: dict, meta: DecoderMeta, prompt: list[int], *, chat: bool) -> Job:
+    """The sampling part, common to both endpoints; `prompt` is already tokenized."""
+    config = meta.config
+    n = _number(body, "n", 1, 1, MAX_N, integer=True)
+    if chat:
+        want = _flag(body, "logprobs")
+        top = _number(body, "top_logprobs", None, 0, 20, integer=True)
+        if top is not None and not want:
+            raise ApiError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        logprobs = (top or 0) if want else None
+        param = "top_logprobs"
+    else:
+        logprobs = _number(body, "logprobs", None, 0, 5, integer=True)
+        param = "logprobs"
+    if logprobs is not None:
+        if not config.logprobs:
+            raise ApiError("logprobs are not available: this .pte was exported without them (export with "
+                           "--logprobs N)", param="logprobs")
+        if logprobs > config.logprobs:
+            raise ApiError(f"'{param}' is {logprobs} but this .pte returns at most {config.logprobs} alternatives",
+                           param=param)
+    seed = _number(body, "seed", None, -(2 ** 62), 2 ** 62, integer=True)
+    if seed is None:
+        seed = random.getrandbits(31)
+    top_k = _number(body, "top_k", 0, -1, None, integer=True)
+    base = SamplingParams(
+        temperature=float(_number(body, "temperature", 1.0, 0, 2)),
+        top_k=max(top_k, 0),
+        top_p=float(_number(body, "top_p", 1.0, 0, 1, low_open=True)),
+        min_p=float(_number(body, "min_p", 0.0, 0, 1)),
+        presence_penalty=float(_number(body, "presence_penalty", 0.0, -2, 2)),
+        frequency_penalty=float(_number(body, "frequency_penalty", 0.0, -2, 2)),
+        repetition_penalty=float(_number(body, "repetition_penalty", 1.0, 0, None, low_open=True)),
+        logit_bias=_logit_bias(body, meta))
+    try:
+        base.check(meta)
+    except (ValueError, TypeError) as exc:
+        raise ApiError(str(exc), param=str(exc).split(":")[0].split(" ")[0]) from None
+    choices = [SamplingParams(**{**base.__dict__, "seed": seed + i * meta.max_seq_len}) for i in range(n)]
+    stream_options = body.get("stream_options")
+    if stream_options is not None and not isinstance(stream_options, dict):
+        raise ApiError("'stream_options' must be an object", param="stream_options")
+    names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
+    return Job(prompt=prompt, choices=choices, max_tokens=_prompt_budget(meta, prompt, body, names),
+               stops=_stops(body), logprobs=logprobs, stream=_flag(body, "stream"),
+               include_usage=bool((stream_options or {}).get("include_usage", False)))
+
+
+def chat_prompt(body: dict, tokenizer) -> list[int]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError("'messages' must be a non-empty list", param="messages")
+    clean = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ApiError(f"messages[{i}] must be an object with a 'role'", param="messages")
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: only text parts exist for this model
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise ApiError(f"messages[{i}].content: only text parts are supported", param="messages")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise ApiError(f"messages[{i}].content must be a string", param="messages")
+        clean.append({"role": message["role"], "content": content})
+    if tokenizer is None:
+        raise ApiError("chat needs a tokenizer and this .pte has none", param="messages")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ApiError("this model's tokenizer has no chat template: use /v1/completions", param="messages")
+    text = tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def completion_prompt(body: dict, tokenizer, meta: DecoderMeta) -> list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ApiError("this .pte has no tokenizer: send the prompt as token ids", param="prompt")
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids = list(prompt)
+        if any(not 0 <= t < meta.vocab_size for t in ids):
+            raise ApiError(f"prompt token ids must be in [0, {meta.vocab_size})", param="prompt")
+    else:
+        raise ApiError("'prompt' must be a string or a list of token ids (one prompt per request)", param="prompt")
+    if not ids:
+        raise ApiError("the prompt is empty", param="prompt")
+    return ids

@@ -1,0 +1,170 @@
+"""The OpenAI-compatible endpoints: /v1/completions, /v1/chat/completions, /v1/models.
+
+Each choice (n) is its own engine row. A choice that hits a stop string is cancelled in the engine
+at once; a client that goes away mid-request cancels all its rows (the write fails, or aiohttp
+cancels the handler).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from aiohttp import web
+
+from backends.mlx.serve import openai_format as fmt
+from backends.mlx.serve.api_errors import ApiError
+from backends.mlx.serve.choice_text import ChoiceText, Piece
+from backends.mlx.serve.openai_params import Job, build_job, chat_prompt, check_model, completion_prompt
+from backends.mlx.serve.service import Service
+
+_STARTED = int(time.time())
+
+
+def error_response(error: ApiError) -> web.Response:
+    return web.json_response(error.body(), status=error.status)
+
+
+async def _body(request: web.Request) -> dict:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ApiError("the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object")
+    return body
+
+
+class OpenAIRoutes:
+    def __init__(self, service: Service):
+        self.service = service
+        self.token_text = fmt.TokenText(service.tokenizer)
+
+    def add_to(self, app: web.Application) -> None:
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+
+    async def models(self, request: web.Request) -> web.Response:
+        meta = self.service.meta
+        return web.json_response({"object": "list", "data": [
+            {"id": self.service.model_name, "object": "model", "created": _STARTED, "owned_by": "etmlx",
+             "max_model_len": meta.max_seq_len}]})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, chat=True)
+
+    async def _handle(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        service = self.service
+        try:
+            body = await _body(request)
+            check_model(body, service.model_name)
+            prompt = (chat_prompt(body, service.tokenizer) if chat
+                      else completion_prompt(body, service.tokenizer, service.meta))
+            job = build_job(body, service.meta, prompt, chat=chat)
+            texts = [ChoiceText(service.tokenizer, prompt, job.stops, service.meta.eos_token_ids)
+                     for _ in job.choices]
+            rows = [(prompt, params, job.max_tokens, {}) for params in job.choices]
+            events = service.stream_rows(rows, list(range(len(rows))))
+            first = await _first(events)  # submission errors surface here, before any response starts
+        except ApiError as error:
+            return error_response(error)
+        except (ValueError, TypeError) as exc:
+            return error_response(ApiError(str(exc)))
+        except RuntimeError as exc:  # the engine stopped (shutting down)
+            return error_response(ApiError(str(exc), status=503, type="server_error"))
+        pieces = self._pieces(first, events, texts)
+        if job.stream:
+            return await self._stream(request, job, chat, pieces, texts)
+        return await self._collect(job, chat, pieces, texts)
+
+    async def _pieces(self, first, events, texts):
+        async def all_events():
+            if first is not None:
+                yield first
+            async for item in events:
+                yield item
+        try:
+            async for index, event, request_id in all_events():
+                piece = texts[index].feed(event)
+                if piece.finish_reason and event.finish_reason is None:  # a stop string: free the row now
+                    self.service.cancel(request_id)
+                yield index, piece
+                if all(t.finished for t in texts):
+                    return
+        finally:
+            await events.aclose()
+
+    def _choice(self, job: Job, chat: bool, index: int, piece: Piece, offset: int, stream: bool) -> dict:
+        logprobs = None
+        if job.logprobs is not None and (piece.tokens or not stream):
+            logprobs = (fmt.chat_logprobs(piece.tokens, job.logprobs, self.token_text) if chat else
+                        fmt.completion_logprobs(piece.tokens, job.logprobs, self.token_text, offset))
+        if chat:
+            key = "delta" if stream else "message"
+            message = {"content": piece.text} if stream else {"role": "assistant", "content": piece.text}
+            return {"index": index, key: message, "logprobs": logprobs, "finish_reason": piece.finish_reason}
+        return {"index": index, "text": piece.text, "logprobs": logprobs, "finish_reason": piece.finish_reason}
+
+    async def _collect(self, job, chat, pieces, texts) -> web.Response:
+        merged = [Piece() for _ in texts]
+        async for index, piece in pieces:
+            merged[index].text += piece.text
+            merged[index].tokens += piece.tokens
+            merged[index].finish_reason = piece.finish_reason
+            merged[index].error = merged[index].error or piece.error
+        errors = [p.error for p in merged if p.error]
+        if errors:
+            return error_response(ApiError(f"generation failed: {errors[0]}", status=500, type="server_error"))
+        choices = [self._choice(job, chat, i, p, 0, stream=False) for i, p in enumerate(merged)]
+        kind = "chat.completion" if chat else "text_completion"
+        return web.json_response(fmt.envelope(kind, fmt.new_id("chatcmpl" if chat else "cmpl"),
+                                              self.service.model_name, choices,
+                                              usage=self._usage(job, texts)))
+
+    def _usage(self, job, texts) -> dict:
+        return fmt.usage(len(job.prompt), sum(t.completion_tokens for t in texts))
+
+    async def _stream(self, request, job, chat, pieces, texts) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        rid = fmt.new_id("chatcmpl" if chat else "cmpl")
+        model = self.service.model_name
+        offsets = [0] * len(texts)
+
+        def chunk(choices, **extra):
+            return fmt.sse(fmt.envelope(kind, rid, model, choices, **extra))
+
+        try:
+            if chat:  # the role comes first, as OpenAI sends it
+                await response.write(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                             "logprobs": None, "finish_reason": None} for i in range(len(texts))]))
+            async for index, piece in pieces:
+                if piece.error:
+                    await response.write(fmt.sse({"error": {"message": f"generation failed: {piece.error}",
+                                                            "type": "server_error", "param": None, "code": None}}))
+                if not (piece.text or piece.tokens or piece.finish_reason):
+                    continue
+                await response.write(chunk([self._choice(job, chat, index, piece, offsets[index], stream=True)]))
+                offsets[index] += len(piece.text)
+            if job.include_usage:
+                await response.write(chunk([], usage=self._usage(job, texts)))
+            await response.write(fmt.DONE)
+            await response.write_eof()
+        except (ConnectionResetError, ConnectionError):
+            pass  # the client left; closing `pieces` (below) cancels its rows
+        finally:
+            await pieces.aclose()
+        return response
+
+
+async def _first(events):
+    """The first event (which makes the generator submit its requests and raise submission errors)."""
+    try:
+        return await events.__anext__()
+    except StopAsyncIteration:
+        return None

@@ -1,0 +1,116 @@
+"""Runs a .pte's method in a child process, so that executing it never holds this process's GIL.
+
+ExecuTorch's Python binding keeps the GIL for the whole of `Method.execute` (measured: a 100 ms
+step stalls every other Python thread for 100 ms), so an engine *thread* alone would still freeze
+the event loop during each step and /health would wait for the engine. The child
+(`python -m backends.mlx.serve.program_worker FILE.pte`) owns the program; the engine thread
+writes each call's inputs to its stdin and blocks reading its reply, which releases the GIL.
+Frames are a 4-byte length, a kind byte and a pickle of numpy arrays (a few small tensors).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+_HEADER = struct.Struct("<I")
+
+
+def _write(stream, kind: bytes, payload: bytes) -> None:
+    stream.write(_HEADER.pack(len(payload) + 1) + kind + payload)
+    stream.flush()
+
+
+def _read(stream) -> tuple[bytes, bytes]:
+    header = stream.read(_HEADER.size)
+    if len(header) < _HEADER.size:
+        raise EOFError("the other side closed the pipe")
+    size = _HEADER.unpack(header)[0]
+    body = stream.read(size)
+    if len(body) < size:
+        raise EOFError("the other side closed the pipe mid-frame")
+    return body[:1], body[1:]
+
+
+def _encode(tensors) -> bytes:
+    return pickle.dumps([t.numpy() if isinstance(t, torch.Tensor) else np.asarray(t) for t in tensors])
+
+
+def _decode(blob: bytes) -> list[torch.Tensor]:
+    return [torch.from_numpy(np.array(a)) for a in pickle.loads(blob)]
+
+
+def _child_main(pte: str) -> int:
+    # The protocol owns the original stdout; anything the runtime prints goes to stderr instead.
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    inp = sys.stdin.buffer
+    try:
+        from backends.mlx.runner import load_method
+
+        method = load_method(Path(pte))
+    except Exception as exc:
+        _write(out, b"e", f"{type(exc).__name__}: {exc}".encode())
+        return 1
+    _write(out, b"r", b"")
+    while True:
+        try:
+            kind, payload = _read(inp)
+        except EOFError:
+            return 0
+        if kind == b"q":
+            return 0
+        try:
+            _write(out, b"o", _encode(method.execute(_decode(payload))))
+        except Exception as exc:
+            _write(out, b"e", f"{type(exc).__name__}: {exc}".encode())
+
+
+class ProgramWorker:
+    """`execute(inputs) -> outputs`, like a loaded method, run in a child process."""
+
+    def __init__(self, pte: Path):
+        pte = Path(pte)
+        if not pte.is_file():
+            raise FileNotFoundError(f"pte: no such file {pte}")
+        self._process = subprocess.Popen([sys.executable, "-m", "backends.mlx.serve.program_worker", str(pte)],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        try:
+            kind, payload = _read(self._process.stdout)
+        except EOFError:
+            self.close()
+            raise RuntimeError(f"the program worker exited while loading {pte}") from None
+        if kind != b"r":
+            self.close()
+            raise ValueError(f"cannot load {pte}: {payload.decode()}")
+
+    def execute(self, inputs) -> list[torch.Tensor]:
+        _write(self._process.stdin, b"i", _encode(inputs))
+        kind, payload = _read(self._process.stdout)
+        if kind == b"e":
+            raise RuntimeError(f"program call failed: {payload.decode()}")
+        return _decode(payload)
+
+    def close(self) -> None:
+        try:
+            _write(self._process.stdin, b"q", b"")
+            self._process.stdin.close()
+        except (OSError, ValueError):
+            pass
+        try:
+            self._process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait(timeout=10)
+        self._process.stdout.close()
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main(sys.argv[1]))

@@ -1,0 +1,68 @@
+"""What the request handlers share: the program's metadata, its tokenizer, the engine, and the
+bridge from engine events (engine thread) to an asyncio queue (the handler's loop)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+from typing import AsyncIterator
+
+from backends.mlx.llm.decoder_meta import DecoderMeta, tokenizer_path
+from backends.mlx.llm.step_inputs import SamplingParams
+from backends.mlx.serve.engine import Engine, EngineRequest, TokenEvent
+
+
+def load_tokenizer(pte: Path, meta: DecoderMeta):
+    path = tokenizer_path(pte)
+    if not meta.tokenizer or not path.is_dir():
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def queue_sink(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, key):
+    """A sink for the engine thread: the only safe way into an asyncio.Queue from another thread."""
+    def sink(event: TokenEvent) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, (key, event))
+    return sink
+
+
+@dataclass
+class Service:
+    meta: DecoderMeta
+    tokenizer: object
+    engine: Engine
+    model_name: str
+
+    async def stream_rows(self, requests: list[tuple[list[int], SamplingParams, int, dict]], keys: list
+                          ) -> AsyncIterator[tuple[object, TokenEvent, int]]:
+        """Submit one engine request per entry ((prompt, params, max_tokens, extra EngineRequest
+        fields)) and yield (key, event, request id) as events arrive, until each has finished.
+        Submission errors (ValueError/TypeError) propagate before anything runs. Leaving early
+        (the consumer stops, or is cancelled because its client went away) cancels what is left."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        made = [EngineRequest(prompt, params, max_tokens, queue_sink(loop, queue, key), **extra)
+                for (prompt, params, max_tokens, extra), key in zip(requests, keys)]
+        for request in made:
+            self.engine.check(request)
+        ids = {key: request.id for key, request in zip(keys, made)}
+        live = set(keys)
+        try:
+            for request in made:
+                self.engine.submit(request)
+            while live:
+                key, event = await queue.get()
+                if key not in live:
+                    continue
+                if event.finish_reason:
+                    live.discard(key)
+                yield key, event, ids[key]
+        finally:
+            for key in live:
+                self.engine.cancel(ids[key])
+
+    def cancel(self, request_id: int) -> None:
+        self.engine.cancel(request_id)

@@ -1,0 +1,44 @@
+"""Shared by the serving tests: one tiny decoder .pte per test session (exports are slow), a server
+on a free loopback port, and the eager model the .pte was exported from."""
+
+from __future__ import annotations
+
+import torch
+
+from backends.mlx.serve.tiny_model import export_tiny, tiny_llama, train_tokenizer
+
+BATCH = 4
+MAX_SEQ_LEN = 64
+
+
+def tiny_pte(tmp_path_factory):
+    path = tmp_path_factory.getbasetemp() / "serve_tiny" / "tiny.pte"
+    if not path.is_file():
+        export_tiny(path, batch=BATCH, max_seq_len=MAX_SEQ_LEN)
+    return path
+
+
+def eager_model():
+    tokenizer = train_tokenizer()
+    return tiny_llama(len(tokenizer), tokenizer.eos_token_id), tokenizer
+
+
+@torch.no_grad()
+def eager_greedy(model, prompt: list[int], steps: int, banned: int | None = None):
+    """Greedy ids and their raw logprobs from full forward passes (no cache)."""
+    ids, out = list(prompt), []
+    for _ in range(steps):
+        logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), dim=-1)
+        scores = logprobs.clone()
+        if banned is not None:
+            scores[banned] = -float("inf")
+        token = int(scores.argmax())
+        out.append((token, float(logprobs[token])))
+        ids.append(token)
+    return out
+
+
+@torch.no_grad()
+def eager_scores(model, prompt: list[int], scored: list[int]) -> list[float]:
+    logprobs = torch.log_softmax(model(torch.tensor([prompt + scored])).logits[0].float(), dim=-1)
+    return [float(logprobs[len(prompt) - 1 + i, t]) for i, t in enumerate(scored)]
