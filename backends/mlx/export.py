@@ -10,9 +10,11 @@ from typing import Any, Callable, Optional
 
 import torch
 from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
+from executorch.exir.backend.compile_spec_schema import CompileSpec
 
 from backends.mlx.builder.registry import aten_target
 from backends.mlx.partitioner import MLXPartitioner
+from backends.mlx.preprocess import FUSE_SPEC
 
 _NOT_OPS = {"executorch_call_delegate", "getitem"}
 
@@ -67,18 +69,22 @@ def export_to_pte(
     dynamic_shapes: Any = None,
     strict: bool = False,
     progress: Optional[Callable[[str], None]] = None,
+    fuse: bool = True,
 ) -> ExportResult:
-    """`progress`, if given, is called with the name of each stage as it starts."""
+    """`progress`, if given, is called with the name of each stage as it starts. `fuse=False` keeps
+    RMSNorm / LayerNorm / rotary subgraphs as separate ops (for comparisons)."""
     say = progress or (lambda _stage: None)
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     if not isinstance(args, tuple):
         raise TypeError(f"args must be a tuple of example inputs, got {type(args).__name__}")
+    if not isinstance(fuse, bool):
+        raise TypeError(f"fuse must be a bool, got {type(fuse).__name__}")
     module = module.eval()
     say("tracing with torch.export")
     with torch.no_grad():
         ep = torch.export.export(module, args, kwargs or {}, dynamic_shapes=dynamic_shapes, strict=strict)
-    partitioner = MLXPartitioner()
+    partitioner = MLXPartitioner(None if fuse else [CompileSpec(FUSE_SPEC, b"0")])
     say("lowering to the etmlx delegate")
     edge = to_edge_transform_and_lower(
         ep, partitioner=[partitioner], compile_config=EdgeCompileConfig(_check_ir_validity=False)

@@ -14,12 +14,24 @@ from backends.mlx.serialization.serializer import serialize
 # The id the .pte records and the C++ runtime registers; deliberately not upstream's "MLXBackend".
 BACKEND_ID = "EtmlxBackend"
 
+# CompileSpec(FUSE_SPEC, b"0") turns the fused-node pattern matching off (for A/B measurements).
+FUSE_SPEC = "etmlx.fuse"
+
+
+def fusion_enabled(compile_specs: List[CompileSpec]) -> bool:
+    for spec in compile_specs:
+        if spec.key == FUSE_SPEC:
+            if bytes(spec.value) not in (b"0", b"1"):
+                raise ValueError(f"compile spec {FUSE_SPEC} must be b'0' or b'1', got {spec.value!r}")
+            return bytes(spec.value) == b"1"
+    return True
+
 
 @final
 class EtmlxBackend(BackendDetails):
     @staticmethod
     def preprocess(edge_program: ExportedProgram, compile_specs: List[CompileSpec]) -> PreprocessResult:
-        graph = ProgramBuilder(edge_program).build()
+        graph = ProgramBuilder(edge_program, fuse=fusion_enabled(compile_specs)).build()
         return PreprocessResult(processed_bytes=serialize(graph))
 
 

@@ -17,6 +17,7 @@ from torch.export import ExportedProgram
 
 from backends.mlx import dtypes as D
 from backends.mlx.builder.registry import REGISTRY, aten_target
+from backends.mlx.fusion.plan import FusionPlan, plan_fusions
 from backends.mlx.serialization import fb_classes as fbc
 from backends.mlx.serialization.fb.SlotKind import SlotKind
 from backends.mlx.serialization.node_table import NODE_FIELDS, NODE_TAGS
@@ -31,8 +32,11 @@ class ValueSlot(int):
 
 
 class ProgramBuilder:
-    def __init__(self, ep: ExportedProgram):
+    def __init__(self, ep: ExportedProgram, fuse: bool = True):
         self.ep = ep
+        # Subgraphs emitted as one fused node (RMSNorm, rotary embedding); see backends/mlx/fusion.
+        self.fuse = fuse
+        self.fusions = plan_fusions(ep) if fuse else FusionPlan()
         self.num_tensors = 0
         self.num_values = 0
         self.instructions: list = []
@@ -233,6 +237,17 @@ class ProgramBuilder:
         if node.target is operator.getitem:
             source, index = node.args
             self.env[node] = self.env[source][index]
+            return
+        if node in self.fusions.absorbed:
+            return  # only a fused node used this value; that node computes it internally
+        fusion = self.fusions.by_root.get(node)
+        if fusion is not None:
+            try:
+                self.env[node] = fusion.emit(self)
+            except BuildError:
+                raise
+            except Exception as exc:  # a matcher bug: surface it with the node it claimed
+                raise BuildError(f"fused {fusion.kind} failed at {node.name}: {exc}") from exc
             return
         entry = REGISTRY.lookup(node.target)
         if entry is None:

@@ -69,6 +69,9 @@ class Interpreter {
   bool exec_filter_threshold(const fb::FilterThresholdNode& n);  // filter_threshold.cpp
   bool exec_gumbel_max(const fb::GumbelMaxNode& n);  // gumbel_max.cpp
   bool exec_sdpa(const fb::SdpaNode& n);  // attention.cpp
+  bool exec_rms_norm(const fb::RmsNormNode& n);  // fused_norms.cpp
+  bool exec_layer_norm(const fb::LayerNormNode& n);  // fused_norms.cpp
+  bool exec_rope(const fb::RopeNode& n);  // rope.cpp
   bool unknown_node(int type);
 
   // Slot access. read() returns nullptr (after logging) for an unset or
@@ -92,6 +95,11 @@ class Interpreter {
   // not bounds-check): integer dtype required, negative wrapped, clamped.
   bool safe_indices(const mlx::core::array& idx, int dim_size, const char* what,
                     mlx::core::array* out);
+  // Normalization operands (fused_norms.cpp): a floating x of rank >= 1, and an
+  // optional floating weight or bias, 1-d with x's last size (absent: unset).
+  bool norm_input(const fb::Tid* t, const mlx::core::array** x);
+  bool norm_operand(const fb::Tid* t, const mlx::core::array& x, const char* what,
+                    std::optional<mlx::core::array>* out);
   bool fail(const char* fmt, ...) __attribute__((format(printf, 2, 3)));
 
   const Program& program_;

@@ -37,6 +37,9 @@ NODE_TAGS = {
     'FilterThresholdNode': 29,
     'GumbelMaxNode': 30,
     'SdpaNode': 31,
+    'RmsNormNode': 32,
+    'LayerNormNode': 33,
+    'RopeNode': 34,
 }
 
 # union member name -> {field: schema type}, in declaration order
@@ -72,4 +75,7 @@ NODE_FIELDS = {
     'FilterThresholdNode': {'x': 'Tid', 'temperature': 'Tid', 'top_k': 'Tid', 'top_p': 'Tid', 'min_p': 'Tid', 'candidates': 'int', 'out': 'Tid'},
     'GumbelMaxNode': {'x': 'Tid', 'temperature': 'Tid', 'seed': 'Tid', 'threshold': 'Tid', 'out': 'Tid'},
     'SdpaNode': {'q': 'Tid', 'k': 'Tid', 'v': 'Tid', 'mask': 'Tid', 'scale': 'float', 'causal': 'bool', 'out': 'Tid'},
+    'RmsNormNode': {'x': 'Tid', 'weight': 'Tid', 'eps': 'float', 'out': 'Tid'},
+    'LayerNormNode': {'x': 'Tid', 'weight': 'Tid', 'bias': 'Tid', 'eps': 'float', 'out': 'Tid'},
+    'RopeNode': {'x': 'Tid', 'cos': 'Tid', 'sin': 'Tid', 'offset': 'Tid', 'freqs': 'Tid', 'out': 'Tid'},
 }

@@ -118,6 +118,15 @@ struct GumbelMaxNodeBuilder;
 struct SdpaNode;
 struct SdpaNodeBuilder;
 
+struct RmsNormNode;
+struct RmsNormNodeBuilder;
+
+struct LayerNormNode;
+struct LayerNormNodeBuilder;
+
+struct RopeNode;
+struct RopeNodeBuilder;
+
 struct Instruction;
 struct InstructionBuilder;
 
@@ -505,11 +514,14 @@ enum class Node : uint8_t {
   FilterThresholdNode = 29,
   GumbelMaxNode = 30,
   SdpaNode = 31,
+  RmsNormNode = 32,
+  LayerNormNode = 33,
+  RopeNode = 34,
   MIN = NONE,
-  MAX = SdpaNode
+  MAX = RopeNode
 };
 
-inline const Node (&EnumValuesNode())[32] {
+inline const Node (&EnumValuesNode())[35] {
   static const Node values[] = {
     Node::NONE,
     Node::UnaryNode,
@@ -542,13 +554,16 @@ inline const Node (&EnumValuesNode())[32] {
     Node::RandomBitsNode,
     Node::FilterThresholdNode,
     Node::GumbelMaxNode,
-    Node::SdpaNode
+    Node::SdpaNode,
+    Node::RmsNormNode,
+    Node::LayerNormNode,
+    Node::RopeNode
   };
   return values;
 }
 
 inline const char * const *EnumNamesNode() {
-  static const char * const names[33] = {
+  static const char * const names[36] = {
     "NONE",
     "UnaryNode",
     "BinaryNode",
@@ -581,13 +596,16 @@ inline const char * const *EnumNamesNode() {
     "FilterThresholdNode",
     "GumbelMaxNode",
     "SdpaNode",
+    "RmsNormNode",
+    "LayerNormNode",
+    "RopeNode",
     nullptr
   };
   return names;
 }
 
 inline const char *EnumNameNode(Node e) {
-  if (::flatbuffers::IsOutRange(e, Node::NONE, Node::SdpaNode)) return "";
+  if (::flatbuffers::IsOutRange(e, Node::NONE, Node::RopeNode)) return "";
   const size_t index = static_cast<size_t>(e);
   return EnumNamesNode()[index];
 }
@@ -718,6 +736,18 @@ template<> struct NodeTraits<backends::mlx::serialization::fb::GumbelMaxNode> {
 
 template<> struct NodeTraits<backends::mlx::serialization::fb::SdpaNode> {
   static const Node enum_value = Node::SdpaNode;
+};
+
+template<> struct NodeTraits<backends::mlx::serialization::fb::RmsNormNode> {
+  static const Node enum_value = Node::RmsNormNode;
+};
+
+template<> struct NodeTraits<backends::mlx::serialization::fb::LayerNormNode> {
+  static const Node enum_value = Node::LayerNormNode;
+};
+
+template<> struct NodeTraits<backends::mlx::serialization::fb::RopeNode> {
+  static const Node enum_value = Node::RopeNode;
 };
 
 template <bool B = false>
@@ -3311,6 +3341,260 @@ inline ::flatbuffers::Offset<SdpaNode> CreateSdpaNode(
   return builder_.Finish();
 }
 
+struct RmsNormNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef RmsNormNodeBuilder Builder;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_X = 4,
+    VT_WEIGHT = 6,
+    VT_EPS = 8,
+    VT_OUT = 10
+  };
+  const backends::mlx::serialization::fb::Tid *x() const {
+    return GetStruct<const backends::mlx::serialization::fb::Tid *>(VT_X);
+  }
+  const backends::mlx::serialization::fb::Tid *weight() const {
+    return GetStruct<const backends::mlx::serialization::fb::Tid *>(VT_WEIGHT);
+  }
+  float eps() const {
+    return GetField<float>(VT_EPS, 0.0f);
+  }
+  const backends::mlx::serialization::fb::Tid *out() const {
+    return GetStruct<const backends::mlx::serialization::fb::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<backends::mlx::serialization::fb::Tid>(verifier, VT_X, 4) &&
+           VerifyField<backends::mlx::serialization::fb::Tid>(verifier, VT_WEIGHT, 4) &&
+           VerifyField<float>(verifier, VT_EPS, 4) &&
+           VerifyFieldRequired<backends::mlx::serialization::fb::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct RmsNormNodeBuilder {
+  typedef RmsNormNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_x(const backends::mlx::serialization::fb::Tid *x) {
+    fbb_.AddStruct(RmsNormNode::VT_X, x);
+  }
+  void add_weight(const backends::mlx::serialization::fb::Tid *weight) {
+    fbb_.AddStruct(RmsNormNode::VT_WEIGHT, weight);
+  }
+  void add_eps(float eps) {
+    fbb_.AddElement<float>(RmsNormNode::VT_EPS, eps, 0.0f);
+  }
+  void add_out(const backends::mlx::serialization::fb::Tid *out) {
+    fbb_.AddStruct(RmsNormNode::VT_OUT, out);
+  }
+  explicit RmsNormNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<RmsNormNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<RmsNormNode>(end);
+    fbb_.Required(o, RmsNormNode::VT_X);
+    fbb_.Required(o, RmsNormNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<RmsNormNode> CreateRmsNormNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const backends::mlx::serialization::fb::Tid *x = nullptr,
+    const backends::mlx::serialization::fb::Tid *weight = nullptr,
+    float eps = 0.0f,
+    const backends::mlx::serialization::fb::Tid *out = nullptr) {
+  RmsNormNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_eps(eps);
+  builder_.add_weight(weight);
+  builder_.add_x(x);
+  return builder_.Finish();
+}
+
+struct LayerNormNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef LayerNormNodeBuilder Builder;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_X = 4,
+    VT_WEIGHT = 6,
+    VT_BIAS = 8,
+    VT_EPS = 10,
+    VT_OUT = 12
+  };
+  const backends::mlx::serialization::fb::Tid *x() const {
+    return GetStruct<const backends::mlx::serialization::fb::Tid *>(VT_X);
+  }
+  const backends::mlx::serialization::fb::Tid *weight() const {
+    return GetStruct<const backends::mlx::serialization::fb::Tid *>(VT_WEIGHT);
+  }
+  const backends::mlx::serialization::fb::Tid *bias() const {
+    return GetStruct<const backends::mlx::serialization::fb::Tid *>(VT_BIAS);
+  }
+  float eps() const {
+    return GetField<float>(VT_EPS, 0.0f);
+  }
+  const backends::mlx::serialization::fb::Tid *out() const {
+    return GetStruct<const backends::mlx::serialization::fb::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<backends::mlx::serialization::fb::Tid>(verifier, VT_X, 4) &&
+           VerifyField<backends::mlx::serialization::fb::Tid>(verifier, VT_WEIGHT, 4) &&
+           VerifyField<backends::mlx::serialization::fb::Tid>(verifier, VT_BIAS, 4) &&
+           VerifyField<float>(verifier, VT_EPS, 4) &&
+           VerifyFieldRequired<backends::mlx::serialization::fb::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct LayerNormNodeBuilder {
+  typedef LayerNormNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_x(const backends::mlx::serialization::fb::Tid *x) {
+    fbb_.AddStruct(LayerNormNode::VT_X, x);
+  }
+  void add_weight(const backends::mlx::serialization::fb::Tid *weight) {
+    fbb_.AddStruct(LayerNormNode::VT_WEIGHT, weight);
+  }
+  void add_bias(const backends::mlx::serialization::fb::Tid *bias) {
+    fbb_.AddStruct(LayerNormNode::VT_BIAS, bias);
+  }
+  void add_eps(float eps) {
+    fbb_.AddElement<float>(LayerNormNode::VT_EPS, eps, 0.0f);
+  }
+  void add_out(const backends::mlx::serialization::fb::Tid *out) {
+    fbb_.AddStruct(LayerNormNode::VT_OUT, out);
+  }
+  explicit LayerNormNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<LayerNormNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<LayerNormNode>(end);
+    fbb_.Required(o, LayerNormNode::VT_X);
+    fbb_.Required(o, LayerNormNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<LayerNormNode> CreateLayerNormNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const backends::mlx::serialization::fb::Tid *x = nullptr,
+    const backends::mlx::serialization::fb::Tid *weight = nullptr,
+    const backends::mlx::serialization::fb::Tid *bias = nullptr,
+    float eps = 0.0f,
+    const backends::mlx::serialization::fb::Tid *out = nullptr) {
+  LayerNormNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_eps(eps);
+  builder_.add_bias(bias);
+  builder_.add_weight(weight);
+  builder_.add_x(x);
+  return builder_.Finish();
+}
+
+struct RopeNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef RopeNodeBuilder Builder;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_X = 4,
+    VT_COS = 6,
+    VT_SIN = 8,
+    VT_OFFSET = 10,
+    VT_FREQS = 12,
+    VT_OUT = 14
+  };
+  const backends::mlx::serialization::fb::Tid *x() const {
+    return GetStruct<const backends::mlx::serialization::fb::Tid *>(VT_X);
+  }
+  const backends::mlx::serialization::fb::Tid *cos() const {
+    return GetStruct<const backends::mlx::serialization::fb::Tid *>(VT_COS);
+  }
+  const backends::mlx::serialization::fb::Tid *sin() const {
+    return GetStruct<const backends::mlx::serialization::fb::Tid *>(VT_SIN);
+  }
+  const backends::mlx::serialization::fb::Tid *offset() const {
+    return GetStruct<const backends::mlx::serialization::fb::Tid *>(VT_OFFSET);
+  }
+  const backends::mlx::serialization::fb::Tid *freqs() const {
+    return GetStruct<const backends::mlx::serialization::fb::Tid *>(VT_FREQS);
+  }
+  const backends::mlx::serialization::fb::Tid *out() const {
+    return GetStruct<const backends::mlx::serialization::fb::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<backends::mlx::serialization::fb::Tid>(verifier, VT_X, 4) &&
+           VerifyFieldRequired<backends::mlx::serialization::fb::Tid>(verifier, VT_COS, 4) &&
+           VerifyFieldRequired<backends::mlx::serialization::fb::Tid>(verifier, VT_SIN, 4) &&
+           VerifyField<backends::mlx::serialization::fb::Tid>(verifier, VT_OFFSET, 4) &&
+           VerifyField<backends::mlx::serialization::fb::Tid>(verifier, VT_FREQS, 4) &&
+           VerifyFieldRequired<backends::mlx::serialization::fb::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct RopeNodeBuilder {
+  typedef RopeNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_x(const backends::mlx::serialization::fb::Tid *x) {
+    fbb_.AddStruct(RopeNode::VT_X, x);
+  }
+  void add_cos(const backends::mlx::serialization::fb::Tid *cos) {
+    fbb_.AddStruct(RopeNode::VT_COS, cos);
+  }
+  void add_sin(const backends::mlx::serialization::fb::Tid *sin) {
+    fbb_.AddStruct(RopeNode::VT_SIN, sin);
+  }
+  void add_offset(const backends::mlx::serialization::fb::Tid *offset) {
+    fbb_.AddStruct(RopeNode::VT_OFFSET, offset);
+  }
+  void add_freqs(const backends::mlx::serialization::fb::Tid *freqs) {
+    fbb_.AddStruct(RopeNode::VT_FREQS, freqs);
+  }
+  void add_out(const backends::mlx::serialization::fb::Tid *out) {
+    fbb_.AddStruct(RopeNode::VT_OUT, out);
+  }
+  explicit RopeNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<RopeNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<RopeNode>(end);
+    fbb_.Required(o, RopeNode::VT_X);
+    fbb_.Required(o, RopeNode::VT_COS);
+    fbb_.Required(o, RopeNode::VT_SIN);
+    fbb_.Required(o, RopeNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<RopeNode> CreateRopeNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const backends::mlx::serialization::fb::Tid *x = nullptr,
+    const backends::mlx::serialization::fb::Tid *cos = nullptr,
+    const backends::mlx::serialization::fb::Tid *sin = nullptr,
+    const backends::mlx::serialization::fb::Tid *offset = nullptr,
+    const backends::mlx::serialization::fb::Tid *freqs = nullptr,
+    const backends::mlx::serialization::fb::Tid *out = nullptr) {
+  RopeNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_freqs(freqs);
+  builder_.add_offset(offset);
+  builder_.add_sin(sin);
+  builder_.add_cos(cos);
+  builder_.add_x(x);
+  return builder_.Finish();
+}
+
 struct Instruction FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef InstructionBuilder Builder;
   enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
@@ -3416,6 +3700,15 @@ struct Instruction FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   }
   const backends::mlx::serialization::fb::SdpaNode *node_as_SdpaNode() const {
     return node_type() == backends::mlx::serialization::fb::Node::SdpaNode ? static_cast<const backends::mlx::serialization::fb::SdpaNode *>(node()) : nullptr;
+  }
+  const backends::mlx::serialization::fb::RmsNormNode *node_as_RmsNormNode() const {
+    return node_type() == backends::mlx::serialization::fb::Node::RmsNormNode ? static_cast<const backends::mlx::serialization::fb::RmsNormNode *>(node()) : nullptr;
+  }
+  const backends::mlx::serialization::fb::LayerNormNode *node_as_LayerNormNode() const {
+    return node_type() == backends::mlx::serialization::fb::Node::LayerNormNode ? static_cast<const backends::mlx::serialization::fb::LayerNormNode *>(node()) : nullptr;
+  }
+  const backends::mlx::serialization::fb::RopeNode *node_as_RopeNode() const {
+    return node_type() == backends::mlx::serialization::fb::Node::RopeNode ? static_cast<const backends::mlx::serialization::fb::RopeNode *>(node()) : nullptr;
   }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
@@ -3549,6 +3842,18 @@ template<> inline const backends::mlx::serialization::fb::GumbelMaxNode *Instruc
 
 template<> inline const backends::mlx::serialization::fb::SdpaNode *Instruction::node_as<backends::mlx::serialization::fb::SdpaNode>() const {
   return node_as_SdpaNode();
+}
+
+template<> inline const backends::mlx::serialization::fb::RmsNormNode *Instruction::node_as<backends::mlx::serialization::fb::RmsNormNode>() const {
+  return node_as_RmsNormNode();
+}
+
+template<> inline const backends::mlx::serialization::fb::LayerNormNode *Instruction::node_as<backends::mlx::serialization::fb::LayerNormNode>() const {
+  return node_as_LayerNormNode();
+}
+
+template<> inline const backends::mlx::serialization::fb::RopeNode *Instruction::node_as<backends::mlx::serialization::fb::RopeNode>() const {
+  return node_as_RopeNode();
 }
 
 struct InstructionBuilder {
@@ -4100,6 +4405,18 @@ inline bool VerifyNode(::flatbuffers::VerifierTemplate<B> &verifier, const void 
     }
     case Node::SdpaNode: {
       auto ptr = reinterpret_cast<const backends::mlx::serialization::fb::SdpaNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Node::RmsNormNode: {
+      auto ptr = reinterpret_cast<const backends::mlx::serialization::fb::RmsNormNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Node::LayerNormNode: {
+      auto ptr = reinterpret_cast<const backends::mlx::serialization::fb::LayerNormNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Node::RopeNode: {
+      auto ptr = reinterpret_cast<const backends::mlx::serialization::fb::RopeNode *>(obj);
       return verifier.VerifyTable(ptr);
     }
     default: return true;

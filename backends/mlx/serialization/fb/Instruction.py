@@ -84,12 +84,15 @@ import backends.mlx.serialization.fb.ExpandDimsNode
 import backends.mlx.serialization.fb.FilterThresholdNode
 import backends.mlx.serialization.fb.FullNode
 import backends.mlx.serialization.fb.GumbelMaxNode
+import backends.mlx.serialization.fb.LayerNormNode
 import backends.mlx.serialization.fb.MatmulNode
 import backends.mlx.serialization.fb.Node
 import backends.mlx.serialization.fb.PutAlongAxisNode
 import backends.mlx.serialization.fb.RandomBitsNode
 import backends.mlx.serialization.fb.ReduceNode
 import backends.mlx.serialization.fb.ReshapeNode
+import backends.mlx.serialization.fb.RmsNormNode
+import backends.mlx.serialization.fb.RopeNode
 import backends.mlx.serialization.fb.SdpaNode
 import backends.mlx.serialization.fb.SliceNode
 import backends.mlx.serialization.fb.SoftmaxNode
@@ -115,7 +118,7 @@ class InstructionT(object):
         node = None,
     ):
         self.nodeType = nodeType  # type: int
-        self.node = node  # type: Union[None, 'backends.mlx.serialization.fb.UnaryNode.UnaryNodeT', 'backends.mlx.serialization.fb.BinaryNode.BinaryNodeT', 'backends.mlx.serialization.fb.WhereNode.WhereNodeT', 'backends.mlx.serialization.fb.AsTypeNode.AsTypeNodeT', 'backends.mlx.serialization.fb.CopyNode.CopyNodeT', 'backends.mlx.serialization.fb.FullNode.FullNodeT', 'backends.mlx.serialization.fb.ArangeNode.ArangeNodeT', 'backends.mlx.serialization.fb.ReduceNode.ReduceNodeT', 'backends.mlx.serialization.fb.ArgReduceNode.ArgReduceNodeT', 'backends.mlx.serialization.fb.SoftmaxNode.SoftmaxNodeT', 'backends.mlx.serialization.fb.CumsumNode.CumsumNodeT', 'backends.mlx.serialization.fb.SortNode.SortNodeT', 'backends.mlx.serialization.fb.ArgsortNode.ArgsortNodeT', 'backends.mlx.serialization.fb.ArgPartitionNode.ArgPartitionNodeT', 'backends.mlx.serialization.fb.TakeAlongAxisNode.TakeAlongAxisNodeT', 'backends.mlx.serialization.fb.TakeNode.TakeNodeT', 'backends.mlx.serialization.fb.PutAlongAxisNode.PutAlongAxisNodeT', 'backends.mlx.serialization.fb.ReshapeNode.ReshapeNodeT', 'backends.mlx.serialization.fb.TransposeNode.TransposeNodeT', 'backends.mlx.serialization.fb.ExpandDimsNode.ExpandDimsNodeT', 'backends.mlx.serialization.fb.SqueezeNode.SqueezeNodeT', 'backends.mlx.serialization.fb.BroadcastToNode.BroadcastToNodeT', 'backends.mlx.serialization.fb.SliceNode.SliceNodeT', 'backends.mlx.serialization.fb.ConcatNode.ConcatNodeT', 'backends.mlx.serialization.fb.MatmulNode.MatmulNodeT', 'backends.mlx.serialization.fb.AddmmNode.AddmmNodeT', 'backends.mlx.serialization.fb.SymSizeNode.SymSizeNodeT', 'backends.mlx.serialization.fb.RandomBitsNode.RandomBitsNodeT', 'backends.mlx.serialization.fb.FilterThresholdNode.FilterThresholdNodeT', 'backends.mlx.serialization.fb.GumbelMaxNode.GumbelMaxNodeT', 'backends.mlx.serialization.fb.SdpaNode.SdpaNodeT']
+        self.node = node  # type: Union[None, 'backends.mlx.serialization.fb.UnaryNode.UnaryNodeT', 'backends.mlx.serialization.fb.BinaryNode.BinaryNodeT', 'backends.mlx.serialization.fb.WhereNode.WhereNodeT', 'backends.mlx.serialization.fb.AsTypeNode.AsTypeNodeT', 'backends.mlx.serialization.fb.CopyNode.CopyNodeT', 'backends.mlx.serialization.fb.FullNode.FullNodeT', 'backends.mlx.serialization.fb.ArangeNode.ArangeNodeT', 'backends.mlx.serialization.fb.ReduceNode.ReduceNodeT', 'backends.mlx.serialization.fb.ArgReduceNode.ArgReduceNodeT', 'backends.mlx.serialization.fb.SoftmaxNode.SoftmaxNodeT', 'backends.mlx.serialization.fb.CumsumNode.CumsumNodeT', 'backends.mlx.serialization.fb.SortNode.SortNodeT', 'backends.mlx.serialization.fb.ArgsortNode.ArgsortNodeT', 'backends.mlx.serialization.fb.ArgPartitionNode.ArgPartitionNodeT', 'backends.mlx.serialization.fb.TakeAlongAxisNode.TakeAlongAxisNodeT', 'backends.mlx.serialization.fb.TakeNode.TakeNodeT', 'backends.mlx.serialization.fb.PutAlongAxisNode.PutAlongAxisNodeT', 'backends.mlx.serialization.fb.ReshapeNode.ReshapeNodeT', 'backends.mlx.serialization.fb.TransposeNode.TransposeNodeT', 'backends.mlx.serialization.fb.ExpandDimsNode.ExpandDimsNodeT', 'backends.mlx.serialization.fb.SqueezeNode.SqueezeNodeT', 'backends.mlx.serialization.fb.BroadcastToNode.BroadcastToNodeT', 'backends.mlx.serialization.fb.SliceNode.SliceNodeT', 'backends.mlx.serialization.fb.ConcatNode.ConcatNodeT', 'backends.mlx.serialization.fb.MatmulNode.MatmulNodeT', 'backends.mlx.serialization.fb.AddmmNode.AddmmNodeT', 'backends.mlx.serialization.fb.SymSizeNode.SymSizeNodeT', 'backends.mlx.serialization.fb.RandomBitsNode.RandomBitsNodeT', 'backends.mlx.serialization.fb.FilterThresholdNode.FilterThresholdNodeT', 'backends.mlx.serialization.fb.GumbelMaxNode.GumbelMaxNodeT', 'backends.mlx.serialization.fb.SdpaNode.SdpaNodeT', 'backends.mlx.serialization.fb.RmsNormNode.RmsNormNodeT', 'backends.mlx.serialization.fb.LayerNormNode.LayerNormNodeT', 'backends.mlx.serialization.fb.RopeNode.RopeNodeT']
 
     @classmethod
     def InitFromBuf(cls, buf, pos):

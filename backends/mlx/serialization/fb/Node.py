@@ -35,6 +35,9 @@ class Node(object):
     FilterThresholdNode = 29
     GumbelMaxNode = 30
     SdpaNode = 31
+    RmsNormNode = 32
+    LayerNormNode = 33
+    RopeNode = 34
 
 def NodeCreator(unionType, table):
     from flatbuffers.table import Table
@@ -133,4 +136,13 @@ def NodeCreator(unionType, table):
     if unionType == Node.SdpaNode:
         import backends.mlx.serialization.fb.SdpaNode
         return backends.mlx.serialization.fb.SdpaNode.SdpaNodeT.InitFromBuf(table.Bytes, table.Pos)
+    if unionType == Node.RmsNormNode:
+        import backends.mlx.serialization.fb.RmsNormNode
+        return backends.mlx.serialization.fb.RmsNormNode.RmsNormNodeT.InitFromBuf(table.Bytes, table.Pos)
+    if unionType == Node.LayerNormNode:
+        import backends.mlx.serialization.fb.LayerNormNode
+        return backends.mlx.serialization.fb.LayerNormNode.LayerNormNodeT.InitFromBuf(table.Bytes, table.Pos)
+    if unionType == Node.RopeNode:
+        import backends.mlx.serialization.fb.RopeNode
+        return backends.mlx.serialization.fb.RopeNode.RopeNodeT.InitFromBuf(table.Bytes, table.Pos)
     return None

@@ -1,0 +1,1 @@
+"""Pattern matching that replaces common transformer subgraphs with fused MLX nodes (plan.py)."""
