@@ -39,7 +39,7 @@ def test_export_then_generate_matches_transformers_greedy(tmp_path):
     tokens = [json.loads(s.stdout.strip().splitlines()[-1])["tokens"] for s in seeded]
     assert tokens[0] == tokens[1] and len(tokens[0]) == 12
     too_long = _etmlx("generate", str(pte), "--prompt-ids", "1,2,3", "--max-tokens", "60")
-    assert too_long.returncode == 2 and "exceeds max_seq_len" in too_long.stderr
+    assert too_long.returncode == 2 and "exceeds the program's max_seq_len 48" in too_long.stderr
     empty = _etmlx("generate", str(pte), "--prompt-ids", "", "--max-tokens", "3")
     assert empty.returncode == 2 and "empty" in empty.stderr
     out_of_range = _etmlx("generate", str(pte), "--prompt-ids", "1,500", "--max-tokens", "3")

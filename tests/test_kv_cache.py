@@ -1,96 +1,122 @@
-"""Llama-family models with the KV cache inside the delegate: step-by-step logits equal a full forward,
-and on-device greedy decoding equals transformers' greedy generation."""
+"""The KV cache inside the delegate, for each supported family: cached calls give the full-forward
+logits (rows at different positions, padded rows included), greedy decoding through the exported
+decoder equals transformers' greedy generation for 64 steps, and half-precision weights work."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from backends.mlx.export import export_to_pte
+from backends.mlx.llm.decode import Decoder
+from backends.mlx.llm.decoder_export import export_decoder
 from backends.mlx.llm.kv_cache import StaticCacheLM
-from backends.mlx.llm.sampling import SamplingHead
 from backends.mlx.runner import load_method
 
 VOCAB = 96
+SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=128, eos_token_id=None, bos_token_id=None)
 
 
-def _llama():
-    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                        attn_implementation="eager"))
+def _llama(dtype=torch.float32):
+    return LlamaForCausalLM(LlamaConfig(**SMALL)).to(dtype)
 
 
 def _qwen2():
-    return Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                        attn_implementation="eager"))
+    return Qwen2ForCausalLM(Qwen2Config(**SMALL))
 
 
-@pytest.mark.parametrize("make", [_llama, _qwen2], ids=["llama", "qwen2"])
-def test_cached_steps_give_the_full_forward_logits(make):
+def _qwen3():
+    return Qwen3ForCausalLM(Qwen3Config(**SMALL, head_dim=8))
+
+
+def _gpt2():
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=128,
+                                      eos_token_id=None, bos_token_id=None))
+
+
+FAMILIES = {"llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3, "gpt2": _gpt2}
+
+
+def _logits_program(model, max_seq_len=32, batch=2):
+    length = torch.export.Dim("length", min=1, max=max_seq_len)
+    example = (torch.ones(batch, max_seq_len, dtype=torch.int64), torch.zeros(batch, dtype=torch.int64),
+               torch.full((batch,), max_seq_len, dtype=torch.int64))
+    result = export_to_pte(StaticCacheLM(model, max_seq_len=max_seq_len, batch=batch), example,
+                           dynamic_shapes=({1: length}, None, None))
+    assert result.ops_outside == 0, result.summary()
+    return load_method(result.pte)
+
+
+def _call(method, rows, starts, lengths):
+    width = max(len(r) for r in rows)
+    tokens = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    return method.execute([tokens, torch.tensor(starts), torch.tensor(lengths)])[0]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2"])
+def test_rows_at_different_positions_get_the_full_forward_logits(family):
     torch.manual_seed(0)
-    model = make().eval()
-    result = export_to_pte(StaticCacheLM(model, max_seq_len=32), (torch.tensor([[1]]), torch.tensor([0])))
-    assert result.ops_outside == 0, result.summary()
-    method = load_method(result.pte)
-    seq = torch.randint(0, VOCAB, (10,)).tolist()
+    model = FAMILIES[family]().eval()
+    method = _logits_program(model)
+    a, b = torch.randint(0, VOCAB, (2, 14)).tolist()
     with torch.no_grad():
-        full = model(input_ids=torch.tensor([seq]), use_cache=False).logits[0]
-    for pos, token in enumerate(seq):
-        step = method.execute([torch.tensor([[token]]), torch.tensor([pos])])[0]
-        torch.testing.assert_close(step[0, -1], full[pos], atol=1e-5, rtol=1e-5)
+        full = model(input_ids=torch.tensor([a, b]), use_cache=False).logits
+    # Row b has 3 real tokens padded to 6: its padding writes slots 3..5, which later calls overwrite.
+    out = _call(method, [a[:6], b[:3]], [0, 0], [6, 3])
+    torch.testing.assert_close(out, torch.stack([full[0, 5], full[1, 2]]), atol=1e-5, rtol=1e-5)
+    out = _call(method, [a[6:8], b[3:5]], [6, 3], [2, 2])
+    torch.testing.assert_close(out, torch.stack([full[0, 7], full[1, 4]]), atol=1e-5, rtol=1e-5)
+    for k in range(4):  # one token per row, the rows 3 positions apart
+        out = _call(method, [[a[8 + k]], [b[5 + k]]], [8 + k, 5 + k], [1, 1])
+        torch.testing.assert_close(out, torch.stack([full[0, 8 + k], full[1, 5 + k]]), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("make", [_llama, _qwen2], ids=["llama", "qwen2"])
-def test_on_device_greedy_decoding_equals_transformers(make):
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
+def test_greedy_decoding_equals_transformers_for_64_steps(family, tmp_path):
     torch.manual_seed(1)
-    model = make().eval()
-    head = SamplingHead(StaticCacheLM(model, max_seq_len=64))
-    result = export_to_pte(head, (torch.tensor([[1]]), torch.tensor([0])),
-                           {"temperature": torch.tensor(0.0), "seed": torch.tensor(0)})
+    model = FAMILIES[family]().eval()
+    result = export_decoder(model, tmp_path / "m.pte", max_seq_len=80)
     assert result.ops_outside == 0, result.summary()
-    method = load_method(result.pte)
     prompt = [3, 14, 15, 9, 2]
-    new_tokens = 40
-    generated = []
-    token = None
-    for pos in range(len(prompt) + new_tokens - 1):
-        feed = prompt[pos] if pos < len(prompt) else token
-        token = int(method.execute([torch.tensor([[feed]]), torch.tensor([pos]), torch.tensor(0.0),
-                                    torch.tensor(pos)])[0][0])
-        if pos >= len(prompt) - 1:
-            generated.append(token)
+    got = Decoder(tmp_path / "m.pte").generate(prompt, 64).tokens
     with torch.no_grad():
-        expected = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
-                                  min_new_tokens=new_tokens, pad_token_id=0)[0, len(prompt):].tolist()
-    assert generated == expected
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=64, min_new_tokens=64, do_sample=False,
+                                  pad_token_id=0)[0, len(prompt):].tolist()
+    assert got == expected
 
 
-def test_unsupported_architecture_is_refused_by_name():
-    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=64))
-    with pytest.raises(ValueError, match="not a Llama-style causal LM"):
-        StaticCacheLM(gpt2, max_seq_len=16)
+@pytest.mark.parametrize("dtype,tolerance", [(torch.bfloat16, 0.06), (torch.float16, 0.01)])
+def test_half_precision_weights_and_cache(dtype, tolerance):
+    """Tolerance: max |logit diff| relative to the largest |logit|, against the same-dtype eager forward
+    (the two sides round their half-precision intermediates at different points)."""
+    torch.manual_seed(4)
+    model = _llama(dtype).eval()
+    method = _logits_program(model, batch=1)
+    seq = torch.randint(0, VOCAB, (1, 12))
+    with torch.no_grad():
+        full = model(input_ids=seq, use_cache=False).logits[0].float()
+    got = [_call(method, [seq[0, :8].tolist()], [0], [8])[0].float()]
+    for pos in range(8, 12):
+        got.append(_call(method, [[int(seq[0, pos])]], [pos], [1])[0].float())
+    got = torch.stack(got)
+    want = full[7:12]
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
+    assert (got - want).abs().max() <= tolerance * want.abs().max()
+
+
+def test_unsupported_architectures_are_refused_by_name():
+    opt = OPTForCausalLM(OPTConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, ffn_dim=64,
+                                   num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=32))
+    with pytest.raises(ValueError, match="OPTForCausalLM.*unsupported architecture"):
+        StaticCacheLM(opt, max_seq_len=16)
+    broken = _llama()
+    del broken.model.layers[1].self_attn.v_proj
+    with pytest.raises(ValueError, match="layer 1 self_attn .* has no `v_proj`"):
+        StaticCacheLM(broken, max_seq_len=16)
     with pytest.raises(ValueError, match="max_seq_len"):
         StaticCacheLM(_llama(), max_seq_len=0)
-
-
-@pytest.mark.parametrize("make", [_llama, _qwen2], ids=["llama", "qwen2"])
-def test_one_program_prefills_any_length_then_decodes(make):
-    torch.manual_seed(2)
-    model = make().eval()
-    length = torch.export.Dim("length", min=1, max=32)
-    result = export_to_pte(StaticCacheLM(model, max_seq_len=32), (torch.tensor([[1, 2, 3]]), torch.arange(3)),
-                           dynamic_shapes=({1: length}, {0: length}))
-    assert result.ops_outside == 0, result.summary()
-    method = load_method(result.pte)
-    seq = torch.randint(0, VOCAB, (14,)).tolist()
-    with torch.no_grad():
-        full = model(input_ids=torch.tensor([seq]), use_cache=False).logits[0]
-    for prompt_len in (1, 7, 11):  # each prefill rewrites positions 0..n-1, so the cache can be reused
-        prefill = method.execute([torch.tensor([seq[:prompt_len]]), torch.arange(prompt_len)])[0]
-        assert prefill.shape == (1, prompt_len, VOCAB)
-        torch.testing.assert_close(prefill[0], full[:prompt_len], atol=1e-5, rtol=1e-5)
-        for pos in range(prompt_len, prompt_len + 3):
-            step = method.execute([torch.tensor([[seq[pos]]]), torch.tensor([pos])])[0]
-            torch.testing.assert_close(step[0, -1], full[pos], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="exceeds the model's 128 positions"):
+        StaticCacheLM(_llama(), max_seq_len=129)

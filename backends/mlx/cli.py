@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from backends.mlx import llm_cli
+
 
 def _demo(args) -> int:
     from backends.mlx import demo
@@ -40,40 +42,6 @@ def _bench(args) -> int:
     raise ValueError(f"unknown benchmark {args.what!r}")
 
 
-def _export(args) -> int:
-    from transformers import AutoModelForCausalLM
-
-    from backends.mlx.llm.decode import export_decoder
-
-    if not Path(args.model).is_dir():
-        raise FileNotFoundError(f"--model {args.model} is not a local checkpoint directory")
-    model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="eager")
-    result = export_decoder(model, Path(args.out), args.max_seq_len)
-    print(f"wrote {args.out} ({len(result.pte)} bytes): {result.summary()}")
-    return 0
-
-
-def _generate(args) -> int:
-    import json
-
-    from backends.mlx.llm.decode import Decoder
-
-    try:
-        prompt = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
-    except ValueError:
-        raise ValueError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
-    decoder = Decoder(Path(args.pte))
-    if args.json:
-        out = decoder.generate(prompt, args.max_tokens, args.temperature, args.seed)
-        print(json.dumps({"tokens": out.tokens, "finish_reason": out.finish_reason,
-                          "time_to_first_token_s": out.first_token_s, "decode_tokens_per_s": out.decode_tokens_per_s}))
-        return 0
-    for token in decoder.stream(prompt, args.max_tokens, args.temperature, args.seed):
-        print(token, end=" ", flush=True)
-    print()
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="etmlx", description="ExecuTorch programs on MLX")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -83,19 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = sub.add_parser("inspect", help="list the etmlx delegate graphs inside a .pte")
     inspect.add_argument("pte", help="path to a .pte file")
     inspect.set_defaults(func=_inspect)
-    export = sub.add_parser("export", help="export a local Llama/Qwen2 checkpoint for on-device decoding")
-    export.add_argument("--model", required=True, help="local Hugging Face checkpoint directory")
-    export.add_argument("--out", required=True, help="the .pte to write (FILE.pte.json is written beside it)")
-    export.add_argument("--max-seq-len", type=int, default=256, help="KV cache length (default 256)")
-    export.set_defaults(func=_export)
-    generate = sub.add_parser("generate", help="decode on the device from an exported .pte")
-    generate.add_argument("pte", help="a .pte written by `etmlx export`")
-    generate.add_argument("--prompt-ids", required=True, help="comma-separated prompt token ids")
-    generate.add_argument("--max-tokens", type=int, default=32)
-    generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    generate.add_argument("--seed", type=int, default=0, help="base seed; step k uses seed + k")
-    generate.add_argument("--json", action="store_true", help="print token ids and timings as JSON")
-    generate.set_defaults(func=_generate)
+    llm_cli.add_parsers(sub)
     bench = sub.add_parser("bench", help="benchmarks with same-run baselines")
     bench.add_argument("what", choices=["sampler", "agreement", "decode"], help="which benchmark")
     bench.add_argument("--suite", choices=["all", "basic", "features"], default="all",

@@ -6,7 +6,7 @@ import operator
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
@@ -66,18 +66,24 @@ def export_to_pte(
     *,
     dynamic_shapes: Any = None,
     strict: bool = False,
+    progress: Optional[Callable[[str], None]] = None,
 ) -> ExportResult:
+    """`progress`, if given, is called with the name of each stage as it starts."""
+    say = progress or (lambda _stage: None)
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     if not isinstance(args, tuple):
         raise TypeError(f"args must be a tuple of example inputs, got {type(args).__name__}")
     module = module.eval()
+    say("tracing with torch.export")
     with torch.no_grad():
         ep = torch.export.export(module, args, kwargs or {}, dynamic_shapes=dynamic_shapes, strict=strict)
     partitioner = MLXPartitioner()
+    say("lowering to the etmlx delegate")
     edge = to_edge_transform_and_lower(
         ep, partitioner=[partitioner], compile_config=EdgeCompileConfig(_check_ir_validity=False)
     )
     calls, outside = count_outside(edge.exported_program())
+    say("serializing the ExecuTorch program")
     program = edge.to_executorch()
     return ExportResult(pte=program.buffer, delegated_calls=calls, outside=outside, reasons=dict(partitioner.reasons))

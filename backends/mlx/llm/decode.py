@@ -1,14 +1,16 @@
-"""Export a Llama-family checkpoint for on-device decoding, and run the decode loop.
+"""The on-device decode loop over a decoder .pte (see decoder_export.py), one sequence at a time.
 
-The .pte holds one method: (tokens [1, L], positions [L], temperature, seed) -> next token id,
-with the model, its KV cache and the sampler on MLX. L is dynamic (1..max_seq_len), so the same
-program prefills the prompt and then decodes one token per call with seed = base_seed + step.
-`FILE.pte.json` beside it records what the loop needs (max_seq_len, eos ids, vocab size).
+    decoder = Decoder("model.pte")
+    for step in decoder.stream(prompt_ids, max_tokens=64, params=SamplingParams(temperature=0.8, seed=1)):
+        print(step.token)
+
+Step 0 is the prefill call (the whole prompt, one program call); step k > 0 feeds the previous
+token at position len(prompt) + k - 1. Seeded programs draw with seed = params.seed + step, so a
+whole generation is reproducible from one base seed.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,77 +18,105 @@ from typing import Iterator
 
 import torch
 
-from backends.mlx.export import ExportResult, export_to_pte
-from backends.mlx.llm.kv_cache import StaticCacheLM
-from backends.mlx.llm.sampling import SamplingHead, SeedSchedule
+from backends.mlx.llm.decoder_export import export_decoder  # noqa: F401  (the export half of this API)
+from backends.mlx.llm.decoder_meta import DecoderMeta, tokenizer_path
+from backends.mlx.llm.step_inputs import SamplingParams, step_inputs
 from backends.mlx.runner import load_method
 
 
-def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int) -> ExportResult:
-    model = model.eval()
-    head = SamplingHead(StaticCacheLM(model, max_seq_len=max_seq_len))
-    length = torch.export.Dim("length", min=1, max=max_seq_len)
-    # The example is as long as the cache: ExecuTorch sizes a dynamic input's buffer from it here.
-    example = (torch.ones(1, max_seq_len, dtype=torch.int64), torch.arange(max_seq_len))
-    kwargs = {"temperature": torch.tensor(1.0), "seed": torch.tensor(0)}
-    # SamplingHead.forward(*args, temperature, seed): shapes are given per bound argument name.
-    dynamic = {"args": ({1: length}, {0: length}), "temperature": None, "seed": None}
-    result = export_to_pte(head, example, kwargs, dynamic_shapes=dynamic)
-    out = Path(out)
-    result.save(out)
-    eos = model.config.eos_token_id
-    meta = {"max_seq_len": max_seq_len, "vocab_size": model.config.vocab_size,
-            "eos_token_ids": [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))}
-    Path(str(out) + ".json").write_text(json.dumps(meta))
-    return result
+@dataclass
+class Step:
+    token: int
+    logprob: float | None = None
+    top: list[tuple[int, float]] | None = None  # (token id, logprob), best first
 
 
 @dataclass
 class Generation:
     tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str = ""
+    prompt_tokens: int = 0
     first_token_s: float = 0.0
+    prefill_tokens_per_s: float = 0.0
     decode_tokens_per_s: float = 0.0
+
+
+def check_prompt(meta: DecoderMeta, prompt_ids, max_tokens: int) -> list[int]:
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+    ids = list(prompt_ids)
+    if not ids:
+        raise ValueError("the prompt is empty: give at least one token")
+    if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < meta.vocab_size for t in ids):
+        raise ValueError(f"prompt token ids must be ints in [0, {meta.vocab_size})")
+    if len(ids) + max_tokens > meta.max_seq_len:
+        raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the program's "
+                         f"max_seq_len {meta.max_seq_len}")
+    return ids
 
 
 class Decoder:
     def __init__(self, pte: Path):
-        pte = Path(pte)
-        meta_path = Path(str(pte) + ".json")
-        if not meta_path.is_file():
-            raise FileNotFoundError(f"{meta_path} is missing: export the model with `etmlx export`")
-        self.meta = json.loads(meta_path.read_text())
-        self.method = load_method(pte)
+        self.pte = Path(pte)
+        if not self.pte.is_file():
+            raise FileNotFoundError(f"{self.pte} does not exist")
+        self.meta = DecoderMeta.load(self.pte)
+        if self.meta.batch != 1:
+            raise ValueError(f"{self.pte} decodes {self.meta.batch} rows per call; Decoder runs one sequence "
+                             "(export with batch 1, or serve it with `etmlx serve`)")
+        self.method = load_method(self.pte)
+        self._tokenizer = None
 
-    def stream(self, prompt_ids: list[int], max_tokens: int, temperature: float = 0.0, seed: int = 0,
-               stop_at_eos: bool = True) -> Iterator[int]:
-        limit, vocab = self.meta["max_seq_len"], self.meta["vocab_size"]
-        if not prompt_ids:
-            raise ValueError("prompt_ids is empty")
-        if any(not (0 <= t < vocab) for t in prompt_ids):
-            raise ValueError(f"prompt_ids must be token ids in [0, {vocab})")
-        if len(prompt_ids) + max_tokens > limit:
-            raise ValueError(f"prompt ({len(prompt_ids)}) + max_tokens ({max_tokens}) exceeds max_seq_len {limit}")
-        seeds = SeedSchedule(seed)
-        t = torch.tensor(float(temperature))
-        n = len(prompt_ids)
-        token = int(self.method.execute([torch.tensor([prompt_ids]), torch.arange(n), t, seeds(0)])[0][0])
-        for step in range(max_tokens):
-            yield token
-            if (stop_at_eos and token in self.meta["eos_token_ids"]) or step + 1 == max_tokens:
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            path = tokenizer_path(self.pte)
+            if not self.meta.tokenizer or not path.is_dir():
+                raise FileNotFoundError(f"{self.pte} has no tokenizer ({path} is missing): pass token ids "
+                                        "(--prompt-ids) or re-export from a checkpoint that has one")
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(str(path))
+        return self._tokenizer
+
+    def _call(self, tokens: list[int], start: int, params: SamplingParams, step: int) -> Step:
+        inputs = step_inputs(self.meta, torch.tensor([tokens]), [start], [len(tokens)], [params], [step],
+                             [step == 0])
+        out = self.method.execute(inputs)
+        result = Step(int(out[0][0]))
+        if self.meta.config.logprobs:
+            result.logprob = float(out[1][0])
+            result.top = [(int(i), float(v)) for i, v in zip(out[2][0], out[3][0])]
+        return result
+
+    def stream(self, prompt_ids, max_tokens: int, params: SamplingParams | None = None,
+               stop_at_eos: bool = True) -> Iterator[Step]:
+        params = params or SamplingParams()
+        params.check(self.meta)
+        prompt = check_prompt(self.meta, prompt_ids, max_tokens)
+        step = self._call(prompt, 0, params, 0)
+        for k in range(max_tokens):
+            yield step
+            if (stop_at_eos and step.token in self.meta.eos_token_ids) or k + 1 == max_tokens:
                 return
-            pos = n + step
-            token = int(self.method.execute([torch.tensor([[token]]), torch.tensor([pos]), t, seeds(step + 1)])[0][0])
+            step = self._call([step.token], len(prompt) + k, params, k + 1)
 
-    def generate(self, prompt_ids, max_tokens, temperature=0.0, seed=0) -> Generation:
-        out = Generation()
+    def generate(self, prompt_ids, max_tokens: int, params: SamplingParams | None = None) -> Generation:
+        out = Generation(prompt_tokens=len(list(prompt_ids)))
         start = time.perf_counter()
-        for token in self.stream(prompt_ids, max_tokens, temperature, seed):
+        decode_start = start
+        for step in self.stream(prompt_ids, max_tokens, params):
             if not out.tokens:
-                out.first_token_s = time.perf_counter() - start
                 decode_start = time.perf_counter()
-            out.tokens.append(token)
-        decode_s = time.perf_counter() - decode_start if out.tokens else 0.0
-        out.decode_tokens_per_s = (len(out.tokens) - 1) / decode_s if decode_s > 0 else 0.0
-        out.finish_reason = "stop" if out.tokens and out.tokens[-1] in self.meta["eos_token_ids"] else "length"
+                out.first_token_s = decode_start - start
+            out.tokens.append(step.token)
+            if step.logprob is not None:
+                out.logprobs.append(step.logprob)
+                out.top_logprobs.append(step.top)
+        decode_s = time.perf_counter() - decode_start
+        out.prefill_tokens_per_s = out.prompt_tokens / out.first_token_s if out.first_token_s > 0 else 0.0
+        out.decode_tokens_per_s = (len(out.tokens) - 1) / decode_s if decode_s > 0 and len(out.tokens) > 1 else 0.0
+        out.finish_reason = "stop" if out.tokens and out.tokens[-1] in self.meta.eos_token_ids else "length"
         return out

@@ -18,6 +18,23 @@ class LogitsInput(torch.nn.Module):
         return logits
 
 
+def knob_examples(config: SamplerConfig, batch: int, per_row: bool) -> dict:
+    """Example values ("off" settings) for every knob, shaped as the program takes them."""
+    shape = (batch,) if per_row else ()
+    return {
+        "top_k": torch.zeros(shape, dtype=torch.int64),
+        "top_p": torch.ones(shape),
+        "min_p": torch.zeros(shape),
+        "bias_ids": torch.zeros((batch, config.logit_bias) if per_row else (config.logit_bias,), dtype=torch.int64),
+        "bias_values": torch.zeros((batch, config.logit_bias) if per_row else (config.logit_bias,)),
+        "presence_penalty": torch.zeros(shape),
+        "frequency_penalty": torch.zeros(shape),
+        "repetition_penalty": torch.ones(shape),
+        "penalty_reset": torch.zeros(shape, dtype=torch.int64),
+        "penalty_add": torch.full((batch, config.penalty_seed), -1, dtype=torch.int64),
+    }
+
+
 def export_sampling_head(
     model: torch.nn.Module,
     example_args: tuple,
@@ -44,18 +61,7 @@ def export_sampling_head(
     kwargs = {"temperature": torch.ones(shape)}
     if seeded:
         kwargs["seed"] = torch.zeros(shape, dtype=torch.int64)
-    examples = {
-        "top_k": torch.zeros(shape, dtype=torch.int64),
-        "top_p": torch.ones(shape),
-        "min_p": torch.zeros(shape),
-        "bias_ids": torch.zeros((batch, config.logit_bias) if per_row else (config.logit_bias,), dtype=torch.int64),
-        "bias_values": torch.zeros((batch, config.logit_bias) if per_row else (config.logit_bias,)),
-        "presence_penalty": torch.zeros(shape),
-        "frequency_penalty": torch.zeros(shape),
-        "repetition_penalty": torch.ones(shape),
-        "penalty_reset": torch.zeros(shape, dtype=torch.int64),
-        "penalty_add": torch.full((batch, config.penalty_seed), -1, dtype=torch.int64),
-    }
+    examples = knob_examples(config, batch, per_row)
     for name in config.knob_names():
         kwargs[name] = examples[name]
     # Checked eagerly: inside a strict (dynamo) trace the same error arrives wrapped.

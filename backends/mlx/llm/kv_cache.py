@@ -1,16 +1,20 @@
-"""A static KV cache for Llama-family (Llama, Qwen2) transformers models, owned by the program.
+"""A static KV cache owned by the program, for the decoder families in `families.py`.
 
 transformers' own exportable static-cache module does not survive ExecuTorch's decomposition on the
-pinned torch, so this module re-runs the model's forward from its submodules (same weights, same
-math) with per-layer key/value buffers written in place at `input_pos`:
+pinned torch, so this module re-runs the model's blocks (same weights, same math) around its own
+attention over per-layer key/value buffers:
 
-    lm = StaticCacheLM(hf_model, max_seq_len=128)
-    logits = lm(token_ids [B, L], input_pos [L])     # -> [B, L, V]
+    lm = StaticCacheLM(hf_model, max_seq_len=128, batch=2)
+    logits = lm(tokens [B, L], start_pos [B])                 # -> [B, L, V]
+    logits = lm(tokens [B, L], start_pos [B], lengths [B])    # -> [B, V] at index lengths-1 per row
 
-Each call writes its L new keys/values at positions `input_pos` and attends to every cached
-position <= its own. The caches are mutable buffers, so an exported program keeps them on the device
-between calls. Only decoder-only Llama-style blocks (RMSNorm, rotary, grouped-query attention,
-gated SiLU MLP) are supported; anything else is refused by name.
+Row b's tokens sit at cache positions start_pos[b] .. start_pos[b]+L-1; each query attends to the
+cached positions <= its own. Rows are independent sequences at their own positions, which is what
+lets a server decode rows that started at different times in one call. A row with fewer real
+tokens than L (lengths[b] < L) pads: its padding writes cache slots beyond its last real token,
+which its own later queries can never see before they are overwritten, because every write
+starts at the row's next position. The caches are mutable buffers, so an exported program keeps
+them on the device between calls.
 """
 
 from __future__ import annotations
@@ -18,72 +22,50 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+from backends.mlx.llm.families import family_for
 
 
 class StaticCacheLM(nn.Module):
     def __init__(self, model: nn.Module, max_seq_len: int, batch: int = 1):
         super().__init__()
-        base = getattr(model, "model", None)
-        layers = getattr(base, "layers", None)
-        if base is None or layers is None or not hasattr(model, "lm_head"):
-            raise ValueError(f"{type(model).__name__} is not a Llama-style causal LM (needs .model.layers and .lm_head)")
-        for i, layer in enumerate(layers):
-            for name in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"):
-                if not hasattr(layer, name):
-                    raise ValueError(f"layer {i} ({type(layer).__name__}) has no {name}: unsupported architecture")
-            for name in ("gate_proj", "up_proj", "down_proj"):
-                if not hasattr(layer.mlp, name):
-                    raise ValueError(f"layer {i} MLP ({type(layer.mlp).__name__}) has no {name}: unsupported")
-        if not isinstance(max_seq_len, int) or max_seq_len < 1:
+        self.family = family_for(model)
+        if not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool) or max_seq_len < 1:
             raise ValueError(f"max_seq_len must be a positive int, got {max_seq_len!r}")
-        cfg = model.config
+        if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+            raise ValueError(f"batch must be a positive int, got {batch!r}")
+        limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+        if limit is not None and max_seq_len > limit:
+            raise ValueError(f"max_seq_len {max_seq_len} exceeds the model's {limit} positions")
         self.model = model
         self.max_seq_len = max_seq_len
-        self.heads = cfg.num_attention_heads
-        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+        self.batch = batch
+        f = self.family
         dtype = next(model.parameters()).dtype
-        for i in range(len(layers)):
-            shape = (batch, self.kv_heads, max_seq_len, self.head_dim)
+        for i in range(f.num_layers):
+            shape = (batch, f.kv_heads, max_seq_len, f.head_dim)
             self.register_buffer(f"k_cache_{i}", torch.zeros(shape, dtype=dtype))
             self.register_buffer(f"v_cache_{i}", torch.zeros(shape, dtype=dtype))
 
-    @staticmethod
-    def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-        return norm.weight * h.to(x.dtype)
 
-    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-        base = self.model.model
+    def forward(self, tokens: torch.Tensor, start_pos: torch.Tensor, lengths: torch.Tensor | None = None):
+        f = self.family
         batch, length = tokens.shape
-        x = base.embed_tokens(tokens)
-        positions = input_pos.unsqueeze(0).expand(batch, -1)
-        cos, sin = base.rotary_emb(x, positions)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        # Query l may see cache slot t iff t <= input_pos[l].
-        slots = torch.arange(self.max_seq_len).unsqueeze(0)
-        mask = (slots <= input_pos.unsqueeze(1)).unsqueeze(0).unsqueeze(0)
-        for i, layer in enumerate(base.layers):
-            attn = layer.self_attn
-            h = self._rms_norm(layer.input_layernorm, x)
-            q = attn.q_proj(h).view(batch, length, self.heads, self.head_dim).transpose(1, 2)
-            k = attn.k_proj(h).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
-            v = attn.v_proj(h).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            k_cache = getattr(self, f"k_cache_{i}")
-            v_cache = getattr(self, f"v_cache_{i}")
-            k_cache.index_copy_(2, input_pos, k)
-            v_cache.index_copy_(2, input_pos, v)
-            out = torch.nn.functional.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask,
-                                                                   enable_gqa=self.kv_heads != self.heads)
-            x = x + attn.o_proj(out.transpose(1, 2).reshape(batch, length, self.heads * self.head_dim))
-            h = self._rms_norm(layer.post_attention_layernorm, x)
-            mlp = layer.mlp
-            x = x + mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
-        return self.model.lm_head(self._rms_norm(base.norm, x))
+        positions = start_pos.unsqueeze(1) + torch.arange(length).unsqueeze(0)  # [B, L]
+        x, rope = f.embed(tokens, positions)
+        slots = torch.arange(self.max_seq_len)
+        mask = (slots.view(1, 1, 1, -1) <= positions.view(batch, 1, length, 1))  # [B, 1, L, S]
+        # Where each new key/value goes along the cache's position axis (a put along that axis).
+        slot_index = positions.view(batch, 1, length, 1).expand(batch, f.kv_heads, length, f.head_dim)
+        for i in range(f.num_layers):
+            q, k, v = f.attention_in(i, x, rope)
+            k_cache, v_cache = getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")
+            k_cache.scatter_(2, slot_index, k)
+            v_cache.scatter_(2, slot_index, v)
+            attended = torch.nn.functional.scaled_dot_product_attention(
+                q, k_cache, v_cache, attn_mask=mask, scale=f.scale, enable_gqa=f.kv_heads != f.heads)
+            x = f.attention_out(i, x, attended)
+        if lengths is not None:
+            # Only each row's sampled position meets lm_head: [B, hidden].
+            last = (lengths - 1).view(batch, 1, 1).expand(batch, 1, x.shape[-1])
+            x = x.gather(1, last).squeeze(1)
+        return f.logits(x)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from backends.mlx.builder.registry import REGISTRY, aten_target
 from backends.mlx.dtypes import to_schema
 from backends.mlx.ops.common import aten, out_dtype, resolvable_shape
@@ -39,19 +41,31 @@ def _scalar_tensor(b, node):
     return b.full(node.args[0], out_dtype(node))
 
 
-def _literal_bounds(node):
-    if any(not isinstance(a, (int, float)) for a in node.args):
-        return "arange with symbolic bounds is not supported yet"
+def _bounds(node):
+    args = list(node.args)
+    return (0, args[0], 1) if len(args) == 1 else (args[0], args[1], args[2] if len(args) > 2 else node.kwargs.get("step", 1))
+
+
+def _literal_or_symbolic_end(node):
+    start, end, step = _bounds(node)
+    if not isinstance(start, (int, float)) or not isinstance(step, (int, float)):
+        return "arange with a symbolic start or step is not supported"
+    if isinstance(end, (int, float)):
+        return None
+    if start != 0 or step != 1:
+        return "arange with a symbolic end is supported only from 0 in steps of 1"
+    val = end.meta.get("val") if hasattr(end, "meta") else end
+    if not (isinstance(val, torch.SymInt) and val.node.expr.is_Symbol):
+        return "arange whose end is an expression of symbolic sizes is not supported"
     return None
 
 
-@REGISTRY.register(aten.arange.start_step, aten.arange.default, aten.arange.start, supports=_literal_bounds)
+@REGISTRY.register(aten.arange.start_step, aten.arange.default, aten.arange.start, supports=_literal_or_symbolic_end)
 def _arange(b, node):
-    args = list(node.args)
-    if len(args) == 1:
-        start, end, step = 0, args[0], 1
-    else:
-        start, end = args[:2]
-        step = args[2] if len(args) > 2 else node.kwargs.get("step", 1)
-    return b.op("ArangeNode", start=float(start), stop=float(end), step=float(step),
-                dtype=to_schema(out_dtype(node)))
+    start, end, step = _bounds(node)
+    dtype = out_dtype(node)
+    if isinstance(end, (int, float)):
+        return b.op("ArangeNode", start=float(start), stop=float(end), step=float(step), dtype=to_schema(dtype))
+    # 0..n-1 for a run-time n (a dynamic input size): an exclusive running sum of n ones.
+    ones = b.op("FullNode", shape=[b.int_or_vid(end)], value=1.0, dtype=to_schema(dtype))
+    return b.op("CumsumNode", x=ones, axis=0, reverse=False, inclusive=False)

@@ -17,15 +17,34 @@ def _shape(arg):
 def _fit_to(b, tid, have, want, skip_axis):
     """Slice `tid` down to `want` on every axis but skip_axis (gather/scatter allow a smaller index)."""
     for axis, (h, w) in enumerate(zip(have, want)):
-        if axis != skip_axis and h != w:
+        if axis != skip_axis and not _same_size(h, w):
             tid = b.op("SliceNode", x=tid, axis=axis, start=0, stop=w)
     return tid
 
 
+def _same_size(a, b) -> bool:
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    if isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt):
+        return a.node.expr == b.node.expr
+    return False
+
+
 def _static(node):
+    """Sizes the runtime can read (literals or input dimensions); where self and index differ off
+    the indexed axis the handler slices, which needs literal sizes."""
     for a in node.all_input_nodes:
-        if not all(isinstance(s, int) for s in a.meta["val"].shape):
-            return "needs static shapes"
+        if not resolvable_dims(a.meta["val"].shape):
+            return "sizes that are expressions of symbolic sizes"
+    src, index = node.args[0], node.args[-1] if node.target is aten.take_along_dim.default else node.args[2]
+    dim = node.args[1] if node.target is not aten.take_along_dim.default else (
+        node.args[2] if len(node.args) > 2 else node.kwargs.get("dim"))
+    if dim is None:
+        return None
+    axis = norm_axis(dim, max(ndim(src), 1))
+    for i, (s, w) in enumerate(zip(_shape(src), _shape(index))):
+        if i != axis and not _same_size(s, w) and not (isinstance(s, int) and isinstance(w, int)):
+            return "self and index differ in a symbolic size off the indexed axis"
     return None
 
 
@@ -81,7 +100,7 @@ def _scatter_supported(node):
     src, dim, index = node.args[:3]
     axis = norm_axis(dim, max(ndim(src), 1))
     for a, (s, i) in enumerate(zip(_shape(src), _shape(index))):
-        if a != axis and s != i:
+        if a != axis and not _same_size(s, i):
             return "scatter with an index smaller than self off the scatter axis is not supported"
     if "reduce" in node.kwargs or len(node.args) > 4:
         return "scatter with `reduce` is not supported"
