@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--rows", type=int, default=2000, help="agreement: rows per dtype")
     bench.add_argument("--json", help="also write the records to this path")
     bench.add_argument("--repeats", type=int, help="timed calls per measurement, median (default: sampler 30, "
-                       "decode 5 generations)")
+                       "decode 3 generations)")
     bench.add_argument("--quick", action="store_true", help="decode: a tiny model and short runs (CI smoke)")
     bench.add_argument("--dtypes", default="float32,bfloat16", help="decode: comma-separated weight dtypes")
     bench.add_argument("--cache-dir", default="out/bench", help="decode: where checkpoints and programs are cached")

@@ -37,7 +37,7 @@ class Settings:
     steps: int = 128
     temperature: float = 0.8
     seed: int = 0
-    repeats: int = 5
+    repeats: int = 3
     max_seq_len: int = 272  # prompt + steps + 1 fits, rounded up to a multiple of 16
 
     def __post_init__(self):
@@ -71,15 +71,13 @@ def _programs(checkpoint: Path, dtype: str, max_seq_len: int, log) -> dict:
             continue
         model = model or ckpt.load_torch(checkpoint, dtype)
         log(f"  {engine}: exporting {path.name} (minutes for the full-size model)")
-        partial = path.with_name(path.name + ".partial")
         if engine == "etmlx":
-            result = programs.export_etmlx(model, partial, max_seq_len)
+            result = programs.export_etmlx(model, path, max_seq_len, checkpoint)
             summary = {"delegate_calls": result.delegated_calls, "outside": dict(result.outside)}
-            os.replace(str(partial) + ".json", str(path) + ".json")
         else:
-            calls, outside = programs.export_xnnpack(model, partial, max_seq_len)
+            calls, outside = programs.export_xnnpack(model, path, max_seq_len)
             summary = {"delegate_calls": calls, "outside": outside}
-        os.replace(partial, path)
+        # Written last: a program without it (an interrupted export) is exported again.
         info.write_text(json.dumps(summary))
     del model
     gc.collect()

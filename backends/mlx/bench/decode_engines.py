@@ -52,7 +52,10 @@ class EtmlxEngine:
         self.decoder = Decoder(pte)
 
     def generate(self, prompt_ids: list[int], steps: int, temperature: float, seed: int) -> Run:
-        stream = self.decoder.stream(prompt_ids, steps + 1, temperature, seed, stop_at_eos=False)
+        from backends.mlx.llm.step_inputs import SamplingParams
+
+        params = SamplingParams(temperature=temperature, seed=seed)
+        stream = (step.token for step in self.decoder.stream(prompt_ids, steps + 1, params, stop_at_eos=False))
         return timed(stream, steps)
 
 
@@ -102,10 +105,12 @@ class XnnpackEngine:
             return int(torch.multinomial(probs, 1, generator=generator)[0, 0])
 
         n = len(prompt_ids)
-        token = sample(self.method.execute([torch.tensor([prompt_ids]), torch.arange(n)])[0])
+        one = torch.ones(1, dtype=torch.int64)
+        token = sample(self.method.execute([torch.tensor([prompt_ids]), torch.zeros(1, dtype=torch.int64),
+                                            torch.tensor([n])])[0])
         yield token
         for step in range(steps):
-            token = sample(self.method.execute([torch.tensor([[token]]), torch.tensor([n + step])])[0])
+            token = sample(self.method.execute([torch.tensor([[token]]), torch.tensor([n + step]), one])[0])
             yield token
 
     def generate(self, prompt_ids: list[int], steps: int, temperature: float, seed: int) -> Run:

@@ -1,7 +1,7 @@
 """The two .pte files `etmlx bench decode` compares, exported once and cached.
 
   etmlx    `export_decoder`: model, KV cache and sampler in the etmlx delegate (returns token ids)
-  xnnpack  the same `StaticCacheLM` returning the last position's logits, lowered with ExecuTorch's
+  xnnpack  the same `StaticCacheLM` returning the logits at each row's last token, lowered with ExecuTorch's
            XnnpackPartitioner (what it cannot take, e.g. the cache writes, runs on ExecuTorch's CPU
            kernels); the caller samples on the host
 
@@ -37,38 +37,32 @@ def cached_pte(checkpoint: Path, engine: str, max_seq_len: int) -> Path:
     return Path(checkpoint) / f"{engine}-s{max_seq_len}-{source_fingerprint()}.pte"
 
 
-class LastLogits(torch.nn.Module):
-    """StaticCacheLM's logits at the last position only: what a host sampler needs, [B, V]."""
-
-    def __init__(self, lm: torch.nn.Module):
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-        return self.lm(tokens, input_pos)[:, -1, :]
-
-
 def export_xnnpack(model: torch.nn.Module, out: Path, max_seq_len: int) -> tuple[int, dict]:
-    """Lower (tokens [1, L], positions [L]) -> logits [1, V] with XNNPACK; returns (delegate calls, ops left)."""
+    """Lower (tokens [1, L], start_pos [1], lengths [1]) -> logits [1, V] with XNNPACK.
+
+    Returns (delegate calls, ops left outside the delegate)."""
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import to_edge_transform_and_lower
 
     from backends.mlx.export import count_outside
     from backends.mlx.llm.kv_cache import StaticCacheLM
 
-    module = LastLogits(StaticCacheLM(model.eval(), max_seq_len=max_seq_len)).eval()
+    module = StaticCacheLM(model.eval(), max_seq_len=max_seq_len).eval()
     length = torch.export.Dim("length", min=1, max=max_seq_len)
     # As for the etmlx decoder: the example is as long as the cache, which sizes the dynamic input's buffer.
-    example = (torch.ones(1, max_seq_len, dtype=torch.int64), torch.arange(max_seq_len))
+    example = (torch.ones(1, max_seq_len, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
+               torch.full((1,), max_seq_len, dtype=torch.int64))
     with torch.no_grad():
-        exported = torch.export.export(module, example, dynamic_shapes=({1: length}, {0: length}))
+        exported = torch.export.export(module, example, dynamic_shapes=({1: length}, None, None))
     edge = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()])
     calls, outside = count_outside(edge.exported_program())
     Path(out).write_bytes(edge.to_executorch().buffer)
     return calls, dict(outside)
 
 
-def export_etmlx(model: torch.nn.Module, out: Path, max_seq_len: int):
-    from backends.mlx.llm.decode import export_decoder
+def export_etmlx(model: torch.nn.Module, out: Path, max_seq_len: int, tokenizer_dir: Path):
+    """The decoder program `etmlx export` writes by default (temperature sampler, seeded), with its
+    FILE.pte.json and tokenizer beside it."""
+    from backends.mlx.llm.decoder_export import export_decoder
 
-    return export_decoder(model, Path(out), max_seq_len)
+    return export_decoder(model, Path(out), max_seq_len, tokenizer=tokenizer_dir)
