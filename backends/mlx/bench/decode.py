@@ -17,6 +17,7 @@ import gc
 import json
 import os
 import platform
+import shutil
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -71,6 +72,11 @@ def _programs(checkpoint: Path, dtype: str, max_seq_len: int, log) -> dict:
             continue
         model = model or ckpt.load_torch(checkpoint, dtype)
         log(f"  {engine}: exporting {path.name} (minutes for the full-size model)")
+        for stale in path.parent.glob(f"{engine}-*.pte*"):  # other fingerprints: ~the model's size each
+            if stale.is_dir():
+                shutil.rmtree(stale)
+            else:
+                stale.unlink()
         if engine == "etmlx":
             result = programs.export_etmlx(model, path, max_seq_len, checkpoint)
             summary = {"delegate_calls": result.delegated_calls, "outside": dict(result.outside)}

@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 
 _PACKAGE = Path(__file__).resolve().parents[1]  # backends/mlx
+# Command-line front ends and benchmarks do not shape a program; every other module might.
+_NOT_SHAPING = {"bench", "cli.py", "llm_cli.py", "demo.py", "inspect_pte.py"}
 
 
 def source_fingerprint() -> str:
@@ -25,11 +27,12 @@ def source_fingerprint() -> str:
 
     digest = hashlib.sha256(executorch.version.__version__.encode())
     for path in sorted(_PACKAGE.rglob("*.py")):
-        if "bench" in path.relative_to(_PACKAGE).parts[:1]:
-            continue  # the benchmark's own code does not shape the programs (except this file, below)
-        digest.update(str(path.relative_to(_PACKAGE)).encode())
+        relative = path.relative_to(_PACKAGE)
+        if relative.parts[0] in _NOT_SHAPING:
+            continue
+        digest.update(str(relative).encode())
         digest.update(path.read_bytes())
-    digest.update(Path(__file__).read_bytes())
+    digest.update(Path(__file__).read_bytes())  # how this file exports
     return digest.hexdigest()[:12]
 
 
