@@ -33,13 +33,19 @@ def _bench(args) -> int:
 
         vocabs = tuple(int(v) for v in args.vocabs.split(",")) if args.vocabs else sampler.VOCABS
         batches = tuple(int(b) for b in args.batches.split(",")) if args.batches else sampler.BATCHES
-        return sampler.main(args.json, repeats=args.repeats, vocabs=vocabs, batches=batches, suite=args.suite)
+        repeats = 30 if args.repeats is None else args.repeats
+        return sampler.main(args.json, repeats=repeats, vocabs=vocabs, batches=batches, suite=args.suite)
     if args.what == "serve":
         return serve_cli.bench(args)
     if args.what == "agreement":
         from backends.mlx.bench import agreement
 
         return agreement.main(rows=args.rows)
+    if args.what == "decode":
+        from backends.mlx.bench import decode
+
+        dtypes = tuple(d.strip() for d in args.dtypes.split(",") if d.strip())
+        return decode.main(args.json, quick=args.quick, dtypes=dtypes, repeats=args.repeats, cache_dir=args.cache_dir)
     raise ValueError(f"unknown benchmark {args.what!r}")
 
 
@@ -59,12 +65,16 @@ def build_parser() -> argparse.ArgumentParser:
     llm_cli.add_parsers(sub)
     serve_cli.add_parsers(sub)
     bench = sub.add_parser("bench", help="benchmarks with same-run baselines")
-    bench.add_argument("what", choices=["sampler", "agreement", "serve"], help="which benchmark")
+    bench.add_argument("what", choices=["sampler", "agreement", "decode", "serve"], help="which benchmark")
     bench.add_argument("--suite", choices=["all", "basic", "features"], default="all",
                        help="sampler: basic (temperature by vocab and batch), features (top-k/top-p), or all")
     bench.add_argument("--rows", type=int, default=2000, help="agreement: rows per dtype")
     bench.add_argument("--json", help="also write the records to this path")
-    bench.add_argument("--repeats", type=int, default=30, help="timed calls per measurement (median)")
+    bench.add_argument("--repeats", type=int, help="timed calls per measurement, median (default: sampler 30, "
+                       "decode 3 generations)")
+    bench.add_argument("--quick", action="store_true", help="decode: a tiny model and short runs (CI smoke)")
+    bench.add_argument("--dtypes", default="float32,bfloat16", help="decode: comma-separated weight dtypes")
+    bench.add_argument("--cache-dir", default="out/bench", help="decode: where checkpoints and programs are cached")
     bench.add_argument("--vocabs", help="comma-separated vocabulary sizes (default 32000,128256,262144)")
     bench.add_argument("--batches", help="comma-separated batch sizes (default 1,8)")
     serve_cli.add_bench_arguments(bench)

@@ -27,14 +27,16 @@ def _sdpa_supported(node):
     q, k = a["query"].meta["val"], a["key"].meta["val"]
     if q.dim() != 4 or k.dim() != 4:
         return "attention needs 4-d q, k, v"
-    if not all(isinstance(d, int) for d in q.shape) or not all(isinstance(d, int) for d in k.shape):
-        return "attention with symbolic shapes is not supported yet"
+    # Sequence lengths may be symbolic (a dynamic-length prefill/decode program): the node reads them
+    # from the operands at run time. Head counts decide the grouped-query layout, so they must be known.
+    if not isinstance(q.shape[1], int) or not isinstance(k.shape[1], int):
+        return "attention with a symbolic number of heads"
     if q.shape[1] % k.shape[1]:
         return "query heads must be a multiple of key/value heads"
     if a.get("is_causal", False) and a.get("attn_mask") is not None:
         return "is_causal together with attn_mask"
-    if a.get("is_causal", False) and q.shape[2] != k.shape[2]:
-        return "causal attention with L != S"
+    if a.get("is_causal", False) and not (isinstance(q.shape[2], int) and q.shape[2] == k.shape[2]):
+        return "causal attention with L != S (or a symbolic L)"
     return None
 
 

@@ -1,0 +1,104 @@
+"""A local Llama checkpoint with seeded random weights, for `etmlx bench decode`.
+
+Nothing is downloaded: the weights come from `torch.manual_seed`, and the tokenizer is a trivial
+word-level one (token i is the word "t<i>") built with the `tokenizers` library, only so that
+loaders that insist on tokenizer files (mlx-lm) find them. Checkpoints are cached by size and dtype,
+so a rerun loads them instead of rebuilding.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+# ~100M parameters: 2 x 24.6M (untied embedding and head) + 8 layers x 6.3M.
+BENCH_SIZE = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=8,
+                  num_attention_heads=12, num_key_value_heads=4)
+# A CI smoke size: every code path of the benchmark, in seconds.
+QUICK_SIZE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    dtype: str = "float32"
+    seed: int = 0
+    # A wider init than transformers' 0.02 makes the random model's logits less flat, so greedy
+    # argmaxes are rarely decided by rounding noise and engines can be compared token by token.
+    initializer_range: float = 0.05
+    max_position_embeddings: int = 4096
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def name(self) -> str:
+        return (f"llama-v{self.vocab_size}-h{self.hidden_size}-i{self.intermediate_size}-l{self.num_hidden_layers}"
+                f"-a{self.num_attention_heads}-kv{self.num_key_value_heads}-s{self.seed}"
+                f"-r{self.initializer_range}-{self.dtype}")
+
+
+def _config(spec: CheckpointSpec):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+                       intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_hidden_layers,
+                       num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
+                       max_position_embeddings=spec.max_position_embeddings, initializer_range=spec.initializer_range,
+                       tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def _save_tokenizer(vocab_size: int, directory: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=core, unk_token="t0").save_pretrained(directory)
+
+
+def build(spec: CheckpointSpec, directory: Path) -> None:
+    """Write the checkpoint: float32 weights drawn from `spec.seed`, then cast to `spec.dtype`.
+
+    Every dtype variant of one size therefore holds the same weights up to rounding.
+    """
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(spec.seed)
+    model = LlamaForCausalLM(_config(spec)).eval().to(DTYPES[spec.dtype])
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory)
+    _save_tokenizer(spec.vocab_size, directory)
+    (directory / "bench_spec.json").write_text(json.dumps(asdict(spec)))
+
+
+def cached(spec: CheckpointSpec, cache_dir: Path) -> Path:
+    """The checkpoint directory for `spec` under `cache_dir`, built on first use."""
+    directory = Path(cache_dir) / spec.name
+    marker = directory / "bench_spec.json"
+    if not (marker.is_file() and json.loads(marker.read_text()) == asdict(spec)):
+        build(spec, directory)
+    return directory
+
+
+def load_torch(directory: Path, dtype: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=DTYPES[dtype], attn_implementation="eager").eval()
+
+
+def parameter_count(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

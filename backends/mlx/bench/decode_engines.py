@@ -1,0 +1,117 @@
+"""The three decoders `etmlx bench decode` times, behind one call:
+
+    engine.generate(prompt_ids, steps, temperature, seed) -> Run
+
+Each prefills the prompt (which yields the first new token) and then runs `steps` decode steps of
+one token each, so a Run holds steps + 1 tokens. Temperature 0 is greedy everywhere; above it each
+engine uses its own seeded sampler (the token streams then differ between engines by design).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+
+@dataclass
+class Run:
+    tokens: list[int] = field(default_factory=list)
+    prefill_s: float = 0.0  # prompt in, first new token out
+    decode_s: float = 0.0   # the decode steps after it
+
+    @property
+    def decode_steps(self) -> int:
+        return max(len(self.tokens) - 1, 0)
+
+
+def timed(stream: Iterator[int], steps: int) -> Run:
+    """Consume prefill + `steps` tokens from a generator that computes each token when asked for it."""
+    run = Run()
+    start = time.perf_counter()
+    run.tokens.append(int(next(stream)))
+    first = time.perf_counter()
+    for _ in range(steps):
+        run.tokens.append(int(next(stream)))
+    run.decode_s = time.perf_counter() - first
+    run.prefill_s = first - start
+    return run
+
+
+class EtmlxEngine:
+    """Our .pte through `Decoder`: the loop a user of `etmlx generate` runs."""
+
+    name = "etmlx"
+
+    def __init__(self, pte: Path):
+        from backends.mlx.llm.decode import Decoder
+
+        self.decoder = Decoder(pte)
+
+    def generate(self, prompt_ids: list[int], steps: int, temperature: float, seed: int) -> Run:
+        from backends.mlx.llm.step_inputs import SamplingParams
+
+        params = SamplingParams(temperature=temperature, seed=seed)
+        stream = (step.token for step in self.decoder.stream(prompt_ids, steps + 1, params, stop_at_eos=False))
+        return timed(stream, steps)
+
+
+class MlxLmEngine:
+    """mlx-lm's own generation loop (`generate_step`, with its asynchronous step pipelining)."""
+
+    name = "mlx_lm"
+
+    def __init__(self, checkpoint: Path):
+        import mlx_lm
+
+        self.model, _ = mlx_lm.load(str(checkpoint))
+
+    def generate(self, prompt_ids: list[int], steps: int, temperature: float, seed: int) -> Run:
+        import mlx.core as mx
+        from mlx_lm.generate import generate_step
+        from mlx_lm.sample_utils import make_sampler
+
+        mx.random.seed(seed)
+        sampler = make_sampler(temp=temperature)
+        stream = (token for token, _ in generate_step(mx.array(prompt_ids), self.model, max_tokens=steps + 1,
+                                                       sampler=sampler))
+        run = timed(stream, steps)
+        # generate_step queues one step beyond the last token it yields; let it finish outside the timing.
+        stream.close()
+        mx.synchronize()
+        return run
+
+
+class XnnpackEngine:
+    """ExecuTorch's XNNPACK .pte returning logits; sampling on the host with torch."""
+
+    name = "xnnpack"
+
+    def __init__(self, pte: Path):
+        from backends.mlx.runner import load_method
+
+        self.method = load_method(pte)
+
+    def _stream(self, prompt_ids: list[int], steps: int, temperature: float, seed: int) -> Iterator[int]:
+        generator = torch.Generator().manual_seed(seed)
+
+        def sample(logits: torch.Tensor) -> int:
+            if temperature <= 0:
+                return int(logits.argmax(-1)[0])
+            probs = torch.softmax(logits.float() / temperature, dim=-1)
+            return int(torch.multinomial(probs, 1, generator=generator)[0, 0])
+
+        n = len(prompt_ids)
+        one = torch.ones(1, dtype=torch.int64)
+        token = sample(self.method.execute([torch.tensor([prompt_ids]), torch.zeros(1, dtype=torch.int64),
+                                            torch.tensor([n])])[0])
+        yield token
+        for step in range(steps):
+            token = sample(self.method.execute([torch.tensor([[token]]), torch.tensor([n + step]), one])[0])
+            yield token
+
+    def generate(self, prompt_ids: list[int], steps: int, temperature: float, seed: int) -> Run:
+        return timed(self._stream(prompt_ids, steps, temperature, seed), steps)
