@@ -196,8 +196,11 @@ def run(settings: Settings, size: dict, dtypes, cache_dir: Path, log=print) -> d
     results = [r for d in per_dtype for r in d["results"]]
     import mlx.core as mx
 
+    from backends.mlx import blas_route
+
+    # mlx_lm runs in this process, so its CPU GEMMs take the same BLAS as ours.
     machine = (f"{platform.machine()} {os.cpu_count()} cores, MLX {mx.__version__} device {mx.default_device()}, "
-               f"torch threads {torch.get_num_threads()}")
+               f"MLX CPU GEMMs: {blas_route.status().describe()}, torch threads {torch.get_num_threads()}")
     return {"settings": asdict(settings), "size": size, "parameters": per_dtype[0]["parameters"],
             "machine": machine, "results": results, "ratios": ratios(results), "dtypes": per_dtype}
 

@@ -18,8 +18,10 @@ from pathlib import Path
 import torch
 
 _PACKAGE = Path(__file__).resolve().parents[1]  # backends/mlx
-# Command-line front ends and benchmarks do not shape a program; every other module might.
-_NOT_SHAPING = {"bench", "cli.py", "llm_cli.py", "demo.py", "inspect_pte.py"}
+# Command-line front ends, benchmarks and the modules that only load native libraries (the package
+# __init__, blas_route, runtime) do not shape a program; every other module might.
+_NOT_SHAPING = {"bench", "cli.py", "llm_cli.py", "demo.py", "inspect_pte.py", "__init__.py", "blas_route.py",
+                "runtime"}
 
 
 def source_fingerprint() -> str:

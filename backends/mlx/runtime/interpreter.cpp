@@ -1,4 +1,5 @@
 #include "interpreter.h"
+#include "cpu_gemm.h"
 #include "size_limits.h"
 
 #include <algorithm>
@@ -663,7 +664,7 @@ bool Interpreter::exec_matmul(const fb::MatmulNode& n) {
   if (!a) return false;
   const mx::array* b = read(n.b());
   if (!b) return false;
-  return write(n.out(), mx::matmul(*a, *b));
+  return write(n.out(), device_matmul(*a, *b));
 }
 
 bool Interpreter::exec_addmm(const fb::AddmmNode& n) {
@@ -673,8 +674,8 @@ bool Interpreter::exec_addmm(const fb::AddmmNode& n) {
   if (!a) return false;
   const mx::array* b = read(n.b());
   if (!b) return false;
-  return write(n.out(), mx::addmm(*bias, *a, *b, static_cast<float>(n.alpha()),
-                                  static_cast<float>(n.beta())));
+  return write(n.out(), device_addmm(*bias, *a, *b, static_cast<float>(n.alpha()),
+                                     static_cast<float>(n.beta())));
 }
 
 // ---------------------------------------------------------------------------
