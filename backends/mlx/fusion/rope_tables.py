@@ -197,8 +197,8 @@ def _scalar_terms(arg, consts) -> Optional[_Terms]:
     return None if v is None else _Terms(shift=v)
 
 
-def _positions(node, length, batch, consts) -> Optional[_Terms]:
-    """Terms of an integer tensor broadcasting to [Bp, L] positions."""
+def position_terms(node, length, batch, consts) -> Optional[_Terms]:
+    """Terms of an integer tensor broadcasting to [Bp, L] positions (also the attention key window's proof)."""
     if not isinstance(node, torch.fx.Node) or len(shape(node) or ()) == 0:
         return _scalar_terms(node, consts)
     if dtype(node) not in (torch.int32, torch.int64):
@@ -210,9 +210,9 @@ def _positions(node, length, batch, consts) -> Optional[_Terms]:
         return None
     src = _identity_source(node)
     if src is not None:
-        return _positions(src, length, batch, consts)
+        return position_terms(src, length, batch, consts)
     if is_op(node, aten.expand_copy.default):
-        return _positions(node.args[0], length, batch, consts)
+        return position_terms(node.args[0], length, batch, consts)
     if is_op(node, aten.unsqueeze_copy.default) and len(shape(node.args[0])) == 1:
         inner = node.args[0]
         if node.args[1] == 0:
@@ -225,7 +225,7 @@ def _positions(node, length, batch, consts) -> Optional[_Terms]:
         return None
     ops = binary_operands(node, aten.add.Tensor, aten.add.Scalar)
     if ops is not None:
-        terms = [_positions(a, length, batch, consts) for a in ops]
+        terms = [position_terms(a, length, batch, consts) for a in ops]
         return None if None in terms else terms[0].plus(terms[1])
     return None
 
@@ -246,7 +246,7 @@ def prove_tables(x, cos, sin, consts: Constants) -> Optional[RopeTables]:
         return None
     if inv_freq.shape[0] * 2 != xs[3]:
         return None
-    terms = _positions(p, xs[2], xs[0], consts)
+    terms = position_terms(p, xs[2], xs[0], consts)
     if terms is None or not (terms.seq or same_size(xs[2], 1)):
         return None
     freqs = exact_freqs(inv_freq)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from backends.mlx.builder.program_builder import ValueSlot
 from backends.mlx.builder.registry import REGISTRY
 from backends.mlx.ops.common import aten, float_only
 
@@ -51,4 +52,23 @@ def _sdpa(b, node):
                   causal=bool(a.get("is_causal", False)))
     if a.get("attn_mask") is not None:
         fields["mask"] = b.tid(a["attn_mask"])
+        fields.update(_key_window_fields(b, a["attn_mask"], q, a["key"]))
     return b.op("SdpaNode", **fields)
+
+
+def _key_window_fields(b, mask, q, k) -> dict:
+    """SdpaNode's window fields when the mask provably hides the keys past the filled part of a cache."""
+    if not b.fuse:  # export_to_pte(fuse=False): the graph exactly as exported
+        return {}
+    from backends.mlx.fusion.graph_match import Constants
+    from backends.mlx.fusion.key_window import prove_key_window
+
+    window = prove_key_window(mask, q, k, Constants(b.ep))
+    if window is None:
+        return {}
+    fields = dict(window=True, window_shift=window.shift, window_per_query=window.per_query)
+    if window.base is not None:
+        if not isinstance(b.env.get(window.base), int) or isinstance(b.env.get(window.base), ValueSlot):
+            return {}  # the start positions have no tensor slot of their own (absorbed by a fusion)
+        fields["window_base"] = b.tid(window.base)
+    return fields

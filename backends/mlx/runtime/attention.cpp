@@ -1,5 +1,10 @@
 // exec_sdpa: attention through MLX's fused kernel (semantics in schema.fbs).
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+
 #include <mlx/fast.h>
+#include <mlx/transforms.h>
 #include <mlx/ops.h>
 
 #include "interpreter.h"
@@ -7,6 +12,50 @@
 namespace etmlx {
 
 namespace mx = mlx::core;
+
+namespace {
+
+// ETMLX_KEY_WINDOW=0 attends over every key even when the exporter proved a
+// window (for A/B measurements; results are the same either way).
+bool key_window_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("ETMLX_KEY_WINDOW");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  return enabled;
+}
+
+// max(values) of a small 1-d integer tensor (the rows' start positions); the
+// runtime reads it on the host, which for a program input costs nothing.
+bool max_of(const mx::array& values, int64_t* out) {
+  if (values.ndim() != 1 || values.size() == 0 || !mx::issubdtype(values.dtype(), mx::integer)) return false;
+  mx::array v = mx::astype(values, mx::int64);
+  mx::eval(v);
+  const int64_t* data = v.data<int64_t>();
+  int64_t m = std::numeric_limits<int64_t>::min();
+  for (size_t i = 0; i < v.size(); ++i) m = std::max(m, data[i]);
+  *out = m;
+  return true;
+}
+
+}  // namespace
+
+// Keys [0, end) when the node's proven window leaves fewer than S of them, else S.
+bool Interpreter::sdpa_window_end(const fb::SdpaNode& n, int query_len, int keys, int* end) {
+  *end = keys;
+  // (A causal node has L == S by definition; a window is only ever proven from a mask.)
+  if (!n.window() || n.causal() || !key_window_enabled()) return true;
+  int64_t e = 0;
+  if (n.window_base() != nullptr) {
+    const mx::array* base = read(n.window_base());
+    if (!base) return false;
+    if (!max_of(*base, &e)) return fail("window_base must be a non-empty 1-d integer tensor");
+  }
+  const int64_t extra = n.window_per_query() ? query_len : 1;
+  if (__builtin_add_overflow(e, n.window_shift(), &e) || __builtin_add_overflow(e, extra, &e)) return true;
+  if (e >= 1 && e < keys) *end = static_cast<int>(e);
+  return true;
+}
 
 bool Interpreter::exec_sdpa(const fb::SdpaNode& n) {
   const mx::array* q = read(n.q());
@@ -36,8 +85,22 @@ bool Interpreter::exec_sdpa(const fb::SdpaNode& n) {
     mask = m->dtype() == mx::bool_ ? *m : mx::astype(*m, q->dtype());
   }
   if (n.causal() && q->shape(2) != k->shape(2)) return fail("causal attention needs L == S");
+  const int keys = k->shape(2);
+  int end = keys;
+  if (!sdpa_window_end(n, q->shape(2), keys, &end)) return false;
+  mx::array kk = *k, vv = *v;
+  if (end < keys) {
+    auto first = [end](const mx::array& x, int axis) {
+      mx::Shape start(x.ndim(), 0), stop = x.shape();
+      stop[axis] = end;
+      return mx::slice(x, start, stop);
+    };
+    kk = first(kk, 2);
+    vv = first(vv, 2);
+    if (mask && mask->ndim() >= 1 && mask->shape(-1) == keys) mask = first(*mask, mask->ndim() - 1);
+  }
   const std::string mode = mask ? "array" : (n.causal() ? "causal" : "");
-  return write(n.out(), mx::fast::scaled_dot_product_attention(*q, *k, *v, n.scale(), mode, mask));
+  return write(n.out(), mx::fast::scaled_dot_product_attention(*q, kk, vv, n.scale(), mode, mask));
 }
 
 }  // namespace etmlx

@@ -74,7 +74,7 @@ NODE_FIELDS = {
     'RandomBitsNode': {'shape': '[IntOrVid]', 'seed': 'Tid', 'width': 'int', 'out': 'Tid'},
     'FilterThresholdNode': {'x': 'Tid', 'temperature': 'Tid', 'top_k': 'Tid', 'top_p': 'Tid', 'min_p': 'Tid', 'candidates': 'int', 'out': 'Tid'},
     'GumbelMaxNode': {'x': 'Tid', 'temperature': 'Tid', 'seed': 'Tid', 'threshold': 'Tid', 'out': 'Tid'},
-    'SdpaNode': {'q': 'Tid', 'k': 'Tid', 'v': 'Tid', 'mask': 'Tid', 'scale': 'float', 'causal': 'bool', 'out': 'Tid'},
+    'SdpaNode': {'q': 'Tid', 'k': 'Tid', 'v': 'Tid', 'mask': 'Tid', 'scale': 'float', 'causal': 'bool', 'out': 'Tid', 'window': 'bool', 'window_base': 'Tid', 'window_shift': 'long', 'window_per_query': 'bool'},
     'RmsNormNode': {'x': 'Tid', 'weight': 'Tid', 'eps': 'float', 'out': 'Tid'},
     'LayerNormNode': {'x': 'Tid', 'weight': 'Tid', 'bias': 'Tid', 'eps': 'float', 'out': 'Tid'},
     'RopeNode': {'x': 'Tid', 'cos': 'Tid', 'sin': 'Tid', 'offset': 'Tid', 'freqs': 'Tid', 'out': 'Tid'},

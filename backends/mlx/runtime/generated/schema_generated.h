@@ -3244,7 +3244,11 @@ struct SdpaNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
     VT_MASK = 10,
     VT_SCALE = 12,
     VT_CAUSAL = 14,
-    VT_OUT = 16
+    VT_OUT = 16,
+    VT_WINDOW = 18,
+    VT_WINDOW_BASE = 20,
+    VT_WINDOW_SHIFT = 22,
+    VT_WINDOW_PER_QUERY = 24
   };
   const backends::mlx::serialization::fb::Tid *q() const {
     return GetStruct<const backends::mlx::serialization::fb::Tid *>(VT_Q);
@@ -3267,6 +3271,18 @@ struct SdpaNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   const backends::mlx::serialization::fb::Tid *out() const {
     return GetStruct<const backends::mlx::serialization::fb::Tid *>(VT_OUT);
   }
+  bool window() const {
+    return GetField<uint8_t>(VT_WINDOW, 0) != 0;
+  }
+  const backends::mlx::serialization::fb::Tid *window_base() const {
+    return GetStruct<const backends::mlx::serialization::fb::Tid *>(VT_WINDOW_BASE);
+  }
+  int64_t window_shift() const {
+    return GetField<int64_t>(VT_WINDOW_SHIFT, 0);
+  }
+  bool window_per_query() const {
+    return GetField<uint8_t>(VT_WINDOW_PER_QUERY, 0) != 0;
+  }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
     return VerifyTableStart(verifier) &&
@@ -3277,6 +3293,10 @@ struct SdpaNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
            VerifyField<float>(verifier, VT_SCALE, 4) &&
            VerifyField<uint8_t>(verifier, VT_CAUSAL, 1) &&
            VerifyFieldRequired<backends::mlx::serialization::fb::Tid>(verifier, VT_OUT, 4) &&
+           VerifyField<uint8_t>(verifier, VT_WINDOW, 1) &&
+           VerifyField<backends::mlx::serialization::fb::Tid>(verifier, VT_WINDOW_BASE, 4) &&
+           VerifyField<int64_t>(verifier, VT_WINDOW_SHIFT, 8) &&
+           VerifyField<uint8_t>(verifier, VT_WINDOW_PER_QUERY, 1) &&
            verifier.EndTable();
   }
 };
@@ -3306,6 +3326,18 @@ struct SdpaNodeBuilder {
   void add_out(const backends::mlx::serialization::fb::Tid *out) {
     fbb_.AddStruct(SdpaNode::VT_OUT, out);
   }
+  void add_window(bool window) {
+    fbb_.AddElement<uint8_t>(SdpaNode::VT_WINDOW, static_cast<uint8_t>(window), 0);
+  }
+  void add_window_base(const backends::mlx::serialization::fb::Tid *window_base) {
+    fbb_.AddStruct(SdpaNode::VT_WINDOW_BASE, window_base);
+  }
+  void add_window_shift(int64_t window_shift) {
+    fbb_.AddElement<int64_t>(SdpaNode::VT_WINDOW_SHIFT, window_shift, 0);
+  }
+  void add_window_per_query(bool window_per_query) {
+    fbb_.AddElement<uint8_t>(SdpaNode::VT_WINDOW_PER_QUERY, static_cast<uint8_t>(window_per_query), 0);
+  }
   explicit SdpaNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
         : fbb_(_fbb) {
     start_ = fbb_.StartTable();
@@ -3329,14 +3361,22 @@ inline ::flatbuffers::Offset<SdpaNode> CreateSdpaNode(
     const backends::mlx::serialization::fb::Tid *mask = nullptr,
     float scale = 0.0f,
     bool causal = false,
-    const backends::mlx::serialization::fb::Tid *out = nullptr) {
+    const backends::mlx::serialization::fb::Tid *out = nullptr,
+    bool window = false,
+    const backends::mlx::serialization::fb::Tid *window_base = nullptr,
+    int64_t window_shift = 0,
+    bool window_per_query = false) {
   SdpaNodeBuilder builder_(_fbb);
+  builder_.add_window_shift(window_shift);
+  builder_.add_window_base(window_base);
   builder_.add_out(out);
   builder_.add_scale(scale);
   builder_.add_mask(mask);
   builder_.add_v(v);
   builder_.add_k(k);
   builder_.add_q(q);
+  builder_.add_window_per_query(window_per_query);
+  builder_.add_window(window);
   builder_.add_causal(causal);
   return builder_.Finish();
 }

@@ -97,8 +97,40 @@ class SdpaNode(object):
             return obj
         return None
 
+    # SdpaNode
+    def Window(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(18))
+        if o != 0:
+            return bool(self._tab.Get(flatbuffers.number_types.BoolFlags, o + self._tab.Pos))
+        return False
+
+    # SdpaNode
+    def WindowBase(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(20))
+        if o != 0:
+            x = o + self._tab.Pos
+            from backends.mlx.serialization.fb.Tid import Tid
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # SdpaNode
+    def WindowShift(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(22))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int64Flags, o + self._tab.Pos)
+        return 0
+
+    # SdpaNode
+    def WindowPerQuery(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(24))
+        if o != 0:
+            return bool(self._tab.Get(flatbuffers.number_types.BoolFlags, o + self._tab.Pos))
+        return False
+
 def SdpaNodeStart(builder):
-    builder.StartObject(7)
+    builder.StartObject(11)
 
 def Start(builder):
     SdpaNodeStart(builder)
@@ -145,6 +177,30 @@ def SdpaNodeAddOut(builder, out):
 def AddOut(builder, out):
     SdpaNodeAddOut(builder, out)
 
+def SdpaNodeAddWindow(builder, window):
+    builder.PrependBoolSlot(7, window, 0)
+
+def AddWindow(builder, window):
+    SdpaNodeAddWindow(builder, window)
+
+def SdpaNodeAddWindowBase(builder, windowBase):
+    builder.PrependStructSlot(8, flatbuffers.number_types.UOffsetTFlags.py_type(windowBase), 0)
+
+def AddWindowBase(builder, windowBase):
+    SdpaNodeAddWindowBase(builder, windowBase)
+
+def SdpaNodeAddWindowShift(builder, windowShift):
+    builder.PrependInt64Slot(9, windowShift, 0)
+
+def AddWindowShift(builder, windowShift):
+    SdpaNodeAddWindowShift(builder, windowShift)
+
+def SdpaNodeAddWindowPerQuery(builder, windowPerQuery):
+    builder.PrependBoolSlot(10, windowPerQuery, 0)
+
+def AddWindowPerQuery(builder, windowPerQuery):
+    SdpaNodeAddWindowPerQuery(builder, windowPerQuery)
+
 def SdpaNodeEnd(builder):
     return builder.EndObject()
 
@@ -169,6 +225,10 @@ class SdpaNodeT(object):
         scale = 0.0,
         causal = False,
         out = None,
+        window = False,
+        windowBase = None,
+        windowShift = 0,
+        windowPerQuery = False,
     ):
         self.q = q  # type: Optional[backends.mlx.serialization.fb.Tid.TidT]
         self.k = k  # type: Optional[backends.mlx.serialization.fb.Tid.TidT]
@@ -177,6 +237,10 @@ class SdpaNodeT(object):
         self.scale = scale  # type: float
         self.causal = causal  # type: bool
         self.out = out  # type: Optional[backends.mlx.serialization.fb.Tid.TidT]
+        self.window = window  # type: bool
+        self.windowBase = windowBase  # type: Optional[backends.mlx.serialization.fb.Tid.TidT]
+        self.windowShift = windowShift  # type: int
+        self.windowPerQuery = windowPerQuery  # type: bool
 
     @classmethod
     def InitFromBuf(cls, buf, pos):
@@ -211,6 +275,11 @@ class SdpaNodeT(object):
         self.causal = sdpaNode.Causal()
         if sdpaNode.Out() is not None:
             self.out = backends.mlx.serialization.fb.Tid.TidT.InitFromObj(sdpaNode.Out())
+        self.window = sdpaNode.Window()
+        if sdpaNode.WindowBase() is not None:
+            self.windowBase = backends.mlx.serialization.fb.Tid.TidT.InitFromObj(sdpaNode.WindowBase())
+        self.windowShift = sdpaNode.WindowShift()
+        self.windowPerQuery = sdpaNode.WindowPerQuery()
 
     # SdpaNodeT
     def Pack(self, builder):
@@ -232,5 +301,11 @@ class SdpaNodeT(object):
         if self.out is not None:
             out = self.out.Pack(builder)
             SdpaNodeAddOut(builder, out)
+        SdpaNodeAddWindow(builder, self.window)
+        if self.windowBase is not None:
+            windowBase = self.windowBase.Pack(builder)
+            SdpaNodeAddWindowBase(builder, windowBase)
+        SdpaNodeAddWindowShift(builder, self.windowShift)
+        SdpaNodeAddWindowPerQuery(builder, self.windowPerQuery)
         sdpaNode = SdpaNodeEnd(builder)
         return sdpaNode

@@ -1,0 +1,140 @@
+"""Attention over a static cache attends only over its filled part when the mask proves the rest is hidden.
+
+The exporter records a key window on SdpaNode (fusion/key_window.py); the runtime reads the rows' start
+positions and drops the keys past max(start) + L. Checked here: the window is found for every decoder
+family and not for masks that only look alike; the runtime really drops the keys (a poisoned unfilled part
+of the cache leaves the output finite and equal to attention over the filled part); results equal eager
+for rows at different positions; a malformed window is an error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import backends.mlx.preprocess as preprocess
+from backends.mlx.export import export_to_pte
+from backends.mlx.inspect_pte import delegate_blobs
+from backends.mlx.llm.kv_cache import StaticCacheLM
+from backends.mlx.runner import load_method
+from backends.mlx.serialization import serializer
+from backends.mlx.serialization.node_table import NODE_TAGS
+from backends.mlx.serialization.serializer import deserialize
+from test_kv_cache import FAMILIES
+
+_NAMES = {tag: name for name, tag in NODE_TAGS.items()}
+HEADS, KV_HEADS, DIM, SLOTS, BATCH = 4, 2, 8, 32, 2
+
+
+def sdpa_nodes(pte: bytes) -> list:
+    return [i.node for blob in delegate_blobs(pte) for i in deserialize(blob).instructions
+            if _NAMES[i.nodeType] == "SdpaNode"]
+
+
+class _RowsAttention(torch.nn.Module):
+    """StaticCacheLM's attention: rows at their own start positions over a shared-size cache."""
+
+    def __init__(self, compare=torch.le, slot_start=0):
+        super().__init__()
+        self.compare, self.slot_start = compare, slot_start
+
+    def forward(self, q, k_cache, v_cache, start_pos):
+        batch, length = q.shape[0], q.shape[2]
+        positions = start_pos.unsqueeze(1) + torch.arange(length).unsqueeze(0)
+        slots = torch.arange(self.slot_start, self.slot_start + k_cache.shape[2])
+        mask = self.compare(slots.view(1, 1, 1, -1), positions.view(batch, 1, length, 1))
+        return torch.nn.functional.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask,
+                                                                enable_gqa=True)
+
+
+class _GivenMask(torch.nn.Module):
+    def forward(self, q, k_cache, v_cache, mask):
+        return torch.nn.functional.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask,
+                                                                enable_gqa=True)
+
+
+def _example(length=5):
+    q = torch.randn(BATCH, HEADS, length, DIM)
+    k = torch.randn(BATCH, KV_HEADS, SLOTS, DIM)
+    v = torch.randn(BATCH, KV_HEADS, SLOTS, DIM)
+    return q, k, v
+
+
+def _export_rows(module=None, **kw):
+    q, k, v = _example()
+    length = torch.export.Dim("length", min=1, max=SLOTS)
+    return export_to_pte(module or _RowsAttention(), (q, k, v, torch.tensor([0, 3])),
+                         dynamic_shapes=({2: length}, None, None, None), **kw)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_decoder_gets_a_window_on_each_attention(family):
+    torch.manual_seed(0)
+    lm = StaticCacheLM(FAMILIES[family]().eval(), max_seq_len=48, batch=2)
+    length = torch.export.Dim("length", min=1, max=48)
+    example = (torch.randint(0, 96, (2, 4)), torch.tensor([0, 5]))
+    result = export_to_pte(lm, example, dynamic_shapes=({1: length}, None))
+    nodes = sdpa_nodes(result.pte)
+    assert len(nodes) == 2, len(nodes)
+    for node in nodes:
+        assert node.window and node.windowPerQuery and node.windowShift == 0, vars(node)
+        assert node.windowBase is not None
+
+
+def test_window_drops_the_unfilled_keys_and_matches_attention_over_the_filled_part():
+    torch.manual_seed(0)
+    result = _export_rows()
+    (node,) = sdpa_nodes(result.pte)
+    assert node.window and node.windowBase is not None
+    method = load_method(result.pte)
+    for starts, length in (([0, 3], 5), ([7, 2], 1), ([20, 26], 6), ([0, 0], 32)):
+        q, k, v = _example(length)
+        end = max(starts) + length
+        # Poison the keys no query may see: attention over all SLOTS keys would give NaN (0 * NaN).
+        k[:, :, end:], v[:, :, end:] = float("nan"), float("nan")
+        start = torch.tensor(starts)
+        got = method.execute([q, k, v, start])[0]
+        assert torch.isfinite(got).all(), f"keys past {end} were attended (starts {starts}, L {length})"
+        expected = _RowsAttention()(q, k[:, :, :end], v[:, :, :end], start)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("module", [_RowsAttention(compare=torch.lt), _RowsAttention(slot_start=1)],
+                         ids=["strict-less", "slots-from-1"])
+def test_masks_that_only_look_alike_get_no_window_and_stay_correct(module):
+    torch.manual_seed(0)
+    result = _export_rows(module)
+    (node,) = sdpa_nodes(result.pte)
+    assert not node.window
+    q, k, v = _example(4)
+    start = torch.tensor([2, 9])
+    got = load_method(result.pte).execute([q, k, v, start])[0]
+    # Rows whose first query sees no key give NaN in both (softmax over nothing).
+    torch.testing.assert_close(got, module(q, k, v, start), atol=1e-5, rtol=1e-5, equal_nan=True)
+
+
+def test_a_mask_given_as_input_gets_no_window():
+    q, k, v = _example(3)
+    mask = torch.rand(BATCH, 1, 3, SLOTS) > 0.3
+    result = export_to_pte(_GivenMask(), (q, k, v, mask))
+    (node,) = sdpa_nodes(result.pte)
+    assert not node.window
+
+
+def test_export_without_fusion_records_no_window():
+    (node,) = sdpa_nodes(_export_rows(fuse=False).pte)
+    assert not node.window
+
+
+def test_window_base_that_is_not_an_integer_vector_is_an_error(monkeypatch, capfd):
+    def mangle(graph):
+        for ins in graph.instructions:
+            if _NAMES[ins.nodeType] == "SdpaNode":
+                ins.node.windowBase.idx = ins.node.q.idx  # a float 4-d tensor
+        return serializer.serialize(graph)
+
+    monkeypatch.setattr(preprocess, "serialize", mangle)
+    method = load_method(_export_rows().pte)
+    q, k, v = _example(2)
+    with pytest.raises(RuntimeError):
+        method.execute([q, k, v, torch.tensor([0, 1])])
+    assert "window_base must be a non-empty 1-d integer tensor" in capfd.readouterr().err
