@@ -3,6 +3,9 @@ on a free loopback port, and the eager model the .pte was exported from."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import torch
 
 from backends.mlx.serve.tiny_model import export_tiny, tiny_llama, train_tokenizer
@@ -42,3 +45,22 @@ def eager_greedy(model, prompt: list[int], steps: int, banned: int | None = None
 def eager_scores(model, prompt: list[int], scored: list[int]) -> list[float]:
     logprobs = torch.log_softmax(model(torch.tensor([prompt + scored])).logits[0].float(), dim=-1)
     return [float(logprobs[len(prompt) - 1 + i, t]) for i, t in enumerate(scored)]
+
+
+@contextlib.contextmanager
+def bit_exact_batching():
+    """Program workers started inside use MLX's reference BLAS (ETMLX_BLAS=reference).
+
+    These tests compare a request's tokens and logprobs bit for bit alone and batched. OpenBLAS picks
+    kernels by problem size, so with it a row of a product may round differently depending on how many
+    rows share the call (the ~1-ulp logprob differences are documented in the README); the reference
+    BLAS sums in one fixed order, which is what makes the comparison exact."""
+    before = os.environ.get("ETMLX_BLAS")
+    os.environ["ETMLX_BLAS"] = "reference"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("ETMLX_BLAS", None)
+        else:
+            os.environ["ETMLX_BLAS"] = before

@@ -12,7 +12,7 @@ import torch
 
 from backends.mlx import blas_route
 from helpers import export_fn
-from backends.mlx.runner import run
+from backends.mlx.runner import load_method, run
 
 REPO = Path(__file__).resolve().parents[1]
 linux_only = pytest.mark.skipif(sys.platform != "linux", reason="the route is built on Linux only (macOS: Accelerate)")
@@ -34,9 +34,9 @@ def test_route_is_active_and_names_openblas():
     ((3, 17, 40), (3, 40, 9), None),     # batched
     ((50, 20), (50, 20), "b"),           # a @ b.T: MLX passes a transpose flag, not a copy
     ((20, 50), (20, 50), "a"),
-    # one output row or column: float32 takes OpenBLAS's sgemv, with every operand layout
-    ((1, 50), (30, 50), "b"),            # x @ W.T, the decode step of a linear
-    ((50, 1), (50, 30), "a"),            # the row vector stored as a column
+    # one output column: float32 takes OpenBLAS's sgemv, with every operand layout
+    ((1, 50), (30, 50), "b"),            # one output row stays with sgemm
+    ((50, 1), (50, 30), "a"),
     ((30, 50), (50, 1), None),           # W @ x
     ((30, 50), (1, 50), "b"),
     ((50, 30), (50, 1), "a"),
@@ -88,6 +88,22 @@ def test_half_precision_linear_runs_in_float32_on_the_cpu(dtype):
 
 
 @linux_only
+@pytest.mark.parametrize("rows, expect_gemv", [(1, True), (4, False)])
+def test_one_row_linears_take_sgemv_and_batched_ones_do_not(rows, expect_gemv):
+    """The interpreter writes a one-row float32 linear as a one-column product, which goes to sgemv;
+    products with several rows (a batch, attention's heads) keep sgemm's summation order."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 48)
+    x = torch.randn(1, rows, 64)
+    result = export_fn(lambda t: linear(t), [x])
+    method = load_method(result.pte)
+    before = blas_route.gemv_calls()
+    (out,) = method.execute([x])
+    assert (blas_route.gemv_calls() > before) == expect_gemv
+    torch.testing.assert_close(out, linear(x), rtol=1e-5, atol=1e-5)
+
+
+@linux_only
 def test_matmul_before_etmlx_import_is_reported():
     """MLX binds its GEMMs at the first matmul; if that came first, etmlx says so instead of running slowly."""
     code = (
@@ -116,3 +132,27 @@ def test_cpp_programs_load_the_route_ahead_of_mlxs_blas():
     ours = next(i for i, n in enumerate(names) if n.startswith("libetmlx_blas"))
     reference = next(i for i, n in enumerate(names) if n.startswith("libblas"))
     assert ours < reference, names
+
+
+def test_gemm_bench_times_the_stock_wheel_and_the_route_in_separate_processes():
+    from backends.mlx.bench import cpu_gemm
+
+    for variant in ("stock", "etmlx"):
+        ms = cpu_gemm._time(variant, "float32", 4, 32, 16)
+        assert 0 < ms < 10_000, (variant, ms)
+
+
+@linux_only
+def test_etmlx_blas_reference_sends_gemms_to_mlxs_bundled_blas():
+    code = (
+        "import backends.mlx.runtime\n"
+        "from backends.mlx import blas_route\n"
+        "st = blas_route.status()\n"
+        "print('DESCRIBE', st.describe())\n"
+        "print('OPENBLAS_CLAIMED', 'OpenBLAS' in st.describe())\n"
+    )
+    env = {**__import__("os").environ, "ETMLX_BLAS": "reference"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "ETMLX_BLAS=reference" in proc.stdout
+    assert "OPENBLAS_CLAIMED False" in proc.stdout

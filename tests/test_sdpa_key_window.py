@@ -52,17 +52,17 @@ class _GivenMask(torch.nn.Module):
                                                                 enable_gqa=True)
 
 
-def _example(length=5):
-    q = torch.randn(BATCH, HEADS, length, DIM)
-    k = torch.randn(BATCH, KV_HEADS, SLOTS, DIM)
-    v = torch.randn(BATCH, KV_HEADS, SLOTS, DIM)
+def _example(length=5, batch=BATCH):
+    q = torch.randn(batch, HEADS, length, DIM)
+    k = torch.randn(batch, KV_HEADS, SLOTS, DIM)
+    v = torch.randn(batch, KV_HEADS, SLOTS, DIM)
     return q, k, v
 
 
-def _export_rows(module=None, **kw):
-    q, k, v = _example()
+def _export_rows(module=None, batch=BATCH, **kw):
+    q, k, v = _example(batch=batch)
     length = torch.export.Dim("length", min=1, max=SLOTS)
-    return export_to_pte(module or _RowsAttention(), (q, k, v, torch.tensor([0, 3])),
+    return export_to_pte(module or _RowsAttention(), (q, k, v, torch.arange(batch) * 3),
                          dynamic_shapes=({2: length}, None, None, None), **kw)
 
 
@@ -82,20 +82,32 @@ def test_every_family_decoder_gets_a_window_on_each_attention(family):
 
 def test_window_drops_the_unfilled_keys_and_matches_attention_over_the_filled_part():
     torch.manual_seed(0)
-    result = _export_rows()
+    result = _export_rows(batch=1)
     (node,) = sdpa_nodes(result.pte)
     assert node.window and node.windowBase is not None
     method = load_method(result.pte)
-    for starts, length in (([0, 3], 5), ([7, 2], 1), ([20, 26], 6), ([0, 0], 32)):
-        q, k, v = _example(length)
-        end = max(starts) + length
+    for start, length in ((0, 5), (7, 1), (26, 6), (0, 32)):
+        q, k, v = _example(length, batch=1)
+        end = start + length
         # Poison the keys no query may see: attention over all SLOTS keys would give NaN (0 * NaN).
         k[:, :, end:], v[:, :, end:] = float("nan"), float("nan")
-        start = torch.tensor(starts)
-        got = method.execute([q, k, v, start])[0]
-        assert torch.isfinite(got).all(), f"keys past {end} were attended (starts {starts}, L {length})"
-        expected = _RowsAttention()(q, k[:, :, :end], v[:, :, :end], start)
+        starts = torch.tensor([start])
+        got = method.execute([q, k, v, starts])[0]
+        assert torch.isfinite(got).all(), f"keys past {end} were attended (start {start}, L {length})"
+        expected = _RowsAttention()(q, k[:, :, :end], v[:, :, :end], starts)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_with_several_rows_a_rows_bits_do_not_depend_on_the_others():
+    """A served request gets the same bits whatever shares its call: several rows attend over every key."""
+    torch.manual_seed(0)
+    method = load_method(_export_rows().pte)
+    q, k, v = _example(3)
+    outs = [method.execute([q, k, v, torch.tensor([4, other])])[0] for other in (0, 9, 25)]
+    for out in outs[1:]:
+        assert torch.equal(out[0], outs[0][0])
+    expected = _RowsAttention()(q, k, v, torch.tensor([4, 25]))
+    torch.testing.assert_close(outs[2], expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("module", [_RowsAttention(compare=torch.lt), _RowsAttention(slot_start=1)],

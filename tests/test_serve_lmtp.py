@@ -14,14 +14,15 @@ import aiohttp
 import pytest
 
 from backends.mlx.serve.app import ServerThread
-from serve_helpers import BATCH, MAX_SEQ_LEN, eager_greedy, eager_model, eager_scores, tiny_pte
+from serve_helpers import bit_exact_batching, BATCH, MAX_SEQ_LEN, eager_greedy, eager_model, eager_scores, tiny_pte
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = ServerThread(tiny_pte(tmp_path_factory), model_name="tiny", lmtp_port=0).start()
+    with bit_exact_batching():
+        srv = ServerThread(tiny_pte(tmp_path_factory), model_name="tiny", lmtp_port=0).start()
     yield srv
     srv.stop()
 

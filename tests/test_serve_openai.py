@@ -12,14 +12,15 @@ import openai
 import pytest
 
 from backends.mlx.serve.app import ServerThread
-from serve_helpers import BATCH, MAX_SEQ_LEN, eager_greedy, eager_model, tiny_pte
+from serve_helpers import bit_exact_batching, BATCH, MAX_SEQ_LEN, eager_greedy, eager_model, tiny_pte
 
 MODEL = "tiny"
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = ServerThread(tiny_pte(tmp_path_factory), model_name=MODEL).start()
+    with bit_exact_batching():
+        srv = ServerThread(tiny_pte(tmp_path_factory), model_name=MODEL).start()
     yield srv
     srv.stop()
 

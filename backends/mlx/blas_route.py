@@ -34,7 +34,7 @@ class BlasStatus:
     library: str  # OpenBLAS build description, or what MLX uses instead
 
     def describe(self) -> str:
-        if self.active:
+        if self.active and "OpenBLAS" in self.library:
             return f"OpenBLAS via etmlx ({self.library.strip()})"
         return self.library
 
@@ -57,6 +57,7 @@ def load() -> ctypes.CDLL | None:
         except OSError as exc:
             raise ImportError(f"cannot load {path}: {exc} (run `make setup` to rebuild it)") from exc
         lib.etmlx_blas_routed_calls.restype = ctypes.c_uint64
+        lib.etmlx_blas_gemv_calls.restype = ctypes.c_uint64
         lib.etmlx_blas_library.restype = ctypes.c_char_p
         _lib = lib
         return lib
@@ -66,6 +67,12 @@ def routed_calls() -> int:
     """GEMM calls forwarded to OpenBLAS so far in this process (0 when not loaded)."""
     lib = load()
     return int(lib.etmlx_blas_routed_calls()) if lib is not None else 0
+
+
+def gemv_calls() -> int:
+    """Of routed_calls(), the one-output-column products sent to sgemv."""
+    lib = load()
+    return int(lib.etmlx_blas_gemv_calls()) if lib is not None else 0
 
 
 def status() -> BlasStatus:

@@ -27,30 +27,38 @@ bool key_window_enabled() {
 
 // max(values) of a small 1-d integer tensor (the rows' start positions); the
 // runtime reads it on the host, which for a program input costs nothing.
-bool max_of(const mx::array& values, int64_t* out) {
-  if (values.ndim() != 1 || values.size() == 0 || !mx::issubdtype(values.dtype(), mx::integer)) return false;
+bool integer_vector(const mx::array& values) {
+  return values.ndim() == 1 && values.size() > 0 && mx::issubdtype(values.dtype(), mx::integer);
+}
+
+int64_t max_of(const mx::array& values) {
   mx::array v = mx::astype(values, mx::int64);
   mx::eval(v);
   const int64_t* data = v.data<int64_t>();
   int64_t m = std::numeric_limits<int64_t>::min();
   for (size_t i = 0; i < v.size(); ++i) m = std::max(m, data[i]);
-  *out = m;
-  return true;
+  return m;
 }
 
 }  // namespace
 
 // Keys [0, end) when the node's proven window leaves fewer than S of them, else S.
-bool Interpreter::sdpa_window_end(const fb::SdpaNode& n, int query_len, int keys, int* end) {
+bool Interpreter::sdpa_window_end(const fb::SdpaNode& n, int batch, int query_len, int keys, int* end) {
   *end = keys;
   // (A causal node has L == S by definition; a window is only ever proven from a mask.)
   if (!n.window() || n.causal() || !key_window_enabled()) return true;
-  int64_t e = 0;
+  const mx::array* base = nullptr;
   if (n.window_base() != nullptr) {
-    const mx::array* base = read(n.window_base());
+    base = read(n.window_base());
     if (!base) return false;
-    if (!max_of(*base, &e)) return fail("window_base must be a non-empty 1-d integer tensor");
+    if (!integer_vector(*base)) return fail("window_base must be a non-empty 1-d integer tensor");
   }
+  // One row only: with several, the window is the widest row's, and the number of
+  // keys a row's products sum over (hence their rounding) would depend on which
+  // other requests share the call. A served request must get the same bits
+  // whatever it is batched with, so multi-row calls attend over every key.
+  if (batch != 1) return true;
+  int64_t e = base ? max_of(*base) : 0;
   const int64_t extra = n.window_per_query() ? query_len : 1;
   if (__builtin_add_overflow(e, n.window_shift(), &e) || __builtin_add_overflow(e, extra, &e)) return true;
   if (e >= 1 && e < keys) *end = static_cast<int>(e);
@@ -87,7 +95,7 @@ bool Interpreter::exec_sdpa(const fb::SdpaNode& n) {
   if (n.causal() && q->shape(2) != k->shape(2)) return fail("causal attention needs L == S");
   const int keys = k->shape(2);
   int end = keys;
-  if (!sdpa_window_end(n, q->shape(2), keys, &end)) return false;
+  if (!sdpa_window_end(n, q->shape(0), q->shape(2), keys, &end)) return false;
   mx::array kk = *k, vv = *v;
   if (end < keys) {
     auto first = [end](const mx::array& x, int axis) {

@@ -69,7 +69,7 @@ class Interpreter {
   bool exec_filter_threshold(const fb::FilterThresholdNode& n);  // filter_threshold.cpp
   bool exec_gumbel_max(const fb::GumbelMaxNode& n);  // gumbel_max.cpp
   bool exec_sdpa(const fb::SdpaNode& n);  // attention.cpp
-  bool sdpa_window_end(const fb::SdpaNode& n, int query_len, int keys, int* end);
+  bool sdpa_window_end(const fb::SdpaNode& n, int batch, int query_len, int keys, int* end);
   bool exec_rms_norm(const fb::RmsNormNode& n);  // fused_norms.cpp
   bool exec_layer_norm(const fb::LayerNormNode& n);  // fused_norms.cpp
   bool exec_rope(const fb::RopeNode& n);  // rope.cpp
