@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from backends.mlx.builder.program_builder import ValueSlot
+from backends.mlx.builder.program_builder import BuildError
 from backends.mlx.builder.registry import REGISTRY
 from backends.mlx.ops.common import aten, float_only
 
@@ -68,7 +68,8 @@ def _key_window_fields(b, mask, q, k) -> dict:
         return {}
     fields = dict(window=True, window_shift=window.shift, window_per_query=window.per_query)
     if window.base is not None:
-        if not isinstance(b.env.get(window.base), int) or isinstance(b.env.get(window.base), ValueSlot):
-            return {}  # the start positions have no tensor slot of their own (absorbed by a fusion)
-        fields["window_base"] = b.tid(window.base)
+        try:
+            fields["window_base"] = b.tid(window.base)
+        except BuildError:  # the start positions have no tensor slot of their own (absorbed by a fusion)
+            return {}
     return fields

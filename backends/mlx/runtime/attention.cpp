@@ -25,12 +25,12 @@ bool key_window_enabled() {
   return enabled;
 }
 
-// max(values) of a small 1-d integer tensor (the rows' start positions); the
-// runtime reads it on the host, which for a program input costs nothing.
 bool integer_vector(const mx::array& values) {
   return values.ndim() == 1 && values.size() > 0 && mx::issubdtype(values.dtype(), mx::integer);
 }
 
+// max(values) of a small 1-d integer tensor (the rows' start positions); the
+// runtime reads it on the host, which for a program input costs nothing.
 int64_t max_of(const mx::array& values) {
   mx::array v = mx::astype(values, mx::int64);
   mx::eval(v);
