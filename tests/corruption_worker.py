@@ -9,8 +9,8 @@ import sys
 
 import torch
 
-from backends.mlx.inspect_pte import delegate_blobs
-from backends.mlx.runner import load_method
+from backends.mlx.exporter.inspect_pte import delegate_blobs
+from backends.mlx.runtime.runner import load_method
 
 
 def main(path, count, seed):

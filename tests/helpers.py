@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from backends.mlx.export import export_to_pte
-from backends.mlx.runner import run
+from backends.mlx.exporter.export import export_to_pte
+from backends.mlx.runtime.runner import run
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 INTS = (torch.int32, torch.int64)
@@ -61,7 +61,7 @@ def run_cli(*args):
     import io
     from types import SimpleNamespace
 
-    from backends.mlx.cli import main
+    from backends.mlx.cli.main import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from backends.mlx.serve.tiny_model import export_tiny, tiny_llama, train_tokenizer
+from backends.mlx.llm.builtin.tiny_model import export_tiny, tiny_llama, train_tokenizer
 
 BATCH = 4
 MAX_SEQ_LEN = 64

@@ -15,7 +15,7 @@ from backends.mlx.bench.decode import ENGINES, QUICK
 
 
 def _bench(*args):
-    return subprocess.run([sys.executable, "-m", "backends.mlx.cli", "bench", "decode", *args],
+    return subprocess.run([sys.executable, "-m", "backends.mlx.cli.main", "bench", "decode", *args],
                           capture_output=True, text=True, timeout=900)
 
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from backends.mlx import blas_route
+from backends.mlx.runtime import blas_route
 from helpers import export_fn
-from backends.mlx.runner import load_method, run
+from backends.mlx.runtime.runner import load_method, run
 
 REPO = Path(__file__).resolve().parents[1]
 linux_only = pytest.mark.skipif(sys.platform != "linux", reason="the route is built on Linux only (macOS: Accelerate)")
@@ -112,7 +112,7 @@ def test_matmul_before_etmlx_import_is_reported():
         "with warnings.catch_warnings(record=True) as caught:\n"
         "    warnings.simplefilter('always')\n"
         "    import backends.mlx.runtime\n"
-        "from backends.mlx import blas_route\n"
+        "from backends.mlx.runtime import blas_route\n"
         "print('ACTIVE', blas_route.status().active)\n"
         "print('WARNED', any('Import backends.mlx before' in str(w.message) for w in caught))\n"
     )
@@ -146,7 +146,7 @@ def test_gemm_bench_times_the_stock_wheel_and_the_route_in_separate_processes():
 def test_etmlx_blas_reference_sends_gemms_to_mlxs_bundled_blas():
     code = (
         "import backends.mlx.runtime\n"
-        "from backends.mlx import blas_route\n"
+        "from backends.mlx.runtime import blas_route\n"
         "st = blas_route.status()\n"
         "print('DESCRIBE', st.describe())\n"
         "print('OPENBLAS_CLAIMED', 'OpenBLAS' in st.describe())\n"

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import backends.mlx.preprocess as preprocess
-from backends.mlx.inspect_pte import delegate_blobs
-from backends.mlx.runner import load_method, run
+import backends.mlx.exporter.preprocess as preprocess
+from backends.mlx.exporter.inspect_pte import delegate_blobs
+from backends.mlx.runtime.runner import load_method, run
 from backends.mlx.serialization import serializer
 from helpers import export_fn  # noqa: E402
 

@@ -15,11 +15,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-from backends.mlx.llm import builtin_model
-from backends.mlx.llm.builtin_corpus import CORPUS_PATH, EOS_TEXT, ROLE_TEXT, generate_corpus, load_documents
-from backends.mlx.llm.builtin_model import (DEFAULT_RECIPE, STAMP, BuiltinRecipe, build_checkpoint,
+from backends.mlx.llm.builtin import model as builtin_model
+from backends.mlx.llm.builtin.corpus import CORPUS_PATH, EOS_TEXT, ROLE_TEXT, generate_corpus, load_documents
+from backends.mlx.llm.builtin.model import (DEFAULT_RECIPE, STAMP, BuiltinRecipe, build_checkpoint,
                                             ensure_builtin_checkpoint, read_stamp)
-from backends.mlx.llm.builtin_training import TrainingPlan, train
+from backends.mlx.llm.builtin.training import TrainingPlan, train
 
 TEST_RECIPE = dataclasses.replace(DEFAULT_RECIPE, steps=60)
 TINY_RECIPE = BuiltinRecipe(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32,
@@ -96,7 +96,7 @@ def _share_in_corpus(texts: list[tuple[str, str]]) -> tuple[float, int]:
 
 def test_shipped_corpus_is_the_generator_output_and_has_multibyte_text():
     text = CORPUS_PATH.read_text(encoding="utf-8")
-    assert text == generate_corpus(), "run `python -m backends.mlx.llm.builtin_corpus`"
+    assert text == generate_corpus(), "run `python -m backends.mlx.llm.builtin.corpus`"
     assert 50_000 <= len(text.encode()) <= 300_000
     widths = {len(ch.encode()) for ch in text}
     assert {2, 3, 4} <= widths  # accented letters, Japanese and curly quotes, emoji

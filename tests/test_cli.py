@@ -7,7 +7,7 @@ import sys
 
 
 def _etmlx(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "backends.mlx.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "backends.mlx.cli.main", *args], capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -35,8 +35,8 @@ def test_bench_agreement_reports_rates():
 def test_language_model_demo_trains_exports_and_matches_transformers(tmp_path, capsys):
     """`etmlx demo` on a short training recipe: cached checkpoint, exported .pte, greedy text equal to
     transformers (the demo returns 1 otherwise), and a second run reuses both."""
-    from backends.mlx import demo
-    from backends.mlx.llm.builtin_model import BuiltinRecipe
+    from backends.mlx.cli import demo
+    from backends.mlx.llm.builtin.model import BuiltinRecipe
 
     recipe = BuiltinRecipe(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64,
                            steps=20, batch=4, seq_len=64)

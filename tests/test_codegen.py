@@ -4,7 +4,7 @@ import re
 from pathlib import Path
 
 from backends.mlx.serialization import generate
-from backends.mlx.serialization.node_table import NODE_FIELDS, NODE_TAGS, SCHEMA_VERSION
+from backends.mlx.serialization.generated.node_table import NODE_FIELDS, NODE_TAGS, SCHEMA_VERSION
 
 REPO = Path(__file__).resolve().parents[1]
 

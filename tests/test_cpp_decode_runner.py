@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from backends.mlx.llm.decode import Decoder, export_decoder
-from backends.mlx.llm.sampler_config import SamplerConfig
-from backends.mlx.llm.step_inputs import SamplingParams
+from backends.mlx.llm.decoder.loop import Decoder, export_decoder
+from backends.mlx.llm.sampler.config import SamplerConfig
+from backends.mlx.llm.decoder.step_inputs import SamplingParams
 
 BINARY = Path(__file__).resolve().parents[1] / "build" / "etmlx_decode"
 MAX_SEQ_LEN = 48

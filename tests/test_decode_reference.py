@@ -7,11 +7,11 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from backends.mlx.llm.decode import Decoder
-from backends.mlx.llm.decoder_export import export_decoder
-from backends.mlx.llm.processing import process_and_sample
-from backends.mlx.llm.sampler_config import SamplerConfig
-from backends.mlx.llm.step_inputs import SamplingParams
+from backends.mlx.llm.decoder.loop import Decoder
+from backends.mlx.llm.decoder.export import export_decoder
+from backends.mlx.llm.sampler.processing import process_and_sample
+from backends.mlx.llm.sampler.config import SamplerConfig
+from backends.mlx.llm.decoder.step_inputs import SamplingParams
 
 VOCAB = 120
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 from torch import nn
 
-from backends.mlx.export import export_to_pte
-from backends.mlx.inspect_pte import _TAG_NAMES, delegate_blobs
-from backends.mlx.runner import load_method
+from backends.mlx.exporter.export import export_to_pte
+from backends.mlx.exporter.inspect_pte import _TAG_NAMES, delegate_blobs
+from backends.mlx.runtime.runner import load_method
 from backends.mlx.serialization import serializer
 from helpers import FLOATS, TOL, assert_matches
 
@@ -349,7 +349,7 @@ def test_rope_with_operands_as_inputs_is_fused():
 
 
 def _mangled_run(module, inputs, edit, capfd, needle):
-    import backends.mlx.preprocess as preprocess
+    import backends.mlx.exporter.preprocess as preprocess
 
     def mangle(graph):
         edit(graph)
@@ -473,7 +473,7 @@ def test_half_precision_llama_matches_the_unfused_program(dtype):
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2"])
 def test_static_cache_decoder_fuses_norms_and_rotary(family, monkeypatch):
     """The decoder's cache module (dynamic L, positions start_pos[b] + l): rotary nodes are proven."""
-    from backends.mlx.llm.kv_cache import StaticCacheLM
+    from backends.mlx.llm.decoder.kv_cache import StaticCacheLM
 
     torch.manual_seed(0)
     model = _hf(family).eval()

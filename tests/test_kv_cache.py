@@ -9,11 +9,11 @@ import torch
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM,
                           Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
-from backends.mlx.export import export_to_pte
-from backends.mlx.llm.decode import Decoder
-from backends.mlx.llm.decoder_export import export_decoder
-from backends.mlx.llm.kv_cache import StaticCacheLM
-from backends.mlx.runner import load_method
+from backends.mlx.exporter.export import export_to_pte
+from backends.mlx.llm.decoder.loop import Decoder
+from backends.mlx.llm.decoder.export import export_decoder
+from backends.mlx.llm.decoder.kv_cache import StaticCacheLM
+from backends.mlx.runtime.runner import load_method
 
 VOCAB = 96
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -12,10 +12,10 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from backends.mlx.export import export_to_pte
-from backends.mlx.llm.export_sampler import export_sampling_head
-from backends.mlx.llm.sampling import SamplingHead
-from backends.mlx.runner import load_method
+from backends.mlx.exporter.export import export_to_pte
+from backends.mlx.llm.sampler.export import export_sampling_head
+from backends.mlx.llm.sampler.head import SamplingHead
+from backends.mlx.runtime.runner import load_method
 
 VOCAB = 96
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from backends.mlx.inspect_pte import delegate_blobs
-from backends.mlx.llm.export_sampler import LogitsInput, export_sampling_head
+from backends.mlx.exporter.inspect_pte import delegate_blobs
+from backends.mlx.llm.sampler.export import LogitsInput, export_sampling_head
 
 HARNESS = Path(__file__).resolve().parents[1] / "build" / "etmlx_blob_test"
 
@@ -62,7 +62,7 @@ def test_twenty_thousand_mutations_of_the_sampler_blob(harness, tmp_path):
 
 def test_mutations_of_a_full_sampler_blob(harness, tmp_path):
     """Filters, fused Gumbel-max and delegate-owned penalty state under mutation."""
-    from backends.mlx.llm.sampler_config import SamplerConfig
+    from backends.mlx.llm.sampler.config import SamplerConfig
 
     config = SamplerConfig(top_k=True, top_p=True, min_p=True, penalties=True)
     result = export_sampling_head(LogitsInput(), (torch.zeros(4, 50),), config=config, per_row=True)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from helpers import ALL, FLOATS, INTS, assert_matches, export_fn
-from backends.mlx.runner import run
+from backends.mlx.runtime.runner import run
 
 SHAPES = [(7,), (3, 5), (2, 3, 4)]
 MATRIX_SHAPES = [(3, 5), (2, 3, 4)]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.mlx.builder.program_builder import BuildError
-from backends.mlx.builder.registry import REGISTRY, OpEntry
-from backends.mlx.runner import run
+from backends.mlx.exporter.builder.program_builder import BuildError
+from backends.mlx.exporter.builder.registry import REGISTRY, OpEntry
+from backends.mlx.runtime.runner import run
 from helpers import assert_matches, check_parity, export_fn
 
 
@@ -83,7 +83,7 @@ def test_a_handler_that_raises_is_surfaced_not_silently_moved_to_cpu(monkeypatch
 def test_partitioner_report_names_what_stayed_outside():
     from executorch.exir import to_edge_transform_and_lower
 
-    from backends.mlx.partitioner import MLXPartitioner
+    from backends.mlx.exporter.partitioner import MLXPartitioner
 
     a = torch.randint(-5, 5, (2, 2), dtype=torch.int32)
     ep = torch.export.export(Mixed(), (a, a))

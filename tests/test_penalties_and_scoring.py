@@ -7,13 +7,13 @@ import pytest
 import torch
 from scipy import stats
 
-from backends.mlx.export import export_to_pte
-from backends.mlx.llm.export_sampler import LogitsInput, export_sampling_head, sampler_inputs
-from backends.mlx.llm.processing import apply_penalties
-from backends.mlx.llm.sampler_config import SamplerConfig
-from backends.mlx.llm.sampling import SamplingHead
-from backends.mlx.llm.scoring import ScoringHead
-from backends.mlx.runner import load_method
+from backends.mlx.exporter.export import export_to_pte
+from backends.mlx.llm.sampler.export import LogitsInput, export_sampling_head, sampler_inputs
+from backends.mlx.llm.sampler.processing import apply_penalties
+from backends.mlx.llm.sampler.config import SamplerConfig
+from backends.mlx.llm.sampler.head import SamplingHead
+from backends.mlx.llm.sampler.scoring import ScoringHead
+from backends.mlx.runtime.runner import load_method
 
 ALPHA = 1e-3
 CFG = SamplerConfig(penalties=True, penalty_seed=4, expose_counts=True)

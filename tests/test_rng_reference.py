@@ -4,7 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from backends.mlx.llm import rng_reference as rng
+from backends.mlx.custom_kernel_ops.reference import rng
 
 SEEDS = [0, 1, 2, 7, 42, 2**31 - 1, 2**32, 2**33 + 5, 2**63 - 1, 123456789, 987654321012]
 SHAPES = [(1,), (2,), (3,), (5,), (64,), (3, 7), (1000,), (2, 1001), (4, 32000)]

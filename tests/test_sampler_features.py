@@ -14,10 +14,10 @@ import torch
 from scipy import stats
 
 from backends.mlx.custom_kernel_ops.filter_threshold import threshold_reference
-from backends.mlx.llm.export_sampler import LogitsInput, export_sampling_head, sampler_inputs
-from backends.mlx.llm.sampler_config import SamplerConfig
-from backends.mlx.llm.sampling import SamplingHead
-from backends.mlx.runner import load_method
+from backends.mlx.llm.sampler.export import LogitsInput, export_sampling_head, sampler_inputs
+from backends.mlx.llm.sampler.config import SamplerConfig
+from backends.mlx.llm.sampler.head import SamplingHead
+from backends.mlx.runtime.runner import load_method
 
 ALPHA = 1e-3
 ROWS = 500  # draws per call: one batch row each, per-row seeds

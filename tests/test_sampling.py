@@ -15,12 +15,12 @@ import pytest
 import torch
 from scipy import stats
 
-from backends.mlx.inspect_pte import delegate_blobs
-from backends.mlx.llm.export_sampler import LogitsInput, export_sampling_head
-from backends.mlx.llm.sample_reference import sample_with_margins
-from backends.mlx.llm.sampling import SamplingHead, SeedSchedule
-from backends.mlx.runner import load_method
-from backends.mlx.serialization.node_table import NODE_TAGS
+from backends.mlx.exporter.inspect_pte import delegate_blobs
+from backends.mlx.llm.sampler.export import LogitsInput, export_sampling_head
+from backends.mlx.custom_kernel_ops.reference.sample import sample_with_margins
+from backends.mlx.llm.sampler.head import SamplingHead, SeedSchedule
+from backends.mlx.runtime.runner import load_method
+from backends.mlx.serialization.generated.node_table import NODE_TAGS
 from backends.mlx.serialization.serializer import deserialize
 
 ALPHA = 1e-3
@@ -134,7 +134,7 @@ def test_same_seed_is_reproducible_across_loads_and_processes(seeded_8x64, tmp_p
     pte_path = tmp_path / "s.pte"
     pte_path.write_bytes(result.pte)
     code = (
-        "import torch; from backends.mlx.runner import load_method\n"
+        "import torch; from backends.mlx.runtime.runner import load_method\n"
         f"m = load_method({str(pte_path)!r})\n"
         "l = torch.randn(8, 64, generator=torch.Generator().manual_seed(11))\n"
         "print([m.execute([l, torch.tensor(1.0), torch.tensor(s)])[0].tolist() for s in range(5)])\n"

@@ -9,10 +9,10 @@ from collections import Counter
 import pytest
 import torch
 
-from backends.mlx.export import export_to_pte
-from backends.mlx.inspect_pte import delegate_blobs
-from backends.mlx.runner import load_method
-from backends.mlx.serialization.node_table import NODE_TAGS
+from backends.mlx.exporter.export import export_to_pte
+from backends.mlx.exporter.inspect_pte import delegate_blobs
+from backends.mlx.runtime.runner import load_method
+from backends.mlx.serialization.generated.node_table import NODE_TAGS
 from backends.mlx.serialization.serializer import deserialize
 
 _NAMES = {tag: name for name, tag in NODE_TAGS.items()}

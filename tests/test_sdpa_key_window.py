@@ -11,13 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-import backends.mlx.preprocess as preprocess
-from backends.mlx.export import export_to_pte
-from backends.mlx.inspect_pte import delegate_blobs
-from backends.mlx.llm.kv_cache import StaticCacheLM
-from backends.mlx.runner import load_method
+import backends.mlx.exporter.preprocess as preprocess
+from backends.mlx.exporter.export import export_to_pte
+from backends.mlx.exporter.inspect_pte import delegate_blobs
+from backends.mlx.llm.decoder.kv_cache import StaticCacheLM
+from backends.mlx.runtime.runner import load_method
 from backends.mlx.serialization import serializer
-from backends.mlx.serialization.node_table import NODE_TAGS
+from backends.mlx.serialization.generated.node_table import NODE_TAGS
 from backends.mlx.serialization.serializer import deserialize
 from test_kv_cache import FAMILIES
 

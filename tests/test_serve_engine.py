@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.mlx.llm.decoder_meta import DecoderMeta
-from backends.mlx.llm.sampler_config import SamplerConfig
-from backends.mlx.llm.step_inputs import SamplingParams
+from backends.mlx.llm.decoder.meta import DecoderMeta
+from backends.mlx.llm.sampler.config import SamplerConfig
+from backends.mlx.llm.decoder.step_inputs import SamplingParams
 from backends.mlx.serve.engine import Engine, EngineRequest
 
 VOCAB = 50

@@ -36,7 +36,7 @@ def pte(tmp_path_factory):
 
 def _start(pte, port):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    process = subprocess.Popen([sys.executable, "-m", "backends.mlx.cli", "serve", str(pte), "--port", str(port),
+    process = subprocess.Popen([sys.executable, "-m", "backends.mlx.cli.main", "serve", str(pte), "--port", str(port),
                                 "--max-batch", "2"], env=env, cwd=REPO, stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE)
     deadline = time.monotonic() + 600
@@ -107,13 +107,13 @@ def test_bench_client_counts_tokens_against_a_running_server(pte):
                                             (["--max-batch", "0"], "--max-batch must be in [1, 4]")])
 def test_serve_rejects_a_bad_max_batch(pte, extra, message):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-m", "backends.mlx.cli", "serve", str(pte), *extra], env=env, cwd=REPO,
+    done = subprocess.run([sys.executable, "-m", "backends.mlx.cli.main", "serve", str(pte), *extra], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
 
 
 def test_serve_names_a_missing_pte(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-m", "backends.mlx.cli", "serve", str(tmp_path / "none.pte")], env=env,
+    done = subprocess.run([sys.executable, "-m", "backends.mlx.cli.main", "serve", str(tmp_path / "none.pte")], env=env,
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "none.pte does not exist" in done.stderr

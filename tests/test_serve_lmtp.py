@@ -214,7 +214,7 @@ def test_tcp_lines(server):
 
 def test_lmtp_client_command(server):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-m", "backends.mlx.cli", "lmtp-client", "--url",
+    done = subprocess.run([sys.executable, "-m", "backends.mlx.cli.main", "lmtp-client", "--url",
                            server.url.replace("http", "ws") + "/lmtp", "--send", "4,5,6 max_tokens=3",
                            "--send", 'MODEL_INFO {"stream_id": 99}'],
                           capture_output=True, text=True, timeout=300, env=env, cwd=REPO)

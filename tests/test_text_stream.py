@@ -6,7 +6,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from backends.mlx.llm.text_stream import IncrementalDetokenizer, StopStrings
+from backends.mlx.llm.decoder.text_stream import IncrementalDetokenizer, StopStrings
 
 TEXT = "Zoë a mangé une crème brûlée 🍮 à Köln — 東京 にいます. Plain ascii words too."
 

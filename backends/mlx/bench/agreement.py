@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from backends.mlx.llm.export_sampler import LogitsInput, export_sampling_head
-from backends.mlx.llm.sample_reference import sample_with_margins
-from backends.mlx.runner import load_method
+from backends.mlx.llm.sampler.export import LogitsInput, export_sampling_head
+from backends.mlx.custom_kernel_ops.reference.sample import sample_with_margins
+from backends.mlx.runtime.runner import load_method
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from backends.mlx.bench import decode_checkpoint as ckpt
+from backends.mlx.llm.builtin import bench_checkpoint as ckpt
 from backends.mlx.bench import decode_programs as programs
 from backends.mlx.bench.decode_engines import EtmlxEngine, MlxLmEngine, XnnpackEngine
 
@@ -196,7 +196,7 @@ def run(settings: Settings, size: dict, dtypes, cache_dir: Path, log=print) -> d
     results = [r for d in per_dtype for r in d["results"]]
     import mlx.core as mx
 
-    from backends.mlx import blas_route
+    from backends.mlx.runtime import blas_route
 
     # mlx_lm runs in this process, so its CPU GEMMs take the same BLAS as ours.
     machine = (f"{platform.machine()} {os.cpu_count()} cores, MLX {mx.__version__} device {mx.default_device()}, "

@@ -47,12 +47,12 @@ class EtmlxEngine:
     name = "etmlx"
 
     def __init__(self, pte: Path):
-        from backends.mlx.llm.decode import Decoder
+        from backends.mlx.llm.decoder.loop import Decoder
 
         self.decoder = Decoder(pte)
 
     def generate(self, prompt_ids: list[int], steps: int, temperature: float, seed: int) -> Run:
-        from backends.mlx.llm.step_inputs import SamplingParams
+        from backends.mlx.llm.decoder.step_inputs import SamplingParams
 
         params = SamplingParams(temperature=temperature, seed=seed)
         stream = (step.token for step in self.decoder.stream(prompt_ids, steps + 1, params, stop_at_eos=False))
@@ -91,7 +91,7 @@ class XnnpackEngine:
     name = "xnnpack"
 
     def __init__(self, pte: Path):
-        from backends.mlx.runner import load_method
+        from backends.mlx.runtime.runner import load_method
 
         self.method = load_method(pte)
 

@@ -20,8 +20,7 @@ import torch
 _PACKAGE = Path(__file__).resolve().parents[1]  # backends/mlx
 # Command-line front ends, benchmarks and the modules that only load native libraries (the package
 # __init__, blas_route, runtime) do not shape a program; every other module might.
-_NOT_SHAPING = {"bench", "cli.py", "llm_cli.py", "demo.py", "inspect_pte.py", "__init__.py", "blas_route.py",
-                "runtime"}
+_NOT_SHAPING = {"bench", "cli", "serve", "tools", "inspect_pte.py", "__init__.py", "blas_route.py", "runtime"}
 
 
 def source_fingerprint() -> str:
@@ -30,7 +29,7 @@ def source_fingerprint() -> str:
     digest = hashlib.sha256(executorch.version.__version__.encode())
     for path in sorted(_PACKAGE.rglob("*.py")):
         relative = path.relative_to(_PACKAGE)
-        if relative.parts[0] in _NOT_SHAPING:
+        if _NOT_SHAPING & set(relative.parts):
             continue
         digest.update(str(relative).encode())
         digest.update(path.read_bytes())
@@ -49,8 +48,8 @@ def export_xnnpack(model: torch.nn.Module, out: Path, max_seq_len: int) -> tuple
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import to_edge_transform_and_lower
 
-    from backends.mlx.export import count_outside
-    from backends.mlx.llm.kv_cache import StaticCacheLM
+    from backends.mlx.exporter.export import count_outside
+    from backends.mlx.llm.decoder.kv_cache import StaticCacheLM
 
     module = StaticCacheLM(model.eval(), max_seq_len=max_seq_len).eval()
     length = torch.export.Dim("length", min=1, max=max_seq_len)
@@ -68,6 +67,6 @@ def export_xnnpack(model: torch.nn.Module, out: Path, max_seq_len: int) -> tuple
 def export_etmlx(model: torch.nn.Module, out: Path, max_seq_len: int, tokenizer_dir: Path):
     """The decoder program `etmlx export` writes by default (temperature sampler, seeded), with its
     FILE.pte.json and tokenizer beside it."""
-    from backends.mlx.llm.decoder_export import export_decoder
+    from backends.mlx.llm.decoder.export import export_decoder
 
     return export_decoder(model, Path(out), max_seq_len, tokenizer=tokenizer_dir)

@@ -27,9 +27,9 @@ from collections import Counter
 
 import torch
 
-from backends.mlx.export import export_to_pte
-from backends.mlx.inspect_pte import _TAG_NAMES, delegate_blobs
-from backends.mlx.runner import load_method
+from backends.mlx.exporter.export import export_to_pte
+from backends.mlx.exporter.inspect_pte import _TAG_NAMES, delegate_blobs
+from backends.mlx.runtime.runner import load_method
 from backends.mlx.serialization.serializer import deserialize
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from backends.mlx.export import export_to_pte
-from backends.mlx.llm.export_sampler import LogitsInput, export_sampling_head
-from backends.mlx.runner import load_method
+from backends.mlx.exporter.export import export_to_pte
+from backends.mlx.llm.sampler.export import LogitsInput, export_sampling_head
+from backends.mlx.runtime.runner import load_method
 
 VOCABS = (32000, 128256, 262144)
 BATCHES = (1, 8)

@@ -16,10 +16,10 @@ import numpy as np
 import torch
 
 from backends.mlx.bench.sampler import _median_ms, _ReadOnce
-from backends.mlx.export import export_to_pte
-from backends.mlx.llm.export_sampler import LogitsInput, export_sampling_head, sampler_inputs
-from backends.mlx.llm.sampler_config import SamplerConfig
-from backends.mlx.runner import load_method
+from backends.mlx.exporter.export import export_to_pte
+from backends.mlx.llm.sampler.export import LogitsInput, export_sampling_head, sampler_inputs
+from backends.mlx.llm.sampler.config import SamplerConfig
+from backends.mlx.runtime.runner import load_method
 
 TEMPERATURE = 0.8
 CONFIGS = {"temp": dict(), "topk_topp": dict(top_k=50, top_p=0.9), "topp": dict(top_p=0.9)}

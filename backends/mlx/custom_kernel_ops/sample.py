@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from backends.mlx.custom_kernel_ops.filter_threshold import divide_by_temperature
-from backends.mlx.llm.sample_reference import row_noise, sample_reference
+from backends.mlx.custom_kernel_ops.reference.sample import row_noise, sample_reference
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _SEED_DTYPES = (torch.int64, torch.int32)

@@ -79,7 +79,7 @@ def load() -> ctypes.CDLL:
                 "different libexecutorch.so than the executorch Python package uses "
                 "(run `make setup` to rebuild it)")
         _lib = lib
-    from backends.mlx import blas_route
+    from backends.mlx.runtime import blas_route
 
     blas_route.warn_if_inactive()
     return lib

@@ -13,7 +13,7 @@
 
 namespace etmlx {
 
-namespace fb = backends::mlx::serialization::fb;
+namespace fb = backends::mlx::serialization::generated::fb;
 using ETScalarType = executorch::runtime::etensor::ScalarType;
 
 bool dtype_in_range(fb::DType d);

@@ -6,8 +6,8 @@ import struct
 
 import flatbuffers
 
-from backends.mlx.serialization.fb.Graph import Graph, GraphT
-from backends.mlx.serialization.node_table import HEADER_SIZE, MAGIC, SCHEMA_VERSION
+from backends.mlx.serialization.generated.fb.Graph import Graph, GraphT
+from backends.mlx.serialization.generated.node_table import HEADER_SIZE, MAGIC, SCHEMA_VERSION
 
 FILE_IDENTIFIER = b"ETMX"
 _HEADER = struct.Struct("<4sIQ")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from backends.mlx.llm.decoder_meta import DecoderMeta
+from backends.mlx.llm.decoder.meta import DecoderMeta
 from backends.mlx.serve.engine import Engine
 from backends.mlx.serve.program_worker import ProgramWorker
 from backends.mlx.serve.service import Service, load_tokenizer

@@ -109,7 +109,7 @@ def _free_port() -> int:
 def _start_server(pte: Path, port: int) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[3]),
                                                                     os.environ.get("PYTHONPATH")]))}
-    return subprocess.Popen([sys.executable, "-m", "backends.mlx.cli", "serve", str(pte), "--port", str(port)],
+    return subprocess.Popen([sys.executable, "-m", "backends.mlx.cli.main", "serve", str(pte), "--port", str(port)],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
@@ -138,7 +138,7 @@ def main(pte=None, url=None, streams=(1, 4, 16), max_tokens: int = 32, json_path
         if pte is None:
             pte = DEFAULT_PTE
             if not pte.is_file():
-                from backends.mlx.serve.tiny_model import export_tiny
+                from backends.mlx.llm.builtin.tiny_model import export_tiny
 
                 print(f"exporting the tiny benchmark model to {pte} (once)", flush=True)
                 export_tiny(pte, batch=16, max_seq_len=128)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from backends.mlx.llm.text_stream import IncrementalDetokenizer, StopStrings
+from backends.mlx.llm.decoder.text_stream import IncrementalDetokenizer, StopStrings
 from backends.mlx.serve.engine import TokenEvent
 
 # Engine endings that are not OpenAI finish reasons.

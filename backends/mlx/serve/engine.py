@@ -23,9 +23,9 @@ from typing import Callable
 
 import torch
 
-from backends.mlx.llm.decode import check_prompt
-from backends.mlx.llm.decoder_meta import DecoderMeta
-from backends.mlx.llm.step_inputs import SamplingParams, step_inputs
+from backends.mlx.llm.decoder.loop import check_prompt
+from backends.mlx.llm.decoder.meta import DecoderMeta
+from backends.mlx.llm.decoder.step_inputs import SamplingParams, step_inputs
 
 log = logging.getLogger("etmlx.serve")
 _ids = itertools.count(1)

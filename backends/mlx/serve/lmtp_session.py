@@ -20,7 +20,7 @@ import json
 import logging
 from typing import Awaitable, Callable
 
-from backends.mlx.llm.step_inputs import SamplingParams
+from backends.mlx.llm.decoder.step_inputs import SamplingParams
 from backends.mlx.serve.engine import EngineRequest, TokenEvent
 from backends.mlx.serve.service import Service, queue_sink
 

@@ -13,8 +13,8 @@ import math
 import random
 from dataclasses import dataclass, field
 
-from backends.mlx.llm.decoder_meta import DecoderMeta
-from backends.mlx.llm.step_inputs import SamplingParams
+from backends.mlx.llm.decoder.meta import DecoderMeta
+from backends.mlx.llm.decoder.step_inputs import SamplingParams
 from backends.mlx.serve.api_errors import ApiError
 
 MAX_N = 16

@@ -53,7 +53,7 @@ def _child_main(pte: str) -> int:
     os.dup2(2, 1)
     inp = sys.stdin.buffer
     try:
-        from backends.mlx.runner import load_method
+        from backends.mlx.runtime.runner import load_method
 
         method = load_method(Path(pte))
     except Exception as exc:

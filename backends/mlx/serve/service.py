@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator
 
-from backends.mlx.llm.decoder_meta import DecoderMeta, tokenizer_path
-from backends.mlx.llm.step_inputs import SamplingParams
+from backends.mlx.llm.decoder.meta import DecoderMeta, tokenizer_path
+from backends.mlx.llm.decoder.step_inputs import SamplingParams
 from backends.mlx.serve.engine import Engine, EngineRequest, TokenEvent
 
 

@@ -1,0 +1,101 @@
+"""The `etmlx` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from backends.mlx.cli import llm_commands as llm_cli
+from backends.mlx.cli import serve_commands as serve_cli
+
+
+def _demo(args) -> int:
+    if args.classifier:
+        from backends.mlx.cli import demo_classifier
+
+        return demo_classifier.main(Path(args.out or "out/classifier.pte"))
+    from backends.mlx.cli import demo
+
+    return demo.main(Path(args.out or "out/builtin.pte"), prompt=args.prompt, max_tokens=args.max_tokens)
+
+
+def _inspect(args) -> int:
+    from backends.mlx.exporter.inspect_pte import describe
+
+    print(describe(Path(args.pte)))
+    return 0
+
+
+def _bench(args) -> int:
+    if args.what == "sampler":
+        from backends.mlx.bench import sampler
+
+        vocabs = tuple(int(v) for v in args.vocabs.split(",")) if args.vocabs else sampler.VOCABS
+        batches = tuple(int(b) for b in args.batches.split(",")) if args.batches else sampler.BATCHES
+        repeats = 30 if args.repeats is None else args.repeats
+        return sampler.main(args.json, repeats=repeats, vocabs=vocabs, batches=batches, suite=args.suite)
+    if args.what == "serve":
+        return serve_cli.bench(args)
+    if args.what == "agreement":
+        from backends.mlx.bench import agreement
+
+        return agreement.main(rows=args.rows)
+    if args.what == "decode":
+        from backends.mlx.bench import decode
+
+        dtypes = tuple(d.strip() for d in args.dtypes.split(",") if d.strip())
+        return decode.main(args.json, quick=args.quick, dtypes=dtypes, repeats=args.repeats, cache_dir=args.cache_dir)
+    if args.what == "gemm":
+        from backends.mlx.bench import cpu_gemm
+
+        return cpu_gemm.main(args.json)
+    raise ValueError(f"unknown benchmark {args.what!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="etmlx", description="ExecuTorch programs on MLX")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="export a small built-in model and run it through the runtime")
+    demo.add_argument("--out", help="where to write the .pte (default: out/builtin.pte, out/classifier.pte)")
+    demo.add_argument("--prompt", default="One morning, Mira went to", help="prompt for the built-in model")
+    demo.add_argument("--max-tokens", type=int, default=60)
+    demo.add_argument("--classifier", action="store_true",
+                      help="the small classifier demo instead (no training; compares with eager PyTorch)")
+    demo.set_defaults(func=_demo)
+    inspect = sub.add_parser("inspect", help="list the etmlx delegate graphs inside a .pte")
+    inspect.add_argument("pte", help="path to a .pte file")
+    inspect.set_defaults(func=_inspect)
+    llm_cli.add_parsers(sub)
+    serve_cli.add_parsers(sub)
+    bench = sub.add_parser("bench", help="benchmarks with same-run baselines")
+    bench.add_argument("what", choices=["sampler", "agreement", "decode", "serve", "gemm"], help="which benchmark")
+    bench.add_argument("--suite", choices=["all", "basic", "features"], default="all",
+                       help="sampler: basic (temperature by vocab and batch), features (top-k/top-p), or all")
+    bench.add_argument("--rows", type=int, default=2000, help="agreement: rows per dtype")
+    bench.add_argument("--json", help="also write the records to this path")
+    bench.add_argument("--repeats", type=int, help="timed calls per measurement, median (default: sampler 30, "
+                       "decode 3 generations)")
+    bench.add_argument("--quick", action="store_true", help="decode: a tiny model and short runs (CI smoke)")
+    bench.add_argument("--dtypes", default="float32,bfloat16", help="decode: comma-separated weight dtypes")
+    bench.add_argument("--cache-dir", default="out/bench", help="decode: where checkpoints and programs are cached")
+    bench.add_argument("--vocabs", help="comma-separated vocabulary sizes (default 32000,128256,262144)")
+    bench.add_argument("--batches", help="comma-separated batch sizes (default 1,8)")
+    serve_cli.add_bench_arguments(bench)
+    bench.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "out", None):
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        return args.func(args)
+    except (FileNotFoundError, ValueError, TypeError) as exc:  # bad input: one clear line, no traceback
+        print(f"etmlx: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""`etmlx serve`, `etmlx lmtp-client` and `etmlx bench serve` (wired in backends/mlx/cli/main.py).
+Imports stay light here: the client commands need no torch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _serve(args) -> int:
+    from backends.mlx.serve.app import serve
+
+    return serve(Path(args.pte), host=args.host, port=args.port, max_batch=args.max_batch,
+                 lmtp_port=args.lmtp_port, model_name=args.model_name)
+
+
+def _lmtp_client(args) -> int:
+    from backends.mlx.serve.lmtp_client import main
+
+    return main(args.url, args.send, args.tokenizer)
+
+
+def add_parsers(sub) -> None:
+    serve = sub.add_parser("serve", help="serve a decoder .pte: OpenAI-compatible HTTP API, /health, LMTP")
+    serve.add_argument("pte", help="decoder .pte from `etmlx export` (its .json and tokenizer beside it)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--max-batch", type=int, default=None,
+                       help="rows decoded together (default: the batch the .pte was exported with)")
+    serve.add_argument("--lmtp-port", type=int, default=None, help="also serve LMTP lines on this TCP port")
+    serve.add_argument("--model-name", default=None, help="model id in the API (default: the .pte's stem)")
+    serve.set_defaults(func=_serve)
+    client = sub.add_parser("lmtp-client", help="talk LMTP to `etmlx serve` (interactive, or --send)")
+    client.add_argument("--url", default="ws://127.0.0.1:8000/lmtp")
+    client.add_argument("--send", action="append", default=[],
+                        help="a line to send (repeatable); waits for the streams to finish, then exits")
+    client.add_argument("--tokenizer", default=None,
+                        help="tokenizer directory (e.g. FILE.pte.tokenizer): lets you type text and shows text")
+    client.set_defaults(func=_lmtp_client)
+
+
+def add_bench_arguments(bench) -> None:
+    group = bench.add_argument_group("serve")
+    group.add_argument("--pte", help="serve: the decoder .pte to serve (default: a tiny random Llama, batch 16)")
+    group.add_argument("--url", help="serve: benchmark a running server instead of starting one")
+    group.add_argument("--streams", default="1,4,16", help="serve: concurrent stream counts (default 1,4,16)")
+    group.add_argument("--max-tokens", type=int, default=32, help="serve: tokens per stream")
+
+
+def bench(args) -> int:
+    from backends.mlx.serve.bench_serve import main
+
+    streams = tuple(int(s) for s in args.streams.split(","))
+    return main(pte=args.pte, url=args.url, streams=streams, max_tokens=args.max_tokens, json_path=args.json)

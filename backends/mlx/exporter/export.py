@@ -1,0 +1,95 @@
+"""Export an nn.Module to a .pte whose supported ops run in the etmlx delegate."""
+
+from __future__ import annotations
+
+import operator
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
+from executorch.exir.backend.compile_spec_schema import CompileSpec
+
+from backends.mlx.exporter.builder.registry import aten_target
+from backends.mlx.exporter.partitioner import MLXPartitioner
+from backends.mlx.exporter.preprocess import FUSE_SPEC
+
+_NOT_OPS = {"executorch_call_delegate", "getitem"}
+
+
+@dataclass
+class ExportResult:
+    pte: bytes
+    delegated_calls: int
+    outside: Counter = field(default_factory=Counter)  # aten op name -> count run by ExecuTorch's CPU kernels
+    reasons: dict = field(default_factory=dict)
+
+    @property
+    def ops_outside(self) -> int:
+        return sum(self.outside.values())
+
+    def summary(self) -> str:
+        if not self.outside:
+            return f"{self.delegated_calls} delegate call(s); 0 ops outside the etmlx delegate"
+        lines = [f"{self.delegated_calls} delegate call(s); {self.ops_outside} op(s) outside the etmlx delegate:"]
+        for name, count in self.outside.most_common():
+            reason = self.reasons.get(name, "")
+            lines.append(f"  {count} x {name}" + (f"  ({reason})" if reason else ""))
+        return "\n".join(lines)
+
+    def save(self, path) -> Path:
+        path = Path(path)
+        path.write_bytes(self.pte)
+        return path
+
+
+def count_outside(program) -> tuple[int, Counter]:
+    """Delegate calls and the remaining host-side ops of a lowered ExportedProgram."""
+    calls, outside = 0, Counter()
+    for node in program.graph.nodes:
+        if node.op != "call_function":
+            continue
+        name = getattr(node.target, "__name__", str(node.target))
+        if node.target is operator.getitem:
+            continue
+        if "executorch_call_delegate" in name:
+            calls += 1
+            continue
+        outside[str(aten_target(node.target))] += 1
+    return calls, outside
+
+
+def export_to_pte(
+    module: torch.nn.Module,
+    args: tuple,
+    kwargs: Optional[dict] = None,
+    *,
+    dynamic_shapes: Any = None,
+    strict: bool = False,
+    progress: Optional[Callable[[str], None]] = None,
+    fuse: bool = True,
+) -> ExportResult:
+    """`progress`, if given, is called with the name of each stage as it starts. `fuse=False` keeps
+    RMSNorm / LayerNorm / rotary subgraphs as separate ops (for comparisons)."""
+    say = progress or (lambda _stage: None)
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    if not isinstance(args, tuple):
+        raise TypeError(f"args must be a tuple of example inputs, got {type(args).__name__}")
+    if not isinstance(fuse, bool):
+        raise TypeError(f"fuse must be a bool, got {type(fuse).__name__}")
+    module = module.eval()
+    say("tracing with torch.export")
+    with torch.no_grad():
+        ep = torch.export.export(module, args, kwargs or {}, dynamic_shapes=dynamic_shapes, strict=strict)
+    partitioner = MLXPartitioner(None if fuse else [CompileSpec(FUSE_SPEC, b"0")])
+    say("lowering to the etmlx delegate")
+    edge = to_edge_transform_and_lower(
+        ep, partitioner=[partitioner], compile_config=EdgeCompileConfig(_check_ir_validity=False)
+    )
+    calls, outside = count_outside(edge.exported_program())
+    say("serializing the ExecuTorch program")
+    program = edge.to_executorch()
+    return ExportResult(pte=program.buffer, delegated_calls=calls, outside=outside, reasons=dict(partitioner.reasons))

@@ -1,0 +1,156 @@
+"""Elementwise arithmetic and math: add, sub, mul, div, pow, neg, exp, log, ... clamp."""
+
+from __future__ import annotations
+
+from backends.mlx.exporter.builder.registry import REGISTRY
+from backends.mlx.exporter.dtypes import FLOAT_DTYPES
+from backends.mlx.exporter.ops.common import aten, arg_dtype, out_dtype
+from backends.mlx.serialization.generated.fb.BinaryOp import BinaryOp
+from backends.mlx.serialization.generated.fb.UnaryOp import UnaryOp
+
+# Ops whose result is computed in the output dtype (ints promote to float first).
+_UNARY = {
+    aten.neg.default: UnaryOp.Neg,
+    aten.exp.default: UnaryOp.Exp,
+    aten.log.default: UnaryOp.Log,
+    aten.sqrt.default: UnaryOp.Sqrt,
+    aten.rsqrt.default: UnaryOp.Rsqrt,
+    aten.abs.default: UnaryOp.Abs,
+    aten.tanh.default: UnaryOp.Tanh,
+    aten.sigmoid.default: UnaryOp.Sigmoid,
+    aten.sin.default: UnaryOp.Sin,
+    aten.cos.default: UnaryOp.Cos,
+    aten.floor.default: UnaryOp.Floor,
+    aten.ceil.default: UnaryOp.Ceil,
+    aten.erf.default: UnaryOp.Erf,
+    aten.log1p.default: UnaryOp.Log1p,
+    aten.expm1.default: UnaryOp.Expm1,
+    aten.reciprocal.default: UnaryOp.Reciprocal,
+    aten.sign.default: UnaryOp.Sign,
+    aten.bitwise_not.default: UnaryOp.BitwiseNot,
+}
+
+
+def unary(b, node, op):
+    dtype = out_dtype(node)
+    return b.op("UnaryNode", op=op, x=b.operand(node.args[0], dtype))
+
+
+def _unary_handler(op):
+    return lambda b, node: unary(b, node, op)
+
+
+for _target, _op in _UNARY.items():
+    REGISTRY.register(_target)(_unary_handler(_op))
+
+
+def binary(b, node, op, lhs, rhs, compute=None):
+    """Cast both operands to the compute dtype, apply op, cast to the node's dtype."""
+    dtype = out_dtype(node)
+    compute = compute or dtype
+    out = b.op("BinaryNode", op=op, a=b.operand(lhs, compute), b=b.operand(rhs, compute))
+    return b.cast(out, compute, dtype)
+
+
+def _scaled(b, node, arg, alpha, dtype):
+    """alpha * arg, as add/sub's `alpha` keyword asks."""
+    t = b.operand(arg, dtype)
+    if alpha == 1:
+        return t
+    return b.op("BinaryNode", op=BinaryOp.Multiply, a=t, b=b.full(alpha, dtype))
+
+
+def _add_sub(op):
+    def handler(b, node):
+        dtype = out_dtype(node)
+        lhs, rhs = node.args[:2]
+        alpha = node.kwargs.get("alpha", 1)
+        return b.op("BinaryNode", op=op, a=b.operand(lhs, dtype), b=_scaled(b, node, rhs, alpha, dtype))
+
+    return handler
+
+
+REGISTRY.register(aten.add.Tensor, aten.add.Scalar)(_add_sub(BinaryOp.Add))
+REGISTRY.register(aten.sub.Tensor, aten.sub.Scalar)(_add_sub(BinaryOp.Subtract))
+REGISTRY.register(aten.rsub.Scalar)(
+    lambda b, node: binary(b, node, BinaryOp.Subtract, node.args[1], node.args[0])
+)
+
+_BINARY = {
+    (aten.mul.Tensor, aten.mul.Scalar): BinaryOp.Multiply,
+    (aten.minimum.default,): BinaryOp.Minimum,
+    (aten.maximum.default,): BinaryOp.Maximum,
+    (aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar, aten.pow.Scalar): BinaryOp.Power,
+    (aten.remainder.Tensor, aten.remainder.Scalar): BinaryOp.Remainder,
+    (aten.floor_divide.default,): BinaryOp.FloorDivide,
+    (aten.bitwise_and.Tensor,): BinaryOp.BitwiseAnd,
+    (aten.bitwise_or.Tensor,): BinaryOp.BitwiseOr,
+    (aten.bitwise_xor.Tensor,): BinaryOp.BitwiseXor,
+}
+
+
+def _binary_handler(op):
+    return lambda b, node: binary(b, node, op, node.args[0], node.args[1])
+
+
+for _targets, _op in _BINARY.items():
+    REGISTRY.register(*_targets)(_binary_handler(_op))
+
+
+def _div_supported(node):
+    mode = node.kwargs.get("rounding_mode")
+    if mode == "trunc" and out_dtype(node) not in FLOAT_DTYPES:
+        return "integer division with rounding_mode='trunc' is not supported"
+    return None
+
+
+@REGISTRY.register(aten.div.Tensor, aten.div.Scalar, aten.div.Tensor_mode, aten.div.Scalar_mode,
+                   supports=_div_supported)
+def _div(b, node):
+    lhs, rhs = node.args[:2]
+    mode = node.kwargs.get("rounding_mode")
+    if mode is None:
+        return binary(b, node, BinaryOp.Divide, lhs, rhs)
+    if mode == "floor":
+        return binary(b, node, BinaryOp.FloorDivide, lhs, rhs)
+    # trunc on floats: sign(q) * floor(|q|)
+    q = binary(b, node, BinaryOp.Divide, lhs, rhs)
+    mag = b.op("UnaryNode", op=UnaryOp.Floor, x=b.op("UnaryNode", op=UnaryOp.Abs, x=q))
+    return b.op("BinaryNode", op=BinaryOp.Multiply, a=b.op("UnaryNode", op=UnaryOp.Sign, x=q), b=mag)
+
+
+def _clamp_bounds(node):
+    args = list(node.args) + [None] * (3 - len(node.args))
+    return node.kwargs.get("min", args[1]), node.kwargs.get("max", args[2])
+
+
+@REGISTRY.register(aten.clamp.default, aten.clamp.Tensor)
+def _clamp(b, node):
+    dtype = out_dtype(node)
+    lo, hi = _clamp_bounds(node)
+    x = b.operand(node.args[0], dtype)
+    if lo is not None:
+        x = b.op("BinaryNode", op=BinaryOp.Maximum, a=x, b=b.operand(lo, dtype))
+    if hi is not None:
+        x = b.op("BinaryNode", op=BinaryOp.Minimum, a=x, b=b.operand(hi, dtype))
+    return x
+
+
+@REGISTRY.register(aten.square.default)
+def _square(b, node):
+    return b.op("UnaryNode", op=UnaryOp.Square, x=b.operand(node.args[0], out_dtype(node)))
+
+
+__all__ = ["binary", "unary", "arg_dtype"]
+
+
+@REGISTRY.register(aten.relu.default)
+def _relu(b, node):
+    dtype = out_dtype(node)
+    return b.op("BinaryNode", op=BinaryOp.Maximum, a=b.operand(node.args[0], dtype), b=b.full(0, dtype))
+
+
+@REGISTRY.register(aten.silu.default, supports=lambda n: None if out_dtype(n) in FLOAT_DTYPES else "silu needs floats")
+def _silu(b, node):
+    x = b.tid(node.args[0])
+    return b.op("BinaryNode", op=BinaryOp.Multiply, a=x, b=b.op("UnaryNode", op=UnaryOp.Sigmoid, x=x))

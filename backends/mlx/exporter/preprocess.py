@@ -1,0 +1,38 @@
+"""ExecuTorch BackendDetails: turns a delegated edge subgraph into an etmlx blob."""
+
+from __future__ import annotations
+
+from typing import List, final
+
+from executorch.exir.backend.backend_details import BackendDetails, CompileSpec, PreprocessResult
+from torch.export.exported_program import ExportedProgram
+
+import backends.mlx.exporter.ops  # noqa: F401  (registers the handlers)
+from backends.mlx.exporter.builder.program_builder import ProgramBuilder
+from backends.mlx.serialization.serializer import serialize
+
+# The id the .pte records and the C++ runtime registers; deliberately not upstream's "MLXBackend".
+BACKEND_ID = "EtmlxBackend"
+
+# CompileSpec(FUSE_SPEC, b"0") turns the fused-node pattern matching off (for A/B measurements).
+FUSE_SPEC = "etmlx.fuse"
+
+
+def fusion_enabled(compile_specs: List[CompileSpec]) -> bool:
+    for spec in compile_specs:
+        if spec.key == FUSE_SPEC:
+            if bytes(spec.value) not in (b"0", b"1"):
+                raise ValueError(f"compile spec {FUSE_SPEC} must be b'0' or b'1', got {spec.value!r}")
+            return bytes(spec.value) == b"1"
+    return True
+
+
+@final
+class EtmlxBackend(BackendDetails):
+    @staticmethod
+    def preprocess(edge_program: ExportedProgram, compile_specs: List[CompileSpec]) -> PreprocessResult:
+        graph = ProgramBuilder(edge_program, fuse=fusion_enabled(compile_specs)).build()
+        return PreprocessResult(processed_bytes=serialize(graph))
+
+
+assert EtmlxBackend.__name__ == BACKEND_ID

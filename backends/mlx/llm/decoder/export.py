@@ -1,0 +1,76 @@
+"""Export a causal LM (model, KV cache and sampler) to one decoder .pte for on-device decoding.
+
+The program's inputs (names and order recorded in FILE.pte.json):
+  tokens [B, L] int64     L is dynamic, 1..max_seq_len: one program prefills and decodes
+  start_pos [B] int64     cache position of tokens[:, 0], per row
+  lengths [B] int64       real tokens per row (1..L); the next token is sampled at index lengths-1
+  temperature [B]         then seed [B] (seeded programs) and the knobs of the SamplerConfig, per row
+Outputs: token ids [B] (and logprobs when exported with them).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from backends.mlx.exporter.export import ExportResult, export_to_pte
+from backends.mlx.llm.decoder.meta import DecoderMeta, tokenizer_path
+from backends.mlx.llm.sampler.export import knob_examples
+from backends.mlx.llm.decoder.kv_cache import StaticCacheLM
+from backends.mlx.llm.sampler.config import SamplerConfig
+from backends.mlx.llm.sampler.head import SamplingHead
+
+
+def _eos_ids(model) -> list[int]:
+    ids = []
+    for source in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        for value in ([eos] if isinstance(eos, int) else list(eos or [])):
+            if value not in ids and 0 <= value < model.config.vocab_size:
+                ids.append(value)
+    return ids
+
+
+def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, config: SamplerConfig | None = None,
+                   batch: int = 1, seeded: bool = True, tokenizer=None,
+                   progress: Optional[Callable[[str], None]] = None) -> ExportResult:
+    """Write `out` (.pte), `out`.json and, given a tokenizer (a transformers tokenizer or a
+    directory holding one), `out`.tokenizer/."""
+    config = config or SamplerConfig()
+    if config.expose_counts:
+        raise ValueError("expose_counts is for sampler tests, not decoder programs")
+    model = model.eval()
+    lm = StaticCacheLM(model, max_seq_len=max_seq_len, batch=batch)
+    vocab = model.config.vocab_size
+    head = SamplingHead(lm, config, batch=batch, vocab=vocab)
+    length = torch.export.Dim("length", min=1, max=max_seq_len)
+    # The example is as long as the cache: ExecuTorch sizes a dynamic input's buffer from it.
+    example = (torch.ones(batch, max_seq_len, dtype=torch.int64), torch.zeros(batch, dtype=torch.int64),
+               torch.full((batch,), max_seq_len, dtype=torch.int64))
+    kwargs = {"temperature": torch.ones(batch)}
+    if seeded:
+        kwargs["seed"] = torch.zeros(batch, dtype=torch.int64)
+    examples = knob_examples(config, batch, per_row=True)
+    kwargs.update({name: examples[name] for name in config.knob_names()})
+    dynamic = {"args": ({1: length}, None, None), **{name: None for name in kwargs}}
+    result = export_to_pte(head, example, kwargs, dynamic_shapes=dynamic, progress=progress)
+    out = Path(out)
+    result.save(out)
+    tok_name = None
+    if tokenizer is not None:
+        target = tokenizer_path(out)
+        if target.exists():
+            shutil.rmtree(target)
+        if isinstance(tokenizer, (str, Path)):
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
+        tokenizer.save_pretrained(str(target))
+        tok_name = target.name
+    DecoderMeta.build(max_seq_len=max_seq_len, vocab_size=vocab, batch=batch, eos_token_ids=_eos_ids(model),
+                      seeded=seeded, config=config, dtype=str(next(model.parameters()).dtype).replace("torch.", ""),
+                      model_type=getattr(model.config, "model_type", ""), tokenizer=tok_name).save(out)
+    return result

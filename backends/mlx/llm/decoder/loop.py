@@ -1,0 +1,126 @@
+"""The on-device decode loop over a decoder .pte (see decoder_export.py), one sequence at a time.
+
+    decoder = Decoder("model.pte")
+    for step in decoder.stream(prompt_ids, max_tokens=64, params=SamplingParams(temperature=0.8, seed=1)):
+        print(step.token)
+
+Step 0 is the prefill call (the whole prompt, one program call); step k > 0 feeds the previous
+token at position len(prompt) + k - 1. Seeded programs draw with seed = params.seed + step, so a
+whole generation is reproducible from one base seed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from backends.mlx.llm.decoder.export import export_decoder  # noqa: F401  (the export half of this API)
+from backends.mlx.llm.decoder.meta import DecoderMeta, tokenizer_path
+from backends.mlx.llm.decoder.step_inputs import SamplingParams, step_inputs
+from backends.mlx.runtime.runner import load_method
+
+
+@dataclass
+class Step:
+    token: int
+    logprob: float | None = None
+    top: list[tuple[int, float]] | None = None  # (token id, logprob), best first
+
+
+@dataclass
+class Generation:
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str = ""
+    prompt_tokens: int = 0
+    first_token_s: float = 0.0
+    prefill_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+
+
+def check_prompt(meta: DecoderMeta, prompt_ids, max_tokens: int) -> list[int]:
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+    ids = list(prompt_ids)
+    if not ids:
+        raise ValueError("the prompt is empty: give at least one token")
+    if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < meta.vocab_size for t in ids):
+        raise ValueError(f"prompt token ids must be ints in [0, {meta.vocab_size})")
+    if len(ids) + max_tokens > meta.max_seq_len:
+        raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the program's "
+                         f"max_seq_len {meta.max_seq_len}")
+    return ids
+
+
+class Decoder:
+    def __init__(self, pte: Path):
+        self.pte = Path(pte)
+        if not self.pte.is_file():
+            raise FileNotFoundError(f"{self.pte} does not exist")
+        self.meta = DecoderMeta.load(self.pte)
+        if self.meta.batch != 1:
+            raise ValueError(f"{self.pte} decodes {self.meta.batch} rows per call; Decoder runs one sequence "
+                             "(export with batch 1, or serve it with `etmlx serve`)")
+        self.method = load_method(self.pte)
+        self._tokenizer = None
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return bool(self.meta.tokenizer) and tokenizer_path(self.pte).is_dir()
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            path = tokenizer_path(self.pte)
+            if not self.meta.tokenizer or not path.is_dir():
+                raise FileNotFoundError(f"{self.pte} has no tokenizer ({path} is missing): pass token ids "
+                                        "(--prompt-ids) or re-export from a checkpoint that has one")
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(str(path))
+        return self._tokenizer
+
+    def _call(self, tokens: list[int], start: int, params: SamplingParams, step: int) -> Step:
+        inputs = step_inputs(self.meta, torch.tensor([tokens]), [start], [len(tokens)], [params], [step],
+                             [step == 0])
+        out = self.method.execute(inputs)
+        result = Step(int(out[0][0]))
+        if self.meta.config.logprobs:
+            result.logprob = float(out[1][0])
+            result.top = [(int(i), float(v)) for i, v in zip(out[2][0], out[3][0])]
+        return result
+
+    def stream(self, prompt_ids, max_tokens: int, params: SamplingParams | None = None,
+               stop_at_eos: bool = True) -> Iterator[Step]:
+        params = params or SamplingParams()
+        params.check(self.meta)
+        prompt = check_prompt(self.meta, prompt_ids, max_tokens)
+        step = self._call(prompt, 0, params, 0)
+        for k in range(max_tokens):
+            yield step
+            if (stop_at_eos and step.token in self.meta.eos_token_ids) or k + 1 == max_tokens:
+                return
+            step = self._call([step.token], len(prompt) + k, params, k + 1)
+
+    def generate(self, prompt_ids, max_tokens: int, params: SamplingParams | None = None) -> Generation:
+        out = Generation(prompt_tokens=len(list(prompt_ids)))
+        start = time.perf_counter()
+        decode_start = start
+        for step in self.stream(prompt_ids, max_tokens, params):
+            if not out.tokens:
+                decode_start = time.perf_counter()
+                out.first_token_s = decode_start - start
+            out.tokens.append(step.token)
+            if step.logprob is not None:
+                out.logprobs.append(step.logprob)
+                out.top_logprobs.append(step.top)
+        decode_s = time.perf_counter() - decode_start
+        out.prefill_tokens_per_s = out.prompt_tokens / out.first_token_s if out.first_token_s > 0 else 0.0
+        out.decode_tokens_per_s = (len(out.tokens) - 1) / decode_s if decode_s > 0 and len(out.tokens) > 1 else 0.0
+        out.finish_reason = "stop" if out.tokens and out.tokens[-1] in self.meta.eos_token_ids else "length"
+        return out
