@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from backends.mlx.exporter.export import export_to_pte
-from backends.mlx.exporter.inspect_pte import _TAG_NAMES, delegate_blobs
+from backends.mlx.exporter.inspect_pte import TAG_NAMES, delegate_blobs
 from backends.mlx.runtime.runner import load_method
 from backends.mlx.serialization import serializer
 from helpers import FLOATS, TOL, assert_matches
@@ -29,12 +29,12 @@ def instructions(pte: bytes) -> list:
 
 
 def fused_counts(pte: bytes) -> Counter:
-    counts = Counter(_TAG_NAMES[ins.nodeType] for ins in instructions(pte))
+    counts = Counter(TAG_NAMES[ins.nodeType] for ins in instructions(pte))
     return Counter({k: counts[k] for k in FUSED if counts[k]})
 
 
 def rope_nodes(pte: bytes) -> list:
-    return [ins.node for ins in instructions(pte) if _TAG_NAMES[ins.nodeType] == "RopeNode"]
+    return [ins.node for ins in instructions(pte) if TAG_NAMES[ins.nodeType] == "RopeNode"]
 
 
 def check(module, inputs, expect: Counter, fused_vs_plain_exact=False, **export_kw):
@@ -365,7 +365,7 @@ def _mangled_run(module, inputs, edit, capfd, needle):
 
 
 def _first(graph, kind):
-    return next(ins.node for ins in graph.instructions if _TAG_NAMES[ins.nodeType] == kind)
+    return next(ins.node for ins in graph.instructions if TAG_NAMES[ins.nodeType] == kind)
 
 
 def test_runtime_refuses_a_weight_of_the_wrong_size(capfd):

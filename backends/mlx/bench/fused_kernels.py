@@ -28,7 +28,7 @@ from collections import Counter
 import torch
 
 from backends.mlx.exporter.export import export_to_pte
-from backends.mlx.exporter.inspect_pte import _TAG_NAMES, delegate_blobs
+from backends.mlx.exporter.inspect_pte import TAG_NAMES, delegate_blobs
 from backends.mlx.runtime.runner import load_method
 from backends.mlx.serialization.serializer import deserialize
 
@@ -90,7 +90,7 @@ def instruction_counts(pte: bytes) -> Counter:
     counts = Counter()
     for blob in delegate_blobs(pte):
         for ins in deserialize(blob).instructions or []:
-            counts[_TAG_NAMES.get(ins.nodeType, str(ins.nodeType))] += 1
+            counts[TAG_NAMES.get(ins.nodeType, str(ins.nodeType))] += 1
     return counts
 
 

@@ -9,34 +9,18 @@ For each vocabulary size and batch, in the same run:
 from __future__ import annotations
 
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
 from backends.mlx.exporter.export import export_to_pte
 from backends.mlx.llm.sampler.export import LogitsInput, export_sampling_head
+from backends.mlx.bench import sampler_features
+from backends.mlx.bench.timing import ReadOnce, median_ms
 from backends.mlx.runtime.runner import load_method
 
 VOCABS = (32000, 128256, 262144)
 BATCHES = (1, 8)
-
-
-class _ReadOnce(torch.nn.Module):
-    def forward(self, logits):
-        return logits.amax(-1)
-
-
-def _median_ms(fn, repeats: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def measure(vocab: int, batch: int, repeats: int) -> list[dict]:
@@ -44,7 +28,7 @@ def measure(vocab: int, batch: int, repeats: int) -> list[dict]:
     logits = torch.randn(batch, vocab, generator=gen)
     temperature = torch.tensor(0.8)
     sampler = load_method(export_sampling_head(LogitsInput(), (torch.zeros(batch, vocab),)).pte)
-    reader = load_method(export_to_pte(_ReadOnce(), (torch.zeros(batch, vocab),)).pte)
+    reader = load_method(export_to_pte(ReadOnce(), (torch.zeros(batch, vocab),)).pte)
     step = iter(range(10**9))
 
     def etmlx():
@@ -60,7 +44,7 @@ def measure(vocab: int, batch: int, repeats: int) -> list[dict]:
     config = f"V={vocab} B={batch}"
     return [
         {"config": config, "logits": "normal", "vocab": vocab, "batch": batch, "impl": name,
-         "median_ms": _median_ms(fn, repeats)}
+         "median_ms": median_ms(fn, repeats)}
         for name, fn in (("etmlx", etmlx), ("host_torch", host_torch), ("read_once", read_once))
     ]
 
@@ -69,8 +53,6 @@ def main(json_path: str | None = None, repeats: int = 30, vocabs=VOCABS, batches
          suite: str = "all") -> int:
     records = []
     if suite in ("all", "features"):
-        from backends.mlx.bench import sampler_features
-
         records += sampler_features.main(repeats=repeats)
     if suite == "features":
         return _write(json_path, records)

@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 import torch
 
-from backends.mlx.bench.sampler import _median_ms, _ReadOnce
+from backends.mlx.bench.timing import ReadOnce, median_ms
 from backends.mlx.exporter.export import export_to_pte
 from backends.mlx.llm.sampler.export import LogitsInput, export_sampling_head, sampler_inputs
 from backends.mlx.llm.sampler.config import SamplerConfig
@@ -54,7 +54,7 @@ def measure(config_name: str, logits_kind: str, vocab: int, batch: int, repeats:
     logits = make_logits(logits_kind, batch, vocab)
     config = SamplerConfig(top_k="top_k" in knobs, top_p="top_p" in knobs, fused=True)
     program = load_method(export_sampling_head(LogitsInput(), (torch.zeros(batch, vocab),), config=config).pte)
-    reader = load_method(export_to_pte(_ReadOnce(), (torch.zeros(batch, vocab),)).pte)
+    reader = load_method(export_to_pte(ReadOnce(), (torch.zeros(batch, vocab),)).pte)
     knob_tensors = {"top_k": torch.tensor(knobs.get("top_k", 0)), "top_p": torch.tensor(knobs.get("top_p", 1.0))}
     knob_tensors = {k: v for k, v in knob_tensors.items() if k in config.knob_names()}
     temperature = torch.tensor(TEMPERATURE)
@@ -78,7 +78,7 @@ def measure(config_name: str, logits_kind: str, vocab: int, batch: int, repeats:
 
     return [
         {"config": config_name, "logits": logits_kind, "vocab": vocab, "batch": batch, "impl": name,
-         "median_ms": _median_ms(fn, repeats)}
+         "median_ms": median_ms(fn, repeats)}
         for name, fn in (("etmlx", etmlx), ("upstream_formulation", upstream), ("mlx_lm", mlx_lm),
                          ("read_once", read_once))
     ]

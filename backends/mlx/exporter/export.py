@@ -12,7 +12,7 @@ import torch
 from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
 from executorch.exir.backend.compile_spec_schema import CompileSpec
 
-from backends.mlx.exporter.builder.registry import aten_target
+from backends.mlx.exporter.edge_target import aten_target
 from backends.mlx.exporter.partitioner import MLXPartitioner
 from backends.mlx.exporter.preprocess import FUSE_SPEC
 

@@ -11,7 +11,7 @@ from backends.mlx.exporter.preprocess import BACKEND_ID
 from backends.mlx.serialization.generated.node_table import NODE_TAGS
 from backends.mlx.serialization.serializer import deserialize
 
-_TAG_NAMES = {v: k for k, v in NODE_TAGS.items()}
+TAG_NAMES = {v: k for k, v in NODE_TAGS.items()}
 
 
 def delegate_blobs(pte: bytes) -> list[bytes]:
@@ -31,7 +31,7 @@ def describe(path: Path) -> str:
     lines = [f"{path}: {len(pte)} bytes, {len(blobs)} etmlx delegate blob(s)"]
     for i, blob in enumerate(blobs):
         g = deserialize(blob)
-        kinds = Counter(_TAG_NAMES.get(ins.nodeType, f"tag{ins.nodeType}") for ins in g.instructions or [])
+        kinds = Counter(TAG_NAMES.get(ins.nodeType, f"tag{ins.nodeType}") for ins in g.instructions or [])
         lines.append(f"  blob {i}: {len(blob)} bytes, {g.numTensors} tensor slots, {g.numValues} value slots, "
                      f"{len(g.constants or [])} constants, {len(g.inputs or [])} inputs, "
                      f"{len(g.outputs or [])} outputs, {len(g.instructions or [])} instructions")

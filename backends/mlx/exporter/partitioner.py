@@ -20,7 +20,8 @@ from torch.export.exported_program import ExportedProgram
 from torch.fx.passes.operator_support import OperatorSupportBase
 
 import backends.mlx.exporter.ops  # noqa: F401  (registers the handlers)
-from backends.mlx.exporter.builder.registry import REGISTRY, aten_target
+from backends.mlx.exporter.builder.registry import REGISTRY
+from backends.mlx.exporter.edge_target import aten_target
 from backends.mlx.exporter.preprocess import BACKEND_ID
 
 # Ops we lower better whole than decomposed; kept only if every node of the op is claimable.

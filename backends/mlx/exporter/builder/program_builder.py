@@ -16,7 +16,8 @@ import torch
 from torch.export import ExportedProgram
 
 from backends.mlx.exporter import dtypes as D
-from backends.mlx.exporter.builder.registry import REGISTRY, aten_target
+from backends.mlx.exporter.builder.registry import REGISTRY
+from backends.mlx.exporter.edge_target import aten_target
 from backends.mlx.exporter.fusion.plan import FusionPlan, plan_fusions
 from backends.mlx.serialization import fb_classes as fbc
 from backends.mlx.serialization.generated.fb.SlotKind import SlotKind

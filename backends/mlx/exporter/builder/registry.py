@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
-from executorch.exir.dialects.edge._ops import EdgeOpOverload
 
 from backends.mlx.exporter.dtypes import SUPPORTED_DTYPES
+from backends.mlx.exporter.edge_target import aten_target
 
 Predicate = Callable[[torch.fx.Node], Optional[str]]
 
@@ -25,13 +25,6 @@ class OpEntry:
     target: object
     handler: Callable
     supports: Predicate
-
-
-def aten_target(target):
-    """The aten (or custom) OpOverload behind an edge-dialect target."""
-    if isinstance(target, EdgeOpOverload):
-        return target._op
-    return target
 
 
 def tensor_metas(node: torch.fx.Node):

@@ -11,7 +11,7 @@ from typing import Iterable, Optional
 import torch
 from torch.export import ExportedProgram
 
-from backends.mlx.exporter.builder.registry import aten_target
+from backends.mlx.exporter.edge_target import aten_target
 
 aten = torch.ops.aten
 _dim_order_ops = getattr(torch.ops, "dim_order_ops", None)

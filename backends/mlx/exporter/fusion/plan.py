@@ -11,20 +11,12 @@ and each checks that every absorbed value has no user outside its pattern.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
 
-import torch
 from torch.export import ExportedProgram
 
 from backends.mlx.exporter.fusion.graph_match import Constants
-
-
-@dataclass(frozen=True)
-class Fusion:
-    kind: str  # the schema node it emits, e.g. "RmsNormNode"
-    root: torch.fx.Node
-    absorbed: frozenset
-    emit: Callable  # (ProgramBuilder) -> tensor slot of root's value
+from backends.mlx.exporter.fusion.rms_norm import match_rms_norm
+from backends.mlx.exporter.fusion.rope import match_rope
 
 
 @dataclass
@@ -36,23 +28,17 @@ class FusionPlan:
         return [f.kind for f in self.by_root.values()]
 
 
-def _matchers():
-    # Imported here: the matchers import the builder's helpers, which import this package.
-    from backends.mlx.exporter.fusion.rms_norm import match_rms_norm
-    from backends.mlx.exporter.fusion.rope import match_rope
-
-    return (match_rms_norm, match_rope)
+MATCHERS = (match_rms_norm, match_rope)
 
 
 def plan_fusions(ep: ExportedProgram) -> FusionPlan:
     consts = Constants(ep)
     plan = FusionPlan()
     claimed: set = set()
-    matchers = _matchers()
     for node in ep.graph.nodes:
         if node.op != "call_function" or node in claimed:
             continue
-        for match in matchers:
+        for match in MATCHERS:
             fusion = match(node, consts)
             if fusion is None:
                 continue

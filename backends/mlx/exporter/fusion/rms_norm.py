@@ -23,7 +23,7 @@ import torch
 
 from backends.mlx.exporter.fusion.graph_match import (Constants, aten, binary_operands, cast_source, dtype, is_op, last_axis,
                                              only_user, same_shape, same_size, shape, users_within)
-from backends.mlx.exporter.fusion.plan import Fusion
+from backends.mlx.exporter.fusion.pattern import Fusion
 
 
 def _core(n) -> Optional[tuple]:

@@ -21,7 +21,7 @@ import torch
 from backends.mlx.exporter.dtypes import FLOAT_DTYPES
 from backends.mlx.exporter.fusion.graph_match import (Constants, aten, binary_operands, dtype, is_op, last_axis, only_user,
                                              same_shape, shape)
-from backends.mlx.exporter.fusion.plan import Fusion
+from backends.mlx.exporter.fusion.pattern import Fusion
 from backends.mlx.exporter.fusion.rope_tables import RopeTables, prove_tables
 
 _INT64_MAX = 2**63 - 1

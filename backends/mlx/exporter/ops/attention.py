@@ -6,6 +6,8 @@ import math
 
 from backends.mlx.exporter.builder.program_builder import BuildError
 from backends.mlx.exporter.builder.registry import REGISTRY
+from backends.mlx.exporter.fusion.graph_match import Constants
+from backends.mlx.exporter.fusion.key_window import prove_key_window
 from backends.mlx.exporter.ops.common import aten, float_only
 
 
@@ -60,9 +62,6 @@ def _key_window_fields(b, mask, q, k) -> dict:
     """SdpaNode's window fields when the mask provably hides the keys past the filled part of a cache."""
     if not b.fuse:  # export_to_pte(fuse=False): the graph exactly as exported
         return {}
-    from backends.mlx.exporter.fusion.graph_match import Constants
-    from backends.mlx.exporter.fusion.key_window import prove_key_window
-
     window = prove_key_window(mask, q, k, Constants(b.ep))
     if window is None:
         return {}

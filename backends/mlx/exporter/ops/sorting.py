@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from backends.mlx.exporter.builder.registry import REGISTRY, aten_target
+from backends.mlx.exporter.builder.registry import REGISTRY
+from backends.mlx.exporter.edge_target import aten_target
 from backends.mlx.exporter.dtypes import to_schema
 from backends.mlx.exporter.ops.common import aten, ndim, norm_axis
 from backends.mlx.serialization.generated.fb.UnaryOp import UnaryOp
