@@ -5,7 +5,7 @@ VPY := $(VENV)/bin/python
 DEPS_STAMP := $(VENV)/.etmlx-deps
 LIB := backends/mlx/runtime/_lib/libetmlx_backend.so
 DECODE := build/etmlx_decode
-RUNTIME_SOURCES := CMakeLists.txt $(wildcard backends/mlx/runtime/*.cpp backends/mlx/runtime/*.h backends/mlx/runtime/generated/* tests/cpp/*.cpp backends/mlx/tools/etmlx_decode/*.cpp backends/mlx/tools/etmlx_decode/*.h)
+RUNTIME_SOURCES := CMakeLists.txt $(wildcard backends/mlx/runtime/*.cpp backends/mlx/runtime/*.h backends/mlx/runtime/kernels/*.cpp backends/mlx/runtime/kernels/*.h backends/mlx/runtime/generated/* tests/cpp/*.cpp backends/mlx/tools/etmlx_decode/*.cpp backends/mlx/tools/etmlx_decode/*.h)
 
 .PHONY: setup test demo bench regenerate clean
 

@@ -154,8 +154,8 @@ def test_different_seeds_give_different_draws(seeded_8x64):
 def test_unseeded_program_varies_and_stays_in_range():
     result = _export(8, 64, seeded=False)
     blob = deserialize(delegate_blobs(result.pte)[0])
-    bits = [i.node for i in blob.instructions if i.nodeType == NODE_TAGS["RandomBitsNode"]]
-    assert len(bits) == 1 and bits[0].seed is None
+    draws = [i.node for i in blob.instructions if i.nodeType == NODE_TAGS["GumbelMaxNode"]]
+    assert len(draws) == 1 and draws[0].seed is None
     method = load_method(result.pte)
     logits = torch.zeros(8, 64)
     draws = [method.execute([logits, torch.tensor(1.0)])[0] for _ in range(10)]
@@ -166,7 +166,8 @@ def test_unseeded_program_varies_and_stays_in_range():
 def test_greedy_only_head_has_no_random_op():
     result = export_sampling_head(LogitsInput(), (torch.zeros(4, 32),), greedy_only=True)
     blob = deserialize(delegate_blobs(result.pte)[0])
-    assert NODE_TAGS["RandomBitsNode"] not in {i.nodeType for i in blob.instructions}
+    types = {i.nodeType for i in blob.instructions}
+    assert NODE_TAGS["RandomBitsNode"] not in types and NODE_TAGS["GumbelMaxNode"] not in types
     logits = torch.randn(4, 32)
     assert torch.equal(load_method(result.pte).execute([logits])[0], logits.argmax(-1))
 

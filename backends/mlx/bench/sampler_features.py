@@ -52,7 +52,7 @@ def measure(config_name: str, logits_kind: str, vocab: int, batch: int, repeats:
 
     knobs = CONFIGS[config_name]
     logits = make_logits(logits_kind, batch, vocab)
-    config = SamplerConfig(top_k="top_k" in knobs, top_p="top_p" in knobs, fused=True)
+    config = SamplerConfig(top_k="top_k" in knobs, top_p="top_p" in knobs)
     program = load_method(export_sampling_head(LogitsInput(), (torch.zeros(batch, vocab),), config=config).pte)
     reader = load_method(export_to_pte(ReadOnce(), (torch.zeros(batch, vocab),)).pte)
     knob_tensors = {"top_k": torch.tensor(knobs.get("top_k", 0)), "top_p": torch.tensor(knobs.get("top_p", 1.0))}

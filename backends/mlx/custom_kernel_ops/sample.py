@@ -82,8 +82,8 @@ __all__ = ["sample", "check_sample_args", "row_noise"]
 @torch.library.custom_op("mlx::sample_fused", mutates_args=())
 def sample_fused(x: torch.Tensor, temperature: torch.Tensor, seed: Optional[torch.Tensor] = None,
                  threshold: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """mlx::sample over the tokens with x / t >= threshold (all when None), lowered to one
-    fused GumbelMaxNode (one pass on the CPU device, skipping tokens that cannot win)."""
+    """mlx::sample over the tokens with x / t >= threshold (all when None). Both ops lower to the
+    one GumbelMaxNode (runtime/kernels/gumbel_max.h); this one also passes the threshold."""
     if threshold is not None:
         z = divide_by_temperature(x, temperature)
         x = torch.where(z >= threshold, x.to(torch.float32), torch.full_like(z, float("-inf")))

@@ -1,5 +1,4 @@
 #include "interpreter.h"
-#include "cpu_gemm.h"
 #include "size_limits.h"
 
 #include <algorithm>
@@ -664,7 +663,7 @@ bool Interpreter::exec_matmul(const fb::MatmulNode& n) {
   if (!a) return false;
   const mx::array* b = read(n.b());
   if (!b) return false;
-  return write(n.out(), device_matmul(*a, *b));
+  return write(n.out(), program_.kernels->matmul(*a, *b));
 }
 
 bool Interpreter::exec_addmm(const fb::AddmmNode& n) {
@@ -674,7 +673,7 @@ bool Interpreter::exec_addmm(const fb::AddmmNode& n) {
   if (!a) return false;
   const mx::array* b = read(n.b());
   if (!b) return false;
-  return write(n.out(), device_addmm(*bias, *a, *b, static_cast<float>(n.alpha()),
+  return write(n.out(), program_.kernels->addmm(*bias, *a, *b, static_cast<float>(n.alpha()),
                                      static_cast<float>(n.beta())));
 }
 

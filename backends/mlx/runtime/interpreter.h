@@ -5,7 +5,9 @@
 // reads its operands (an unset slot is an error, never a crash), validates
 // every axis / shape argument from the blob against the actual operand
 // shapes, and writes its result. mlx builds the graph lazily; nothing is
-// computed until the caller evaluates the outputs.
+// computed until the caller evaluates the outputs. The math of the bigger nodes
+// lives in kernels/ as free functions on mlx arrays; where it depends on the
+// device, the variant is the one the program got at load (Program::kernels).
 #pragma once
 
 #include <cstddef>
@@ -65,14 +67,14 @@ class Interpreter {
   bool exec_matmul(const fb::MatmulNode& n);
   bool exec_addmm(const fb::AddmmNode& n);
   bool exec_sym_size(const fb::SymSizeNode& n);
-  bool exec_random_bits(const fb::RandomBitsNode& n);  // random_bits.cpp
-  bool exec_filter_threshold(const fb::FilterThresholdNode& n);  // filter_threshold.cpp
-  bool exec_gumbel_max(const fb::GumbelMaxNode& n);  // gumbel_max.cpp
-  bool exec_sdpa(const fb::SdpaNode& n);  // attention.cpp
+  bool exec_random_bits(const fb::RandomBitsNode& n);  // exec_sampling.cpp
+  bool exec_filter_threshold(const fb::FilterThresholdNode& n);  // exec_sampling.cpp
+  bool exec_gumbel_max(const fb::GumbelMaxNode& n);  // exec_sampling.cpp
+  bool exec_sdpa(const fb::SdpaNode& n);  // exec_fused.cpp
   bool sdpa_window_end(const fb::SdpaNode& n, int batch, int query_len, int keys, int* end);
-  bool exec_rms_norm(const fb::RmsNormNode& n);  // fused_norms.cpp
-  bool exec_layer_norm(const fb::LayerNormNode& n);  // fused_norms.cpp
-  bool exec_rope(const fb::RopeNode& n);  // rope.cpp
+  bool exec_rms_norm(const fb::RmsNormNode& n);  // exec_fused.cpp
+  bool exec_layer_norm(const fb::LayerNormNode& n);  // exec_fused.cpp
+  bool exec_rope(const fb::RopeNode& n);  // exec_fused.cpp
   bool unknown_node(int type);
 
   // Slot access. read() returns nullptr (after logging) for an unset or
@@ -96,7 +98,7 @@ class Interpreter {
   // not bounds-check): integer dtype required, negative wrapped, clamped.
   bool safe_indices(const mlx::core::array& idx, int dim_size, const char* what,
                     mlx::core::array* out);
-  // Normalization operands (fused_norms.cpp): a floating x of rank >= 1, and an
+  // Normalization operands (exec_fused.cpp): a floating x of rank >= 1, and an
   // optional floating weight or bias, 1-d with x's last size (absent: unset).
   bool norm_input(const fb::Tid* t, const mlx::core::array** x);
   bool norm_operand(const fb::Tid* t, const mlx::core::array& x, const char* what,

@@ -391,6 +391,13 @@ Error load_program(const void* data, size_t size, Program& out) {
     }
   }
 
+  std::string kernel_error;
+  p.kernels = kernels::select_kernels(mx::default_device(), &kernel_error);
+  if (p.kernels == nullptr) {
+    ET_LOG(Error, "etmlx: %s", kernel_error.c_str());
+    return Error::InvalidArgument;
+  }
+
   out = std::move(p);
   return Error::Ok;
 }

@@ -16,6 +16,7 @@
 #include <mlx/array.h>
 
 #include "dtypes.h"
+#include "kernels/kernel_set.h"
 
 namespace etmlx {
 
@@ -42,6 +43,9 @@ struct Program {
   // Mutable buffers: slot and index of the constant with the initial value.
   std::vector<uint32_t> mutable_slots;
   std::vector<uint32_t> mutable_initial;
+
+  // The kernel variants for the device the program was loaded on (kernels/kernel_set.h).
+  const kernels::KernelSet* kernels = nullptr;
 };
 
 // `data`/`size` is the whole processed blob (16-byte header + flatbuffer).

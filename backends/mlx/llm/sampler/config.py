@@ -58,9 +58,6 @@ class SamplerConfig:
     penalty_seed: int = 0  # ids per row that `penalty_add` can add to the counts in one step
     penalty_window: int = 0  # count only the last N tokens (0: every token since the reset)
     expose_counts: bool = False  # also return the counts after the step (tests, debugging)
-    # Draw with the fused GumbelMaxNode (one pass on CPU) even without other features. Every
-    # non-plain program uses it; the plain default keeps the RandomBitsNode composition.
-    fused: bool = False
 
     def __post_init__(self):
         if not isinstance(self.logit_bias, int) or self.logit_bias < 0:
@@ -85,7 +82,7 @@ class SamplerConfig:
     @property
     def plain(self) -> bool:
         """Temperature and seed only: the issue-3 program."""
-        return not (self.filters or self.logit_bias or self.logprobs or self.fused or self.penalties)
+        return not (self.filters or self.logit_bias or self.logprobs or self.penalties)
 
     def knob_names(self) -> list[str]:
         names = [n for n in ("top_k", "top_p", "min_p") if getattr(self, n)]

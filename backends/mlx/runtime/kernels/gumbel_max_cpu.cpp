@@ -1,10 +1,9 @@
-// exec_gumbel_max: one Gumbel-max draw per row (semantics in schema.fbs).
+// gumbel_max_cpu: the steps of gumbel_max.h as one pass over each row in host memory.
 //
-// On the CPU device the whole row is one pass over host memory: noise is drawn
-// per token from MLX's counter layout (threefry.h), so the result equals the
-// full-draw composition, and a token whose score plus the largest possible
-// noise cannot beat the current best is skipped without hashing (filtered
-// tokens, at -inf, cost nothing). Other devices compose mlx::core ops.
+// Noise is drawn per token from MLX's counter layout (threefry.h), so the result
+// equals the full-draw composition, and a token whose score plus the largest
+// possible noise cannot beat the current best is skipped without hashing
+// (filtered tokens, at -inf, cost nothing).
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -13,11 +12,10 @@
 #include <mlx/random.h>
 #include <mlx/transforms.h>
 
-#include "interpreter.h"
-#include "random_keys.h"
-#include "threefry.h"
+#include "kernels/gumbel_max.h"
+#include "kernels/threefry.h"
 
-namespace etmlx {
+namespace etmlx::kernels {
 
 namespace mx = mlx::core;
 
@@ -93,58 +91,12 @@ int64_t sampled_row(const float* x, int vocab, float t, float floor, RngKey key,
 
 }  // namespace
 
-bool Interpreter::exec_gumbel_max(const fb::GumbelMaxNode& n) {
-  const mx::array* scores = read(n.x());
-  if (!scores) return false;
-  const mx::array* temperature = read(n.temperature());
-  if (!temperature) return false;
-  if (scores->ndim() != 2 || scores->dtype() != mx::float32) return fail("x must be a [B, V] float32 tensor");
-  const int rows = scores->shape(0), vocab = scores->shape(1);
-  if (temperature->dtype() != mx::float32 || temperature->ndim() > 1 ||
-      (temperature->ndim() == 1 && temperature->shape(0) != rows)) {
-    return fail("temperature must be a float32 scalar or [%d]", rows);
-  }
-  const mx::array* seed = nullptr;
-  if (n.seed() != nullptr) {
-    seed = read(n.seed());
-    if (!seed) return false;
-    if (!mx::issubdtype(seed->dtype(), mx::integer) || seed->ndim() > 1 ||
-        (seed->ndim() == 1 && seed->shape(0) != rows)) {
-      return fail("seed must be an integer scalar or [%d]", rows);
-    }
-  }
-  if (vocab == 0) return fail("x has an empty vocabulary");
-  const mx::array* threshold = nullptr;
-  if (n.threshold() != nullptr) {
-    threshold = read(n.threshold());
-    if (!threshold) return false;
-    if (threshold->dtype() != mx::float32 || threshold->size() != static_cast<size_t>(rows)) {
-      return fail("threshold must be [%d, 1] float32", rows);
-    }
-  }
-  const mx::array t_rows = mx::broadcast_to(mx::reshape(*temperature, {-1}), {rows});
-
-  if (mx::default_device() != mx::Device::cpu) {
-    // Same semantics from mlx ops, so the logits never leave the device.
-    const mx::array x = mx::where(mx::isnan(*scores), mx::array(kNegInf), *scores);
-    const mx::array t = mx::reshape(t_rows, {rows, 1});
-    const mx::array sampled = mx::greater(t, mx::array(0.0f));
-    auto bits = draw_bits(scores->shape(), 4, seed);
-    if (!bits) return fail("per-row seeds do not match the batch");
-    const mx::array u = mx::minimum(mx::divide(mx::astype(*bits, mx::float32), mx::array(4294967295.0f)),
-                                    mx::array(0.99999994f));
-    const mx::array g = mx::negative(mx::log(mx::negative(mx::log(u))));
-    mx::array z = mx::divide(x, mx::where(sampled, t, mx::array(1.0f)));
-    if (threshold) z = mx::where(mx::greater_equal(z, mx::reshape(*threshold, {rows, 1})), z, mx::array(kNegInf));
-    mx::array s = mx::add(z, g);
-    s = mx::where(mx::isnan(s), mx::array(kNegInf), s);
-    const mx::array pick = mx::where(mx::reshape(sampled, {rows}), mx::argmax(s, 1), mx::argmax(x, 1));
-    return write(n.out(), mx::astype(pick, mx::int64));
-  }
-
-  // CPU: read the operands on the host and draw each row in one pass.
+mx::array gumbel_max_cpu(const mx::array& scores, const mx::array& temperature, const std::optional<mx::array>& seed,
+                         const std::optional<mx::array>& threshold) {
+  const int rows = scores.shape(0), vocab = scores.shape(1);
+  // The keys and operands, on the host.
   std::vector<RngKey> keys;
-  if (seed == nullptr) {
+  if (!seed) {
     mx::array k = mx::random::KeySequence::default_().next();
     mx::eval(k);
     keys.push_back(RngKey{k.data<uint32_t>()[0], k.data<uint32_t>()[1]});
@@ -153,9 +105,9 @@ bool Interpreter::exec_gumbel_max(const fb::GumbelMaxNode& n) {
     mx::eval(s);
     for (size_t i = 0; i < s.size(); ++i) keys.push_back(key_from_seed(static_cast<uint64_t>(s.data<int64_t>()[i])));
   }
-  const bool per_row = seed != nullptr && seed->ndim() == 1;
-  const mx::array x = mx::contiguous(*scores);
-  const mx::array t = mx::contiguous(t_rows);
+  const bool per_row = seed && seed->ndim() == 1;
+  const mx::array x = mx::contiguous(scores);
+  const mx::array t = mx::contiguous(temperature);
   const mx::array floor = threshold ? mx::contiguous(mx::reshape(*threshold, {rows}))
                                     : mx::full({rows}, mx::array(kNegInf));
   mx::eval({x, t, floor});
@@ -173,7 +125,7 @@ bool Interpreter::exec_gumbel_max(const fb::GumbelMaxNode& n) {
                            static_cast<uint64_t>(r) * vocab);
     }
   }
-  return write(n.out(), mx::array(out.begin(), {rows}, mx::int64));
+  return mx::array(out.begin(), {rows}, mx::int64);
 }
 
-}  // namespace etmlx
+}  // namespace etmlx::kernels

@@ -9,7 +9,7 @@
 
 #include <cstdint>
 
-namespace etmlx {
+namespace etmlx::kernels {
 
 struct RngKey {
   uint32_t hi = 0;
@@ -28,4 +28,4 @@ void word_pair(RngKey key, uint64_t n, uint64_t i, uint32_t* first, uint32_t* se
 // MLX's uniform from one word: float32(word) / float32(2^32 - 1), clamped below 1.
 float uniform_from_word(uint32_t word);
 
-}  // namespace etmlx
+}  // namespace etmlx::kernels

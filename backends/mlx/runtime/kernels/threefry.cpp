@@ -1,8 +1,8 @@
-#include "threefry.h"
+#include "kernels/threefry.h"
 
 #include <algorithm>
 
-namespace etmlx {
+namespace etmlx::kernels {
 
 namespace {
 
@@ -59,4 +59,4 @@ float uniform_from_word(uint32_t word) {
   return std::min(u, 0.99999994f);                          // nextafter(1, 0)
 }
 
-}  // namespace etmlx
+}  // namespace etmlx::kernels

@@ -1,11 +1,11 @@
-#include "random_keys.h"
+#include "kernels/random_bits.h"
 
 #include <vector>
 
 #include <mlx/ops.h>
 #include <mlx/random.h>
 
-namespace etmlx {
+namespace etmlx::kernels {
 
 namespace mx = mlx::core;
 
@@ -16,8 +16,8 @@ mx::array keys_from_seeds(const mx::array& seeds) {
   return mx::stack({hi, lo}, -1);
 }
 
-std::optional<mx::array> draw_bits(const mx::Shape& shape, int width, const mx::array* seed) {
-  if (seed == nullptr) return mx::random::bits(shape, width);
+std::optional<mx::array> random_bits(const mx::Shape& shape, int width, const std::optional<mx::array>& seed) {
+  if (!seed) return mx::random::bits(shape, width);
   if (seed->ndim() == 0) return mx::random::bits(shape, width, keys_from_seeds(*seed));
   const int rows = seed->shape(0);
   if (shape.empty() || shape[0] != rows) return std::nullopt;
@@ -31,4 +31,4 @@ std::optional<mx::array> draw_bits(const mx::Shape& shape, int width, const mx::
   return mx::stack(drawn, 0);
 }
 
-}  // namespace etmlx
+}  // namespace etmlx::kernels

@@ -1,0 +1,204 @@
+// The fused-kernel nodes (SdpaNode, RmsNormNode, LayerNormNode, RopeNode): operands read and
+// checked against the blob (mlx::core::fast trusts its caller's shapes on some devices), then
+// the kernels in kernels/attention.h, norms.h and rope.h.
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+
+#include <mlx/ops.h>
+#include <mlx/transforms.h>
+
+#include "dtypes.h"
+#include "interpreter.h"
+#include "kernels/attention.h"
+#include "kernels/norms.h"
+#include "kernels/rope.h"
+
+namespace etmlx {
+
+namespace mx = mlx::core;
+
+namespace {
+
+// ETMLX_KEY_WINDOW=0 attends over every key even when the exporter proved a
+// window (for A/B measurements; results are the same either way).
+bool key_window_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("ETMLX_KEY_WINDOW");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  return enabled;
+}
+
+bool integer_vector(const mx::array& values) {
+  return values.ndim() == 1 && values.size() > 0 && mx::issubdtype(values.dtype(), mx::integer);
+}
+
+// max(values) of a small 1-d integer tensor (the rows' start positions); the
+// runtime reads it on the host, which for a program input costs nothing.
+int64_t max_of(const mx::array& values) {
+  mx::array v = mx::astype(values, mx::int64);
+  mx::eval(v);
+  const int64_t* data = v.data<int64_t>();
+  int64_t m = std::numeric_limits<int64_t>::min();
+  for (size_t i = 0; i < v.size(); ++i) m = std::max(m, data[i]);
+  return m;
+}
+
+// True when `t` broadcasts to `x` without changing x's shape.
+bool broadcasts_to(const mx::array& t, const mx::array& x) {
+  if (t.ndim() > x.ndim()) return false;
+  const int lead = static_cast<int>(x.ndim() - t.ndim());
+  for (int i = 0; i < static_cast<int>(t.ndim()); ++i) {
+    if (t.shape(i) != 1 && t.shape(i) != x.shape(lead + i)) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+// Keys [0, end) when the node's proven window leaves fewer than S of them, else S.
+bool Interpreter::sdpa_window_end(const fb::SdpaNode& n, int batch, int query_len, int keys, int* end) {
+  *end = keys;
+  // (A causal node has L == S by definition; a window is only ever proven from a mask.)
+  if (!n.window() || n.causal() || !key_window_enabled()) return true;
+  const mx::array* base = nullptr;
+  if (n.window_base() != nullptr) {
+    base = read(n.window_base());
+    if (!base) return false;
+    if (!integer_vector(*base)) return fail("window_base must be a non-empty 1-d integer tensor");
+  }
+  // One row only: with several, the window is the widest row's, and the number of
+  // keys a row's products sum over (hence their rounding) would depend on which
+  // other requests share the call. A served request must get the same bits
+  // whatever it is batched with, so multi-row calls attend over every key.
+  if (batch != 1) return true;
+  int64_t e = base ? max_of(*base) : 0;
+  const int64_t extra = n.window_per_query() ? query_len : 1;
+  if (__builtin_add_overflow(e, n.window_shift(), &e) || __builtin_add_overflow(e, extra, &e)) return true;
+  if (e >= 1 && e < keys) *end = static_cast<int>(e);
+  return true;
+}
+
+bool Interpreter::exec_sdpa(const fb::SdpaNode& n) {
+  const mx::array* q = read(n.q());
+  if (!q) return false;
+  const mx::array* k = read(n.k());
+  if (!k) return false;
+  const mx::array* v = read(n.v());
+  if (!v) return false;
+  if (q->ndim() != 4 || k->ndim() != 4 || v->ndim() != 4) return fail("q, k and v must be 4-d");
+  if (!mx::issubdtype(q->dtype(), mx::floating) || k->dtype() != q->dtype() || v->dtype() != q->dtype()) {
+    return fail("q, k and v must share one floating dtype");
+  }
+  const int heads = q->shape(1), kv_heads = k->shape(1);
+  if (kv_heads == 0 || heads % kv_heads != 0 || v->shape(1) != kv_heads) {
+    return fail("has %d query heads for %d key/value heads", heads, kv_heads);
+  }
+  if (k->shape(3) != q->shape(3) || k->shape(2) != v->shape(2) || k->shape(0) != q->shape(0) ||
+      v->shape(0) != q->shape(0)) {
+    return fail("q, k and v shapes do not fit together");
+  }
+  std::optional<mx::array> mask;
+  if (n.mask() != nullptr) {
+    const mx::array* m = read(n.mask());
+    if (!m) return false;
+    if (m->ndim() > 4) return fail("mask has %d dims (at most 4)", static_cast<int>(m->ndim()));
+    // Additive masks must be in the query dtype; boolean ones stay boolean.
+    mask = m->dtype() == mx::bool_ ? *m : mx::astype(*m, q->dtype());
+  }
+  if (n.causal() && q->shape(2) != k->shape(2)) return fail("causal attention needs L == S");
+  const int keys = k->shape(2);
+  int end = keys;
+  if (!sdpa_window_end(n, q->shape(0), q->shape(2), keys, &end)) return false;
+  return write(n.out(), kernels::sdpa(*q, *k, *v, n.scale(), n.causal(), mask, end));
+}
+
+bool Interpreter::norm_operand(const fb::Tid* t, const mx::array& x, const char* what,
+                               std::optional<mx::array>* out) {
+  if (t == nullptr) return true;  // optional operand left out
+  const mx::array* a = read(t);
+  if (!a) return false;
+  if (!mx::issubdtype(a->dtype(), mx::floating)) {
+    return fail("%s must be floating, got %s", what, mlx_dtype_name(a->dtype()));
+  }
+  if (a->ndim() != 1 || a->shape(0) != x.shape(-1)) {
+    return fail("%s must be 1-d with %d elements (x's last size)", what, static_cast<int>(x.shape(-1)));
+  }
+  *out = *a;
+  return true;
+}
+
+bool Interpreter::norm_input(const fb::Tid* t, const mx::array** x) {
+  *x = read(t);
+  if (!*x) return false;
+  if ((*x)->ndim() == 0) return fail("needs x with at least one dimension");
+  if (!mx::issubdtype((*x)->dtype(), mx::floating)) {
+    return fail("needs a floating x, got %s", mlx_dtype_name((*x)->dtype()));
+  }
+  return true;
+}
+
+bool Interpreter::exec_rms_norm(const fb::RmsNormNode& n) {
+  const mx::array* x = nullptr;
+  if (!norm_input(n.x(), &x)) return false;
+  std::optional<mx::array> weight;
+  if (!norm_operand(n.weight(), *x, "weight", &weight)) return false;
+  return write(n.out(), kernels::rms_norm(*x, weight, n.eps()));
+}
+
+bool Interpreter::exec_layer_norm(const fb::LayerNormNode& n) {
+  const mx::array* x = nullptr;
+  if (!norm_input(n.x(), &x)) return false;
+  std::optional<mx::array> weight, bias;
+  if (!norm_operand(n.weight(), *x, "weight", &weight)) return false;
+  if (!norm_operand(n.bias(), *x, "bias", &bias)) return false;
+  return write(n.out(), kernels::layer_norm(*x, weight, bias, n.eps()));
+}
+
+bool Interpreter::exec_rope(const fb::RopeNode& n) {
+  const mx::array* x = read(n.x());
+  if (!x) return false;
+  const mx::array* cos = read(n.cos());
+  if (!cos) return false;
+  const mx::array* sin = read(n.sin());
+  if (!sin) return false;
+  if (!mx::issubdtype(x->dtype(), mx::floating)) {
+    return fail("needs a floating x, got %s", mlx_dtype_name(x->dtype()));
+  }
+  if (x->ndim() == 0 || x->shape(-1) % 2 != 0 || x->shape(-1) == 0) {
+    return fail("needs x whose last size is even and positive");
+  }
+  const int dims = x->shape(-1), half = dims / 2;
+  for (const mx::array* t : {cos, sin}) {
+    if (t->dtype() != x->dtype()) {
+      return fail("needs cos and sin in x's dtype %s, got %s", mlx_dtype_name(x->dtype()),
+                  mlx_dtype_name(t->dtype()));
+    }
+    if (t->ndim() == 0 || t->shape(-1) != dims || !broadcasts_to(*t, *x)) {
+      return fail("needs cos and sin broadcastable to x with last size %d", dims);
+    }
+  }
+  if ((n.offset() == nullptr) != (n.freqs() == nullptr)) return fail("needs both offset and freqs, or neither");
+  if (n.offset() != nullptr) {
+    const mx::array* offset = read(n.offset());
+    if (!offset) return false;
+    const mx::array* freqs = read(n.freqs());
+    if (!freqs) return false;
+    if (x->ndim() != 4) return fail("with offset needs x [B, H, L, D]");
+    if (!mx::issubdtype(offset->dtype(), mx::integer) || offset->ndim() > 1 ||
+        (offset->ndim() == 1 && offset->size() != 1 && offset->shape(0) != x->shape(0))) {
+      return fail("needs an integer offset, 0-d or one per batch row");
+    }
+    if (freqs->dtype() != mx::float32 || freqs->ndim() != 1 || freqs->shape(0) != half) {
+      return fail("needs float32 freqs of %d elements", half);
+    }
+    if (kernels::use_fast_rope(program_.kernels->fast_rope)) {
+      return write(n.out(), kernels::rope_fast(*x, *offset, *freqs));
+    }
+  }
+  return write(n.out(), kernels::rope_from_tables(*x, *cos, *sin));
+}
+
+}  // namespace etmlx

@@ -1,0 +1,43 @@
+#include "kernels/kernel_set.h"
+
+#include <cstdlib>
+#include <cstring>
+
+#include <mlx/ops.h>
+
+namespace etmlx::kernels {
+
+namespace mx = mlx::core;
+
+namespace {
+
+mx::array device_matmul(const mx::array& a, const mx::array& b) { return mx::matmul(a, b); }
+
+mx::array device_addmm(const mx::array& bias, const mx::array& a, const mx::array& b, float alpha, float beta) {
+  return mx::addmm(bias, a, b, alpha, beta);
+}
+
+}  // namespace
+
+const KernelSet& cpu_kernels() {
+  static const KernelSet set{"cpu", gumbel_max_cpu, filter_threshold_cpu, cpu_matmul, cpu_addmm,
+                             /*fast_rope=*/false};
+  return set;
+}
+
+const KernelSet& device_kernels() {
+  static const KernelSet set{"device", gumbel_max_device, filter_threshold_device, device_matmul, device_addmm,
+                             /*fast_rope=*/true};
+  return set;
+}
+
+const KernelSet* select_kernels(const mx::Device& device, std::string* error) {
+  const char* forced = std::getenv("ETMLX_KERNELS");
+  if (forced == nullptr || forced[0] == '\0') return device == mx::Device::cpu ? &cpu_kernels() : &device_kernels();
+  if (std::strcmp(forced, "cpu") == 0) return &cpu_kernels();
+  if (std::strcmp(forced, "device") == 0) return &device_kernels();
+  *error = std::string("ETMLX_KERNELS=") + forced + " is not \"cpu\" or \"device\"";
+  return nullptr;
+}
+
+}  // namespace etmlx::kernels

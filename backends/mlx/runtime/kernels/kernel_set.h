@@ -1,0 +1,37 @@
+// Which variant of each device-dependent kernel a program runs, chosen once when it is loaded.
+//
+// Kernels whose best formulation depends on the device have one file per variant
+// (gumbel_max_cpu.cpp / gumbel_max_device.cpp, ...) behind one signature; the
+// interpreter calls through the set it got at load and never asks the device
+// in the middle of an op. "cpu": host loops over evaluated operands, BLAS-friendly
+// matmuls. "device": compositions of mlx ops, lazy, for Metal and CUDA.
+#pragma once
+
+#include <string>
+
+#include <mlx/device.h>
+
+#include "kernels/cpu_gemm.h"
+#include "kernels/filter_threshold.h"
+#include "kernels/gumbel_max.h"
+
+namespace etmlx::kernels {
+
+struct KernelSet {
+  const char* name;  // "cpu" or "device"
+  GumbelMaxFn gumbel_max;
+  FilterThresholdFn filter_threshold;
+  MatmulFn matmul;
+  AddmmFn addmm;
+  bool fast_rope;  // mx::fast::rope where the exporter allowed it (rope.h; ETMLX_FAST_ROPE overrides)
+};
+
+const KernelSet& cpu_kernels();
+const KernelSet& device_kernels();
+
+// The set for `device`: cpu_kernels() on the CPU, device_kernels() elsewhere. ETMLX_KERNELS=cpu or
+// =device overrides it (device on a CPU build runs the GPU formulation, so tests can check it
+// there). Returns nullptr and sets *error for any other value.
+const KernelSet* select_kernels(const mlx::core::Device& device, std::string* error);
+
+}  // namespace etmlx::kernels

@@ -1,0 +1,27 @@
+// Rotate-half rotary embedding (RopeNode; semantics in schema.fbs).
+//
+// rope_from_tables composes the ops the exported graph had (bit-identical to it).
+// When the exporter proved the tables are cos/sin((offset[b] + l) * inv_freq),
+// rope_fast runs mlx::core::fast::rope instead: one pass over x, no tables read.
+// Devices with a fused kernel (Metal, CUDA) prefer it; on the CPU device
+// fast::rope is itself a composition that recomputes the tables for every call,
+// so there the shared tables are cheaper (measured on x [1, 8, 64, 64] float32:
+// 0.80 ms for fast::rope against 0.47 ms from the tables). kernel_set.h says which.
+#pragma once
+
+#include <mlx/array.h>
+
+namespace etmlx::kernels {
+
+// x [..., D] floating with D even; cos and sin [..., D] in x's dtype, broadcastable to x.
+mlx::core::array rope_from_tables(const mlx::core::array& x, const mlx::core::array& cos,
+                                  const mlx::core::array& sin);
+
+// x [B, H, L, D]; offset integer, 0-d or [B]; freqs [D / 2] float32 (the inverse frequencies).
+mlx::core::array rope_fast(const mlx::core::array& x, const mlx::core::array& offset, const mlx::core::array& freqs);
+
+// ETMLX_FAST_ROPE=1 or 0 overrides `preferred` (the kernel set's choice); read per call, so
+// tests can run the kernel path on the CPU.
+bool use_fast_rope(bool preferred);
+
+}  // namespace etmlx::kernels
