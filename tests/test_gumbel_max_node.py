@@ -99,6 +99,21 @@ def test_per_row_temperatures_and_seeds_match_the_host_reference(per_row, monkey
         assert tokens.tolist() == alone
 
 
+@pytest.mark.parametrize("kernels", ["cpu", "device"])
+def test_odd_sized_draw_matches_the_host_reference(monkeypatch, kernels):
+    # B * V odd: the draw's unpaired middle word falls inside row 1 (the CPU kernel hashes it alone).
+    monkeypatch.setenv("ETMLX_KERNELS", kernels)
+    method = load_method(export_sampling_head(LogitsInput(), (torch.zeros(3, VOCAB),)).pte)
+    for seed in SEEDS:
+        logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(seed)) * 0.01
+        logits[1, 126:131] = 5.0  # the middle word is token 128's: make it one of five likely winners
+        for t in (0.5, 1.0, 2.0):
+            tokens = method.execute([logits, torch.tensor(t), torch.tensor(seed)])[0]
+            expected, margins = sample_with_margins(logits, torch.tensor(t), torch.tensor(seed))
+            clear = torch.from_numpy(np.asarray(margins > NEAR_TIE))
+            assert torch.equal(tokens[clear], expected[clear]) and int(clear.sum()) >= 2
+
+
 def test_unknown_kernel_variant_is_refused(plain, monkeypatch, capfd):
     monkeypatch.setenv("ETMLX_KERNELS", "gpu")
     with pytest.raises(Exception):

@@ -4,6 +4,7 @@
 // equals the full-draw composition, and a token whose score plus the largest
 // possible noise cannot beat the current best is skipped without hashing
 // (filtered tokens, at -inf, cost nothing).
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -46,10 +47,16 @@ struct Best {
   bool hopeless(float s) const { return s == kNegInf || s + kMaxNoise < score; }
   void offer(float s, uint32_t word, int64_t j) {
     const float u = uniform_from_word(word);
-    // -log(-log u) <= -log(1 - u) <= u / (1 - u): a log-free bound (with slack for float32
-    // rounding) that rules out most tokens before their two logs are computed.
-    const double bound = static_cast<double>(u) / (1.0 - static_cast<double>(u)) * (1.0 + 1e-6) + 1e-6;
-    if (static_cast<double>(s) + bound < static_cast<double>(score)) return;
+    // A log-free test that rules out almost every token before its two logs are computed:
+    // it can win only if g = -log(-log u) >= d = best - s, and as -log u >= 1 - u that needs
+    // 1 - u <= exp(-d) <= 1 / (1 + d + d^2/2 + d^3/6 + d^4/24) (d > 0). d is taken smaller by a
+    // margin far above float32 rounding, so a token that could tie is never ruled out.
+    const double d = (static_cast<double>(score) - static_cast<double>(s)) -
+                     1e-4 * (1.0 + std::fabs(static_cast<double>(score)) + std::fabs(static_cast<double>(s)));
+    if (d > 0.0) {
+      const double taylor = 1.0 + d * (1.0 + d * (0.5 + d * (1.0 / 6.0 + d / 24.0)));
+      if ((1.0 - static_cast<double>(u)) * taylor > 1.0) return;
+    }
     const float total = clean(s + (-std::log(-std::log(u))));
     if (total > score || (total == score && j < index)) score = total, index = j;
   }
@@ -63,17 +70,28 @@ int64_t sampled_row(const float* x, int vocab, float t, float floor, RngKey key,
     const float s = clean(v / t);
     return s < floor ? kNegInf : s;
   };
+  float sa[kWordBlock], sb[kWordBlock];
+  uint32_t wa[kWordBlock], wb[kWordBlock];
+  // Whether any of the block's tokens could still win (best only rises, so a block found
+  // hopeless here stays so); only then are its words hashed, all together.
+  auto any_hope = [&](const float* s, int count) {
+    for (int k = 0; k < count; ++k) {
+      if (!best.hopeless(s[k])) return true;
+    }
+    return false;
+  };
   if (base == 0 && n == static_cast<uint64_t>(vocab)) {
     // The row is the whole draw: one hash serves the two tokens of each word pair.
     const uint64_t half = n / 2, offset = n / 2 + n % 2;
-    for (uint64_t i = 0; i < half; ++i) {
-      const float a = score_of(x[i]), b = score_of(x[offset + i]);
-      const bool skip_a = best.hopeless(a), skip_b = best.hopeless(b);
-      if (skip_a && skip_b) continue;
-      uint32_t wa = 0, wb = 0;
-      word_pair(key, n, i, &wa, &wb);
-      if (!skip_a) best.offer(a, wa, static_cast<int64_t>(i));
-      if (!skip_b) best.offer(b, wb, static_cast<int64_t>(offset + i));
+    for (uint64_t i = 0; i < half; i += kWordBlock) {
+      const int count = static_cast<int>(std::min<uint64_t>(kWordBlock, half - i));
+      for (int k = 0; k < count; ++k) sa[k] = score_of(x[i + k]), sb[k] = score_of(x[offset + i + k]);
+      if (!any_hope(sa, count) && !any_hope(sb, count)) continue;
+      word_pairs(key, n, i, count, wa, wb);
+      for (int k = 0; k < count; ++k) {
+        if (!best.hopeless(sa[k])) best.offer(sa[k], wa[k], static_cast<int64_t>(i + k));
+        if (!best.hopeless(sb[k])) best.offer(sb[k], wb[k], static_cast<int64_t>(offset + i + k));
+      }
     }
     if (n % 2) {
       const float m = score_of(x[half]);
@@ -81,10 +99,14 @@ int64_t sampled_row(const float* x, int vocab, float t, float floor, RngKey key,
     }
     return best.index;
   }
-  for (int j = 0; j < vocab; ++j) {
-    const float s = score_of(x[j]);
-    if (best.hopeless(s)) continue;
-    best.offer(s, word_at(key, n, base + static_cast<uint64_t>(j)), j);
+  for (int j = 0; j < vocab; j += kWordBlock) {
+    const int count = std::min(kWordBlock, vocab - j);
+    for (int k = 0; k < count; ++k) sa[k] = score_of(x[j + k]);
+    if (!any_hope(sa, count)) continue;
+    words(key, n, base + static_cast<uint64_t>(j), count, wa);
+    for (int k = 0; k < count; ++k) {
+      if (!best.hopeless(sa[k])) best.offer(sa[k], wa[k], j + k);
+    }
   }
   return best.index;
 }

@@ -25,6 +25,13 @@ uint32_t word_at(RngKey key, uint64_t n, uint64_t index);
 // Both halves of the hash behind word pair i (< n / 2): words i and ceil(n/2) + i.
 void word_pair(RngKey key, uint64_t n, uint64_t i, uint32_t* first, uint32_t* second);
 
+// Up to kWordBlock hashes at once, in SIMD lanes (the hash is most of a sampler's work):
+// word_pairs: pairs [i, i + count) (i + count <= n / 2) into first[] and second[];
+// words: words [index, index + count) (<= n) into out[].
+constexpr int kWordBlock = 64;
+void word_pairs(RngKey key, uint64_t n, uint64_t i, int count, uint32_t* first, uint32_t* second);
+void words(RngKey key, uint64_t n, uint64_t index, int count, uint32_t* out);
+
 // MLX's uniform from one word: float32(word) / float32(2^32 - 1), clamped below 1.
 float uniform_from_word(uint32_t word);
 
