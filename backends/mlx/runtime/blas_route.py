@@ -40,7 +40,7 @@ class BlasStatus:
 
 
 def library_path() -> Path:
-    return Path(__file__).resolve().parent / "_lib" / _LIB_NAME  # this file sits in runtime/ next to _lib/
+    return Path(__file__).resolve().parent / "_lib" / _LIB_NAME
 
 
 def load() -> ctypes.CDLL | None:
