@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from backends.mlx.llm.decoder.loop import Decoder, export_decoder
 from backends.mlx.llm.sampler.config import SamplerConfig
-from backends.mlx.llm.decoder.step_inputs import SamplingParams
+from backends.mlx.llm.sampler.params import SamplingParams
 
 BINARY = Path(__file__).resolve().parents[1] / "build" / "etmlx_decode"
 MAX_SEQ_LEN = 48
@@ -112,7 +112,7 @@ def test_without_sidecar_limits_come_from_the_program(pte, decoder, tmp_path):
     (["--prompt-ids", "1", "--temperature", -1], 2, "--temperature must be a number >= 0"),
     (["--prompt-ids", "1", "--top-p", 0], 2, "--top-p must be in (0, 1]"),
     (["--prompt-ids", "1", "--top-k", -3], 2, "--top-k must be an integer >= 0"),
-    (["--prompt-ids", "1", "--repetition-penalty", 0], 2, "--repetition-penalty must be > 0"),
+    (["--prompt-ids", "1", "--repetition-penalty", 0], 2, "--repetition-penalty must be a number > 0"),
     (["--prompt-ids", "1", "--max-tokens", 3, "--top-k", 5], 2, "exported without top_k"),
     (["--prompt-ids", "1", "--frobnicate", 1], 2, "unknown option --frobnicate"),
     (["--max-tokens", 3], 2, "--prompt-ids is required"),
