@@ -17,7 +17,7 @@ def add_knob_arguments(parser) -> None:
             continue
         needs = f"; needs --sampler {knob.flag} at export" if knob.flag else ""
         parser.add_argument(knob.flag_name, dest=_dest(knob), type=int if knob.integer else float, default=knob.off,
-                            help=f"{knob.doc}: {knob.range_text()}{needs}".replace("%", "%%"))
+                            help=f"{knob.doc}; {knob.range_text()}{needs}".replace("%", "%%"))
 
 
 def params_from_args(args):

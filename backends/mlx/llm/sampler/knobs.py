@@ -87,12 +87,12 @@ class Knob:
             high = None  # fits int64: said by "an integer"
         kind = "an integer" if self.integer else "a number"
         if low is not None and high is not None:
-            text = f"{kind + ' ' if self.integer else ''}in {'(' if self.low_open else '['}{low}, {high}" \
-                   f"{')' if self.high_open else ']'}"
+            text = f"{kind + ' ' if self.integer else ''}in {'(' if self.low_open else '['}{_show(low)}, " \
+                   f"{_show(high)}{')' if self.high_open else ']'}"
         elif low is not None:
-            text = f"{kind} {'>' if self.low_open else '>='} {low}"
+            text = f"{kind} {'>' if self.low_open else '>='} {_show(low)}"
         elif high is not None:
-            text = f"{kind} {'<' if self.high_open else '<='} {high}"
+            text = f"{kind} {'<' if self.high_open else '<='} {_show(high)}"
         else:
             text = kind
         if self.off_means:
@@ -120,16 +120,18 @@ class Knob:
 
 
 def _show(v) -> str:
+    if isinstance(v, int) and abs(v) >= 2 ** 32 and abs(v) & (abs(v) - 1) == 0:  # 2**62, not 4611686018427387904
+        return f"{'-' if v < 0 else ''}2**{abs(v).bit_length() - 1}"
     return str(int(v)) if isinstance(v, float) and v.is_integer() else str(v)
 
 
 KNOBS: tuple[Knob, ...] = (
     Knob("temperature", "float32", 0.0, 0, None, None, None, off_means="greedy", openai_default=1.0,
-         openai_high=2, doc="divide the logits by T; 0 = greedy (argmax)"),
+         openai_high=2, doc="divide the logits by T"),
     Knob("seed", "int64", 0, -SEED_LIMIT, SEED_LIMIT, None, None, off_means=None,
-         doc="base seed: step k draws with seed + k (seeded programs)"),
+         doc="base seed: step k draws with seed + k (seeded programs; room left for the steps)"),
     Knob("top_k", "int64", 0, 0, INT64_MAX, "top_k", "top-k", openai_low=-1,
-         doc="keep the k best tokens; 0 (or >= V, clamped on the device) = off"),
+         doc="keep the k best tokens (k >= V keeps all)"),
     Knob("top_p", "float32", 1.0, 0, 1, "top_p", "top-p", low_open=True,
          doc="keep the smallest best-first set whose probability reaches p"),
     Knob("min_p", "float32", 0.0, 0, 1, "min_p", "min-p", doc="keep tokens with p >= min_p * p_max"),

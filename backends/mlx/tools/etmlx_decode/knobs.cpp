@@ -135,7 +135,7 @@ const std::vector<KnobSpec>& builtin_knobs() {
     seed.low = KnobValue{-(int64_t{1} << 62), -0x1p62};
     seed.high = KnobValue{int64_t{1} << 62, 0x1p62};
     seed.flag = "--seed";
-    seed.range = "an integer in [-4611686018427387904, 4611686018427387904]";
+    seed.range = "an integer in [-2**62, 2**62]";
     return std::vector<KnobSpec>{temperature, seed};
   }();
   return knobs;
