@@ -11,7 +11,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from backends.mlx.llm.decoder.loop import Decoder, export_decoder
+from backends.mlx.llm.decoder.export import export_decoder
+from backends.mlx.llm.decoder.loop import Decoder
 from backends.mlx.llm.sampler.config import SamplerConfig
 from backends.mlx.llm.sampler.params import SamplingParams
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from backends.mlx.serve import bench_serve
+from backends.mlx.bench import serve as bench_serve
 from serve_helpers import tiny_pte
 
 REPO = Path(__file__).resolve().parents[1]

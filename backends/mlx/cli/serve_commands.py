@@ -47,7 +47,7 @@ def add_bench_arguments(bench) -> None:
 
 
 def bench(args) -> int:
-    from backends.mlx.serve.bench_serve import main
+    from backends.mlx.bench.serve import main
 
     streams = tuple(int(s) for s in args.streams.split(","))
     return main(pte=args.pte, url=args.url, streams=streams, max_tokens=args.max_tokens, json_path=args.json)

@@ -18,7 +18,6 @@ from typing import Iterator
 
 import torch
 
-from backends.mlx.llm.decoder.export import export_decoder  # noqa: F401  (the export half of this API)
 from backends.mlx.llm.decoder.meta import DecoderMeta, tokenizer_path
 from backends.mlx.llm.decoder.step_inputs import step_inputs
 from backends.mlx.llm.sampler.params import SamplingParams
