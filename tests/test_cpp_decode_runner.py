@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from backends.mlx.llm.decoder.export import export_decoder
 from backends.mlx.llm.decoder.loop import Decoder
 from backends.mlx.llm.sampler.config import SamplerConfig
-from backends.mlx.llm.decoder.step_inputs import SamplingParams
+from backends.mlx.llm.sampler.params import SamplingParams
 
 BINARY = Path(__file__).resolve().parents[1] / "build" / "etmlx_decode"
 MAX_SEQ_LEN = 48
@@ -113,7 +113,7 @@ def test_without_sidecar_limits_come_from_the_program(pte, decoder, tmp_path):
     (["--prompt-ids", "1", "--temperature", -1], 2, "--temperature must be a number >= 0"),
     (["--prompt-ids", "1", "--top-p", 0], 2, "--top-p must be in (0, 1]"),
     (["--prompt-ids", "1", "--top-k", -3], 2, "--top-k must be an integer >= 0"),
-    (["--prompt-ids", "1", "--repetition-penalty", 0], 2, "--repetition-penalty must be > 0"),
+    (["--prompt-ids", "1", "--repetition-penalty", 0], 2, "--repetition-penalty must be a number > 0"),
     (["--prompt-ids", "1", "--max-tokens", 3, "--top-k", 5], 2, "exported without top_k"),
     (["--prompt-ids", "1", "--frobnicate", 1], 2, "unknown option --frobnicate"),
     (["--max-tokens", 3], 2, "--prompt-ids is required"),
@@ -180,3 +180,19 @@ def test_knobs_match_python_decoder(full_pte):
                     "--top-k", 5, "--top-p", 0.9, "--min-p", 0.05, "--repetition-penalty", 1.3,
                     "--presence-penalty", 0.5, "--frequency-penalty", 0.25))
     assert got == expected
+
+
+def test_a_sidecar_without_the_knob_list_fails_clearly(pte, full_pte, decoder, tmp_path):
+    # Metadata written before the "knobs" list: plain programs still run with --temperature and --seed;
+    # other knob flags, and programs with knob inputs, are refused with a message saying to re-export.
+    for source in (pte, full_pte):
+        copy = tmp_path / source.name
+        shutil.copy(source, copy)
+        meta = json.loads(Path(str(source) + ".json").read_text())
+        del meta["knobs"]
+        Path(str(copy) + ".json").write_text(json.dumps(meta))
+    plain, full = tmp_path / pte.name, tmp_path / full_pte.name
+    seeded = decoder.generate(PROMPT, 8, SamplingParams(temperature=1.0, seed=3)).tokens
+    assert _ids(_run(plain, "--prompt-ids", "7,1,33,20", "--max-tokens", 8, "--temperature", 1, "--seed", 3)) == seeded
+    for done in (_run(plain, "--prompt-ids", "1", "--top-k", 3), _run(full, "--prompt-ids", "1")):
+        assert done.returncode == 2 and 'lists no "knobs"' in done.stderr and "re-export" in done.stderr, done.stderr

@@ -11,7 +11,7 @@ from backends.mlx.llm.decoder.loop import Decoder
 from backends.mlx.llm.decoder.export import export_decoder
 from backends.mlx.llm.sampler.processing import process_and_sample
 from backends.mlx.llm.sampler.config import SamplerConfig
-from backends.mlx.llm.decoder.step_inputs import SamplingParams
+from backends.mlx.llm.sampler.params import SamplingParams
 
 VOCAB = 120
 

@@ -8,7 +8,7 @@ import torch
 
 from backends.mlx.llm.decoder.meta import DecoderMeta
 from backends.mlx.llm.sampler.config import SamplerConfig
-from backends.mlx.llm.decoder.step_inputs import SamplingParams
+from backends.mlx.llm.sampler.params import SamplingParams
 from backends.mlx.serve.engine import Engine, EngineRequest
 
 VOCAB = 50

@@ -52,7 +52,7 @@ class EtmlxEngine:
         self.decoder = Decoder(pte)
 
     def generate(self, prompt_ids: list[int], steps: int, temperature: float, seed: int) -> Run:
-        from backends.mlx.llm.decoder.step_inputs import SamplingParams
+        from backends.mlx.llm.sampler.params import SamplingParams
 
         params = SamplingParams(temperature=temperature, seed=seed)
         stream = (step.token for step in self.decoder.stream(prompt_ids, steps + 1, params, stop_at_eos=False))

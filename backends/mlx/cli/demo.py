@@ -18,7 +18,7 @@ from backends.mlx.llm.decoder.loop import Decoder
 from backends.mlx.llm.decoder.export import export_decoder
 from backends.mlx.llm.decoder.meta import meta_path
 from backends.mlx.llm.sampler.config import SamplerConfig
-from backends.mlx.llm.decoder.step_inputs import SamplingParams
+from backends.mlx.llm.sampler.params import SamplingParams
 from backends.mlx.llm.decoder.text_stream import IncrementalDetokenizer
 
 DEFAULT_PROMPT = "One morning, Mira went to"

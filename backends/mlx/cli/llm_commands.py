@@ -7,30 +7,21 @@ import sys
 import time
 from pathlib import Path
 
+from backends.mlx.cli.knob_flags import add_knob_arguments, params_from_args
+from backends.mlx.llm.sampler.knobs import FEATURE_FLAGS, parse_features
+
 DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
           "bfloat16": "bfloat16", "bf16": "bfloat16"}
-FEATURES = ("top-k", "top-p", "min-p", "penalties", "logit-bias=N", "none")
+FEATURES = (*FEATURE_FLAGS, "none")
 DEFAULT_FEATURES = "top-k,top-p,min-p"
 
 
 def sampler_config(features: str, logprobs: int, logprobs_mode: str):
     from backends.mlx.llm.sampler.config import SamplerConfig
 
-    chosen = {}
-    for item in (f.strip() for f in features.split(",") if f.strip()):
-        name, _, value = item.partition("=")
-        if name in ("top-k", "top-p", "min-p", "penalties") and not value:
-            chosen[name.replace("-", "_")] = True
-        elif name == "logit-bias":
-            try:
-                chosen["logit_bias"] = int(value)
-            except ValueError:
-                raise ValueError(f"--sampler logit-bias=N needs an int N, got {item!r}") from None
-        elif name != "none":
-            raise ValueError(f"--sampler: unknown feature {item!r} (choose from {', '.join(FEATURES)})")
     if logprobs < 0:
         raise ValueError(f"--logprobs must be >= 0, got {logprobs}")
-    return SamplerConfig(**chosen, logprobs=logprobs, logprobs_mode=logprobs_mode)
+    return SamplerConfig(**parse_features(features), logprobs=logprobs, logprobs_mode=logprobs_mode)
 
 
 def _progress():
@@ -80,21 +71,13 @@ def _prompt_ids(args, decoder) -> list[int]:
     return list(ids)
 
 
-def _params(args):
-    from backends.mlx.llm.decoder.step_inputs import SamplingParams
-
-    return SamplingParams(temperature=args.temperature, seed=args.seed, top_k=args.top_k, top_p=args.top_p,
-                          min_p=args.min_p, presence_penalty=args.presence_penalty,
-                          frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty)
-
-
 def run_generate(args) -> int:
     from backends.mlx.llm.decoder.loop import Decoder
     from backends.mlx.llm.decoder.text_stream import IncrementalDetokenizer, StopStrings
 
+    params = params_from_args(args)  # bad values fail before the program loads
     decoder = Decoder(Path(args.pte))
     prompt = _prompt_ids(args, decoder)
-    params = _params(args)
     stops = StopStrings(args.stop)
     if args.stop and not decoder.has_tokenizer:
         decoder.tokenizer  # raises, naming the missing tokenizer: stop strings need text
@@ -175,14 +158,7 @@ def add_parsers(sub) -> None:
     prompt.add_argument("--prompt", help="prompt text (uses the tokenizer exported with the .pte)")
     prompt.add_argument("--prompt-ids", help="comma-separated prompt token ids")
     generate.add_argument("--max-tokens", type=int, default=64)
-    generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    generate.add_argument("--seed", type=int, default=0, help="base seed; step k uses seed + k")
-    generate.add_argument("--top-k", type=int, default=0, help="0 = off")
-    generate.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    generate.add_argument("--min-p", type=float, default=0.0, help="0 = off")
-    generate.add_argument("--presence-penalty", type=float, default=0.0, help="needs --sampler penalties at export")
-    generate.add_argument("--frequency-penalty", type=float, default=0.0, help="needs --sampler penalties at export")
-    generate.add_argument("--repetition-penalty", type=float, default=1.0, help="needs --sampler penalties at export")
+    add_knob_arguments(generate)
     generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     generate.add_argument("--json", action="store_true", help="print token ids, text, logprobs and timings as JSON")
     generate.set_defaults(func=run_generate)

@@ -25,7 +25,8 @@ import torch
 
 from backends.mlx.llm.decoder.loop import check_prompt
 from backends.mlx.llm.decoder.meta import DecoderMeta
-from backends.mlx.llm.decoder.step_inputs import SamplingParams, step_inputs
+from backends.mlx.llm.decoder.step_inputs import step_inputs
+from backends.mlx.llm.sampler.params import SamplingParams
 
 log = logging.getLogger("etmlx.serve")
 _ids = itertools.count(1)
@@ -94,7 +95,7 @@ class Engine:
 
     def check(self, request: EngineRequest) -> None:
         """Raise ValueError/TypeError for a request the program cannot run (before it is queued)."""
-        request.params.check(self.meta)
+        request.params.check(self.meta.config, self.meta.vocab_size)
         check_prompt(self.meta, request.prompt, request.max_tokens)
         if request.forced is not None:
             config = self.meta.config

@@ -1,8 +1,9 @@
 """One LMTP connection: lines `TYPE JSON` in, `TOKEN [...]` and `MSG {...}` lines out.
 
-In:  GENERATE {"stream_id", "prompt": [ids], "max_tokens", "temperature", "top_k", "top_p", "min_p",
-               "seed", "logit_bias": {"id": bias}, "presence_penalty", "frequency_penalty",
-               "repetition_penalty", "top_logprobs"}         (temperature defaults to 0: greedy)
+In:  GENERATE {"stream_id", "prompt": [ids], "max_tokens", "top_logprobs", and the knobs of
+               llm/sampler/knobs.py by name: "temperature", "seed", "top_k", "top_p", "min_p",
+               "logit_bias": {"id": bias}, "presence_penalty", "frequency_penalty",
+               "repetition_penalty"}                          (every knob defaults to off: greedy)
      SCORE    {"stream_id", "prompt": [ids], "scored": [ids]}  logprob of each scored token
      MODEL_INFO {"stream_id"}
 Out: TOKEN [{"token", "stream_id", "logprob", "finish_reason", "top_logprobs": {"id": lp}}, ...]
@@ -20,17 +21,31 @@ import json
 import logging
 from typing import Awaitable, Callable
 
-from backends.mlx.llm.decoder.step_inputs import SamplingParams
+from backends.mlx.llm.sampler.knobs import USER_KNOBS, enabled
+from backends.mlx.llm.sampler.params import SamplingParams
 from backends.mlx.serve.engine import EngineRequest, TokenEvent
 from backends.mlx.serve.service import Service, queue_sink
 
 log = logging.getLogger("etmlx.serve")
-_KNOBS = {"temperature": float, "top_p": float, "min_p": float, "presence_penalty": float,
-          "frequency_penalty": float, "repetition_penalty": float, "top_k": int, "seed": int}
 
 
 class LmtpError(ValueError):
     pass
+
+
+def generate_params(payload: dict) -> SamplingParams:
+    """The knobs of the table a GENERATE line sets (by their names; the rest stay off). SamplingParams
+    checks the values; whether the program has each knob is checked when the engine takes it."""
+    knobs = {k.name: payload[k.name] for k in USER_KNOBS if payload.get(k.name) is not None}
+    for knob in USER_KNOBS:
+        if knob.width and knob.name in knobs:  # token id -> value: JSON keys are strings
+            if not isinstance(knobs[knob.name], dict):
+                raise LmtpError(f"'{knob.name}' must be an object of token id -> value")
+            try:
+                knobs[knob.name] = {int(key): v for key, v in knobs[knob.name].items()}
+            except (TypeError, ValueError):
+                raise LmtpError(f"'{knob.name}' keys must be token ids") from None
+    return SamplingParams(**knobs)
 
 
 def _ids(value, name: str, vocab: int) -> list[int]:
@@ -78,7 +93,8 @@ class LmtpSession:
         await self._message(stream_id, model_info={
             "model": self.service.model_name, "max_seq_len": meta.max_seq_len, "vocab_size": meta.vocab_size,
             "batch": self.service.engine.usable, "eos_token_ids": meta.eos_token_ids, "model_type": meta.model_type,
-            "logprobs": config.logprobs, "sampler": [k for k in config.knob_names() if k != "penalty_reset"],
+            "logprobs": config.logprobs, "sampler": [i.name for k in USER_KNOBS if k.feature and enabled(k, config)
+                                                       for i in k.program_inputs],
             "score": bool(config.logprobs and config.logprobs_mode == "raw" and config.logit_bias)})
 
     def _check_new(self, stream_id, payload) -> None:
@@ -92,24 +108,9 @@ class LmtpSession:
         self._check_new(stream_id, payload)
         meta = self.service.meta
         prompt = _ids(payload.get("prompt"), "prompt", meta.vocab_size)
-        knobs = {}
-        for name, kind in _KNOBS.items():
-            value = payload.get(name)
-            if value is not None:
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and
-                                                                                      not isinstance(value, int)):
-                    raise LmtpError(f"'{name}' must be {'an int' if kind is int else 'a number'}")
-                knobs[name] = kind(value)
-        bias = payload.get("logit_bias") or {}
-        if not isinstance(bias, dict):
-            raise LmtpError("'logit_bias' must be an object of token id -> bias")
-        try:
-            knobs["logit_bias"] = {int(k): float(v) for k, v in bias.items()}
-        except (TypeError, ValueError):
-            raise LmtpError("'logit_bias' must map token ids to numbers") from None
+        params = generate_params(payload)
         room = meta.max_seq_len - len(prompt)
         max_tokens = payload.get("max_tokens", max(1, min(32, room)))  # a too-long prompt is reported as such
-        params = SamplingParams(**knobs)
         self._submit(stream_id, EngineRequest(prompt, params, max_tokens, queue_sink(self.loop, self.events,
                                                                                      stream_id)), scoring=False)
 

@@ -1,7 +1,9 @@
 """OpenAI request bodies (completions and chat completions) to a checked generation job.
 
 Every value is checked here, so a bad request gets a 400 naming the parameter before anything is
-queued. Extensions beyond OpenAI's set, as vLLM names them: top_k, min_p, repetition_penalty.
+queued. The sampler parameters are the knobs of llm/sampler/knobs.py (names, ranges, "exported
+without it" messages); extensions beyond OpenAI's set, as vLLM names them: top_k, min_p,
+repetition_penalty.
 Seeds: choice i of a request with seed s draws with s + i * max_seq_len + step, so the choices of
 one request never share a draw and the same request repeats exactly. Without a seed the server
 picks one at random.
@@ -9,12 +11,14 @@ picks one at random.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from dataclasses import dataclass, field
 
 from backends.mlx.llm.decoder.meta import DecoderMeta
-from backends.mlx.llm.decoder.step_inputs import SamplingParams
+from backends.mlx.llm.sampler.knobs import SEED_LIMIT, USER_KNOBS, Knob, KnobError
+from backends.mlx.llm.sampler.params import SamplingParams
 from backends.mlx.serve.api_errors import ApiError
 
 MAX_N = 16
@@ -74,25 +78,39 @@ def _stops(body: dict) -> list[str]:
     return stops
 
 
-def _logit_bias(body: dict, meta: DecoderMeta) -> dict:
-    raw = body.get("logit_bias")
-    if raw is None:
+def _knob(body: dict, knob: Knob):
+    """The request's value for one knob of the table, before SamplingParams checks its range.
+
+    OpenAI's own rules on top of the table: numbers must be finite, a knob may have a tighter
+    upper bound (temperature <= 2), a default of its own (temperature 1) and values below its
+    range that mean off (top_k -1, as vLLM)."""
+    name, value = knob.name, body.get(knob.name)
+    if value is None and knob.width:
         return {}
-    if not isinstance(raw, dict):
-        raise ApiError("'logit_bias' must be an object of token id -> bias", param="logit_bias")
-    bias = {}
-    for key, value in raw.items():
+    if value is None:
+        return knob.off if knob.openai_default is None else knob.openai_default
+    if knob.width:  # token id -> value: JSON keys are strings
+        if not isinstance(value, dict):
+            raise ApiError(f"'{name}' must be an object of token id -> value", param=name)
         try:
-            token = int(key)
+            return {int(key): v for key, v in value.items()}
         except (TypeError, ValueError):
-            raise ApiError(f"'logit_bias' keys must be token ids, got {key!r}", param="logit_bias") from None
-        if not 0 <= token < meta.vocab_size:
-            raise ApiError(f"'logit_bias' token {token} is outside the vocabulary [0, {meta.vocab_size})",
-                           param="logit_bias")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
-            raise ApiError(f"'logit_bias' values must be numbers in [-100, 100], got {value!r}", param="logit_bias")
-        bias[token] = float(value)
-    return bias
+            raise ApiError(f"'{name}' keys must be token ids", param=name) from None
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ApiError(f"'{name}' must be finite, got {value!r}", param=name)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if knob.openai_low is not None and value < knob.low:
+            if value < knob.openai_low:
+                raise ApiError(f"'{name}' must be {knob.range_text(low=knob.openai_low)}, got {value!r}", param=name)
+            return knob.off
+        if knob.openai_high is not None and value > knob.openai_high:
+            raise ApiError(f"'{name}' must be {knob.range_text(high=knob.openai_high)}, got {value!r}", param=name)
+    return value
+
+
+def _choice_seed(seed: int, offset: int) -> int:
+    """seed + offset, wrapped into the seed range (only seeds within `offset` of its ends move)."""
+    return (seed + offset + SEED_LIMIT) % (2 * SEED_LIMIT + 1) - SEED_LIMIT
 
 
 def _prompt_budget(meta: DecoderMeta, prompt: list[int], body: dict, names) -> int:
@@ -133,24 +151,15 @@ def build_job(body: dict, meta: DecoderMeta, prompt: list[int], *, chat: bool) -
         if logprobs > config.logprobs:
             raise ApiError(f"'{param}' is {logprobs} but this .pte returns at most {config.logprobs} alternatives",
                            param=param)
-    seed = _number(body, "seed", None, -(2 ** 62), 2 ** 62, integer=True)
-    if seed is None:
-        seed = random.getrandbits(31)
-    top_k = _number(body, "top_k", 0, -1, None, integer=True)
-    base = SamplingParams(
-        temperature=float(_number(body, "temperature", 1.0, 0, 2)),
-        top_k=max(top_k, 0),
-        top_p=float(_number(body, "top_p", 1.0, 0, 1, low_open=True)),
-        min_p=float(_number(body, "min_p", 0.0, 0, 1)),
-        presence_penalty=float(_number(body, "presence_penalty", 0.0, -2, 2)),
-        frequency_penalty=float(_number(body, "frequency_penalty", 0.0, -2, 2)),
-        repetition_penalty=float(_number(body, "repetition_penalty", 1.0, 0, None, low_open=True)),
-        logit_bias=_logit_bias(body, meta))
+    values = {knob.name: _knob(body, knob) for knob in USER_KNOBS}
+    if body.get("seed") is None:
+        values["seed"] = random.getrandbits(31)
     try:
-        base.check(meta)
-    except (ValueError, TypeError) as exc:
-        raise ApiError(str(exc), param=str(exc).split(":")[0].split(" ")[0]) from None
-    choices = [SamplingParams(**{**base.__dict__, "seed": seed + i * meta.max_seq_len}) for i in range(n)]
+        base = SamplingParams(**values)  # the one range check
+        base.check(config, meta.vocab_size)
+    except KnobError as exc:
+        raise ApiError(str(exc), param=exc.knob) from None
+    choices = [dataclasses.replace(base, seed=_choice_seed(base.seed, i * meta.max_seq_len)) for i in range(n)]
     stream_options = body.get("stream_options")
     if stream_options is not None and not isinstance(stream_options, dict):
         raise ApiError("'stream_options' must be an object", param="stream_options")

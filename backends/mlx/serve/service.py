@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import AsyncIterator
 
 from backends.mlx.llm.decoder.meta import DecoderMeta, tokenizer_path
-from backends.mlx.llm.decoder.step_inputs import SamplingParams
+from backends.mlx.llm.sampler.params import SamplingParams
 from backends.mlx.serve.engine import Engine, EngineRequest, TokenEvent
 
 

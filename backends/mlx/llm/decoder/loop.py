@@ -19,7 +19,8 @@ from typing import Iterator
 import torch
 
 from backends.mlx.llm.decoder.meta import DecoderMeta, tokenizer_path
-from backends.mlx.llm.decoder.step_inputs import SamplingParams, step_inputs
+from backends.mlx.llm.decoder.step_inputs import step_inputs
+from backends.mlx.llm.sampler.params import SamplingParams
 from backends.mlx.runtime.runner import load_method
 
 
@@ -97,7 +98,7 @@ class Decoder:
     def stream(self, prompt_ids, max_tokens: int, params: SamplingParams | None = None,
                stop_at_eos: bool = True) -> Iterator[Step]:
         params = params or SamplingParams()
-        params.check(self.meta)
+        params.check(self.meta.config, self.meta.vocab_size)
         prompt = check_prompt(self.meta, prompt_ids, max_tokens)
         step = self._call(prompt, 0, params, 0)
         for k in range(max_tokens):

@@ -1,8 +1,9 @@
 """What a decode loop needs to know about an exported decoder program: `FILE.pte.json` beside it.
 
 The .pte itself carries only tensors; the loop also needs the cache length, the vocabulary, the
-end-of-sequence ids, the input order, which sampler features were exported, and where the tokenizer
-is (a directory beside the .pte, so a .pte path is all `etmlx generate` needs).
+end-of-sequence ids, the input order, which sampler features were exported, the knob table (for
+the C++ runner) and where the tokenizer is (a directory beside the .pte, so a .pte path is all
+`etmlx generate` needs).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from backends.mlx.llm.sampler.config import SamplerConfig
+from backends.mlx.llm.sampler.knobs import metadata as knob_metadata
 
 FORMAT = "etmlx-decoder/1"
 MODEL_INPUTS = ["tokens", "start_pos", "lengths"]
@@ -38,6 +40,9 @@ class DecoderMeta:
     tokenizer: str | None = None  # directory name beside the .pte
     inputs: list[str] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
+    # Every knob of the table as a runner without Python needs it (knobs.metadata()): etmlx_decode
+    # builds its flags, range checks and input tensors from this list.
+    knobs: list[dict] = field(default_factory=list)
     format: str = FORMAT
 
     @classmethod
@@ -49,7 +54,7 @@ class DecoderMeta:
             outputs.append("penalty_state")
         return cls(max_seq_len=max_seq_len, vocab_size=vocab_size, batch=batch, eos_token_ids=list(eos_token_ids),
                    seeded=seeded, sampler=asdict(config), dtype=dtype, model_type=model_type, tokenizer=tokenizer,
-                   inputs=inputs, outputs=outputs)
+                   inputs=inputs, outputs=outputs, knobs=knob_metadata())
 
     @property
     def config(self) -> SamplerConfig:

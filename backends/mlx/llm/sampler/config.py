@@ -19,7 +19,8 @@ top-p and min-p measure the distribution that is actually sampled; top-k before 
 all three. Top-k, top-p and min-p then combine as an intersection of kept sets.
 
 "Off" values, per row: top_k <= 0 or >= V; top_p >= 1 (or NaN); min_p <= 0; bias 0;
-presence and frequency 0; repetition 1.
+presence and frequency 0; repetition 1. The knobs' names, dtypes, off values and ranges are
+declared once, in knobs.py.
 
 Penalty counts are state the program owns ([B, V] int32, on the device): every sampled token
 is counted; `penalty_reset` (1 per row) zeroes a row before the step (start of a sequence);
@@ -41,6 +42,8 @@ outside [0, V) are ignored.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from backends.mlx.llm.sampler.knobs import program_inputs
 
 LOGPROB_MODES = ("raw", "processed")
 
@@ -85,11 +88,5 @@ class SamplerConfig:
         return not (self.filters or self.logit_bias or self.logprobs or self.penalties)
 
     def knob_names(self) -> list[str]:
-        names = [n for n in ("top_k", "top_p", "min_p") if getattr(self, n)]
-        if self.logit_bias:
-            names += ["bias_ids", "bias_values"]
-        if self.penalties:
-            names += ["presence_penalty", "frequency_penalty", "repetition_penalty", "penalty_reset"]
-            if self.penalty_seed:
-                names.append("penalty_add")
-        return names
+        """The program's knob inputs after temperature and seed, in order (the table in knobs.py)."""
+        return program_inputs(self)

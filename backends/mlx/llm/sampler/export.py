@@ -9,6 +9,7 @@ from backends.mlx.custom_kernel_ops.sample import check_sample_args
 from backends.mlx.llm.sampler.processing import check_knobs
 from backends.mlx.llm.sampler.config import SamplerConfig
 from backends.mlx.llm.sampler.head import GreedyHead, SamplingHead, last_position
+from backends.mlx.llm.sampler.knobs import BY_NAME, INT64_MAX, KNOBS, enabled, width
 
 
 class LogitsInput(torch.nn.Module):
@@ -19,20 +20,16 @@ class LogitsInput(torch.nn.Module):
 
 
 def knob_examples(config: SamplerConfig, batch: int, per_row: bool) -> dict:
-    """Example values ("off" settings) for every knob, shaped as the program takes them."""
-    shape = (batch,) if per_row else ()
-    return {
-        "top_k": torch.zeros(shape, dtype=torch.int64),
-        "top_p": torch.ones(shape),
-        "min_p": torch.zeros(shape),
-        "bias_ids": torch.zeros((batch, config.logit_bias) if per_row else (config.logit_bias,), dtype=torch.int64),
-        "bias_values": torch.zeros((batch, config.logit_bias) if per_row else (config.logit_bias,)),
-        "presence_penalty": torch.zeros(shape),
-        "frequency_penalty": torch.zeros(shape),
-        "repetition_penalty": torch.ones(shape),
-        "penalty_reset": torch.zeros(shape, dtype=torch.int64),
-        "penalty_add": torch.full((batch, config.penalty_seed), -1, dtype=torch.int64),
-    }
+    """Example values (the off values) for every knob input of the table, shaped as the program takes them."""
+    examples = {}
+    for knob in KNOBS:
+        if knob.feature is None:
+            continue  # temperature and seed: the callers give their examples
+        rows = (batch,) if per_row or knob.rows_only else ()
+        shape = rows + ((width(knob, config),) if knob.width else ())
+        for i in knob.program_inputs:
+            examples[i.name] = torch.full(shape, i.off, dtype=getattr(torch, i.dtype))
+    return examples
 
 
 def export_sampling_head(
@@ -72,7 +69,7 @@ def export_sampling_head(
 
 
 def check_values(config: SamplerConfig, temperature, vocab: int | None = None, **knobs) -> None:
-    """Reject knob values outside their documented ranges (the device would clamp them)."""
+    """Reject knob values outside their ranges in the table (the device would clamp them)."""
 
     def values(name, t):
         v = torch.as_tensor(t).detach().double().reshape(-1)
@@ -80,37 +77,38 @@ def check_values(config: SamplerConfig, temperature, vocab: int | None = None, *
             raise ValueError(f"{name} contains NaN")
         return v
 
-    if bool((values("temperature", temperature) < 0).any()):
-        raise ValueError("temperature must be >= 0 (0 = greedy)")
-    if "top_k" in knobs and bool((values("top_k", knobs["top_k"]) < 0).any()):
-        raise ValueError("top_k must be >= 0 (0 = off)")
-    if "top_p" in knobs:
-        p = values("top_p", knobs["top_p"])
-        if bool(((p <= 0) | (p > 1)).any()):
-            raise ValueError("top_p must be in (0, 1] (1 = off)")
-    if "min_p" in knobs:
-        m = values("min_p", knobs["min_p"])
-        if bool(((m < 0) | (m > 1)).any()):
-            raise ValueError("min_p must be in [0, 1] (0 = off)")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if name in knobs:
-            values(name, knobs[name])
-    if "repetition_penalty" in knobs and bool((values("repetition_penalty", knobs["repetition_penalty"]) <= 0).any()):
-        raise ValueError("repetition_penalty must be > 0 (1 = off)")
-    if "bias_values" in knobs:
-        b = values("bias_values", knobs["bias_values"])
-        if bool(((b < -100) | (b > 100)).any()):
-            raise ValueError("bias_values must be in [-100, 100] (OpenAI's logit_bias range)")
+    def in_range(knob, name, t):
+        v = values(name, t)
+        low, high = knob.low, knob.high
+        bad = torch.zeros_like(v, dtype=torch.bool)
+        if low is not None:
+            bad |= (v <= low) if knob.low_open else (v < low)
+        if high is not None and not (knob.integer and high == INT64_MAX):  # an int64 tensor cannot exceed it
+            bad |= (v >= high) if knob.high_open else (v > high)
+        if bool(bad.any()):
+            raise ValueError(f"{name} must be {knob.range_text()}")
+
+    in_range(BY_NAME["temperature"], "temperature", temperature)
+    for knob in KNOBS:
+        if knob.feature is None or not enabled(knob, config):
+            continue
+        if not knob.inputs:
+            if knob.name in knobs:
+                in_range(knob, knob.name, knobs[knob.name])
+            continue
+        ids_input, values_input = knob.inputs  # a pair: token ids and their values
+        if values_input.name in knobs:
+            in_range(knob, values_input.name, knobs[values_input.name])
+        if ids_input.name in knobs and vocab is not None:
+            ids = torch.as_tensor(knobs[ids_input.name])
+            if bool(((ids < ids_input.off) | (ids >= vocab)).any()):
+                raise ValueError(f"{ids_input.name} must be token ids in [0, {vocab}) ({ids_input.off} = none)")
     if "penalty_add" in knobs:
         add = torch.as_tensor(knobs["penalty_add"])
         if add.numel() and bool(((add[..., 1:] >= 0) & (add[..., :-1] < 0)).any()):
             raise ValueError("penalty_add must be left-aligned: ids first, -1 only as trailing padding")
         if vocab is not None and bool((add >= vocab).any()):
             raise ValueError(f"penalty_add ids must be < {vocab}")
-    if "bias_ids" in knobs and vocab is not None:
-        ids = torch.as_tensor(knobs["bias_ids"])
-        if bool(((ids < 0) | (ids >= vocab)).any()):
-            raise ValueError(f"bias_ids must be token ids in [0, {vocab})")
 
 
 def sampler_inputs(config: SamplerConfig, model_args, temperature, seed=None, *, vocab: int | None = None,

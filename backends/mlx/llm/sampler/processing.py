@@ -12,6 +12,7 @@ import torch
 import backends.mlx.custom_kernel_ops  # noqa: F401  (registers mlx::sample_fused, mlx::filter_threshold)
 from backends.mlx.custom_kernel_ops.filter_threshold import divide_by_temperature
 from backends.mlx.llm.sampler.config import SamplerConfig
+from backends.mlx.llm.sampler.knobs import KNOBS, enabled, width
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _INTS = (torch.int32, torch.int64)
@@ -29,35 +30,29 @@ def _check_row_knob(name, value, batch, dtypes):
 def check_knobs(config: SamplerConfig, logits: torch.Tensor, knobs: dict) -> None:
     """Every knob the config enables is given with the right dtype and shape; no other is."""
     batch, vocab = logits.shape
-    enabled = set(config.knob_names())
+    names = set(config.knob_names())
     for name, value in knobs.items():
-        if name not in enabled:
-            if value is not None:
-                raise ValueError(f"{name} was given but the sampler was not configured with it")
-            continue
-        if value is None:
+        if name not in names and value is not None:
+            raise ValueError(f"{name} was given but the sampler was not configured with it")
+    for name in names:
+        if knobs.get(name) is None:
             raise ValueError(f"{name} is required: the sampler was configured with it")
-    for name, dtypes in (("top_k", _INTS), ("top_p", _FLOATS), ("min_p", _FLOATS)):
-        if name in enabled:
-            _check_row_knob(name, knobs[name], batch, dtypes)
-    if config.logit_bias:
-        ids, values = knobs["bias_ids"], knobs["bias_values"]
-        for name, t, dtypes in (("bias_ids", ids, _INTS), ("bias_values", values, _FLOATS)):
+    for knob in KNOBS:
+        if knob.feature is None or not enabled(knob, config):
+            continue
+        for i in knob.program_inputs:
+            # A 0/1 knob (penalty_reset) may also be a bool tensor.
+            dtypes = _FLOATS if i.dtype == "float32" else _INTS + ((torch.bool,) if (knob.low, knob.high) == (0, 1)
+                                                                   else ())
+            if not knob.width:
+                _check_row_knob(i.name, knobs[i.name], batch, dtypes)
+                continue
+            t, n = knobs[i.name], width(knob, config)
             if not isinstance(t, torch.Tensor) or t.dtype not in dtypes:
-                raise TypeError(f"{name} must be a tensor with dtype in {[str(d) for d in dtypes]}")
-            if tuple(t.shape) not in ((config.logit_bias,), (batch, config.logit_bias)):
-                raise ValueError(f"{name} must be [{config.logit_bias}] or [{batch}, {config.logit_bias}], "
-                                 f"got {tuple(t.shape)}")
-    if config.penalties:
-        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
-            _check_row_knob(name, knobs[name], batch, _FLOATS)
-        _check_row_knob("penalty_reset", knobs["penalty_reset"], batch, _INTS + (torch.bool,))
-        if config.penalty_seed:
-            add = knobs["penalty_add"]
-            if not isinstance(add, torch.Tensor) or add.dtype not in _INTS:
-                raise TypeError("penalty_add must be an integer tensor")
-            if tuple(add.shape) != (batch, config.penalty_seed):
-                raise ValueError(f"penalty_add must be [{batch}, {config.penalty_seed}], got {tuple(add.shape)}")
+                raise TypeError(f"{i.name} must be a tensor with dtype in {[str(d) for d in dtypes]}")
+            shapes = ((batch, n),) if knob.rows_only else ((n,), (batch, n))
+            if tuple(t.shape) not in shapes:
+                raise ValueError(f"{i.name} must be {' or '.join(str(list(s)) for s in shapes)}, got {tuple(t.shape)}")
     if config.logprobs > vocab:
         raise ValueError(f"logprobs={config.logprobs} exceeds the vocabulary ({vocab})")
 

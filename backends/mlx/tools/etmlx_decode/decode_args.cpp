@@ -1,7 +1,6 @@
 #include "decode_args.h"
 
 #include <cerrno>
-#include <cmath>
 #include <cstdlib>
 #include <cstring>
 
@@ -9,9 +8,8 @@ namespace etmlx {
 
 const char kDecodeUsage[] =
     "usage: etmlx_decode FILE.pte --prompt-ids 1,2,3 [--max-tokens N] [--temperature T]\n"
-    "                    [--seed S] [--top-k K] [--top-p P] [--min-p M] [--presence-penalty X]\n"
-    "                    [--frequency-penalty X] [--repetition-penalty R] [--eos ID[,ID...]]\n"
-    "                    [--vocab-size V] [--json]\n"
+    "                    [--seed S] [--KNOB VALUE ...] [--eos ID[,ID...]] [--vocab-size V]\n"
+    "                    [--json]\n"
     "\n"
     "Runs the decode loop of a .pte written by `etmlx export` on the etmlx (MLX)\n"
     "backend: one prefill call, then one call per token with seed S + step.\n"
@@ -19,9 +17,9 @@ const char kDecodeUsage[] =
     "  --max-tokens   tokens to generate, >= 1 (default 64)\n"
     "  --temperature  >= 0; 0 = greedy (default 0)\n"
     "  --seed         base seed; step k uses S + k (default 0; seeded programs)\n"
-    "  --top-k, --top-p, --min-p, --presence-penalty, --frequency-penalty,\n"
-    "  --repetition-penalty\n"
-    "                 sampler knobs, for programs exported with them (off by default)\n"
+    "  --KNOB         a sampler knob FILE.pte.json lists (--top-k, --top-p, --min-p,\n"
+    "                 --presence-penalty, ...: the table in llm/sampler/knobs.py);\n"
+    "                 off by default, refused if the program was exported without it\n"
     "  --eos          stop ids, replacing FILE.pte.json's eos_token_ids; repeatable\n"
     "  --vocab-size   for range-checking prompt ids when FILE.pte.json is absent\n"
     "  --json         print {\"tokens\", \"finish_reason\", timings} instead of streaming ids\n";
@@ -43,53 +41,6 @@ bool parse_int(const std::string& text, int64_t* out) {
   const long long v = std::strtoll(t.c_str(), &end, 10);
   if (errno != 0 || *end != '\0') return false;
   *out = static_cast<int64_t>(v);
-  return true;
-}
-
-bool parse_float(const std::string& text, float* out) {
-  const std::string t = trim(text);
-  if (t.empty()) return false;
-  errno = 0;
-  char* end = nullptr;
-  const float v = std::strtof(t.c_str(), &end);
-  // ERANGE on underflow still gives a usable (tiny or zero) value.
-  if (*end != '\0' || (errno == ERANGE && std::isinf(v))) return false;
-  *out = v;
-  return true;
-}
-
-struct KnobOption {
-  const char* flag;
-  const char* input;  // the program input it fills
-  double lo, hi;      // allowed range
-  bool lo_open;       // lo itself excluded
-  bool integer;
-  const char* range_text;
-};
-
-// The ranges `etmlx generate` accepts (backends/mlx/llm/decoder/step_inputs.py).
-constexpr KnobOption kKnobOptions[] = {
-    {"--top-k", "top_k", 0, 1e15, false, true, "an integer >= 0 (0 = off)"},
-    {"--top-p", "top_p", 0, 1, true, false, "in (0, 1] (1 = off)"},
-    {"--min-p", "min_p", 0, 1, false, false, "in [0, 1] (0 = off)"},
-    {"--presence-penalty", "presence_penalty", -2, 2, false, false, "in [-2, 2] (0 = off)"},
-    {"--frequency-penalty", "frequency_penalty", -2, 2, false, false, "in [-2, 2] (0 = off)"},
-    {"--repetition-penalty", "repetition_penalty", 0, HUGE_VAL, true, false, "> 0 (1 = off)"},
-};
-
-bool parse_knob(const KnobOption& k, const std::string& value, double* out) {
-  double v = 0;
-  if (k.integer) {
-    int64_t i = 0;
-    if (!parse_int(value, &i)) return false;
-    v = static_cast<double>(i);
-  } else {
-    float f = 0;
-    if (!parse_float(value, &f)) return false;
-    v = f;
-  }
-  if (std::isnan(v) || v < k.lo || v > k.hi || (k.lo_open && v == k.lo)) return false;
-  *out = v;
   return true;
 }
 
@@ -150,17 +101,6 @@ bool parse_decode_args(int argc, char** argv, DecodeArgs* out, std::string* erro
           *error = "--max-tokens must be an integer >= 1, got '" + value + "'";
           return false;
         }
-      } else if (name == "--temperature") {
-        if (!parse_float(value, &out->temperature) || std::isnan(out->temperature) ||
-            out->temperature < 0) {
-          *error = "--temperature must be a number >= 0 (0 = greedy), got '" + value + "'";
-          return false;
-        }
-      } else if (name == "--seed") {
-        if (!parse_int(value, &out->seed)) {
-          *error = "--seed must be a 64-bit integer, got '" + value + "'";
-          return false;
-        }
       } else if (name == "--eos") {
         if (!out->eos_ids) out->eos_ids.emplace();
         if (!parse_id_list(value, "--eos", &*out->eos_ids, error)) return false;
@@ -172,19 +112,7 @@ bool parse_decode_args(int argc, char** argv, DecodeArgs* out, std::string* erro
         }
         out->vocab_size = v;
       } else {
-        const KnobOption* knob = nullptr;
-        for (const auto& k : kKnobOptions)
-          if (name == k.flag) knob = &k;
-        if (!knob) {
-          *error = "unknown option " + name;
-          return false;
-        }
-        double v = 0;
-        if (!parse_knob(*knob, value, &v)) {
-          *error = name + " must be " + knob->range_text + ", got '" + value + "'";
-          return false;
-        }
-        out->knobs[knob->input] = v;
+        out->knob_flags.emplace_back(name, value);
       }
       continue;
     }

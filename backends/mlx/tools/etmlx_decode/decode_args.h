@@ -2,9 +2,9 @@
 #pragma once
 
 #include <cstdint>
-#include <map>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace etmlx {
@@ -13,11 +13,10 @@ struct DecodeArgs {
   std::string pte;
   std::vector<int64_t> prompt_ids;
   int64_t max_tokens = 64;
-  float temperature = 0.0f;  // <= 0: greedy
-  int64_t seed = 0;          // step k draws with seed + k
-  // Sampler knobs given on the command line, by program input name (top_k,
-  // top_p, min_p, presence/frequency/repetition_penalty); the rest stay off.
-  std::map<std::string, double> knobs;
+  // Every other "--flag value": the sampler knobs (--temperature, --seed,
+  // --top-k, ...), checked against the knob list of FILE.pte.json once it is
+  // read (knobs.h), in command-line order.
+  std::vector<std::pair<std::string, std::string>> knob_flags;
   std::optional<std::vector<int64_t>> eos_ids;  // replaces the sidecar's list
   std::optional<int64_t> vocab_size;            // for programs without a sidecar
   bool json = false;

@@ -3,7 +3,8 @@
 //
 //   etmlx_decode FILE.pte --prompt-ids 1,2,3 [--max-tokens N] [--temperature T]
 //                [--seed S] [--top-k K] [--top-p P] [--min-p M] [--eos ID[,ID...]] ...
-//                (etmlx_decode --help lists every option)
+//                (etmlx_decode --help lists every option; the knob flags come
+//                from FILE.pte.json's "knobs", the table in llm/sampler/knobs.py)
 //
 // It loads FILE.pte with ExecuTorch's Module, runs one prefill call over the
 // prompt and then one call per generated token; call k samples with seed
@@ -14,6 +15,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
+#include <map>
 #include <string>
 #include <system_error>
 #include <vector>
@@ -95,6 +97,14 @@ int run(const etmlx::DecodeArgs& args) {
     return fail(kBadInput, args.pte + " decodes " + std::to_string(*sidecar->batch) +
                                " rows per call; etmlx_decode runs one sequence (export with --batch 1)");
 
+  // The knob flags, checked against the program's knob list before anything loads.
+  const auto& specs = sidecar->knobs ? *sidecar->knobs : etmlx::builtin_knobs();
+  std::map<std::string, etmlx::KnobValue> knobs;
+  const std::string note = sidecar->knobs ? ""
+                           : have_sidecar ? " (" + args.pte + ".json lists no \"knobs\": re-export it with this etmlx)"
+                                          : " (without " + args.pte + ".json only --temperature and --seed are known)";
+  if (!etmlx::resolve_knob_flags(specs, args.knob_flags, note, &knobs, &error)) return fail(kBadInput, error);
+
   executorch::runtime::runtime_init();
   if (!executorch::runtime::get_backend_class(etmlx_backend_id()))
     return fail(kRunFailed, std::string("backend ") + etmlx_backend_id() + " is not registered");
@@ -106,8 +116,10 @@ int run(const etmlx::DecodeArgs& args) {
   if (method.empty()) return fail(kRunFailed, error);
   const auto meta = module.method_meta(method);
   if (!meta.ok()) return fail(kRunFailed, "no metadata for method " + method);
-  auto inputs = etmlx::StepInputs::plan(meta.get(), sidecar->inputs, args.knobs, &error);
+  auto inputs = etmlx::StepInputs::plan(meta.get(), sidecar->inputs, specs, knobs, &error);
   if (!inputs) return fail(kBadInput, args.pte + ": " + error);
+  const float temperature = static_cast<float>(knobs["temperature"].f);
+  const int64_t seed = knobs["seed"].i;
 
   // Without a sidecar the bound of the tokens input is the cache length: the
   // exporter sizes it with an example as long as the cache.
@@ -144,7 +156,7 @@ int run(const etmlx::DecodeArgs& args) {
   const char* finish = "length";
   for (int64_t step = 0; step < args.max_tokens; ++step) {
     // Step 0 is the prefill; its token is the first generated one.
-    auto values = inputs->build(call_tokens, position, args.temperature, args.seed + step, step == 0);
+    auto values = inputs->build(call_tokens, position, temperature, seed + step, step == 0);
     const auto out = module.execute(method, values);
     if (!out.ok())
       return fail(kRunFailed, "step " + std::to_string(step) + " failed (error " + error_name(out.error()) + ")");

@@ -23,6 +23,14 @@ std::optional<int64_t> Value::as_int() const {
   return static_cast<int64_t>(v);
 }
 
+std::optional<double> Value::as_double() const {
+  if (kind != Kind::Number) return std::nullopt;
+  char* end = nullptr;
+  const double v = std::strtod(text.c_str(), &end);
+  if (end == text.c_str() || *end != '\0') return std::nullopt;
+  return v;
+}
+
 namespace {
 
 // Deep enough for any sidecar; bounds the recursion on hostile input.

@@ -24,6 +24,8 @@ struct Value {
   const Value* find(const std::string& key) const;
   // The value as an exact integer; nullopt for non-integers or out of range.
   std::optional<int64_t> as_int() const;
+  // Any number as a double (nearest); nullopt for non-numbers.
+  std::optional<double> as_double() const;
 };
 
 // Parses `source`; on failure returns nullopt and sets `error` to a message

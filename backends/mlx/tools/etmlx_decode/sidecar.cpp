@@ -87,6 +87,13 @@ std::optional<Sidecar> read_sidecar(const std::string& path, bool* found, std::s
     }
     meta.inputs = std::move(names);
   }
+  if (const Value* knobs = root->find("knobs"); knobs && knobs->kind != Value::Kind::Null) {
+    meta.knobs.emplace();
+    if (!read_knobs(*knobs, &*meta.knobs, &why)) {
+      *error = path + ": " + why;
+      return std::nullopt;
+    }
+  }
   return meta;
 }
 

@@ -1,12 +1,14 @@
 // FILE.pte.json, written beside the .pte by `etmlx export`: what the decode
 // loop needs to know that the program itself does not say (vocabulary size,
-// end-of-sequence ids, input names).
+// end-of-sequence ids, input names, the sampler knobs).
 #pragma once
 
 #include <cstdint>
 #include <optional>
 #include <string>
 #include <vector>
+
+#include "knobs.h"
 
 namespace etmlx {
 
@@ -19,6 +21,7 @@ struct Sidecar {
   std::optional<int64_t> batch;
   std::vector<int64_t> eos_token_ids;
   std::optional<std::vector<std::string>> inputs;  // input names in call order
+  std::optional<std::vector<KnobSpec>> knobs;       // the knob table (knobs.h)
 };
 
 // Reads `path`. Returns nullopt with `error` set when the file exists but

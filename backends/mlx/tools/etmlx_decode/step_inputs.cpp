@@ -12,19 +12,6 @@ using executorch::runtime::Tag;
 
 namespace {
 
-struct KnobOff {
-  const char* name;
-  double off;
-};
-
-// The values that switch each sampler feature off (sampler_config.py). A
-// bias id of -1 lies outside the vocabulary, so the device ignores the pair.
-constexpr KnobOff kKnobs[] = {
-    {"top_k", 0},           {"top_p", 1},          {"min_p", 0},
-    {"bias_ids", -1},       {"bias_values", 0},    {"presence_penalty", 0},
-    {"frequency_penalty", 0}, {"repetition_penalty", 1}, {"penalty_add", -1},
-};
-
 bool supported_fill_type(ScalarType t) {
   return t == ScalarType::Long || t == ScalarType::Int || t == ScalarType::Float ||
          t == ScalarType::Double;
@@ -34,7 +21,8 @@ bool supported_fill_type(ScalarType t) {
 
 std::optional<StepInputs> StepInputs::plan(const MethodMeta& meta,
                                            const std::optional<std::vector<std::string>>& names,
-                                           const std::map<std::string, double>& knobs,
+                                           const std::vector<KnobSpec>& specs,
+                                           const std::map<std::string, KnobValue>& values,
                                            std::string* error) {
   const size_t n = meta.num_inputs();
   std::vector<std::string> order;
@@ -56,8 +44,17 @@ std::optional<StepInputs> StepInputs::plan(const MethodMeta& meta,
     return std::nullopt;
   }
 
+  const auto spec_named = [&](const std::string& name) -> const KnobSpec* {
+    for (const KnobSpec& k : specs)
+      if (k.name == name) return &k;
+    return nullptr;
+  };
+  const auto value_of = [&](const KnobSpec& spec) {
+    const auto v = values.find(spec.name);
+    return v == values.end() ? spec.off : v->second;
+  };
   StepInputs plan;
-  std::map<std::string, double> unused = knobs;
+  std::vector<std::string> used;
   for (size_t i = 0; i < n; ++i) {
     const std::string& name = order[i];
     const auto tag = meta.input_tag(i);
@@ -96,32 +93,32 @@ std::optional<StepInputs> StepInputs::plan(const MethodMeta& meta,
     } else if (name == "start_pos" || name == "lengths") {
       slot.role = name == "start_pos" ? Role::StartPos : Role::Lengths;
       if (!expect(ScalarType::Long, "int64") || !per_row()) return std::nullopt;
-    } else if (name == "temperature") {
-      slot.role = Role::Temperature;
-      if (!expect(ScalarType::Float, "float32") || !per_row()) return std::nullopt;
-    } else if (name == "seed") {
-      slot.role = Role::Seed;
-      if (!expect(ScalarType::Long, "int64") || !per_row()) return std::nullopt;
-    } else if (name == "penalty_reset") {
-      slot.role = Role::PenaltyReset;
     } else {
-      const KnobOff* knob = nullptr;
-      for (const auto& k : kKnobs)
-        if (name == k.name) knob = &k;
-      if (!knob) {
-        *error = "input '" + name + "' is not one etmlx_decode knows how to fill";
+      const KnobSpec* spec = spec_named(name);
+      if (!spec) {
+        *error = "input '" + name + "' is not one etmlx_decode knows how to fill (" +
+                 (&specs == &builtin_knobs() ? "FILE.pte.json lists no \"knobs\": re-export it with this etmlx)"
+                                             : "FILE.pte.json's \"knobs\" has no entry for it)");
         return std::nullopt;
       }
-      slot.role = Role::Knob;
-      slot.value = knob->off;
-      if (const auto given = unused.find(name); given != unused.end()) {
-        slot.value = given->second;
-        unused.erase(given);
+      used.push_back(name);
+      if (name == "temperature") {  // the loop's own per-call values (seed: + step)
+        slot.role = Role::Temperature;
+        if (!expect(ScalarType::Float, "float32") || !per_row()) return std::nullopt;
+      } else if (name == "seed") {
+        slot.role = Role::Seed;
+        if (!expect(ScalarType::Long, "int64") || !per_row()) return std::nullopt;
+      } else {
+        slot.role = Role::Knob;
+        slot.value = value_of(*spec);
+        slot.first = spec->first.value_or(slot.value);
+        const bool int_input = slot.dtype == ScalarType::Long || slot.dtype == ScalarType::Int;
+        if (!supported_fill_type(slot.dtype) || int_input != spec->integer) {
+          *error = "input '" + name + "' has a dtype etmlx_decode cannot fill (FILE.pte.json says " +
+                   (spec->integer ? "int64" : "float32") + ")";
+          return std::nullopt;
+        }
       }
-    }
-    if ((slot.role == Role::Knob || slot.role == Role::PenaltyReset) && !supported_fill_type(slot.dtype)) {
-      *error = "input '" + name + "' has a dtype etmlx_decode cannot fill";
-      return std::nullopt;
     }
     plan.slots_.push_back(std::move(slot));
   }
@@ -129,33 +126,34 @@ std::optional<StepInputs> StepInputs::plan(const MethodMeta& meta,
     *error = "the program has no 'tokens' input";
     return std::nullopt;
   }
-  for (const auto& [name, value] : unused) {
+  for (const KnobSpec& spec : specs) {
     // Asking for a feature the program cannot apply would silently sample
-    // something else; its off value is harmless.
-    for (const auto& k : kKnobs) {
-      if (name == k.name && value != k.off) {
-        *error = "the program was exported without " + name + " (see `etmlx export --sampler`)";
-        return std::nullopt;
-      }
+    // something else; its off value is harmless. Knobs every program has
+    // (no export hint: temperature, seed) are left to the loop.
+    bool present = false;
+    for (const std::string& u : used) present = present || u == spec.name;
+    if (!present && !spec.export_hint.empty() && !is_off(spec, value_of(spec))) {
+      *error = "the program was exported without " + spec.name + " (" + spec.export_hint + ")";
+      return std::nullopt;
     }
   }
   return plan;
 }
 
-TensorPtr StepInputs::filled(const Slot& slot, double value) const {
+TensorPtr StepInputs::filled(const Slot& slot, const KnobValue& value) const {
   int64_t numel = 1;
   for (int32_t s : slot.sizes) numel *= s;
   const size_t count = static_cast<size_t>(numel);
   std::vector<int32_t> sizes(slot.sizes.begin(), slot.sizes.end());
   switch (slot.dtype) {
     case ScalarType::Long:
-      return make_tensor_ptr(sizes, std::vector<int64_t>(count, static_cast<int64_t>(value)));
+      return make_tensor_ptr(sizes, std::vector<int64_t>(count, value.i));
     case ScalarType::Int:
-      return make_tensor_ptr(sizes, std::vector<int32_t>(count, static_cast<int32_t>(value)));
+      return make_tensor_ptr(sizes, std::vector<int32_t>(count, static_cast<int32_t>(value.i)));
     case ScalarType::Double:
-      return make_tensor_ptr(sizes, std::vector<double>(count, value));
+      return make_tensor_ptr(sizes, std::vector<double>(count, value.f));
     default:  // Float; plan() admitted nothing else
-      return make_tensor_ptr(sizes, std::vector<float>(count, static_cast<float>(value)));
+      return make_tensor_ptr(sizes, std::vector<float>(count, static_cast<float>(value.f)));
   }
 }
 
@@ -182,12 +180,8 @@ std::vector<EValue> StepInputs::build(const std::vector<int64_t>& tokens, int64_
       case Role::Seed:
         t = make_tensor_ptr(slot.sizes, std::vector<int64_t>{seed});
         break;
-      case Role::PenaltyReset:
-        // A new sequence starts with no counted tokens.
-        t = filled(slot, first ? 1 : 0);
-        break;
       case Role::Knob:
-        t = filled(slot, slot.value);
+        t = filled(slot, first ? slot.first : slot.value);
         break;
     }
     alive_.push_back(t);

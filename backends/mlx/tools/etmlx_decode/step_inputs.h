@@ -1,8 +1,8 @@
 // The inputs of one decoder call, laid out by input name in the program's
-// order (backends/mlx/llm/decoder/export.py). Sampler knobs get the values
-// given on the command line, the others their "off" values
-// (backends/mlx/llm/sampler/config.py); logit bias and penalty seeding are
-// always off.
+// order (backends/mlx/llm/decoder/export.py). Every input past the model's
+// (tokens, start_pos, lengths) is a knob of the metadata's list (knobs.h):
+// it gets the value given on the command line, else its off value (its
+// "first" value on a sequence's first call, e.g. penalty_reset).
 #pragma once
 
 #include <cstdint>
@@ -15,16 +15,20 @@
 #include <executorch/runtime/core/evalue.h>
 #include <executorch/runtime/executor/method_meta.h>
 
+#include "knobs.h"
+
 namespace etmlx {
 
 class StepInputs {
  public:
   // Matches `names` against the method's inputs (count, dtypes, shapes).
-  // Without names, the plain decoder (no knobs) is assumed. `knobs` holds
-  // values by input name; one the program lacks is an error unless it is off.
+  // Without names, the plain decoder (no knobs) is assumed. `values` holds
+  // every spec's value by name (resolve_knob_flags); one the program lacks is
+  // an error unless it is off.
   static std::optional<StepInputs> plan(const executorch::runtime::MethodMeta& meta,
                                         const std::optional<std::vector<std::string>>& names,
-                                        const std::map<std::string, double>& knobs,
+                                        const std::vector<KnobSpec>& specs,
+                                        const std::map<std::string, KnobValue>& values,
                                         std::string* error);
 
   // Longest `tokens` one call accepts (the upper bound of its length axis).
@@ -38,16 +42,17 @@ class StepInputs {
                                                  int64_t seed, bool first);
 
  private:
-  enum class Role { Tokens, StartPos, Lengths, Temperature, Seed, Knob, PenaltyReset };
+  enum class Role { Tokens, StartPos, Lengths, Temperature, Seed, Knob };
   struct Slot {
     std::string name;
     Role role;
     executorch::aten::ScalarType dtype;
     std::vector<int32_t> sizes;  // static shape (per-row and knob inputs)
-    double value = 0;            // Knob only
+    KnobValue value;             // Knob only
+    KnobValue first;             // Knob only: the value on a sequence's first call
   };
 
-  executorch::extension::TensorPtr filled(const Slot& slot, double value) const;
+  executorch::extension::TensorPtr filled(const Slot& slot, const KnobValue& value) const;
 
   std::vector<Slot> slots_;
   int64_t max_call_length_ = 0;

@@ -1,0 +1,54 @@
+// The sampler knobs as the decoder metadata lists them (its "knobs", written
+// from the table in backends/mlx/llm/sampler/knobs.py): their flags, ranges
+// and off values, and the command-line values checked against them.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "json_lite.h"
+
+namespace etmlx {
+
+// A number both ways: int64 exactly (integer knobs) and as a double.
+struct KnobValue {
+  int64_t i = 0;
+  double f = 0;
+};
+
+struct KnobSpec {
+  std::string name;  // the program input it fills
+  bool integer = false;  // int64 values (else float32)
+  KnobValue off;         // the value that changes nothing
+  std::optional<KnobValue> low, high;  // range; nullopt = unbounded
+  bool low_open = false, high_open = false;
+  std::string flag;    // "--top-k"; empty: not settable from the command line
+  std::string range;   // "an integer >= 0 (0 = off)", for messages
+  std::string export_hint;  // "export with --sampler top-k"; empty: always in the program
+  std::optional<KnobValue> first;  // the value on a sequence's first call, if not `off`
+};
+
+// The knob list of metadata `knobs` (a JSON array); false with `error` set on
+// a malformed entry.
+bool read_knobs(const json::Value& knobs, std::vector<KnobSpec>* out, std::string* error);
+
+// Without a "knobs" list (no FILE.pte.json, or one from an older etmlx):
+// temperature and seed only, which every decoder program takes.
+const std::vector<KnobSpec>& builtin_knobs();
+
+bool is_off(const KnobSpec& spec, const KnobValue& value);
+
+// Every spec's value by name: the command line's (flag, text) pairs checked
+// against `specs`, the off value for the rest. On an unknown flag (the message
+// ends with `unknown_note`) or a value out of range returns false with `error`
+// naming the flag.
+bool resolve_knob_flags(const std::vector<KnobSpec>& specs,
+                        const std::vector<std::pair<std::string, std::string>>& flags,
+                        const std::string& unknown_note, std::map<std::string, KnobValue>* values,
+                        std::string* error);
+
+}  // namespace etmlx
