@@ -40,7 +40,7 @@ class BlasStatus:
 
 
 def library_path() -> Path:
-    return Path(__file__).resolve().parent / "runtime" / "_lib" / _LIB_NAME
+    return Path(__file__).resolve().parent / "_lib" / _LIB_NAME
 
 
 def load() -> ctypes.CDLL | None:

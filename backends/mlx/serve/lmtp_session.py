@@ -1,8 +1,9 @@
 """One LMTP connection: lines `TYPE JSON` in, `TOKEN [...]` and `MSG {...}` lines out.
 
-In:  GENERATE {"stream_id", "prompt": [ids], "max_tokens", "temperature", "top_k", "top_p", "min_p",
+In:  GENERATE {"stream_id", "prompt": [ids] or "text", "max_tokens", "temperature", "top_k", "top_p", "min_p",
                "seed", "logit_bias": {"id": bias}, "presence_penalty", "frequency_penalty",
                "repetition_penalty", "top_logprobs"}         (temperature defaults to 0: greedy)
+              text is tokenized as everywhere else (llm/decoder/prompt.py: BOS as the tokenizer says)
      SCORE    {"stream_id", "prompt": [ids], "scored": [ids]}  logprob of each scored token
      MODEL_INFO {"stream_id"}
 Out: TOKEN [{"token", "stream_id", "logprob", "finish_reason", "top_logprobs": {"id": lp}}, ...]
@@ -20,6 +21,7 @@ import json
 import logging
 from typing import Awaitable, Callable
 
+from backends.mlx.llm.decoder.prompt import encode_prompt
 from backends.mlx.llm.decoder.step_inputs import SamplingParams
 from backends.mlx.serve.engine import EngineRequest, TokenEvent
 from backends.mlx.serve.service import Service, queue_sink
@@ -39,6 +41,18 @@ def _ids(value, name: str, vocab: int) -> list[int]:
     if any(not 0 <= t < vocab for t in value):
         raise LmtpError(f"'{name}' token ids must be in [0, {vocab})")
     return value
+
+
+def prompt_ids(value, tokenizer, vocab: int) -> list[int]:
+    """GENERATE's prompt: token ids as they are, or text tokenized by the rule every path uses."""
+    if not isinstance(value, str):
+        return _ids(value, "prompt", vocab)
+    if tokenizer is None:
+        raise LmtpError("this .pte has no tokenizer: send the prompt as token ids")
+    ids = encode_prompt(tokenizer, value)
+    if not ids:
+        raise LmtpError("the prompt is empty")
+    return ids
 
 
 class LmtpSession:
@@ -91,7 +105,7 @@ class LmtpSession:
     async def _generate(self, stream_id, payload) -> None:
         self._check_new(stream_id, payload)
         meta = self.service.meta
-        prompt = _ids(payload.get("prompt"), "prompt", meta.vocab_size)
+        prompt = prompt_ids(payload.get("prompt"), self.service.tokenizer, meta.vocab_size)
         knobs = {}
         for name, kind in _KNOBS.items():
             value = payload.get(name)
