@@ -73,6 +73,34 @@ def test_text_gets_bos_once_on_every_path(exported):
     assert lmtp_prompt(expected[1:], tok, meta.vocab_size) == expected[1:]
 
 
+def test_light_tokenizer_agrees_with_transformers(exported, tmp_path):
+    from transformers import AutoTokenizer
+
+    from backends.mlx.llm.builtin.tiny_model import train_tokenizer as tiny_tokenizer
+    from backends.mlx.llm.decoder.light_tokenizer import LightTokenizer, load_light, load_tokenizer
+    from backends.mlx.llm.decoder.meta import tokenizer_path
+
+    tiny = tmp_path / "tiny"
+    tiny_tokenizer().save_pretrained(tiny)  # no BOS, a template without bos_token
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Where?"}]
+    for path in (tokenizer_path(exported[0]), tiny):
+        hf, light = AutoTokenizer.from_pretrained(str(path)), load_tokenizer(path)
+        assert isinstance(light, LightTokenizer) and light.bos_token == hf.bos_token and len(light) == len(hf)
+        for text in (TEXT, "<|bos|>" + TEXT, "über café 日本 🙂", " a  b\n\nc", ""):
+            for special in (True, False):
+                ids = hf.encode(text, add_special_tokens=special)
+                assert light.encode(text, add_special_tokens=special) == ids
+                assert light.decode(ids, skip_special_tokens=special) == hf.decode(ids, skip_special_tokens=special)
+        for generation in (True, False):
+            assert (light.apply_chat_template(messages, add_generation_prompt=generation, tokenize=False)
+                    == hf.apply_chat_template(messages, add_generation_prompt=generation, tokenize=False))
+    # a class that may rewrite tokenizer.json's rules in Python goes to transformers
+    config = tiny / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "add_bos_token": True}))
+    assert load_light(tiny) is None and not isinstance(load_tokenizer(tiny), LightTokenizer)
+
+
 def test_generate_applies_the_chat_template_unless_told_not_to(exported):
     pte, model, tok = exported
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": TEXT}]
@@ -157,7 +185,8 @@ def test_version_and_python_m_etmlx():
 
 def test_generate_path_is_quiet_and_never_loads_the_exporter(exported):
     pte, _, _ = exported
-    heavy = ("backends.mlx.exporter", "executorch.exir", "torchao", "executorch.runtime")
+    # transformers too: this tokenizer is a plain tokenizer.json one, which loads without it
+    heavy = ("backends.mlx.exporter", "executorch.exir", "torchao", "executorch.runtime", "transformers")
     code = ("import sys\nfrom backends.mlx.cli.main import main\n"
             f"code = main(['generate', {str(pte)!r}, '-p', 'Mira', '-m', '3'])\n"
             f"print(sorted(m for m in sys.modules if m.startswith({heavy!r})), code)")
