@@ -1,6 +1,7 @@
 """Text first: one tokenization rule on every path (CLI, OpenAI, LMTP, Python API), the chat template by
 default in `etmlx generate`, `etmlx chat` over stdin, `etmlx.load/generate/stream_generate`, `--version`
-and `python -m etmlx`, and a generate path that stays quiet and never loads the exporter.
+and `python -m etmlx`, the light tokenizer agreeing with transformers, and a generate path that stays
+quiet and never loads the exporter (nor transformers, for a plain tokenizer.json tokenizer).
 
 The tokenizer is the built-in model's kind: its post-processor puts BOS in front of raw text and its
 chat template writes BOS itself, so a path that adds BOS twice, or not at all, shows."""
