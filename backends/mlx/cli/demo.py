@@ -17,6 +17,7 @@ from backends.mlx.llm.builtin.model import DEFAULT_RECIPE, ensure_builtin_checkp
 from backends.mlx.llm.decoder.loop import Decoder
 from backends.mlx.llm.decoder.export import export_decoder
 from backends.mlx.llm.decoder.meta import meta_path
+from backends.mlx.llm.decoder.prompt import encode_prompt
 from backends.mlx.llm.sampler.config import SamplerConfig
 from backends.mlx.llm.sampler.params import SamplingParams
 from backends.mlx.llm.decoder.text_stream import IncrementalDetokenizer
@@ -67,7 +68,7 @@ def main(out: Path, prompt: str = DEFAULT_PROMPT, max_tokens: int = 60, cache_di
     ckpt = ensure_builtin_checkpoint(cache_dir, recipe)
     _export_if_stale(ckpt, out, max_seq_len)
     decoder = Decoder(out)
-    prompt_ids = decoder.tokenizer(prompt)["input_ids"]
+    prompt_ids = encode_prompt(decoder.tokenizer, prompt)
     print(f"\ngreedy, on the device: {prompt}", end="")
     greedy = _stream(decoder, prompt_ids, max_tokens, SamplingParams())
     from transformers import AutoModelForCausalLM

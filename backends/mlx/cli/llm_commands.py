@@ -1,8 +1,9 @@
-"""`etmlx export` and `etmlx generate`: a causal LM to one decoder .pte, and the decode loop over it."""
+"""The `etmlx export`, `etmlx generate` and `etmlx chat` parsers, and export itself (generate and chat run in
+generate_command.py and chat_command.py, which never import the exporter)."""
 
 from __future__ import annotations
 
-import json
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -61,72 +62,28 @@ def run_export(args) -> int:
     return 0
 
 
-def _prompt_ids(args, decoder) -> list[int]:
-    if args.prompt_ids is not None:
-        try:
-            return [int(t) for t in args.prompt_ids.split(",") if t.strip()]
-        except ValueError:
-            raise ValueError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
-    ids = decoder.tokenizer(args.prompt, add_special_tokens=True)["input_ids"]
-    return list(ids)
+def _text_flags(parser, max_tokens: int) -> None:
+    """What generate and chat share besides the knobs (cli/knob_flags.py); short names as mlx_lm.generate spells them."""
+    parser.add_argument("pte", nargs="?", help="a .pte written by `etmlx export`")
+    parser.add_argument("--model", help="the .pte, as mlx_lm names it (instead of the positional argument)")
+    parser.add_argument("-m", "--max-tokens", type=int, default=max_tokens, help=f"default {max_tokens}")
+    # mlx-lm's spelling of --temperature; SUPPRESS keeps --temperature's default
+    parser.add_argument("--temp", dest="temperature", type=float, default=argparse.SUPPRESS,
+                        help="the same as --temperature")
+    parser.add_argument("--system-prompt", help="system message for the chat template")
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
 def run_generate(args) -> int:
-    from backends.mlx.llm.decoder.loop import Decoder
-    from backends.mlx.llm.decoder.text_stream import IncrementalDetokenizer, StopStrings
+    from backends.mlx.cli.generate_command import run_generate as run
 
-    params = params_from_args(args)  # bad values fail before the program loads
-    decoder = Decoder(Path(args.pte))
-    prompt = _prompt_ids(args, decoder)
-    stops = StopStrings(args.stop)
-    if args.stop and not decoder.has_tokenizer:
-        decoder.tokenizer  # raises, naming the missing tokenizer: stop strings need text
-    detok = IncrementalDetokenizer(decoder.tokenizer, prompt) if decoder.has_tokenizer else None
-    tokens, logprobs, tops, text = [], [], [], []
-    finish = "length"
-    start = time.perf_counter()
-    first = None
-    for step in decoder.stream(prompt, args.max_tokens, params):
-        if first is None:
-            first = time.perf_counter()
-        tokens.append(step.token)
-        if step.logprob is not None:
-            logprobs.append(step.logprob)
-            tops.append(step.top)
-        if step.token in decoder.meta.eos_token_ids:
-            finish = "stop"
-            break
-        piece = stops.feed(detok.add(step.token)) if detok else f"{step.token} "
-        text.append(piece)
-        if not args.json:
-            print(piece, end="", flush=True)
-        if stops.stopped:
-            finish = "stop"
-            break
-    end = time.perf_counter()
-    if detok and not stops.stopped:
-        tail = stops.feed(detok.flush()) + stops.flush()
-        text.append(tail)
-        if not args.json:
-            print(tail, end="")
-    ttft = (first or end) - start
-    decode_tps = (len(tokens) - 1) / (end - first) if first and len(tokens) > 1 and end > first else 0.0
-    report = {"prompt_tokens": len(prompt), "completion_tokens": len(tokens), "finish_reason": finish,
-              "time_to_first_token_s": round(ttft, 6), "prefill_tokens_per_s": round(len(prompt) / ttft, 2),
-              "decode_tokens_per_s": round(decode_tps, 2)}
-    if args.json:
-        out = {"tokens": tokens, **report}
-        if detok:
-            out["text"] = "".join(text)
-        if decoder.meta.config.logprobs:
-            out["logprobs"] = logprobs
-            out["top_logprobs"] = [[{"id": i, "logprob": v} for i, v in top] for top in tops]
-        print(json.dumps(out))
-    else:
-        print()
-        print(f"[{len(prompt)} prompt tokens, {len(tokens)} generated, finish: {finish}; "
-              f"time to first token {ttft * 1000:.1f} ms, decode {decode_tps:.1f} tok/s]", file=sys.stderr)
-    return 0
+    return run(args, params_from_args(args))
+
+
+def run_chat(args) -> int:
+    from backends.mlx.cli.chat_command import run_chat as run
+
+    return run(args, params_from_args(args))
 
 
 def add_parsers(sub) -> None:
@@ -153,12 +110,19 @@ def add_parsers(sub) -> None:
     export.set_defaults(func=run_export)
 
     generate = sub.add_parser("generate", help="decode on the device from an exported .pte, streaming text")
-    generate.add_argument("pte", help="a .pte written by `etmlx export`")
+    _text_flags(generate, max_tokens=64)
     prompt = generate.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="prompt text (uses the tokenizer exported with the .pte)")
-    prompt.add_argument("--prompt-ids", help="comma-separated prompt token ids")
-    generate.add_argument("--max-tokens", type=int, default=64)
+    prompt.add_argument("-p", "--prompt", help="prompt text, '-' reads stdin (uses the tokenizer exported with "
+                                               "the .pte; through its chat template unless --ignore-chat-template)")
+    prompt.add_argument("--prompt-ids", help="comma-separated prompt token ids, used as they are")
+    generate.add_argument("--ignore-chat-template", action="store_true",
+                          help="tokenize the prompt as raw text instead of as a user message")
     add_knob_arguments(generate)
-    generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     generate.add_argument("--json", action="store_true", help="print token ids, text, logprobs and timings as JSON")
     generate.set_defaults(func=run_generate)
+
+    chat = sub.add_parser("chat", help="a multi-turn conversation with an exported .pte (lines from stdin, replies "
+                                       "streamed; /reset, /exit)")
+    _text_flags(chat, max_tokens=256)
+    add_knob_arguments(chat)
+    chat.set_defaults(func=run_chat)

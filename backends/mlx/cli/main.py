@@ -7,7 +7,17 @@ import sys
 from pathlib import Path
 
 from backends.mlx.cli import llm_commands as llm_cli
+from backends.mlx.cli import quiet
 from backends.mlx.cli import serve_commands as serve_cli
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("etmlx")  # pyproject.toml is the one home of the number
+    except PackageNotFoundError:
+        return "unknown (not installed: pip install -e .)"
 
 
 def _demo(args) -> int:
@@ -55,6 +65,7 @@ def _bench(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="etmlx", description="ExecuTorch programs on MLX")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="export a small built-in model and run it through the runtime")
     demo.add_argument("--out", help="where to write the .pte (default: out/builtin.pte, out/classifier.pte)")
@@ -83,11 +94,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--batches", help="comma-separated batch sizes (default 1,8)")
     serve_cli.add_bench_arguments(bench)
     bench.set_defaults(func=_bench)
+    for command in sub.choices.values():
+        command.add_argument("--verbose", action="store_true",
+                             help="also show third-party warnings and progress bars (hidden by default)")
     return parser
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    quiet.install(verbose=args.verbose)
     if getattr(args, "out", None):
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     try:

@@ -1,8 +1,9 @@
 """Loads the etmlx C++ backend into the ExecuTorch runtime of this process.
 
 Importing this package registers the backend ``EtmlxBackend`` with the
-ExecuTorch runtime that ``executorch.runtime`` (its pybindings) uses, so a
-.pte delegating to etmlx can then be loaded with ``executorch.runtime``.
+ExecuTorch runtime of the pybindings extension (``executorch.extension.pybindings._C``),
+so a .pte delegating to etmlx can then be loaded through it (``runner.load_method``,
+or ``executorch.runtime``, which wraps the same extension).
 
 The shared library is ``_lib/libetmlx_backend.so`` next to this file (built by
 ``make setup`` / CMake); set ``ETMLX_BACKEND_LIB`` to use another file.
@@ -15,7 +16,7 @@ import os
 import threading
 from pathlib import Path
 
-__all__ = ["BACKEND_ID", "library_path", "load", "schema_version"]
+__all__ = ["BACKEND_ID", "library_path", "load", "pybindings", "schema_version"]
 
 BACKEND_ID = "EtmlxBackend"
 
@@ -32,10 +33,22 @@ def library_path() -> Path:
     return Path(__file__).resolve().parent / "_lib" / _LIB_NAME
 
 
-def _registered_backends() -> list[str]:
-    from executorch.runtime import Runtime
+def pybindings():
+    """ExecuTorch's C++ runtime extension module.
 
-    return list(Runtime.get().backend_registry.registered_backend_names)
+    Imported directly rather than through ``executorch.runtime``: that wrapper imports
+    ``portable_lib``, which imports ``executorch.exir`` (and so torchao: ~5 s, and load-failure
+    noise on stderr) only to issue a warning. The extension links libtorch_python, so torch's
+    libraries must be in the process first."""
+    import torch  # noqa: F401
+
+    from executorch.extension.pybindings import _C
+
+    return _C
+
+
+def _registered_backends() -> list[str]:
+    return list(pybindings()._get_registered_backend_names())
 
 
 def load() -> ctypes.CDLL:
@@ -50,8 +63,6 @@ def load() -> ctypes.CDLL:
         # Load the ExecuTorch pybindings first, so libexecutorch.so (and its
         # backend registry) is already in the process; the backend library
         # then binds to that same copy.
-        import executorch.runtime  # noqa: F401
-
         _registered_backends()
         path = library_path()
         if not path.is_file():

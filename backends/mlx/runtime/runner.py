@@ -10,37 +10,48 @@ import torch
 PteSource = Union[bytes, bytearray, str, Path]
 
 
-def _runtime():
-    import backends.mlx.runtime  # noqa: F401  (loads and registers the C++ backend)
-    from executorch.runtime import Runtime
+def _bindings():
+    from backends.mlx import runtime  # loads and registers the C++ backend
 
-    return Runtime.get()
+    runtime.load()
+    return runtime.pybindings()
 
 
 class LoadedMethod:
     """A method together with the program that owns it.
 
     ExecuTorch's Method points into its Program; if the Program is collected first, the
-    method reads freed memory. Holding both here keeps the pair alive together.
+    method reads freed memory. Holding both here keeps the pair alive together, and the
+    bytes of a program loaded from a buffer with them (as executorch.runtime does).
     """
 
-    def __init__(self, program, method):
+    def __init__(self, program, method, data: bytes | None = None):
         self.program = program
         self.method = method
+        self.data = data
 
     def execute(self, inputs: Sequence) -> list:
-        return list(self.method.execute(list(inputs)))
+        return list(self.method(list(inputs)))
 
 
 def load_method(pte: PteSource, method: str = "forward") -> LoadedMethod:
     """Load `method` of a .pte (path or bytes); the delegate's init() runs here."""
-    if isinstance(pte, (str, Path)) and not Path(pte).is_file():
-        raise FileNotFoundError(f"pte: no such file {pte}")
-    program = _runtime().load_program(pte)
-    loaded = program.load_method(method)
-    if loaded is None:
-        raise ValueError(f"method {method!r} not in the program (has {sorted(program.method_names)})")
-    return LoadedMethod(program, loaded)
+    bindings = _bindings()
+    verify = bindings.Verification.InternalConsistency
+    data = None
+    if isinstance(pte, (str, Path)):
+        if not Path(pte).is_file():
+            raise FileNotFoundError(f"pte: no such file {pte}")
+        program = bindings._load_program(str(pte), program_verification=verify)
+    elif isinstance(pte, (bytes, bytearray)):
+        data = bytes(pte)
+        program = bindings._load_program_from_buffer(data, program_verification=verify)
+    else:
+        raise TypeError(f"pte must be a path or bytes, got {type(pte).__name__}")
+    names = [program.get_method_name(i) for i in range(program.num_methods())]
+    if method not in names:
+        raise ValueError(f"method {method!r} not in the program (has {sorted(names)})")
+    return LoadedMethod(program, program.load_method(method), data)
 
 
 def run(pte: PteSource, inputs: Sequence, method: str = "forward") -> list:

@@ -14,6 +14,8 @@ import sys
 
 import aiohttp
 
+from backends.mlx.llm.decoder.prompt import encode_prompt
+
 _TYPES = ("GENERATE", "SCORE", "MODEL_INFO")
 
 
@@ -29,7 +31,7 @@ def to_line(text: str, stream_id: int, tokenizer) -> str:
             words.append(word)
     body = " ".join(words)
     if tokenizer is not None:
-        prompt = tokenizer.encode(body, add_special_tokens=False)
+        prompt = encode_prompt(tokenizer, body)
     else:
         try:
             prompt = [int(t) for t in body.replace(",", " ").split()]

@@ -1,9 +1,10 @@
 """One LMTP connection: lines `TYPE JSON` in, `TOKEN [...]` and `MSG {...}` lines out.
 
-In:  GENERATE {"stream_id", "prompt": [ids], "max_tokens", "top_logprobs", and the knobs of
+In:  GENERATE {"stream_id", "prompt": [ids] or "text", "max_tokens", "top_logprobs", and the knobs of
                llm/sampler/knobs.py by name: "temperature", "seed", "top_k", "top_p", "min_p",
                "logit_bias": {"id": bias}, "presence_penalty", "frequency_penalty",
                "repetition_penalty"}                          (every knob defaults to off: greedy)
+              text is tokenized as everywhere else (llm/decoder/prompt.py: BOS as the tokenizer says)
      SCORE    {"stream_id", "prompt": [ids], "scored": [ids]}  logprob of each scored token
      MODEL_INFO {"stream_id"}
 Out: TOKEN [{"token", "stream_id", "logprob", "finish_reason", "top_logprobs": {"id": lp}}, ...]
@@ -21,6 +22,7 @@ import json
 import logging
 from typing import Awaitable, Callable
 
+from backends.mlx.llm.decoder.prompt import encode_prompt
 from backends.mlx.llm.sampler.knobs import USER_KNOBS, enabled
 from backends.mlx.llm.sampler.params import SamplingParams
 from backends.mlx.serve.engine import EngineRequest, TokenEvent
@@ -54,6 +56,18 @@ def _ids(value, name: str, vocab: int) -> list[int]:
     if any(not 0 <= t < vocab for t in value):
         raise LmtpError(f"'{name}' token ids must be in [0, {vocab})")
     return value
+
+
+def prompt_ids(value, tokenizer, vocab: int) -> list[int]:
+    """GENERATE's prompt: token ids as they are, or text tokenized by the rule every path uses."""
+    if not isinstance(value, str):
+        return _ids(value, "prompt", vocab)
+    if tokenizer is None:
+        raise LmtpError("this .pte has no tokenizer: send the prompt as token ids")
+    ids = encode_prompt(tokenizer, value)
+    if not ids:
+        raise LmtpError("the prompt is empty")
+    return ids
 
 
 class LmtpSession:
@@ -107,7 +121,7 @@ class LmtpSession:
     async def _generate(self, stream_id, payload) -> None:
         self._check_new(stream_id, payload)
         meta = self.service.meta
-        prompt = _ids(payload.get("prompt"), "prompt", meta.vocab_size)
+        prompt = prompt_ids(payload.get("prompt"), self.service.tokenizer, meta.vocab_size)
         params = generate_params(payload)
         room = meta.max_seq_len - len(prompt)
         max_tokens = payload.get("max_tokens", max(1, min(32, room)))  # a too-long prompt is reported as such

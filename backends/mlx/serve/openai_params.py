@@ -16,6 +16,7 @@ import math
 import random
 from dataclasses import dataclass, field
 
+from backends.mlx.llm.decoder import prompt as prompt_rules
 from backends.mlx.llm.decoder.meta import DecoderMeta
 from backends.mlx.llm.sampler.knobs import SEED_LIMIT, USER_KNOBS, Knob, KnobError
 from backends.mlx.llm.sampler.params import SamplingParams
@@ -170,28 +171,14 @@ def build_job(body: dict, meta: DecoderMeta, prompt: list[int], *, chat: bool) -
 
 
 def chat_prompt(body: dict, tokenizer) -> list[int]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError("'messages' must be a non-empty list", param="messages")
-    clean = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise ApiError(f"messages[{i}] must be an object with a 'role'", param="messages")
-        content = message.get("content")
-        if isinstance(content, list):  # content parts: only text parts exist for this model
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise ApiError(f"messages[{i}].content: only text parts are supported", param="messages")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise ApiError(f"messages[{i}].content must be a string", param="messages")
-        clean.append({"role": message["role"], "content": content})
     if tokenizer is None:
         raise ApiError("chat needs a tokenizer and this .pte has none", param="messages")
-    if not getattr(tokenizer, "chat_template", None):
+    if not prompt_rules.has_chat_template(tokenizer):
         raise ApiError("this model's tokenizer has no chat template: use /v1/completions", param="messages")
-    text = tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=False)
-    return tokenizer.encode(text, add_special_tokens=False)
+    try:
+        return prompt_rules.chat_prompt(tokenizer, body.get("messages"))
+    except (ValueError, TypeError) as exc:
+        raise ApiError(str(exc).replace("messages must", "'messages' must", 1), param="messages") from None
 
 
 def completion_prompt(body: dict, tokenizer, meta: DecoderMeta) -> list[int]:
@@ -201,7 +188,7 @@ def completion_prompt(body: dict, tokenizer, meta: DecoderMeta) -> list[int]:
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ApiError("this .pte has no tokenizer: send the prompt as token ids", param="prompt")
-        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        ids = prompt_rules.encode_prompt(tokenizer, prompt)
     elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         ids = list(prompt)
         if any(not 0 <= t < meta.vocab_size for t in ids):

@@ -17,9 +17,9 @@ def load_tokenizer(pte: Path, meta: DecoderMeta):
     path = tokenizer_path(pte)
     if not meta.tokenizer or not path.is_dir():
         return None
-    from transformers import AutoTokenizer
+    from backends.mlx.llm.decoder.light_tokenizer import load_tokenizer as load_dir
 
-    return AutoTokenizer.from_pretrained(str(path))
+    return load_dir(path)
 
 
 def queue_sink(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, key):

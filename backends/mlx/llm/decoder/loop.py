@@ -18,6 +18,7 @@ from typing import Iterator
 
 import torch
 
+from backends.mlx.llm.decoder.light_tokenizer import load_tokenizer
 from backends.mlx.llm.decoder.meta import DecoderMeta, tokenizer_path
 from backends.mlx.llm.decoder.step_inputs import step_inputs
 from backends.mlx.llm.sampler.params import SamplingParams
@@ -80,9 +81,7 @@ class Decoder:
             if not self.meta.tokenizer or not path.is_dir():
                 raise FileNotFoundError(f"{self.pte} has no tokenizer ({path} is missing): pass token ids "
                                         "(--prompt-ids) or re-export from a checkpoint that has one")
-            from transformers import AutoTokenizer
-
-            self._tokenizer = AutoTokenizer.from_pretrained(str(path))
+            self._tokenizer = load_tokenizer(path)
         return self._tokenizer
 
     def _call(self, tokens: list[int], start: int, params: SamplingParams, step: int) -> Step:

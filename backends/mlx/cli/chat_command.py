@@ -1,0 +1,100 @@
+"""`etmlx chat FILE.pte`: a multi-turn conversation through the chat template, one stdin line per user
+turn, each reply streamed as it decodes. Lines from a pipe work too (no prompt is drawn then).
+
+/reset clears the conversation, /exit (or end of input) ends it. Each turn re-renders the whole
+conversation and prefills it in one call; when it no longer fits the program's max_seq_len with room
+for a reply, the oldest exchanges are dropped, and said so.
+"""
+
+from __future__ import annotations
+
+import sys
+
+HELP = "[etmlx chat: type a message; /reset clears the conversation, /exit or Ctrl-D ends]"
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+class Conversation:
+    def __init__(self, tokenizer, max_seq_len: int, max_tokens: int, system_prompt: str | None = None):
+        self.tokenizer, self.max_seq_len = tokenizer, max_seq_len
+        # room kept for each reply: the reply limit, but at most a quarter of the cache, so that a
+        # long limit does not leave room for only the newest message
+        self.reserve = max(1, min(max_tokens, max_seq_len // 4))
+        self.system = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
+        self.turns: list[dict] = []
+
+    def reset(self) -> None:
+        self.turns = []
+
+    def prompt_for(self, text: str) -> list[int] | None:
+        """The prompt ids with `text` as the next user turn, dropping the oldest exchanges to fit; None
+        (and the turn not kept) when the message alone does not fit."""
+        from backends.mlx.llm.decoder.prompt import chat_prompt
+
+        self.turns.append({"role": "user", "content": text})
+        while True:
+            ids = chat_prompt(self.tokenizer, self.system + self.turns)
+            if len(ids) + self.reserve <= self.max_seq_len:
+                return ids
+            if len(self.turns) <= 1:
+                self.turns.pop()
+                _say(f"[this message makes a {len(ids)}-token prompt: with room for a reply it does not fit the "
+                     f"program's max_seq_len {self.max_seq_len}; not sent]")
+                return None
+            self.turns = self.turns[2:]  # the oldest user message and its reply
+            _say(f"[the conversation is full (max_seq_len {self.max_seq_len}): dropped the oldest exchange]")
+
+    def answered(self, reply: str) -> None:
+        self.turns.append({"role": "assistant", "content": reply})
+
+
+def run_chat(args, params) -> int:
+    from backends.mlx.cli.generate_command import pte_path
+    from backends.mlx.llm.decoder.loop import Decoder
+    from backends.mlx.llm.decoder.prompt import has_chat_template
+    from backends.mlx.llm.decoder.text_generation import stream_text
+
+    decoder = Decoder(pte_path(args))
+    tokenizer = decoder.tokenizer  # raises, naming the missing tokenizer
+    if not has_chat_template(tokenizer):
+        raise ValueError(f"{decoder.pte}'s tokenizer has no chat template: use etmlx generate "
+                         "--ignore-chat-template for raw text")
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    chat = Conversation(tokenizer, decoder.meta.max_seq_len, args.max_tokens, args.system_prompt)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        _say(HELP)
+    while True:
+        if interactive:
+            print(">> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            break
+        text = line.rstrip("\r\n")
+        command = text.strip()
+        if not command:
+            continue
+        if command in ("/exit", "/quit"):
+            break
+        if command == "/reset":
+            chat.reset()
+            _say("[conversation cleared]")
+            continue
+        if command.startswith("/") and command[1:].isalpha():
+            _say(f"[unknown command {command}: /reset or /exit]")
+            continue
+        prompt = chat.prompt_for(text)
+        if prompt is None:
+            continue
+        budget = min(args.max_tokens, decoder.meta.max_seq_len - len(prompt))
+        reply = []
+        for response in stream_text(decoder, prompt, budget, params, args.stop, tokenizer):
+            reply.append(response.text)
+            print(response.text, end="", flush=True)
+        print(flush=True)
+        chat.answered("".join(reply))
+    return 0

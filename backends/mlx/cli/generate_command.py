@@ -1,0 +1,80 @@
+"""`etmlx generate`: one prompt through the on-device decode loop, streaming text (flags as mlx_lm.generate
+names them where they mean the same). Imports no exporter: see tests/test_text_api.py."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def pte_path(args) -> Path:
+    pte = args.pte or args.model
+    if not pte:
+        raise ValueError("give the .pte to run (etmlx generate FILE.pte, or --model FILE.pte)")
+    if args.pte and args.model and args.pte != args.model:
+        raise ValueError(f"two programs given: {args.pte} and --model {args.model}")
+    return Path(pte)
+
+
+def prompt_ids(args, decoder) -> list[int]:
+    """--prompt-ids as given; --prompt text through the chat template (the default when the tokenizer has
+    one) or, with --ignore-chat-template, as raw text."""
+    from backends.mlx.llm.decoder.prompt import chat_prompt, encode_prompt, has_chat_template, user_messages
+
+    if args.prompt_ids is not None:
+        if args.system_prompt is not None:
+            raise ValueError("--system-prompt needs a text --prompt (token ids are used as they are)")
+        try:
+            return [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+        except ValueError:
+            raise ValueError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
+    text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    tokenizer = decoder.tokenizer  # raises, naming the missing tokenizer
+    if not args.ignore_chat_template and has_chat_template(tokenizer):
+        return chat_prompt(tokenizer, user_messages(text, args.system_prompt))
+    if args.system_prompt is not None:
+        why = "--ignore-chat-template was given" if args.ignore_chat_template else "the tokenizer has none"
+        raise ValueError(f"--system-prompt needs the chat template, and {why}")
+    return encode_prompt(tokenizer, text)
+
+
+def run_generate(args, params) -> int:
+    from backends.mlx.llm.decoder.loop import Decoder
+    from backends.mlx.llm.decoder.text_generation import stream_text
+
+    decoder = Decoder(pte_path(args))
+    prompt = prompt_ids(args, decoder)
+    if args.stop and not decoder.has_tokenizer:
+        decoder.tokenizer  # raises, naming the missing tokenizer: stop strings need text
+    tokenizer = decoder.tokenizer if decoder.has_tokenizer else None
+    tokens, logprobs, tops, text = [], [], [], []
+    last = None
+    for response in stream_text(decoder, prompt, args.max_tokens, params, args.stop, tokenizer):
+        last = response
+        tokens.append(response.token)
+        if response.logprob is not None:
+            logprobs.append(response.logprob)
+            tops.append(response.top_logprobs)
+        piece = response.text if tokenizer is not None else (
+            "" if response.token in decoder.meta.eos_token_ids else f"{response.token} ")
+        text.append(piece)
+        if not args.json:
+            print(piece, end="", flush=True)
+    ttft = last.prompt_tokens / last.prompt_tps
+    report = {"prompt_tokens": len(prompt), "completion_tokens": len(tokens), "finish_reason": last.finish_reason,
+              "time_to_first_token_s": round(ttft, 6), "prefill_tokens_per_s": round(last.prompt_tps, 2),
+              "decode_tokens_per_s": round(last.generation_tps, 2)}
+    if args.json:
+        out = {"tokens": tokens, **report}
+        if tokenizer is not None:
+            out["text"] = "".join(text)
+        if decoder.meta.config.logprobs:
+            out["logprobs"] = logprobs
+            out["top_logprobs"] = [[{"id": i, "logprob": v} for i, v in top] for top in tops]
+        print(json.dumps(out))
+    else:
+        print()
+        print(f"[{len(prompt)} prompt tokens, {len(tokens)} generated, finish: {last.finish_reason}; "
+              f"time to first token {ttft * 1000:.1f} ms, decode {last.generation_tps:.1f} tok/s]", file=sys.stderr)
+    return 0

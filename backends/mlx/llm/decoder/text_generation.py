@@ -1,0 +1,64 @@
+"""Decode steps to text responses: what `etmlx generate`, `etmlx chat` and the Python API
+(`etmlx.stream_generate`) share.
+
+One Response per generated token, as mlx-lm's stream_generate yields them: `text` is the new piece
+(possibly '' while a multi-byte character is incomplete, or while it might begin a stop string). The
+last response has a finish_reason: "stop" (end-of-sequence token or a stop string) or "length". The
+end-of-sequence token itself adds no text.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+from backends.mlx.llm.decoder.text_stream import IncrementalDetokenizer, StopStrings
+
+
+@dataclass
+class Response:
+    text: str
+    token: int
+    logprob: float | None  # the chosen token's logprob (programs exported with --logprobs N)
+    top_logprobs: list[tuple[int, float]] | None  # (token id, logprob) of the top N, best first
+    finish_reason: str | None
+    prompt_tokens: int
+    prompt_tps: float  # prompt tokens / time to first token
+    generation_tokens: int
+    generation_tps: float  # tokens after the first / time since the first
+
+    @property
+    def logprobs(self) -> dict[int, float] | None:
+        """token id -> logprob for the chosen token and the top alternatives: `r.logprobs[r.token]` as in
+        mlx-lm (where it is the whole vocabulary's vector)."""
+        if self.logprob is None:
+            return None
+        return {**dict(self.top_logprobs or ()), self.token: self.logprob}
+
+
+def stream_text(decoder, prompt_ids: list[int], max_tokens: int, params=None, stop=(),
+                tokenizer=None) -> Iterator[Response]:
+    """Responses for one generation; `tokenizer` None gives '' texts (token ids only)."""
+    stops = StopStrings(stop)
+    if stops.stops and tokenizer is None:
+        raise ValueError("stop strings need text: this program has no tokenizer")
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids) if tokenizer is not None else None
+    start = time.perf_counter()
+    first = None
+    count = 0
+    for step in decoder.stream(prompt_ids, max_tokens, params):
+        now = time.perf_counter()
+        first = first or now
+        count += 1
+        eos = step.token in decoder.meta.eos_token_ids
+        text = stops.feed(detok.add(step.token)) if detok and not eos else ""
+        finish = "stop" if eos or stops.stopped else ("length" if count == max_tokens else None)
+        if finish and detok and not stops.stopped:
+            text += stops.feed(detok.flush()) + stops.flush()
+        yield Response(text=text, token=step.token, logprob=step.logprob, top_logprobs=step.top, finish_reason=finish,
+                       prompt_tokens=len(prompt_ids), prompt_tps=len(prompt_ids) / max(first - start, 1e-9),
+                       generation_tokens=count,
+                       generation_tps=(count - 1) / (now - first) if count > 1 and now > first else 0.0)
+        if finish:
+            return

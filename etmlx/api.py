@@ -1,0 +1,76 @@
+"""load / generate / stream_generate, as mlx-lm spells them, over an exported decoder .pte.
+
+A prompt is text (tokenized as the tokenizer's own template frames it: see llm/decoder/prompt.py),
+a list of chat messages ({"role", "content"}: rendered by the chat template), or a list of token ids.
+Sampling options are SamplingParams' fields (temperature, seed, top_k, top_p, min_p, the penalties,
+logit_bias); the defaults are off, so the default is greedy decoding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Iterator
+
+from backends.mlx.llm.decoder.loop import Decoder
+from backends.mlx.llm.decoder.prompt import chat_prompt, encode_prompt
+from backends.mlx.llm.sampler.params import SamplingParams
+from backends.mlx.llm.decoder.text_generation import Response, stream_text
+
+DEFAULT_MAX_TOKENS = 256  # as mlx-lm; capped by what the program's cache has room for
+
+__all__ = ["Response", "generate", "load", "stream_generate"]
+
+
+def load(path: str | Path) -> Decoder:
+    """The program at `path` (a .pte from `etmlx export`), ready to generate; `.tokenizer` is its tokenizer."""
+    return Decoder(Path(path))
+
+
+def _prompt_ids(model: Decoder, prompt) -> list[int]:
+    if isinstance(prompt, str):
+        return encode_prompt(model.tokenizer, prompt)
+    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+        return chat_prompt(model.tokenizer, prompt)
+    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
+    raise TypeError("prompt must be text, a list of chat messages ({'role', 'content'}) or a list of token ids")
+
+
+def _params(sampling: dict) -> SamplingParams:
+    known = {f.name for f in dataclasses.fields(SamplingParams)}
+    unknown = sorted(set(sampling) - known)
+    if unknown:
+        raise TypeError(f"unknown sampling option(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    return SamplingParams(**sampling)
+
+
+def stream_generate(model: Decoder, prompt, max_tokens: int | None = None, *, stop=(),
+                    **sampling) -> Iterator[Response]:
+    """Yield a Response per generated token: `.text` (the new piece of text), `.token`, `.logprobs`
+    (token id -> logprob, when the program was exported with --logprobs N), `.finish_reason` (on the last:
+    "stop" or "length"), and prompt/generation token counts and rates."""
+    if not isinstance(model, Decoder):
+        raise TypeError(f"model must be what etmlx.load returns, got {type(model).__name__}")
+    ids = _prompt_ids(model, prompt)
+    params = _params(sampling)
+    if max_tokens is None:
+        max_tokens = max(1, min(DEFAULT_MAX_TOKENS, model.meta.max_seq_len - len(ids)))
+    tokenizer = model.tokenizer if model.has_tokenizer else None
+    return stream_text(model, ids, max_tokens, params, stop, tokenizer)
+
+
+def generate(model: Decoder, prompt, max_tokens: int | None = None, *, verbose: bool = False, stop=(),
+             **sampling) -> str:
+    """The whole generated text; with verbose, also streamed to stdout followed by the counts and rates."""
+    pieces, last = [], None
+    for last in stream_generate(model, prompt, max_tokens, stop=stop, **sampling):
+        pieces.append(last.text)
+        if verbose:
+            print(last.text, end="", flush=True)
+    if verbose and last is not None:
+        print()
+        print("=" * 10)
+        print(f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.3f} tokens-per-sec")
+        print(f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.3f} tokens-per-sec")
+    return "".join(pieces)
