@@ -50,7 +50,7 @@ class LlamaFamily:
 
     def attention_out(self, i: int, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         layer = self.base.layers[i]
-        x = x + layer.self_attn.o_proj(mergesplit_heads(attended))
+        x = x + layer.self_attn.o_proj(merge_heads(attended))
         return x + layer.mlp(layer.post_attention_layernorm(x))
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
