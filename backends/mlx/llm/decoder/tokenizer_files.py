@@ -1,0 +1,53 @@
+"""The tokenizer inside a decoder .pte: the files `save_pretrained` writes, one named blob each.
+
+Storing the files themselves (tokenizer.json, tokenizer_config.json with the special tokens, the
+chat template, ...) rather than a digest of them means transformers rebuilds exactly the tokenizer
+that was exported, and C++ (tools/etmlx_decode) reads the same tokenizer.json with its own library.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from backends.mlx.llm.decoder.meta import TOKENIZER_PREFIX, DecoderMeta
+from backends.mlx.runtime.pte_metadata import named_data
+
+
+def tokenizer_blobs(tokenizer) -> dict[str, bytes]:
+    """Named data for `tokenizer` (a transformers tokenizer, or a directory holding one)."""
+    if isinstance(tokenizer, (str, Path)):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        files = sorted(p for p in Path(tmp).iterdir() if p.is_file())
+        return {TOKENIZER_PREFIX + p.name: p.read_bytes() for p in files}
+
+
+def has_tokenizer(pte: Path, meta: DecoderMeta) -> bool:
+    if meta.tokenizer_embedded:
+        return True
+    return bool(meta.tokenizer) and (Path(pte).parent / meta.tokenizer).is_dir()
+
+
+def load_tokenizer(pte: Path, meta: DecoderMeta):
+    """The program's tokenizer (transformers), or None when it was exported without one."""
+    from transformers import AutoTokenizer
+
+    pte = Path(pte)
+    if not meta.tokenizer_embedded:
+        # Exported before the tokenizer moved inside: a directory beside the .pte.
+        return AutoTokenizer.from_pretrained(str(pte.parent / meta.tokenizer)) if has_tokenizer(pte, meta) else None
+    blobs = named_data(pte, prefix=TOKENIZER_PREFIX)
+    if TOKENIZER_PREFIX + "tokenizer_config.json" not in blobs:
+        raise ValueError(f"{pte}: the metadata says the tokenizer is embedded but the program has no "
+                         f"{TOKENIZER_PREFIX}tokenizer_config.json")
+    with tempfile.TemporaryDirectory() as tmp:
+        for key, blob in blobs.items():
+            name = key[len(TOKENIZER_PREFIX):]
+            if not name or "/" in name or name.startswith("."):
+                raise ValueError(f"{pte}: named data {key!r} is not a tokenizer file name")
+            (Path(tmp) / name).write_bytes(blob)
+        return AutoTokenizer.from_pretrained(tmp)
