@@ -17,7 +17,7 @@ import torch
 
 from backends.mlx.exporter.export import ExportResult, export_to_pte
 from backends.mlx.llm.decoder.meta import META_KEY, TOKENIZER_PREFIX, DecoderMeta
-from backends.mlx.llm.decoder.tokenizer_files import tokenizer_blobs
+from backends.mlx.llm.decoder.tokenizer_files import as_tokenizer, prompt_affixes, tokenizer_blobs
 from backends.mlx.llm.sampler.export import knob_examples
 from backends.mlx.llm.decoder.kv_cache import StaticCacheLM
 from backends.mlx.llm.sampler.config import SamplerConfig
@@ -56,11 +56,13 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
     examples = knob_examples(config, batch, per_row=True)
     kwargs.update({name: examples[name] for name in config.knob_names()})
     dynamic = {"args": ({1: length}, None, None), **{name: None for name in kwargs}}
+    tokenizer = as_tokenizer(tokenizer) if tokenizer is not None else None
     blobs = tokenizer_blobs(tokenizer) if tokenizer is not None else {}
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
     meta = DecoderMeta.build(max_seq_len=max_seq_len, vocab_size=vocab, batch=batch, eos_token_ids=_eos_ids(model),
                              seeded=seeded, config=config, dtype=dtype, model_type=getattr(model.config, "model_type", ""),
-                             tokenizer=TOKENIZER_PREFIX if blobs else None)
+                             tokenizer=TOKENIZER_PREFIX if blobs else None,
+                             prompt_affixes=prompt_affixes(tokenizer) if tokenizer is not None else ([], []))
     blobs[META_KEY] = meta.to_json()
     result = export_to_pte(head, example, kwargs, dynamic_shapes=dynamic, progress=progress, named_data=blobs)
     result.save(Path(out))

@@ -50,17 +50,22 @@ class DecoderMeta:
     inputs: list[str] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
     format: str = FORMAT
+    # The ids the tokenizer adds around a text with add_special_tokens=True (BOS, typically), recorded at
+    # export so a runner with a plain tokenizer library (tools/etmlx_decode) adds the same ones.
+    prompt_prefix_ids: list[int] = field(default_factory=list)
+    prompt_suffix_ids: list[int] = field(default_factory=list)
 
     @classmethod
     def build(cls, *, max_seq_len, vocab_size, batch, eos_token_ids, seeded, config: SamplerConfig, dtype,
-              model_type="", tokenizer=None) -> "DecoderMeta":
+              model_type="", tokenizer=None, prompt_affixes=([], [])) -> "DecoderMeta":
         inputs = MODEL_INPUTS + ["temperature"] + (["seed"] if seeded else []) + config.knob_names()
         outputs = ["token"] + (["logprob", "top_ids", "top_logprobs"] if config.logprobs else [])
         if config.expose_counts:
             outputs.append("penalty_state")
         return cls(max_seq_len=max_seq_len, vocab_size=vocab_size, batch=batch, eos_token_ids=list(eos_token_ids),
                    seeded=seeded, sampler=asdict(config), dtype=dtype, model_type=model_type, tokenizer=tokenizer,
-                   inputs=inputs, outputs=outputs)
+                   inputs=inputs, outputs=outputs, prompt_prefix_ids=list(prompt_affixes[0]),
+                   prompt_suffix_ids=list(prompt_affixes[1]))
 
     @property
     def config(self) -> SamplerConfig:

@@ -14,12 +14,28 @@ from backends.mlx.llm.decoder.meta import TOKENIZER_PREFIX, DecoderMeta
 from backends.mlx.runtime.pte_metadata import named_data
 
 
-def tokenizer_blobs(tokenizer) -> dict[str, bytes]:
-    """Named data for `tokenizer` (a transformers tokenizer, or a directory holding one)."""
+def as_tokenizer(tokenizer):
+    """A transformers tokenizer, or a directory holding one, as a tokenizer."""
     if isinstance(tokenizer, (str, Path)):
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
+        return AutoTokenizer.from_pretrained(str(tokenizer))
+    return tokenizer
+
+
+def prompt_affixes(tokenizer) -> tuple[list[int], list[int]]:
+    """The ids `tokenizer(text)` adds before and after the text's own (BOS, ...)."""
+    probe = "a b"
+    plain = list(tokenizer(probe, add_special_tokens=False)["input_ids"])
+    full = list(tokenizer(probe, add_special_tokens=True)["input_ids"])
+    for start in range(len(full) - len(plain) + 1):
+        if full[start:start + len(plain)] == plain:
+            return full[:start], full[start + len(plain):]
+    raise ValueError(f"the tokenizer's special tokens are not a prefix/suffix of the text ({full} vs {plain})")
+
+
+def tokenizer_blobs(tokenizer) -> dict[str, bytes]:
+    """Named data for a transformers tokenizer: the files save_pretrained writes."""
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer.save_pretrained(tmp)
         files = sorted(p for p in Path(tmp).iterdir() if p.is_file())

@@ -12,6 +12,7 @@ namespace etmlx {
 struct DecodeArgs {
   std::string pte;
   std::vector<int64_t> prompt_ids;
+  std::optional<std::string> prompt_text;  // --prompt: tokenized with the program's tokenizer
   int64_t max_tokens = 64;
   float temperature = 0.0f;  // <= 0: greedy
   int64_t seed = 0;          // step k draws with seed + k
