@@ -161,7 +161,8 @@ def test_bad_files(pte, tmp_path):
     ('{"format": "etmlx-decoder/1", "eos_token_ids": [1.5]}', '"eos_token_ids" must be a list of integers'),
     ('{"format": "etmlx-decoder/1", "max_seq_len": 0}', '"max_seq_len" must be an integer >= 1'),
     ('{"format": "etmlx-decoder/1", "inputs": [1, 2]}', '"inputs" must be a list of strings'),
-    ('{"format": "etmlx-decoder/1", "batch": 4}', "decodes 4 rows per call"),
+    ('{"format": "etmlx-decoder/1", "batch": 4}', "says batch 4 but the program decodes 1 rows per call"),
+    ('{"format": "etmlx-decoder/1", "max_seq_len": 47}', "says max_seq_len 47 but the program's tokens input holds 48"),
     ('{"inputs": ["\\ud800"]}', "lone surrogate"),
     ('["not", "an", "object"]', "must hold a JSON object"),
 ])
@@ -201,6 +202,26 @@ def test_knobs_match_python_decoder(full_pte):
                     "--top-k", 5, "--top-p", 0.9, "--min-p", 0.05, "--repetition-penalty", 1.3,
                     "--presence-penalty", 0.5, "--frequency-penalty", 0.25))
     assert got == expected
+
+
+@pytest.fixture(scope="module")
+def batched_pte(model, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("cpp_decode_batched") / "batched.pte"
+    export_decoder(model, out, MAX_SEQ_LEN, config=FULL, batch=3)
+    return out
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=1.0, seed=42),
+                                    SamplingParams(temperature=1.5, seed=5, top_k=5, top_p=0.9, presence_penalty=0.5)],
+                         ids=["greedy", "seeded", "knobs"])
+def test_batched_program_runs_one_sequence(batched_pte, full_pte, params):
+    # Row 0 carries the sequence, the idle rows must not disturb it: the batch-1 program's tokens.
+    expected = Decoder(full_pte).generate(PROMPT, 14, params).tokens
+    args = ["--temperature", params.temperature, "--seed", params.seed]
+    if params.top_k:
+        args += ["--top-k", params.top_k, "--top-p", params.top_p, "--presence-penalty", params.presence_penalty]
+    assert _ids(_run(batched_pte, "--prompt-ids", "7,1,33,20", "--max-tokens", 14, *args)) == expected
+    assert Decoder(batched_pte).generate(PROMPT, 14, params).tokens == expected
 
 
 @pytest.fixture(scope="module")

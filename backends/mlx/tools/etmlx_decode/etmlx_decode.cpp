@@ -122,9 +122,6 @@ int run(const etmlx::DecodeArgs& args) {
   const auto metadata = etmlx::read_program_metadata(module, args.pte, &error);
   if (!metadata) return fail(kBadInput, error);
   const etmlx::Sidecar& sidecar = metadata->meta;
-  if (sidecar.batch.value_or(1) != 1)
-    return fail(kBadInput, args.pte + " decodes " + std::to_string(*sidecar.batch) +
-                               " rows per call; etmlx_decode runs programs exported with --batch 1");
   std::unique_ptr<etmlx::TextTokenizer> tokenizer;
   if (!metadata->tokenizer_files.empty() && (args.prompt_text || etmlx::TextTokenizer::available())) {
     tokenizer = etmlx::TextTokenizer::load(metadata->tokenizer_files, &error);
@@ -148,6 +145,14 @@ int run(const etmlx::DecodeArgs& args) {
   if (!meta.ok()) return fail(kRunFailed, "no metadata for method " + method);
   auto inputs = etmlx::StepInputs::plan(meta.get(), sidecar.inputs, args.knobs, &error);
   if (!inputs) return fail(kBadInput, args.pte + ": " + error);
+  // A batched program runs one sequence in row 0 (StepInputs idles the rest).
+  if (sidecar.batch && *sidecar.batch != inputs->batch())
+    return fail(kBadInput, metadata->origin + " says batch " + std::to_string(*sidecar.batch) + " but the program "
+                "decodes " + std::to_string(inputs->batch()) + " rows per call: they come from different exports");
+  if (sidecar.max_seq_len && *sidecar.max_seq_len != inputs->max_call_length())
+    return fail(kBadInput, metadata->origin + " says max_seq_len " + std::to_string(*sidecar.max_seq_len) +
+                " but the program's tokens input holds " + std::to_string(inputs->max_call_length()) +
+                ": they come from different exports");
 
   // Without a sidecar the bound of the tokens input is the cache length: the
   // exporter sizes it with an example as long as the cache.

@@ -1,5 +1,6 @@
 #include "step_inputs.h"
 
+#include <algorithm>
 
 namespace etmlx {
 
@@ -57,6 +58,12 @@ std::optional<StepInputs> StepInputs::plan(const MethodMeta& meta,
   }
 
   StepInputs plan;
+  // Rows per call, from `tokens` [B, L]; every per-row input is then [B].
+  for (size_t i = 0; i < n; ++i) {
+    const auto info = meta.input_tensor_meta(i);
+    if (order[i] == "tokens" && info.ok() && info->sizes().size() == 2 && info->sizes()[0] >= 1)
+      plan.batch_ = info->sizes()[0];
+  }
   std::map<std::string, double> unused = knobs;
   for (size_t i = 0; i < n; ++i) {
     const std::string& name = order[i];
@@ -80,16 +87,17 @@ std::optional<StepInputs> StepInputs::plan(const MethodMeta& meta,
       return false;
     };
     const auto per_row = [&]() {
-      // A scalar, or one value for the single row this program decodes.
-      if (slot.sizes.empty() || (slot.sizes.size() == 1 && slot.sizes[0] == 1)) return true;
-      *error = "input '" + name + "' must be a scalar or [1] (batch 1)";
+      // One value per row (a scalar also does at batch 1).
+      if ((slot.sizes.empty() && plan.batch_ == 1) || (slot.sizes.size() == 1 && slot.sizes[0] == plan.batch_))
+        return true;
+      *error = "input '" + name + "' must be [" + std::to_string(plan.batch_) + "] (one value per row)";
       return false;
     };
     if (name == "tokens") {
       slot.role = Role::Tokens;
       if (!expect(ScalarType::Long, "int64")) return std::nullopt;
-      if (slot.sizes.size() != 2 || slot.sizes[0] != 1 || slot.sizes[1] < 1) {
-        *error = "input 'tokens' must be [1, L]: etmlx_decode runs programs exported with batch 1";
+      if (slot.sizes.size() != 2 || slot.sizes[0] < 1 || slot.sizes[1] < 1) {
+        *error = "input 'tokens' must be [B, L]";
         return std::nullopt;
       }
       plan.max_call_length_ = slot.sizes[1];
@@ -113,7 +121,7 @@ std::optional<StepInputs> StepInputs::plan(const MethodMeta& meta,
         return std::nullopt;
       }
       slot.role = Role::Knob;
-      slot.value = knob->off;
+      slot.value = slot.off = knob->off;
       if (const auto given = unused.find(name); given != unused.end()) {
         slot.value = given->second;
         unused.erase(given);
@@ -142,20 +150,33 @@ std::optional<StepInputs> StepInputs::plan(const MethodMeta& meta,
   return plan;
 }
 
-TensorPtr StepInputs::filled(const Slot& slot, double value) const {
+namespace {
+
+// `count` values: the first `head` are `row0`, the rest `rest`.
+template <typename T>
+std::vector<T> rows(size_t count, size_t head, double row0, double rest) {
+  std::vector<T> out(count, static_cast<T>(rest));
+  std::fill(out.begin(), out.begin() + static_cast<std::ptrdiff_t>(std::min(head, count)), static_cast<T>(row0));
+  return out;
+}
+
+}  // namespace
+
+TensorPtr StepInputs::filled(const Slot& slot, double row0, double rest) const {
   int64_t numel = 1;
   for (int32_t s : slot.sizes) numel *= s;
   const size_t count = static_cast<size_t>(numel);
+  const size_t head = count / static_cast<size_t>(batch_);  // row 0's elements (all of them at batch 1)
   std::vector<int32_t> sizes(slot.sizes.begin(), slot.sizes.end());
   switch (slot.dtype) {
     case ScalarType::Long:
-      return make_tensor_ptr(sizes, std::vector<int64_t>(count, static_cast<int64_t>(value)));
+      return make_tensor_ptr(sizes, rows<int64_t>(count, head, row0, rest));
     case ScalarType::Int:
-      return make_tensor_ptr(sizes, std::vector<int32_t>(count, static_cast<int32_t>(value)));
+      return make_tensor_ptr(sizes, rows<int32_t>(count, head, row0, rest));
     case ScalarType::Double:
-      return make_tensor_ptr(sizes, std::vector<double>(count, value));
+      return make_tensor_ptr(sizes, rows<double>(count, head, row0, rest));
     default:  // Float; plan() admitted nothing else
-      return make_tensor_ptr(sizes, std::vector<float>(count, static_cast<float>(value)));
+      return make_tensor_ptr(sizes, rows<float>(count, head, row0, rest));
   }
 }
 
@@ -167,27 +188,37 @@ std::vector<EValue> StepInputs::build(const std::vector<int64_t>& tokens, int64_
   for (const Slot& slot : slots_) {
     TensorPtr t;
     switch (slot.role) {
-      case Role::Tokens:
-        t = make_tensor_ptr({1, length}, std::vector<int64_t>(tokens));
+      case Role::Tokens: {
+        // Row 0 is the sequence; the idle rows are padding (their length is 1).
+        std::vector<int64_t> padded(static_cast<size_t>(batch_) * tokens.size(), 0);
+        std::copy(tokens.begin(), tokens.end(), padded.begin());
+        t = make_tensor_ptr({static_cast<int32_t>(batch_), length}, std::move(padded));
         break;
-      case Role::StartPos:
-        t = make_tensor_ptr(slot.sizes, std::vector<int64_t>{start_pos});
+      }
+      case Role::StartPos: {
+        std::vector<int64_t> v(static_cast<size_t>(batch_), 0);
+        v[0] = start_pos;
+        t = make_tensor_ptr(slot.sizes, std::move(v));
         break;
+      }
       case Role::Lengths:
-        t = make_tensor_ptr(slot.sizes, std::vector<int64_t>{length});
+        t = make_tensor_ptr(slot.sizes, rows<int64_t>(static_cast<size_t>(batch_), 1, length, 1));
         break;
       case Role::Temperature:
-        t = make_tensor_ptr(slot.sizes, std::vector<float>{temperature});
+        t = make_tensor_ptr(slot.sizes, rows<float>(static_cast<size_t>(batch_), 1, temperature, 0));
         break;
-      case Role::Seed:
-        t = make_tensor_ptr(slot.sizes, std::vector<int64_t>{seed});
+      case Role::Seed: {
+        std::vector<int64_t> v(static_cast<size_t>(batch_), 0);
+        v[0] = seed;  // not through a double: 64-bit seeds stay exact
+        t = make_tensor_ptr(slot.sizes, std::move(v));
         break;
+      }
       case Role::PenaltyReset:
-        // A new sequence starts with no counted tokens.
-        t = filled(slot, first ? 1 : 0);
+        // A new sequence starts with no counted tokens; idle rows never count any.
+        t = filled(slot, first ? 1 : 0, 1);
         break;
       case Role::Knob:
-        t = filled(slot, slot.value);
+        t = filled(slot, slot.value, slot.off);
         break;
     }
     alive_.push_back(t);

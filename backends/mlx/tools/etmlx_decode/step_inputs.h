@@ -29,6 +29,9 @@ class StepInputs {
 
   // Longest `tokens` one call accepts (the upper bound of its length axis).
   int64_t max_call_length() const { return max_call_length_; }
+  // Rows per call (the program's batch). The sequence is row 0; the others
+  // idle: one token at position 0, greedy, knobs off, output ignored.
+  int64_t batch() const { return batch_; }
 
   // The call's inputs: `tokens` at cache positions start_pos.., sampled with
   // (temperature, seed); `first` marks the start of a sequence. The returned
@@ -44,13 +47,16 @@ class StepInputs {
     Role role;
     executorch::aten::ScalarType dtype;
     std::vector<int32_t> sizes;  // static shape (per-row and knob inputs)
-    double value = 0;            // Knob only
+    double value = 0;            // Knob only: row 0's value
+    double off = 0;              // Knob only: the idle rows' value
   };
 
-  executorch::extension::TensorPtr filled(const Slot& slot, double value) const;
+  // `row0` in row 0's elements, `rest` in the idle rows'.
+  executorch::extension::TensorPtr filled(const Slot& slot, double row0, double rest) const;
 
   std::vector<Slot> slots_;
   int64_t max_call_length_ = 0;
+  int64_t batch_ = 1;
   std::vector<executorch::extension::TensorPtr> alive_;
 };
 
