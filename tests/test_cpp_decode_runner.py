@@ -1,4 +1,5 @@
-"""build/etmlx_decode (the C++ decode loop, no Python) gives the Python Decoder's tokens; bad input fails cleanly."""
+"""build/etmlx_decode (the C++ decode loop, no Python) gives the Python Decoder's tokens, reads the metadata and
+tokenizer inside the .pte (a sidecar only for programs without them); bad input fails cleanly."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from backends.mlx.llm.decoder.export import export_decoder
 from backends.mlx.llm.decoder.loop import Decoder
+from backends.mlx.llm.decoder.meta import META_KEY, DecoderMeta
 from backends.mlx.llm.sampler.config import SamplerConfig
 from backends.mlx.llm.sampler.params import SamplingParams
 
@@ -30,6 +32,15 @@ def _run(*args):
 def _ids(done) -> list[int]:
     assert done.returncode == 0, done.stderr[-2000:]
     return [int(t) for t in done.stdout.split()]
+
+
+def _without_metadata(pte: Path, out: Path) -> Path:
+    """A copy of `pte` as programs exported before the metadata moved inside look: the key renamed (same length,
+    so the file stays valid), the program finds no metadata and reads FILE.pte.json if there is one."""
+    data = pte.read_bytes()
+    assert data.count(META_KEY.encode()) == 1
+    out.write_bytes(data.replace(META_KEY.encode(), META_KEY.encode()[:-4] + b"gone"))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -90,9 +101,8 @@ def test_json_output_and_eos_stop(pte, decoder):
     assert full["tokens"] == greedy and full["finish_reason"] == "length"
 
 
-def test_without_sidecar_limits_come_from_the_program(pte, decoder, tmp_path):
-    alone = tmp_path / "alone.pte"
-    shutil.copy(pte, alone)
+def test_without_metadata_limits_come_from_the_program(pte, decoder, tmp_path):
+    alone = _without_metadata(pte, tmp_path / "alone.pte")
     done = _run(alone, "--prompt-ids", "7,1,33,20", "--max-tokens", 10)
     assert _ids(done) == decoder.generate(PROMPT, 10).tokens
     assert "vocabulary size unknown" in done.stderr
@@ -116,7 +126,9 @@ def test_without_sidecar_limits_come_from_the_program(pte, decoder, tmp_path):
     (["--prompt-ids", "1", "--repetition-penalty", 0], 2, "--repetition-penalty must be a number > 0"),
     (["--prompt-ids", "1", "--max-tokens", 3, "--top-k", 5], 2, "exported without top_k"),
     (["--prompt-ids", "1", "--frobnicate", 1], 2, "unknown option --frobnicate"),
-    (["--max-tokens", 3], 2, "--prompt-ids is required"),
+    (["--max-tokens", 3], 2, "--prompt or --prompt-ids is required"),
+    (["--prompt", "hi", "--prompt-ids", "1"], 2, "give --prompt or --prompt-ids, not both"),
+    (["--prompt", "hi"], 2, "llama.pte has no tokenizer: give --prompt-ids"),
 ])
 def test_bad_command_line(pte, args, code, message):
     done = _run(pte, *args)
@@ -131,8 +143,7 @@ def test_bad_files(pte, tmp_path):
     truncated.write_bytes(pte.read_bytes()[:1000])
     bad = _run(truncated, "--prompt-ids", "1")
     assert bad.returncode == 1 and "is not a loadable ExecuTorch program" in bad.stderr
-    copy = tmp_path / "copy.pte"
-    shutil.copy(pte, copy)
+    copy = _without_metadata(pte, tmp_path / "copy.pte")
     Path(str(copy) + ".json").write_text('{"max_seq_len": 48, "vocab_size": ')
     broken = _run(copy, "--prompt-ids", "1")
     assert broken.returncode == 2 and "is not valid JSON" in broken.stderr
@@ -150,16 +161,27 @@ def test_bad_files(pte, tmp_path):
     ('{"format": "etmlx-decoder/1", "eos_token_ids": [1.5]}', '"eos_token_ids" must be a list of integers'),
     ('{"format": "etmlx-decoder/1", "max_seq_len": 0}', '"max_seq_len" must be an integer >= 1'),
     ('{"format": "etmlx-decoder/1", "inputs": [1, 2]}', '"inputs" must be a list of strings'),
-    ('{"format": "etmlx-decoder/1", "batch": 4}', "decodes 4 rows per call"),
+    ('{"format": "etmlx-decoder/1", "batch": 4}', "says batch 4 but the program decodes 1 rows per call"),
+    ('{"format": "etmlx-decoder/1", "max_seq_len": 47}', "says max_seq_len 47 but the program's tokens input holds 48"),
     ('{"inputs": ["\\ud800"]}', "lone surrogate"),
     ('["not", "an", "object"]', "must hold a JSON object"),
 ])
 def test_malformed_sidecar(pte, tmp_path, sidecar, message):
-    copy = tmp_path / "copy.pte"
-    shutil.copy(pte, copy)
+    copy = _without_metadata(pte, tmp_path / "copy.pte")
     Path(str(copy) + ".json").write_text(sidecar)
     done = _run(copy, "--prompt-ids", "1")
     assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_embedded_metadata_wins_over_a_sidecar_and_is_checked(pte, decoder, tmp_path):
+    copy = tmp_path / "copy.pte"
+    shutil.copy(pte, copy)
+    Path(str(copy) + ".json").write_text("not json: ignored, the program carries its metadata")
+    assert _ids(_run(copy, "--prompt-ids", "7,1,33,20", "--max-tokens", 5)) == decoder.generate(PROMPT, 5).tokens
+    data = pte.read_bytes()
+    copy.write_bytes(data.replace(b'"format": "etmlx-decoder/1"', b'"format": "etmlx-decoder/9"'))
+    done = _run(copy, "--prompt-ids", "1")
+    assert done.returncode == 2 and f"copy.pte (named data {META_KEY}) is not etmlx decoder metadata" in done.stderr
 
 
 def test_knobs_off_by_default_in_a_full_sampler_program(full_pte, decoder):
@@ -186,9 +208,8 @@ def test_a_sidecar_without_the_knob_list_fails_clearly(pte, full_pte, decoder, t
     # Metadata written before the "knobs" list: plain programs still run with --temperature and --seed;
     # other knob flags, and programs with knob inputs, are refused with a message saying to re-export.
     for source in (pte, full_pte):
-        copy = tmp_path / source.name
-        shutil.copy(source, copy)
-        meta = json.loads(Path(str(source) + ".json").read_text())
+        copy = _without_metadata(source, tmp_path / source.name)
+        meta = json.loads(DecoderMeta.load(source).to_json())
         del meta["knobs"]
         Path(str(copy) + ".json").write_text(json.dumps(meta))
     plain, full = tmp_path / pte.name, tmp_path / full_pte.name
@@ -196,3 +217,60 @@ def test_a_sidecar_without_the_knob_list_fails_clearly(pte, full_pte, decoder, t
     assert _ids(_run(plain, "--prompt-ids", "7,1,33,20", "--max-tokens", 8, "--temperature", 1, "--seed", 3)) == seeded
     for done in (_run(plain, "--prompt-ids", "1", "--top-k", 3), _run(full, "--prompt-ids", "1")):
         assert done.returncode == 2 and 'lists no "knobs"' in done.stderr and "re-export" in done.stderr, done.stderr
+
+
+@pytest.fixture(scope="module")
+def batched_pte(model, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("cpp_decode_batched") / "batched.pte"
+    export_decoder(model, out, MAX_SEQ_LEN, config=FULL, batch=3)
+    return out
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=1.0, seed=42),
+                                    SamplingParams(temperature=1.5, seed=5, top_k=5, top_p=0.9, presence_penalty=0.5)],
+                         ids=["greedy", "seeded", "knobs"])
+def test_batched_program_runs_one_sequence(batched_pte, full_pte, params):
+    # Row 0 carries the sequence, the idle rows must not disturb it: the batch-1 program's tokens.
+    expected = Decoder(full_pte).generate(PROMPT, 14, params).tokens
+    args = ["--temperature", params.temperature, "--seed", params.seed]
+    if params.top_k:
+        args += ["--top-k", params.top_k, "--top-p", params.top_p, "--presence-penalty", params.presence_penalty]
+    assert _ids(_run(batched_pte, "--prompt-ids", "7,1,33,20", "--max-tokens", 14, *args)) == expected
+    assert Decoder(batched_pte).generate(PROMPT, 14, params).tokens == expected
+
+
+@pytest.fixture(scope="module")
+def text_pte(tmp_path_factory):
+    """The built-in model's kind of tokenizer (BOS added by its template) inside a renamed .pte, nothing beside it."""
+    from backends.mlx.llm.builtin.tiny_model import tiny_llama
+    from backends.mlx.llm.builtin.tokenizer import train_tokenizer
+
+    docs = ["One morning, Mira went to the market and bought bread. <|eos|>",
+            "The sun was warm; Mira smiled at the baker. Caf\u00e9 \u65e5\u672c \U0001f642"] * 20
+    tokenizer = train_tokenizer(docs, 300)
+    model = tiny_llama(len(tokenizer), tokenizer.eos_token_id, hidden=32, layers=1, seed=2)
+    root = tmp_path_factory.mktemp("cpp_text")
+    export_decoder(model, root / "text.pte", MAX_SEQ_LEN, tokenizer=tokenizer)
+    (root / "text.pte").rename(root / "renamed.bin")
+    return root / "renamed.bin", tokenizer
+
+
+@pytest.mark.parametrize("extra", [[], ["--temperature", 1.0, "--seed", 9]], ids=["greedy", "seeded"])
+def test_prompt_text_uses_the_tokenizer_inside_the_pte(text_pte, extra):
+    pte, tokenizer = text_pte
+    assert sorted(p.name for p in pte.parent.iterdir()) == ["renamed.bin"]
+    prompt = "One morning, Mira went to Caf\u00e9 \U0001f642"
+    ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    assert ids[0] == tokenizer.bos_token_id  # the template's BOS, which etmlx_decode must add too
+    params = SamplingParams(temperature=float(extra[1]), seed=extra[3]) if extra else SamplingParams()
+    expected = Decoder(pte).generate(ids, 12, params).tokens
+    done = _run(pte, "--prompt", prompt, "--max-tokens", 12, "--json", *extra)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout)
+    assert result["prompt_ids"] == ids and result["tokens"] == expected
+    assert result["text"] == tokenizer.decode(expected, skip_special_tokens=True)
+    streamed = subprocess.run([str(BINARY), str(pte), "--prompt", prompt, "--max-tokens", "12", *map(str, extra)],
+                              capture_output=True, timeout=120)
+    assert streamed.returncode == 0
+    text = [t for t in expected if t not in tokenizer.all_special_ids]
+    assert streamed.stdout.decode("utf-8", errors="replace") == tokenizer.decode(text) + "\n"

@@ -42,3 +42,5 @@ def test_export_then_generate_matches_transformers_greedy(tmp_path):
     assert empty.returncode == 2 and "empty" in empty.stderr
     out_of_range = _etmlx("generate", str(pte), "--prompt-ids", "1,500", "--max-tokens", "3")
     assert out_of_range.returncode == 2 and "[0, 80)" in out_of_range.stderr
+    no_tokenizer = _etmlx("generate", str(pte), "--prompt", "hello", "--max-tokens", "3")
+    assert no_tokenizer.returncode == 2 and "llama.pte has no tokenizer" in no_tokenizer.stderr

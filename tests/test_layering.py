@@ -25,7 +25,8 @@ LAYERS = [
     "cli",
 ]
 # Paths that must stay free of the exporter (import time and memory of the decode loop; issue 11).
-NO_EXPORTER = ["runtime", "llm.decoder.loop", "llm.decoder.meta", "llm.decoder.step_inputs", "serve"]
+NO_EXPORTER = ["runtime", "llm.decoder.loop", "llm.decoder.meta", "llm.decoder.step_inputs", "llm.decoder.tokenizer_files",
+               "serve"]
 
 
 def _modules() -> dict[str, Path]:

@@ -222,3 +222,16 @@ def test_lmtp_client_command(server):
     tokens = [e for line in done.stdout.splitlines() if line.startswith("TOKEN ") for e in json.loads(line[6:])]
     assert [t["stream_id"] for t in tokens if t.get("token") is not None] == [1] * len(tokens) and tokens
     assert any(line.startswith("MSG ") and '"stream_id": 99' in line for line in done.stdout.splitlines())
+
+
+def test_lmtp_client_takes_the_tokenizer_from_the_pte(server, tmp_path_factory):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", "backends.mlx.cli.main", "lmtp-client", "--url",
+                           server.url.replace("http", "ws") + "/lmtp", "--tokenizer", str(tiny_pte(tmp_path_factory)),
+                           "--send", "Hello there max_tokens=3"],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    _, tokenizer = eager_model()
+    tokens = [e["token"] for line in done.stdout.splitlines() if line.startswith("TOKEN ")
+              for e in json.loads(line[6:]) if e.get("token") is not None]
+    assert len(tokens) == 3 and f"[1] {tokenizer.decode(tokens)!r}" in done.stdout.splitlines()

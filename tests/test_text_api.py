@@ -79,13 +79,13 @@ def test_light_tokenizer_agrees_with_transformers(exported, tmp_path):
 
     from backends.mlx.llm.builtin.tiny_model import train_tokenizer as tiny_tokenizer
     from backends.mlx.llm.decoder.light_tokenizer import LightTokenizer, load_light, load_tokenizer
-    from backends.mlx.llm.decoder.meta import tokenizer_path
+    from backends.mlx.llm.decoder.tokenizer_files import extract_tokenizer
 
     tiny = tmp_path / "tiny"
     tiny_tokenizer().save_pretrained(tiny)  # no BOS, a template without bos_token
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
                 {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Where?"}]
-    for path in (tokenizer_path(exported[0]), tiny):
+    for path in (extract_tokenizer(exported[0], tmp_path / "embedded"), tiny):
         hf, light = AutoTokenizer.from_pretrained(str(path)), load_tokenizer(path)
         assert isinstance(light, LightTokenizer) and light.bos_token == hf.bos_token and len(light) == len(hf)
         for text in (TEXT, "<|bos|>" + TEXT, "über café 日本 🙂", " a  b\n\nc", ""):

@@ -66,7 +66,7 @@ def export_xnnpack(model: torch.nn.Module, out: Path, max_seq_len: int) -> tuple
 
 def export_etmlx(model: torch.nn.Module, out: Path, max_seq_len: int, tokenizer_dir: Path):
     """The decoder program `etmlx export` writes by default (temperature sampler, seeded), with its
-    FILE.pte.json and tokenizer beside it."""
+    metadata and tokenizer inside."""
     from backends.mlx.llm.decoder.export import export_decoder
 
     return export_decoder(model, Path(out), max_seq_len, tokenizer=tokenizer_dir)

@@ -16,7 +16,7 @@ import torch
 from backends.mlx.llm.builtin.model import DEFAULT_RECIPE, ensure_builtin_checkpoint
 from backends.mlx.llm.decoder.loop import Decoder
 from backends.mlx.llm.decoder.export import export_decoder
-from backends.mlx.llm.decoder.meta import meta_path
+from backends.mlx.llm.decoder.meta import has_embedded_meta
 from backends.mlx.llm.decoder.prompt import encode_prompt
 from backends.mlx.llm.sampler.config import SamplerConfig
 from backends.mlx.llm.sampler.params import SamplingParams
@@ -32,7 +32,7 @@ def _say(msg: str) -> None:
 
 def _export_if_stale(ckpt: Path, pte: Path, max_seq_len: int) -> None:
     stamp = ckpt / STAMP
-    if pte.is_file() and meta_path(pte).is_file() and pte.stat().st_mtime > stamp.stat().st_mtime:
+    if pte.is_file() and has_embedded_meta(pte) and pte.stat().st_mtime > stamp.stat().st_mtime:
         print(f"using {pte} (exported from the current checkpoint)")
         return
     from transformers import AutoModelForCausalLM

@@ -34,7 +34,8 @@ def add_parsers(sub) -> None:
     client.add_argument("--send", action="append", default=[],
                         help="a line to send (repeatable); waits for the streams to finish, then exits")
     client.add_argument("--tokenizer", default=None,
-                        help="tokenizer directory (e.g. FILE.pte.tokenizer): lets you type text and shows text")
+                        help="the served FILE.pte (its tokenizer) or a tokenizer directory: lets you type text "
+                             "and shows text")
     client.set_defaults(func=_lmtp_client)
 
 

@@ -70,9 +70,12 @@ def export_to_pte(
     strict: bool = False,
     progress: Optional[Callable[[str], None]] = None,
     fuse: bool = True,
+    named_data: Optional[dict[str, bytes]] = None,
 ) -> ExportResult:
     """`progress`, if given, is called with the name of each stage as it starts. `fuse=False` keeps
-    RMSNorm / LayerNorm / rotary subgraphs as separate ops (for comparisons)."""
+    RMSNorm / LayerNorm / rotary subgraphs as separate ops (for comparisons). `named_data` (key ->
+    bytes) is stored in the .pte's named data, where runtime/pte_metadata.py and C++'s
+    Program::get_named_data_map() read it back."""
     say = progress or (lambda _stage: None)
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -90,6 +93,11 @@ def export_to_pte(
         ep, partitioner=[partitioner], compile_config=EdgeCompileConfig(_check_ir_validity=False)
     )
     calls, outside = count_outside(edge.exported_program())
+    for key, blob in (named_data or {}).items():
+        if not isinstance(key, str) or not isinstance(blob, bytes):
+            raise TypeError(f"named_data must map str keys to bytes, got {key!r}: {type(blob).__name__}")
+        # The same store the delegates' preprocess fills: to_executorch writes it into the .pte's segments.
+        edge._named_data_store.add_named_data(key, blob)
     say("serializing the ExecuTorch program")
     program = edge.to_executorch()
     return ExportResult(pte=program.buffer, delegated_calls=calls, outside=outside, reasons=dict(partitioner.reasons))

@@ -33,6 +33,12 @@ class LoadedMethod:
     def execute(self, inputs: Sequence) -> list:
         return list(self.method(list(inputs)))
 
+    def input_specs(self) -> list[tuple[tuple[int, ...], int]]:
+        """(sizes, ExecuTorch ScalarType code) of each input, in call order (dynamic dims at their bound)."""
+        meta = self.method.metadata
+        return [(tuple(meta.input_tensor_meta(i).sizes()), int(meta.input_tensor_meta(i).dtype()))
+                for i in range(meta.num_inputs())]
+
 
 def load_method(pte: PteSource, method: str = "forward") -> LoadedMethod:
     """Load `method` of a .pte (path or bytes); the delegate's init() runs here."""

@@ -19,9 +19,10 @@ from pathlib import Path
 from aiohttp import web
 
 from backends.mlx.llm.decoder.meta import DecoderMeta
+from backends.mlx.llm.decoder.tokenizer_files import load_tokenizer
 from backends.mlx.serve.engine import Engine
 from backends.mlx.serve.program_worker import ProgramWorker
-from backends.mlx.serve.service import Service, load_tokenizer
+from backends.mlx.serve.service import Service
 
 log = logging.getLogger("etmlx.serve")
 

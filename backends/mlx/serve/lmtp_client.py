@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from pathlib import Path
 
 import aiohttp
 
@@ -103,7 +104,14 @@ async def _session(url: str, sends: list[str], tokenizer) -> int:
 
 def main(url: str, sends: list[str], tokenizer_dir: str | None = None) -> int:
     tokenizer = None
-    if tokenizer_dir:
+    if tokenizer_dir and Path(tokenizer_dir).is_file():  # a .pte: the tokenizer stored inside it
+        from backends.mlx.llm.decoder.meta import DecoderMeta
+        from backends.mlx.llm.decoder.tokenizer_files import load_tokenizer
+
+        tokenizer = load_tokenizer(tokenizer_dir, DecoderMeta.load(tokenizer_dir))
+        if tokenizer is None:
+            raise ValueError(f"--tokenizer {tokenizer_dir}: the program has no tokenizer")
+    elif tokenizer_dir:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)

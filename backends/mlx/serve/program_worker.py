@@ -53,9 +53,11 @@ def _child_main(pte: str) -> int:
     os.dup2(2, 1)
     inp = sys.stdin.buffer
     try:
+        from backends.mlx.llm.decoder.meta import DecoderMeta
         from backends.mlx.runtime.runner import load_method
 
         method = load_method(Path(pte))
+        DecoderMeta.load(Path(pte)).check_program(pte, method.input_specs())
     except Exception as exc:
         _write(out, b"e", f"{type(exc).__name__}: {exc}".encode())
         return 1

@@ -5,21 +5,11 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from pathlib import Path
 from typing import AsyncIterator
 
-from backends.mlx.llm.decoder.meta import DecoderMeta, tokenizer_path
+from backends.mlx.llm.decoder.meta import DecoderMeta
 from backends.mlx.llm.sampler.params import SamplingParams
 from backends.mlx.serve.engine import Engine, EngineRequest, TokenEvent
-
-
-def load_tokenizer(pte: Path, meta: DecoderMeta):
-    path = tokenizer_path(pte)
-    if not meta.tokenizer or not path.is_dir():
-        return None
-    from backends.mlx.llm.decoder.light_tokenizer import load_tokenizer as load_dir
-
-    return load_dir(path)
 
 
 def queue_sink(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, key):

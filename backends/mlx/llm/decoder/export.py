@@ -1,6 +1,6 @@
 """Export a causal LM (model, KV cache and sampler) to one decoder .pte for on-device decoding.
 
-The program's inputs (names and order recorded in FILE.pte.json):
+The program's inputs (names and order recorded in the metadata the .pte embeds, see meta.py):
   tokens [B, L] int64     L is dynamic, 1..max_seq_len: one program prefills and decodes
   start_pos [B] int64     cache position of tokens[:, 0], per row
   lengths [B] int64       real tokens per row (1..L); the next token is sampled at index lengths-1
@@ -10,14 +10,14 @@ Outputs: token ids [B] (and logprobs when exported with them).
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
 from backends.mlx.exporter.export import ExportResult, export_to_pte
-from backends.mlx.llm.decoder.meta import DecoderMeta, tokenizer_path
+from backends.mlx.llm.decoder.meta import META_KEY, TOKENIZER_PREFIX, DecoderMeta
+from backends.mlx.llm.decoder.tokenizer_files import as_tokenizer, prompt_affixes, tokenizer_blobs
 from backends.mlx.llm.sampler.export import knob_examples
 from backends.mlx.llm.decoder.kv_cache import StaticCacheLM
 from backends.mlx.llm.sampler.config import SamplerConfig
@@ -37,8 +37,8 @@ def _eos_ids(model) -> list[int]:
 def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, config: SamplerConfig | None = None,
                    batch: int = 1, seeded: bool = True, tokenizer=None,
                    progress: Optional[Callable[[str], None]] = None) -> ExportResult:
-    """Write `out` (.pte), `out`.json and, given a tokenizer (a transformers tokenizer or a
-    directory holding one), `out`.tokenizer/."""
+    """Write `out` (.pte) holding the program, its DecoderMeta and, given one (a transformers tokenizer or
+    a directory holding one), the tokenizer: the one file is all a decode loop needs."""
     config = config or SamplerConfig()
     if config.expose_counts:
         raise ValueError("expose_counts is for sampler tests, not decoder programs")
@@ -56,21 +56,14 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
     examples = knob_examples(config, batch, per_row=True)
     kwargs.update({name: examples[name] for name in config.knob_names()})
     dynamic = {"args": ({1: length}, None, None), **{name: None for name in kwargs}}
-    result = export_to_pte(head, example, kwargs, dynamic_shapes=dynamic, progress=progress)
-    out = Path(out)
-    result.save(out)
-    tok_name = None
-    if tokenizer is not None:
-        target = tokenizer_path(out)
-        if target.exists():
-            shutil.rmtree(target)
-        if isinstance(tokenizer, (str, Path)):
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
-        tokenizer.save_pretrained(str(target))
-        tok_name = target.name
-    DecoderMeta.build(max_seq_len=max_seq_len, vocab_size=vocab, batch=batch, eos_token_ids=_eos_ids(model),
-                      seeded=seeded, config=config, dtype=str(next(model.parameters()).dtype).replace("torch.", ""),
-                      model_type=getattr(model.config, "model_type", ""), tokenizer=tok_name).save(out)
+    tokenizer = as_tokenizer(tokenizer) if tokenizer is not None else None
+    blobs = tokenizer_blobs(tokenizer) if tokenizer is not None else {}
+    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    meta = DecoderMeta.build(max_seq_len=max_seq_len, vocab_size=vocab, batch=batch, eos_token_ids=_eos_ids(model),
+                             seeded=seeded, config=config, dtype=dtype, model_type=getattr(model.config, "model_type", ""),
+                             tokenizer=TOKENIZER_PREFIX if blobs else None,
+                             prompt_affixes=prompt_affixes(tokenizer) if tokenizer is not None else ([], []))
+    blobs[META_KEY] = meta.to_json()
+    result = export_to_pte(head, example, kwargs, dynamic_shapes=dynamic, progress=progress, named_data=blobs)
+    result.save(Path(out))
     return result

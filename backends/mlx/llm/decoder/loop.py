@@ -1,4 +1,7 @@
-"""The on-device decode loop over a decoder .pte (see decoder_export.py), one sequence at a time.
+"""The on-device decode loop over a decoder .pte (see export.py), one sequence at a time.
+
+A program exported with --batch B > 1 runs too: the sequence is row 0, the other rows idle (one
+token at position 0, greedy), and only row 0 is read back.
 
     decoder = Decoder("model.pte")
     for step in decoder.stream(prompt_ids, max_tokens=64, params=SamplingParams(temperature=0.8, seed=1)):
@@ -18,9 +21,9 @@ from typing import Iterator
 
 import torch
 
-from backends.mlx.llm.decoder.light_tokenizer import load_tokenizer
-from backends.mlx.llm.decoder.meta import DecoderMeta, tokenizer_path
+from backends.mlx.llm.decoder.meta import DecoderMeta
 from backends.mlx.llm.decoder.step_inputs import step_inputs
+from backends.mlx.llm.decoder.tokenizer_files import has_tokenizer, load_tokenizer
 from backends.mlx.llm.sampler.params import SamplingParams
 from backends.mlx.runtime.runner import load_method
 
@@ -64,29 +67,30 @@ class Decoder:
         if not self.pte.is_file():
             raise FileNotFoundError(f"{self.pte} does not exist")
         self.meta = DecoderMeta.load(self.pte)
-        if self.meta.batch != 1:
-            raise ValueError(f"{self.pte} decodes {self.meta.batch} rows per call; Decoder runs one sequence "
-                             "(export with batch 1, or serve it with `etmlx serve`)")
         self.method = load_method(self.pte)
+        self.meta.check_program(self.pte, self.method.input_specs())
         self._tokenizer = None
 
     @property
     def has_tokenizer(self) -> bool:
-        return bool(self.meta.tokenizer) and tokenizer_path(self.pte).is_dir()
+        return has_tokenizer(self.pte, self.meta)
 
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            path = tokenizer_path(self.pte)
-            if not self.meta.tokenizer or not path.is_dir():
-                raise FileNotFoundError(f"{self.pte} has no tokenizer ({path} is missing): pass token ids "
-                                        "(--prompt-ids) or re-export from a checkpoint that has one")
-            self._tokenizer = load_tokenizer(path)
+            self._tokenizer = load_tokenizer(self.pte, self.meta)
+            if self._tokenizer is None:
+                raise FileNotFoundError(f"{self.pte} has no tokenizer: pass token ids (--prompt-ids) or re-export "
+                                        "from a checkpoint that has one")
         return self._tokenizer
 
     def _call(self, tokens: list[int], start: int, params: SamplingParams, step: int) -> Step:
-        inputs = step_inputs(self.meta, torch.tensor([tokens]), [start], [len(tokens)], [params], [step],
-                             [step == 0])
+        # Rows 1.. of a batched program idle: one token at position 0, greedy, their output ignored.
+        idle = self.meta.batch - 1
+        batch = torch.zeros(self.meta.batch, len(tokens), dtype=torch.int64)
+        batch[0] = torch.tensor(tokens)
+        inputs = step_inputs(self.meta, batch, [start] + [0] * idle, [len(tokens)] + [1] * idle,
+                             [params] + [SamplingParams()] * idle, [step] + [0] * idle, [step == 0] + [True] * idle)
         out = self.method.execute(inputs)
         result = Step(int(out[0][0]))
         if self.meta.config.logprobs:

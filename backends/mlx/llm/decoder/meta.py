@@ -1,9 +1,10 @@
-"""What a decode loop needs to know about an exported decoder program: `FILE.pte.json` beside it.
+"""What a decode loop needs to know about an exported decoder program, stored inside the .pte.
 
-The .pte itself carries only tensors; the loop also needs the cache length, the vocabulary, the
-end-of-sequence ids, the input order, which sampler features were exported, the knob table (for
-the C++ runner) and where the tokenizer is (a directory beside the .pte, so a .pte path is all
-`etmlx generate` needs).
+Beside the tensors, the loop needs the cache length, the vocabulary, the end-of-sequence ids, the
+input order, which sampler features were exported, the knob table (for the C++ runner) and the
+tokenizer. `etmlx export` stores this dict as JSON in the program's named data (key META_KEY) and the tokenizer's files under
+TOKENIZER_PREFIX, so the .pte alone is the model: rename or move it and it still works. Programs
+exported before that carry none; their metadata is read from the `FILE.pte.json` sidecar instead.
 """
 
 from __future__ import annotations
@@ -14,17 +15,26 @@ from pathlib import Path
 
 from backends.mlx.llm.sampler.config import SamplerConfig
 from backends.mlx.llm.sampler.knobs import metadata as knob_metadata
+from backends.mlx.runtime.pte_metadata import named_data
 
 FORMAT = "etmlx-decoder/1"
 MODEL_INPUTS = ["tokens", "start_pos", "lengths"]
+# Named-data keys; tools/etmlx_decode/program_metadata.cpp reads the same ones.
+META_KEY = "etmlx/decoder_meta.json"
+TOKENIZER_PREFIX = "etmlx/tokenizer/"  # + a file name save_pretrained wrote (tokenizer.json, ...)
+# Inputs that are int64 (ExecuTorch ScalarType 4); the rest are float32 (6).
+_INT_INPUTS = {"tokens", "start_pos", "lengths", "seed", "top_k", "penalty_reset", "penalty_add", "bias_ids"}
+_LONG, _FLOAT = 4, 6
 
 
 def meta_path(pte: Path) -> Path:
+    """The sidecar older exports wrote beside the .pte."""
     return Path(str(pte) + ".json")
 
 
-def tokenizer_path(pte: Path) -> Path:
-    return Path(str(pte) + ".tokenizer")
+def has_embedded_meta(pte: Path) -> bool:
+    """Whether `pte` carries its metadata (exported after the sidecar files became optional)."""
+    return META_KEY in named_data(pte, [META_KEY])
 
 
 @dataclass
@@ -37,43 +47,55 @@ class DecoderMeta:
     sampler: dict  # SamplerConfig fields
     dtype: str
     model_type: str = ""
-    tokenizer: str | None = None  # directory name beside the .pte
+    tokenizer: str | None = None  # TOKENIZER_PREFIX (embedded), or an old sidecar's directory beside the .pte
     inputs: list[str] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
     # Every knob of the table as a runner without Python needs it (knobs.metadata()): etmlx_decode
     # builds its flags, range checks and input tensors from this list.
     knobs: list[dict] = field(default_factory=list)
     format: str = FORMAT
+    # The ids the tokenizer adds around a text with add_special_tokens=True (BOS, typically), recorded at
+    # export so a runner with a plain tokenizer library (tools/etmlx_decode) adds the same ones.
+    prompt_prefix_ids: list[int] = field(default_factory=list)
+    prompt_suffix_ids: list[int] = field(default_factory=list)
 
     @classmethod
     def build(cls, *, max_seq_len, vocab_size, batch, eos_token_ids, seeded, config: SamplerConfig, dtype,
-              model_type="", tokenizer=None) -> "DecoderMeta":
+              model_type="", tokenizer=None, prompt_affixes=([], [])) -> "DecoderMeta":
         inputs = MODEL_INPUTS + ["temperature"] + (["seed"] if seeded else []) + config.knob_names()
         outputs = ["token"] + (["logprob", "top_ids", "top_logprobs"] if config.logprobs else [])
         if config.expose_counts:
             outputs.append("penalty_state")
         return cls(max_seq_len=max_seq_len, vocab_size=vocab_size, batch=batch, eos_token_ids=list(eos_token_ids),
                    seeded=seeded, sampler=asdict(config), dtype=dtype, model_type=model_type, tokenizer=tokenizer,
-                   inputs=inputs, outputs=outputs, knobs=knob_metadata())
+                   inputs=inputs, outputs=outputs, knobs=knob_metadata(),
+                   prompt_prefix_ids=list(prompt_affixes[0]), prompt_suffix_ids=list(prompt_affixes[1]))
 
     @property
     def config(self) -> SamplerConfig:
         return SamplerConfig(**self.sampler)
 
-    def save(self, pte: Path) -> Path:
-        path = meta_path(pte)
-        path.write_text(json.dumps(asdict(self), indent=1) + "\n")
-        return path
+    @property
+    def tokenizer_embedded(self) -> bool:
+        return self.tokenizer == TOKENIZER_PREFIX
+
+    def to_json(self) -> bytes:
+        return (json.dumps(asdict(self), indent=1) + "\n").encode()
 
     @classmethod
     def load(cls, pte: Path) -> "DecoderMeta":
-        path = meta_path(pte)
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} is missing: a decoder .pte needs the metadata `etmlx export` writes "
-                                    "beside it")
+        """The metadata embedded in `pte`; for programs exported without it, the FILE.pte.json sidecar."""
+        blob = named_data(pte, [META_KEY]).get(META_KEY)
+        path = f"{pte} (named data {META_KEY})"
+        if blob is None:
+            path = meta_path(pte)
+            if not path.is_file():
+                raise FileNotFoundError(f"{pte} carries no etmlx decoder metadata and has no {path.name} beside it: "
+                                        "export it with `etmlx export`")
+            blob = path.read_bytes()
         try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
+            raw = json.loads(blob)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ValueError(f"{path} is not valid JSON: {exc}") from None
         if not isinstance(raw, dict) or raw.get("format") != FORMAT:
             raise ValueError(f"{path} is not etmlx decoder metadata (format {FORMAT!r} expected)")
@@ -87,3 +109,22 @@ class DecoderMeta:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{path}: {name} must be a positive int, got {value!r}")
         return meta
+
+    def check_program(self, pte, inputs: list[tuple[tuple[int, ...], int]]) -> None:
+        """Fail clearly when the metadata does not describe the program: `inputs` is the loaded method's
+        (sizes, ExecuTorch dtype code) per input, in call order."""
+        if len(inputs) != len(self.inputs):
+            raise ValueError(f"{pte}: the metadata lists {len(self.inputs)} inputs ({', '.join(self.inputs)}) but "
+                             f"the program takes {len(inputs)}: metadata and program come from different exports")
+        widths = {"tokens": self.max_seq_len, "penalty_add": self.config.penalty_seed,
+                  "bias_ids": self.config.logit_bias, "bias_values": self.config.logit_bias}
+        for name, (sizes, dtype) in zip(self.inputs, inputs):
+            expected = (self.batch, widths[name]) if name in widths else (self.batch,)
+            if tuple(sizes) != expected:
+                raise ValueError(f"{pte}: input {name!r} is {list(sizes)} in the program but the metadata implies "
+                                 f"{list(expected)} (batch {self.batch}, max_seq_len {self.max_seq_len}): metadata "
+                                 "and program come from different exports")
+            want = _LONG if name in _INT_INPUTS else _FLOAT
+            if dtype != want:
+                raise ValueError(f"{pte}: input {name!r} has dtype code {dtype} in the program, {want} expected from "
+                                 "the metadata's input order: metadata and program come from different exports")

@@ -7,21 +7,23 @@
 namespace etmlx {
 
 const char kDecodeUsage[] =
-    "usage: etmlx_decode FILE.pte --prompt-ids 1,2,3 [--max-tokens N] [--temperature T]\n"
-    "                    [--seed S] [--KNOB VALUE ...] [--eos ID[,ID...]] [--vocab-size V]\n"
-    "                    [--json]\n"
+    "usage: etmlx_decode FILE.pte (--prompt TEXT | --prompt-ids 1,2,3) [--max-tokens N]\n"
+    "                    [--temperature T] [--seed S] [--KNOB VALUE ...] [--eos ID[,ID...]]\n"
+    "                    [--vocab-size V] [--json]\n"
     "\n"
     "Runs the decode loop of a .pte written by `etmlx export` on the etmlx (MLX)\n"
     "backend: one prefill call, then one call per token with seed S + step.\n"
-    "  --prompt-ids   comma-separated prompt token ids (required)\n"
+    "  --prompt       prompt text, tokenized with the tokenizer inside FILE.pte (plus the\n"
+    "                 special tokens it adds, e.g. BOS); the output is then text\n"
+    "  --prompt-ids   comma-separated prompt token ids (this or --prompt is required)\n"
     "  --max-tokens   tokens to generate, >= 1 (default 64)\n"
     "  --temperature  >= 0; 0 = greedy (default 0)\n"
     "  --seed         base seed; step k uses S + k (default 0; seeded programs)\n"
-    "  --KNOB         a sampler knob FILE.pte.json lists (--top-k, --top-p, --min-p,\n"
-    "                 --presence-penalty, ...: the table in llm/sampler/knobs.py);\n"
+    "  --KNOB         a sampler knob the program's metadata lists (--top-k, --top-p,\n"
+    "                 --min-p, --presence-penalty, ...: the table in llm/sampler/knobs.py);\n"
     "                 off by default, refused if the program was exported without it\n"
-    "  --eos          stop ids, replacing FILE.pte.json's eos_token_ids; repeatable\n"
-    "  --vocab-size   for range-checking prompt ids when FILE.pte.json is absent\n"
+    "  --eos          stop ids, replacing the program's eos_token_ids; repeatable\n"
+    "  --vocab-size   for range-checking prompt ids of a program without etmlx metadata\n"
     "  --json         print {\"tokens\", \"finish_reason\", timings} instead of streaming ids\n";
 
 namespace {
@@ -96,6 +98,8 @@ bool parse_decode_args(int argc, char** argv, DecodeArgs* out, std::string* erro
         out->prompt_ids.clear();
         if (!parse_id_list(value, "--prompt-ids", &out->prompt_ids, error)) return false;
         have_prompt = true;
+      } else if (name == "--prompt") {
+        out->prompt_text = value;
       } else if (name == "--max-tokens") {
         if (!parse_int(value, &out->max_tokens) || out->max_tokens < 1) {
           *error = "--max-tokens must be an integer >= 1, got '" + value + "'";
@@ -126,11 +130,11 @@ bool parse_decode_args(int argc, char** argv, DecodeArgs* out, std::string* erro
     *error = "FILE.pte is required";
     return false;
   }
-  if (!have_prompt) {
-    *error = "--prompt-ids is required";
+  if (have_prompt == out->prompt_text.has_value()) {
+    *error = have_prompt ? "give --prompt or --prompt-ids, not both" : "--prompt or --prompt-ids is required";
     return false;
   }
-  if (out->prompt_ids.empty()) {
+  if (have_prompt && out->prompt_ids.empty()) {
     *error = "--prompt-ids is empty";
     return false;
   }

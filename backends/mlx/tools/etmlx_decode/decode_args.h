@@ -12,9 +12,10 @@ namespace etmlx {
 struct DecodeArgs {
   std::string pte;
   std::vector<int64_t> prompt_ids;
+  std::optional<std::string> prompt_text;  // --prompt: tokenized with the program's tokenizer
   int64_t max_tokens = 64;
   // Every other "--flag value": the sampler knobs (--temperature, --seed,
-  // --top-k, ...), checked against the knob list of FILE.pte.json once it is
+  // --top-k, ...), checked against the knob list of the metadata once it is
   // read (knobs.h), in command-line order.
   std::vector<std::pair<std::string, std::string>> knob_flags;
   std::optional<std::vector<int64_t>> eos_ids;  // replaces the sidecar's list

@@ -1,15 +1,16 @@
 // etmlx_decode: the on-device decode loop as a standalone program, the shape
 // of an app on a phone or a Mac with no Python in the loop.
 //
-//   etmlx_decode FILE.pte --prompt-ids 1,2,3 [--max-tokens N] [--temperature T]
+//   etmlx_decode FILE.pte (--prompt TEXT | --prompt-ids 1,2,3) [--max-tokens N] [--temperature T]
 //                [--seed S] [--top-k K] [--top-p P] [--min-p M] [--eos ID[,ID...]] ...
 //                (etmlx_decode --help lists every option; the knob flags come
-//                from FILE.pte.json's "knobs", the table in llm/sampler/knobs.py)
+//                from the metadata's "knobs", the table in llm/sampler/knobs.py)
 //
 // It loads FILE.pte with ExecuTorch's Module, runs one prefill call over the
 // prompt and then one call per generated token; call k samples with seed
-// S + k on the device, so only token ids cross to the host. Token ids go to
-// stdout; errors print one "etmlx_decode: error: ..." line to stderr and exit
+// S + k on the device, so only token ids cross to the host. The metadata and
+// tokenizer come from inside the .pte (program_metadata.h). The generated text
+// (token ids when the program has no tokenizer) goes to stdout; errors print one "etmlx_decode: error: ..." line to stderr and exit
 // with 2 (bad input) or 1 (the program failed to load or run).
 #include <chrono>
 #include <cstdint>
@@ -25,8 +26,9 @@
 #include <executorch/runtime/platform/runtime.h>
 
 #include "decode_args.h"
-#include "sidecar.h"
+#include "program_metadata.h"
 #include "step_inputs.h"
+#include "text_tokenizer.h"
 
 // Defined in libetmlx_backend.so. Calling it also keeps the library (and the
 // static registration of its backend) linked into this program.
@@ -75,12 +77,34 @@ struct Timings {
   double decode_tokens_per_s = 0;
 };
 
-void print_json(const std::vector<int64_t>& tokens, const char* finish, const Timings& t) {
-  std::printf("{\"tokens\": [");
-  for (size_t i = 0; i < tokens.size(); ++i)
-    std::printf("%s%lld", i ? ", " : "", static_cast<long long>(tokens[i]));
-  std::printf("], \"finish_reason\": \"%s\", \"time_to_first_token_s\": %.6f, "
-              "\"decode_tokens_per_s\": %.3f}\n",
+std::string json_string(const std::string& text) {
+  std::string out = "\"";
+  for (const char ch : text) {
+    const auto c = static_cast<unsigned char>(ch);
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += ch;
+    } else if (c < 0x20) {
+      char buf[8];
+      std::snprintf(buf, sizeof(buf), "\\u%04x", c);
+      out += buf;
+    } else {
+      out += ch;
+    }
+  }
+  return out + "\"";
+}
+
+void print_json(const std::vector<int64_t>& prompt, const std::vector<int64_t>& tokens, const std::string* text,
+                const char* finish, const Timings& t) {
+  const auto ids = [](const std::vector<int64_t>& list) {
+    std::string out = "[";
+    for (size_t i = 0; i < list.size(); ++i) out += (i ? ", " : "") + std::to_string(list[i]);
+    return out + "]";
+  };
+  std::printf("{\"prompt_ids\": %s, \"tokens\": %s, ", ids(prompt).c_str(), ids(tokens).c_str());
+  if (text) std::printf("\"text\": %s, ", json_string(*text).c_str());
+  std::printf("\"finish_reason\": \"%s\", \"time_to_first_token_s\": %.6f, \"decode_tokens_per_s\": %.3f}\n",
               finish, t.first_token_s, t.decode_tokens_per_s);
 }
 
@@ -89,22 +113,7 @@ int run(const etmlx::DecodeArgs& args) {
   if (!std::filesystem::is_regular_file(args.pte, ec))
     return fail(kBadInput, args.pte + ": no such file");
 
-  bool have_sidecar = false;
   std::string error;
-  const auto sidecar = etmlx::read_sidecar(args.pte + ".json", &have_sidecar, &error);
-  if (!sidecar) return fail(kBadInput, error);
-  if (sidecar->batch.value_or(1) != 1)
-    return fail(kBadInput, args.pte + " decodes " + std::to_string(*sidecar->batch) +
-                               " rows per call; etmlx_decode runs one sequence (export with --batch 1)");
-
-  // The knob flags, checked against the program's knob list before anything loads.
-  const auto& specs = sidecar->knobs ? *sidecar->knobs : etmlx::builtin_knobs();
-  std::map<std::string, etmlx::KnobValue> knobs;
-  const std::string note = sidecar->knobs ? ""
-                           : have_sidecar ? " (" + args.pte + ".json lists no \"knobs\": re-export it with this etmlx)"
-                                          : " (without " + args.pte + ".json only --temperature and --seed are known)";
-  if (!etmlx::resolve_knob_flags(specs, args.knob_flags, note, &knobs, &error)) return fail(kBadInput, error);
-
   executorch::runtime::runtime_init();
   if (!executorch::runtime::get_backend_class(etmlx_backend_id()))
     return fail(kRunFailed, std::string("backend ") + etmlx_backend_id() + " is not registered");
@@ -112,25 +121,59 @@ int run(const etmlx::DecodeArgs& args) {
   Module module(args.pte, Module::LoadMode::Mmap);
   if (const Error e = module.load(); e != Error::Ok)
     return fail(kRunFailed, args.pte + " is not a loadable ExecuTorch program (error " + error_name(e) + ")");
+  const auto metadata = etmlx::read_program_metadata(module, args.pte, &error);
+  if (!metadata) return fail(kBadInput, error);
+  const etmlx::Sidecar& sidecar = metadata->meta;
+  std::unique_ptr<etmlx::TextTokenizer> tokenizer;
+  if (!metadata->tokenizer_files.empty() && (args.prompt_text || etmlx::TextTokenizer::available())) {
+    tokenizer = etmlx::TextTokenizer::load(metadata->tokenizer_files, &error);
+    if (!tokenizer) return fail(kBadInput, args.pte + ": " + error);
+  }
+  std::vector<int64_t> prompt = args.prompt_ids;
+  if (args.prompt_text) {
+    if (!tokenizer)
+      return fail(kBadInput, args.pte + " has no tokenizer: give --prompt-ids, or re-export from a checkpoint with one");
+    std::vector<int64_t> text_ids;
+    if (!tokenizer->encode(*args.prompt_text, &text_ids, &error)) return fail(kBadInput, error);
+    // The special tokens the Python tokenizer adds (recorded at export): the same ids as `etmlx generate`.
+    prompt = sidecar.prompt_prefix_ids;
+    prompt.insert(prompt.end(), text_ids.begin(), text_ids.end());
+    prompt.insert(prompt.end(), sidecar.prompt_suffix_ids.begin(), sidecar.prompt_suffix_ids.end());
+    if (prompt.empty()) return fail(kBadInput, "--prompt is empty");
+  }
   const std::string method = method_to_run(module, &error);
   if (method.empty()) return fail(kRunFailed, error);
   const auto meta = module.method_meta(method);
   if (!meta.ok()) return fail(kRunFailed, "no metadata for method " + method);
-  auto inputs = etmlx::StepInputs::plan(meta.get(), sidecar->inputs, specs, knobs, &error);
+  // The knob flags, checked against the program's knob list before the method loads.
+  const auto& specs = sidecar.knobs ? *sidecar.knobs : etmlx::builtin_knobs();
+  std::map<std::string, etmlx::KnobValue> knobs;
+  const std::string note = sidecar.knobs ? ""
+                           : metadata->found ? " (" + metadata->origin + " lists no \"knobs\": re-export it with this etmlx)"
+                                             : " (without etmlx metadata only --temperature and --seed are known)";
+  if (!etmlx::resolve_knob_flags(specs, args.knob_flags, note, &knobs, &error)) return fail(kBadInput, error);
+  auto inputs = etmlx::StepInputs::plan(meta.get(), sidecar.inputs, specs, knobs, &error);
   if (!inputs) return fail(kBadInput, args.pte + ": " + error);
   const float temperature = static_cast<float>(knobs["temperature"].f);
   const int64_t seed = knobs["seed"].i;
+  // A batched program runs one sequence in row 0 (StepInputs idles the rest).
+  if (sidecar.batch && *sidecar.batch != inputs->batch())
+    return fail(kBadInput, metadata->origin + " says batch " + std::to_string(*sidecar.batch) + " but the program "
+                "decodes " + std::to_string(inputs->batch()) + " rows per call: they come from different exports");
+  if (sidecar.max_seq_len && *sidecar.max_seq_len != inputs->max_call_length())
+    return fail(kBadInput, metadata->origin + " says max_seq_len " + std::to_string(*sidecar.max_seq_len) +
+                " but the program's tokens input holds " + std::to_string(inputs->max_call_length()) +
+                ": they come from different exports");
 
   // Without a sidecar the bound of the tokens input is the cache length: the
   // exporter sizes it with an example as long as the cache.
-  const int64_t max_seq_len = sidecar->max_seq_len.value_or(inputs->max_call_length());
-  const auto vocab = args.vocab_size ? args.vocab_size : sidecar->vocab_size;
-  const std::vector<int64_t>& eos = args.eos_ids ? *args.eos_ids : sidecar->eos_token_ids;
-  const auto& prompt = args.prompt_ids;
+  const int64_t max_seq_len = sidecar.max_seq_len.value_or(inputs->max_call_length());
+  const auto vocab = args.vocab_size ? args.vocab_size : sidecar.vocab_size;
+  const std::vector<int64_t>& eos = args.eos_ids ? *args.eos_ids : sidecar.eos_token_ids;
   const auto n = static_cast<int64_t>(prompt.size());
   if (!vocab)
-    std::fprintf(stderr, "etmlx_decode: note: vocabulary size unknown (neither %s.json nor --vocab-size gives it); "
-                 "prompt ids are checked only for >= 0\n", args.pte.c_str());
+    std::fprintf(stderr, "etmlx_decode: note: vocabulary size unknown (%s carries no etmlx metadata and "
+                 "--vocab-size is not given); prompt ids are checked only for >= 0\n", args.pte.c_str());
   for (int64_t id : prompt) {
     if (id < 0 || (vocab && id >= *vocab)) {
       return fail(kBadInput, "--prompt-ids must be token ids in [0, " +
@@ -151,6 +194,8 @@ int run(const etmlx::DecodeArgs& args) {
   const auto start = Clock::now();
   Clock::time_point first_token_at = start;
   std::vector<int64_t> generated;
+  std::string text;
+  etmlx::Utf8Stream utf8;
   std::vector<int64_t> call_tokens = prompt;
   int64_t position = 0;
   const char* finish = "length";
@@ -168,13 +213,17 @@ int run(const etmlx::DecodeArgs& args) {
     const int64_t token = ids.const_data_ptr<int64_t>()[0];
     if (step == 0) first_token_at = Clock::now();
     generated.push_back(token);
-    if (!args.json) {
-      std::printf("%lld ", static_cast<long long>(token));
-      std::fflush(stdout);
-    }
     if (is_eos(eos, token)) {
       finish = "stop";
       break;
+    }
+    // The stop token is not part of the text, as in `etmlx generate`.
+    const std::string chunk = tokenizer ? utf8.feed(tokenizer->piece(token))
+                                        : std::to_string(token) + " ";
+    text += chunk;
+    if (!args.json) {
+      std::fputs(chunk.c_str(), stdout);
+      std::fflush(stdout);
     }
     position += static_cast<int64_t>(call_tokens.size());
     call_tokens.assign(1, token);
@@ -186,10 +235,12 @@ int run(const etmlx::DecodeArgs& args) {
   const double decode_s = std::chrono::duration<double>(end - first_token_at).count();
   if (generated.size() > 1 && decode_s > 0)
     t.decode_tokens_per_s = static_cast<double>(generated.size() - 1) / decode_s;
+  const std::string tail = utf8.flush();
+  text += tail;
   if (args.json) {
-    print_json(generated, finish, t);
+    print_json(prompt, generated, tokenizer ? &text : nullptr, finish, t);
   } else {
-    std::printf("\n");
+    std::printf("%s\n", tail.c_str());
   }
   return 0;
 }

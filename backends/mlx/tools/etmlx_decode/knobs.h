@@ -36,7 +36,7 @@ struct KnobSpec {
 // a malformed entry.
 bool read_knobs(const json::Value& knobs, std::vector<KnobSpec>* out, std::string* error);
 
-// Without a "knobs" list (no FILE.pte.json, or one from an older etmlx):
+// Without a "knobs" list (no metadata, or one from an older etmlx):
 // temperature and seed only, which every decoder program takes.
 const std::vector<KnobSpec>& builtin_knobs();
 

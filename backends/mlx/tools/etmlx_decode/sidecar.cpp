@@ -26,21 +26,38 @@ bool read_int(const Value& root, const char* key, int64_t min, std::optional<int
   return true;
 }
 
+bool read_ids(const Value& root, const char* key, std::vector<int64_t>* out, std::string* error) {
+  const Value* list = root.find(key);
+  if (!list || list->kind == Value::Kind::Null) return true;
+  bool ok = list->kind == Value::Kind::Array;
+  for (const Value& item : list->items) {
+    const auto id = item.as_int();
+    ok = ok && id.has_value();
+    if (ok) out->push_back(*id);
+  }
+  if (!ok) *error = std::string("\"") + key + "\" must be a list of integers";
+  return ok;
+}
+
 }  // namespace
 
 std::optional<Sidecar> read_sidecar(const std::string& path, bool* found, std::string* error) {
-  Sidecar meta;
   std::ifstream in(path, std::ios::binary);
   *found = static_cast<bool>(in);
-  if (!in) return meta;
+  if (!in) return Sidecar{};
   std::stringstream buf;
   buf << in.rdbuf();
   if (in.bad()) {
     *error = "could not read " + path;
     return std::nullopt;
   }
+  return parse_sidecar(buf.str(), path, error);
+}
+
+std::optional<Sidecar> parse_sidecar(const std::string& text, const std::string& path, std::string* error) {
+  Sidecar meta;
   std::string why;
-  const auto root = json::parse(buf.str(), &why);
+  const auto root = json::parse(text, &why);
   if (!root) {
     *error = path + " is not valid JSON: " + why;
     return std::nullopt;
@@ -60,19 +77,11 @@ std::optional<Sidecar> read_sidecar(const std::string& path, bool* found, std::s
     *error = path + ": " + why;
     return std::nullopt;
   }
-  if (const Value* eos = root->find("eos_token_ids"); eos && eos->kind != Value::Kind::Null) {
-    if (eos->kind != Value::Kind::Array) {
-      *error = path + ": \"eos_token_ids\" must be a list of integers";
-      return std::nullopt;
-    }
-    for (const Value& item : eos->items) {
-      const auto id = item.as_int();
-      if (!id) {
-        *error = path + ": \"eos_token_ids\" must be a list of integers";
-        return std::nullopt;
-      }
-      meta.eos_token_ids.push_back(*id);
-    }
+  if (!read_ids(*root, "eos_token_ids", &meta.eos_token_ids, &why) ||
+      !read_ids(*root, "prompt_prefix_ids", &meta.prompt_prefix_ids, &why) ||
+      !read_ids(*root, "prompt_suffix_ids", &meta.prompt_suffix_ids, &why)) {
+    *error = path + ": " + why;
+    return std::nullopt;
   }
   if (const Value* inputs = root->find("inputs"); inputs && inputs->kind != Value::Kind::Null) {
     std::vector<std::string> names;

@@ -1,6 +1,8 @@
-// FILE.pte.json, written beside the .pte by `etmlx export`: what the decode
-// loop needs to know that the program itself does not say (vocabulary size,
-// end-of-sequence ids, input names, the sampler knobs).
+// The decoder metadata `etmlx export` stores in the .pte's named data
+// (program_metadata.h finds it; older exports wrote it to FILE.pte.json
+// beside the .pte): what the decode loop needs to know that the program's
+// tensors do not say (vocabulary size, end-of-sequence ids, input names, the
+// sampler knobs).
 #pragma once
 
 #include <cstdint>
@@ -22,11 +24,17 @@ struct Sidecar {
   std::vector<int64_t> eos_token_ids;
   std::optional<std::vector<std::string>> inputs;  // input names in call order
   std::optional<std::vector<KnobSpec>> knobs;       // the knob table (knobs.h)
+  // Ids the tokenizer adds around a text prompt (BOS, ...).
+  std::vector<int64_t> prompt_prefix_ids, prompt_suffix_ids;
 };
 
-// Reads `path`. Returns nullopt with `error` set when the file exists but
-// cannot be read, declares another format, or a known field has the wrong
-// type; a missing file gives an empty Sidecar (`*found` = false).
+// Parses the metadata JSON `text`; `where` names its origin in errors.
+// Returns nullopt with `error` set when it is not JSON, declares another
+// format, or a known field has the wrong type.
+std::optional<Sidecar> parse_sidecar(const std::string& text, const std::string& where, std::string* error);
+
+// Reads the file `path` with parse_sidecar; a missing file gives an empty
+// Sidecar (`*found` = false).
 std::optional<Sidecar> read_sidecar(const std::string& path, bool* found, std::string* error);
 
 }  // namespace etmlx

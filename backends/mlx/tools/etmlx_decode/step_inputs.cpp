@@ -1,5 +1,6 @@
 #include "step_inputs.h"
 
+#include <algorithm>
 
 namespace etmlx {
 
@@ -34,7 +35,7 @@ std::optional<StepInputs> StepInputs::plan(const MethodMeta& meta,
     order = {"tokens", "start_pos", "lengths", "temperature"};  // unseeded
   } else {
     *error = "the program has " + std::to_string(n) +
-             " inputs; without FILE.pte.json's \"inputs\" only the plain decoder "
+             " inputs; without the metadata's \"inputs\" only the plain decoder "
              "(tokens, start_pos, lengths, temperature[, seed]) is understood";
     return std::nullopt;
   }
@@ -54,6 +55,12 @@ std::optional<StepInputs> StepInputs::plan(const MethodMeta& meta,
     return v == values.end() ? spec.off : v->second;
   };
   StepInputs plan;
+  // Rows per call, from `tokens` [B, L]; every per-row input is then [B].
+  for (size_t i = 0; i < n; ++i) {
+    const auto info = meta.input_tensor_meta(i);
+    if (order[i] == "tokens" && info.ok() && info->sizes().size() == 2 && info->sizes()[0] >= 1)
+      plan.batch_ = info->sizes()[0];
+  }
   std::vector<std::string> used;
   for (size_t i = 0; i < n; ++i) {
     const std::string& name = order[i];
@@ -77,16 +84,17 @@ std::optional<StepInputs> StepInputs::plan(const MethodMeta& meta,
       return false;
     };
     const auto per_row = [&]() {
-      // A scalar, or one value for the single row this program decodes.
-      if (slot.sizes.empty() || (slot.sizes.size() == 1 && slot.sizes[0] == 1)) return true;
-      *error = "input '" + name + "' must be a scalar or [1] (batch 1)";
+      // One value per row (a scalar also does at batch 1).
+      if ((slot.sizes.empty() && plan.batch_ == 1) || (slot.sizes.size() == 1 && slot.sizes[0] == plan.batch_))
+        return true;
+      *error = "input '" + name + "' must be [" + std::to_string(plan.batch_) + "] (one value per row)";
       return false;
     };
     if (name == "tokens") {
       slot.role = Role::Tokens;
       if (!expect(ScalarType::Long, "int64")) return std::nullopt;
-      if (slot.sizes.size() != 2 || slot.sizes[0] != 1 || slot.sizes[1] < 1) {
-        *error = "input 'tokens' must be [1, L]: etmlx_decode runs programs exported with batch 1";
+      if (slot.sizes.size() != 2 || slot.sizes[0] < 1 || slot.sizes[1] < 1) {
+        *error = "input 'tokens' must be [B, L]";
         return std::nullopt;
       }
       plan.max_call_length_ = slot.sizes[1];
@@ -97,8 +105,8 @@ std::optional<StepInputs> StepInputs::plan(const MethodMeta& meta,
       const KnobSpec* spec = spec_named(name);
       if (!spec) {
         *error = "input '" + name + "' is not one etmlx_decode knows how to fill (" +
-                 (&specs == &builtin_knobs() ? "FILE.pte.json lists no \"knobs\": re-export it with this etmlx)"
-                                             : "FILE.pte.json's \"knobs\" has no entry for it)");
+                 (&specs == &builtin_knobs() ? "its metadata lists no \"knobs\": re-export it with this etmlx)"
+                                             : "its metadata's \"knobs\" has no entry for it)");
         return std::nullopt;
       }
       used.push_back(name);
@@ -112,9 +120,10 @@ std::optional<StepInputs> StepInputs::plan(const MethodMeta& meta,
         slot.role = Role::Knob;
         slot.value = value_of(*spec);
         slot.first = spec->first.value_or(slot.value);
+        slot.idle = spec->first.value_or(spec->off);
         const bool int_input = slot.dtype == ScalarType::Long || slot.dtype == ScalarType::Int;
         if (!supported_fill_type(slot.dtype) || int_input != spec->integer) {
-          *error = "input '" + name + "' has a dtype etmlx_decode cannot fill (FILE.pte.json says " +
+          *error = "input '" + name + "' has a dtype etmlx_decode cannot fill (its metadata says " +
                    (spec->integer ? "int64" : "float32") + ")";
           return std::nullopt;
         }
@@ -140,20 +149,35 @@ std::optional<StepInputs> StepInputs::plan(const MethodMeta& meta,
   return plan;
 }
 
-TensorPtr StepInputs::filled(const Slot& slot, const KnobValue& value) const {
+namespace {
+
+// `count` values: the first `head` are `row0`, the rest `rest`.
+template <typename T>
+std::vector<T> rows(size_t count, size_t head, T row0, T rest) {
+  std::vector<T> out(count, rest);
+  std::fill(out.begin(), out.begin() + static_cast<std::ptrdiff_t>(std::min(head, count)), row0);
+  return out;
+}
+
+}  // namespace
+
+TensorPtr StepInputs::filled(const Slot& slot, const KnobValue& row0, const KnobValue& rest) const {
   int64_t numel = 1;
   for (int32_t s : slot.sizes) numel *= s;
   const size_t count = static_cast<size_t>(numel);
+  const size_t head = count / static_cast<size_t>(batch_);  // row 0's elements (all of them at batch 1)
   std::vector<int32_t> sizes(slot.sizes.begin(), slot.sizes.end());
   switch (slot.dtype) {
     case ScalarType::Long:
-      return make_tensor_ptr(sizes, std::vector<int64_t>(count, value.i));
+      return make_tensor_ptr(sizes, rows<int64_t>(count, head, row0.i, rest.i));
     case ScalarType::Int:
-      return make_tensor_ptr(sizes, std::vector<int32_t>(count, static_cast<int32_t>(value.i)));
+      return make_tensor_ptr(sizes, rows<int32_t>(count, head, static_cast<int32_t>(row0.i),
+                                                  static_cast<int32_t>(rest.i)));
     case ScalarType::Double:
-      return make_tensor_ptr(sizes, std::vector<double>(count, value.f));
+      return make_tensor_ptr(sizes, rows<double>(count, head, row0.f, rest.f));
     default:  // Float; plan() admitted nothing else
-      return make_tensor_ptr(sizes, std::vector<float>(count, static_cast<float>(value.f)));
+      return make_tensor_ptr(sizes, rows<float>(count, head, static_cast<float>(row0.f),
+                                                static_cast<float>(rest.f)));
   }
 }
 
@@ -165,23 +189,27 @@ std::vector<EValue> StepInputs::build(const std::vector<int64_t>& tokens, int64_
   for (const Slot& slot : slots_) {
     TensorPtr t;
     switch (slot.role) {
-      case Role::Tokens:
-        t = make_tensor_ptr({1, length}, std::vector<int64_t>(tokens));
+      case Role::Tokens: {
+        // Row 0 is the sequence; the idle rows are padding (their length is 1).
+        std::vector<int64_t> padded(static_cast<size_t>(batch_) * tokens.size(), 0);
+        std::copy(tokens.begin(), tokens.end(), padded.begin());
+        t = make_tensor_ptr({static_cast<int32_t>(batch_), length}, std::move(padded));
         break;
+      }
       case Role::StartPos:
-        t = make_tensor_ptr(slot.sizes, std::vector<int64_t>{start_pos});
+        t = make_tensor_ptr(slot.sizes, rows<int64_t>(static_cast<size_t>(batch_), 1, start_pos, 0));
         break;
       case Role::Lengths:
-        t = make_tensor_ptr(slot.sizes, std::vector<int64_t>{length});
+        t = make_tensor_ptr(slot.sizes, rows<int64_t>(static_cast<size_t>(batch_), 1, length, 1));
         break;
       case Role::Temperature:
-        t = make_tensor_ptr(slot.sizes, std::vector<float>{temperature});
+        t = make_tensor_ptr(slot.sizes, rows<float>(static_cast<size_t>(batch_), 1, temperature, 0.0f));
         break;
-      case Role::Seed:
-        t = make_tensor_ptr(slot.sizes, std::vector<int64_t>{seed});
+      case Role::Seed:  // int64 all the way: 64-bit seeds stay exact
+        t = make_tensor_ptr(slot.sizes, rows<int64_t>(static_cast<size_t>(batch_), 1, seed, 0));
         break;
       case Role::Knob:
-        t = filled(slot, first ? slot.first : slot.value);
+        t = filled(slot, first ? slot.first : slot.value, slot.idle);
         break;
     }
     alive_.push_back(t);

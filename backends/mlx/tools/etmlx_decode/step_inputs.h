@@ -31,6 +31,11 @@ class StepInputs {
                                         const std::map<std::string, KnobValue>& values,
                                         std::string* error);
 
+  // Rows per call (the program's batch). The sequence is row 0; the others
+  // idle: one token at position 0, greedy, knobs at their first-call values,
+  // output ignored.
+  int64_t batch() const { return batch_; }
+
   // Longest `tokens` one call accepts (the upper bound of its length axis).
   int64_t max_call_length() const { return max_call_length_; }
 
@@ -48,14 +53,17 @@ class StepInputs {
     Role role;
     executorch::aten::ScalarType dtype;
     std::vector<int32_t> sizes;  // static shape (per-row and knob inputs)
-    KnobValue value;             // Knob only
-    KnobValue first;             // Knob only: the value on a sequence's first call
+    KnobValue value;             // Knob only: row 0's value
+    KnobValue first;             // Knob only: row 0's value on a sequence's first call
+    KnobValue idle;              // Knob only: the idle rows' value (a fresh sequence, feature off)
   };
 
-  executorch::extension::TensorPtr filled(const Slot& slot, const KnobValue& value) const;
+  // `row0` in row 0's elements, `rest` in the idle rows'.
+  executorch::extension::TensorPtr filled(const Slot& slot, const KnobValue& row0, const KnobValue& rest) const;
 
   std::vector<Slot> slots_;
   int64_t max_call_length_ = 0;
+  int64_t batch_ = 1;
   std::vector<executorch::extension::TensorPtr> alive_;
 };
 

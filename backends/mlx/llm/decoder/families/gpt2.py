@@ -60,7 +60,7 @@ class GPT2Family(nn.Module):
 
     def attention_out(self, i: int, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         block = self._parts[1].h[i]
-        x = x + self.attn_out[i](mergesplit_heads(attended))
+        x = x + self.attn_out[i](merge_heads(attended))
         return x + self.fc_out[i](block.mlp.act(self.fc_in[i](block.ln_2(x))))
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,75 @@
+"""The tokenizer inside a decoder .pte: the files `save_pretrained` writes, one named blob each.
+
+Storing the files themselves (tokenizer.json, tokenizer_config.json with the special tokens, the
+chat template, ...) rather than a digest of them means transformers rebuilds exactly the tokenizer
+that was exported, and C++ (tools/etmlx_decode) reads the same tokenizer.json with its own library.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from backends.mlx.llm.decoder.light_tokenizer import load_tokenizer as load_directory
+from backends.mlx.llm.decoder.meta import TOKENIZER_PREFIX, DecoderMeta
+from backends.mlx.runtime.pte_metadata import named_data
+
+
+def as_tokenizer(tokenizer):
+    """A transformers tokenizer, or a directory holding one, as a tokenizer."""
+    if isinstance(tokenizer, (str, Path)):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(tokenizer))
+    return tokenizer
+
+
+def prompt_affixes(tokenizer) -> tuple[list[int], list[int]]:
+    """The ids `tokenizer(text)` adds before and after the text's own (BOS, ...)."""
+    probe = "a b"
+    plain = list(tokenizer(probe, add_special_tokens=False)["input_ids"])
+    full = list(tokenizer(probe, add_special_tokens=True)["input_ids"])
+    for start in range(len(full) - len(plain) + 1):
+        if full[start:start + len(plain)] == plain:
+            return full[:start], full[start + len(plain):]
+    raise ValueError(f"the tokenizer's special tokens are not a prefix/suffix of the text ({full} vs {plain})")
+
+
+def tokenizer_blobs(tokenizer) -> dict[str, bytes]:
+    """Named data for a transformers tokenizer: the files save_pretrained writes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        files = sorted(p for p in Path(tmp).iterdir() if p.is_file())
+        return {TOKENIZER_PREFIX + p.name: p.read_bytes() for p in files}
+
+
+def has_tokenizer(pte: Path, meta: DecoderMeta) -> bool:
+    if meta.tokenizer_embedded:
+        return True
+    return bool(meta.tokenizer) and (Path(pte).parent / meta.tokenizer).is_dir()
+
+
+def load_tokenizer(pte: Path, meta: DecoderMeta):
+    """The program's tokenizer, or None when it was exported without one. Plain tokenizer.json
+    tokenizers load without transformers (light_tokenizer.py), others through AutoTokenizer."""
+    pte = Path(pte)
+    if not meta.tokenizer_embedded:
+        # Exported before the tokenizer moved inside: a directory beside the .pte.
+        return load_directory(pte.parent / meta.tokenizer) if has_tokenizer(pte, meta) else None
+    with tempfile.TemporaryDirectory() as tmp:
+        return load_directory(extract_tokenizer(pte, Path(tmp)))
+
+
+def extract_tokenizer(pte: Path, directory: Path) -> Path:
+    """Writes the tokenizer files embedded in `pte` into `directory` (as save_pretrained laid them out)."""
+    blobs = named_data(pte, prefix=TOKENIZER_PREFIX)
+    if TOKENIZER_PREFIX + "tokenizer_config.json" not in blobs:
+        raise ValueError(f"{pte}: the metadata says the tokenizer is embedded but the program has no "
+                         f"{TOKENIZER_PREFIX}tokenizer_config.json")
+    directory.mkdir(parents=True, exist_ok=True)
+    for key, blob in blobs.items():
+        name = key[len(TOKENIZER_PREFIX):]
+        if not name or "/" in name or name.startswith("."):
+            raise ValueError(f"{pte}: named data {key!r} is not a tokenizer file name")
+        (directory / name).write_bytes(blob)
+    return directory

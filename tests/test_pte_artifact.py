@@ -1,0 +1,133 @@
+"""One self-describing .pte: metadata and tokenizer travel inside it (named data), a renamed copy works, old
+sidecar-era programs still load, metadata that disagrees with the program is a clear error, and a batched
+program decodes one sequence exactly like a batch-1 export of the same weights."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import asdict
+
+import pytest
+import torch
+
+from backends.mlx.exporter.export import export_to_pte
+from backends.mlx.llm.builtin.tiny_model import train_tokenizer, tiny_llama
+from backends.mlx.llm.decoder.export import export_decoder
+from backends.mlx.llm.decoder.loop import Decoder
+from backends.mlx.llm.decoder.meta import META_KEY, TOKENIZER_PREFIX, DecoderMeta, meta_path
+from backends.mlx.llm.decoder.step_inputs import SamplingParams
+from backends.mlx.llm.sampler.config import SamplerConfig
+from backends.mlx.runtime.pte_metadata import PteFormatError, named_data
+
+MAX_SEQ_LEN = 40
+TEXT = "Hello there! The quick brown fox, é 日本 🙂"
+CONFIG = SamplerConfig(top_k=True, logit_bias=2)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return tiny_llama(len(tokenizer), tokenizer.eos_token_id, hidden=32, layers=1, seed=4)
+
+
+@pytest.fixture(scope="module")
+def ptes(model, tokenizer, tmp_path_factory):
+    root = tmp_path_factory.mktemp("artifact")
+    one, three = root / "one.pte", root / "three.pte"
+    export_decoder(model, one, MAX_SEQ_LEN, config=CONFIG, tokenizer=tokenizer)
+    export_decoder(model, three, MAX_SEQ_LEN, config=CONFIG, batch=3, tokenizer=tokenizer)
+    return one, three
+
+
+def test_metadata_and_tokenizer_round_trip_inside_the_pte(ptes, tokenizer):
+    one, _ = ptes
+    assert sorted(p.name for p in one.parent.iterdir()) == ["one.pte", "three.pte"]  # no sidecar files
+    blobs = named_data(one)
+    assert {META_KEY, TOKENIZER_PREFIX + "tokenizer.json", TOKENIZER_PREFIX + "tokenizer_config.json"} <= set(blobs)
+    meta = DecoderMeta.load(one)
+    assert json.loads(blobs[META_KEY]) == asdict(meta)
+    assert (meta.batch, meta.max_seq_len, meta.vocab_size) == (1, MAX_SEQ_LEN, len(tokenizer))
+    assert meta.eos_token_ids == [tokenizer.eos_token_id] and meta.config == CONFIG
+    decoder = Decoder(one)
+    rebuilt = decoder.tokenizer
+    assert rebuilt(TEXT)["input_ids"] == tokenizer(TEXT)["input_ids"]
+    assert rebuilt.chat_template == tokenizer.chat_template and rebuilt.eos_token == tokenizer.eos_token
+    messages = [{"role": "user", "content": "hi"}]
+    assert (rebuilt.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            == tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+    assert named_data(one, ["absent"]) == {}
+
+
+def test_renamed_and_moved_pte_keeps_working(ptes, tmp_path):
+    one, _ = ptes
+    moved = tmp_path / "elsewhere" / "renamed.model"
+    moved.parent.mkdir()
+    shutil.copy(one, moved)
+    prompt = Decoder(one).tokenizer(TEXT)["input_ids"]
+    decoder = Decoder(moved)
+    assert decoder.has_tokenizer and decoder.tokenizer(TEXT)["input_ids"] == prompt
+    assert decoder.generate(prompt, 6).tokens == Decoder(one).generate(prompt, 6).tokens
+
+
+def test_sidecar_era_program_and_missing_metadata(tmp_path):
+    # A program without named data, like every export before the metadata moved inside.
+    pte = export_to_pte(torch.nn.Linear(4, 2), (torch.ones(1, 4),)).save(tmp_path / "old.pte")
+    assert named_data(pte) == {}
+    with pytest.raises(FileNotFoundError, match="carries no etmlx decoder metadata and has no old.pte.json"):
+        DecoderMeta.load(pte)
+    meta = DecoderMeta.build(max_seq_len=8, vocab_size=10, batch=1, eos_token_ids=[2], seeded=True,
+                             config=SamplerConfig(), dtype="float32")
+    meta_path(pte).write_bytes(meta.to_json())
+    assert DecoderMeta.load(pte) == meta
+    meta_path(pte).write_text("{not json")
+    with pytest.raises(ValueError, match="old.pte.json is not valid JSON"):
+        DecoderMeta.load(pte)
+    junk = tmp_path / "junk.pte"
+    junk.write_bytes(b"\0" * 64)
+    with pytest.raises(PteFormatError, match="not an ExecuTorch program"):
+        named_data(junk)
+
+
+def _edit_embedded_meta(src, dst, old: bytes, new: bytes):
+    """Copy `src` with one same-length edit inside its metadata blob: the flatbuffer stays valid."""
+    assert len(old) == len(new)
+    data = src.read_bytes()
+    assert data.count(old) == 1
+    dst.write_bytes(data.replace(old, new))
+
+
+def test_metadata_that_disagrees_with_the_program_is_a_clear_error(ptes, tmp_path):
+    one, _ = ptes
+    wrong_batch = tmp_path / "wrong_batch.pte"
+    _edit_embedded_meta(one, wrong_batch, b'"batch": 1,', b'"batch": 2,')
+    assert DecoderMeta.load(wrong_batch).batch == 2
+    with pytest.raises(ValueError, match=r"input 'tokens' is \[1, 40\] in the program but the metadata implies "
+                                         r"\[2, 40\].*different exports"):
+        Decoder(wrong_batch)
+    meta = DecoderMeta.load(one)
+    specs = [((1, MAX_SEQ_LEN), 4)] + [((1,), 4)] * 2 + [((1,), 6)] + [((1,), 4)] * 2 + [((1, 2), 4), ((1, 2), 6)]
+    meta.check_program("p.pte", specs)  # the order the metadata lists
+    with pytest.raises(ValueError, match="lists 8 inputs .* the program takes 7"):
+        meta.check_program("p.pte", specs[:-1])
+    swapped = specs[:3] + [specs[4], specs[3]] + specs[5:]  # temperature <-> seed
+    with pytest.raises(ValueError, match="input 'temperature' has dtype code 4"):
+        meta.check_program("p.pte", swapped)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=1.0, seed=11),
+                                    SamplingParams(temperature=0.8, seed=3, top_k=20)],
+                         ids=["greedy", "seeded", "top_k"])
+def test_batched_program_decodes_one_sequence_like_batch_one(ptes, params):
+    one, three = ptes
+    batched = Decoder(three)
+    assert batched.meta.batch == 3
+    prompt = batched.tokenizer(TEXT)["input_ids"][:12]
+    got = batched.generate(prompt, 16, params).tokens
+    assert got == Decoder(one).generate(prompt, 16, params).tokens and len(got) == 16
+    if params.temperature:
+        assert got != Decoder(one).generate(prompt, 16).tokens  # sampling, not the greedy path
