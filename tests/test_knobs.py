@@ -93,7 +93,7 @@ def test_the_exported_program_takes_the_tables_inputs():
     from backends.mlx.runtime.runner import load_method
 
     result = export_sampling_head(LogitsInput(), (torch.zeros(2, VOCAB),), per_row=True, config=ALL)
-    meta = load_method(result.pte).method.metadata
+    meta = load_method(result.pte).method.method_meta()
     names = ["logits", "temperature", "seed", *ALL.knob_names()]
     assert meta.num_inputs() == len(names)
     dtypes = {i.name: i.dtype for k in KNOBS for i in k.program_inputs}
@@ -198,29 +198,32 @@ def test_cli_flag_edges(knob):
 
 
 @pytest.fixture(scope="module")
-def fake_pte(tmp_path_factory) -> Path:
-    """Not a program: etmlx_decode checks its knob flags against FILE.pte.json before loading it."""
+def full_pte(tmp_path_factory) -> Path:
+    """A tiny decoder with every feature of the table, metadata inside: etmlx_decode checks its knob flags
+    against the metadata's knob list before the method loads."""
+    from backends.mlx.llm.builtin.tiny_model import tiny_llama
+    from backends.mlx.llm.decoder.export import export_decoder
+
     if not BINARY.is_file():
-        pytest.skip(f"{BINARY} is not built")
-    pte = tmp_path_factory.mktemp("knobs") / "fake.pte"
-    pte.write_bytes(b"not a program")
-    _meta(ALL).save(pte)
+        pytest.fail(f"{BINARY} is not built: run `make setup`")
+    pte = tmp_path_factory.mktemp("knobs") / "full.pte"
+    export_decoder(tiny_llama(VOCAB, 0, hidden=16, layers=1), pte, 16, config=ALL)
     return pte
 
 
 def _decode(pte, *args):
-    return subprocess.run([str(BINARY), str(pte), "--prompt-ids", "1", *map(str, args)], capture_output=True,
-                          text=True, timeout=60)
+    return subprocess.run([str(BINARY), str(pte), "--prompt-ids", "1", "--max-tokens", "1", *map(str, args)],
+                          capture_output=True, text=True, timeout=60)
 
 
 @pytest.mark.parametrize("knob", [k for k in SCALARS if k.flag_name], ids=lambda k: k.name)
-def test_etmlx_decode_flags_come_from_the_metadata(fake_pte, knob):
+def test_etmlx_decode_flags_come_from_the_metadata(full_pte, knob):
     inside, outside = edges(knob)
-    for value in inside:  # accepted: the run gets as far as loading the (fake) program
-        done = _decode(fake_pte, knob.flag_name, value)
-        assert done.returncode == 1 and "not a loadable ExecuTorch program" in done.stderr, done.stderr
+    for value in inside:  # accepted: one token decoded
+        done = _decode(full_pte, knob.flag_name, value)
+        assert done.returncode == 0, done.stderr
     for value in outside:
-        done = _decode(fake_pte, knob.flag_name, value)
+        done = _decode(full_pte, knob.flag_name, value)
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2 and len(lines) == 1, done.stderr
         assert lines[0].startswith(f"etmlx_decode: error: {knob.flag_name} must be {knob.range_text()}")

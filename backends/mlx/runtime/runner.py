@@ -35,7 +35,7 @@ class LoadedMethod:
 
     def input_specs(self) -> list[tuple[tuple[int, ...], int]]:
         """(sizes, ExecuTorch ScalarType code) of each input, in call order (dynamic dims at their bound)."""
-        meta = self.method.metadata
+        meta = self.method.method_meta()
         return [(tuple(meta.input_tensor_meta(i).sizes()), int(meta.input_tensor_meta(i).dtype()))
                 for i in range(meta.num_inputs())]
 
