@@ -20,17 +20,12 @@ mx::array temperature_rows(const mx::array& t, int rows) {
 }  // namespace
 
 bool Interpreter::exec_random_bits(const fb::RandomBitsNode& n) {
-  std::vector<int64_t> dims;
-  if (!resolve_shape(n.shape(), &dims)) return false;
   mx::Shape shape;
-  for (int64_t d : dims) {
-    if (d < 0 || d > kMaxDim) return fail("has invalid size %lld", static_cast<long long>(d));
-    shape.push_back(static_cast<int32_t>(d));
-  }
-  const auto numel = checked_numel(dims);
+  uint64_t numel = 0;
+  if (!resolve_new_shape(n.shape(), &shape, &numel)) return false;
   const int width = n.width();
   if (width != 1 && width != 2 && width != 4) return fail("has unsupported width %d (1, 2 or 4)", width);
-  if (!numel || *numel > kMaxArrayBytes / 4) return fail("has a shape that is too large");
+  if (numel > kMaxArrayBytes / 4) return fail("has a shape that is too large");
 
   std::optional<mx::array> seed;
   if (n.seed() != nullptr) {

@@ -132,6 +132,21 @@ bool Interpreter::resolve_shape(
   return true;
 }
 
+bool Interpreter::resolve_new_shape(const flatbuffers::Vector<flatbuffers::Offset<fb::IntOrVid>>* v,
+                                    mx::Shape* shape, uint64_t* numel) {
+  std::vector<int64_t> dims;
+  if (!resolve_shape(v, &dims)) return false;
+  shape->clear();
+  for (int64_t d : dims) {
+    if (d < 0 || d > kMaxDim) return fail("has invalid size %lld", static_cast<long long>(d));
+    shape->push_back(static_cast<int32_t>(d));
+  }
+  const auto count = checked_numel(dims);
+  if (!count) return fail("has a shape that is too large");
+  *numel = *count;
+  return true;
+}
+
 bool Interpreter::norm_axis(int64_t axis, int ndim, int* out, const char* what) {
   if (ndim <= 0) return fail("%s %lld given for a 0-d tensor", what, static_cast<long long>(axis));
   int64_t a = axis < 0 ? axis + ndim : axis;
@@ -291,14 +306,9 @@ bool Interpreter::exec_copy(const fb::CopyNode& n) {
 // Creation
 
 bool Interpreter::exec_full(const fb::FullNode& n) {
-  std::vector<int64_t> dims;
-  if (!resolve_shape(n.shape(), &dims)) return false;
   mx::Shape shape;
-  for (int64_t d : dims) {
-    if (d < 0 || d > kMaxDim) return fail("has invalid size %lld", static_cast<long long>(d));
-    shape.push_back(static_cast<int32_t>(d));
-  }
-  if (!checked_numel(dims)) return fail("has a shape that is too large");
+  uint64_t numel = 0;
+  if (!resolve_new_shape(n.shape(), &shape, &numel)) return false;
   const auto dt = to_mlx(n.dtype());
   if (!dt) return fail("has unknown dtype %d", static_cast<int>(n.dtype()));
   const double v = n.value();
