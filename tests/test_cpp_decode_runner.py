@@ -4,6 +4,7 @@ tokenizer inside the .pte (a sidecar only for programs without them); bad input 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -266,11 +267,26 @@ def test_prompt_text_uses_the_tokenizer_inside_the_pte(text_pte, extra):
     expected = Decoder(pte).generate(ids, 12, params).tokens
     done = _run(pte, "--prompt", prompt, "--max-tokens", 12, "--json", *extra)
     assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stderr == ""  # the tokenizer library's own log lines are muted
     result = json.loads(done.stdout)
     assert result["prompt_ids"] == ids and result["tokens"] == expected
     assert result["text"] == tokenizer.decode(expected, skip_special_tokens=True)
     streamed = subprocess.run([str(BINARY), str(pte), "--prompt", prompt, "--max-tokens", "12", *map(str, extra)],
                               capture_output=True, timeout=120)
-    assert streamed.returncode == 0
+    assert streamed.returncode == 0 and streamed.stderr == b""
     text = [t for t in expected if t not in tokenizer.all_special_ids]
     assert streamed.stdout.decode("utf-8", errors="replace") == tokenizer.decode(text) + "\n"
+
+
+def test_a_missing_tokenizer_plugin_fails_clearly(text_pte):
+    """The tokenizer is a plugin loaded on demand: without it text prompts fail in one line, ids still decode."""
+    pte, _ = text_pte
+    env = {**os.environ, "ETMLX_TEXT_TOKENIZER_PLUGIN": "/nonexistent/libetmlx_text_tokenizer.so"}
+    done = subprocess.run([str(BINARY), str(pte), "--prompt", "One morning", "--max-tokens", "2"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert "cannot load the tokenizer plugin /nonexistent/libetmlx_text_tokenizer.so" in lines[0]
+    ids = subprocess.run([str(BINARY), str(pte), "--prompt-ids", "1,2", "--max-tokens", "2"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert ids.returncode == 0 and ids.stderr == "" and len(ids.stdout.split()) == 2, ids.stderr

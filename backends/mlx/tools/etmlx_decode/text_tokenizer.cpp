@@ -1,20 +1,20 @@
 #include "text_tokenizer.h"
 
+#include <dlfcn.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <climits>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <system_error>
 
-#ifdef ETMLX_HAVE_PYTORCH_TOKENIZERS
-#include <stdlib.h>  // mkdtemp
-
-// hf_tokenizer.h names std::function and hash maps through headers the wheel
-// does not ship (see tokenizer_shim/); include them first.
-#include <functional>
-#include <unordered_map>
-
-#include <pytorch/tokenizers/hf_tokenizer.h>
+#ifdef __APPLE__
+#include <mach-o/dyld.h>  // _NSGetExecutablePath
 #endif
+
+#include "tokenizer_plugin.h"
 
 namespace etmlx {
 
@@ -29,69 +29,56 @@ size_t sequence_length(unsigned char lead) {
   return 1;
 }
 
-#ifdef ETMLX_HAVE_PYTORCH_TOKENIZERS
-
-class HfTextTokenizer final : public TextTokenizer {
+#ifdef ETMLX_TEXT_TOKENIZER_PLUGIN
+// Points fd 2 at /dev/null while alive: the tokenizer library logs from its
+// static initializers and its loader, and etmlx_decode's stderr carries only
+// its own one-line errors.
+class MutedStderr {
  public:
-  bool load(const std::map<std::string, std::string>& files, std::string* error) {
-    if (!files.count("tokenizer.json")) {
-      *error = "the program's tokenizer has no tokenizer.json (etmlx_decode reads Hugging Face fast tokenizers)";
-      return false;
-    }
-    // HFTokenizer::load reads a directory (tokenizer.json, and the special
-    // tokens from tokenizer_config.json): lay the embedded files out in one.
-    namespace fs = std::filesystem;
-    std::error_code ec;
-    std::string pattern = (fs::temp_directory_path(ec) / "etmlx_tokenizer.XXXXXX").string();
-    if (ec || !mkdtemp(pattern.data())) {
-      *error = "cannot create a temporary directory for the tokenizer";
-      return false;
-    }
-    const fs::path dir = pattern;
-    bool written = true;
-    for (const auto& [name, bytes] : files) {
-      if (name.empty() || name.find('/') != std::string::npos || name[0] == '.') continue;
-      std::ofstream out(dir / name, std::ios::binary);
-      out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-      written = written && static_cast<bool>(out);
-    }
-    const auto status = written ? tok_.load(dir.string()) : tokenizers::Error::LoadFailure;
-    fs::remove_all(dir, ec);
-    if (status != tokenizers::Error::Ok) {
-      *error = "cannot load the program's tokenizer (pytorch_tokenizers error " +
-               std::to_string(static_cast<int>(status)) + ")";
-      return false;
-    }
-    return true;
+  MutedStderr() {
+    std::fflush(stderr);
+    saved_ = dup(2);
+    const int null = open("/dev/null", O_WRONLY);
+    if (saved_ >= 0 && null >= 0) dup2(null, 2);
+    if (null >= 0) close(null);
   }
-
-  bool encode(const std::string& text, std::vector<int64_t>* ids, std::string* error) const override {
-    const auto out = tok_.encode(text, /*bos=*/0, /*eos=*/0);
-    if (!out.ok()) {
-      *error = "the tokenizer cannot encode the prompt (pytorch_tokenizers error " +
-               std::to_string(static_cast<int>(out.error())) + ")";
-      return false;
+  ~MutedStderr() {
+    std::fflush(stderr);
+    if (saved_ >= 0) {
+      dup2(saved_, 2);
+      close(saved_);
     }
-    ids->assign(out->begin(), out->end());
-    return true;
   }
-
-  std::string piece(int64_t id) const override {
-    const auto text = tok_.decode(std::vector<uint64_t>{static_cast<uint64_t>(id)}, /*skip_special_tokens=*/true);
-    return text.ok() ? *text : std::string();
-  }
+  MutedStderr(const MutedStderr&) = delete;
+  MutedStderr& operator=(const MutedStderr&) = delete;
 
  private:
-  tokenizers::HFTokenizer tok_;
+  int saved_ = -1;
 };
 
-#endif  // ETMLX_HAVE_PYTORCH_TOKENIZERS
+// The plugin: $ETMLX_TEXT_TOKENIZER_PLUGIN if set, else the file CMake builds
+// next to this program.
+std::filesystem::path plugin_path() {
+  if (const char* env = std::getenv("ETMLX_TEXT_TOKENIZER_PLUGIN"); env && *env) return env;
+  std::string exe;
+#ifdef __APPLE__
+  char buf[PATH_MAX];
+  uint32_t size = sizeof(buf);
+  if (_NSGetExecutablePath(buf, &size) == 0) exe = buf;
+#else
+  std::error_code ec;
+  exe = std::filesystem::read_symlink("/proc/self/exe", ec).string();
+#endif
+  return std::filesystem::path(exe).parent_path() / ETMLX_TEXT_TOKENIZER_PLUGIN;
+}
+#endif  // ETMLX_TEXT_TOKENIZER_PLUGIN
 
 }  // namespace
 
 bool TextTokenizer::available() {
-#ifdef ETMLX_HAVE_PYTORCH_TOKENIZERS
-  return true;
+#ifdef ETMLX_TEXT_TOKENIZER_PLUGIN
+  std::error_code ec;
+  return std::filesystem::exists(plugin_path(), ec);
 #else
   return false;
 #endif
@@ -99,10 +86,28 @@ bool TextTokenizer::available() {
 
 std::unique_ptr<TextTokenizer> TextTokenizer::load(const std::map<std::string, std::string>& files,
                                                    std::string* error) {
-#ifdef ETMLX_HAVE_PYTORCH_TOKENIZERS
-  auto tok = std::make_unique<HfTextTokenizer>();
-  if (!tok->load(files, error)) return nullptr;
-  return tok;
+#ifdef ETMLX_TEXT_TOKENIZER_PLUGIN
+  const std::string path = plugin_path().string();
+  std::string dl_error;
+  TextTokenizer* tok = nullptr;
+  {
+    MutedStderr muted;
+    // Never closed: the tokenizer's code must outlive every TextTokenizer.
+    void* plugin = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+    auto entry = plugin ? reinterpret_cast<EtmlxTextTokenizerLoad>(dlsym(plugin, ETMLX_TEXT_TOKENIZER_LOAD_SYMBOL))
+                        : nullptr;
+    if (!entry) {
+      const char* why = dlerror();
+      dl_error = why ? why : "unknown dlopen error";
+    } else {
+      tok = entry(files, error);
+    }
+  }
+  if (!dl_error.empty()) {
+    *error = "cannot load the tokenizer plugin " + path + " (" + dl_error + ")";
+    return nullptr;
+  }
+  return std::unique_ptr<TextTokenizer>(tok);
 #else
   (void)files;
   *error = "this etmlx_decode was built without a tokenizer library (pytorch_tokenizers was not found by CMake)";

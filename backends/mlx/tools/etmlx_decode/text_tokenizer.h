@@ -1,6 +1,7 @@
 // Text <-> token ids for etmlx_decode with the tokenizer a .pte carries
-// (tokenizer.json and friends), through pytorch_tokenizers' HFTokenizer: the
-// C++ tokenizer library ExecuTorch's own LLM runners use.
+// (tokenizer.json and friends). The implementation lives in a plugin
+// (hf_tokenizer_plugin.cpp: pytorch_tokenizers' HFTokenizer, the C++ tokenizer
+// library ExecuTorch's own LLM runners use), loaded on first use.
 #pragma once
 
 #include <cstdint>
@@ -13,7 +14,8 @@ namespace etmlx {
 
 class TextTokenizer {
  public:
-  // Whether this build links a tokenizer library (CMake ETMLX_DECODE_TOKENIZER).
+  // Whether this build has the tokenizer plugin (CMake ETMLX_DECODE_TOKENIZER)
+  // and its file is in place.
   static bool available();
   // Builds the tokenizer from its files (name -> bytes). nullptr + `error` on failure.
   static std::unique_ptr<TextTokenizer> load(const std::map<std::string, std::string>& files,
