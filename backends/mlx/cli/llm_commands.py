@@ -15,6 +15,7 @@ DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16":
           "bfloat16": "bfloat16", "bf16": "bfloat16"}
 FEATURES = (*FEATURE_FLAGS, "none")
 DEFAULT_FEATURES = "top-k,top-p,min-p"
+SCHEMES = {"int4": 4, "int8": 8}  # --quantize: name -> bits
 
 
 def sampler_config(features: str, logprobs: int, logprobs_mode: str):
@@ -36,7 +37,7 @@ def _progress():
 
 def run_export(args) -> int:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from backends.mlx.llm.decoder.export import export_decoder
 
@@ -47,9 +48,7 @@ def run_export(args) -> int:
     if not model_dir.is_dir():
         raise FileNotFoundError(f"--model {args.model} is not a local checkpoint directory (nothing is downloaded)")
     say = _progress()
-    say(f"loading {model_dir} as {DTYPES[args.dtype]}")
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, DTYPES[args.dtype]),
-                                                 attn_implementation="eager")
+    model = _load_model(args, model_dir, getattr(torch, DTYPES[args.dtype]), say)
     tokenizer = None
     if any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -60,6 +59,31 @@ def run_export(args) -> int:
     say("done")
     print(f"wrote {args.out} ({len(result.pte) / 1e6:.1f} MB): {result.summary()}")
     return 0
+
+
+def _load_model(args, model_dir: Path, dtype, say):
+    """A float checkpoint (quantized with --quantize), or an mlx-lm quantized one as it is."""
+    from transformers import AutoModelForCausalLM
+
+    from backends.mlx.llm.quantize.mlx_checkpoint import load_mlx_quantized, quantization_config
+
+    if args.quantize is not None and args.quantize not in SCHEMES:
+        raise ValueError(f"--quantize must be one of {', '.join(SCHEMES)}, got {args.quantize!r}")
+    if quantization_config(model_dir) is not None:
+        if args.quantize is not None:
+            raise ValueError(f"{model_dir} is already quantized (config.json has a quantization entry): "
+                             "drop --quantize")
+        say(f"loading the mlx-lm quantized checkpoint {model_dir} ({dtype} activations)")
+        return load_mlx_quantized(model_dir, dtype)
+    say(f"loading {model_dir} as {dtype}")
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="eager")
+    if args.quantize is not None:
+        from backends.mlx.llm.quantize.affine import quantize_model
+
+        say(f"quantizing to {args.quantize}, group size {args.group_size}"
+            + ("" if args.quantize_embeddings else " (embedding and head kept in float)"))
+        quantize_model(model, SCHEMES[args.quantize], args.group_size, embeddings=args.quantize_embeddings)
+    return model
 
 
 def _text_flags(parser, max_tokens: int) -> None:
@@ -93,6 +117,13 @@ def add_parsers(sub) -> None:
     export.add_argument("--out", required=True, help="the .pte to write (FILE.pte.json and FILE.pte.tokenizer/ "
                                                      "are written beside it)")
     export.add_argument("--dtype", default="float32", help="weights and cache: float32 (default), float16, bfloat16")
+    export.add_argument("--quantize", help="int4 or int8: quantize the linear layers with MLX's affine scheme "
+                                           "(what mlx_lm.convert -q writes); an mlx-lm quantized checkpoint needs "
+                                           "no flag")
+    export.add_argument("--group-size", type=int, default=64, help="--quantize: input channels per scale and "
+                                                                    "bias, 32, 64 (default) or 128")
+    export.add_argument("--quantize-embeddings", action=argparse.BooleanOptionalAction, default=True,
+                        help="--quantize: the token embedding and the head too (default on)")
     export.add_argument("--max-seq-len", type=int, default=256, help="KV cache length (default 256)")
     export.add_argument("--batch", type=int, default=1, help="rows per call (default 1; a server uses more)")
     seeding = export.add_mutually_exclusive_group()

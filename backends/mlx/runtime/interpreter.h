@@ -75,6 +75,8 @@ class Interpreter {
   bool exec_rms_norm(const fb::RmsNormNode& n);  // exec_fused.cpp
   bool exec_layer_norm(const fb::LayerNormNode& n);  // exec_fused.cpp
   bool exec_rope(const fb::RopeNode& n);  // exec_fused.cpp
+  bool exec_quantized_linear(const fb::QuantizedLinearNode& n);  // exec_quantized.cpp
+  bool exec_quantized_embedding(const fb::QuantizedEmbeddingNode& n);  // exec_quantized.cpp
   bool unknown_node(int type);
 
   // Slot access. read() returns nullptr (after logging) for an unset or

@@ -1,4 +1,5 @@
 #include "loader.h"
+#include "quantized_layout.h"
 
 #include <cstring>
 #include <exception>
@@ -221,6 +222,17 @@ bool make_constant(const fb::Constant& c, size_t i, const std::shared_ptr<uint64
     }
     numel *= static_cast<uint64_t>(dim);
   }
+  const mx::Dtype dt = *to_mlx(c.dtype());
+  if (c.zeros()) {
+    // Allocated here, not stored: the exporter writes all-zero state (a KV cache) this way.
+    if (data->size() != 0) {
+      ET_LOG(Error, "etmlx: constant %zu is marked zeros but carries %u bytes of data", i,
+             data->size());
+      return false;
+    }
+    *out = mx::zeros(mshape, dt);
+    return true;
+  }
   if (numel > std::numeric_limits<uint64_t>::max() / itemsize ||
       numel * itemsize != static_cast<uint64_t>(data->size())) {
     ET_LOG(Error,
@@ -229,7 +241,6 @@ bool make_constant(const fb::Constant& c, size_t i, const std::shared_ptr<uint64
            static_cast<unsigned long long>(numel * itemsize));
     return false;
   }
-  const mx::Dtype dt = *to_mlx(c.dtype());
   if (numel == 0) {
     *out = mx::zeros(mshape, dt);
     return true;
@@ -244,6 +255,43 @@ bool make_constant(const fb::Constant& c, size_t i, const std::shared_ptr<uint64
     std::shared_ptr<uint64_t[]> buf(new uint64_t[(nbytes + 7) / 8]);
     std::memcpy(buf.get(), src, nbytes);
     *out = mx::array(static_cast<void*>(buf.get()), std::move(mshape), dt, [buf](void*) {});
+  }
+  return true;
+}
+
+// Quantized nodes: bits and group size always, and the weight layout where the operands are
+// constants (they always are in an exported program), so a bad blob fails at load.
+bool check_quantized_constants(const Program& p) {
+  const auto* instrs = p.graph->instructions();
+  if (instrs == nullptr) return true;
+  std::vector<int64_t> constant_of(p.num_tensors, -1);
+  for (size_t i = 0; i < p.constant_slots.size(); ++i) constant_of[p.constant_slots[i]] = static_cast<int64_t>(i);
+  auto check = [&](flatbuffers::uoffset_t pc, const char* kind, const fb::Tid* w, const fb::Tid* scales,
+                   const fb::Tid* biases, int group_size, int bits) {
+    std::string error;
+    if (check_quantized_params(group_size, bits, &error)) {
+      const int64_t cw = constant_of[w->idx()], cs = constant_of[scales->idx()], cb = constant_of[biases->idx()];
+      if (cw < 0 || cs < 0 || cb < 0) return true;  // computed operands: checked when the node runs
+      int k = 0;
+      if (check_quantized_layout(p.constants[cw], p.constants[cs], p.constants[cb], group_size, bits, &k,
+                                 &error)) {
+        return true;
+      }
+    }
+    ET_LOG(Error, "etmlx: instruction %u (%s): %s", pc, kind, error.c_str());
+    return false;
+  };
+  for (flatbuffers::uoffset_t pc = 0; pc < instrs->size(); ++pc) {
+    const fb::Instruction* instr = instrs->Get(pc);
+    if (const auto* n = instr->node_as_QuantizedLinearNode()) {
+      if (!check(pc, "QuantizedLinearNode", n->w(), n->scales(), n->biases(), n->group_size(), n->bits())) {
+        return false;
+      }
+    } else if (const auto* n = instr->node_as_QuantizedEmbeddingNode()) {
+      if (!check(pc, "QuantizedEmbeddingNode", n->w(), n->scales(), n->biases(), n->group_size(), n->bits())) {
+        return false;
+      }
+    }
   }
   return true;
 }
@@ -390,6 +438,8 @@ Error load_program(const void* data, size_t size, Program& out) {
       p.mutable_initial.push_back(mb->initial());
     }
   }
+
+  if (!check_quantized_constants(p)) return Error::InvalidProgram;
 
   std::string kernel_error;
   p.kernels = kernels::select_kernels(mx::default_device(), &kernel_error);

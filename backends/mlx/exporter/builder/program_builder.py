@@ -145,7 +145,12 @@ class ProgramBuilder:
         c.slot = _tid(slot)
         c.dtype = D.to_schema(tensor.dtype)
         c.shape = list(tensor.shape)
-        c.data = tensor.reshape(-1).view(torch.uint8).numpy().copy() if tensor.numel() else np.zeros(0, np.uint8)
+        # All-zero tensors (a KV cache's start) are allocated at load: the file does not grow with them.
+        c.zeros = bool(tensor.numel()) and not bool(tensor.reshape(-1).view(torch.uint8).any())
+        if tensor.numel() and not c.zeros:
+            c.data = tensor.reshape(-1).view(torch.uint8).numpy().copy()
+        else:
+            c.data = np.zeros(0, np.uint8)
         self.constants.append(c)
         return slot
 

@@ -9,6 +9,7 @@ from backends.mlx.exporter.ops import (  # noqa: F401
     indexing,
     linalg,
     normalization,
+    quantized,
     reduction,
     sampling,
     shape,

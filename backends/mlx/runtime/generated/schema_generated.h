@@ -128,6 +128,12 @@ struct LayerNormNodeBuilder;
 struct RopeNode;
 struct RopeNodeBuilder;
 
+struct QuantizedLinearNode;
+struct QuantizedLinearNodeBuilder;
+
+struct QuantizedEmbeddingNode;
+struct QuantizedEmbeddingNodeBuilder;
+
 struct Instruction;
 struct InstructionBuilder;
 
@@ -518,11 +524,13 @@ enum class Node : uint8_t {
   RmsNormNode = 32,
   LayerNormNode = 33,
   RopeNode = 34,
+  QuantizedLinearNode = 35,
+  QuantizedEmbeddingNode = 36,
   MIN = NONE,
-  MAX = RopeNode
+  MAX = QuantizedEmbeddingNode
 };
 
-inline const Node (&EnumValuesNode())[35] {
+inline const Node (&EnumValuesNode())[37] {
   static const Node values[] = {
     Node::NONE,
     Node::UnaryNode,
@@ -558,13 +566,15 @@ inline const Node (&EnumValuesNode())[35] {
     Node::SdpaNode,
     Node::RmsNormNode,
     Node::LayerNormNode,
-    Node::RopeNode
+    Node::RopeNode,
+    Node::QuantizedLinearNode,
+    Node::QuantizedEmbeddingNode
   };
   return values;
 }
 
 inline const char * const *EnumNamesNode() {
-  static const char * const names[36] = {
+  static const char * const names[38] = {
     "NONE",
     "UnaryNode",
     "BinaryNode",
@@ -600,13 +610,15 @@ inline const char * const *EnumNamesNode() {
     "RmsNormNode",
     "LayerNormNode",
     "RopeNode",
+    "QuantizedLinearNode",
+    "QuantizedEmbeddingNode",
     nullptr
   };
   return names;
 }
 
 inline const char *EnumNameNode(Node e) {
-  if (::flatbuffers::IsOutRange(e, Node::NONE, Node::RopeNode)) return "";
+  if (::flatbuffers::IsOutRange(e, Node::NONE, Node::QuantizedEmbeddingNode)) return "";
   const size_t index = static_cast<size_t>(e);
   return EnumNamesNode()[index];
 }
@@ -749,6 +761,14 @@ template<> struct NodeTraits<backends::mlx::serialization::generated::fb::LayerN
 
 template<> struct NodeTraits<backends::mlx::serialization::generated::fb::RopeNode> {
   static const Node enum_value = Node::RopeNode;
+};
+
+template<> struct NodeTraits<backends::mlx::serialization::generated::fb::QuantizedLinearNode> {
+  static const Node enum_value = Node::QuantizedLinearNode;
+};
+
+template<> struct NodeTraits<backends::mlx::serialization::generated::fb::QuantizedEmbeddingNode> {
+  static const Node enum_value = Node::QuantizedEmbeddingNode;
 };
 
 template <bool B = false>
@@ -3636,6 +3656,230 @@ inline ::flatbuffers::Offset<RopeNode> CreateRopeNode(
   return builder_.Finish();
 }
 
+struct QuantizedLinearNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef QuantizedLinearNodeBuilder Builder;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_X = 4,
+    VT_W = 6,
+    VT_SCALES = 8,
+    VT_BIASES = 10,
+    VT_BIAS = 12,
+    VT_GROUP_SIZE = 14,
+    VT_BITS = 16,
+    VT_OUT = 18
+  };
+  const backends::mlx::serialization::generated::fb::Tid *x() const {
+    return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_X);
+  }
+  const backends::mlx::serialization::generated::fb::Tid *w() const {
+    return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_W);
+  }
+  const backends::mlx::serialization::generated::fb::Tid *scales() const {
+    return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_SCALES);
+  }
+  const backends::mlx::serialization::generated::fb::Tid *biases() const {
+    return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_BIASES);
+  }
+  const backends::mlx::serialization::generated::fb::Tid *bias() const {
+    return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_BIAS);
+  }
+  int32_t group_size() const {
+    return GetField<int32_t>(VT_GROUP_SIZE, 64);
+  }
+  int32_t bits() const {
+    return GetField<int32_t>(VT_BITS, 4);
+  }
+  const backends::mlx::serialization::generated::fb::Tid *out() const {
+    return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_X, 4) &&
+           VerifyFieldRequired<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_W, 4) &&
+           VerifyFieldRequired<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_SCALES, 4) &&
+           VerifyFieldRequired<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_BIASES, 4) &&
+           VerifyField<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_BIAS, 4) &&
+           VerifyField<int32_t>(verifier, VT_GROUP_SIZE, 4) &&
+           VerifyField<int32_t>(verifier, VT_BITS, 4) &&
+           VerifyFieldRequired<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct QuantizedLinearNodeBuilder {
+  typedef QuantizedLinearNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_x(const backends::mlx::serialization::generated::fb::Tid *x) {
+    fbb_.AddStruct(QuantizedLinearNode::VT_X, x);
+  }
+  void add_w(const backends::mlx::serialization::generated::fb::Tid *w) {
+    fbb_.AddStruct(QuantizedLinearNode::VT_W, w);
+  }
+  void add_scales(const backends::mlx::serialization::generated::fb::Tid *scales) {
+    fbb_.AddStruct(QuantizedLinearNode::VT_SCALES, scales);
+  }
+  void add_biases(const backends::mlx::serialization::generated::fb::Tid *biases) {
+    fbb_.AddStruct(QuantizedLinearNode::VT_BIASES, biases);
+  }
+  void add_bias(const backends::mlx::serialization::generated::fb::Tid *bias) {
+    fbb_.AddStruct(QuantizedLinearNode::VT_BIAS, bias);
+  }
+  void add_group_size(int32_t group_size) {
+    fbb_.AddElement<int32_t>(QuantizedLinearNode::VT_GROUP_SIZE, group_size, 64);
+  }
+  void add_bits(int32_t bits) {
+    fbb_.AddElement<int32_t>(QuantizedLinearNode::VT_BITS, bits, 4);
+  }
+  void add_out(const backends::mlx::serialization::generated::fb::Tid *out) {
+    fbb_.AddStruct(QuantizedLinearNode::VT_OUT, out);
+  }
+  explicit QuantizedLinearNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<QuantizedLinearNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<QuantizedLinearNode>(end);
+    fbb_.Required(o, QuantizedLinearNode::VT_X);
+    fbb_.Required(o, QuantizedLinearNode::VT_W);
+    fbb_.Required(o, QuantizedLinearNode::VT_SCALES);
+    fbb_.Required(o, QuantizedLinearNode::VT_BIASES);
+    fbb_.Required(o, QuantizedLinearNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<QuantizedLinearNode> CreateQuantizedLinearNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const backends::mlx::serialization::generated::fb::Tid *x = nullptr,
+    const backends::mlx::serialization::generated::fb::Tid *w = nullptr,
+    const backends::mlx::serialization::generated::fb::Tid *scales = nullptr,
+    const backends::mlx::serialization::generated::fb::Tid *biases = nullptr,
+    const backends::mlx::serialization::generated::fb::Tid *bias = nullptr,
+    int32_t group_size = 64,
+    int32_t bits = 4,
+    const backends::mlx::serialization::generated::fb::Tid *out = nullptr) {
+  QuantizedLinearNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_bits(bits);
+  builder_.add_group_size(group_size);
+  builder_.add_bias(bias);
+  builder_.add_biases(biases);
+  builder_.add_scales(scales);
+  builder_.add_w(w);
+  builder_.add_x(x);
+  return builder_.Finish();
+}
+
+struct QuantizedEmbeddingNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef QuantizedEmbeddingNodeBuilder Builder;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_INDICES = 4,
+    VT_W = 6,
+    VT_SCALES = 8,
+    VT_BIASES = 10,
+    VT_GROUP_SIZE = 12,
+    VT_BITS = 14,
+    VT_OUT = 16
+  };
+  const backends::mlx::serialization::generated::fb::Tid *indices() const {
+    return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_INDICES);
+  }
+  const backends::mlx::serialization::generated::fb::Tid *w() const {
+    return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_W);
+  }
+  const backends::mlx::serialization::generated::fb::Tid *scales() const {
+    return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_SCALES);
+  }
+  const backends::mlx::serialization::generated::fb::Tid *biases() const {
+    return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_BIASES);
+  }
+  int32_t group_size() const {
+    return GetField<int32_t>(VT_GROUP_SIZE, 64);
+  }
+  int32_t bits() const {
+    return GetField<int32_t>(VT_BITS, 4);
+  }
+  const backends::mlx::serialization::generated::fb::Tid *out() const {
+    return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_INDICES, 4) &&
+           VerifyFieldRequired<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_W, 4) &&
+           VerifyFieldRequired<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_SCALES, 4) &&
+           VerifyFieldRequired<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_BIASES, 4) &&
+           VerifyField<int32_t>(verifier, VT_GROUP_SIZE, 4) &&
+           VerifyField<int32_t>(verifier, VT_BITS, 4) &&
+           VerifyFieldRequired<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct QuantizedEmbeddingNodeBuilder {
+  typedef QuantizedEmbeddingNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_indices(const backends::mlx::serialization::generated::fb::Tid *indices) {
+    fbb_.AddStruct(QuantizedEmbeddingNode::VT_INDICES, indices);
+  }
+  void add_w(const backends::mlx::serialization::generated::fb::Tid *w) {
+    fbb_.AddStruct(QuantizedEmbeddingNode::VT_W, w);
+  }
+  void add_scales(const backends::mlx::serialization::generated::fb::Tid *scales) {
+    fbb_.AddStruct(QuantizedEmbeddingNode::VT_SCALES, scales);
+  }
+  void add_biases(const backends::mlx::serialization::generated::fb::Tid *biases) {
+    fbb_.AddStruct(QuantizedEmbeddingNode::VT_BIASES, biases);
+  }
+  void add_group_size(int32_t group_size) {
+    fbb_.AddElement<int32_t>(QuantizedEmbeddingNode::VT_GROUP_SIZE, group_size, 64);
+  }
+  void add_bits(int32_t bits) {
+    fbb_.AddElement<int32_t>(QuantizedEmbeddingNode::VT_BITS, bits, 4);
+  }
+  void add_out(const backends::mlx::serialization::generated::fb::Tid *out) {
+    fbb_.AddStruct(QuantizedEmbeddingNode::VT_OUT, out);
+  }
+  explicit QuantizedEmbeddingNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<QuantizedEmbeddingNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<QuantizedEmbeddingNode>(end);
+    fbb_.Required(o, QuantizedEmbeddingNode::VT_INDICES);
+    fbb_.Required(o, QuantizedEmbeddingNode::VT_W);
+    fbb_.Required(o, QuantizedEmbeddingNode::VT_SCALES);
+    fbb_.Required(o, QuantizedEmbeddingNode::VT_BIASES);
+    fbb_.Required(o, QuantizedEmbeddingNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<QuantizedEmbeddingNode> CreateQuantizedEmbeddingNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const backends::mlx::serialization::generated::fb::Tid *indices = nullptr,
+    const backends::mlx::serialization::generated::fb::Tid *w = nullptr,
+    const backends::mlx::serialization::generated::fb::Tid *scales = nullptr,
+    const backends::mlx::serialization::generated::fb::Tid *biases = nullptr,
+    int32_t group_size = 64,
+    int32_t bits = 4,
+    const backends::mlx::serialization::generated::fb::Tid *out = nullptr) {
+  QuantizedEmbeddingNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_bits(bits);
+  builder_.add_group_size(group_size);
+  builder_.add_biases(biases);
+  builder_.add_scales(scales);
+  builder_.add_w(w);
+  builder_.add_indices(indices);
+  return builder_.Finish();
+}
+
 struct Instruction FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef InstructionBuilder Builder;
   enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
@@ -3750,6 +3994,12 @@ struct Instruction FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   }
   const backends::mlx::serialization::generated::fb::RopeNode *node_as_RopeNode() const {
     return node_type() == backends::mlx::serialization::generated::fb::Node::RopeNode ? static_cast<const backends::mlx::serialization::generated::fb::RopeNode *>(node()) : nullptr;
+  }
+  const backends::mlx::serialization::generated::fb::QuantizedLinearNode *node_as_QuantizedLinearNode() const {
+    return node_type() == backends::mlx::serialization::generated::fb::Node::QuantizedLinearNode ? static_cast<const backends::mlx::serialization::generated::fb::QuantizedLinearNode *>(node()) : nullptr;
+  }
+  const backends::mlx::serialization::generated::fb::QuantizedEmbeddingNode *node_as_QuantizedEmbeddingNode() const {
+    return node_type() == backends::mlx::serialization::generated::fb::Node::QuantizedEmbeddingNode ? static_cast<const backends::mlx::serialization::generated::fb::QuantizedEmbeddingNode *>(node()) : nullptr;
   }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
@@ -3897,6 +4147,14 @@ template<> inline const backends::mlx::serialization::generated::fb::RopeNode *I
   return node_as_RopeNode();
 }
 
+template<> inline const backends::mlx::serialization::generated::fb::QuantizedLinearNode *Instruction::node_as<backends::mlx::serialization::generated::fb::QuantizedLinearNode>() const {
+  return node_as_QuantizedLinearNode();
+}
+
+template<> inline const backends::mlx::serialization::generated::fb::QuantizedEmbeddingNode *Instruction::node_as<backends::mlx::serialization::generated::fb::QuantizedEmbeddingNode>() const {
+  return node_as_QuantizedEmbeddingNode();
+}
+
 struct InstructionBuilder {
   typedef Instruction Table;
   ::flatbuffers::FlatBufferBuilder &fbb_;
@@ -4041,7 +4299,8 @@ struct Constant FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
     VT_SLOT = 4,
     VT_DTYPE = 6,
     VT_SHAPE = 8,
-    VT_DATA = 10
+    VT_DATA = 10,
+    VT_ZEROS = 12
   };
   const backends::mlx::serialization::generated::fb::Tid *slot() const {
     return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_SLOT);
@@ -4055,6 +4314,9 @@ struct Constant FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   const ::flatbuffers::Vector<uint8_t> *data() const {
     return GetPointer<const ::flatbuffers::Vector<uint8_t> *>(VT_DATA);
   }
+  bool zeros() const {
+    return GetField<uint8_t>(VT_ZEROS, 0) != 0;
+  }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
     return VerifyTableStart(verifier) &&
@@ -4064,6 +4326,7 @@ struct Constant FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
            verifier.VerifyVector(shape()) &&
            VerifyOffsetRequired(verifier, VT_DATA) &&
            verifier.VerifyVector(data()) &&
+           VerifyField<uint8_t>(verifier, VT_ZEROS, 1) &&
            verifier.EndTable();
   }
 };
@@ -4084,6 +4347,9 @@ struct ConstantBuilder {
   void add_data(::flatbuffers::Offset<::flatbuffers::Vector<uint8_t>> data) {
     fbb_.AddOffset(Constant::VT_DATA, data);
   }
+  void add_zeros(bool zeros) {
+    fbb_.AddElement<uint8_t>(Constant::VT_ZEROS, static_cast<uint8_t>(zeros), 0);
+  }
   explicit ConstantBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
         : fbb_(_fbb) {
     start_ = fbb_.StartTable();
@@ -4103,11 +4369,13 @@ inline ::flatbuffers::Offset<Constant> CreateConstant(
     const backends::mlx::serialization::generated::fb::Tid *slot = nullptr,
     backends::mlx::serialization::generated::fb::DType dtype = backends::mlx::serialization::generated::fb::DType::Float32,
     ::flatbuffers::Offset<::flatbuffers::Vector<int64_t>> shape = 0,
-    ::flatbuffers::Offset<::flatbuffers::Vector<uint8_t>> data = 0) {
+    ::flatbuffers::Offset<::flatbuffers::Vector<uint8_t>> data = 0,
+    bool zeros = false) {
   ConstantBuilder builder_(_fbb);
   builder_.add_data(data);
   builder_.add_shape(shape);
   builder_.add_slot(slot);
+  builder_.add_zeros(zeros);
   builder_.add_dtype(dtype);
   return builder_.Finish();
 }
@@ -4117,7 +4385,8 @@ inline ::flatbuffers::Offset<Constant> CreateConstantDirect(
     const backends::mlx::serialization::generated::fb::Tid *slot = nullptr,
     backends::mlx::serialization::generated::fb::DType dtype = backends::mlx::serialization::generated::fb::DType::Float32,
     const std::vector<int64_t> *shape = nullptr,
-    const std::vector<uint8_t> *data = nullptr) {
+    const std::vector<uint8_t> *data = nullptr,
+    bool zeros = false) {
   auto shape__ = shape ? _fbb.CreateVector<int64_t>(*shape) : 0;
   auto data__ = data ? _fbb.CreateVector<uint8_t>(*data) : 0;
   return backends::mlx::serialization::generated::fb::CreateConstant(
@@ -4125,7 +4394,8 @@ inline ::flatbuffers::Offset<Constant> CreateConstantDirect(
       slot,
       dtype,
       shape__,
-      data__);
+      data__,
+      zeros);
 }
 
 struct MutableBuffer FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
@@ -4458,6 +4728,14 @@ inline bool VerifyNode(::flatbuffers::VerifierTemplate<B> &verifier, const void 
     }
     case Node::RopeNode: {
       auto ptr = reinterpret_cast<const backends::mlx::serialization::generated::fb::RopeNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Node::QuantizedLinearNode: {
+      auto ptr = reinterpret_cast<const backends::mlx::serialization::generated::fb::QuantizedLinearNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Node::QuantizedEmbeddingNode: {
+      auto ptr = reinterpret_cast<const backends::mlx::serialization::generated::fb::QuantizedEmbeddingNode *>(obj);
       return verifier.VerifyTable(ptr);
     }
     default: return true;

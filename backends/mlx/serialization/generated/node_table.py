@@ -40,6 +40,8 @@ NODE_TAGS = {
     'RmsNormNode': 32,
     'LayerNormNode': 33,
     'RopeNode': 34,
+    'QuantizedLinearNode': 35,
+    'QuantizedEmbeddingNode': 36,
 }
 
 # union member name -> {field: schema type}, in declaration order
@@ -78,4 +80,6 @@ NODE_FIELDS = {
     'RmsNormNode': {'x': 'Tid', 'weight': 'Tid', 'eps': 'float', 'out': 'Tid'},
     'LayerNormNode': {'x': 'Tid', 'weight': 'Tid', 'bias': 'Tid', 'eps': 'float', 'out': 'Tid'},
     'RopeNode': {'x': 'Tid', 'cos': 'Tid', 'sin': 'Tid', 'offset': 'Tid', 'freqs': 'Tid', 'out': 'Tid'},
+    'QuantizedLinearNode': {'x': 'Tid', 'w': 'Tid', 'scales': 'Tid', 'biases': 'Tid', 'bias': 'Tid', 'group_size': 'int', 'bits': 'int', 'out': 'Tid'},
+    'QuantizedEmbeddingNode': {'indices': 'Tid', 'w': 'Tid', 'scales': 'Tid', 'biases': 'Tid', 'group_size': 'int', 'bits': 'int', 'out': 'Tid'},
 }

@@ -100,8 +100,15 @@ class Constant(object):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
         return o == 0
 
+    # Constant
+    def Zeros(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(12))
+        if o != 0:
+            return bool(self._tab.Get(flatbuffers.number_types.BoolFlags, o + self._tab.Pos))
+        return False
+
 def ConstantStart(builder):
-    builder.StartObject(4)
+    builder.StartObject(5)
 
 def Start(builder):
     ConstantStart(builder)
@@ -142,6 +149,12 @@ def ConstantStartDataVector(builder, numElems):
 def StartDataVector(builder, numElems):
     return ConstantStartDataVector(builder, numElems)
 
+def ConstantAddZeros(builder, zeros):
+    builder.PrependBoolSlot(4, zeros, 0)
+
+def AddZeros(builder, zeros):
+    ConstantAddZeros(builder, zeros)
+
 def ConstantEnd(builder):
     return builder.EndObject()
 
@@ -163,11 +176,13 @@ class ConstantT(object):
         dtype = 0,
         shape = None,
         data = None,
+        zeros = False,
     ):
         self.slot = slot  # type: Optional[backends.mlx.serialization.generated.fb.Tid.TidT]
         self.dtype = dtype  # type: int
         self.shape = shape  # type: Optional[List[int]]
         self.data = data  # type: Optional[List[int]]
+        self.zeros = zeros  # type: bool
 
     @classmethod
     def InitFromBuf(cls, buf, pos):
@@ -207,6 +222,7 @@ class ConstantT(object):
                     self.data.append(constant.Data(i))
             else:
                 self.data = constant.DataAsNumpy()
+        self.zeros = constant.Zeros()
 
     # ConstantT
     def Pack(self, builder):
@@ -235,5 +251,6 @@ class ConstantT(object):
             ConstantAddShape(builder, shape)
         if self.data is not None:
             ConstantAddData(builder, data)
+        ConstantAddZeros(builder, self.zeros)
         constant = ConstantEnd(builder)
         return constant

@@ -38,6 +38,8 @@ class Node(object):
     RmsNormNode = 32
     LayerNormNode = 33
     RopeNode = 34
+    QuantizedLinearNode = 35
+    QuantizedEmbeddingNode = 36
 
 def NodeCreator(unionType, table):
     from flatbuffers.table import Table
@@ -145,4 +147,10 @@ def NodeCreator(unionType, table):
     if unionType == Node.RopeNode:
         import backends.mlx.serialization.generated.fb.RopeNode
         return backends.mlx.serialization.generated.fb.RopeNode.RopeNodeT.InitFromBuf(table.Bytes, table.Pos)
+    if unionType == Node.QuantizedLinearNode:
+        import backends.mlx.serialization.generated.fb.QuantizedLinearNode
+        return backends.mlx.serialization.generated.fb.QuantizedLinearNode.QuantizedLinearNodeT.InitFromBuf(table.Bytes, table.Pos)
+    if unionType == Node.QuantizedEmbeddingNode:
+        import backends.mlx.serialization.generated.fb.QuantizedEmbeddingNode
+        return backends.mlx.serialization.generated.fb.QuantizedEmbeddingNode.QuantizedEmbeddingNodeT.InitFromBuf(table.Bytes, table.Pos)
     return None

@@ -1,0 +1,81 @@
+"""torch.ops.mlx.quantized_linear / quantized_embedding: layers over MLX affine-quantized weights.
+
+The layout is MLX's (mlx.core.quantize, mode "affine"): a [N, K] weight becomes `w` uint32
+[N, K * bits / 32] (each word holds 32 / bits integers, the first in the lowest bits), `scales` and
+`biases` [N, K / group_size], and dequantize(w)[n, k] = scales[n, g] * q[n, k] + biases[n, g] for
+g = k // group_size. The delegate runs them with mlx::core::quantized_matmul and a gather +
+dequantize (QuantizedLinearNode / QuantizedEmbeddingNode in schema.fbs); the CPU implementations
+here are the host reference (dequantize, then the float op), used by eager runs and tests.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+BITS = (4, 8)
+GROUP_SIZES = (32, 64, 128)
+
+
+def check_params(group_size: int, bits: int, in_features: int) -> None:
+    """One-line errors for what MLX's affine kernels do not take."""
+    if bits not in BITS:
+        raise ValueError(f"{bits}-bit quantization is not supported (bits must be one of {BITS})")
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"group size {group_size} is not supported (one of {GROUP_SIZES})")
+    if in_features % group_size:
+        raise ValueError(f"group size {group_size} does not divide the input dimension {in_features}")
+
+
+def unpack(w: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint32 [N, K * bits / 32] -> the integers, int64 [N, K]."""
+    per_word = 32 // bits
+    shifts = torch.arange(per_word, dtype=torch.int64) * bits
+    words = w.to(torch.int64).unsqueeze(-1)
+    return ((words >> shifts) & ((1 << bits) - 1)).reshape(*w.shape[:-1], w.shape[-1] * per_word)
+
+
+def dequantize(w: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, group_size: int,
+               bits: int) -> torch.Tensor:
+    """The float [N, K] weight (in scales' dtype) the packed triple stands for."""
+    q = unpack(w, bits).to(torch.float32)
+    rows, k = q.shape
+    grouped = q.view(rows, k // group_size, group_size)
+    out = grouped * scales.float().unsqueeze(-1) + biases.float().unsqueeze(-1)
+    return out.view(rows, k).to(scales.dtype)
+
+
+def _in_features(w: torch.Tensor, bits: int) -> int:
+    return w.shape[-1] * 32 // bits
+
+
+lib = torch.library.Library("mlx", "FRAGMENT")
+lib.define("quantized_linear(Tensor x, Tensor w, Tensor scales, Tensor biases, Tensor? bias, int group_size, "
+           "int bits) -> Tensor")
+lib.define("quantized_embedding(Tensor indices, Tensor w, Tensor scales, Tensor biases, int group_size, "
+           "int bits) -> Tensor")
+
+
+@torch.library.impl(lib, "quantized_linear", "CompositeExplicitAutograd")
+def _quantized_linear(x, w, scales, biases, bias: Optional[torch.Tensor], group_size: int, bits: int):
+    weight = dequantize(w, scales, biases, group_size, bits)
+    return torch.nn.functional.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+
+@torch.library.register_fake("mlx::quantized_linear")
+def _quantized_linear_fake(x, w, scales, biases, bias, group_size, bits):
+    torch._check(x.shape[-1] == _in_features(w, bits))
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+@torch.library.impl(lib, "quantized_embedding", "CompositeExplicitAutograd")
+def _quantized_embedding(indices, w, scales, biases, group_size: int, bits: int):
+    flat = indices.reshape(-1)
+    rows = dequantize(w[flat], scales[flat], biases[flat], group_size, bits)
+    return rows.view(*indices.shape, rows.shape[-1])
+
+
+@torch.library.register_fake("mlx::quantized_embedding")
+def _quantized_embedding_fake(indices, w, scales, biases, group_size, bits):
+    return scales.new_empty((*indices.shape, _in_features(w, bits)))

@@ -1,0 +1,68 @@
+"""Quantize a float causal LM in place with MLX's affine scheme (--quantize int4|int8).
+
+The integers, scales and biases are mlx.core.quantize's own, so a checkpoint quantized here and
+by `mlx_lm.convert -q` with the same bits and group size holds the same numbers. Every nn.Linear
+in the decoder blocks and the head is replaced; with `embeddings` the token embedding too (and a
+head tied to it shares its quantized tensors).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from backends.mlx.custom_kernel_ops.quantized import check_params
+from backends.mlx.llm.quantize.modules import QuantizedEmbedding, QuantizedLinear
+
+
+def quantize_tensor(weight: torch.Tensor, group_size: int, bits: int) -> tuple:
+    """(w uint32, scales, biases) of a [N, K] float weight, as mlx.core.quantize gives them."""
+    import mlx.core as mx  # the compute library itself; imported only when quantizing
+
+    check_params(group_size, bits, weight.shape[-1])
+    dtype = weight.dtype
+    # MLX has no conversion from torch; float32 numpy carries every float dtype exactly.
+    source = mx.array(weight.detach().float().cpu().numpy())
+    if dtype != torch.float32:
+        source = source.astype({torch.float16: mx.float16, torch.bfloat16: mx.bfloat16}[dtype])
+    w, scales, biases = mx.quantize(source, group_size=group_size, bits=bits)
+    as_torch = lambda a: torch.from_numpy(np.array(a.astype(mx.float32))).to(dtype)
+    return torch.from_numpy(np.array(w)), as_torch(scales), as_torch(biases)
+
+
+def _quantized_linear(linear: nn.Linear, group_size: int, bits: int) -> QuantizedLinear:
+    w, scales, biases = quantize_tensor(linear.weight, group_size, bits)
+    bias = None if linear.bias is None else linear.bias.detach().clone()
+    return QuantizedLinear(w, scales, biases, group_size, bits, bias=bias)
+
+
+def quantize_model(model: nn.Module, bits: int, group_size: int = 64, embeddings: bool = True) -> nn.Module:
+    """Replace the model's Linear layers (and, with `embeddings`, the token embedding and the head) by
+    quantized ones, in place."""
+    embedding = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    head_name = _name_of(model, head) if head is not None else None
+    tied = head is not None and embedding is not None and head.weight is embedding.weight
+    linears = [name for name, module in model.named_modules()
+               if isinstance(module, nn.Linear) and name != head_name]
+    if embeddings and head is not None and not tied:
+        linears.append(head_name)
+    if embeddings and isinstance(embedding, nn.Embedding):
+        w, scales, biases = quantize_tensor(embedding.weight, group_size, bits)
+        model.set_input_embeddings(QuantizedEmbedding(w, scales, biases, group_size, bits))
+        if tied:
+            # The head multiplies by the same table: it shares the quantized tensors.
+            _set(model, head_name, QuantizedLinear(w, scales, biases, group_size, bits))
+    for name in linears:
+        _set(model, name, _quantized_linear(model.get_submodule(name), group_size, bits))
+    return model
+
+
+def _name_of(model: nn.Module, target: nn.Module) -> str:
+    return next(name for name, module in model.named_modules() if module is target)
+
+
+def _set(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, module)

@@ -1,0 +1,62 @@
+"""nn.Modules over MLX affine-quantized weights, drop-in for nn.Linear and nn.Embedding.
+
+They hold the packed triple as buffers and call the mlx:: custom ops, which the delegate lowers to
+MLX's quantized kernels. A tied head is a QuantizedLinear holding the embedding's very tensors, so
+the program stores them once.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from backends.mlx.custom_kernel_ops import quantized as q
+
+
+class _Packed(nn.Module):
+    def __init__(self, w: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, group_size: int, bits: int):
+        super().__init__()
+        if w.dtype != torch.uint32 or w.dim() != 2:
+            raise ValueError(f"packed weights must be 2-d uint32, got {w.dtype} {tuple(w.shape)}")
+        in_features = w.shape[1] * 32 // bits
+        q.check_params(group_size, bits, in_features)
+        expected = (w.shape[0], in_features // group_size)
+        if tuple(scales.shape) != expected or tuple(biases.shape) != expected:
+            raise ValueError(f"scales/biases {tuple(scales.shape)}/{tuple(biases.shape)} do not match packed "
+                             f"weights {tuple(w.shape)} at {bits} bits, group size {group_size} (need {expected})")
+        self.register_buffer("weight", w)
+        self.register_buffer("scales", scales)
+        self.register_buffer("biases", biases)
+        self.group_size, self.bits = group_size, bits
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1] * 32 // self.bits
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def packed(self) -> tuple:
+        return self.weight, self.scales, self.biases, self.group_size, self.bits
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}x{self.in_features}, bits={self.bits}, group_size={self.group_size}"
+
+
+class QuantizedLinear(_Packed):
+    def __init__(self, w, scales, biases, group_size: int, bits: int, bias: Optional[torch.Tensor] = None):
+        super().__init__(w, scales, biases, group_size, bits)
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mlx.quantized_linear(x, self.weight, self.scales, self.biases, self.bias,
+                                              self.group_size, self.bits)
+
+
+class QuantizedEmbedding(_Packed):
+    def forward(self, indices: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mlx.quantized_embedding(indices, self.weight, self.scales, self.biases,
+                                                 self.group_size, self.bits)
