@@ -173,3 +173,60 @@ def test_many_random_corruptions_never_crash(good_pte, tmp_path):
     # Flips in constant data legitimately still run; most structural flips must be refused.
     assert summary["rejected_at_load"] + summary["rejected_at_run"] >= 100, summary
     assert summary["unexpected"] == [], summary
+
+
+class _Quantized(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        from backends.mlx.llm.quantize.affine import quantize_tensor
+        from backends.mlx.llm.quantize.modules import QuantizedLinear
+
+        self.linear = QuantizedLinear(*quantize_tensor(torch.randn(8, 128), 64, 4), 64, 4)
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+def _quantized_pte(monkeypatch, edit):
+    def mangle(graph):
+        for instr in graph.instructions:
+            if type(instr.node).__name__ == "QuantizedLinearNodeT":
+                edit(graph, instr.node)
+        return serializer.serialize(graph)
+
+    monkeypatch.setattr(preprocess, "serialize", mangle)
+    return export_fn(_Quantized(), [torch.randn(2, 128)]).pte
+
+
+def _constant(graph, slot):
+    return next(c for c in graph.constants if c.slot.idx == slot.idx)
+
+
+@pytest.mark.parametrize("field,value,needle", [("bits", 3, "bits 3 is not supported"),
+                                                ("groupSize", 48, "group size 48 is not supported"),
+                                                ("groupSize", 32, "need scales and biases [8, 4]")])
+def test_quantized_node_parameters_are_checked_at_load(monkeypatch, capfd, field, value, needle):
+    pte = _quantized_pte(monkeypatch, lambda g, node: setattr(node, field, value))
+    _assert_rejected(pte, capfd, "QuantizedLinearNode", needle)
+
+
+def test_quantized_weights_of_the_wrong_shape_fail_at_load(monkeypatch, capfd):
+    def edit(graph, node):
+        scales = _constant(graph, node.scales)
+        scales.shape = [4, 4]  # same byte count, rows no longer match the packed weights
+
+    _assert_rejected(_quantized_pte(monkeypatch, edit), capfd, "QuantizedLinearNode", "need scales and biases [8, 2]")
+
+
+def test_quantized_weights_must_be_uint32(monkeypatch, capfd):
+    def edit(graph, node):
+        _constant(graph, node.w).dtype = 3  # Int32
+
+    _assert_rejected(_quantized_pte(monkeypatch, edit), capfd, "packed weights must be a 2-d uint32 tensor")
+
+
+def test_zeros_constant_with_data_is_rejected(monkeypatch, capfd):
+    def edit(g):
+        g.constants[0].zeros = True
+
+    _assert_rejected(_export_with(monkeypatch, _mangled(edit)), capfd, "marked zeros")

@@ -1,0 +1,136 @@
+"""Quantized decoders end to end: an `mlx_lm.convert -q` checkpoint exports as it is and decodes
+greedily to mlx-lm's own tokens; `etmlx export --quantize` runs; int8 logits stay near float;
+the KV cache costs the file nothing; bad input is a one-line error."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import backends.mlx  # noqa: F401  (before mlx.core: routes MLX's CPU GEMMs)
+import mlx.core as mx
+from backends.mlx.cli.main import main
+from backends.mlx.llm.builtin.bench_checkpoint import _save_tokenizer
+from backends.mlx.llm.decoder.loop import Decoder
+
+STEPS = 48
+PROMPT = [5, 17, 99, 3, 42]
+
+
+def _checkpoint(directory, family: str, tied: bool = False):
+    """A small random model with a wider-than-default init (argmaxes far from ties) and a tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[family]
+    config = config_cls(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                        initializer_range=0.1, tie_word_embeddings=tied, bos_token_id=None, eos_token_id=None,
+                        pad_token_id=None)
+    torch.manual_seed(3)
+    model_cls(config).eval().save_pretrained(directory)
+    # transformers 5 writes rope_theta inside rope_parameters only, where mlx-lm does not look (it would
+    # take its own default, 1e6 for Qwen2): state it at the top level too, as older checkpoints do.
+    saved = json.loads((directory / "config.json").read_text())
+    saved["rope_theta"] = saved["rope_parameters"]["rope_theta"]
+    (directory / "config.json").write_text(json.dumps(saved))
+    _save_tokenizer(config.vocab_size, directory)
+    return directory
+
+
+def _mlx_lm_quantized(tmp_path, family: str, tied: bool = False, bits: int = 4, group: int = 64):
+    from mlx_lm import convert
+
+    source = _checkpoint(tmp_path / f"{family}-float", family, tied)
+    out = tmp_path / f"{family}-q{bits}"
+    convert(str(source), str(out), quantize=True, q_group_size=group, q_bits=bits, dtype="float32")
+    return out
+
+
+def _mlx_lm_greedy(directory, steps: int) -> list[int]:
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+
+    model, _ = load(str(directory))
+    greedy = lambda logits: mx.argmax(logits, axis=-1)
+    steps_iter = generate_step(mx.array(PROMPT), model, max_tokens=steps, sampler=greedy)
+    return [int(token) for token, _ in steps_iter]
+
+
+def _export(model_dir, out, *flags):
+    assert main(["export", "--model", str(model_dir), "--out", str(out), "--max-seq-len", "96", *flags]) == 0
+    return out
+
+
+@pytest.mark.parametrize("family,tied", [("llama", False), ("qwen2", True)])
+def test_mlx_lm_checkpoint_decodes_to_mlx_lm_tokens(tmp_path, family, tied):
+    quantized = _mlx_lm_quantized(tmp_path, family, tied)
+    assert json.loads((quantized / "config.json").read_text())["quantization"]["bits"] == 4
+    pte = _export(quantized, tmp_path / "q.pte")
+    ours = Decoder(pte).generate(PROMPT, STEPS).tokens
+    expected = _mlx_lm_greedy(quantized, STEPS)
+    assert len(set(expected)) > 8, f"degenerate reference, the comparison would say little: {expected}"
+    assert ours == expected
+
+
+def test_quantize_flag_holds_mlx_lm_integers(tmp_path):
+    """--quantize int4 of the float checkpoint and mlx_lm.convert -q give the same program."""
+    from backends.mlx.exporter.inspect_pte import delegate_blobs
+
+    source = _checkpoint(tmp_path / "float", "llama")
+    ours = _export(source, tmp_path / "ours.pte", "--quantize", "int4", "--group-size", "64")
+    theirs = _export(_mlx_lm_quantized(tmp_path, "llama"), tmp_path / "theirs.pte")
+    assert delegate_blobs(ours.read_bytes()) == delegate_blobs(theirs.read_bytes())
+
+
+def _greedy_with_logprobs(model_dir, flags, tmp_path, name):
+    """Greedy tokens with the model's raw log-probabilities of the top 8 at each step."""
+    pte = _export(model_dir, tmp_path / name, "--logprobs", "8", *flags)
+    out = Decoder(pte).generate(PROMPT, 16)
+    return out.tokens, [[lp for _, lp in top] for top in out.top_logprobs]
+
+
+def test_int8_stays_near_float_and_int4_runs(tmp_path):
+    source = _checkpoint(tmp_path / "float", "llama")
+    float_tokens, float_lp = _greedy_with_logprobs(source, [], tmp_path, "f.pte")
+    int8_tokens, int8_lp = _greedy_with_logprobs(source, ["--quantize", "int8"], tmp_path, "i8.pte")
+    # Steps see the same context while the tokens agree; rounding may flip a later near-tie.
+    same = next((i for i, (a, b) in enumerate(zip(float_tokens, int8_tokens)) if a != b), len(float_tokens))
+    assert same >= 4, (float_tokens, int8_tokens)
+    # Stated tolerance: the top-8 log-probabilities (log-softmax of the logits) within 0.1 nats of float's.
+    worst = max(abs(a - b) for fa, ia in zip(float_lp[:same + 1], int8_lp[:same + 1]) for a, b in zip(fa, ia))
+    print(f"int8 vs float: {same} equal greedy tokens of 16, top-8 logprobs within {worst:.4f} nats")
+    assert worst < 0.1, worst
+    int4_tokens, _ = _greedy_with_logprobs(source, ["--quantize", "int4"], tmp_path, "i4.pte")
+    assert len(int4_tokens) == 16
+
+
+def test_kv_cache_does_not_grow_the_file(tmp_path):
+    source = _checkpoint(tmp_path / "float", "llama")
+    small = _export(source, tmp_path / "s.pte", "--quantize", "int4")
+    assert main(["export", "--model", str(source), "--out", str(tmp_path / "l.pte"), "--max-seq-len", "512",
+                 "--batch", "4", "--quantize", "int4"]) == 0
+    grown = (tmp_path / "l.pte").stat().st_size - small.stat().st_size
+    # 2 layers x 2 caches x [4, 2, 512, 32] float32 would be 1 MiB; only shapes and the metadata change.
+    assert abs(grown) < 4096, grown
+
+
+def _error_line(capsys, model_dir, tmp_path, *flags) -> str:
+    rc = main(["export", "--model", str(model_dir), "--out", str(tmp_path / "x.pte"), *flags])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err and err[-1].startswith("etmlx: error: "), (rc, err)
+    return err[-1]
+
+
+def test_bad_input_is_a_one_line_error(tmp_path, capsys):
+    source = _checkpoint(tmp_path / "float", "llama")
+    assert "group size 256 is not supported" in _error_line(capsys, source, tmp_path, "--quantize", "int4",
+                                                            "--group-size", "256")
+    assert "--quantize must be one of int4, int8" in _error_line(capsys, source, tmp_path, "--quantize", "int3")
+    quantized = _mlx_lm_quantized(tmp_path, "llama")
+    assert "already quantized" in _error_line(capsys, quantized, tmp_path, "--quantize", "int8")
+    config = json.loads((quantized / "config.json").read_text())
+    config["model_type"] = "gpt2"
+    (quantized / "config.json").write_text(json.dumps(config))
+    assert "a quantized 'gpt2' checkpoint is not supported" in _error_line(capsys, quantized, tmp_path)
