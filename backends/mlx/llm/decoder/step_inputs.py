@@ -39,7 +39,7 @@ def step_inputs(meta: DecoderMeta, tokens: torch.Tensor, start_pos, lengths, par
             n = width(knob, config, meta.vocab_size)
             tensors = [torch.full((batch, n), i.off, dtype=getattr(torch, i.dtype)) for i in knob.program_inputs]
             if knob.words:
-                for row, m in enumerate(masks or ()):
+                for row, m in enumerate(masks if masks is not None else ()):
                     if m is not None:
                         tensors[0][row] = torch.as_tensor(m, dtype=torch.int32).reshape(-1)
             elif knob.api:
