@@ -16,7 +16,7 @@ from backends.mlx.cli.knob_flags import params_from_args
 from backends.mlx.cli.llm_commands import add_parsers
 from backends.mlx.llm.decoder.meta import DecoderMeta
 from backends.mlx.llm.sampler.config import SamplerConfig
-from backends.mlx.llm.sampler.knobs import BY_NAME, INT64_MAX, KNOBS, SEED_LIMIT, USER_KNOBS, Knob, KnobError
+from backends.mlx.llm.sampler.knobs import BY_NAME, DTYPES, INT64_MAX, KNOBS, SEED_LIMIT, USER_KNOBS, Knob, KnobError
 from backends.mlx.llm.sampler.params import SamplingParams
 from backends.mlx.serve.api_errors import ApiError
 from backends.mlx.serve.lmtp_session import generate_params
@@ -68,7 +68,7 @@ def some_on(knob: Knob):
 def test_table_is_consistent():
     assert len(BY_NAME) == len(KNOBS)
     for knob in KNOBS:
-        assert knob.dtype in ("float32", "int64") and all(i.dtype in ("float32", "int64") for i in knob.program_inputs)
+        assert knob.dtype in DTYPES and all(i.dtype in DTYPES for i in knob.program_inputs)
         assert knob.in_range(knob.off) or knob.width, knob.name
         assert knob.doc and (knob.flag or not (knob.api and knob.feature))  # a caller's knob names its flag
         if knob.integer and knob.high is not None:
@@ -76,7 +76,8 @@ def test_table_is_consistent():
     assert BY_NAME["seed"].high + 2 ** 40 < INT64_MAX  # seed + step never overflows
     # The input order of programs already exported.
     assert ALL.knob_names() == ["top_k", "top_p", "min_p", "bias_ids", "bias_values", "presence_penalty",
-                                "frequency_penalty", "repetition_penalty", "penalty_reset", "penalty_add"]
+                                "frequency_penalty", "repetition_penalty", "penalty_reset", "penalty_add",
+                                "allowed_mask"]
 
 
 @pytest.mark.parametrize("knob", [k for k in KNOBS if k.feature], ids=lambda k: k.name)
@@ -97,7 +98,7 @@ def test_the_exported_program_takes_the_tables_inputs():
     names = ["logits", "temperature", "seed", *ALL.knob_names()]
     assert meta.num_inputs() == len(names)
     dtypes = {i.name: i.dtype for k in KNOBS for i in k.program_inputs}
-    codes = {"int64": 4, "float32": 6}  # ExecuTorch ScalarType Long, Float
+    codes = {"int64": 4, "float32": 6, "int32": 3}  # ExecuTorch ScalarType Long, Float, Int
     for index, name in enumerate(names[1:], start=1):
         assert meta.input_tensor_meta(index).dtype() == codes[dtypes[name]], name
 

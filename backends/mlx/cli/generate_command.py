@@ -39,18 +39,42 @@ def prompt_ids(args, decoder) -> list[int]:
     return encode_prompt(tokenizer, text)
 
 
+def constraint_from_args(args):
+    """--json-schema FILE | --regex R | --choice a,b,c | --grammar FILE as a Constraint (None: unconstrained)."""
+    from backends.mlx.llm.decoder.constraints import Constraint
+
+    def read(flag, path):
+        try:
+            return Path(path).read_text()
+        except OSError as exc:
+            raise ValueError(f"{flag}: cannot read {path}: {exc.strerror}") from None
+
+    if getattr(args, "json_schema", None):
+        return Constraint("json_schema", read("--json-schema", args.json_schema))
+    if getattr(args, "regex", None):
+        return Constraint("regex", args.regex)
+    if getattr(args, "choice", None):
+        return Constraint("choice", [c for c in args.choice.split(",") if c])
+    if getattr(args, "grammar", None):
+        return Constraint("grammar", read("--grammar", args.grammar))
+    return None
+
+
 def run_generate(args, params) -> int:
     from backends.mlx.llm.decoder.loop import Decoder
     from backends.mlx.llm.decoder.text_generation import stream_text
 
+    constraint = constraint_from_args(args)
     decoder = Decoder(pte_path(args))
+    if constraint is not None:
+        decoder.matcher(constraint)  # a bad schema / regex / grammar, or no mask input: one line, before decoding
     prompt = prompt_ids(args, decoder)
     if args.stop and not decoder.has_tokenizer:
         decoder.tokenizer  # raises, naming the missing tokenizer: stop strings need text
     tokenizer = decoder.tokenizer if decoder.has_tokenizer else None
     tokens, logprobs, tops, text = [], [], [], []
     last = None
-    for response in stream_text(decoder, prompt, args.max_tokens, params, args.stop, tokenizer):
+    for response in stream_text(decoder, prompt, args.max_tokens, params, args.stop, tokenizer, constraint):
         last = response
         tokens.append(response.token)
         if response.logprob is not None:

@@ -150,6 +150,11 @@ def add_parsers(sub) -> None:
                           help="tokenize the prompt as raw text instead of as a user message")
     add_knob_arguments(generate)
     generate.add_argument("--json", action="store_true", help="print token ids, text, logprobs and timings as JSON")
+    structured = generate.add_mutually_exclusive_group()  # needs a program exported with --sampler ...,mask
+    structured.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid for this JSON schema")
+    structured.add_argument("--regex", metavar="R", help="the output matches this regular expression")
+    structured.add_argument("--choice", metavar="A,B,C", help="the output is one of these comma-separated strings")
+    structured.add_argument("--grammar", metavar="FILE", help="the output matches this Lark or GBNF grammar")
     generate.set_defaults(func=run_generate)
 
     chat = sub.add_parser("chat", help="a multi-turn conversation with an exported .pte (lines from stdin, replies "

@@ -56,6 +56,15 @@ def _bench(args) -> int:
 
         dtypes = tuple(d.strip() for d in args.dtypes.split(",") if d.strip())
         return decode.main(args.json, quick=args.quick, dtypes=dtypes, repeats=args.repeats, cache_dir=args.cache_dir)
+    if args.what == "structured":
+        import json
+
+        from backends.mlx.bench import structured
+
+        result = structured.run(repeats=args.repeats or 200)
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        return 0
     if args.what == "gemm":
         from backends.mlx.bench import cpu_gemm
 
@@ -80,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     llm_cli.add_parsers(sub)
     serve_cli.add_parsers(sub)
     bench = sub.add_parser("bench", help="benchmarks with same-run baselines")
-    bench.add_argument("what", choices=["sampler", "agreement", "decode", "serve", "gemm"], help="which benchmark")
+    bench.add_argument("what", choices=["sampler", "agreement", "decode", "serve", "gemm", "structured"], help="which benchmark")
     bench.add_argument("--suite", choices=["all", "basic", "features"], default="all",
                        help="sampler: basic (temperature by vocab and batch), features (top-k/top-p), or all")
     bench.add_argument("--rows", type=int, default=2000, help="agreement: rows per dtype")

@@ -36,7 +36,7 @@ def load_service(pte: Path, max_batch: int | None = None, model_name: str | None
         raise ValueError(f"--max-batch must be in [1, {meta.batch}]: {pte} was exported with batch {meta.batch} "
                          "(re-export with --batch N for more rows)")
     tokenizer = load_tokenizer(pte, meta)
-    engine = Engine(ProgramWorker(pte), meta, max_batch=max_batch).start()
+    engine = Engine(ProgramWorker(pte), meta, max_batch=max_batch, pte=pte).start()
     return Service(meta=meta, tokenizer=tokenizer, engine=engine, model_name=model_name or pte.stem)
 
 

@@ -23,10 +23,14 @@ from typing import Callable
 
 import torch
 
+from backends.mlx.llm.decoder.constraints import (EXPORT_HINT, Constraint, ConstraintError, Matcher, fill_masks,
+                                                  vocabulary_for)
 from backends.mlx.llm.decoder.loop import check_prompt
 from backends.mlx.llm.decoder.meta import DecoderMeta
 from backends.mlx.llm.decoder.step_inputs import step_inputs
+from backends.mlx.llm.sampler.knobs import mask_words
 from backends.mlx.llm.sampler.params import SamplingParams
+from backends.mlx.llm.sampler.processing import NO_ALLOWED_TOKEN
 
 log = logging.getLogger("etmlx.serve")
 _ids = itertools.count(1)
@@ -55,6 +59,9 @@ class EngineRequest:
     stop_at_eos: bool = True
     # Scoring: force these tokens one per step (greedy + bias); the events carry their raw logprobs.
     forced: list[int] | None = None
+    # Structured output: the grammar the row's tokens must match; Engine.check compiles it into `matcher`.
+    constraint: Constraint | None = None
+    matcher: Matcher | None = None
     id: int = field(default_factory=lambda: next(_ids))
 
 
@@ -67,14 +74,25 @@ class _Row:
     produced: int = 0
 
 
+def _advance(matcher: Matcher, token: int) -> bool:
+    try:
+        matcher.advance(token)
+        return True
+    except ConstraintError:
+        return False
+
+
 class Engine:
-    def __init__(self, program, meta: DecoderMeta, max_batch: int | None = None):
-        """program: anything with execute(inputs) -> outputs (a loaded method or a ProgramWorker)."""
+    def __init__(self, program, meta: DecoderMeta, max_batch: int | None = None, pte=None):
+        """program: anything with execute(inputs) -> outputs (a loaded method or a ProgramWorker); pte: the
+        program's file, where structured output reads the tokenizer from."""
         if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int)
                                       or not 1 <= max_batch <= meta.batch):
             raise ValueError(f"max_batch must be an int in [1, {meta.batch}] (the program's batch), got {max_batch!r}")
         self.program = program
         self.meta = meta
+        self.pte = pte
+        self._vocabulary = None  # llguidance's view of the tokenizer, built on the first constrained request
         self.rows: list[_Row | None] = [None] * meta.batch
         self.usable = max_batch or meta.batch
         self._inbox: queue.Queue = queue.Queue()
@@ -104,6 +122,13 @@ class Engine:
                                  "(export with --logprobs N and --sampler logit-bias=N)")
             if len(request.forced) != request.max_tokens:
                 raise ValueError("forced tokens and max_tokens disagree")
+        if request.constraint is not None and request.matcher is None:
+            # ConstraintError (a ValueError) names a bad schema/regex/grammar or a program without the mask
+            if not self.meta.config.allowed_mask or self.pte is None:
+                raise ConstraintError(EXPORT_HINT)
+            if self._vocabulary is None:
+                self._vocabulary = vocabulary_for(self.pte, self.meta)
+            request.matcher = self._vocabulary.matcher(request.constraint)
 
     def submit(self, request: EngineRequest) -> int:
         self.check(request)
@@ -220,8 +245,19 @@ class Engine:
                 params.append(SamplingParams(logit_bias={request.forced[row.produced]: FORCE_BIAS}))
             else:
                 params.append(request.params)
+        matchers = [row.request.matcher if row is not None else None for row in self.rows]
+        masks = None
+        if any(m is not None for m in matchers):
+            try:
+                masks = fill_masks(matchers, mask_words(meta.vocab_size))
+            except ConstraintError as exc:  # a grammar in an error state: end every constrained row
+                for slot, m in enumerate(matchers):
+                    if m is not None:
+                        self._free(slot, TokenEvent(None, finish_reason="error", error=str(exc)))
+                return
         try:
-            outputs = self.program.execute(step_inputs(meta, tokens, starts, lengths, params, steps, resets))
+            outputs = self.program.execute(step_inputs(meta, tokens, starts, lengths, params, steps, resets,
+                                                       masks=masks))
         except Exception as exc:
             log.exception("program call failed")
             for slot, row in enumerate(self.rows):
@@ -245,6 +281,11 @@ class Engine:
             if request.forced is not None and token != request.forced[row.produced]:
                 self._free(slot, TokenEvent(None, finish_reason="error",
                                             error=f"could not force token {request.forced[row.produced]}"))
+                continue
+            if token == NO_ALLOWED_TOKEN or request.matcher is not None and not _advance(request.matcher, token):
+                self._free(slot, TokenEvent(None, finish_reason="error", error=(
+                    "the grammar allows no token the model can produce here" if token == NO_ALLOWED_TOKEN
+                    else f"the grammar rejected token {token}")))
                 continue
             row.produced += 1
             self.tokens += 1

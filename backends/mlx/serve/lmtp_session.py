@@ -25,7 +25,9 @@ from typing import Awaitable, Callable
 from backends.mlx.llm.decoder.prompt import encode_prompt
 from backends.mlx.llm.sampler.knobs import USER_KNOBS, enabled
 from backends.mlx.llm.sampler.params import SamplingParams
+from backends.mlx.serve.api_errors import ApiError
 from backends.mlx.serve.engine import EngineRequest, TokenEvent
+from backends.mlx.serve.structured_params import constraint_from_body
 from backends.mlx.serve.service import Service, queue_sink
 
 log = logging.getLogger("etmlx.serve")
@@ -123,10 +125,15 @@ class LmtpSession:
         meta = self.service.meta
         prompt = prompt_ids(payload.get("prompt"), self.service.tokenizer, meta.vocab_size)
         params = generate_params(payload)
+        try:  # response_format / structured_outputs, as the OpenAI endpoints take them
+            constraint = constraint_from_body(payload)
+        except ApiError as exc:
+            raise LmtpError(exc.message) from None
         room = meta.max_seq_len - len(prompt)
         max_tokens = payload.get("max_tokens", max(1, min(32, room)))  # a too-long prompt is reported as such
         self._submit(stream_id, EngineRequest(prompt, params, max_tokens, queue_sink(self.loop, self.events,
-                                                                                     stream_id)), scoring=False)
+                                                                                     stream_id), constraint=constraint),
+                     scoring=False)
 
     async def _score(self, stream_id, payload) -> None:
         self._check_new(stream_id, payload)

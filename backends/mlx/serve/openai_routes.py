@@ -16,6 +16,7 @@ from backends.mlx.serve import openai_format as fmt
 from backends.mlx.serve.api_errors import ApiError
 from backends.mlx.serve.choice_text import ChoiceText, Piece
 from backends.mlx.serve.openai_params import Job, build_job, chat_prompt, check_model, completion_prompt
+from backends.mlx.serve.structured_params import constraint_from_body
 from backends.mlx.serve.service import Service
 
 _STARTED = int(time.time())
@@ -67,7 +68,9 @@ class OpenAIRoutes:
             job = build_job(body, service.meta, prompt, chat=chat)
             texts = [ChoiceText(service.tokenizer, prompt, job.stops, service.meta.eos_token_ids)
                      for _ in job.choices]
-            rows = [(prompt, params, job.max_tokens, {}) for params in job.choices]
+            constraint = constraint_from_body(body)  # checked with the program by the engine, before it runs
+            extra = {"constraint": constraint} if constraint is not None else {}
+            rows = [(prompt, params, job.max_tokens, dict(extra)) for params in job.choices]
             events = service.stream_rows(rows, list(range(len(rows))))
             first = await _first(events)  # submission errors surface here, before any response starts
         except ApiError as error:

@@ -53,7 +53,7 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
     kwargs = {"temperature": torch.ones(batch)}
     if seeded:
         kwargs["seed"] = torch.zeros(batch, dtype=torch.int64)
-    examples = knob_examples(config, batch, per_row=True)
+    examples = knob_examples(config, batch, per_row=True, vocab=vocab)
     kwargs.update({name: examples[name] for name in config.knob_names()})
     dynamic = {"args": ({1: length}, None, None), **{name: None for name in kwargs}}
     tokenizer = as_tokenizer(tokenizer) if tokenizer is not None else None

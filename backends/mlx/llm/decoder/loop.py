@@ -21,10 +21,12 @@ from typing import Iterator
 
 import torch
 
+from backends.mlx.llm.decoder.constraints import EXPORT_HINT, Constraint, ConstraintError, Matcher, vocabulary_for
 from backends.mlx.llm.decoder.meta import DecoderMeta
 from backends.mlx.llm.decoder.step_inputs import step_inputs
 from backends.mlx.llm.decoder.tokenizer_files import has_tokenizer, load_tokenizer
 from backends.mlx.llm.sampler.params import SamplingParams
+from backends.mlx.llm.sampler.processing import NO_ALLOWED_TOKEN
 from backends.mlx.runtime.runner import load_method
 
 
@@ -70,6 +72,7 @@ class Decoder:
         self.method = load_method(self.pte)
         self.meta.check_program(self.pte, self.method.input_specs())
         self._tokenizer = None
+        self._vocabulary = None
 
     @property
     def has_tokenizer(self) -> bool:
@@ -84,37 +87,56 @@ class Decoder:
                                         "from a checkpoint that has one")
         return self._tokenizer
 
-    def _call(self, tokens: list[int], start: int, params: SamplingParams, step: int) -> Step:
+    def matcher(self, constraint: Constraint) -> Matcher:
+        """A fresh grammar state for one sequence; ConstraintError names a bad constraint, or a program
+        exported without the mask input, before anything is decoded."""
+        if not self.meta.config.allowed_mask:
+            raise ConstraintError(EXPORT_HINT)
+        if self._vocabulary is None:
+            self._vocabulary = vocabulary_for(self.pte, self.meta)
+        return self._vocabulary.matcher(constraint)
+
+    def _call(self, tokens: list[int], start: int, params: SamplingParams, step: int,
+              matcher: Matcher | None = None) -> Step:
         # Rows 1.. of a batched program idle: one token at position 0, greedy, their output ignored.
         idle = self.meta.batch - 1
         batch = torch.zeros(self.meta.batch, len(tokens), dtype=torch.int64)
         batch[0] = torch.tensor(tokens)
         inputs = step_inputs(self.meta, batch, [start] + [0] * idle, [len(tokens)] + [1] * idle,
-                             [params] + [SamplingParams()] * idle, [step] + [0] * idle, [step == 0] + [True] * idle)
+                             [params] + [SamplingParams()] * idle, [step] + [0] * idle, [step == 0] + [True] * idle,
+                             masks=[matcher.mask()] if matcher is not None else None)
         out = self.method.execute(inputs)
         result = Step(int(out[0][0]))
+        if result.token == NO_ALLOWED_TOKEN:
+            raise ConstraintError("the grammar allows no token the model can produce here (every allowed token "
+                                  "has probability 0)")
+        if matcher is not None:
+            matcher.advance(result.token)
         if self.meta.config.logprobs:
             result.logprob = float(out[1][0])
             result.top = [(int(i), float(v)) for i, v in zip(out[2][0], out[3][0])]
         return result
 
     def stream(self, prompt_ids, max_tokens: int, params: SamplingParams | None = None,
-               stop_at_eos: bool = True) -> Iterator[Step]:
+               stop_at_eos: bool = True, constraint: Constraint | None = None) -> Iterator[Step]:
+        """With a constraint the output matches it (ending with EOS once complete), or stops at max_tokens."""
         params = params or SamplingParams()
         params.check(self.meta.config, self.meta.vocab_size)
         prompt = check_prompt(self.meta, prompt_ids, max_tokens)
-        step = self._call(prompt, 0, params, 0)
+        matcher = self.matcher(constraint) if constraint is not None else None
+        step = self._call(prompt, 0, params, 0, matcher)
         for k in range(max_tokens):
             yield step
             if (stop_at_eos and step.token in self.meta.eos_token_ids) or k + 1 == max_tokens:
                 return
-            step = self._call([step.token], len(prompt) + k, params, k + 1)
+            step = self._call([step.token], len(prompt) + k, params, k + 1, matcher)
 
-    def generate(self, prompt_ids, max_tokens: int, params: SamplingParams | None = None) -> Generation:
+    def generate(self, prompt_ids, max_tokens: int, params: SamplingParams | None = None,
+                 constraint: Constraint | None = None) -> Generation:
         out = Generation(prompt_tokens=len(list(prompt_ids)))
         start = time.perf_counter()
         decode_start = start
-        for step in self.stream(prompt_ids, max_tokens, params):
+        for step in self.stream(prompt_ids, max_tokens, params, constraint=constraint):
             if not out.tokens:
                 decode_start = time.perf_counter()
                 out.first_token_s = decode_start - start

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from backends.mlx.llm.sampler.config import SamplerConfig
-from backends.mlx.llm.sampler.knobs import metadata as knob_metadata
+from backends.mlx.llm.sampler.knobs import mask_words, metadata as knob_metadata
 from backends.mlx.runtime.pte_metadata import named_data
 
 FORMAT = "etmlx-decoder/1"
@@ -24,7 +24,8 @@ META_KEY = "etmlx/decoder_meta.json"
 TOKENIZER_PREFIX = "etmlx/tokenizer/"  # + a file name save_pretrained wrote (tokenizer.json, ...)
 # Inputs that are int64 (ExecuTorch ScalarType 4); the rest are float32 (6).
 _INT_INPUTS = {"tokens", "start_pos", "lengths", "seed", "top_k", "penalty_reset", "penalty_add", "bias_ids"}
-_LONG, _FLOAT = 4, 6
+_INT32_INPUTS = {"allowed_mask"}
+_LONG, _FLOAT, _INT = 4, 6, 3
 
 
 def meta_path(pte: Path) -> Path:
@@ -117,14 +118,15 @@ class DecoderMeta:
             raise ValueError(f"{pte}: the metadata lists {len(self.inputs)} inputs ({', '.join(self.inputs)}) but "
                              f"the program takes {len(inputs)}: metadata and program come from different exports")
         widths = {"tokens": self.max_seq_len, "penalty_add": self.config.penalty_seed,
-                  "bias_ids": self.config.logit_bias, "bias_values": self.config.logit_bias}
+                  "bias_ids": self.config.logit_bias, "bias_values": self.config.logit_bias,
+                  "allowed_mask": mask_words(self.vocab_size)}
         for name, (sizes, dtype) in zip(self.inputs, inputs):
             expected = (self.batch, widths[name]) if name in widths else (self.batch,)
             if tuple(sizes) != expected:
                 raise ValueError(f"{pte}: input {name!r} is {list(sizes)} in the program but the metadata implies "
                                  f"{list(expected)} (batch {self.batch}, max_seq_len {self.max_seq_len}): metadata "
                                  "and program come from different exports")
-            want = _LONG if name in _INT_INPUTS else _FLOAT
+            want = _LONG if name in _INT_INPUTS else _INT if name in _INT32_INPUTS else _FLOAT
             if dtype != want:
                 raise ValueError(f"{pte}: input {name!r} has dtype code {dtype} in the program, {want} expected from "
                                  "the metadata's input order: metadata and program come from different exports")

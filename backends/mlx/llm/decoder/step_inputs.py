@@ -14,11 +14,12 @@ from backends.mlx.llm.sampler.params import SamplingParams
 
 
 def step_inputs(meta: DecoderMeta, tokens: torch.Tensor, start_pos, lengths, params: list[SamplingParams],
-                steps: list[int], reset: list[bool]) -> list[torch.Tensor]:
+                steps: list[int], reset: list[bool], masks: list | None = None) -> list[torch.Tensor]:
     """The input list, in the program's order, for one call over meta.batch rows.
 
     steps[b] is row b's decode step (its seed is params[b].seed + steps[b]); reset[b] zeroes the
-    row's penalty counts before this call (the start of a sequence)."""
+    row's penalty counts before this call (the start of a sequence); masks[b], for a program with
+    the allowed-mask input, is row b's packed bitmask (ceil(V/32) int32 words) or None (all allowed)."""
     batch = meta.batch
     if tokens.shape[0] != batch or len(params) != batch:
         raise ValueError(f"the program decodes {batch} row(s) per call, got {tokens.shape[0]}")
@@ -35,9 +36,13 @@ def step_inputs(meta: DecoderMeta, tokens: torch.Tensor, start_pos, lengths, par
         if knob.name == "seed":  # the seed schedule: step k draws with seed + k
             values["seed"] = torch.tensor([p.seed + s for p, s in zip(params, steps)], dtype=torch.int64)
         elif knob.width:  # [rows, N]: the caller's pairs, or nothing (internal), padded with the off values
-            n = width(knob, config)
+            n = width(knob, config, meta.vocab_size)
             tensors = [torch.full((batch, n), i.off, dtype=getattr(torch, i.dtype)) for i in knob.program_inputs]
-            if knob.api:
+            if knob.words:
+                for row, m in enumerate(masks if masks is not None else ()):
+                    if m is not None:
+                        tensors[0][row] = torch.as_tensor(m, dtype=torch.int32).reshape(-1)
+            elif knob.api:
                 ids, vals = tensors
                 for row, p in enumerate(params):
                     for j, (token, value) in enumerate(getattr(p, knob.name).items()):

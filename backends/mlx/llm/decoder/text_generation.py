@@ -38,8 +38,9 @@ class Response:
 
 
 def stream_text(decoder, prompt_ids: list[int], max_tokens: int, params=None, stop=(),
-                tokenizer=None) -> Iterator[Response]:
-    """Responses for one generation; `tokenizer` None gives '' texts (token ids only)."""
+                tokenizer=None, constraint=None) -> Iterator[Response]:
+    """Responses for one generation; `tokenizer` None gives '' texts (token ids only); `constraint`
+    (constraints.Constraint) makes the output match a schema, regex, choice or grammar."""
     stops = StopStrings(stop)
     if stops.stops and tokenizer is None:
         raise ValueError("stop strings need text: this program has no tokenizer")
@@ -47,7 +48,7 @@ def stream_text(decoder, prompt_ids: list[int], max_tokens: int, params=None, st
     start = time.perf_counter()
     first = None
     count = 0
-    for step in decoder.stream(prompt_ids, max_tokens, params):
+    for step in decoder.stream(prompt_ids, max_tokens, params, constraint=constraint):
         now = time.perf_counter()
         first = first or now
         count += 1

@@ -73,3 +73,14 @@ def extract_tokenizer(pte: Path, directory: Path) -> Path:
             raise ValueError(f"{pte}: named data {key!r} is not a tokenizer file name")
         (directory / name).write_bytes(blob)
     return directory
+
+
+def tokenizer_json(pte: Path, meta: DecoderMeta) -> str | None:
+    """The program's tokenizer.json text (what a grammar engine reads), or None when it has none."""
+    pte = Path(pte)
+    if meta.tokenizer_embedded:
+        key = TOKENIZER_PREFIX + "tokenizer.json"
+        blob = named_data(pte, [key]).get(key)
+        return None if blob is None else blob.decode()
+    path = pte.parent / meta.tokenizer / "tokenizer.json" if meta.tokenizer else None
+    return path.read_text() if path is not None and path.is_file() else None

@@ -5,6 +5,8 @@ Processing order, per row:
                       ones, for tokens seen), then presence and frequency (OpenAI:
                       logit - count * frequency - (count > 0) * presence)
   1. logit bias       add the given values at the given ids (OpenAI's logit_bias; -100 bans)
+  1b. allowed mask    tokens whose bit is clear in the row's packed bitmask become -inf
+                      (structured output: a grammar engine on the host writes the mask)
   2. temperature      divide by T (rows with T <= 0 or NaN are greedy: argmax after step 1)
   3. top-k            keep the k best scores (ties at the k-th kept)
   4. top-p            of what top-k kept, the smallest best-first prefix whose mass reaches p
@@ -17,6 +19,12 @@ them, so an explicit -100 ban holds however the penalties moved a token. Bias be
 temperature; temperature before the filters (OpenAI, vLLM; llama.cpp applies it last), so
 top-p and min-p measure the distribution that is actually sampled; top-k before top-p, as in
 all three. Top-k, top-p and min-p then combine as an intersection of kept sets.
+The allowed mask comes after penalties and bias (a grammar's constraint is absolute: no bias
+can bring a disallowed token back) and before temperature and every filter, so greedy, top-k,
+top-p, min-p, "processed" logprobs and Gumbel-max all see only allowed tokens (top-p's mass is
+renormalized over them; the Gumbel-max kernel skips -inf tokens without drawing their noise). A
+row with no allowed token (with a finite score) returns token id -1: an error for that row, which the
+caller reports; penalty counts are then left with the id the unconstrained draw would give.
 
 "Off" values, per row: top_k <= 0 or >= V; top_p >= 1 (or NaN); min_p <= 0; bias 0;
 presence and frequency 0; repetition 1. The knobs' names, dtypes, off values and ranges are
@@ -61,6 +69,7 @@ class SamplerConfig:
     penalty_seed: int = 0  # ids per row that `penalty_add` can add to the counts in one step
     penalty_window: int = 0  # count only the last N tokens (0: every token since the reset)
     expose_counts: bool = False  # also return the counts after the step (tests, debugging)
+    allowed_mask: bool = False  # a [B, ceil(V/32)] int32 packed bitmask input (bit set = token allowed)
 
     def __post_init__(self):
         if not isinstance(self.logit_bias, int) or self.logit_bias < 0:
@@ -85,7 +94,7 @@ class SamplerConfig:
     @property
     def plain(self) -> bool:
         """Temperature and seed only: the issue-3 program."""
-        return not (self.filters or self.logit_bias or self.logprobs or self.penalties)
+        return not (self.filters or self.logit_bias or self.logprobs or self.penalties or self.allowed_mask)
 
     def knob_names(self) -> list[str]:
         """The program's knob inputs after temperature and seed, in order (the table in knobs.py)."""

@@ -19,14 +19,14 @@ class LogitsInput(torch.nn.Module):
         return logits
 
 
-def knob_examples(config: SamplerConfig, batch: int, per_row: bool) -> dict:
+def knob_examples(config: SamplerConfig, batch: int, per_row: bool, vocab: int | None = None) -> dict:
     """Example values (the off values) for every knob input of the table, shaped as the program takes them."""
     examples = {}
     for knob in KNOBS:
-        if knob.feature is None:
-            continue  # temperature and seed: the callers give their examples
+        if knob.feature is None or (knob.words and vocab is None):
+            continue  # temperature and seed: the callers give their examples; a bitmask needs the vocabulary
         rows = (batch,) if per_row or knob.rows_only else ()
-        shape = rows + ((width(knob, config),) if knob.width else ())
+        shape = rows + ((width(knob, config, vocab),) if knob.width else ())
         for i in knob.program_inputs:
             examples[i.name] = torch.full(shape, i.off, dtype=getattr(torch, i.dtype))
     return examples
@@ -58,7 +58,7 @@ def export_sampling_head(
     kwargs = {"temperature": torch.ones(shape)}
     if seeded:
         kwargs["seed"] = torch.zeros(shape, dtype=torch.int64)
-    examples = knob_examples(config, batch, per_row)
+    examples = knob_examples(config, batch, per_row, logits.shape[1])
     for name in config.knob_names():
         kwargs[name] = examples[name]
     # Checked eagerly: inside a strict (dynamo) trace the same error arrives wrapped.

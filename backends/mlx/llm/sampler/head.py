@@ -61,12 +61,13 @@ class SamplingHead(nn.Module):
 
     def forward(self, *args, temperature: torch.Tensor, seed: torch.Tensor | None = None, top_k=None,
                 top_p=None, min_p=None, bias_ids=None, bias_values=None, presence_penalty=None,
-                frequency_penalty=None, repetition_penalty=None, penalty_reset=None, penalty_add=None, **kwargs):
+                frequency_penalty=None, repetition_penalty=None, penalty_reset=None, penalty_add=None, allowed_mask=None, **kwargs):
         logits = last_position(self.model(*args, **kwargs))
         check_sample_args(logits, temperature, seed)
         knobs = dict(top_k=top_k, top_p=top_p, min_p=min_p, bias_ids=bias_ids, bias_values=bias_values,
                      presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                     repetition_penalty=repetition_penalty, penalty_reset=penalty_reset, penalty_add=penalty_add)
+                     repetition_penalty=repetition_penalty, penalty_reset=penalty_reset, penalty_add=penalty_add,
+                     allowed_mask=allowed_mask)
         check_knobs(self.config, logits, knobs)
         state = self.penalty_counts if self.penalty_counts is not None else self.penalty_window
         if state is not None and (state.shape[0] != logits.shape[0] or self.vocab != logits.shape[1]):

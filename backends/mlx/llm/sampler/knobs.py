@@ -20,7 +20,7 @@ INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 # Step k of a sequence draws with seed + k (and OpenAI choice i adds i * max_seq_len): a seed
 # within +-2**62 leaves 2**62 of room below int64's limit for those offsets.
 SEED_LIMIT = 2 ** 62
-DTYPES = ("float32", "int64")
+DTYPES = ("float32", "int64", "int32")
 
 
 class KnobError(ValueError):
@@ -36,14 +36,14 @@ class Input:
     """One program input a knob fills."""
 
     name: str
-    dtype: str  # "float32" or "int64"
+    dtype: str  # "float32", "int64" or "int32"
     off: float | int  # the value that leaves the logits as they are
 
 
 @dataclass(frozen=True)
 class Knob:
     name: str  # SamplingParams field, OpenAI / LMTP parameter, default input name
-    dtype: str  # of the value a caller gives: "float32" or "int64"
+    dtype: str  # of the value a caller gives: "float32", "int64" or "int32" (packed bits)
     off: float | int  # the default: the knob does nothing
     low: float | int | None  # valid range; None = unbounded on that side
     high: float | int | None
@@ -57,6 +57,7 @@ class Knob:
     api: bool = True  # an OpenAI and LMTP request parameter
     off_means: str | None = "off"  # how the off value reads in messages ("0 = off")
     width: bool = False  # the input is [rows, N], N = the feature's int value (else one value per row)
+    words: bool = False  # with width: N = ceil(V / 32) packed 32-bit words per row instead
     rows_only: bool = False  # always one value per row (else a program exported without per_row shares one)
     first: int | None = None  # internal knobs: the value on a sequence's first call
     openai_default: float | int | None = None  # when a request leaves it out (None: off)
@@ -65,7 +66,7 @@ class Knob:
 
     @property
     def integer(self) -> bool:
-        return self.dtype == "int64"
+        return self.dtype in ("int64", "int32")
 
     @property
     def program_inputs(self) -> tuple[Input, ...]:
@@ -148,6 +149,10 @@ KNOBS: tuple[Knob, ...] = (
          doc="internal: 1 zeroes the row's token counts before the step (a new sequence)"),
     Knob("penalty_add", "int64", -1, -1, None, "penalty_seed", None, cli=None, api=False, width=True,
          rows_only=True, doc="internal: ids added to the counts before the step, left-aligned, -1 = none"),
+    Knob("allowed_mask", "int32", -1, None, None, "allowed_mask", "mask", cli=None, api=False, width=True,
+         words=True, rows_only=True, off_means="unconstrained (all bits set)",
+         doc="internal: packed bitmask per row, bit j of word i allows token 32 i + j (llguidance/xgrammar "
+             "layout); applied after bias, before temperature and the filters"),
 )
 
 BY_NAME = {k.name: k for k in KNOBS}
@@ -162,8 +167,20 @@ def enabled(knob: Knob, config) -> bool:
     return knob.feature is None or bool(getattr(config, knob.feature))
 
 
-def width(knob: Knob, config) -> int | None:
-    return int(getattr(config, knob.feature)) if knob.width else None
+def width(knob: Knob, config, vocab: int | None = None) -> int | None:
+    """N of a [rows, N] input: the feature's int value, or ceil(vocab / 32) words for a bitmask."""
+    if not knob.width:
+        return None
+    if knob.words:
+        if vocab is None:
+            raise ValueError(f"{knob.name} is [rows, ceil(V / 32)]: the vocabulary size is needed")
+        return mask_words(vocab)
+    return int(getattr(config, knob.feature))
+
+
+def mask_words(vocab: int) -> int:
+    """32-bit words of a packed token bitmask over `vocab` tokens."""
+    return (vocab + 31) // 32
 
 
 def program_inputs(config) -> list[str]:

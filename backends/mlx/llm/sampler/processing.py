@@ -47,7 +47,7 @@ def check_knobs(config: SamplerConfig, logits: torch.Tensor, knobs: dict) -> Non
             if not knob.width:
                 _check_row_knob(i.name, knobs[i.name], batch, dtypes)
                 continue
-            t, n = knobs[i.name], width(knob, config)
+            t, n = knobs[i.name], width(knob, config, vocab)
             if not isinstance(t, torch.Tensor) or t.dtype not in dtypes:
                 raise TypeError(f"{i.name} must be a tensor with dtype in {[str(d) for d in dtypes]}")
             shapes = ((batch, n),) if knob.rows_only else ((n,), (batch, n))
@@ -67,6 +67,19 @@ def apply_logit_bias(x: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -
     values = values.to(torch.float32).expand(batch, -1)
     valid = (ids >= 0) & (ids < vocab)  # out-of-range ids are ignored, never clamped onto a real token
     return x.scatter_add(1, ids.clamp(0, vocab - 1), torch.where(valid, values, torch.zeros_like(values)))
+
+
+# Bit j of a 32-bit word, as int32 (bit 31 is the sign bit).
+_BITS = [1 << j if j < 31 else -(1 << 31) for j in range(32)]
+NO_ALLOWED_TOKEN = -1  # the token id of a row whose mask allows no token
+
+
+def unpack_mask(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, ceil(V/32)] int32 words -> [B, V] bool, bit j of word i = token 32 i + j (llguidance's and
+    xgrammar's layout); bits past V are ignored."""
+    bits = torch.tensor(_BITS, dtype=torch.int32)
+    allowed = (words.to(torch.int32).unsqueeze(-1) & bits) != 0
+    return allowed.reshape(words.shape[0], -1)[:, :vocab]
 
 
 def counts_for_step(counts: torch.Tensor, reset: torch.Tensor, add: torch.Tensor | None) -> torch.Tensor:
@@ -126,6 +139,8 @@ def process_and_sample(config: SamplerConfig, logits: torch.Tensor, temperature,
                             knobs["repetition_penalty"])
     if config.logit_bias:
         x = apply_logit_bias(x, knobs["bias_ids"], knobs["bias_values"])
+    if config.allowed_mask:
+        x = torch.where(unpack_mask(knobs["allowed_mask"], vocab), x, torch.full_like(x, float("-inf")))
     t = _rows(temperature, batch, torch.float32)
     thr = None
     if config.filters:
@@ -142,8 +157,11 @@ def process_and_sample(config: SamplerConfig, logits: torch.Tensor, temperature,
         counts = counts.scatter_add(1, tokens.unsqueeze(1), torch.ones_like(tokens, dtype=torch.int32).unsqueeze(1))
         counts_state.copy_(counts)
         extra = (counts.clone(),) if config.expose_counts else ()  # a separate tensor from the state
+    out = tokens
+    if config.allowed_mask:  # the counts and logprobs index with the drawn id, which -1 cannot
+        out = torch.where((x > float("-inf")).any(1), tokens, torch.full_like(tokens, NO_ALLOWED_TOKEN))
     if not config.logprobs:
-        return (tokens, *extra) if extra else tokens
+        return (out, *extra) if extra else out
     if config.logprobs_mode == "raw":
         scores = logits.to(torch.float32)
     else:
@@ -154,4 +172,4 @@ def process_and_sample(config: SamplerConfig, logits: torch.Tensor, temperature,
     dist = torch.log_softmax(scores, dim=-1)
     chosen = dist.gather(1, tokens.unsqueeze(1)).squeeze(1)
     top_logprobs, top_ids = torch.topk(dist, config.logprobs, dim=-1)
-    return (tokens, chosen, top_ids, top_logprobs, *extra)
+    return (out, chosen, top_ids, top_logprobs, *extra)

@@ -94,12 +94,12 @@ bool read_knobs(const Value& knobs, std::vector<KnobSpec>* out, std::string* err
     const Value* dtype = entry.find("dtype");
     const auto off = number(entry.find("off"));
     if (!name || name->kind != Value::Kind::String || !dtype || dtype->kind != Value::Kind::String ||
-        (dtype->text != "int64" && dtype->text != "float32") || !off) {
-      *error = where + " needs \"name\", \"dtype\" (int64 or float32) and a numeric \"off\"";
+        (dtype->text != "int64" && dtype->text != "int32" && dtype->text != "float32") || !off) {
+      *error = where + " needs \"name\", \"dtype\" (int64, int32 or float32) and a numeric \"off\"";
       return false;
     }
     spec.name = name->text;
-    spec.integer = dtype->text == "int64";
+    spec.integer = dtype->text != "float32";  // int32: the allowed-token bitmask words
     spec.off = *off;
     if (!bound(entry, "low", &spec.low) || !bound(entry, "high", &spec.high) ||
         !bound(entry, "first", &spec.first)) {

@@ -1,0 +1,175 @@
+"""Structured output on the host: llguidance matches a grammar and writes each step's allowed-token mask.
+
+A program exported with `--sampler mask` (SamplerConfig(allowed_mask=True)) takes a packed bitmask per
+row; the device applies it before temperature and every filter (llm/sampler/config.py). Here, per
+sequence, a `Matcher` turns a `Constraint` (JSON schema, any JSON object, regex, choice list, Lark or
+GBNF grammar) into that bitmask for the next token and advances with the token the device sampled.
+llguidance allows the end-of-sequence token only where the grammar accepts, and only it once the
+grammar is complete, so a constrained generation ends with EOS exactly when the output is whole.
+
+Why nothing overlaps within a sequence: step k+1's mask depends on step k's token, which is what the
+device returns, so the mask is computed between two calls (llguidance: tens of microseconds per token
+on these vocabularies, see README "Structured output"); the server computes the rows of one call
+together (`fill_masks`, llguidance's thread pool, GIL released).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from backends.mlx.llm.sampler.knobs import mask_words
+
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+# JSON as OpenAI's structured outputs print it, with no free whitespace: llguidance allows any run of
+# whitespace between tokens by default, and a model (a small one especially) can spend its whole budget
+# there. A schema's own "x-guidance" options override these.
+JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+EXPORT_HINT = "this program was exported without the allowed-token mask (export with --sampler ...,mask)"
+
+
+class ConstraintError(ValueError):
+    """A constraint that cannot be used (bad schema, regex or grammar; a program without the mask input),
+    or a generation the grammar cannot continue. The message names the problem in one line."""
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the output must match. `spec` per kind: json_schema: a dict or JSON text; json_object: None;
+    regex: the pattern; choice: a list of strings; grammar: Lark (llguidance's dialect) or GBNF text."""
+
+    kind: str
+    spec: object = None
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ConstraintError(f"unknown constraint kind {self.kind!r} (choose from {', '.join(KINDS)})")
+
+    def grammar(self) -> str:
+        """The llguidance grammar (not yet checked against a tokenizer: GrammarVocabulary.compile does)."""
+        from llguidance import LLMatcher, grammar_from
+
+        kind, spec = self.kind, self.spec
+        try:
+            if kind == "json_object":
+                return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_DEFAULTS)
+            if kind == "json_schema":
+                if isinstance(spec, str):
+                    try:
+                        spec = json.loads(spec)
+                    except json.JSONDecodeError as exc:
+                        raise ConstraintError(f"json_schema is not valid JSON: {exc}") from None
+                if not isinstance(spec, dict):
+                    raise ConstraintError(f"json_schema must be a JSON object, got {type(spec).__name__}")
+                return LLMatcher.grammar_from_json_schema(spec, defaults=JSON_DEFAULTS)
+            if kind == "choice":
+                if not (isinstance(spec, (list, tuple)) and spec and all(isinstance(c, str) and c for c in spec)):
+                    raise ConstraintError("choice must be a non-empty list of non-empty strings")
+                return grammar_from("choice", json.dumps(list(spec)))
+            if not isinstance(spec, str) or not spec:
+                raise ConstraintError(f"{kind} must be a non-empty string")
+            return LLMatcher.grammar_from_regex(spec) if kind == "regex" else grammar_from("grammar", spec)
+        except ConstraintError:
+            raise
+        except (ValueError, TypeError) as exc:
+            raise ConstraintError(f"{kind}: {_one_line(exc)}") from None
+
+
+def _one_line(message) -> str:
+    text = " ".join(str(message).split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+class GrammarVocabulary:
+    """llguidance's view of one program's tokenizer (built once per program: ~0.1-1 s)."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]):
+        from llguidance import LLTokenizer
+
+        if not eos_token_ids:
+            raise ConstraintError("structured output needs an end-of-sequence token, and this program has none")
+        self.vocab_size = vocab_size
+        self.words = mask_words(vocab_size)
+        self.tokenizer = LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+
+    def compile(self, constraint: Constraint) -> str:
+        """The grammar of `constraint`, checked against this vocabulary; ConstraintError names the problem."""
+        from llguidance import LLMatcher
+
+        grammar = constraint.grammar()
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
+        if is_error:
+            raise ConstraintError(f"invalid {constraint.kind}: {_one_line(messages[0] if messages else 'rejected')}")
+        return grammar
+
+    def matcher(self, constraint: Constraint) -> "Matcher":
+        return Matcher(self, self.compile(constraint))
+
+
+class Matcher:
+    """One sequence's grammar state: `mask()` for the next token, `advance(token)` with the one sampled."""
+
+    def __init__(self, vocab: GrammarVocabulary, grammar: str):
+        from llguidance import LLMatcher
+
+        self.words = vocab.words
+        self._m = LLMatcher(vocab.tokenizer, grammar, log_level=0)
+        self._check("the grammar")
+
+    def _check(self, what: str) -> None:
+        if self._m.is_error():
+            raise ConstraintError(f"{what}: {_one_line(self._m.get_error())}")
+
+    def mask(self, out: np.ndarray | None = None) -> np.ndarray:
+        """The packed bitmask ([ceil(V/32)] int32) of the tokens the grammar allows next."""
+        out = np.empty(self.words, dtype=np.int32) if out is None else out
+        self._m.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+        self._check("computing the mask")
+        return out
+
+    def advance(self, token: int) -> None:
+        if not self._m.consume_token(int(token)):
+            raise ConstraintError(f"the grammar rejected token {token}: {_one_line(self._m.get_error())}")
+
+    @property
+    def accepting(self) -> bool:
+        """The output so far is complete (EOS would be allowed)."""
+        return self._m.is_accepting()
+
+
+def fill_masks(matchers: list[Matcher | None], words: int) -> np.ndarray:
+    """[rows, words] int32: each constrained row's mask, all ones (unconstrained) elsewhere; the rows'
+    masks are computed in parallel by llguidance's executor, without the GIL."""
+    from llguidance import LLExecutor
+
+    out = np.full((len(matchers), words), -1, dtype=np.int32)
+    rows = [(m._m, i) for i, m in enumerate(matchers) if m is not None]
+    if len(rows) == 1:
+        matchers[rows[0][1]].mask(out[rows[0][1]])
+    elif rows:
+        global _EXECUTOR
+        if _EXECUTOR is None:
+            _EXECUTOR = LLExecutor()
+        _EXECUTOR.unsafe_compute_mask_ptr(rows, out.ctypes.data, words * 4, len(matchers))
+        for i, m in enumerate(matchers):
+            if m is not None:
+                m._check("computing the mask")
+    return out
+
+
+_EXECUTOR = None
+
+
+def vocabulary_for(pte, meta) -> GrammarVocabulary:
+    """The program's GrammarVocabulary, from the tokenizer.json inside it; ConstraintError when the program
+    has no mask input or no tokenizer.json."""
+    from backends.mlx.llm.decoder.tokenizer_files import tokenizer_json
+
+    if not meta.config.allowed_mask:
+        raise ConstraintError(EXPORT_HINT)
+    text = tokenizer_json(pte, meta)
+    if text is None:
+        raise ConstraintError("structured output needs the program's tokenizer (a tokenizer.json), and it has none")
+    return GrammarVocabulary(text, meta.vocab_size, meta.eos_token_ids)
