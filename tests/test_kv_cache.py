@@ -120,3 +120,21 @@ def test_unsupported_architectures_are_refused_by_name():
         StaticCacheLM(_llama(), max_seq_len=0)
     with pytest.raises(ValueError, match="exceeds the model's 128 positions"):
         StaticCacheLM(_llama(), max_seq_len=129)
+
+
+def test_a_program_loaded_on_one_thread_runs_on_another():
+    """The cache is allocated at load (not stored in the file); a server loads on one thread and calls from
+    another, and MLX evaluates an array only on the thread whose stream built it, so the loader materializes it."""
+    import threading
+
+    torch.manual_seed(0)
+    model = _llama().eval()
+    method = _logits_program(model)
+    a = torch.randint(0, VOCAB, (1, 6)).tolist()[0]
+    with torch.no_grad():
+        full = model(input_ids=torch.tensor([a]), use_cache=False).logits
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(out=_call(method, [a, a], [0, 0], [6, 6])))
+    worker.start()
+    worker.join(120)
+    torch.testing.assert_close(result["out"], torch.stack([full[0, 5], full[0, 5]]), atol=1e-5, rtol=1e-5)

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from backends.mlx.llm.builtin.model import DEFAULT_RECIPE, ensure_builtin_checkpoint
 from backends.mlx.llm.quantize.affine import quantize_model
-from backends.mlx.llm.quantize.perplexity import corpus_perplexity
+from backends.mlx.llm.builtin.perplexity import corpus_perplexity
 
 RECIPE = dataclasses.replace(DEFAULT_RECIPE, steps=60)
 

@@ -9,6 +9,7 @@
 #include <executorch/runtime/platform/log.h>
 #include <flatbuffers/flatbuffers.h>
 #include <mlx/ops.h>
+#include <mlx/transforms.h>
 
 #include "blob_header.h"
 
@@ -230,7 +231,10 @@ bool make_constant(const fb::Constant& c, size_t i, const std::shared_ptr<uint64
              data->size());
       return false;
     }
+    // Evaluated now: a lazy zeros would run on this (loading) thread's
+    // stream, which MLX does not let another thread's call evaluate.
     *out = mx::zeros(mshape, dt);
+    mx::eval(*out);
     return true;
   }
   if (numel > std::numeric_limits<uint64_t>::max() / itemsize ||
@@ -243,6 +247,7 @@ bool make_constant(const fb::Constant& c, size_t i, const std::shared_ptr<uint64
   }
   if (numel == 0) {
     *out = mx::zeros(mshape, dt);
+    mx::eval(*out);
     return true;
   }
   const uint8_t* src = data->data();
