@@ -39,6 +39,10 @@ _ids = itertools.count(1)
 FORCE_BIAS = 100.0
 
 
+class QueueFull(RuntimeError):
+    """Admission control: more requests wait for a row than the engine's max_queue."""
+
+
 @dataclass
 class TokenEvent:
     """One sampled token of a request, or its end. finish_reason: None while running, then "stop"
@@ -75,9 +79,10 @@ class _Row:
 
 class Engine:
     def __init__(self, program, meta: DecoderMeta, max_batch: int | None = None,
-                 request_timeout: float | None = None):
+                 request_timeout: float | None = None, max_queue: int | None = None):
         """program: anything with execute(inputs) -> outputs (a loaded method, a ProgramWorker or a
-        SupervisedProgram). request_timeout: seconds a request may take from submission (None: no limit)."""
+        SupervisedProgram). request_timeout: seconds a request may take from submission (None: no limit).
+        max_queue: requests that may wait for a row (default 8 x the rows); beyond it submit raises QueueFull."""
         if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int)
                                       or not 1 <= max_batch <= meta.batch):
             raise ValueError(f"max_batch must be an int in [1, {meta.batch}] (the program's batch), got {max_batch!r}")
@@ -86,6 +91,9 @@ class Engine:
         self.rows: list[_Row | None] = [None] * meta.batch
         self.usable = max_batch or meta.batch
         self.request_timeout = request_timeout
+        self.max_queue = max_queue or 8 * self.usable
+        self._queued = 0  # submitted, not yet in a row or gone; other threads add, this one takes away
+        self._queued_lock = threading.Lock()
         self.fatal: str | None = None  # why the engine stopped for good, if it did
         self.on_fatal: Callable[[], None] | None = None  # called on the engine thread when it does
         self._inbox: queue.Queue = queue.Queue()
@@ -117,13 +125,28 @@ class Engine:
                 raise ValueError("forced tokens and max_tokens disagree")
 
     def submit(self, request: EngineRequest) -> int:
-        self.check(request)
+        self.submit_all([request])
+        return request.id
+
+    def submit_all(self, requests: list[EngineRequest]) -> None:
+        """Queue all of them or none (QueueFull when they would not fit in max_queue)."""
+        for request in requests:
+            self.check(request)
         if not self.running:
             raise RuntimeError("the engine is not running")
-        if request.deadline is None and self.request_timeout is not None:
-            request.deadline = time.monotonic() + self.request_timeout
-        self._inbox.put(("add", request))
-        return request.id
+        with self._queued_lock:
+            if self._queued + len(requests) > self.max_queue:
+                raise QueueFull(f"the server is busy: {self._queued} requests are waiting (limit {self.max_queue}); "
+                                "retry later")
+            self._queued += len(requests)
+        for request in requests:
+            if request.deadline is None and self.request_timeout is not None:
+                request.deadline = time.monotonic() + self.request_timeout
+            self._inbox.put(("add", request))
+
+    def _unqueue(self, count: int = 1) -> None:
+        with self._queued_lock:
+            self._queued -= count
 
     def cancel(self, request_id: int) -> None:
         """Free the request's row before the next call (no-op once it finished)."""
@@ -165,6 +188,7 @@ class Engine:
         late = TokenEvent(None, finish_reason="error", error="the request ran past its deadline")
         for request in [r for r in self._waiting if r.deadline is not None and r.deadline <= now]:
             self._waiting.remove(request)
+            self._unqueue()
             self._emit(request, late)
         for slot, row in enumerate(self.rows):
             if row is not None and row.request.deadline is not None and row.request.deadline <= now:
@@ -193,6 +217,7 @@ class Engine:
         for request in list(self._waiting):
             if request.id == request_id:
                 self._waiting.remove(request)
+                self._unqueue()
                 self._emit(request, TokenEvent(None, finish_reason="cancelled"))
         for slot, row in enumerate(self.rows):
             if row is not None and row.request.id == request_id:
@@ -200,6 +225,7 @@ class Engine:
 
     def _end_all(self, reason: str, error: str | None) -> None:
         while self._waiting:
+            self._unqueue()
             self._emit(self._waiting.popleft(), TokenEvent(None, finish_reason=reason, error=error))
         for slot, row in enumerate(self.rows):
             if row is not None:
@@ -234,6 +260,7 @@ class Engine:
             slot = next(i for i in range(self.usable) if self.rows[i] is None)
             self.rows[slot] = _Row(request, feed=list(request.prompt))
             self._waiting.remove(request)
+            self._unqueue()
             self.active_rows += 1
         self.waiting = len(self._waiting)
 
