@@ -230,3 +230,56 @@ def test_zeros_constant_with_data_is_rejected(monkeypatch, capfd):
         g.constants[0].zeros = True
 
     _assert_rejected(_export_with(monkeypatch, _mangled(edit)), capfd, "marked zeros")
+
+
+class _Filled(torch.nn.Module):
+    def forward(self, a):
+        return a + torch.full((3, 4), 2.0)
+
+
+def _full_of(monkeypatch, rows: int, cols: int) -> bytes:
+    """_Filled exported with its FullNode's shape set to [rows, cols] (float32)."""
+    def edit(g):
+        node = next(i.node for i in g.instructions if type(i.node).__name__ == "FullNodeT")
+        node.shape[0].literal, node.shape[1].literal = rows, cols
+    monkeypatch.setattr(preprocess, "serialize", _mangled(edit))
+    return export_fn(_Filled(), [torch.zeros(3, 4)]).pte
+
+
+# Run in a child process: a crash (SIGSEGV inside MLX on a failed allocation) must show as a
+# signal there rather than take the test runner down.
+_RUN_BLOB = """
+import sys, torch
+from backends.mlx.runtime.runner import load_method
+try:
+    load_method(sys.argv[1]).execute([torch.zeros(3, 4)])
+except RuntimeError:
+    sys.exit(3)
+print("ran")
+"""
+
+
+def _run_child(pte: bytes, tmp_path, env=None):
+    import os
+    path = tmp_path / "bomb.pte"
+    path.write_bytes(pte)
+    return subprocess.run([sys.executable, "-c", _RUN_BLOB, str(path)], capture_output=True, text=True,
+                          timeout=300, cwd=HERE.parent, env={**os.environ, **(env or {})})
+
+
+@pytest.mark.parametrize("rows, cols", [(2 ** 31 - 1, 8),  # 64 GiB: under the old fixed 64 GiB cap
+                                        (2 ** 31 - 1, 2 ** 4 * 3)])  # beyond it
+def test_an_allocation_bomb_is_refused_before_allocating(monkeypatch, tmp_path, rows, cols):
+    import os
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGESIZE")
+    assert rows * cols * 4 > physical  # the premise: more than this machine has
+    proc = _run_child(_full_of(monkeypatch, rows, cols), tmp_path)
+    assert proc.returncode == 3, (proc.returncode, proc.stderr[-2000:])  # a clean error, not a signal
+    assert "ETMLX_MAX_ARRAY_BYTES" in proc.stderr or "too large" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_the_array_limit_can_be_lowered(monkeypatch, tmp_path):
+    pte = _full_of(monkeypatch, 3, 4)  # 48 bytes
+    assert _run_child(pte, tmp_path).stdout.strip() == "ran"
+    proc = _run_child(pte, tmp_path, env={"ETMLX_MAX_ARRAY_BYTES": "40"})
+    assert proc.returncode == 3 and "more than the 40 bytes one array may use" in proc.stderr, proc.stderr[-2000:]

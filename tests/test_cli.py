@@ -47,3 +47,16 @@ def test_language_model_demo_trains_exports_and_matches_transformers(tmp_path, c
     exported_at = pte.stat().st_mtime
     assert demo.main(pte, max_tokens=4, cache_dir=tmp_path / "cache", recipe=recipe, max_seq_len=64) == 0
     assert "exported from the current checkpoint" in capsys.readouterr().out and pte.stat().st_mtime == exported_at
+
+
+def test_bad_paths_and_absent_servers_are_one_line_errors(tmp_path):
+    text = tmp_path / "notes.txt"
+    text.write_text("hi\n")
+    cases = [(("inspect", str(tmp_path)), "is not a file"),
+             (("inspect", str(text)), "is not a readable ExecuTorch .pte"),
+             (("lmtp-client", "--url", "ws://127.0.0.1:9/lmtp", "--send", 'MODEL_INFO {"stream_id": 1}'),
+              "Cannot connect")]
+    for args, needle in cases:
+        out = _etmlx(*args, timeout=120)
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode != 0 and len(lines) == 1 and needle in lines[0], out.stderr[-2000:]

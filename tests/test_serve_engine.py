@@ -152,3 +152,33 @@ def test_bad_requests_are_refused_before_queueing():
         plain.submit(scoring)
     with pytest.raises(ValueError, match=r"max_batch must be an int in \[1, 2\]"):
         Engine(Recorder(_meta()), _meta(), max_batch=3)
+
+
+def _slipped(**values):
+    """SamplingParams holding values its own check refuses (as if a check were missing somewhere)."""
+    params = SamplingParams()
+    for name, value in values.items():
+        object.__setattr__(params, name, value)
+    return params
+
+
+@pytest.mark.parametrize("bad", [{"top_k": 10 ** 30}, {"seed": 2 ** 63 - 1}])  # the second overflows at seed + 1
+def test_a_value_that_fails_building_a_step_fails_only_its_row(bad):
+    meta = _meta(batch=3, config=SamplerConfig(logprobs=2, top_k=True, penalties=True))
+    solo = _engine(meta)
+    alone = []
+    solo.submit(_request([1, 2], 4, alone, seed=7))
+    while not (alone and alone[-1].finish_reason):
+        _turn(solo)
+    engine = _engine(meta)
+    a, b, c = [], [], []
+    engine.submit(_request([1, 2], 4, a, seed=7))
+    engine.submit(EngineRequest([3], _slipped(**bad), 4, b.append))
+    engine.submit(_request([1, 2], 4, c, seed=7))
+    while engine.active_rows or engine.waiting or not a:
+        _turn(engine)
+    assert [e.finish_reason for e in b] == (["error"] if "top_k" in bad else [None, "error"])
+    assert "invalid request values" in b[-1].error
+    expected = [(e.token, e.finish_reason) for e in alone]
+    assert [(e.token, e.finish_reason) for e in a] == expected == [(e.token, e.finish_reason) for e in c]
+    assert engine.active_rows == 0

@@ -266,7 +266,7 @@ def test_memory_stays_flat_over_200_sequential_requests(server, client):
     import os
 
     engine = server.service.engine
-    worker = engine.program._process.pid
+    worker = engine.program.worker.pid
 
     def burst(count, offset):
         for i in range(count):

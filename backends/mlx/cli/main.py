@@ -33,7 +33,14 @@ def _demo(args) -> int:
 def _inspect(args) -> int:
     from backends.mlx.exporter.inspect_pte import describe
 
-    print(describe(Path(args.pte)))
+    pte = Path(args.pte)
+    if not pte.is_file():
+        raise FileNotFoundError(f"{pte} is not a file (give the path of a .pte)")
+    try:
+        text = describe(pte)
+    except Exception as exc:  # noqa: BLE001 - any parse failure of a foreign file: say what it is not
+        raise ValueError(f"{pte} is not a readable ExecuTorch .pte ({type(exc).__name__}: {exc})") from None
+    print(text)
     return 0
 
 
@@ -119,6 +126,9 @@ def main(argv=None) -> int:
     except (FileNotFoundError, ValueError, TypeError) as exc:  # bad input: one clear line, no traceback
         print(f"etmlx: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a directory where a file goes, a server that is not there, a busy port
+        print(f"etmlx: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -7,10 +7,17 @@ from pathlib import Path
 
 
 def _serve(args) -> int:
-    from backends.mlx.serve.app import serve
+    from backends.mlx.serve.app import ServeLimits, serve
 
+    limits = ServeLimits(step_timeout=args.step_timeout or None, restart_attempts=args.restart_attempts,
+                         request_timeout=args.request_timeout, max_queue=args.max_queue,
+                         lmtp_inflight=args.lmtp_inflight, max_prompt_bytes=args.max_prompt_bytes)
+    try:
+        limits.check()
+    except ValueError as exc:
+        raise SystemExit(f"etmlx serve: {exc}") from None
     return serve(Path(args.pte), host=args.host, port=args.port, max_batch=args.max_batch,
-                 lmtp_port=args.lmtp_port, model_name=args.model_name)
+                 lmtp_port=args.lmtp_port, model_name=args.model_name, limits=limits)
 
 
 def _lmtp_client(args) -> int:
@@ -28,6 +35,20 @@ def add_parsers(sub) -> None:
                        help="rows decoded together (default: the batch the .pte was exported with)")
     serve.add_argument("--lmtp-port", type=int, default=None, help="also serve LMTP lines on this TCP port")
     serve.add_argument("--model-name", default=None, help="model id in the API (default: the .pte's stem)")
+    serve.add_argument("--step-timeout", type=float, default=120.0,
+                       help="seconds one program call may take; past it the worker is replaced and the rows of "
+                            "that call fail (default 120; 0 = no limit)")
+    serve.add_argument("--restart-attempts", type=int, default=3,
+                       help="tries to start a new program worker after one died; then the server exits 1 (default 3)")
+    serve.add_argument("--request-timeout", type=float, default=None,
+                       help="seconds a request may take from arrival to its last token (default: no limit)")
+    serve.add_argument("--max-queue", type=int, default=None,
+                       help="requests that may wait for a row; beyond it HTTP 429 / an LMTP error "
+                            "(default 8 x the rows)")
+    serve.add_argument("--lmtp-inflight", type=int, default=None,
+                       help="unfinished streams per LMTP connection (default 2 x the rows)")
+    serve.add_argument("--max-prompt-bytes", type=int, default=4 * 1024 * 1024,
+                       help="largest prompt text (UTF-8 bytes) of one request; beyond it HTTP 413 (default 4 MiB)")
     serve.set_defaults(func=_serve)
     client = sub.add_parser("lmtp-client", help="talk LMTP to `etmlx serve` (interactive, or --send)")
     client.add_argument("--url", default="ws://127.0.0.1:8000/lmtp")

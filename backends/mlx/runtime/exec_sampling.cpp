@@ -25,7 +25,9 @@ bool Interpreter::exec_random_bits(const fb::RandomBitsNode& n) {
   if (!resolve_new_shape(n.shape(), &shape, &numel)) return false;
   const int width = n.width();
   if (width != 1 && width != 2 && width != 4) return fail("has unsupported width %d (1, 2 or 4)", width);
-  if (numel > kMaxArrayBytes / 4) return fail("has a shape that is too large");
+  if (numel > max_array_bytes() / 4) {
+    return fail("has a shape larger than one array may use (physical memory; ETMLX_MAX_ARRAY_BYTES sets it)");
+  }
 
   std::optional<mx::array> seed;
   if (n.seed() != nullptr) {

@@ -80,10 +80,11 @@ bool Interpreter::write(const fb::Tid* t, mx::array a) {
   const auto numel = checked_numel(a.shape());
   if (!numel) return fail("produces a result of absurd size");
   const uint64_t nbytes = *numel * a.itemsize();
-  if (nbytes > kMaxArrayBytes) {
-    return fail("produces a %llu-byte result (limit %llu)",
+  if (nbytes > max_array_bytes()) {  // arrays are lazy: refused here, before anything allocates it
+    return fail("produces a %llu-byte result, more than the %llu bytes one array may use (physical "
+                "memory; ETMLX_MAX_ARRAY_BYTES sets it)",
                 static_cast<unsigned long long>(nbytes),
-                static_cast<unsigned long long>(kMaxArrayBytes));
+                static_cast<unsigned long long>(max_array_bytes()));
   }
   tensors_[idx] = std::move(a);
   return true;
@@ -311,6 +312,11 @@ bool Interpreter::exec_full(const fb::FullNode& n) {
   if (!resolve_new_shape(n.shape(), &shape, &numel)) return false;
   const auto dt = to_mlx(n.dtype());
   if (!dt) return fail("has unknown dtype %d", static_cast<int>(n.dtype()));
+  if (numel > max_array_bytes() / mx::size_of(*dt)) {
+    return fail("would create %llu elements of %zu bytes, more than the %llu bytes one array may use "
+                "(physical memory; ETMLX_MAX_ARRAY_BYTES sets it)", static_cast<unsigned long long>(numel),
+                static_cast<size_t>(mx::size_of(*dt)), static_cast<unsigned long long>(max_array_bytes()));
+  }
   const double v = n.value();
   std::optional<mx::array> scalar;
   if (*dt == mx::bool_) {

@@ -1,7 +1,11 @@
 // Size limits every exec_ applies to shapes that come from an untrusted blob.
 #pragma once
 
+#include <sys/resource.h>
+#include <unistd.h>
+
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <optional>
 
@@ -29,5 +33,30 @@ std::optional<uint64_t> checked_numel(const Dims& shape, bool skip_minus_one = f
   return n;
 }
 
+// The largest array the runtime may create (bytes): the machine's physical memory, or the
+// address-space limit (RLIMIT_AS) if lower, or ETMLX_MAX_ARRAY_BYTES if set; never more than
+// kMaxArrayBytes. Larger arrays are refused before they are allocated: MLX turns a failed
+// allocation into a write through a null pointer (SIGSEGV), so it must never be asked.
+inline uint64_t max_array_bytes() {
+  static const uint64_t limit = [] {
+    uint64_t bytes = kMaxArrayBytes;
+    if (const char* env = std::getenv("ETMLX_MAX_ARRAY_BYTES"); env != nullptr && *env != '\0') {
+      char* end = nullptr;
+      const unsigned long long v = std::strtoull(env, &end, 10);
+      if (end != nullptr && *end == '\0' && v > 0 && v < bytes) bytes = v;
+      return bytes;
+    }
+    const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    if (pages > 0 && page > 0 && static_cast<uint64_t>(pages) < bytes / static_cast<uint64_t>(page)) {
+      bytes = static_cast<uint64_t>(pages) * static_cast<uint64_t>(page);
+    }
+    rlimit as{};
+    if (getrlimit(RLIMIT_AS, &as) == 0 && as.rlim_cur != RLIM_INFINITY && as.rlim_cur < bytes) {
+      bytes = as.rlim_cur;
+    }
+    return bytes;
+  }();
+  return limit;
+}
 
 }  // namespace etmlx

@@ -1,7 +1,10 @@
 """The server process: load the .pte once, start the engine, serve HTTP (OpenAI API, /health, LMTP
 over WebSocket) and optionally LMTP lines over plain TCP; stop cleanly on SIGINT/SIGTERM.
 
-    etmlx serve FILE.pte [--host 127.0.0.1] [--port 8000] [--max-batch N] [--lmtp-port P]
+    etmlx serve FILE.pte [--host 127.0.0.1] [--port 8000] [--max-batch N] [--lmtp-port P] [limits]
+
+Limits (ServeLimits): the per-step deadline and restart attempts of the program worker, an optional
+per-request deadline, the admission queue and the prompt size.
 
 `ServerThread` runs the same server on a background thread (tests, benchmarks).
 """
@@ -14,6 +17,7 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from aiohttp import web
@@ -21,13 +25,37 @@ from aiohttp import web
 from backends.mlx.llm.decoder.meta import DecoderMeta
 from backends.mlx.llm.decoder.tokenizer_files import load_tokenizer
 from backends.mlx.serve.engine import Engine
-from backends.mlx.serve.program_worker import ProgramWorker
 from backends.mlx.serve.service import Service
+from backends.mlx.serve.supervisor import SupervisedProgram
 
 log = logging.getLogger("etmlx.serve")
 
 
-def load_service(pte: Path, max_batch: int | None = None, model_name: str | None = None) -> Service:
+@dataclass
+class ServeLimits:
+    step_timeout: float | None = 120.0  # seconds one program call may take before the worker is replaced
+    restart_attempts: int = 3  # tries to start a new worker before the server exits non-zero
+    request_timeout: float | None = None  # seconds a request may take (None: no limit)
+    max_queue: int | None = None  # requests waiting for a row; None: 8 x the rows
+    lmtp_inflight: int | None = None  # unfinished streams per LMTP connection; None: 2 x the rows
+    max_prompt_bytes: int = 4 * 1024 * 1024  # a request's prompt text (UTF-8); beyond it 413
+
+    def check(self) -> None:
+        for name in ("step_timeout", "request_timeout"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds, got {value}")
+        for name in ("restart_attempts", "max_queue", "lmtp_inflight", "max_prompt_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < (0 if name == "restart_attempts" else 1):
+                raise ValueError(f"--{name.replace('_', '-')} must be >= {0 if name == 'restart_attempts' else 1}, "
+                                 f"got {value}")
+
+
+def load_service(pte: Path, max_batch: int | None = None, model_name: str | None = None,
+                 limits: ServeLimits | None = None) -> Service:
+    limits = limits or ServeLimits()
+    limits.check()
     pte = Path(pte)
     if not pte.is_file():
         raise FileNotFoundError(f"{pte} does not exist")
@@ -36,24 +64,33 @@ def load_service(pte: Path, max_batch: int | None = None, model_name: str | None
         raise ValueError(f"--max-batch must be in [1, {meta.batch}]: {pte} was exported with batch {meta.batch} "
                          "(re-export with --batch N for more rows)")
     tokenizer = load_tokenizer(pte, meta)
-    engine = Engine(ProgramWorker(pte), meta, max_batch=max_batch, pte=pte).start()
-    return Service(meta=meta, tokenizer=tokenizer, engine=engine, model_name=model_name or pte.stem)
+    program = SupervisedProgram.for_pte(pte, step_timeout=limits.step_timeout, attempts=limits.restart_attempts)
+    engine = Engine(program, meta, max_batch=max_batch, request_timeout=limits.request_timeout,
+                    max_queue=limits.max_queue, pte=pte).start()
+    return Service(meta=meta, tokenizer=tokenizer, engine=engine, model_name=model_name or pte.stem,
+                   max_prompt_bytes=limits.max_prompt_bytes,
+                   lmtp_inflight=limits.lmtp_inflight or 2 * engine.usable)
 
 
 def make_app(service: Service) -> web.Application:
     from backends.mlx.serve.lmtp_routes import LmtpRoutes
     from backends.mlx.serve.openai_routes import OpenAIRoutes
 
-    app = web.Application(client_max_size=8 * 1024 * 1024)
+    # The body may hold the largest prompt allowed plus the rest of the request (JSON escapes
+    # can make a prompt's text up to 6x longer; such bodies are refused with 413 by aiohttp).
+    app = web.Application(client_max_size=service.max_prompt_bytes * 2 + 1024 * 1024)
     OpenAIRoutes(service).add_to(app)
     lmtp = LmtpRoutes(service)
     lmtp.add_to(app)
 
     async def health(request: web.Request) -> web.Response:
         engine = service.engine  # plain ints the engine thread writes: no lock, no wait on the engine
-        return web.json_response({"status": "ok" if engine.running else "stopped", "active_rows": engine.active_rows,
-                                  "waiting": engine.waiting, "steps": engine.steps, "tokens": engine.tokens},
-                                 status=200 if engine.running else 503)
+        up = getattr(engine.program, "up", True)
+        status = "stopped" if not engine.running else "ok" if up else "restarting"
+        return web.json_response({"status": status, "active_rows": engine.active_rows, "waiting": engine.waiting,
+                                  "steps": engine.steps, "tokens": engine.tokens,
+                                  "worker_restarts": getattr(engine.program, "restarts", 0)},
+                                 status=200 if status == "ok" else 503)
 
     app.router.add_get("/health", health)
     app["lmtp"] = lmtp
@@ -93,17 +130,22 @@ class Server:
 
 
 def serve(pte: Path, host: str = "127.0.0.1", port: int = 8000, max_batch: int | None = None,
-          lmtp_port: int | None = None, model_name: str | None = None) -> int:
+          lmtp_port: int | None = None, model_name: str | None = None, limits: ServeLimits | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     # The engine thread's Python work between program calls holds the GIL; a short switch
     # interval bounds how long the event loop can wait for it.
     sys.setswitchinterval(0.001)
     started = time.perf_counter()
-    service = load_service(pte, max_batch, model_name)
+    service = load_service(pte, max_batch, model_name, limits)
 
     async def main() -> None:
         server = Server(service, host, port, lmtp_port)
-        await server.start()
+        try:
+            await server.start()
+        except OSError as exc:  # e.g. the port is taken
+            await asyncio.get_running_loop().run_in_executor(None, service.engine.stop)
+            service.engine.program.close()
+            raise SystemExit(f"etmlx serve: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
         meta = service.meta
         lines = f", LMTP lines on {host}:{server.lmtp_port}" if server.lmtp_port is not None else ""
         log.info("serving %s (%d rows, max_seq_len %d) on http://%s:%d%s; ready in %.1f s", service.model_name,
@@ -112,12 +154,18 @@ def serve(pte: Path, host: str = "127.0.0.1", port: int = 8000, max_batch: int |
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        service.engine.on_fatal = lambda: loop.call_soon_threadsafe(stop.set)  # the worker is gone for good
+        if not service.engine.running:
+            stop.set()
         await stop.wait()
         log.info("shutting down: aborting %d active and %d waiting requests", service.engine.active_rows,
                  service.engine.waiting)
         await server.stop()
 
     asyncio.run(main())
+    if service.engine.fatal:
+        log.error("exiting: %s", service.engine.fatal)
+        return 1
     return 0
 
 
@@ -125,8 +173,8 @@ class ServerThread:
     """The server on a background thread and event loop: start(), .port, stop()."""
 
     def __init__(self, pte: Path, host: str = "127.0.0.1", port: int = 0, max_batch: int | None = None,
-                 lmtp_port: int | None = None, model_name: str | None = None):
-        self.service = load_service(pte, max_batch, model_name)
+                 lmtp_port: int | None = None, model_name: str | None = None, limits: ServeLimits | None = None):
+        self.service = load_service(pte, max_batch, model_name, limits)
         self.server = Server(self.service, host, port, lmtp_port)
         self.loop = asyncio.new_event_loop()
         self._ready = threading.Event()

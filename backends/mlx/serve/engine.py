@@ -9,6 +9,10 @@ call and cache position, so a request gets the tokens it would get alone.
 Hand-off: other threads call `submit` / `cancel` (a queue.Queue into this thread); results go out
 through each request's `sink`, called on this thread (the server wraps it in
 loop.call_soon_threadsafe). A cancelled or finished row is freed before the next call.
+
+Failures stay as small as they can: a value that cannot be laid out fails only its row; a program
+call that fails fails the rows of that call; a program with `recover()` (serve/supervisor.py) is
+then brought back up, and when it cannot be the engine stops (`fatal`, `on_fatal`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -36,6 +41,10 @@ log = logging.getLogger("etmlx.serve")
 _ids = itertools.count(1)
 # Logit bias that forces a scored token; raw logprobs are unaffected by bias (see scoring below).
 FORCE_BIAS = 100.0
+
+
+class QueueFull(RuntimeError):
+    """Admission control: more requests wait for a row than the engine's max_queue."""
 
 
 @dataclass
@@ -62,6 +71,7 @@ class EngineRequest:
     # Structured output: the grammar the row's tokens must match; Engine.check compiles it into `matcher`.
     constraint: Constraint | None = None
     matcher: Matcher | None = None
+    deadline: float | None = None  # time.monotonic() by which it must finish; None: the engine's default
     id: int = field(default_factory=lambda: next(_ids))
 
 
@@ -83,9 +93,12 @@ def _advance(matcher: Matcher, token: int) -> bool:
 
 
 class Engine:
-    def __init__(self, program, meta: DecoderMeta, max_batch: int | None = None, pte=None):
-        """program: anything with execute(inputs) -> outputs (a loaded method or a ProgramWorker); pte: the
-        program's file, where structured output reads the tokenizer from."""
+    def __init__(self, program, meta: DecoderMeta, max_batch: int | None = None,
+                 request_timeout: float | None = None, max_queue: int | None = None, pte=None):
+        """program: anything with execute(inputs) -> outputs (a loaded method, a ProgramWorker or a
+        SupervisedProgram). request_timeout: seconds a request may take from submission (None: no limit).
+        max_queue: requests that may wait for a row (default 8 x the rows); beyond it submit raises QueueFull.
+        pte: the program's file, where structured output reads the tokenizer from."""
         if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int)
                                       or not 1 <= max_batch <= meta.batch):
             raise ValueError(f"max_batch must be an int in [1, {meta.batch}] (the program's batch), got {max_batch!r}")
@@ -95,6 +108,12 @@ class Engine:
         self._vocabulary = None  # llguidance's view of the tokenizer, built on the first constrained request
         self.rows: list[_Row | None] = [None] * meta.batch
         self.usable = max_batch or meta.batch
+        self.request_timeout = request_timeout
+        self.max_queue = max_queue or 8 * self.usable
+        self._queued = 0  # submitted, not yet in a row or gone; other threads add, this one takes away
+        self._queued_lock = threading.Lock()
+        self.fatal: str | None = None  # why the engine stopped for good, if it did
+        self.on_fatal: Callable[[], None] | None = None  # called on the engine thread when it does
         self._inbox: queue.Queue = queue.Queue()
         self._waiting: deque[EngineRequest] = deque()
         self._thread = threading.Thread(target=self._run, name="etmlx-engine", daemon=True)
@@ -131,11 +150,28 @@ class Engine:
             request.matcher = self._vocabulary.matcher(request.constraint)
 
     def submit(self, request: EngineRequest) -> int:
-        self.check(request)
+        self.submit_all([request])
+        return request.id
+
+    def submit_all(self, requests: list[EngineRequest]) -> None:
+        """Queue all of them or none (QueueFull when they would not fit in max_queue)."""
+        for request in requests:
+            self.check(request)
         if not self.running:
             raise RuntimeError("the engine is not running")
-        self._inbox.put(("add", request))
-        return request.id
+        with self._queued_lock:
+            if self._queued + len(requests) > self.max_queue:
+                raise QueueFull(f"the server is busy: {self._queued} requests are waiting (limit {self.max_queue}); "
+                                "retry later")
+            self._queued += len(requests)
+        for request in requests:
+            if request.deadline is None and self.request_timeout is not None:
+                request.deadline = time.monotonic() + self.request_timeout
+            self._inbox.put(("add", request))
+
+    def _unqueue(self, count: int = 1) -> None:
+        with self._queued_lock:
+            self._queued -= count
 
     def cancel(self, request_id: int) -> None:
         """Free the request's row before the next call (no-op once it finished)."""
@@ -152,21 +188,44 @@ class Engine:
     def _run(self) -> None:
         try:
             while self._drain():
+                self._keep_program_up()
+                self._expire()
                 self._admit()
                 if self.active_rows:
                     self._step()
-        except Exception:  # never die silently: end every request with the error
+        except Exception as exc:  # never die silently: end every request with the error
             log.exception("engine loop failed")
-            self._end_all("error", "the engine stopped after an internal error")
+            self.fatal = f"the engine stopped: {exc}"
+            self._end_all("error", self.fatal)
         finally:
             self.running = False
+        if self.fatal and self.on_fatal is not None:
+            self.on_fatal()
+
+    def _keep_program_up(self) -> None:
+        """Restart a program that lost its worker (raises when it cannot be restarted)."""
+        recover = getattr(self.program, "recover", None)
+        if recover is not None:
+            recover()
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        late = TokenEvent(None, finish_reason="error", error="the request ran past its deadline")
+        for request in [r for r in self._waiting if r.deadline is not None and r.deadline <= now]:
+            self._waiting.remove(request)
+            self._unqueue()
+            self._emit(request, late)
+        for slot, row in enumerate(self.rows):
+            if row is not None and row.request.deadline is not None and row.request.deadline <= now:
+                self._free(slot, late)
+        self.waiting = len(self._waiting)
 
     def _drain(self) -> bool:
         """Apply queued submissions and cancellations; False when asked to stop."""
         idle = not self.active_rows and not self._waiting
         while True:
-            try:
-                kind, value = self._inbox.get(block=idle)
+            try:  # idle: wake up now and then to check on the program and on deadlines
+                kind, value = self._inbox.get(block=idle, timeout=1.0 if idle else None)
             except queue.Empty:
                 return True
             idle = False
@@ -183,6 +242,7 @@ class Engine:
         for request in list(self._waiting):
             if request.id == request_id:
                 self._waiting.remove(request)
+                self._unqueue()
                 self._emit(request, TokenEvent(None, finish_reason="cancelled"))
         for slot, row in enumerate(self.rows):
             if row is not None and row.request.id == request_id:
@@ -190,6 +250,7 @@ class Engine:
 
     def _end_all(self, reason: str, error: str | None) -> None:
         while self._waiting:
+            self._unqueue()
             self._emit(self._waiting.popleft(), TokenEvent(None, finish_reason=reason, error=error))
         for slot, row in enumerate(self.rows):
             if row is not None:
@@ -224,15 +285,19 @@ class Engine:
             slot = next(i for i in range(self.usable) if self.rows[i] is None)
             self.rows[slot] = _Row(request, feed=list(request.prompt))
             self._waiting.remove(request)
+            self._unqueue()
             self.active_rows += 1
         self.waiting = len(self._waiting)
 
-    def _step(self) -> None:
+    def _call_inputs(self, only: int | None = None, masks=None) -> list[torch.Tensor]:
+        """The program inputs of the next call; `only`: that row alone (the others idle), to find
+        which row a value that cannot be laid out belongs to."""
         meta = self.meta
-        width = max(len(row.feed) for row in self.rows if row is not None)
+        rows = [row if only is None or slot == only else None for slot, row in enumerate(self.rows)]
+        width = max(len(row.feed) for row in rows if row is not None)
         tokens = torch.zeros(meta.batch, width, dtype=torch.int64)
         starts, lengths, params, steps, resets = [], [], [], [], []
-        for slot, row in enumerate(self.rows):
+        for slot, row in enumerate(rows):
             if row is None:  # an idle slot computes a throwaway token at position 0 of its own cache
                 starts.append(0), lengths.append(1), params.append(SamplingParams()), steps.append(0)
                 resets.append(True)
@@ -245,24 +310,58 @@ class Engine:
                 params.append(SamplingParams(logit_bias={request.forced[row.produced]: FORCE_BIAS}))
             else:
                 params.append(request.params)
+        return step_inputs(meta, tokens, starts, lengths, params, steps, resets, masks=masks)
+
+    def _row_masks(self):
+        """(masks, ok): the allowed-token masks of the next call (None: no row is constrained); ok is
+        False when a grammar is in an error state, which ends every constrained row and this turn."""
         matchers = [row.request.matcher if row is not None else None for row in self.rows]
-        masks = None
-        if any(m is not None for m in matchers):
-            try:
-                masks = fill_masks(matchers, mask_words(meta.vocab_size))
-            except ConstraintError as exc:  # a grammar in an error state: end every constrained row
-                for slot, m in enumerate(matchers):
-                    if m is not None:
-                        self._free(slot, TokenEvent(None, finish_reason="error", error=str(exc)))
-                return
+        if all(m is None for m in matchers):
+            return None, True
         try:
-            outputs = self.program.execute(step_inputs(meta, tokens, starts, lengths, params, steps, resets,
-                                                       masks=masks))
+            return fill_masks(matchers, mask_words(self.meta.vocab_size)), True
+        except ConstraintError as exc:
+            for slot, m in enumerate(matchers):
+                if m is not None:
+                    self._free(slot, TokenEvent(None, finish_reason="error", error=str(exc)))
+            return None, False
+
+    def _isolate(self, error: Exception, masks) -> None:
+        """Building the call failed: free only the rows whose own values fail (each tried alone);
+        the others run at the next turn, untouched (nothing ran, so no state moved)."""
+        bad = []
+        for slot, row in enumerate(self.rows):
+            if row is None:
+                continue
+            try:
+                self._call_inputs(only=slot, masks=masks)
+            except Exception as exc:  # noqa: BLE001 - any failure of this row's values is this row's
+                bad.append((slot, exc))
+        if not bad:  # no single row explains it: a bug, not a value; fail the call's rows
+            log.error("building a step failed for no single row: %s", error)
+            bad = [(slot, error) for slot, row in enumerate(self.rows) if row is not None]
+        for slot, exc in bad:
+            log.warning("request %d failed while building a step: %s", self.rows[slot].request.id, exc)
+            self._free(slot, TokenEvent(None, finish_reason="error", error=f"invalid request values: {exc}"))
+
+    def _step(self) -> None:
+        meta = self.meta
+        masks, ok = self._row_masks()
+        if not ok:
+            return
+        try:
+            inputs = self._call_inputs(masks=masks)
+        except Exception as exc:  # noqa: BLE001 - a row's value that slipped past the checks
+            self._isolate(exc, masks)
+            return
+        try:
+            outputs = self.program.execute(inputs)
         except Exception as exc:
-            log.exception("program call failed")
+            log.error("program call failed: %s", exc)
             for slot, row in enumerate(self.rows):
                 if row is not None:
                     self._free(slot, TokenEvent(None, finish_reason="error", error=str(exc)))
+            self._keep_program_up()
             return
         self.steps += 1
         sampled = outputs[0].tolist()

@@ -13,6 +13,9 @@ Out: TOKEN [{"token", "stream_id", "logprob", "finish_reason", "top_logprobs": {
      top_logprobs. A stream that fails gets TOKEN [{"stream_id", "error", "finish_reason": "error"}];
      a line that names no usable stream gets MSG {"stream_id": null, "error"}. The connection stays.
      MSG {"stream_id", "model_info": {...}} answers MODEL_INFO.
+Limits: at most `service.lmtp_inflight` unfinished streams per connection, the engine's queue
+(a full one is a stream error saying so) and the prompt size; text prompts are tokenized off the
+event loop.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 from typing import Awaitable, Callable
 
 from backends.mlx.llm.decoder.prompt import encode_prompt
@@ -97,11 +101,12 @@ class LmtpSession:
         if not isinstance(payload, dict):
             return await self._message(None, error=f"malformed line: {kind} takes a JSON object")
         stream_id = payload.get("stream_id")
-        if stream_id is None or isinstance(stream_id, (bool, dict, list)):
+        if (stream_id is None or isinstance(stream_id, (bool, dict, list))
+                or isinstance(stream_id, float) and not math.isfinite(stream_id)):
             return await self._message(None, error=f"{kind} needs a 'stream_id' (an int or a string)")
         try:
             await handler(stream_id, payload)
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, RuntimeError) as exc:  # RuntimeError: queue full, engine stopped
             await self._stream_error(stream_id, str(exc))
 
     async def _model_info(self, stream_id, payload) -> None:
@@ -116,6 +121,9 @@ class LmtpSession:
     def _check_new(self, stream_id, payload) -> None:
         if stream_id in self.streams:
             raise LmtpError(f"stream {stream_id!r} is still running")
+        if len(self.streams) >= self.service.lmtp_inflight:
+            raise LmtpError(f"this connection has {len(self.streams)} unfinished streams (the limit): wait for one "
+                            "to finish")
         model = payload.get("model")
         if model not in (None, "", self.service.model_name):
             raise LmtpError(f"unknown model {model!r}: this server serves {self.service.model_name!r}")
@@ -123,7 +131,15 @@ class LmtpSession:
     async def _generate(self, stream_id, payload) -> None:
         self._check_new(stream_id, payload)
         meta = self.service.meta
-        prompt = prompt_ids(payload.get("prompt"), self.service.tokenizer, meta.vocab_size)
+        text = payload.get("prompt")
+        if isinstance(text, str):
+            try:
+                self.service.check_prompt_size(len(text.encode("utf-8")))
+            except UnicodeEncodeError as exc:
+                raise LmtpError(f"the prompt is not valid Unicode (a lone surrogate at character {exc.start})") \
+                    from None
+        # Tokenizing a large text prompt takes a while: off the event loop.
+        prompt = await self.service.off_loop(prompt_ids, text, self.service.tokenizer, meta.vocab_size)
         params = generate_params(payload)
         try:  # response_format / structured_outputs, as the OpenAI endpoints take them
             constraint = constraint_from_body(payload)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+
+import jinja2
 import random
 from dataclasses import dataclass, field
 
@@ -24,6 +26,40 @@ from backends.mlx.serve.api_errors import ApiError
 
 MAX_N = 16
 MAX_STOPS = 4
+# OpenAI fields this server does not implement: a 400 naming the field rather than silently
+# ignoring it (a client relying on them would get a different answer than it asked for).
+UNSUPPORTED = ("best_of", "echo", "suffix", "tools", "tool_choice", "functions", "function_call")
+
+
+def check_unsupported(body: dict) -> None:
+    harmless = {"best_of": 1, "tool_choice": "none"}  # the values that ask for nothing beyond plain decoding
+    for name in UNSUPPORTED:
+        value = body.get(name)
+        if value is None or value is False or value == [] or value == harmless.get(name):
+            continue
+        raise ApiError(f"'{name}' is not supported by this server", param=name)
+
+
+def prompt_text_bytes(body: dict, chat: bool) -> int:
+    """The UTF-8 size of a request's prompt text (what tokenizing costs), before any tokenizing.
+    A lone surrogate (invalid Unicode) is a 400 naming the parameter."""
+    if chat:
+        messages = body.get("messages")
+        texts = [m.get("content") for m in messages if isinstance(m, dict)] if isinstance(messages, list) else []
+        texts = [p.get("text") if isinstance(p, dict) else p for t in texts
+                 for p in (t if isinstance(t, list) else [t])]
+    else:
+        prompt = body.get("prompt")
+        texts = prompt if isinstance(prompt, list) else [prompt]
+    total = 0
+    for text in texts:
+        if isinstance(text, str):
+            try:
+                total += len(text.encode("utf-8"))
+            except UnicodeEncodeError as exc:
+                raise ApiError(f"the {'messages' if chat else 'prompt'} text is not valid Unicode (a lone surrogate "
+                               f"at character {exc.start})", param="messages" if chat else "prompt") from None
+    return total
 
 
 @dataclass
@@ -179,6 +215,8 @@ def chat_prompt(body: dict, tokenizer) -> list[int]:
         return prompt_rules.chat_prompt(tokenizer, body.get("messages"))
     except (ValueError, TypeError) as exc:
         raise ApiError(str(exc).replace("messages must", "'messages' must", 1), param="messages") from None
+    except jinja2.TemplateError as exc:  # the template itself refuses them (e.g. a role it does not know)
+        raise ApiError(f"the model's chat template rejected the messages: {exc}", param="messages") from None
 
 
 def completion_prompt(body: dict, tokenizer, meta: DecoderMeta) -> list[int]:

@@ -15,15 +15,17 @@ from aiohttp import web
 from backends.mlx.serve import openai_format as fmt
 from backends.mlx.serve.api_errors import ApiError
 from backends.mlx.serve.choice_text import ChoiceText, Piece
-from backends.mlx.serve.openai_params import Job, build_job, chat_prompt, check_model, completion_prompt
+from backends.mlx.serve.engine import QueueFull
+from backends.mlx.serve.openai_params import (Job, build_job, chat_prompt, check_model, check_unsupported,
+                                              completion_prompt, prompt_text_bytes)
+from backends.mlx.serve.service import PromptTooLarge, Service
 from backends.mlx.serve.structured_params import constraint_from_body
-from backends.mlx.serve.service import Service
 
 _STARTED = int(time.time())
 
 
 def error_response(error: ApiError) -> web.Response:
-    return web.json_response(error.body(), status=error.status)
+    return web.json_response(error.body(), status=error.status, headers=error.headers)
 
 
 async def _body(request: web.Request) -> dict:
@@ -63,8 +65,11 @@ class OpenAIRoutes:
         try:
             body = await _body(request)
             check_model(body, service.model_name)
-            prompt = (chat_prompt(body, service.tokenizer) if chat
-                      else completion_prompt(body, service.tokenizer, service.meta))
+            check_unsupported(body)
+            service.check_prompt_size(prompt_text_bytes(body, chat))
+            # Templating and tokenizing a large prompt take a while: off the event loop.
+            prompt = await (service.off_loop(chat_prompt, body, service.tokenizer) if chat
+                            else service.off_loop(completion_prompt, body, service.tokenizer, service.meta))
             job = build_job(body, service.meta, prompt, chat=chat)
             texts = [ChoiceText(service.tokenizer, prompt, job.stops, service.meta.eos_token_ids)
                      for _ in job.choices]
@@ -75,6 +80,11 @@ class OpenAIRoutes:
             first = await _first(events)  # submission errors surface here, before any response starts
         except ApiError as error:
             return error_response(error)
+        except PromptTooLarge as exc:
+            return error_response(ApiError(str(exc), status=413, param="messages" if chat else "prompt"))
+        except QueueFull as exc:
+            return error_response(ApiError(str(exc), status=429, type="rate_limit_error", code="queue_full",
+                                           headers={"Retry-After": "1"}))
         except (ValueError, TypeError) as exc:
             return error_response(ApiError(str(exc)))
         except RuntimeError as exc:  # the engine stopped (shutting down)

@@ -6,13 +6,19 @@ the event loop during each step and /health would wait for the engine. The child
 (`python -m backends.mlx.serve.program_worker FILE.pte`) owns the program; the engine thread
 writes each call's inputs to its stdin and blocks reading its reply, which releases the GIL.
 Frames are a 4-byte length, a kind byte and a pickle of numpy arrays (a few small tensors).
+
+The parent reads with a deadline (`step_timeout`): a worker that died (EOF) or stopped answering
+(a stopped or wedged process) raises WorkerDied and is killed; serve/supervisor.py restarts it.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import select
+import signal
 import struct
+import time
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +43,26 @@ def _read(stream) -> tuple[bytes, bytes]:
     if len(body) < size:
         raise EOFError("the other side closed the pipe mid-frame")
     return body[:1], body[1:]
+
+
+class WorkerDied(RuntimeError):
+    """The worker exited or missed its deadline; it has been killed and holds no state any more."""
+
+
+def _read_within(fd: int, size: int, deadline: float | None) -> bytes:
+    """`size` bytes from a raw pipe, or TimeoutError at `deadline` (time.monotonic), EOFError at EOF."""
+    chunks, left = [], size
+    while left:
+        if deadline is not None:
+            wait = deadline - time.monotonic()
+            if wait <= 0 or not select.select([fd], [], [], wait)[0]:
+                raise TimeoutError
+        chunk = os.read(fd, min(left, 1 << 20))
+        if not chunk:
+            raise EOFError
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
 
 
 def _encode(tensors) -> bytes:
@@ -76,29 +102,69 @@ def _child_main(pte: str) -> int:
 
 
 class ProgramWorker:
-    """`execute(inputs) -> outputs`, like a loaded method, run in a child process."""
+    """`execute(inputs) -> outputs`, like a loaded method, run in a child process.
 
-    def __init__(self, pte: Path):
+    step_timeout: seconds one call may take (None: no limit); past it the worker is killed and
+    execute raises WorkerDied, as it does when the worker has exited."""
+
+    def __init__(self, pte: Path, step_timeout: float | None = None, load_timeout: float | None = 600.0):
         pte = Path(pte)
         if not pte.is_file():
             raise FileNotFoundError(f"pte: no such file {pte}")
+        self.step_timeout = step_timeout
         self._process = subprocess.Popen([sys.executable, "-m", "backends.mlx.serve.program_worker", str(pte)],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         try:
-            kind, payload = _read(self._process.stdout)
-        except EOFError:
-            self.close()
-            raise RuntimeError(f"the program worker exited while loading {pte}") from None
+            kind, payload = self._reply(load_timeout)
+        except WorkerDied as exc:
+            raise RuntimeError(f"the program worker failed while loading {pte}: {exc}") from None
         if kind != b"r":
             self.close()
             raise ValueError(f"cannot load {pte}: {payload.decode()}")
 
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def alive(self) -> bool:
+        return self._process.poll() is None
+
+    def _died(self, what: str) -> WorkerDied:
+        self.kill()
+        code = self._process.returncode
+        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit status {code}"
+        return WorkerDied(f"the program worker {what} ({how})")
+
+    def _reply(self, timeout: float | None) -> tuple[bytes, bytes]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        fd = self._process.stdout.fileno()
+        try:
+            size = _HEADER.unpack(_read_within(fd, _HEADER.size, deadline))[0]
+            body = _read_within(fd, size, deadline)
+        except EOFError:
+            raise self._died("exited") from None
+        except TimeoutError:
+            raise self._died(f"did not answer within {timeout:g} s and was stopped") from None
+        return body[:1], body[1:]
+
     def execute(self, inputs) -> list[torch.Tensor]:
-        _write(self._process.stdin, b"i", _encode(inputs))
-        kind, payload = _read(self._process.stdout)
+        try:
+            _write(self._process.stdin, b"i", _encode(inputs))
+        except (BrokenPipeError, OSError, ValueError):
+            raise self._died("exited") from None
+        kind, payload = self._reply(self.step_timeout)
         if kind == b"e":
             raise RuntimeError(f"program call failed: {payload.decode()}")
         return _decode(payload)
+
+    def kill(self) -> None:
+        """End the worker now, whatever its state (SIGKILL ends a stopped process too)."""
+        if self._process.poll() is None:
+            try:
+                self._process.send_signal(signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self._process.wait(timeout=30)
 
     def close(self) -> None:
         try:
@@ -109,8 +175,7 @@ class ProgramWorker:
         try:
             self._process.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            self._process.kill()
-            self._process.wait(timeout=10)
+            self.kill()
         self._process.stdout.close()
 
 

@@ -12,6 +12,10 @@ from backends.mlx.llm.sampler.params import SamplingParams
 from backends.mlx.serve.engine import Engine, EngineRequest, TokenEvent
 
 
+class PromptTooLarge(ValueError):
+    """A prompt over the server's --max-prompt-bytes (HTTP 413)."""
+
+
 def queue_sink(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, key):
     """A sink for the engine thread: the only safe way into an asyncio.Queue from another thread."""
     def sink(event: TokenEvent) -> None:
@@ -25,6 +29,8 @@ class Service:
     tokenizer: object
     engine: Engine
     model_name: str
+    max_prompt_bytes: int = 4 * 1024 * 1024  # prompt text of one request (UTF-8 bytes)
+    lmtp_inflight: int = 8  # unfinished streams per LMTP connection
 
     async def stream_rows(self, requests: list[tuple[list[int], SamplingParams, int, dict]], keys: list
                           ) -> AsyncIterator[tuple[object, TokenEvent, int]]:
@@ -36,13 +42,10 @@ class Service:
         queue: asyncio.Queue = asyncio.Queue()
         made = [EngineRequest(prompt, params, max_tokens, queue_sink(loop, queue, key), **extra)
                 for (prompt, params, max_tokens, extra), key in zip(requests, keys)]
-        for request in made:
-            self.engine.check(request)
         ids = {key: request.id for key, request in zip(keys, made)}
+        self.engine.submit_all(made)  # all or none: ValueError/TypeError, QueueFull
         live = set(keys)
         try:
-            for request in made:
-                self.engine.submit(request)
             while live:
                 key, event = await queue.get()
                 if key not in live:
@@ -53,6 +56,17 @@ class Service:
         finally:
             for key in live:
                 self.engine.cancel(ids[key])
+
+    def check_prompt_size(self, text_bytes: int) -> None:
+        """PromptTooLarge when a prompt's text exceeds max_prompt_bytes (before tokenizing it)."""
+        if text_bytes > self.max_prompt_bytes:
+            raise PromptTooLarge(f"the prompt is {text_bytes} bytes; this server takes at most {self.max_prompt_bytes} "
+                                 "(etmlx serve --max-prompt-bytes)")
+
+    async def off_loop(self, function, *args):
+        """Run tokenization / templating of a request in a worker thread: a large prompt must not
+        hold up the event loop (/health, other streams)."""
+        return await asyncio.to_thread(function, *args)
 
     def cancel(self, request_id: int) -> None:
         self.engine.cancel(request_id)

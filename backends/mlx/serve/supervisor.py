@@ -1,0 +1,67 @@
+"""Keeps one program worker up: the engine's `program`, restarting the worker when it dies.
+
+A worker that exits or misses its step deadline raises WorkerDied out of `execute` (the engine
+fails the rows of that call: their caches lived in the worker). `recover()` then starts a new
+worker, up to `attempts` tries in a row with a growing pause; when all fail it raises
+SupervisorGaveUp and the server exits non-zero. While no worker is up, `up` is False and /health
+answers 503.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Callable
+
+from backends.mlx.serve.program_worker import ProgramWorker
+
+log = logging.getLogger("etmlx.serve")
+
+
+class SupervisorGaveUp(RuntimeError):
+    """No worker could be started after the allowed attempts."""
+
+
+class SupervisedProgram:
+    def __init__(self, start: Callable[[], ProgramWorker], attempts: int = 3, pause: float = 0.5):
+        self._start = start
+        self.attempts = attempts
+        self.pause = pause
+        self.restarts = 0  # read by /health
+        self.worker: ProgramWorker | None = start()
+
+    @classmethod
+    def for_pte(cls, pte: Path, step_timeout: float | None = None, attempts: int = 3) -> "SupervisedProgram":
+        return cls(lambda: ProgramWorker(pte, step_timeout=step_timeout), attempts=attempts)
+
+    @property
+    def up(self) -> bool:
+        return self.worker is not None and self.worker.alive()
+
+    def execute(self, inputs):
+        if self.worker is None:
+            raise RuntimeError("no program worker is running")
+        return self.worker.execute(inputs)  # WorkerDied: the worker is already killed
+
+    def recover(self) -> None:
+        """Start a new worker if the current one is gone; SupervisorGaveUp when none would start."""
+        if self.up:
+            return
+        if self.worker is not None:
+            self.worker.kill()
+            self.worker = None
+        for attempt in range(1, self.attempts + 1):
+            try:
+                self.worker = self._start()
+                self.restarts += 1
+                log.warning("program worker restarted (pid %d, attempt %d)", self.worker.pid, attempt)
+                return
+            except Exception as exc:  # noqa: BLE001 - any start failure counts as an attempt
+                log.error("program worker restart %d/%d failed: %s", attempt, self.attempts, exc)
+                time.sleep(self.pause * attempt)
+        raise SupervisorGaveUp(f"the program worker could not be restarted ({self.attempts} attempts)")
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
