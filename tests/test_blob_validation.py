@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -223,6 +224,17 @@ def test_quantized_weights_must_be_uint32(monkeypatch, capfd):
         _constant(graph, node.w).dtype = 3  # Int32
 
     _assert_rejected(_quantized_pte(monkeypatch, edit), capfd, "packed weights must be a 2-d uint32 tensor")
+
+
+def test_a_huge_zeros_constant_is_refused_before_allocating(monkeypatch, capfd):
+    """State allocated at load (a KV cache) is sized by the blob: beyond the array memory limit it is a load
+    error, not an allocation MLX turns into a write through a null pointer."""
+    def edit(g):
+        c = g.constants[0]
+        c.zeros, c.data = True, np.zeros(0, dtype=np.uint8)
+        c.shape = [2 ** 31 - 1] + [50] * (len(c.shape) - 1 or 1)
+
+    _assert_rejected(_export_with(monkeypatch, _mangled(edit)), capfd, "exceed the", "bytes one array may use")
 
 
 def test_zeros_constant_with_data_is_rejected(monkeypatch, capfd):

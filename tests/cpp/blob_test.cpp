@@ -459,6 +459,7 @@ int main(int argc, char** argv) {
   long init_fail = 0, exec_fail = 0, ok = 0;
   for (long n = 0; n < fuzz; ++n) {
     std::vector<uint8_t> m = mutate(blob, rng);
+    if (!quiet) std::fprintf(stderr, "fuzz case %ld\n", n);  // the last one names a crashing case
     Outcome o = run_once(backend, m, specs, 1, false);
     if (o.init != Error::Ok) {
       ++init_fail;

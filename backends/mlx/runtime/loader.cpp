@@ -12,6 +12,7 @@
 #include <mlx/transforms.h>
 
 #include "blob_header.h"
+#include "size_limits.h"
 
 namespace etmlx {
 
@@ -229,6 +230,14 @@ bool make_constant(const fb::Constant& c, size_t i, const std::shared_ptr<uint64
     if (data->size() != 0) {
       ET_LOG(Error, "etmlx: constant %zu is marked zeros but carries %u bytes of data", i,
              data->size());
+      return false;
+    }
+    if (itemsize != 0 && numel > max_array_bytes() / itemsize) {
+      ET_LOG(Error,
+             "etmlx: constant %zu: %llu elements of %zu bytes exceed the %llu bytes one array may use "
+             "(physical memory; ETMLX_MAX_ARRAY_BYTES sets it)",
+             i, static_cast<unsigned long long>(numel), itemsize,
+             static_cast<unsigned long long>(max_array_bytes()));
       return false;
     }
     // Evaluated now: a lazy zeros would run on this (loading) thread's
