@@ -27,6 +27,7 @@
 
 #include "decode_args.h"
 #include "program_metadata.h"
+#include "mask_file.h"
 #include "step_inputs.h"
 #include "text_tokenizer.h"
 
@@ -187,6 +188,14 @@ int run(const etmlx::DecodeArgs& args) {
   if (n + args.max_tokens > max_seq_len)
     return fail(kBadInput, "prompt (" + std::to_string(n) + ") + max_tokens (" + std::to_string(args.max_tokens) +
                                ") exceeds max_seq_len " + std::to_string(max_seq_len));
+  std::vector<std::vector<int32_t>> mask_rows;
+  if (args.mask_file) {
+    if (inputs->mask_words() == 0)
+      return fail(kBadInput, "--mask-file needs a program exported with --sampler ...,mask (" + args.pte +
+                                 " has no allowed_mask input)");
+    if (!etmlx::read_mask_file(*args.mask_file, inputs->mask_words(), &mask_rows, &error))
+      return fail(kBadInput, error);
+  }
   if (const Error e = module.load_method(method); e != Error::Ok)
     return fail(kRunFailed, "could not load method " + method + " (error " + error_name(e) + ")");
 
@@ -201,7 +210,8 @@ int run(const etmlx::DecodeArgs& args) {
   const char* finish = "length";
   for (int64_t step = 0; step < args.max_tokens; ++step) {
     // Step 0 is the prefill; its token is the first generated one.
-    auto values = inputs->build(call_tokens, position, temperature, seed + step, step == 0);
+    const auto* mask_row = step < static_cast<int64_t>(mask_rows.size()) ? &mask_rows[static_cast<size_t>(step)] : nullptr;
+    auto values = inputs->build(call_tokens, position, temperature, seed + step, step == 0, mask_row);
     const auto out = module.execute(method, values);
     if (!out.ok())
       return fail(kRunFailed, "step " + std::to_string(step) + " failed (error " + error_name(out.error()) + ")");
@@ -211,6 +221,8 @@ int run(const etmlx::DecodeArgs& args) {
     if (ids.scalar_type() != ScalarType::Long || ids.numel() < 1)
       return fail(kRunFailed, "the program's first output is not int64 token ids");
     const int64_t token = ids.const_data_ptr<int64_t>()[0];
+    if (token == -1)  // the sampler's answer for a row whose mask allows no token it can draw
+      return fail(kBadInput, "step " + std::to_string(step) + ": the mask allows no token the model can produce");
     if (step == 0) first_token_at = Clock::now();
     generated.push_back(token);
     if (is_eos(eos, token)) {
