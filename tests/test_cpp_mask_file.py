@@ -6,6 +6,7 @@ so greedy and seeded sampled tokens must agree one for one, and every token must
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from backends.mlx.llm.decoder.export import export_decoder
 from backends.mlx.llm.decoder.loop import Decoder
+from backends.mlx.llm.decoder.meta import META_KEY, DecoderMeta
 from backends.mlx.llm.sampler.config import SamplerConfig
 from backends.mlx.llm.sampler.params import SamplingParams
 
@@ -124,3 +126,20 @@ def test_mask_file_errors(ptes, tmp_path):
     assert missing.returncode == 2 and "cannot read" in missing.stderr
     for done in (no_input, short, bad, empty, missing):
         assert len(done.stderr.strip().splitlines()) <= 2 and "Traceback" not in done.stderr
+
+
+def test_vocab_size_beyond_the_programs_mask_is_an_error(ptes, tmp_path):
+    """A sidecar (or --vocab-size) whose vocabulary the program's mask input cannot hold is refused."""
+    masked, _ = ptes
+    data = masked.read_bytes()
+    copy = tmp_path / "copy.pte"
+    copy.write_bytes(data.replace(META_KEY.encode(), META_KEY.encode()[:-4] + b"gone"))  # metadata not found
+    meta = json.loads(DecoderMeta.load(masked).to_json())
+    meta["vocab_size"] = 100000
+    Path(str(copy) + ".json").write_text(json.dumps(meta))
+    done = _run(copy, "--prompt-ids", "1", "--max-tokens", 2)
+    assert done.returncode == 2 and "says vocab_size 100000 but the program's allowed_mask input has 3 words" in done.stderr
+    flag = _run(masked, "--prompt-ids", "1", "--max-tokens", 2, "--vocab-size", 200)
+    assert flag.returncode == 2 and "--vocab-size says vocab_size 200" in flag.stderr
+    ok = _run(masked, "--prompt-ids", "1", "--max-tokens", 2, "--vocab-size", VOCAB)
+    assert ok.returncode == 0, ok.stderr

@@ -170,6 +170,12 @@ int run(const etmlx::DecodeArgs& args) {
   // exporter sizes it with an example as long as the cache.
   const int64_t max_seq_len = sidecar.max_seq_len.value_or(inputs->max_call_length());
   const auto vocab = args.vocab_size ? args.vocab_size : sidecar.vocab_size;
+  // The mask input's width is the program's own vocabulary bound (ceil(V/32) words): a vocab_size
+  // beyond it would let ids the program cannot sample pass as valid prompt ids and mask rows.
+  if (vocab && inputs->mask_words() > 0 && (*vocab + 31) / 32 != inputs->mask_words())
+    return fail(kBadInput, (args.vocab_size ? std::string("--vocab-size") : metadata->origin) + " says vocab_size " +
+                               std::to_string(*vocab) + " but the program's allowed_mask input has " +
+                               std::to_string(inputs->mask_words()) + " words (ceil(V/32)): they come from different exports");
   const std::vector<int64_t>& eos = args.eos_ids ? *args.eos_ids : sidecar.eos_token_ids;
   const auto n = static_cast<int64_t>(prompt.size());
   if (!vocab)
