@@ -170,7 +170,7 @@ def test_errors_are_messages_and_the_connection_stays(server):
     c = _talk(server, script)
     errors = [(kind, p) for kind, p in c.messages if kind == "MSG" and p.get("error")]
     assert len(errors) == 3 and all(p["stream_id"] is None for _, p in errors)
-    assert "unknown message type" in errors[0][1]["error"] and "not JSON" in errors[1][1]["error"]
+    assert "unknown message type" in errors[0][1]["error"] and "not valid JSON" in errors[1][1]["error"]
     assert "stream_id" in errors[2][1]["error"]
     assert "'top_logprobs' is 1000000 but this program returns at most" in c.finished[10]["error"]
     assert all(len(e["top_logprobs"]) == 1 for e in c.tokens[11])  # fewer than the program's, as asked

@@ -32,6 +32,7 @@ from backends.mlx.llm.sampler.knobs import USER_KNOBS, enabled
 from backends.mlx.llm.sampler.params import SamplingParams
 from backends.mlx.serve.api_errors import ApiError
 from backends.mlx.serve.engine import EngineRequest, TokenEvent
+from backends.mlx.serve.json_text import parse_json_text
 from backends.mlx.serve.structured_params import constraint_from_body
 from backends.mlx.serve.service import Service, queue_sink
 
@@ -110,9 +111,9 @@ class LmtpSession:
             return await self._message(None, error=f"unknown message type {kind[:40]!r} (GENERATE, SCORE, "
                                                    "MODEL_INFO)")
         try:
-            payload = json.loads(data) if data.strip() else {}
-        except json.JSONDecodeError as exc:
-            return await self._message(None, error=f"malformed line: the data after {kind!r} is not JSON ({exc})")
+            payload = parse_json_text(data, f"the data after {kind}", LmtpError) if data.strip() else {}
+        except LmtpError as exc:
+            return await self._message(None, error=f"malformed line: {exc}")
         if not isinstance(payload, dict):
             return await self._message(None, error=f"malformed line: {kind} takes a JSON object")
         stream_id = payload.get("stream_id")
