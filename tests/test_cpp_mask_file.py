@@ -143,3 +143,56 @@ def test_vocab_size_beyond_the_programs_mask_is_an_error(ptes, tmp_path):
     assert flag.returncode == 2 and "--vocab-size says vocab_size 200" in flag.stderr
     ok = _run(masked, "--prompt-ids", "1", "--max-tokens", 2, "--vocab-size", VOCAB)
     assert ok.returncode == 0, ok.stderr
+
+
+CHOICES = [[3, 4, 5], [3, 9], [60]]
+
+
+class _Choices:
+    """Python mirror of --choice-ids for a model without stop ids: next ids of the choices the output
+    is a prefix of."""
+
+    def __init__(self):
+        self.out = []
+
+    def mask(self):
+        row = np.zeros(WORDS, np.uint32)
+        for c in CHOICES:
+            if c[:len(self.out)] == self.out and len(c) > len(self.out):
+                row[c[len(self.out)] // 32] |= np.uint32(1 << (c[len(self.out)] % 32))
+        return row.view(np.int32)
+
+    def advance(self, token):
+        self.out.append(token)
+
+
+def test_choice_ids_give_one_choice_and_the_python_decoders_tokens(ptes):
+    masked, _ = ptes
+    decoder = Decoder(masked)
+    seen = set()
+    for seed in range(6):
+        done = _run(masked, "--prompt-ids", ",".join(map(str, PROMPT)), "--max-tokens", 8, "--temperature", 1.0,
+                    "--seed", seed, "--choice-ids", ";".join(",".join(map(str, c)) for c in CHOICES))
+        assert done.returncode == 0, done.stderr
+        cpp = [int(t) for t in done.stdout.split()]
+        assert cpp in CHOICES, cpp
+        mirror = _Choices()
+        params = SamplingParams(temperature=1.0, seed=seed)
+        step = decoder._call(PROMPT, 0, params, 0, mirror)
+        python = [step.token]
+        while python not in CHOICES:
+            step = decoder._call([step.token], len(PROMPT) + len(python) - 1, params, len(python), mirror)
+            python.append(step.token)
+        assert python == cpp
+        seen.add(tuple(cpp))
+    assert len(seen) > 1  # sampled, not one forced answer
+
+
+def test_choice_ids_errors(ptes):
+    masked, plain = ptes
+    args = ("--prompt-ids", "1,2", "--max-tokens", 3)
+    for pte, value, needle in ((plain, "1,2", "exported with --sampler ...,mask"),
+                               (masked, "1,2;1,2", "given twice"), (masked, "1,500", "outside [0, 80)"),
+                               (masked, "1,x", "--choice-ids")):
+        done = _run(pte, *args, "--choice-ids", value)
+        assert done.returncode == 2 and needle in done.stderr and len(done.stderr.strip().splitlines()) <= 2, done.stderr

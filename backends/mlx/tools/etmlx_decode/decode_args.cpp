@@ -9,7 +9,7 @@ namespace etmlx {
 const char kDecodeUsage[] =
     "usage: etmlx_decode FILE.pte (--prompt TEXT | --prompt-ids 1,2,3) [--max-tokens N]\n"
     "                    [--temperature T] [--seed S] [--KNOB VALUE ...] [--eos ID[,ID...]]\n"
-    "                    [--vocab-size V] [--mask-file FILE] [--json]\n"
+    "                    [--vocab-size V] [--mask-file FILE | --choice-ids 1,2;3] [--json]\n"
     "\n"
     "Runs the decode loop of a .pte written by `etmlx export` on the etmlx (MLX)\n"
     "backend: one prefill call, then one call per token with seed S + step.\n"
@@ -27,6 +27,8 @@ const char kDecodeUsage[] =
     "  --mask-file    allowed-token masks, one text row per step (ceil(V/32) int32 words,\n"
     "                 decimal or 0x hex; bit j of word i = token 32 i + j); needs a program\n"
     "                 exported with --sampler ...,mask; steps past the last row are unconstrained\n"
+    "  --choice-ids   the output is one of these token-id sequences (ids by ',', choices by\n"
+    "                 ';'), then a stop id; masked on the device (a program with the mask input)\n"
     "  --json         print {\"tokens\", \"finish_reason\", timings} instead of streaming ids\n";
 
 namespace {
@@ -113,6 +115,8 @@ bool parse_decode_args(int argc, char** argv, DecodeArgs* out, std::string* erro
         if (!parse_id_list(value, "--eos", &*out->eos_ids, error)) return false;
       } else if (name == "--mask-file") {
         out->mask_file = value;
+      } else if (name == "--choice-ids") {
+        out->choice_ids = value;
       } else if (name == "--vocab-size") {
         int64_t v = 0;
         if (!parse_int(value, &v) || v < 1) {

@@ -27,6 +27,7 @@
 
 #include "decode_args.h"
 #include "program_metadata.h"
+#include "choice_mask.h"
 #include "mask_file.h"
 #include "step_inputs.h"
 #include "text_tokenizer.h"
@@ -195,6 +196,17 @@ int run(const etmlx::DecodeArgs& args) {
     return fail(kBadInput, "prompt (" + std::to_string(n) + ") + max_tokens (" + std::to_string(args.max_tokens) +
                                ") exceeds max_seq_len " + std::to_string(max_seq_len));
   std::vector<std::vector<int32_t>> mask_rows;
+  std::optional<etmlx::ChoiceMask> choice;
+  if (args.mask_file && args.choice_ids) return fail(kBadInput, "give --mask-file or --choice-ids, not both");
+  if (args.choice_ids) {
+    if (inputs->mask_words() == 0)
+      return fail(kBadInput, "--choice-ids needs a program exported with --sampler ...,mask (" + args.pte +
+                                 " has no allowed_mask input)");
+    const int64_t v = vocab.value_or(inputs->mask_words() * 32);
+    std::vector<std::vector<int64_t>> choices;
+    if (!etmlx::ChoiceMask::parse(*args.choice_ids, v, &choices, &error)) return fail(kBadInput, error);
+    choice.emplace(std::move(choices), eos, v);
+  }
   if (args.mask_file) {
     if (inputs->mask_words() == 0)
       return fail(kBadInput, "--mask-file needs a program exported with --sampler ...,mask (" + args.pte +
@@ -216,7 +228,10 @@ int run(const etmlx::DecodeArgs& args) {
   const char* finish = "length";
   for (int64_t step = 0; step < args.max_tokens; ++step) {
     // Step 0 is the prefill; its token is the first generated one.
-    const auto* mask_row = step < static_cast<int64_t>(mask_rows.size()) ? &mask_rows[static_cast<size_t>(step)] : nullptr;
+    std::vector<int32_t> choice_row;
+    if (choice) choice_row = choice->row(generated);
+    const auto* mask_row = choice ? &choice_row
+                           : step < static_cast<int64_t>(mask_rows.size()) ? &mask_rows[static_cast<size_t>(step)] : nullptr;
     auto values = inputs->build(call_tokens, position, temperature, seed + step, step == 0, mask_row);
     const auto out = module.execute(method, values);
     if (!out.ok())
@@ -242,6 +257,12 @@ int run(const etmlx::DecodeArgs& args) {
     if (!args.json) {
       std::fputs(chunk.c_str(), stdout);
       std::fflush(stdout);
+    }
+    if (choice && choice->finished(generated)) {  // a whole choice that nothing extends (and no stop id to draw)
+      if (eos.empty()) {
+        finish = "stop";
+        break;
+      }
     }
     position += static_cast<int64_t>(call_tokens.size());
     call_tokens.assign(1, token);
