@@ -55,7 +55,8 @@ def test_bad_paths_and_absent_servers_are_one_line_errors(tmp_path):
     cases = [(("inspect", str(tmp_path)), "is not a file"),
              (("inspect", str(text)), "is not a readable ExecuTorch .pte"),
              (("lmtp-client", "--url", "ws://127.0.0.1:9/lmtp", "--send", 'MODEL_INFO {"stream_id": 1}'),
-              "Cannot connect")]
+              "Cannot connect"),
+             (("export", "--model", str(tmp_path), "--out", str(tmp_path)), "is a directory; give the .pte file")]
     for args, needle in cases:
         out = _etmlx(*args, timeout=120)
         lines = out.stderr.strip().splitlines()

@@ -164,6 +164,8 @@ def test_bad_files(pte, tmp_path):
     ('{"format": "etmlx-decoder/1", "inputs": [1, 2]}', '"inputs" must be a list of strings'),
     ('{"format": "etmlx-decoder/1", "batch": 4}', "says batch 4 but the program decodes 1 rows per call"),
     ('{"format": "etmlx-decoder/1", "max_seq_len": 47}', "says max_seq_len 47 but the program's tokens input holds 48"),
+    ('{"format": "etmlx-decoder/1", "max_seq_len": 100000}',
+     "says max_seq_len 100000 but the program's tokens input holds 48"),
     ('{"inputs": ["\\ud800"]}', "lone surrogate"),
     ('["not", "an", "object"]', "must hold a JSON object"),
 ])

@@ -161,15 +161,19 @@ def test_errors_are_messages_and_the_connection_stays(server):
         await c.send("GENERATE", _generate(5, [1, 2], temperature=-1))
         await c.send("GENERATE", _generate(6, [1, 2], max_tokens=MAX_SEQ_LEN))
         await c.send("SCORE", {"stream_id": 8, "prompt": [1], "scored": []})
+        await c.send("GENERATE", _generate(10, [1, 2], top_logprobs=10 ** 6))
+        await c.send("GENERATE", _generate(11, [1, 2], max_tokens=2, top_logprobs=1))
         await c.send("GENERATE", _generate(9, [1, 2, 3], max_tokens=3))  # still served
-        await c.until(lambda: 9 in c.finished and len(c.messages) >= 7)
+        await c.until(lambda: 9 in c.finished and 11 in c.finished and len(c.messages) >= 8)
         return c
 
     c = _talk(server, script)
     errors = [(kind, p) for kind, p in c.messages if kind == "MSG" and p.get("error")]
     assert len(errors) == 3 and all(p["stream_id"] is None for _, p in errors)
-    assert "unknown message type" in errors[0][1]["error"] and "not JSON" in errors[1][1]["error"]
+    assert "unknown message type" in errors[0][1]["error"] and "not valid JSON" in errors[1][1]["error"]
     assert "stream_id" in errors[2][1]["error"]
+    assert "'top_logprobs' is 1000000 but this program returns at most" in c.finished[10]["error"]
+    assert all(len(e["top_logprobs"]) == 1 for e in c.tokens[11])  # fewer than the program's, as asked
     for sid, word in ((5, "temperature"), (6, "max_seq_len"), (8, "scored")):
         assert c.finished[sid]["finish_reason"] == "error" and word in c.finished[sid]["error"]
     assert len(c.tokens[9]) == 3 and c.finished[9]["finish_reason"] in ("stop", "length")

@@ -35,6 +35,11 @@ def _progress():
     return say
 
 
+def _check_out(out: Path) -> None:
+    if out.is_dir():
+        raise IsADirectoryError(f"--out {out} is a directory; give the .pte file to write, e.g. {out / 'model.pte'}")
+
+
 def run_export(args) -> int:
     import torch
     from transformers import AutoTokenizer
@@ -47,6 +52,7 @@ def run_export(args) -> int:
     model_dir = Path(args.model)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"--model {args.model} is not a local checkpoint directory (nothing is downloaded)")
+    _check_out(Path(args.out))  # before minutes of loading and lowering, not after
     say = _progress()
     model = _load_model(args, model_dir, getattr(torch, DTYPES[args.dtype]), say)
     tokenizer = None

@@ -69,6 +69,10 @@ def _bench(args) -> int:
         from backends.mlx.bench import structured
 
         result = structured.run(repeats=args.repeats or 200)
+        if args.builtin:
+            from backends.mlx.bench import structured_builtin
+
+            result["builtin"] = structured_builtin.run(Path(args.cache_dir))
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
         return 0
@@ -103,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", help="also write the records to this path")
     bench.add_argument("--repeats", type=int, help="timed calls per measurement, median (default: sampler 30, "
                        "decode 3 generations)")
+    bench.add_argument("--builtin", action="store_true", help="structured: also the built-in model (demo checkpoint, "
+                       "cached in --cache-dir): unconstrained vs JSON schema vs sample-check-resample")
     bench.add_argument("--quick", action="store_true", help="decode: a tiny model and short runs (CI smoke)")
     bench.add_argument("--dtypes", default="float32,bfloat16", help="decode: comma-separated weight dtypes")
     bench.add_argument("--cache-dir", default="out/bench", help="decode: where checkpoints and programs are cached")

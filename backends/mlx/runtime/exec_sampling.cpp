@@ -105,4 +105,31 @@ bool Interpreter::exec_gumbel_max(const fb::GumbelMaxNode& n) {
   return write(n.out(), program_.kernels->gumbel_max(*scores, temperature_rows(*temperature, rows), seed, threshold));
 }
 
+bool Interpreter::exec_allowed_mask(const fb::AllowedMaskNode& n) {
+  const mx::array* x = read(n.x());
+  if (!x) return false;
+  const mx::array* mask = read(n.mask());
+  if (!mask) return false;
+  if (x->ndim() != 2 || x->dtype() != mx::float32) return fail("x must be a [B, V] float32 tensor");
+  const int rows = x->shape(0), vocab = x->shape(1);
+  if (vocab == 0) return fail("x has an empty vocabulary");
+  const int words = (vocab + 31) / 32;
+  if (mask->dtype() != mx::int32 || mask->ndim() != 2 || mask->shape(0) != rows || mask->shape(1) != words) {
+    return fail("mask must be [%d, %d] int32 (one bit per token of V=%d)", rows, words, vocab);
+  }
+  return write(n.out(), program_.kernels->allowed_mask(*x, *mask));
+}
+
+bool Interpreter::exec_drawn_or_none(const fb::DrawnOrNoneNode& n) {
+  const mx::array* tokens = read(n.tokens());
+  if (!tokens) return false;
+  const mx::array* x = read(n.x());
+  if (!x) return false;
+  if (x->ndim() != 2 || x->dtype() != mx::float32 || x->shape(1) == 0) return fail("x must be a [B, V] float32 tensor");
+  if (tokens->ndim() != 1 || tokens->shape(0) != x->shape(0) || !mx::issubdtype(tokens->dtype(), mx::integer)) {
+    return fail("tokens must be [%d] integer", x->shape(0));
+  }
+  return write(n.out(), program_.kernels->drawn_or_none(*tokens, *x));
+}
+
 }  // namespace etmlx

@@ -70,6 +70,8 @@ class Interpreter {
   bool exec_random_bits(const fb::RandomBitsNode& n);  // exec_sampling.cpp
   bool exec_filter_threshold(const fb::FilterThresholdNode& n);  // exec_sampling.cpp
   bool exec_gumbel_max(const fb::GumbelMaxNode& n);  // exec_sampling.cpp
+  bool exec_allowed_mask(const fb::AllowedMaskNode& n);  // exec_sampling.cpp
+  bool exec_drawn_or_none(const fb::DrawnOrNoneNode& n);  // exec_sampling.cpp
   bool exec_sdpa(const fb::SdpaNode& n);  // exec_fused.cpp
   bool sdpa_window_end(const fb::SdpaNode& n, int batch, int query_len, int keys, int* end);
   bool exec_rms_norm(const fb::RmsNormNode& n);  // exec_fused.cpp

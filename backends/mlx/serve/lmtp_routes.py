@@ -4,6 +4,7 @@ TCP with one message per line."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import weakref
 
@@ -33,6 +34,8 @@ class LmtpRoutes:
                 if message.type == WSMsgType.TEXT:
                     for line in message.data.splitlines():
                         await session.handle_line(line)
+                # A text frame that is not UTF-8 never gets here: aiohttp fails the connection with
+                # close code 1007 (invalid payload data), as RFC 6455 requires; other sockets go on.
                 elif message.type == WSMsgType.BINARY:
                     await ws.send_str('MSG {"stream_id": null, "error": "LMTP frames are text"}')
                 elif message.type == WSMsgType.ERROR:
@@ -44,6 +47,10 @@ class LmtpRoutes:
     async def close_all(self) -> None:
         for ws in list(self.sockets):
             await ws.close(message=b"server shutting down")
+
+
+def json_line(kind: str, payload: dict) -> str:
+    return kind + " " + json.dumps(payload)
 
 
 async def serve_lmtp_lines(service: Service, host: str, port: int):
@@ -61,8 +68,9 @@ async def serve_lmtp_lines(service: Service, host: str, port: int):
                     break
                 try:
                     text = line.decode()
-                except UnicodeDecodeError:
-                    await send('MSG {"stream_id": null, "error": "malformed line: not UTF-8"}')
+                except UnicodeDecodeError as exc:
+                    await send(json_line("MSG", {"stream_id": None,
+                                                 "error": f"malformed line: not valid UTF-8 (byte {exc.start})"}))
                     continue
                 await session.handle_line(text)
         except (ConnectionError, asyncio.IncompleteReadError):

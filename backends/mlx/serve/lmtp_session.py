@@ -1,6 +1,7 @@
 """One LMTP connection: lines `TYPE JSON` in, `TOKEN [...]` and `MSG {...}` lines out.
 
-In:  GENERATE {"stream_id", "prompt": [ids] or "text", "max_tokens", "top_logprobs", and the knobs of
+In:  GENERATE {"stream_id", "prompt": [ids] or "text", "max_tokens", "top_logprobs" (0..the program's
+               --logprobs; more is an error naming the limit; absent: all of them), and the knobs of
                llm/sampler/knobs.py by name: "temperature", "seed", "top_k", "top_p", "min_p",
                "logit_bias": {"id": bias}, "presence_penalty", "frequency_penalty",
                "repetition_penalty"}                          (every knob defaults to off: greedy)
@@ -31,6 +32,7 @@ from backends.mlx.llm.sampler.knobs import USER_KNOBS, enabled
 from backends.mlx.llm.sampler.params import SamplingParams
 from backends.mlx.serve.api_errors import ApiError
 from backends.mlx.serve.engine import EngineRequest, TokenEvent
+from backends.mlx.serve.json_text import parse_json_text
 from backends.mlx.serve.structured_params import constraint_from_body
 from backends.mlx.serve.service import Service, queue_sink
 
@@ -54,6 +56,19 @@ def generate_params(payload: dict) -> SamplingParams:
             except (TypeError, ValueError):
                 raise LmtpError(f"'{knob.name}' keys must be token ids") from None
     return SamplingParams(**knobs)
+
+
+def _top_logprobs(value, limit: int) -> int | None:
+    """GENERATE's top_logprobs: None (all the program returns) or 0..limit; more is an error naming the
+    limit rather than silently fewer alternatives."""
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise LmtpError(f"'top_logprobs' must be an integer >= 0, got {value!r}")
+    if value > limit:
+        raise LmtpError(f"'top_logprobs' is {value} but this program returns at most {limit} alternatives "
+                        f"(exported with --logprobs {limit})")
+    return value
 
 
 def _ids(value, name: str, vocab: int) -> list[int]:
@@ -83,6 +98,7 @@ class LmtpSession:
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
         self.streams: dict[object, tuple[int, bool]] = {}  # stream_id -> (engine request id, scoring)
+        self.top: dict[object, int] = {}  # stream_id -> the top_logprobs it asked for (absent: all the program has)
         self.sender = asyncio.create_task(self._send_tokens())
 
     async def handle_line(self, line: str) -> None:
@@ -95,9 +111,9 @@ class LmtpSession:
             return await self._message(None, error=f"unknown message type {kind[:40]!r} (GENERATE, SCORE, "
                                                    "MODEL_INFO)")
         try:
-            payload = json.loads(data) if data.strip() else {}
-        except json.JSONDecodeError as exc:
-            return await self._message(None, error=f"malformed line: the data after {kind!r} is not JSON ({exc})")
+            payload = parse_json_text(data, f"the data after {kind}", LmtpError) if data.strip() else {}
+        except LmtpError as exc:
+            return await self._message(None, error=f"malformed line: {exc}")
         if not isinstance(payload, dict):
             return await self._message(None, error=f"malformed line: {kind} takes a JSON object")
         stream_id = payload.get("stream_id")
@@ -145,11 +161,14 @@ class LmtpSession:
             constraint = constraint_from_body(payload)
         except ApiError as exc:
             raise LmtpError(exc.message) from None
+        top = _top_logprobs(payload.get("top_logprobs"), meta.config.logprobs)
         room = meta.max_seq_len - len(prompt)
         max_tokens = payload.get("max_tokens", max(1, min(32, room)))  # a too-long prompt is reported as such
         self._submit(stream_id, EngineRequest(prompt, params, max_tokens, queue_sink(self.loop, self.events,
                                                                                      stream_id), constraint=constraint),
                      scoring=False)
+        if top is not None:
+            self.top[stream_id] = top
 
     async def _score(self, stream_id, payload) -> None:
         self._check_new(stream_id, payload)
@@ -182,7 +201,8 @@ class LmtpSession:
         entry = {"token": event.token, "stream_id": stream_id, "logprob": event.logprob,
                  "finish_reason": event.finish_reason}
         if not scoring and event.top is not None:
-            entry["top_logprobs"] = {str(i): lp for i, lp in event.top}
+            top = self.top.get(stream_id, len(event.top))
+            entry["top_logprobs"] = {str(i): lp for i, lp in event.top[:top]}
         return entry
 
     async def _send_tokens(self) -> None:
@@ -194,6 +214,7 @@ class LmtpSession:
             for stream_id, event in batch:
                 if event.finish_reason:
                     self.streams.pop(stream_id, None)
+                    self.top.pop(stream_id, None)
             try:
                 await self.send("TOKEN " + json.dumps(entries))
             except (ConnectionError, RuntimeError):
@@ -204,6 +225,7 @@ class LmtpSession:
         for request_id, _ in self.streams.values():
             self.service.engine.cancel(request_id)
         self.streams.clear()
+        self.top.clear()
         self.sender.cancel()
         try:
             await self.sender

@@ -16,6 +16,7 @@ from backends.mlx.serve import openai_format as fmt
 from backends.mlx.serve.api_errors import ApiError
 from backends.mlx.serve.choice_text import ChoiceText, Piece
 from backends.mlx.serve.engine import QueueFull
+from backends.mlx.serve.json_text import parse_json_text
 from backends.mlx.serve.openai_params import (Job, build_job, chat_prompt, check_model, check_unsupported,
                                               completion_prompt, prompt_text_bytes)
 from backends.mlx.serve.service import PromptTooLarge, Service
@@ -29,10 +30,12 @@ def error_response(error: ApiError) -> web.Response:
 
 
 async def _body(request: web.Request) -> dict:
+    raw = await request.read()
     try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise ApiError("the request body is not valid JSON") from None
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ApiError(f"the request body is not valid UTF-8 (byte {exc.start})") from None
+    body = parse_json_text(text, "the request body", ApiError)
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
     return body

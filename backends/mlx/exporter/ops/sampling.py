@@ -1,4 +1,5 @@
-"""mlx::sample, mlx::sample_fused -> one GumbelMaxNode; mlx::filter_threshold -> FilterThresholdNode.
+"""mlx::sample, mlx::sample_fused -> one GumbelMaxNode; mlx::filter_threshold -> FilterThresholdNode;
+mlx::allowed_mask -> AllowedMaskNode; mlx::drawn_or_none -> DrawnOrNoneNode.
 
 Every sampler program draws through the one Gumbel-max definition in the runtime
 (runtime/kernels/gumbel_max.h: NaN -> -inf, x / T + (-log(-log u)) with MLX's bits,
@@ -51,3 +52,15 @@ def _filter_threshold(b, node):
         if tid is not None:
             fields[name] = tid
     return b.op("FilterThresholdNode", **fields)
+
+
+@REGISTRY.register(torch.ops.mlx.allowed_mask.default)
+def _allowed_mask(b, node):
+    x, words = node.args[:2]
+    return b.op("AllowedMaskNode", x=b.operand(x, F32), mask=b.operand(words, torch.int32))
+
+
+@REGISTRY.register(torch.ops.mlx.drawn_or_none.default)
+def _drawn_or_none(b, node):
+    tokens, x = node.args[:2]
+    return b.op("DrawnOrNoneNode", tokens=b.operand(tokens, torch.int64), x=b.operand(x, F32))

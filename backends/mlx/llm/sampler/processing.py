@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 import backends.mlx.custom_kernel_ops  # noqa: F401  (registers mlx::sample_fused, mlx::filter_threshold)
+from backends.mlx.custom_kernel_ops.allowed_mask import NO_ALLOWED_TOKEN, unpack_mask  # noqa: F401  (re-exported)
 from backends.mlx.custom_kernel_ops.filter_threshold import divide_by_temperature
 from backends.mlx.llm.sampler.config import SamplerConfig
 from backends.mlx.llm.sampler.knobs import KNOBS, enabled, width
@@ -67,19 +68,6 @@ def apply_logit_bias(x: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -
     values = values.to(torch.float32).expand(batch, -1)
     valid = (ids >= 0) & (ids < vocab)  # out-of-range ids are ignored, never clamped onto a real token
     return x.scatter_add(1, ids.clamp(0, vocab - 1), torch.where(valid, values, torch.zeros_like(values)))
-
-
-# Bit j of a 32-bit word, as int32 (bit 31 is the sign bit).
-_BITS = [1 << j if j < 31 else -(1 << 31) for j in range(32)]
-NO_ALLOWED_TOKEN = -1  # the token id of a row whose mask allows no token
-
-
-def unpack_mask(words: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[B, ceil(V/32)] int32 words -> [B, V] bool, bit j of word i = token 32 i + j (llguidance's and
-    xgrammar's layout); bits past V are ignored."""
-    bits = torch.tensor(_BITS, dtype=torch.int32)
-    allowed = (words.to(torch.int32).unsqueeze(-1) & bits) != 0
-    return allowed.reshape(words.shape[0], -1)[:, :vocab]
 
 
 def counts_for_step(counts: torch.Tensor, reset: torch.Tensor, add: torch.Tensor | None) -> torch.Tensor:
@@ -140,7 +128,7 @@ def process_and_sample(config: SamplerConfig, logits: torch.Tensor, temperature,
     if config.logit_bias:
         x = apply_logit_bias(x, knobs["bias_ids"], knobs["bias_values"])
     if config.allowed_mask:
-        x = torch.where(unpack_mask(knobs["allowed_mask"], vocab), x, torch.full_like(x, float("-inf")))
+        x = torch.ops.mlx.allowed_mask(x, knobs["allowed_mask"].to(torch.int32))
     t = _rows(temperature, batch, torch.float32)
     thr = None
     if config.filters:
@@ -159,7 +147,7 @@ def process_and_sample(config: SamplerConfig, logits: torch.Tensor, temperature,
         extra = (counts.clone(),) if config.expose_counts else ()  # a separate tensor from the state
     out = tokens
     if config.allowed_mask:  # the counts and logprobs index with the drawn id, which -1 cannot
-        out = torch.where((x > float("-inf")).any(1), tokens, torch.full_like(tokens, NO_ALLOWED_TOKEN))
+        out = torch.ops.mlx.drawn_or_none(tokens, x)
     if not config.logprobs:
         return (out, *extra) if extra else out
     if config.logprobs_mode == "raw":

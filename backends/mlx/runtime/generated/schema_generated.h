@@ -134,6 +134,12 @@ struct QuantizedLinearNodeBuilder;
 struct QuantizedEmbeddingNode;
 struct QuantizedEmbeddingNodeBuilder;
 
+struct AllowedMaskNode;
+struct AllowedMaskNodeBuilder;
+
+struct DrawnOrNoneNode;
+struct DrawnOrNoneNodeBuilder;
+
 struct Instruction;
 struct InstructionBuilder;
 
@@ -526,11 +532,13 @@ enum class Node : uint8_t {
   RopeNode = 34,
   QuantizedLinearNode = 35,
   QuantizedEmbeddingNode = 36,
+  AllowedMaskNode = 37,
+  DrawnOrNoneNode = 38,
   MIN = NONE,
-  MAX = QuantizedEmbeddingNode
+  MAX = DrawnOrNoneNode
 };
 
-inline const Node (&EnumValuesNode())[37] {
+inline const Node (&EnumValuesNode())[39] {
   static const Node values[] = {
     Node::NONE,
     Node::UnaryNode,
@@ -568,13 +576,15 @@ inline const Node (&EnumValuesNode())[37] {
     Node::LayerNormNode,
     Node::RopeNode,
     Node::QuantizedLinearNode,
-    Node::QuantizedEmbeddingNode
+    Node::QuantizedEmbeddingNode,
+    Node::AllowedMaskNode,
+    Node::DrawnOrNoneNode
   };
   return values;
 }
 
 inline const char * const *EnumNamesNode() {
-  static const char * const names[38] = {
+  static const char * const names[40] = {
     "NONE",
     "UnaryNode",
     "BinaryNode",
@@ -612,13 +622,15 @@ inline const char * const *EnumNamesNode() {
     "RopeNode",
     "QuantizedLinearNode",
     "QuantizedEmbeddingNode",
+    "AllowedMaskNode",
+    "DrawnOrNoneNode",
     nullptr
   };
   return names;
 }
 
 inline const char *EnumNameNode(Node e) {
-  if (::flatbuffers::IsOutRange(e, Node::NONE, Node::QuantizedEmbeddingNode)) return "";
+  if (::flatbuffers::IsOutRange(e, Node::NONE, Node::DrawnOrNoneNode)) return "";
   const size_t index = static_cast<size_t>(e);
   return EnumNamesNode()[index];
 }
@@ -769,6 +781,14 @@ template<> struct NodeTraits<backends::mlx::serialization::generated::fb::Quanti
 
 template<> struct NodeTraits<backends::mlx::serialization::generated::fb::QuantizedEmbeddingNode> {
   static const Node enum_value = Node::QuantizedEmbeddingNode;
+};
+
+template<> struct NodeTraits<backends::mlx::serialization::generated::fb::AllowedMaskNode> {
+  static const Node enum_value = Node::AllowedMaskNode;
+};
+
+template<> struct NodeTraits<backends::mlx::serialization::generated::fb::DrawnOrNoneNode> {
+  static const Node enum_value = Node::DrawnOrNoneNode;
 };
 
 template <bool B = false>
@@ -3880,6 +3900,136 @@ inline ::flatbuffers::Offset<QuantizedEmbeddingNode> CreateQuantizedEmbeddingNod
   return builder_.Finish();
 }
 
+struct AllowedMaskNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef AllowedMaskNodeBuilder Builder;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_X = 4,
+    VT_MASK = 6,
+    VT_OUT = 8
+  };
+  const backends::mlx::serialization::generated::fb::Tid *x() const {
+    return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_X);
+  }
+  const backends::mlx::serialization::generated::fb::Tid *mask() const {
+    return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_MASK);
+  }
+  const backends::mlx::serialization::generated::fb::Tid *out() const {
+    return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_X, 4) &&
+           VerifyFieldRequired<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_MASK, 4) &&
+           VerifyFieldRequired<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct AllowedMaskNodeBuilder {
+  typedef AllowedMaskNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_x(const backends::mlx::serialization::generated::fb::Tid *x) {
+    fbb_.AddStruct(AllowedMaskNode::VT_X, x);
+  }
+  void add_mask(const backends::mlx::serialization::generated::fb::Tid *mask) {
+    fbb_.AddStruct(AllowedMaskNode::VT_MASK, mask);
+  }
+  void add_out(const backends::mlx::serialization::generated::fb::Tid *out) {
+    fbb_.AddStruct(AllowedMaskNode::VT_OUT, out);
+  }
+  explicit AllowedMaskNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<AllowedMaskNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<AllowedMaskNode>(end);
+    fbb_.Required(o, AllowedMaskNode::VT_X);
+    fbb_.Required(o, AllowedMaskNode::VT_MASK);
+    fbb_.Required(o, AllowedMaskNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<AllowedMaskNode> CreateAllowedMaskNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const backends::mlx::serialization::generated::fb::Tid *x = nullptr,
+    const backends::mlx::serialization::generated::fb::Tid *mask = nullptr,
+    const backends::mlx::serialization::generated::fb::Tid *out = nullptr) {
+  AllowedMaskNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_mask(mask);
+  builder_.add_x(x);
+  return builder_.Finish();
+}
+
+struct DrawnOrNoneNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef DrawnOrNoneNodeBuilder Builder;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_TOKENS = 4,
+    VT_X = 6,
+    VT_OUT = 8
+  };
+  const backends::mlx::serialization::generated::fb::Tid *tokens() const {
+    return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_TOKENS);
+  }
+  const backends::mlx::serialization::generated::fb::Tid *x() const {
+    return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_X);
+  }
+  const backends::mlx::serialization::generated::fb::Tid *out() const {
+    return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_TOKENS, 4) &&
+           VerifyFieldRequired<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_X, 4) &&
+           VerifyFieldRequired<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct DrawnOrNoneNodeBuilder {
+  typedef DrawnOrNoneNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_tokens(const backends::mlx::serialization::generated::fb::Tid *tokens) {
+    fbb_.AddStruct(DrawnOrNoneNode::VT_TOKENS, tokens);
+  }
+  void add_x(const backends::mlx::serialization::generated::fb::Tid *x) {
+    fbb_.AddStruct(DrawnOrNoneNode::VT_X, x);
+  }
+  void add_out(const backends::mlx::serialization::generated::fb::Tid *out) {
+    fbb_.AddStruct(DrawnOrNoneNode::VT_OUT, out);
+  }
+  explicit DrawnOrNoneNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<DrawnOrNoneNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<DrawnOrNoneNode>(end);
+    fbb_.Required(o, DrawnOrNoneNode::VT_TOKENS);
+    fbb_.Required(o, DrawnOrNoneNode::VT_X);
+    fbb_.Required(o, DrawnOrNoneNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<DrawnOrNoneNode> CreateDrawnOrNoneNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const backends::mlx::serialization::generated::fb::Tid *tokens = nullptr,
+    const backends::mlx::serialization::generated::fb::Tid *x = nullptr,
+    const backends::mlx::serialization::generated::fb::Tid *out = nullptr) {
+  DrawnOrNoneNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_x(x);
+  builder_.add_tokens(tokens);
+  return builder_.Finish();
+}
+
 struct Instruction FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef InstructionBuilder Builder;
   enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
@@ -4000,6 +4150,12 @@ struct Instruction FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   }
   const backends::mlx::serialization::generated::fb::QuantizedEmbeddingNode *node_as_QuantizedEmbeddingNode() const {
     return node_type() == backends::mlx::serialization::generated::fb::Node::QuantizedEmbeddingNode ? static_cast<const backends::mlx::serialization::generated::fb::QuantizedEmbeddingNode *>(node()) : nullptr;
+  }
+  const backends::mlx::serialization::generated::fb::AllowedMaskNode *node_as_AllowedMaskNode() const {
+    return node_type() == backends::mlx::serialization::generated::fb::Node::AllowedMaskNode ? static_cast<const backends::mlx::serialization::generated::fb::AllowedMaskNode *>(node()) : nullptr;
+  }
+  const backends::mlx::serialization::generated::fb::DrawnOrNoneNode *node_as_DrawnOrNoneNode() const {
+    return node_type() == backends::mlx::serialization::generated::fb::Node::DrawnOrNoneNode ? static_cast<const backends::mlx::serialization::generated::fb::DrawnOrNoneNode *>(node()) : nullptr;
   }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
@@ -4153,6 +4309,14 @@ template<> inline const backends::mlx::serialization::generated::fb::QuantizedLi
 
 template<> inline const backends::mlx::serialization::generated::fb::QuantizedEmbeddingNode *Instruction::node_as<backends::mlx::serialization::generated::fb::QuantizedEmbeddingNode>() const {
   return node_as_QuantizedEmbeddingNode();
+}
+
+template<> inline const backends::mlx::serialization::generated::fb::AllowedMaskNode *Instruction::node_as<backends::mlx::serialization::generated::fb::AllowedMaskNode>() const {
+  return node_as_AllowedMaskNode();
+}
+
+template<> inline const backends::mlx::serialization::generated::fb::DrawnOrNoneNode *Instruction::node_as<backends::mlx::serialization::generated::fb::DrawnOrNoneNode>() const {
+  return node_as_DrawnOrNoneNode();
 }
 
 struct InstructionBuilder {
@@ -4736,6 +4900,14 @@ inline bool VerifyNode(::flatbuffers::VerifierTemplate<B> &verifier, const void 
     }
     case Node::QuantizedEmbeddingNode: {
       auto ptr = reinterpret_cast<const backends::mlx::serialization::generated::fb::QuantizedEmbeddingNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Node::AllowedMaskNode: {
+      auto ptr = reinterpret_cast<const backends::mlx::serialization::generated::fb::AllowedMaskNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Node::DrawnOrNoneNode: {
+      auto ptr = reinterpret_cast<const backends::mlx::serialization::generated::fb::DrawnOrNoneNode *>(obj);
       return verifier.VerifyTable(ptr);
     }
     default: return true;

@@ -11,6 +11,7 @@
 
 #include <mlx/device.h>
 
+#include "kernels/allowed_mask.h"
 #include "kernels/cpu_gemm.h"
 #include "kernels/filter_threshold.h"
 #include "kernels/gumbel_max.h"
@@ -24,6 +25,8 @@ struct KernelSet {
   MatmulFn matmul;
   AddmmFn addmm;
   bool fast_rope;  // mx::fast::rope where the exporter allowed it (rope.h; ETMLX_FAST_ROPE overrides)
+  AllowedMaskFn allowed_mask;
+  DrawnOrNoneFn drawn_or_none;
 };
 
 const KernelSet& cpu_kernels();

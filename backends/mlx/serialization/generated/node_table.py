@@ -42,6 +42,8 @@ NODE_TAGS = {
     'RopeNode': 34,
     'QuantizedLinearNode': 35,
     'QuantizedEmbeddingNode': 36,
+    'AllowedMaskNode': 37,
+    'DrawnOrNoneNode': 38,
 }
 
 # union member name -> {field: schema type}, in declaration order
@@ -82,4 +84,6 @@ NODE_FIELDS = {
     'RopeNode': {'x': 'Tid', 'cos': 'Tid', 'sin': 'Tid', 'offset': 'Tid', 'freqs': 'Tid', 'out': 'Tid'},
     'QuantizedLinearNode': {'x': 'Tid', 'w': 'Tid', 'scales': 'Tid', 'biases': 'Tid', 'bias': 'Tid', 'group_size': 'int', 'bits': 'int', 'out': 'Tid'},
     'QuantizedEmbeddingNode': {'indices': 'Tid', 'w': 'Tid', 'scales': 'Tid', 'biases': 'Tid', 'group_size': 'int', 'bits': 'int', 'out': 'Tid'},
+    'AllowedMaskNode': {'x': 'Tid', 'mask': 'Tid', 'out': 'Tid'},
+    'DrawnOrNoneNode': {'tokens': 'Tid', 'x': 'Tid', 'out': 'Tid'},
 }

@@ -9,7 +9,7 @@ namespace etmlx {
 const char kDecodeUsage[] =
     "usage: etmlx_decode FILE.pte (--prompt TEXT | --prompt-ids 1,2,3) [--max-tokens N]\n"
     "                    [--temperature T] [--seed S] [--KNOB VALUE ...] [--eos ID[,ID...]]\n"
-    "                    [--vocab-size V] [--json]\n"
+    "                    [--vocab-size V] [--mask-file FILE | --choice-ids 1,2;3] [--json]\n"
     "\n"
     "Runs the decode loop of a .pte written by `etmlx export` on the etmlx (MLX)\n"
     "backend: one prefill call, then one call per token with seed S + step.\n"
@@ -24,6 +24,11 @@ const char kDecodeUsage[] =
     "                 off by default, refused if the program was exported without it\n"
     "  --eos          stop ids, replacing the program's eos_token_ids; repeatable\n"
     "  --vocab-size   for range-checking prompt ids of a program without etmlx metadata\n"
+    "  --mask-file    allowed-token masks, one text row per step (ceil(V/32) int32 words,\n"
+    "                 decimal or 0x hex; bit j of word i = token 32 i + j); needs a program\n"
+    "                 exported with --sampler ...,mask; steps past the last row are unconstrained\n"
+    "  --choice-ids   the output is one of these token-id sequences (ids by ',', choices by\n"
+    "                 ';'), then a stop id; masked on the device (a program with the mask input)\n"
     "  --json         print {\"tokens\", \"finish_reason\", timings} instead of streaming ids\n";
 
 namespace {
@@ -108,6 +113,10 @@ bool parse_decode_args(int argc, char** argv, DecodeArgs* out, std::string* erro
       } else if (name == "--eos") {
         if (!out->eos_ids) out->eos_ids.emplace();
         if (!parse_id_list(value, "--eos", &*out->eos_ids, error)) return false;
+      } else if (name == "--mask-file") {
+        out->mask_file = value;
+      } else if (name == "--choice-ids") {
+        out->choice_ids = value;
       } else if (name == "--vocab-size") {
         int64_t v = 0;
         if (!parse_int(value, &v) || v < 1) {

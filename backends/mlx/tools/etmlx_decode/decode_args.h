@@ -20,6 +20,8 @@ struct DecodeArgs {
   std::vector<std::pair<std::string, std::string>> knob_flags;
   std::optional<std::vector<int64_t>> eos_ids;  // replaces the sidecar's list
   std::optional<int64_t> vocab_size;            // for programs without a sidecar
+  std::optional<std::string> mask_file;  // per-step allowed-token masks (mask_file.h)
+  std::optional<std::string> choice_ids;  // one of these id sequences (choice_mask.h)
   bool json = false;
   bool help = false;
 };

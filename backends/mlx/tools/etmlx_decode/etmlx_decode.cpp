@@ -27,6 +27,8 @@
 
 #include "decode_args.h"
 #include "program_metadata.h"
+#include "choice_mask.h"
+#include "mask_file.h"
 #include "step_inputs.h"
 #include "text_tokenizer.h"
 
@@ -169,6 +171,12 @@ int run(const etmlx::DecodeArgs& args) {
   // exporter sizes it with an example as long as the cache.
   const int64_t max_seq_len = sidecar.max_seq_len.value_or(inputs->max_call_length());
   const auto vocab = args.vocab_size ? args.vocab_size : sidecar.vocab_size;
+  // The mask input's width is the program's own vocabulary bound (ceil(V/32) words): a vocab_size
+  // beyond it would let ids the program cannot sample pass as valid prompt ids and mask rows.
+  if (vocab && inputs->mask_words() > 0 && (*vocab + 31) / 32 != inputs->mask_words())
+    return fail(kBadInput, (args.vocab_size ? std::string("--vocab-size") : metadata->origin) + " says vocab_size " +
+                               std::to_string(*vocab) + " but the program's allowed_mask input has " +
+                               std::to_string(inputs->mask_words()) + " words (ceil(V/32)): they come from different exports");
   const std::vector<int64_t>& eos = args.eos_ids ? *args.eos_ids : sidecar.eos_token_ids;
   const auto n = static_cast<int64_t>(prompt.size());
   if (!vocab)
@@ -187,6 +195,25 @@ int run(const etmlx::DecodeArgs& args) {
   if (n + args.max_tokens > max_seq_len)
     return fail(kBadInput, "prompt (" + std::to_string(n) + ") + max_tokens (" + std::to_string(args.max_tokens) +
                                ") exceeds max_seq_len " + std::to_string(max_seq_len));
+  std::vector<std::vector<int32_t>> mask_rows;
+  std::optional<etmlx::ChoiceMask> choice;
+  if (args.mask_file && args.choice_ids) return fail(kBadInput, "give --mask-file or --choice-ids, not both");
+  if (args.choice_ids) {
+    if (inputs->mask_words() == 0)
+      return fail(kBadInput, "--choice-ids needs a program exported with --sampler ...,mask (" + args.pte +
+                                 " has no allowed_mask input)");
+    const int64_t v = vocab.value_or(inputs->mask_words() * 32);
+    std::vector<std::vector<int64_t>> choices;
+    if (!etmlx::ChoiceMask::parse(*args.choice_ids, v, &choices, &error)) return fail(kBadInput, error);
+    choice.emplace(std::move(choices), eos, v);
+  }
+  if (args.mask_file) {
+    if (inputs->mask_words() == 0)
+      return fail(kBadInput, "--mask-file needs a program exported with --sampler ...,mask (" + args.pte +
+                                 " has no allowed_mask input)");
+    if (!etmlx::read_mask_file(*args.mask_file, inputs->mask_words(), &mask_rows, &error))
+      return fail(kBadInput, error);
+  }
   if (const Error e = module.load_method(method); e != Error::Ok)
     return fail(kRunFailed, "could not load method " + method + " (error " + error_name(e) + ")");
 
@@ -201,7 +228,11 @@ int run(const etmlx::DecodeArgs& args) {
   const char* finish = "length";
   for (int64_t step = 0; step < args.max_tokens; ++step) {
     // Step 0 is the prefill; its token is the first generated one.
-    auto values = inputs->build(call_tokens, position, temperature, seed + step, step == 0);
+    std::vector<int32_t> choice_row;
+    if (choice) choice_row = choice->row(generated);
+    const auto* mask_row = choice ? &choice_row
+                           : step < static_cast<int64_t>(mask_rows.size()) ? &mask_rows[static_cast<size_t>(step)] : nullptr;
+    auto values = inputs->build(call_tokens, position, temperature, seed + step, step == 0, mask_row);
     const auto out = module.execute(method, values);
     if (!out.ok())
       return fail(kRunFailed, "step " + std::to_string(step) + " failed (error " + error_name(out.error()) + ")");
@@ -211,6 +242,8 @@ int run(const etmlx::DecodeArgs& args) {
     if (ids.scalar_type() != ScalarType::Long || ids.numel() < 1)
       return fail(kRunFailed, "the program's first output is not int64 token ids");
     const int64_t token = ids.const_data_ptr<int64_t>()[0];
+    if (token == -1)  // the sampler's answer for a row whose mask allows no token it can draw
+      return fail(kBadInput, "step " + std::to_string(step) + ": the mask allows no token the model can produce");
     if (step == 0) first_token_at = Clock::now();
     generated.push_back(token);
     if (is_eos(eos, token)) {
@@ -224,6 +257,12 @@ int run(const etmlx::DecodeArgs& args) {
     if (!args.json) {
       std::fputs(chunk.c_str(), stdout);
       std::fflush(stdout);
+    }
+    if (choice && choice->finished(generated)) {  // a whole choice that nothing extends (and no stop id to draw)
+      if (eos.empty()) {
+        finish = "stop";
+        break;
+      }
     }
     position += static_cast<int64_t>(call_tokens.size());
     call_tokens.assign(1, token);

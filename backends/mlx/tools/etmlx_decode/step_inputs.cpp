@@ -181,8 +181,17 @@ TensorPtr StepInputs::filled(const Slot& slot, const KnobValue& row0, const Knob
   }
 }
 
+int64_t StepInputs::mask_words() const {
+  for (const Slot& slot : slots_) {
+    if (slot.role == Role::Knob && slot.name == "allowed_mask" && slot.dtype == ScalarType::Int && slot.sizes.size() == 2)
+      return slot.sizes[1];
+  }
+  return 0;
+}
+
 std::vector<EValue> StepInputs::build(const std::vector<int64_t>& tokens, int64_t start_pos,
-                                      float temperature, int64_t seed, bool first) {
+                                      float temperature, int64_t seed, bool first,
+                                      const std::vector<int32_t>* mask_row) {
   const auto length = static_cast<int32_t>(tokens.size());
   alive_.clear();
   std::vector<EValue> values;
@@ -210,6 +219,10 @@ std::vector<EValue> StepInputs::build(const std::vector<int64_t>& tokens, int64_
         break;
       case Role::Knob:
         t = filled(slot, first ? slot.first : slot.value, slot.idle);
+        if (mask_row != nullptr && slot.name == "allowed_mask" && slot.dtype == ScalarType::Int &&
+            static_cast<int64_t>(mask_row->size()) == mask_words()) {
+          std::copy(mask_row->begin(), mask_row->end(), t->mutable_data_ptr<int32_t>());  // row 0 comes first
+        }
         break;
     }
     alive_.push_back(t);

@@ -42,9 +42,14 @@ class StepInputs {
   // The call's inputs: `tokens` at cache positions start_pos.., sampled with
   // (temperature, seed); `first` marks the start of a sequence. The returned
   // values borrow tensors held by this object until the next build().
+  // `mask_row` (optional): row 0's allowed_mask words for this call (the idle rows stay all ones).
   std::vector<executorch::runtime::EValue> build(const std::vector<int64_t>& tokens,
                                                  int64_t start_pos, float temperature,
-                                                 int64_t seed, bool first);
+                                                 int64_t seed, bool first,
+                                                 const std::vector<int32_t>* mask_row = nullptr);
+
+  // Words per row of the program's allowed_mask input, or 0 when it has none.
+  int64_t mask_words() const;
 
  private:
   enum class Role { Tokens, StartPos, Lengths, Temperature, Seed, Knob };

@@ -40,6 +40,8 @@ class Node(object):
     RopeNode = 34
     QuantizedLinearNode = 35
     QuantizedEmbeddingNode = 36
+    AllowedMaskNode = 37
+    DrawnOrNoneNode = 38
 
 def NodeCreator(unionType, table):
     from flatbuffers.table import Table
@@ -153,4 +155,10 @@ def NodeCreator(unionType, table):
     if unionType == Node.QuantizedEmbeddingNode:
         import backends.mlx.serialization.generated.fb.QuantizedEmbeddingNode
         return backends.mlx.serialization.generated.fb.QuantizedEmbeddingNode.QuantizedEmbeddingNodeT.InitFromBuf(table.Bytes, table.Pos)
+    if unionType == Node.AllowedMaskNode:
+        import backends.mlx.serialization.generated.fb.AllowedMaskNode
+        return backends.mlx.serialization.generated.fb.AllowedMaskNode.AllowedMaskNodeT.InitFromBuf(table.Bytes, table.Pos)
+    if unionType == Node.DrawnOrNoneNode:
+        import backends.mlx.serialization.generated.fb.DrawnOrNoneNode
+        return backends.mlx.serialization.generated.fb.DrawnOrNoneNode.DrawnOrNoneNodeT.InitFromBuf(table.Bytes, table.Pos)
     return None

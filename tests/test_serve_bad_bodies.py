@@ -1,0 +1,125 @@
+"""Request bodies that are not what they claim (issue 14): JSON nested 100k deep, bytes that are not
+UTF-8, lone surrogates. Each is a 400 (HTTP) or an LMTP error message naming the problem, the
+connection stays, and a good request beside them is served exactly as alone."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+
+import aiohttp
+import pytest
+
+from backends.mlx.serve.app import ServerThread
+from serve_helpers import bit_exact_batching, tiny_pte
+
+PROMPT = [1, 5, 9]
+DEEP = b"[" * 100_000 + b"]" * 100_000
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with bit_exact_batching():
+        srv = ServerThread(tiny_pte(tmp_path_factory), model_name="tiny").start()
+    yield srv
+    srv.stop()
+
+
+def _post_raw(server, path, data: bytes):
+    request = urllib.request.Request(server.url + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def _good(server):
+    body = {"prompt": PROMPT, "max_tokens": 5, "temperature": 1.0, "seed": 3, "logprobs": 0}
+    status, out = _post_raw(server, "/v1/completions", json.dumps(body).encode())
+    assert status == 200, out
+    return out["choices"][0]["logprobs"]["tokens"]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("data, needle", [
+    (DEEP, "nested too deeply"),
+    (b'{"prompt": "caf\xe9", "max_tokens": 2}', "not valid UTF-8"),
+    (b'{"prompt": "a\\ud800b", "max_tokens": 2}', "lone surrogate"),
+    (b'{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 2}', "lone surrogate"),
+])
+def test_http_bad_bodies_are_400_naming_the_problem(server, path, data, needle):
+    alone = _good(server)
+    status, out = _post_raw(server, path, data)
+    assert status == 400 and needle in out["error"]["message"], out
+    assert _good(server) == alone
+
+
+async def _lmtp(server, frames, until, timeout=60):
+    messages = []
+    async with aiohttp.ClientSession() as http, http.ws_connect(server.url + "/lmtp") as ws:
+        for frame in frames:
+            if isinstance(frame, bytes):  # a TEXT frame whose payload is not UTF-8
+                await ws._writer.send_frame(frame, aiohttp.WSMsgType.TEXT)
+            else:
+                await ws.send_str(frame)
+
+        async def read():
+            while not until(messages):
+                message = await ws.receive()
+                assert message.type == aiohttp.WSMsgType.TEXT, message
+                for line in message.data.splitlines():
+                    kind, _, data = line.partition(" ")
+                    messages.append((kind, json.loads(data)))
+        await asyncio.wait_for(read(), timeout)
+    return messages
+
+
+def test_lmtp_bad_lines_are_errors_and_the_connection_stays(server):
+    good = 'GENERATE {"stream_id": 7, "prompt": [1, 5, 9], "max_tokens": 3}'
+    done = lambda ms: any(k == "TOKEN" and any(e["stream_id"] == 7 and e.get("finish_reason") for e in p)
+                          for k, p in ms)
+    messages = asyncio.run(_lmtp(server, ["GENERATE " + DEEP.decode(), 'GENERATE {"stream_id": 1, "prompt": "a\\ud800"}',
+                                          good], done))
+    errors = [p.get("error") or "" for k, p in messages if k == "MSG"]
+    assert any("nested too deeply" in e for e in errors), messages
+    assert any("lone surrogate (\\ud800)" in e for e in errors), messages
+    assert done(messages)
+
+
+def test_websocket_text_frame_not_utf8_closes_only_that_socket(server):
+    """RFC 6455: a text frame that is not UTF-8 fails the connection with close code 1007."""
+    async def script():
+        async with aiohttp.ClientSession() as http, http.ws_connect(server.url + "/lmtp") as ws:
+            await ws._writer.send_frame(b'GENERATE {"stream_id": 2, "prompt": "caf\xe9"}', aiohttp.WSMsgType.TEXT)
+            return await asyncio.wait_for(ws.receive(), 60)
+    closed = asyncio.run(script())
+    assert closed.type == aiohttp.WSMsgType.CLOSE and closed.data == 1007
+    good = 'GENERATE {"stream_id": 7, "prompt": [1, 5, 9], "max_tokens": 3}'
+    messages = asyncio.run(_lmtp(server, [good], lambda ms: any(
+        k == "TOKEN" and any(e.get("finish_reason") for e in p) for k, p in ms)))
+    assert messages[-1][1][-1]["finish_reason"] in ("stop", "length")
+
+
+def test_tcp_line_not_utf8_is_an_error_naming_the_byte(tmp_path_factory):
+    with bit_exact_batching():
+        srv = ServerThread(tiny_pte(tmp_path_factory), model_name="tiny", lmtp_port=0).start()
+
+    async def script():
+        reader, writer = await asyncio.open_connection("127.0.0.1", srv.server.lmtp_port)
+        writer.write(b'GENERATE {"stream_id": 2, "prompt": "caf\xe9"}\n')
+        writer.write(b'GENERATE {"stream_id": 3, "prompt": [1, 5, 9], "max_tokens": 2}\n')
+        await writer.drain()
+        lines = []
+        while not any('"finish_reason": "length"' in ln or '"finish_reason": "stop"' in ln for ln in lines):
+            lines.append((await asyncio.wait_for(reader.readline(), 60)).decode())
+        writer.close()
+        return lines
+    try:
+        lines = asyncio.run(script())
+    finally:
+        srv.stop()
+    at = b'GENERATE {"stream_id": 2, "prompt": "caf\xe9"}'.index(b"\xe9")
+    assert lines[0].startswith("MSG ") and f"not valid UTF-8 (byte {at})" in lines[0], lines
