@@ -12,7 +12,7 @@ import json
 import pytest
 
 from backends.mlx.bench.structured import SCHEMA
-from backends.mlx.bench.structured_builtin import _check_resample, _decode_rate
+from backends.mlx.bench.structured_builtin import check_resample, decode_rate
 from backends.mlx.llm.builtin.tiny_model import tiny_llama, train_tokenizer
 from backends.mlx.llm.decoder.constraints import Constraint
 from backends.mlx.llm.decoder.export import export_decoder
@@ -42,7 +42,7 @@ def test_check_resample_output_validates(tiny):
     prompt = tok("Hello there")["input_ids"]
     resampled = [0]
     for seed in range(5):
-        tokens = list(_check_resample(decoder, prompt, 100, SamplingParams(temperature=1.0, seed=seed),
+        tokens = list(check_resample(decoder, prompt, 100, SamplingParams(temperature=1.0, seed=seed),
                                       constraint, resampled))
         assert tokens[-1] in decoder.meta.eos_token_ids, seed
         assert _valid(json.loads(tok.decode(tokens[:-1]))), seed
@@ -50,4 +50,4 @@ def test_check_resample_output_validates(tiny):
 
 
 def test_decode_rate_leaves_out_the_first_token():
-    assert _decode_rate(iter([1, 2, 3]))[0] == 2
+    assert decode_rate(iter([1, 2, 3]))[0] == 2

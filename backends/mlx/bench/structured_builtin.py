@@ -44,7 +44,7 @@ def _program(ckpt: Path, pte: Path, config: SamplerConfig) -> Path:
     return pte
 
 
-def _check_resample(decoder: Decoder, prompt: list[int], tokens: int, params: SamplingParams,
+def check_resample(decoder: Decoder, prompt: list[int], tokens: int, params: SamplingParams,
                     constraint: Constraint, resampled: list[int]):
     """Decode with sample-check-resample, yielding each token; counts resampled steps in resampled[0]."""
     matcher = decoder.matcher(constraint)
@@ -65,7 +65,7 @@ def _check_resample(decoder: Decoder, prompt: list[int], tokens: int, params: Sa
             return
 
 
-def _decode_rate(stream) -> tuple[int, float]:
+def decode_rate(stream) -> tuple[int, float]:
     """(tokens after the first, seconds after the first): the prefill call and the matcher's set-up
     (time to first token) are left out, so runs of different lengths compare per decode step."""
     first, n = None, 0
@@ -95,8 +95,8 @@ def run(cache_dir: Path, tokens: int = 48, runs: int = 6, rounds: int = 3) -> di
             elif mode == "json_schema":
                 stream = masked.stream(prompt, tokens, params, constraint=constraint)
             else:
-                stream = _check_resample(masked, prompt, tokens, params, constraint, resampled)
-            n, t = _decode_rate(stream)
+                stream = check_resample(masked, prompt, tokens, params, constraint, resampled)
+            n, t = decode_rate(stream)
             steps, seconds, calls = steps + n, seconds + t, calls + n + 1
         return steps / seconds, calls, resampled[0]
 
