@@ -9,7 +9,7 @@ namespace etmlx {
 const char kDecodeUsage[] =
     "usage: etmlx_decode FILE.pte (--prompt TEXT | --prompt-ids 1,2,3) [--max-tokens N]\n"
     "                    [--temperature T] [--seed S] [--KNOB VALUE ...] [--eos ID[,ID...]]\n"
-    "                    [--vocab-size V] [--json]\n"
+    "                    [--vocab-size V] [--weights FILE.ptd] [--json]\n"
     "\n"
     "Runs the decode loop of a .pte written by `etmlx export` on the etmlx (MLX)\n"
     "backend: one prefill call, then one call per token with seed S + step.\n"
@@ -24,6 +24,8 @@ const char kDecodeUsage[] =
     "                 off by default, refused if the program was exported without it\n"
     "  --eos          stop ids, replacing the program's eos_token_ids; repeatable\n"
     "  --vocab-size   for range-checking prompt ids of a program without etmlx metadata\n"
+    "  --weights      the .ptd of a program exported with --external-weights (default:\n"
+    "                 FILE.ptd beside FILE.pte, if there is one)\n"
     "  --json         print {\"tokens\", \"finish_reason\", timings} instead of streaming ids\n";
 
 namespace {
@@ -108,6 +110,12 @@ bool parse_decode_args(int argc, char** argv, DecodeArgs* out, std::string* erro
       } else if (name == "--eos") {
         if (!out->eos_ids) out->eos_ids.emplace();
         if (!parse_id_list(value, "--eos", &*out->eos_ids, error)) return false;
+      } else if (name == "--weights") {
+        if (value.empty()) {
+          *error = "--weights needs a FILE.ptd";
+          return false;
+        }
+        out->weights = value;
       } else if (name == "--vocab-size") {
         int64_t v = 0;
         if (!parse_int(value, &v) || v < 1) {

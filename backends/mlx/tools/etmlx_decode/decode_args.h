@@ -20,6 +20,7 @@ struct DecodeArgs {
   std::vector<std::pair<std::string, std::string>> knob_flags;
   std::optional<std::vector<int64_t>> eos_ids;  // replaces the sidecar's list
   std::optional<int64_t> vocab_size;            // for programs without a sidecar
+  std::optional<std::string> weights;           // --weights FILE.ptd (external weights)
   bool json = false;
   bool help = false;
 };
