@@ -4,6 +4,7 @@ are bit-identical to the inline layout, and a missing, mismatched or truncated .
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -163,3 +164,40 @@ def test_named_constant_with_inline_bytes_is_refused(monkeypatch, capfd):
     with pytest.raises(RuntimeError):
         load_method(pte)
     assert "also carries 4 inline bytes" in capfd.readouterr().err
+
+
+def test_cli_export_external_weights_then_generate_and_etmlx_decode(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from helpers import run_cli
+
+    torch.manual_seed(3)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=80, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                         eos_token_id=None, bos_token_id=None)).eval()
+    ckpt = tmp_path / "ckpt"
+    model.save_pretrained(ckpt)
+    ids = {}
+    for name, flags in (("one", []), ("ext", ["--external-weights"])):
+        pte = tmp_path / f"{name}.pte"
+        done = run_cli("export", "--model", str(ckpt), "--out", str(pte), "--max-seq-len", "32", *flags)
+        assert done.returncode == 0, done.stderr[-2000:]
+        ran = run_cli("generate", str(pte), "--prompt-ids", "7,1,33", "--max-tokens", "12", "--json")
+        assert ran.returncode == 0, ran.stderr[-2000:]
+        ids[name] = json.loads(ran.stdout.strip().splitlines()[-1])["tokens"]
+    ptd = tmp_path / "ext.ptd"
+    assert ptd.is_file() and f"and {ptd}" in done.stdout
+    assert (tmp_path / "ext.pte").stat().st_size < ptd.stat().st_size
+    assert ids["ext"] == ids["one"] and len(ids["one"]) == 12
+    binary = ROOT / "build" / "etmlx_decode"
+    assert binary.is_file(), f"{binary} is missing: `make setup` builds it"
+    moved = tmp_path / "moved.ptd"
+    ptd.rename(moved)
+    decode = [str(binary), str(tmp_path / "ext.pte"), "--prompt-ids", "7,1,33", "--max-tokens", "12"]
+    without = subprocess.run(decode, capture_output=True, text=True, timeout=120)
+    assert without.returncode != 0 and "not in the program or its weights file" in without.stderr
+    given = subprocess.run(decode + ["--weights", str(moved)], capture_output=True, text=True, timeout=120)
+    assert given.returncode == 0, given.stderr[-2000:]
+    missing = subprocess.run(decode + ["--weights", str(tmp_path / "nope.ptd")], capture_output=True, text=True,
+                             timeout=120)
+    assert missing.returncode != 0 and "nope.ptd: no such file (--weights)" in missing.stderr

@@ -1,7 +1,9 @@
 #include "loader.h"
+#include "cpu_weights.h"
 #include "named_constant.h"
 #include "quantized_layout.h"
 
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <limits>
@@ -469,6 +471,11 @@ Error load_program(const void* data, size_t size, const executorch::runtime::Nam
   if (p.kernels == nullptr) {
     ET_LOG(Error, "etmlx: %s", kernel_error.c_str());
     return Error::InvalidArgument;
+  }
+  // Reported only when asked for (ETMLX_CPU_WIDEN set): an unconditional line would reach every
+  // `etmlx generate` user's terminal.
+  if (const size_t widened = widen_cpu_matmul_weights(p); widened != 0 && std::getenv("ETMLX_CPU_WIDEN") != nullptr) {
+    ET_LOG(Info, "etmlx: %zu half-precision linear weights widened to float32 at load", widened);
   }
 
   out = std::move(p);
