@@ -201,3 +201,10 @@ def test_cli_export_external_weights_then_generate_and_etmlx_decode(tmp_path):
     missing = subprocess.run(decode + ["--weights", str(tmp_path / "nope.ptd")], capture_output=True, text=True,
                              timeout=120)
     assert missing.returncode != 0 and "nope.ptd: no such file (--weights)" in missing.stderr
+
+
+def test_inspect_counts_the_constants_in_named_data(tmp_path):
+    from backends.mlx.exporter.inspect_pte import describe
+
+    assert "5 constants (3 in named data)" in describe(_save(tmp_path, "named", "pte"))
+    assert "5 constants (0 in named data)" in describe(_save(tmp_path, "inline", "inline"))
