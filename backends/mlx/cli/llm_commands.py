@@ -44,6 +44,7 @@ def run_export(args) -> int:
     import torch
     from transformers import AutoTokenizer
 
+    from backends.mlx.exporter.export import weights_path
     from backends.mlx.llm.decoder.export import export_decoder
 
     if args.dtype not in DTYPES:
@@ -61,9 +62,14 @@ def run_export(args) -> int:
     else:
         say("no tokenizer in the checkpoint: generate will need --prompt-ids")
     result = export_decoder(model, Path(args.out), args.max_seq_len, config=config, batch=args.batch,
-                            seeded=args.seeded, tokenizer=tokenizer, progress=say)
+                            seeded=args.seeded, tokenizer=tokenizer, progress=say,
+                            external_weights=args.external_weights)
     say("done")
-    print(f"wrote {args.out} ({len(result.pte) / 1e6:.1f} MB): {result.summary()}")
+    written = f"{args.out} ({Path(args.out).stat().st_size / 1e6:.1f} MB)"
+    ptd = weights_path(args.out)
+    if args.external_weights and ptd.is_file():
+        written += f" and {ptd} ({ptd.stat().st_size / 1e6:.1f} MB)"
+    print(f"wrote {written}: {result.summary()}")
     return 0
 
 
@@ -130,6 +136,9 @@ def add_parsers(sub) -> None:
                                                                     "bias, 32, 64 (default) or 128")
     export.add_argument("--quantize-embeddings", action=argparse.BooleanOptionalAction, default=True,
                         help="--quantize: the token embedding and the head too (default on)")
+    export.add_argument("--external-weights", action="store_true",
+                        help="write the weights to FILE.ptd beside FILE.pte (ExecuTorch's external data file); "
+                             "generate, serve and etmlx_decode load it from there (etmlx_decode --weights too)")
     export.add_argument("--max-seq-len", type=int, default=256, help="KV cache length (default 256)")
     export.add_argument("--batch", type=int, default=1, help="rows per call (default 1; a server uses more)")
     seeding = export.add_mutually_exclusive_group()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import operator
+import os
+import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,19 +14,26 @@ import torch
 from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
 from executorch.exir.backend.compile_spec_schema import CompileSpec
 
+from backends.mlx.exporter.builder.weights import EXTERNAL_TAG, PLACEMENTS
 from backends.mlx.exporter.edge_target import aten_target
 from backends.mlx.exporter.partitioner import MLXPartitioner
-from backends.mlx.exporter.preprocess import FUSE_SPEC
+from backends.mlx.exporter.preprocess import FUSE_SPEC, WEIGHTS_SPEC
 
 _NOT_OPS = {"executorch_call_delegate", "getitem"}
 
 
 @dataclass
 class ExportResult:
-    pte: bytes
+    program: Any  # executorch ExecutorchProgramManager: serialized on demand, streamed by save()
     delegated_calls: int
     outside: Counter = field(default_factory=Counter)  # aten op name -> count run by ExecuTorch's CPU kernels
     reasons: dict = field(default_factory=dict)
+    weights: str = "pte"  # where the delegate's constants went (export_to_pte's `weights`)
+
+    @property
+    def pte(self) -> bytes:
+        """The whole .pte in memory (one more copy of the weights; save() streams instead)."""
+        return self.program.buffer
 
     @property
     def ops_outside(self) -> int:
@@ -40,9 +49,33 @@ class ExportResult:
         return "\n".join(lines)
 
     def save(self, path) -> Path:
+        """Writes FILE.pte, and FILE.ptd beside it for an export with weights="external". Both are streamed
+        from ExecuTorch's serialized pieces, so no joined copy of the weights is made."""
         path = Path(path)
-        path.write_bytes(self.pte)
+        with open(path, "wb") as f:
+            self.program.write_to_file(f)
+        if self.weights == "external":
+            save_external_weights(self.program, weights_path(path))
         return path
+
+
+def weights_path(pte_path) -> Path:
+    """FILE.ptd beside FILE.pte: where save() writes external weights and the runners look for them."""
+    return Path(pte_path).with_suffix(".ptd")
+
+
+def save_external_weights(program, ptd_path: Path) -> None:
+    # ExecuTorch names the file after the external tag; it is written in a private folder beside the
+    # destination and renamed, so concurrent exports into one folder do not collide.
+    ptd_path = Path(ptd_path)
+    with tempfile.TemporaryDirectory(dir=ptd_path.parent, prefix=".etmlx-ptd-") as tmp:
+        program.write_tensor_data_to_file(tmp)
+        written = sorted(Path(tmp).glob("*.ptd"))
+        if not written:  # every constant was small enough to stay in the blob
+            return
+        if len(written) != 1 or written[0].name != f"{EXTERNAL_TAG}.ptd":
+            raise RuntimeError(f"expected ExecuTorch to write {EXTERNAL_TAG}.ptd, got {[p.name for p in written]}")
+        os.replace(written[0], ptd_path)
 
 
 def count_outside(program) -> tuple[int, Counter]:
@@ -71,11 +104,14 @@ def export_to_pte(
     progress: Optional[Callable[[str], None]] = None,
     fuse: bool = True,
     named_data: Optional[dict[str, bytes]] = None,
+    weights: str = "pte",
 ) -> ExportResult:
     """`progress`, if given, is called with the name of each stage as it starts. `fuse=False` keeps
     RMSNorm / LayerNorm / rotary subgraphs as separate ops (for comparisons). `named_data` (key ->
     bytes) is stored in the .pte's named data, where runtime/pte_metadata.py and C++'s
-    Program::get_named_data_map() read it back."""
+    Program::get_named_data_map() read it back. `weights`: where the delegate's constants go: "pte"
+    (ExecuTorch named data in the .pte's segments, mapped at load), "external" (a FILE.ptd beside the
+    .pte, written by save()) or "inline" (inside the delegate blob, the layout before named data)."""
     say = progress or (lambda _stage: None)
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -83,11 +119,14 @@ def export_to_pte(
         raise TypeError(f"args must be a tuple of example inputs, got {type(args).__name__}")
     if not isinstance(fuse, bool):
         raise TypeError(f"fuse must be a bool, got {type(fuse).__name__}")
+    if weights not in PLACEMENTS:
+        raise ValueError(f"weights must be one of {', '.join(PLACEMENTS)}, got {weights!r}")
     module = module.eval()
     say("tracing with torch.export")
     with torch.no_grad():
         ep = torch.export.export(module, args, kwargs or {}, dynamic_shapes=dynamic_shapes, strict=strict)
-    partitioner = MLXPartitioner(None if fuse else [CompileSpec(FUSE_SPEC, b"0")])
+    specs = [CompileSpec(WEIGHTS_SPEC, weights.encode())] + ([] if fuse else [CompileSpec(FUSE_SPEC, b"0")])
+    partitioner = MLXPartitioner(specs)
     say("lowering to the etmlx delegate")
     edge = to_edge_transform_and_lower(
         ep, partitioner=[partitioner], compile_config=EdgeCompileConfig(_check_ir_validity=False)
@@ -100,4 +139,5 @@ def export_to_pte(
         edge._named_data_store.add_named_data(key, blob)
     say("serializing the ExecuTorch program")
     program = edge.to_executorch()
-    return ExportResult(pte=program.buffer, delegated_calls=calls, outside=outside, reasons=dict(partitioner.reasons))
+    return ExportResult(program=program, delegated_calls=calls, outside=outside, reasons=dict(partitioner.reasons),
+                        weights=weights)

@@ -33,7 +33,8 @@ def describe(path: Path) -> str:
         g = deserialize(blob)
         kinds = Counter(TAG_NAMES.get(ins.nodeType, f"tag{ins.nodeType}") for ins in g.instructions or [])
         lines.append(f"  blob {i}: {len(blob)} bytes, {g.numTensors} tensor slots, {g.numValues} value slots, "
-                     f"{len(g.constants or [])} constants, {len(g.inputs or [])} inputs, "
+                     f"{len(g.constants or [])} constants ({sum(1 for c in g.constants or [] if c.key)} in named data), "
+                     f"{len(g.inputs or [])} inputs, "
                      f"{len(g.outputs or [])} outputs, {len(g.instructions or [])} instructions")
         for kind, n in kinds.most_common():
             lines.append(f"    {n:4d} x {kind}")

@@ -9,6 +9,7 @@ from torch.export.exported_program import ExportedProgram
 
 import backends.mlx.exporter.ops  # noqa: F401  (registers the handlers)
 from backends.mlx.exporter.builder.program_builder import ProgramBuilder
+from backends.mlx.exporter.builder.weights import PLACEMENTS, WeightStore
 from backends.mlx.serialization.serializer import serialize
 
 # The id the .pte records and the C++ runtime registers; deliberately not upstream's "MLXBackend".
@@ -16,6 +17,10 @@ BACKEND_ID = "EtmlxBackend"
 
 # CompileSpec(FUSE_SPEC, b"0") turns the fused-node pattern matching off (for A/B measurements).
 FUSE_SPEC = "etmlx.fuse"
+
+# CompileSpec(WEIGHTS_SPEC, b"inline" | b"pte" | b"external"): where constants' bytes go (builder/weights.py);
+# b"pte" (named data in the .pte's segments) when absent.
+WEIGHTS_SPEC = "etmlx.weights"
 
 
 def fusion_enabled(compile_specs: List[CompileSpec]) -> bool:
@@ -27,12 +32,23 @@ def fusion_enabled(compile_specs: List[CompileSpec]) -> bool:
     return True
 
 
+def weights_placement(compile_specs: List[CompileSpec]) -> str:
+    for spec in compile_specs:
+        if spec.key == WEIGHTS_SPEC:
+            value = bytes(spec.value).decode("ascii", "replace")
+            if value not in PLACEMENTS:
+                raise ValueError(f"compile spec {WEIGHTS_SPEC} must be one of {', '.join(PLACEMENTS)}, got {value!r}")
+            return value
+    return "pte"
+
+
 @final
 class EtmlxBackend(BackendDetails):
     @staticmethod
     def preprocess(edge_program: ExportedProgram, compile_specs: List[CompileSpec]) -> PreprocessResult:
-        graph = ProgramBuilder(edge_program, fuse=fusion_enabled(compile_specs)).build()
-        return PreprocessResult(processed_bytes=serialize(graph))
+        weights = WeightStore(weights_placement(compile_specs))
+        graph = ProgramBuilder(edge_program, fuse=fusion_enabled(compile_specs), weights=weights).build()
+        return PreprocessResult(processed_bytes=serialize(graph), data_store_output=weights.output())
 
 
 assert EtmlxBackend.__name__ == BACKEND_ID

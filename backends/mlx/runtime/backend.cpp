@@ -226,7 +226,6 @@ class EtmlxBackend final : public BackendInterface {
 
   Result<DelegateHandle*> init(BackendInitContext& context, FreeableBuffer* processed,
                                ArrayRef<CompileSpec> compile_specs) const override {
-    (void)context;
     (void)compile_specs;
     if (processed == nullptr) {
       ET_LOG(Error, "etmlx: init got no processed blob");
@@ -239,7 +238,8 @@ class EtmlxBackend final : public BackendInterface {
     }
     try {
       std::unique_ptr<Handle> h(new Handle());
-      Error err = load_program(data.get(), processed->size(), h->program);
+      // Weights are named data (the .pte's segments or a .ptd), mapped rather than copied.
+      Error err = load_program(data.get(), processed->size(), context.get_named_data_map(), h->program);
       if (err != Error::Ok) return err;
       h->state.reserve(h->program.mutable_initial.size());
       for (uint32_t c : h->program.mutable_initial) {

@@ -1,6 +1,9 @@
 #include "loader.h"
+#include "cpu_weights.h"
+#include "named_constant.h"
 #include "quantized_layout.h"
 
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <limits>
@@ -180,7 +183,8 @@ bool check_io(const flatbuffers::Vector<flatbuffers::Offset<fb::IoSpec>>* specs,
 // Builds constant `i` as an mlx array. `keep` owns the memory `data` points
 // into; the array aliases it when the data is suitably aligned.
 bool make_constant(const fb::Constant& c, size_t i, const std::shared_ptr<uint64_t[]>& keep,
-                   uint32_t num_tensors, mx::array* out) {
+                   const executorch::runtime::NamedDataMap* named, uint32_t num_tensors,
+                   mx::array* out) {
   if (c.slot() == nullptr || c.slot()->idx() >= num_tensors) {
     ET_LOG(Error, "etmlx: constant %zu names tensor slot %u but the graph has %u", i,
            c.slot() ? c.slot()->idx() : 0u, num_tensors);
@@ -246,8 +250,23 @@ bool make_constant(const fb::Constant& c, size_t i, const std::shared_ptr<uint64
     mx::eval(*out);
     return true;
   }
-  if (numel > std::numeric_limits<uint64_t>::max() / itemsize ||
-      numel * itemsize != static_cast<uint64_t>(data->size())) {
+  if (numel > std::numeric_limits<uint64_t>::max() / itemsize) {
+    ET_LOG(Error, "etmlx: constant %zu: byte size overflows", i);
+    return false;
+  }
+  const bool is_named = c.key() != nullptr && c.key()->size() > 0;
+  if (is_named) {
+    if (data->size() != 0) {
+      ET_LOG(Error, "etmlx: constant %zu is named data but also carries %u inline bytes", i, data->size());
+      return false;
+    }
+    if (numel == 0) {
+      ET_LOG(Error, "etmlx: constant %zu is named data but has no elements", i);
+      return false;
+    }
+    return named_constant(named, c.key()->c_str(), i, numel * itemsize, itemsize, std::move(mshape), dt, out);
+  }
+  if (numel * itemsize != static_cast<uint64_t>(data->size())) {
     ET_LOG(Error,
            "etmlx: constant %zu: data has %u bytes but shape and dtype %s need %llu", i,
            data->size(), dtype_name(c.dtype()),
@@ -339,7 +358,8 @@ Error check_header(const void* data, size_t size, uint64_t* payload_len) {
   return Error::Ok;
 }
 
-Error load_program(const void* data, size_t size, Program& out) {
+Error load_program(const void* data, size_t size, const executorch::runtime::NamedDataMap* named,
+                   Program& out) {
   uint64_t len = 0;
   Error err = check_header(data, size, &len);
   if (err != Error::Ok) return err;
@@ -420,7 +440,7 @@ Error load_program(const void* data, size_t size, Program& out) {
         return Error::InvalidProgram;
       }
       mx::array arr(0.0f);
-      if (!make_constant(*c, i, payload, nt, &arr)) return Error::InvalidProgram;
+      if (!make_constant(*c, i, payload, named, nt, &arr)) return Error::InvalidProgram;
       p.constants.push_back(std::move(arr));
       p.constant_slots.push_back(c->slot()->idx());
     }
@@ -460,6 +480,11 @@ Error load_program(const void* data, size_t size, Program& out) {
   if (p.kernels == nullptr) {
     ET_LOG(Error, "etmlx: %s", kernel_error.c_str());
     return Error::InvalidArgument;
+  }
+  // Reported only when asked for (ETMLX_CPU_WIDEN set): an unconditional line would reach every
+  // `etmlx generate` user's terminal.
+  if (const size_t widened = widen_cpu_matmul_weights(p); widened != 0 && std::getenv("ETMLX_CPU_WIDEN") != nullptr) {
+    ET_LOG(Info, "etmlx: %zu half-precision linear weights widened to float32 at load", widened);
   }
 
   out = std::move(p);

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include <executorch/runtime/core/error.h>
+#include <executorch/runtime/core/named_data_map.h>
 #include <mlx/array.h>
 
 #include "dtypes.h"
@@ -49,9 +50,13 @@ struct Program {
 };
 
 // `data`/`size` is the whole processed blob (16-byte header + flatbuffer).
+// `named` is the program's named data (the .pte's segments and any .ptd loaded
+// with it), where constants with a `key` live; null if the runtime gave none.
 // Returns Error::Ok and fills `out`, or logs and returns
 // DelegateInvalidCompatibility (bad magic / version) or InvalidProgram.
-executorch::runtime::Error load_program(const void* data, size_t size, Program& out);
+executorch::runtime::Error load_program(const void* data, size_t size,
+                                        const executorch::runtime::NamedDataMap* named,
+                                        Program& out);
 
 // Header-only check, usable without touching the payload.
 executorch::runtime::Error check_header(const void* data, size_t size, uint64_t* payload_len);

@@ -40,18 +40,30 @@ class LoadedMethod:
                 for i in range(meta.num_inputs())]
 
 
-def load_method(pte: PteSource, method: str = "forward") -> LoadedMethod:
-    """Load `method` of a .pte (path or bytes); the delegate's init() runs here."""
+def weights_beside(pte: Path) -> Path | None:
+    """FILE.ptd beside FILE.pte, if there is one: where `etmlx export --external-weights` puts the weights."""
+    ptd = Path(pte).with_suffix(".ptd")
+    return ptd if ptd.is_file() else None
+
+
+def load_method(pte: PteSource, method: str = "forward", weights: Union[str, Path, None] = None) -> LoadedMethod:
+    """Load `method` of a .pte (path or bytes); the delegate's init() runs here. `weights`: the .ptd holding
+    the program's external weights; by default FILE.ptd beside a FILE.pte path, if it exists."""
     bindings = _bindings()
     verify = bindings.Verification.InternalConsistency
     data = None
+    if weights is None and isinstance(pte, (str, Path)):
+        weights = weights_beside(Path(pte))
+    elif weights is not None and not Path(weights).is_file():
+        raise FileNotFoundError(f"weights: no such file {weights}")
+    data_path = None if weights is None else str(weights)
     if isinstance(pte, (str, Path)):
         if not Path(pte).is_file():
             raise FileNotFoundError(f"pte: no such file {pte}")
-        program = bindings._load_program(str(pte), program_verification=verify)
+        program = bindings._load_program(str(pte), program_verification=verify, data_path=data_path)
     elif isinstance(pte, (bytes, bytearray)):
         data = bytes(pte)
-        program = bindings._load_program_from_buffer(data, program_verification=verify)
+        program = bindings._load_program_from_buffer(data, program_verification=verify, data_path=data_path)
     else:
         raise TypeError(f"pte must be a path or bytes, got {type(pte).__name__}")
     names = [program.get_method_name(i) for i in range(program.num_methods())]
@@ -60,9 +72,9 @@ def load_method(pte: PteSource, method: str = "forward") -> LoadedMethod:
     return LoadedMethod(program, program.load_method(method), data)
 
 
-def run(pte: PteSource, inputs: Sequence, method: str = "forward") -> list:
+def run(pte: PteSource, inputs: Sequence, method: str = "forward", weights: Union[str, Path, None] = None) -> list:
     """Load and execute once; returns the outputs as a list."""
-    return load_method(pte, method).execute(inputs)
+    return load_method(pte, method, weights).execute(inputs)
 
 
 def as_tensors(outputs) -> list[torch.Tensor]:

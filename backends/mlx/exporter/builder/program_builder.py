@@ -2,7 +2,8 @@
 
 Slots: every tensor the graph touches gets a tensor slot (Tid); symbolic ints
 get value slots (Vid). Constants (parameters, buffers, lifted constants) are
-embedded in the graph; user inputs and outputs keep the program's order, which
+embedded in the graph when small and go to ExecuTorch named data otherwise
+(builder/weights.py); user inputs and outputs keep the program's order, which
 is the order ExecuTorch passes them to the backend.
 """
 
@@ -17,6 +18,7 @@ from torch.export import ExportedProgram
 
 from backends.mlx.exporter import dtypes as D
 from backends.mlx.exporter.builder.registry import REGISTRY
+from backends.mlx.exporter.builder.weights import WeightStore
 from backends.mlx.exporter.edge_target import aten_target
 from backends.mlx.exporter.fusion.plan import FusionPlan, plan_fusions
 from backends.mlx.serialization import fb_classes as fbc
@@ -33,8 +35,10 @@ class ValueSlot(int):
 
 
 class ProgramBuilder:
-    def __init__(self, ep: ExportedProgram, fuse: bool = True):
+    def __init__(self, ep: ExportedProgram, fuse: bool = True, weights: WeightStore | None = None):
         self.ep = ep
+        # Where constants' bytes go (inline or ExecuTorch named data); see builder/weights.py.
+        self.weights = weights if weights is not None else WeightStore("inline")
         # Subgraphs emitted as one fused node (RMSNorm, rotary embedding); see backends/mlx/exporter/fusion.
         self.fuse = fuse
         self.fusions = plan_fusions(ep) if fuse else FusionPlan()
@@ -147,7 +151,8 @@ class ProgramBuilder:
         c.shape = list(tensor.shape)
         # All-zero tensors (a KV cache's start) are allocated at load: the file does not grow with them.
         c.zeros = bool(tensor.numel()) and not bool(tensor.reshape(-1).view(torch.uint8).any())
-        if tensor.numel() and not c.zeros:
+        c.key = None if c.zeros or not tensor.numel() else self.weights.key_for(tensor)
+        if tensor.numel() and not c.zeros and c.key is None:
             c.data = tensor.reshape(-1).view(torch.uint8).numpy().copy()
         else:
             c.data = np.zeros(0, np.uint8)

@@ -36,9 +36,10 @@ def _eos_ids(model) -> list[int]:
 
 def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, config: SamplerConfig | None = None,
                    batch: int = 1, seeded: bool = True, tokenizer=None,
-                   progress: Optional[Callable[[str], None]] = None) -> ExportResult:
+                   progress: Optional[Callable[[str], None]] = None, external_weights: bool = False) -> ExportResult:
     """Write `out` (.pte) holding the program, its DecoderMeta and, given one (a transformers tokenizer or
-    a directory holding one), the tokenizer: the one file is all a decode loop needs."""
+    a directory holding one), the tokenizer: the one file is all a decode loop needs. `external_weights`:
+    the weights go to `out` with suffix .ptd instead (the runners load it from beside the .pte)."""
     config = config or SamplerConfig()
     if config.expose_counts:
         raise ValueError("expose_counts is for sampler tests, not decoder programs")
@@ -64,6 +65,7 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
                              tokenizer=TOKENIZER_PREFIX if blobs else None,
                              prompt_affixes=prompt_affixes(tokenizer) if tokenizer is not None else ([], []))
     blobs[META_KEY] = meta.to_json()
-    result = export_to_pte(head, example, kwargs, dynamic_shapes=dynamic, progress=progress, named_data=blobs)
+    result = export_to_pte(head, example, kwargs, dynamic_shapes=dynamic, progress=progress, named_data=blobs,
+                           weights="external" if external_weights else "pte")
     result.save(Path(out))
     return result

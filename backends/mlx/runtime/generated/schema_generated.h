@@ -4464,7 +4464,8 @@ struct Constant FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
     VT_DTYPE = 6,
     VT_SHAPE = 8,
     VT_DATA = 10,
-    VT_ZEROS = 12
+    VT_ZEROS = 12,
+    VT_KEY = 14
   };
   const backends::mlx::serialization::generated::fb::Tid *slot() const {
     return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_SLOT);
@@ -4481,6 +4482,9 @@ struct Constant FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   bool zeros() const {
     return GetField<uint8_t>(VT_ZEROS, 0) != 0;
   }
+  const ::flatbuffers::String *key() const {
+    return GetPointer<const ::flatbuffers::String *>(VT_KEY);
+  }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
     return VerifyTableStart(verifier) &&
@@ -4491,6 +4495,8 @@ struct Constant FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
            VerifyOffsetRequired(verifier, VT_DATA) &&
            verifier.VerifyVector(data()) &&
            VerifyField<uint8_t>(verifier, VT_ZEROS, 1) &&
+           VerifyOffset(verifier, VT_KEY) &&
+           verifier.VerifyString(key()) &&
            verifier.EndTable();
   }
 };
@@ -4514,6 +4520,9 @@ struct ConstantBuilder {
   void add_zeros(bool zeros) {
     fbb_.AddElement<uint8_t>(Constant::VT_ZEROS, static_cast<uint8_t>(zeros), 0);
   }
+  void add_key(::flatbuffers::Offset<::flatbuffers::String> key) {
+    fbb_.AddOffset(Constant::VT_KEY, key);
+  }
   explicit ConstantBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
         : fbb_(_fbb) {
     start_ = fbb_.StartTable();
@@ -4534,8 +4543,10 @@ inline ::flatbuffers::Offset<Constant> CreateConstant(
     backends::mlx::serialization::generated::fb::DType dtype = backends::mlx::serialization::generated::fb::DType::Float32,
     ::flatbuffers::Offset<::flatbuffers::Vector<int64_t>> shape = 0,
     ::flatbuffers::Offset<::flatbuffers::Vector<uint8_t>> data = 0,
-    bool zeros = false) {
+    bool zeros = false,
+    ::flatbuffers::Offset<::flatbuffers::String> key = 0) {
   ConstantBuilder builder_(_fbb);
+  builder_.add_key(key);
   builder_.add_data(data);
   builder_.add_shape(shape);
   builder_.add_slot(slot);
@@ -4550,16 +4561,19 @@ inline ::flatbuffers::Offset<Constant> CreateConstantDirect(
     backends::mlx::serialization::generated::fb::DType dtype = backends::mlx::serialization::generated::fb::DType::Float32,
     const std::vector<int64_t> *shape = nullptr,
     const std::vector<uint8_t> *data = nullptr,
-    bool zeros = false) {
+    bool zeros = false,
+    const char *key = nullptr) {
   auto shape__ = shape ? _fbb.CreateVector<int64_t>(*shape) : 0;
   auto data__ = data ? _fbb.CreateVector<uint8_t>(*data) : 0;
+  auto key__ = key ? _fbb.CreateString(key) : 0;
   return backends::mlx::serialization::generated::fb::CreateConstant(
       _fbb,
       slot,
       dtype,
       shape__,
       data__,
-      zeros);
+      zeros,
+      key__);
 }
 
 struct MutableBuffer FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {

@@ -39,15 +39,25 @@ mx::array addmm_f(const mx::array& bias, const mx::array& a, const mx::array& b,
   return mx::add(beta == 1.0f ? bias : mx::multiply(bias, mx::array(beta, mx::float32)), product);
 }
 
+// A half-precision activation times a weight widened to float32 at load (cpu_weights.h).
+bool half_times_widened(const mx::array& a, const mx::array& b) {
+  return (a.dtype() == mx::float16 || a.dtype() == mx::bfloat16) && b.dtype() == mx::float32;
+}
+
 }  // namespace
 
 mx::array cpu_matmul(const mx::array& a, const mx::array& b) {
+  if (half_times_widened(a, b)) return mx::astype(matmul_f(mx::astype(a, mx::float32), b), a.dtype());
   if (!both_half(a, b)) return matmul_f(a, b);
   return mx::astype(matmul_f(mx::astype(a, mx::float32), mx::astype(b, mx::float32)), a.dtype());
 }
 
 mx::array cpu_addmm(const mx::array& bias, const mx::array& a, const mx::array& b, float alpha,
                        float beta) {
+  if (half_times_widened(a, b) && bias.dtype() == a.dtype()) {
+    return mx::astype(addmm_f(mx::astype(bias, mx::float32), mx::astype(a, mx::float32), b, alpha, beta),
+                      a.dtype());
+  }
   if (!both_half(a, b) || bias.dtype() != a.dtype()) return addmm_f(bias, a, b, alpha, beta);
   return mx::astype(addmm_f(mx::astype(bias, mx::float32), mx::astype(a, mx::float32),
                             mx::astype(b, mx::float32), alpha, beta),

@@ -9,7 +9,8 @@ namespace etmlx {
 const char kDecodeUsage[] =
     "usage: etmlx_decode FILE.pte (--prompt TEXT | --prompt-ids 1,2,3) [--max-tokens N]\n"
     "                    [--temperature T] [--seed S] [--KNOB VALUE ...] [--eos ID[,ID...]]\n"
-    "                    [--vocab-size V] [--mask-file FILE | --choice-ids 1,2;3] [--json]\n"
+    "                    [--vocab-size V] [--mask-file FILE | --choice-ids 1,2;3] [--weights FILE.ptd]\n"
+    "                    [--json]\n"
     "\n"
     "Runs the decode loop of a .pte written by `etmlx export` on the etmlx (MLX)\n"
     "backend: one prefill call, then one call per token with seed S + step.\n"
@@ -29,6 +30,8 @@ const char kDecodeUsage[] =
     "                 exported with --sampler ...,mask; steps past the last row are unconstrained\n"
     "  --choice-ids   the output is one of these token-id sequences (ids by ',', choices by\n"
     "                 ';'), then a stop id; masked on the device (a program with the mask input)\n"
+    "  --weights      the .ptd of a program exported with --external-weights (default:\n"
+    "                 FILE.ptd beside FILE.pte, if there is one)\n"
     "  --json         print {\"tokens\", \"finish_reason\", timings} instead of streaming ids\n";
 
 namespace {
@@ -117,6 +120,12 @@ bool parse_decode_args(int argc, char** argv, DecodeArgs* out, std::string* erro
         out->mask_file = value;
       } else if (name == "--choice-ids") {
         out->choice_ids = value;
+      } else if (name == "--weights") {
+        if (value.empty()) {
+          *error = "--weights needs a FILE.ptd";
+          return false;
+        }
+        out->weights = value;
       } else if (name == "--vocab-size") {
         int64_t v = 0;
         if (!parse_int(value, &v) || v < 1) {

@@ -22,6 +22,7 @@ struct DecodeArgs {
   std::optional<int64_t> vocab_size;            // for programs without a sidecar
   std::optional<std::string> mask_file;  // per-step allowed-token masks (mask_file.h)
   std::optional<std::string> choice_ids;  // one of these id sequences (choice_mask.h)
+  std::optional<std::string> weights;           // --weights FILE.ptd (external weights)
   bool json = false;
   bool help = false;
 };

@@ -120,9 +120,20 @@ int run(const etmlx::DecodeArgs& args) {
   if (!executorch::runtime::get_backend_class(etmlx_backend_id()))
     return fail(kRunFailed, std::string("backend ") + etmlx_backend_id() + " is not registered");
 
-  Module module(args.pte, Module::LoadMode::Mmap);
+  // External weights: --weights, else FILE.ptd beside FILE.pte when present. Both files are
+  // memory-mapped; the backend wraps the weights' pages as MLX arrays without copying them.
+  std::string weights = args.weights.value_or("");
+  if (!args.weights) {
+    const auto beside = std::filesystem::path(args.pte).replace_extension(".ptd");
+    if (std::filesystem::is_regular_file(beside, ec)) weights = beside.string();
+  } else if (!std::filesystem::is_regular_file(weights, ec)) {
+    return fail(kBadInput, weights + ": no such file (--weights)");
+  }
+  Module module = weights.empty() ? Module(args.pte, Module::LoadMode::Mmap)
+                                  : Module(args.pte, weights, Module::LoadMode::Mmap);
   if (const Error e = module.load(); e != Error::Ok)
-    return fail(kRunFailed, args.pte + " is not a loadable ExecuTorch program (error " + error_name(e) + ")");
+    return fail(kRunFailed, args.pte + (weights.empty() ? "" : " with " + weights) +
+                                " is not a loadable ExecuTorch program (error " + error_name(e) + ")");
   const auto metadata = etmlx::read_program_metadata(module, args.pte, &error);
   if (!metadata) return fail(kBadInput, error);
   const etmlx::Sidecar& sidecar = metadata->meta;

@@ -107,8 +107,15 @@ class Constant(object):
             return bool(self._tab.Get(flatbuffers.number_types.BoolFlags, o + self._tab.Pos))
         return False
 
+    # Constant
+    def Key(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))
+        if o != 0:
+            return self._tab.String(o + self._tab.Pos)
+        return None
+
 def ConstantStart(builder):
-    builder.StartObject(5)
+    builder.StartObject(6)
 
 def Start(builder):
     ConstantStart(builder)
@@ -155,6 +162,12 @@ def ConstantAddZeros(builder, zeros):
 def AddZeros(builder, zeros):
     ConstantAddZeros(builder, zeros)
 
+def ConstantAddKey(builder, key):
+    builder.PrependUOffsetTRelativeSlot(5, flatbuffers.number_types.UOffsetTFlags.py_type(key), 0)
+
+def AddKey(builder, key):
+    ConstantAddKey(builder, key)
+
 def ConstantEnd(builder):
     return builder.EndObject()
 
@@ -177,12 +190,14 @@ class ConstantT(object):
         shape = None,
         data = None,
         zeros = False,
+        key = None,
     ):
         self.slot = slot  # type: Optional[backends.mlx.serialization.generated.fb.Tid.TidT]
         self.dtype = dtype  # type: int
         self.shape = shape  # type: Optional[List[int]]
         self.data = data  # type: Optional[List[int]]
         self.zeros = zeros  # type: bool
+        self.key = key  # type: Optional[str]
 
     @classmethod
     def InitFromBuf(cls, buf, pos):
@@ -223,6 +238,7 @@ class ConstantT(object):
             else:
                 self.data = constant.DataAsNumpy()
         self.zeros = constant.Zeros()
+        self.key = constant.Key()
 
     # ConstantT
     def Pack(self, builder):
@@ -242,6 +258,8 @@ class ConstantT(object):
                 for i in reversed(range(len(self.data))):
                     builder.PrependUint8(self.data[i])
                 data = builder.EndVector()
+        if self.key is not None:
+            key = builder.CreateString(self.key)
         ConstantStart(builder)
         if self.slot is not None:
             slot = self.slot.Pack(builder)
@@ -252,5 +270,7 @@ class ConstantT(object):
         if self.data is not None:
             ConstantAddData(builder, data)
         ConstantAddZeros(builder, self.zeros)
+        if self.key is not None:
+            ConstantAddKey(builder, key)
         constant = ConstantEnd(builder)
         return constant

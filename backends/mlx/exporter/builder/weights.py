@@ -1,0 +1,54 @@
+"""Where a constant's bytes go: inline in the delegate blob, or ExecuTorch named data.
+
+Named data is what ExecuTorch gives delegates for large shared bytes: `to_executorch` writes it into the
+.pte's segments (`placement="pte"`, the default) or, with an external tag, into a separate `.ptd`
+(`placement="external"`). The runtime maps those bytes and wraps them as MLX arrays, so weights neither
+pass through the FlatBuffers blob (and its 2 GiB limit) nor get copied at load. Small constants (scalars,
+norms' epsilons, masks) stay inline: a named entry costs a key, a segment entry and alignment padding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from executorch.exir._serialize._named_data_store import NamedDataStore, NamedDataStoreOutput
+
+PLACEMENTS = ("inline", "pte", "external")
+# The external tag ExecuTorch names the .ptd after; ExportResult.save renames it to FILE.ptd.
+EXTERNAL_TAG = "etmlx_weights"
+# Constants of at least this many bytes become named data.
+NAMED_MIN_BYTES = 1024
+# Alignment of each named tensor in its segment / .ptd: enough for any dtype and for SIMD loads, so
+# the runtime can alias the mapped bytes instead of copying them.
+ALIGNMENT = 64
+KEY_PREFIX = "etmlx/w/"
+
+
+class WeightStore:
+    def __init__(self, placement: str = "pte"):
+        if placement not in PLACEMENTS:
+            raise ValueError(f"weights placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
+        self.placement = placement
+        self.store = NamedDataStore()
+        self.count = 0
+
+    def key_for(self, tensor: torch.Tensor) -> str | None:
+        """Stores a contiguous CPU tensor's bytes as named data and returns its key, or None if it stays inline.
+
+        The key is the content hash (plus dtype and size), so identical tensors of several delegates or
+        methods share one entry and the same checkpoint always exports the same keys."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.placement == "inline" or nbytes < NAMED_MIN_BYTES:
+            return None
+        # A uint8 view of the tensor's own storage: hashing and the store's one copy read it in place.
+        raw = tensor.reshape(-1).view(torch.uint8).numpy()
+        digest = hashlib.sha256(memoryview(raw)).hexdigest()[:40]
+        key = f"{KEY_PREFIX}{digest}-{nbytes}"
+        tag = EXTERNAL_TAG if self.placement == "external" else None
+        self.store.add_named_data(key, raw.tobytes(), alignment=ALIGNMENT, external_tag=tag)
+        self.count += 1
+        return key
+
+    def output(self) -> NamedDataStoreOutput | None:
+        return self.store.get_named_data_store_output() if self.count else None
