@@ -21,13 +21,13 @@ mx::array device_addmm(const mx::array& bias, const mx::array& a, const mx::arra
 
 const KernelSet& cpu_kernels() {
   static const KernelSet set{"cpu", gumbel_max_cpu, filter_threshold_cpu, cpu_matmul, cpu_addmm,
-                             /*fast_rope=*/false};
+                             /*fast_rope=*/false, /*lazy=*/false};
   return set;
 }
 
 const KernelSet& device_kernels() {
   static const KernelSet set{"device", gumbel_max_device, filter_threshold_device, device_matmul, device_addmm,
-                             /*fast_rope=*/true};
+                             /*fast_rope=*/true, /*lazy=*/true};
   return set;
 }
 
