@@ -2,21 +2,43 @@
 PYTHON ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
-DEPS_STAMP := $(VENV)/.etmlx-deps
+# MLX=cpu (default), cuda12 or cuda13: which build of libmlx the venv gets and the runtime links.
+# The CUDA builds have the same C++ API, so the same sources build against them.
+MLX ?= cpu
+ifeq ($(MLX),cpu)
+MLX_PIP :=
+else ifeq ($(MLX),cuda12)
+MLX_PIP := mlx[cuda12]==0.32.4
+else ifeq ($(MLX),cuda13)
+MLX_PIP := mlx[cuda13]==0.32.4
+else
+$(error MLX=$(MLX) is not cpu, cuda12 or cuda13)
+endif
+# One stamp per MLX build (the CPU one keeps its old name), so switching MLX= reinstalls.
+ALL_STAMPS := $(VENV)/.etmlx-deps $(VENV)/.etmlx-deps-cuda12 $(VENV)/.etmlx-deps-cuda13
+DEPS_STAMP := $(if $(filter cpu,$(MLX)),$(VENV)/.etmlx-deps,$(VENV)/.etmlx-deps-$(MLX))
 LIB := backends/mlx/runtime/_lib/libetmlx_backend.so
 DECODE := build/etmlx_decode
-RUNTIME_SOURCES := CMakeLists.txt $(wildcard backends/mlx/runtime/*.cpp backends/mlx/runtime/*.h backends/mlx/runtime/kernels/*.cpp backends/mlx/runtime/kernels/*.h backends/mlx/runtime/generated/* tests/cpp/*.cpp backends/mlx/tools/etmlx_decode/*.cpp backends/mlx/tools/etmlx_decode/*.h)
+BENCH := build/etmlx_bench
+RUNTIME_SOURCES := CMakeLists.txt $(wildcard backends/mlx/runtime/*.cpp backends/mlx/runtime/*.h backends/mlx/runtime/kernels/*.cpp backends/mlx/runtime/kernels/*.h backends/mlx/runtime/generated/* tests/cpp/*.cpp backends/mlx/tools/etmlx_decode/*.cpp backends/mlx/tools/etmlx_decode/*.h backends/mlx/tools/etmlx_bench/*.cpp)
 
 .PHONY: setup test demo bench regenerate clean
 
-setup: $(DEPS_STAMP) $(LIB) $(DECODE)
+setup: $(DEPS_STAMP) $(LIB) $(DECODE) $(BENCH)
 
 $(VPY):
 	$(PYTHON) -m venv $(VENV)
 
 $(DEPS_STAMP): requirements.txt pyproject.toml | $(VPY)
 	$(VPY) -m pip install --quiet torch==2.13.0
+ifeq ($(MLX),cpu)
 	$(VPY) -m pip install --quiet -r requirements.txt
+else
+	grep -v '^mlx\[cpu\]' requirements.txt > $(VENV)/requirements-$(MLX).txt
+	$(VPY) -m pip uninstall --quiet --yes mlx-cpu || true
+	$(VPY) -m pip install --quiet -r $(VENV)/requirements-$(MLX).txt "$(MLX_PIP)"
+endif
+	rm -f $(filter-out $(DEPS_STAMP),$(ALL_STAMPS))
 	$(VPY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $@
 
@@ -32,6 +54,11 @@ $(LIB): $(DEPS_STAMP) $(RUNTIME_SOURCES)
 $(DECODE): $(LIB)
 	@test -f build/CMakeCache.txt || $(CONFIGURE) > build.log 2>&1 || (cat build.log; exit 1)
 	$(VENV)/bin/cmake --build build -j2 --target etmlx_decode >> build.log 2>&1 || (cat build.log; exit 1)
+	@touch $@
+
+$(BENCH): $(LIB)
+	@test -f build/CMakeCache.txt || $(CONFIGURE) > build.log 2>&1 || (cat build.log; exit 1)
+	$(VENV)/bin/cmake --build build -j2 --target etmlx_bench >> build.log 2>&1 || (cat build.log; exit 1)
 	@touch $@
 
 test: setup

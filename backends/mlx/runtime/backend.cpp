@@ -22,6 +22,7 @@
 #include "blob_header.h"
 #include "interpreter.h"
 #include "io.h"
+#include "lazy_check.h"
 #include "loader.h"
 
 namespace etmlx {
@@ -183,6 +184,13 @@ Error run(Handle& h, Span<EValue*> args) {
       return Error::InvalidProgram;
     }
     to_eval.push_back(*s);
+  }
+
+  if (!interp.written().empty()) {  // ETMLX_CHECK_LAZY=1
+    std::vector<mx::array> seeded(wrappers);
+    seeded.insert(seeded.end(), prog.constants.begin(), prog.constants.end());
+    seeded.insert(seeded.end(), h.state.begin(), h.state.end());
+    record_premature(interp.written(), seeded);
   }
 
   try {

@@ -12,6 +12,8 @@
 #include "dtypes.h"
 #include "interpreter.h"
 #include "kernels/attention.h"
+#include "kernels/kernel_set.h"
+#include "kernels/known_values.h"
 #include "kernels/norms.h"
 #include "kernels/rope.h"
 
@@ -35,9 +37,12 @@ bool integer_vector(const mx::array& values) {
   return values.ndim() == 1 && values.size() > 0 && mx::issubdtype(values.dtype(), mx::integer);
 }
 
-// max(values) of a small 1-d integer tensor (the rows' start positions); the
-// runtime reads it on the host, which for a program input costs nothing.
-int64_t max_of(const mx::array& values) {
+// max(values) of a small 1-d integer tensor (the rows' start positions). A program input is
+// already on the host; anything computed in the graph is evaluated here by the CPU kernel set
+// and left unknown (nullopt: attend over every key) by the lazy device set.
+std::optional<int64_t> max_of(const mx::array& values, bool lazy) {
+  if (auto known = kernels::known_max(values)) return known;
+  if (lazy) return std::nullopt;
   mx::array v = mx::astype(values, mx::int64);
   mx::eval(v);
   const int64_t* data = v.data<int64_t>();
@@ -74,7 +79,9 @@ bool Interpreter::sdpa_window_end(const fb::SdpaNode& n, int batch, int query_le
   // other requests share the call. A served request must get the same bits
   // whatever it is batched with, so multi-row calls attend over every key.
   if (batch != 1) return true;
-  int64_t e = base ? max_of(*base) : 0;
+  std::optional<int64_t> start = base ? max_of(*base, program_.kernels->lazy) : std::optional<int64_t>(0);
+  if (!start) return true;
+  int64_t e = *start;
   const int64_t extra = n.window_per_query() ? query_len : 1;
   if (__builtin_add_overflow(e, n.window_shift(), &e) || __builtin_add_overflow(e, extra, &e)) return true;
   if (e >= 1 && e < keys) *end = static_cast<int>(e);

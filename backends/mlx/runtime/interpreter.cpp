@@ -1,4 +1,5 @@
 #include "interpreter.h"
+#include "lazy_check.h"
 #include "size_limits.h"
 
 #include <algorithm>
@@ -15,7 +16,10 @@ namespace etmlx {
 namespace mx = mlx::core;
 
 Interpreter::Interpreter(const Program& program)
-    : program_(program), tensors_(program.num_tensors), values_(program.num_values) {}
+    : program_(program),
+      tensors_(program.num_tensors),
+      values_(program.num_values),
+      keep_written_(lazy_check_enabled()) {}
 
 bool Interpreter::fail(const char* fmt, ...) {
   char msg[512];
@@ -86,6 +90,7 @@ bool Interpreter::write(const fb::Tid* t, mx::array a) {
                 static_cast<unsigned long long>(nbytes),
                 static_cast<unsigned long long>(max_array_bytes()));
   }
+  if (keep_written_) written_.push_back(a);
   tensors_[idx] = std::move(a);
   return true;
 }

@@ -36,6 +36,10 @@ class Interpreter {
   size_t pc() const { return pc_; }
   const char* node_name() const { return node_name_; }
 
+  // Every node output of the call, kept only under ETMLX_CHECK_LAZY (lazy_check.h): holding
+  // them all would stop mlx from reusing intermediate buffers.
+  const std::vector<mlx::core::array>& written() const { return written_; }
+
  private:
   bool run_node(const fb::Instruction& instr);
 
@@ -118,6 +122,8 @@ class Interpreter {
   std::vector<std::optional<int64_t>> values_;
   size_t pc_ = 0;
   const char* node_name_ = "";
+  bool keep_written_ = false;
+  std::vector<mlx::core::array> written_;
 };
 
 }  // namespace etmlx

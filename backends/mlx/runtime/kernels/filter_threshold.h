@@ -32,8 +32,8 @@ using FilterThresholdFn = mlx::core::array (*)(const mlx::core::array& x, const 
 mlx::core::array filter_threshold_cpu(const mlx::core::array& x, const mlx::core::array& temperature,
                                       const FilterKnobs& knobs, int candidates);
 
-// Still evaluates one scalar where a row may need more than `candidates` sorted scores
-// (the sort width is a shape, so it must be known before the graph goes on).
+// Evaluates nothing: sorts `candidates` scores per row only when the program's top-k, already on
+// the host, proves that enough; otherwise the whole row (filter_threshold_device.cpp).
 mlx::core::array filter_threshold_device(const mlx::core::array& x, const mlx::core::array& temperature,
                                          const FilterKnobs& knobs, int candidates);
 

@@ -1,10 +1,18 @@
-// filter_threshold_device: the steps of filter_threshold.h composed from mlx ops.
+// filter_threshold_device: the steps of filter_threshold.h composed from mlx ops, nothing evaluated.
+//
+// The sort width is a shape, so it must be fixed while the graph is built. The CPU variant
+// looks at the scores to decide; here the width comes only from what the host already holds
+// (known_values.h): `candidates` when every row's top-k is a known k <= candidates (then
+// top-p's answer also lies among them, since its mass is taken over the top-k-kept scores),
+// else the whole row. On a GPU a whole-row sort costs less than the round trip that looking
+// would take, and a round trip stalls the pipelined decode loop.
 #include <algorithm>
 #include <limits>
 
 #include <mlx/ops.h>
 
 #include "kernels/filter_threshold.h"
+#include "kernels/known_values.h"
 
 namespace etmlx::kernels {
 
@@ -29,6 +37,20 @@ std::optional<mx::array> column(const std::optional<mx::array>& a, int rows, mx:
 }
 
 // z already divided and cleaned.
+// The sort width: `cap` when the host already knows every row's top-k and no row needs more
+// (an active k > cap needs the whole row; with top-p, so does a row whose top-k is off).
+int sort_width(const FilterKnobs& knobs, int cap, int vocab) {
+  if (cap >= vocab || !knobs.top_k) return vocab;
+  const auto ks = known_ints(*knobs.top_k);
+  if (!ks) return vocab;
+  for (int64_t k : *ks) {
+    const bool active = k > 0 && k < vocab;
+    if (active && k > cap) return vocab;
+    if (!active && knobs.top_p) return vocab;
+  }
+  return cap;
+}
+
 mx::array threshold_of(const mx::array& z, const FilterKnobs& knobs, int cap) {
   const int rows = z.shape(0), vocab = z.shape(1);
   const mx::array m = mx::max(z, 1, /*keepdims=*/true);
@@ -41,14 +63,13 @@ mx::array threshold_of(const mx::array& z, const FilterKnobs& knobs, int cap) {
   auto top_k = column(knobs.top_k, rows, mx::int32);
   auto top_p = column(knobs.top_p, rows, mx::float32);
   if (top_k || top_p) {
-    int c = std::min(cap, vocab);
+    const int c = sort_width(knobs, cap, vocab);
     std::optional<mx::array> k_active, k_eff;
     if (top_k) {
       k_active = mx::logical_and(mx::greater(*top_k, mx::array(0)), mx::less(*top_k, mx::array(vocab)));
       k_eff = mx::where(*k_active, *top_k, mx::array(vocab));
-      if (mx::max(mx::where(*k_active, *top_k, mx::array(0))).item<int>() > c) c = vocab;
     }
-    mx::array vals = best_sorted(z, c);
+    const mx::array vals = best_sorted(z, c);
     auto kth_value = [&](const mx::array& sorted, int width) {
       const mx::array idx = mx::clip(mx::subtract(*k_eff, mx::array(1)), mx::array(0), mx::array(width - 1));
       return mx::where(*k_active, mx::take_along_axis(sorted, idx, 1), neg_inf);
@@ -59,15 +80,7 @@ mx::array threshold_of(const mx::array& z, const FilterKnobs& knobs, int cap) {
       const mx::array p_active = mx::less(*top_p, mx::array(1.0f));
       const mx::array lse = mx::logsumexp(mx::where(mx::greater_equal(z, tau_k), z, neg_inf), 1, true);
       auto running = [&](const mx::array& sorted) { return mx::cumsum(mx::exp(mx::subtract(sorted, lse)), 1); };
-      mx::array cum = running(vals);
-      if (c < vocab) {
-        const mx::array last = mx::slice(cum, {0, c - 1}, {rows, c});
-        if (mx::any(mx::logical_and(p_active, mx::less(last, *top_p))).item<bool>()) {
-          c = vocab;
-          vals = best_sorted(z, c);
-          cum = running(vals);
-        }
-      }
+      const mx::array cum = running(vals);
       const mx::array first =
           mx::clip(mx::sum(mx::less(cum, *top_p), 1, true), mx::array(0), mx::array(c - 1));
       const mx::array tau_p = mx::take_along_axis(vals, mx::astype(first, mx::int32), 1);

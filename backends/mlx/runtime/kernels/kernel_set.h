@@ -27,6 +27,9 @@ struct KernelSet {
   bool fast_rope;  // mx::fast::rope where the exporter allowed it (rope.h; ETMLX_FAST_ROPE overrides)
   AllowedMaskFn allowed_mask;
   DrawnOrNoneFn drawn_or_none;
+  // Nothing is evaluated before the call's one evaluation: a node that would like a value the
+  // host does not hold yet (known_values.h) takes the shape that is right for any value instead.
+  bool lazy;
 };
 
 const KernelSet& cpu_kernels();

@@ -1,0 +1,35 @@
+#include "kernels/known_values.h"
+
+#include <algorithm>
+
+namespace etmlx::kernels {
+
+namespace mx = mlx::core;
+
+namespace {
+
+template <typename T>
+std::vector<int64_t> copy_of(const mx::array& a) {
+  const T* p = a.data<T>();
+  return std::vector<int64_t>(p, p + a.size());
+}
+
+}  // namespace
+
+std::optional<std::vector<int64_t>> known_ints(const mx::array& a) {
+  // status() rather than is_available(): the latter waits on an in-flight evaluation.
+  if (a.status() != mx::array::Status::available || a.size() == 0 || !a.flags().row_contiguous) {
+    return std::nullopt;
+  }
+  if (a.dtype() == mx::int64) return copy_of<int64_t>(a);
+  if (a.dtype() == mx::int32) return copy_of<int32_t>(a);
+  return std::nullopt;
+}
+
+std::optional<int64_t> known_max(const mx::array& a) {
+  const auto v = known_ints(a);
+  if (!v) return std::nullopt;
+  return *std::max_element(v->begin(), v->end());
+}
+
+}  // namespace etmlx::kernels

@@ -1,0 +1,25 @@
+// Values the host already holds, read without evaluating anything.
+//
+// A node that wants a small integer on the host (a sort width, a key window) may read it only
+// when the array is already materialised: a program input, a constant loaded at init, or mutable
+// state from the previous call. Reading those costs no device round trip. Anything still lazy
+// returns nullopt, and the caller takes the shape that is right for every value instead; this is
+// how the device kernel set keeps one evaluation per call.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include <mlx/array.h>
+
+namespace etmlx::kernels {
+
+// The elements of an integer array that is already materialised and row-contiguous, in order;
+// nullopt if it is lazy, empty, non-contiguous or not an int32/int64 array.
+std::optional<std::vector<int64_t>> known_ints(const mlx::core::array& a);
+
+// Their maximum (same conditions).
+std::optional<int64_t> known_max(const mlx::core::array& a);
+
+}  // namespace etmlx::kernels

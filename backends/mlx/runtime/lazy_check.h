@@ -1,0 +1,23 @@
+// A debugging check that a call builds its whole graph before anything is evaluated.
+//
+// With ETMLX_CHECK_LAZY=1 the interpreter keeps every node output of a call, and just before the
+// call's one evaluation the backend counts those that are already materialised (a kernel
+// evaluated part of the graph, or computed its result on the host). The lazy device kernel set
+// must give 0; the CPU set, which reads its operands on the host, gives more. Tests read the
+// count through etmlx_last_call_premature() (exported from the backend library).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include <mlx/array.h>
+
+namespace etmlx {
+
+bool lazy_check_enabled();
+
+// Records the count for the call that wrote `outputs`; `seeded` are the arrays the call started
+// from (inputs, constants, state), which are materialised by definition and not counted.
+void record_premature(const std::vector<mlx::core::array>& outputs, const std::vector<mlx::core::array>& seeded);
+
+}  // namespace etmlx

@@ -1,0 +1,246 @@
+// etmlx_bench: times a .pte on the etmlx backend and prints one JSON object. No Python, no torch:
+// a GPU host needs only the built binaries, libexecutorch*.so and libmlx (README, "Running on a GPU host").
+//
+// A decoder program (one with etmlx metadata: input names and knobs) runs --runs sequences of a
+// --prompt-len-token prefill and --decode-steps decode calls, each feeding back the sampled token,
+// as etmlx_decode does. The first prefill of the process is reported apart (cold_first_token_s): it
+// pays for loading and, on a GPU, kernel compilation; the later sequences' first tokens are the warm
+// figure. Any other program (a sampler-only head, ...) is called --calls times with zero-filled
+// inputs of its static shapes. Times are per call, wall clock, outputs copied to the host.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <map>
+#include <string>
+#include <system_error>
+#include <vector>
+
+#include <executorch/extension/module/module.h>
+#include <executorch/extension/tensor/tensor_ptr_maker.h>
+#include <executorch/runtime/backend/interface.h>
+#include <executorch/runtime/platform/runtime.h>
+
+#include "knobs.h"
+#include "program_metadata.h"
+#include "step_inputs.h"
+
+extern "C" const char* etmlx_backend_id();
+
+namespace {
+
+using executorch::extension::module::Module;
+using executorch::runtime::Error;
+using executorch::runtime::EValue;
+using Clock = std::chrono::steady_clock;
+
+constexpr const char kUsage[] =
+    "usage: etmlx_bench FILE.pte [--prompt-len N] [--decode-steps N] [--runs N] [--calls N] [--warmup N]\n"
+    "                   [--temperature T] [--seed S]\n"
+    "Times FILE.pte on the etmlx backend and prints JSON (milliseconds per call: median, p90).\n"
+    "  decoder programs: --runs sequences (default 3; the first is the cold one, the others warm) of a --prompt-len prefill (default 16)\n"
+    "                    and --decode-steps decode calls (default 32), sampling at --temperature\n"
+    "                    (default 0, greedy) with --seed (default 0)\n"
+    "  other programs:   --warmup calls (default 2), then --calls timed calls (default 20) on\n"
+    "                    zero-filled inputs\n";
+
+int fail(const std::string& message) {
+  std::fprintf(stderr, "etmlx_bench: error: %s\n", message.c_str());
+  return 2;
+}
+
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+struct Stats {
+  size_t n = 0;
+  double median_ms = 0, p90_ms = 0, mean_ms = 0;
+};
+
+Stats stats_of(std::vector<double> s) {
+  Stats st;
+  st.n = s.size();
+  if (s.empty()) return st;
+  std::sort(s.begin(), s.end());
+  double sum = 0;
+  for (double v : s) sum += v;
+  st.median_ms = 1e3 * (s.size() % 2 ? s[s.size() / 2] : (s[s.size() / 2 - 1] + s[s.size() / 2]) / 2);
+  st.p90_ms = 1e3 * s[std::min(s.size() - 1, static_cast<size_t>(0.9 * static_cast<double>(s.size() - 1) + 0.5))];
+  st.mean_ms = 1e3 * sum / static_cast<double>(s.size());
+  return st;
+}
+
+std::string json_stats(const Stats& s) {
+  char buf[160];
+  std::snprintf(buf, sizeof(buf), "{\"n\": %zu, \"median_ms\": %.4f, \"p90_ms\": %.4f, \"mean_ms\": %.4f}", s.n,
+                s.median_ms, s.p90_ms, s.mean_ms);
+  return buf;
+}
+
+struct Args {
+  std::string pte;
+  long prompt_len = 16, decode_steps = 32, runs = 3, calls = 20, warmup = 2, seed = 0;
+  double temperature = 0;
+};
+
+bool parse(int argc, char** argv, Args* a, std::string* error, bool* help) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    if (flag == "--help" || flag == "-h") {
+      *help = true;
+      return true;
+    }
+    if (flag.rfind("--", 0) != 0) {
+      if (!a->pte.empty()) return *error = "more than one program given", false;
+      a->pte = flag;
+      continue;
+    }
+    if (i + 1 >= argc) return *error = flag + " needs a value", false;
+    const std::string value = argv[++i];
+    char* end = nullptr;
+    if (flag == "--temperature") {
+      a->temperature = std::strtod(value.c_str(), &end);
+      if (end == value.c_str() || *end || !(a->temperature >= 0))
+        return *error = "--temperature must be a number >= 0", false;
+      continue;
+    }
+    const long v = std::strtol(value.c_str(), &end, 10);
+    const bool integer = end != value.c_str() && *end == '\0';
+    long* slot = flag == "--prompt-len" ? &a->prompt_len : flag == "--decode-steps" ? &a->decode_steps
+               : flag == "--runs" ? &a->runs : flag == "--calls" ? &a->calls : flag == "--warmup" ? &a->warmup
+               : flag == "--seed" ? &a->seed : nullptr;
+    if (!slot) return *error = "unknown option " + flag, false;
+    const long least = (flag == "--warmup" || flag == "--seed" || flag == "--decode-steps") ? 0 : 1;
+    if (!integer || v < least) return *error = flag + " must be an integer >= " + std::to_string(least), false;
+    *slot = v;
+  }
+  if (a->pte.empty()) return *error = "no program given", false;
+  return true;
+}
+
+int bench_decoder(Module& module, const std::string& method, const etmlx::ProgramMetadata& md, const Args& a,
+                  double load_s) {
+  std::string error;
+  const auto& specs = md.meta.knobs ? *md.meta.knobs : etmlx::builtin_knobs();
+  std::map<std::string, etmlx::KnobValue> knobs;
+  if (!etmlx::resolve_knob_flags(specs, {}, "", &knobs, &error)) return fail(error);
+  auto inputs = etmlx::StepInputs::plan(module.method_meta(method).get(), md.meta.inputs, specs, knobs, &error);
+  if (!inputs) return fail(a.pte + ": " + error);
+  const int64_t max_seq = md.meta.max_seq_len.value_or(inputs->max_call_length());
+  if (a.prompt_len > inputs->max_call_length() || a.prompt_len + a.decode_steps > max_seq)
+    return fail("--prompt-len + --decode-steps must fit the program's " + std::to_string(max_seq) + " positions");
+  const int64_t vocab = md.meta.vocab_size.value_or(2);
+  std::vector<int64_t> prompt(static_cast<size_t>(a.prompt_len));
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int64_t>((7 * i + 1) % vocab);
+
+  std::vector<double> prefill, decode;
+  double cold = 0;
+  int64_t tokens_checksum = 0;
+  for (long run = 0; run < a.runs; ++run) {
+    std::vector<int64_t> call = prompt;
+    int64_t position = 0;
+    for (long step = 0; step <= a.decode_steps; ++step) {
+      auto values = inputs->build(call, position, static_cast<float>(a.temperature), a.seed + step, step == 0);
+      const auto t0 = Clock::now();
+      const auto out = module.execute(method, values);
+      if (!out.ok() || out->empty() || !(*out)[0].isTensor())
+        return fail("call " + std::to_string(step) + " of run " + std::to_string(run) + " failed");
+      const int64_t token = (*out)[0].toTensor().const_data_ptr<int64_t>()[0];
+      const double s = seconds_since(t0);
+      if (step == 0) {
+        // The prefill returns the first token: the first run's is the cold figure, the others warm.
+        if (run == 0) cold = s;
+        else prefill.push_back(s);
+      } else {
+        decode.push_back(s);
+      }
+      tokens_checksum += token;
+      position += static_cast<int64_t>(call.size());
+      call.assign(1, token);
+    }
+  }
+  const Stats p = stats_of(prefill), d = stats_of(decode);
+  std::printf("{\"program\": \"%s\", \"kind\": \"decoder\", \"method\": \"%s\", \"load_s\": %.6f, "
+              "\"prompt_len\": %ld, \"decode_steps\": %ld, \"runs\": %ld, \"temperature\": %g, "
+              "\"cold_first_token_s\": %.6f, \"warm_first_token_s\": %.6f, \"prefill\": %s, \"decode\": %s, "
+              "\"prefill_tokens_per_s\": %.3f, \"decode_tokens_per_s\": %.3f, \"token_sum\": %lld}\n",
+              a.pte.c_str(), method.c_str(), load_s, a.prompt_len, a.decode_steps, a.runs, a.temperature, cold,
+              p.median_ms / 1e3, json_stats(p).c_str(), json_stats(d).c_str(),
+              p.median_ms > 0 ? 1e3 * static_cast<double>(a.prompt_len) / p.median_ms : 0.0,
+              d.median_ms > 0 ? 1e3 / d.median_ms : 0.0, static_cast<long long>(tokens_checksum));
+  return 0;
+}
+
+int bench_generic(Module& module, const std::string& method, const Args& a, double load_s) {
+  const auto meta = module.method_meta(method);
+  std::vector<executorch::extension::TensorPtr> alive;
+  std::vector<EValue> values;
+  for (size_t i = 0; i < meta->num_inputs(); ++i) {
+    const auto tag = meta->input_tag(i);
+    if (!tag.ok() || *tag != executorch::runtime::Tag::Tensor)
+      return fail(a.pte + ": input " + std::to_string(i) + " is not a tensor (etmlx_bench fills tensors only)");
+    const auto tm = meta->input_tensor_meta(i);
+    std::vector<executorch::aten::SizesType> sizes(tm->sizes().begin(), tm->sizes().end());
+    alive.push_back(executorch::extension::zeros(sizes, tm->scalar_type()));
+    values.emplace_back(alive.back());
+  }
+  std::vector<double> times;
+  double first = 0;
+  for (long c = 0; c < a.warmup + a.calls; ++c) {
+    const auto t0 = Clock::now();
+    const auto out = module.execute(method, values);
+    if (!out.ok()) return fail("call " + std::to_string(c) + " failed");
+    const double s = seconds_since(t0);
+    if (c == 0) first = s;
+    if (c >= a.warmup) times.push_back(s);
+  }
+  const Stats s = stats_of(times);
+  std::printf("{\"program\": \"%s\", \"kind\": \"generic\", \"method\": \"%s\", \"load_s\": %.6f, "
+              "\"inputs\": %zu, \"first_call_s\": %.6f, \"call\": %s, \"calls_per_s\": %.3f}\n",
+              a.pte.c_str(), method.c_str(), load_s, values.size(), first, json_stats(s).c_str(),
+              s.median_ms > 0 ? 1e3 / s.median_ms : 0.0);
+  return 0;
+}
+
+int run(const Args& a) {
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(a.pte, ec)) return fail(a.pte + ": no such file");
+  executorch::runtime::runtime_init();
+  if (!executorch::runtime::get_backend_class(etmlx_backend_id())) return fail("the etmlx backend is not registered");
+  const auto t0 = Clock::now();
+  Module module(a.pte, Module::LoadMode::Mmap);
+  if (module.load() != Error::Ok) return fail(a.pte + " is not a loadable ExecuTorch program");
+  const auto names = module.method_names();
+  if (!names.ok() || names->empty()) return fail(a.pte + " has no methods");
+  const std::string method = names->count("forward") ? "forward" : *names->begin();
+  if (module.load_method(method) != Error::Ok) return fail("could not load method " + method);
+  const double load_s = seconds_since(t0);
+  std::string error;
+  const auto md = etmlx::read_program_metadata(module, a.pte, &error);
+  if (!md) return fail(error);
+  if (md->found && md->meta.inputs) return bench_decoder(module, method, *md, a, load_s);
+  return bench_generic(module, method, a, load_s);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args args;
+  std::string error;
+  bool help = false;
+  if (!parse(argc, argv, &args, &error, &help)) {
+    fail(error);
+    std::fprintf(stderr, "%s", kUsage);
+    return 2;
+  }
+  if (help) {
+    std::printf("%s", kUsage);
+    return 0;
+  }
+  try {
+    return run(args);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "etmlx_bench: error: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,100 @@
+"""The device kernel set (ETMLX_KERNELS=device, the formulation Metal and CUDA builds run) gives the CPU set's
+tokens on the decode programs, through the Python Decoder and build/etmlx_decode, and builds each call's whole graph
+before evaluating any of it: ETMLX_CHECK_LAZY=1 counts node outputs materialised before the call's one evaluation
+(0 for the device set; the CPU set reads its operands on the host, so it counts some, which shows the check sees)."""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from backends.mlx import runtime
+from backends.mlx.llm.decoder.export import export_decoder
+from backends.mlx.llm.decoder.loop import Decoder
+from backends.mlx.llm.sampler.config import SamplerConfig
+from backends.mlx.llm.sampler.params import SamplingParams
+
+BINARY = Path(__file__).resolve().parents[1] / "build" / "etmlx_decode"
+VOCAB = 300  # more than CANDIDATES, so both sort widths of the filter are exercised
+CANDIDATES = 16
+PROMPT = [7, 1, 33, 20]
+CONFIG = SamplerConfig(top_k=True, top_p=True, min_p=True, candidates=CANDIDATES)
+
+PARAMS = {
+    "greedy": SamplingParams(),
+    "seeded": SamplingParams(temperature=1.0, seed=11),
+    "top_k_top_p": SamplingParams(temperature=1.2, seed=5, top_k=8, top_p=0.9),
+    "top_k_wider_than_candidates": SamplingParams(temperature=1.0, seed=3, top_k=40),
+    "top_p_alone": SamplingParams(temperature=1.5, seed=9, top_p=0.8),
+    "min_p": SamplingParams(temperature=1.0, seed=2, min_p=0.05),
+}
+
+
+@pytest.fixture(scope="module")
+def pte(tmp_path_factory) -> Path:
+    torch.manual_seed(5)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                         eos_token_id=None, bos_token_id=None)).eval()
+    # Flatter logits, so top-p needs more than CANDIDATES tokens and the sampled runs differ from greedy.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.05)
+    out = tmp_path_factory.mktemp("device_kernels") / "tiny.pte"
+    export_decoder(model, out, 48, config=CONFIG)
+    return out
+
+
+def _generate(pte, monkeypatch, kernels, params, n=12):
+    monkeypatch.setenv("ETMLX_KERNELS", kernels)
+    return Decoder(pte).generate(PROMPT, n, params).tokens
+
+
+@pytest.mark.parametrize("name", list(PARAMS))
+def test_device_kernels_give_the_cpu_kernels_tokens(pte, monkeypatch, name):
+    cpu = _generate(pte, monkeypatch, "cpu", PARAMS[name])
+    assert len(cpu) == 12
+    assert _generate(pte, monkeypatch, "device", PARAMS[name]) == cpu
+
+
+def test_sampled_runs_are_not_greedy(pte, monkeypatch):
+    # Otherwise the test above would not check the sampling paths.
+    greedy = _generate(pte, monkeypatch, "cpu", PARAMS["greedy"])
+    for name in ("seeded", "top_p_alone", "top_k_wider_than_candidates"):
+        assert _generate(pte, monkeypatch, "cpu", PARAMS[name]) != greedy, name
+
+
+def _premature(pte, monkeypatch, kernels, params) -> int:
+    lib = runtime.load()
+    lib.etmlx_last_call_premature.restype = ctypes.c_int64
+    lib.etmlx_checked_calls.restype = ctypes.c_uint64
+    monkeypatch.setenv("ETMLX_CHECK_LAZY", "1")
+    before = lib.etmlx_checked_calls()
+    _generate(pte, monkeypatch, kernels, params, n=2)
+    assert lib.etmlx_checked_calls() == before + 2  # prefill and one decode step, both checked
+    return lib.etmlx_last_call_premature()
+
+
+@pytest.mark.parametrize("name", ["greedy", "top_k_top_p", "top_p_alone", "min_p"])
+def test_device_kernels_evaluate_once_per_call(pte, monkeypatch, name):
+    assert _premature(pte, monkeypatch, "device", PARAMS[name]) == 0
+
+
+def test_the_check_sees_host_kernels(pte, monkeypatch):
+    assert _premature(pte, monkeypatch, "cpu", PARAMS["top_k_top_p"]) > 0
+
+
+@pytest.mark.parametrize("args", [[], ["--temperature", "1.2", "--seed", "5", "--top-k", "8", "--top-p", "0.9"],
+                                  ["--temperature", "1.5", "--seed", "9", "--top-p", "0.8"]])
+def test_cpp_decode_loop_device_kernels_match(pte, args):
+    def run(kernels):
+        done = subprocess.run([str(BINARY), str(pte), "--prompt-ids", "7,1,33,20", "--max-tokens", "12", *args],
+                              capture_output=True, text=True, timeout=120, env={"ETMLX_KERNELS": kernels})
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.split()
+    cpu = run("cpu")
+    assert len(cpu) == 12 and run("device") == cpu
