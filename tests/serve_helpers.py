@@ -64,3 +64,30 @@ def bit_exact_batching():
             os.environ.pop("ETMLX_BLAS", None)
         else:
             os.environ["ETMLX_BLAS"] = before
+
+
+async def lmtp_exchange(server, frames, until, timeout=60):
+    """Send each of `frames` as one WebSocket TEXT frame to the server's /lmtp (bytes: sent as they are,
+    even if not UTF-8); collect (kind, payload) messages until `until(messages)` holds."""
+    import asyncio
+    import json
+
+    import aiohttp
+
+    messages = []
+    async with aiohttp.ClientSession() as http, http.ws_connect(server.url + "/lmtp") as ws:
+        for frame in frames:
+            if isinstance(frame, bytes):
+                await ws._writer.send_frame(frame, aiohttp.WSMsgType.TEXT)
+            else:
+                await ws.send_str(frame)
+
+        async def read():
+            while not until(messages):
+                message = await ws.receive()
+                assert message.type == aiohttp.WSMsgType.TEXT, message
+                for line in message.data.splitlines():
+                    kind, _, data = line.partition(" ")
+                    messages.append((kind, json.loads(data)))
+        await asyncio.wait_for(read(), timeout)
+    return messages

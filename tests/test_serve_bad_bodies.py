@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 
 from backends.mlx.serve.app import ServerThread
-from serve_helpers import bit_exact_batching, tiny_pte
+from serve_helpers import bit_exact_batching, lmtp_exchange, tiny_pte
 
 PROMPT = [1, 5, 9]
 DEEP = b"[" * 100_000 + b"]" * 100_000
@@ -57,31 +57,11 @@ def test_http_bad_bodies_are_400_naming_the_problem(server, path, data, needle):
     assert _good(server) == alone
 
 
-async def _lmtp(server, frames, until, timeout=60):
-    messages = []
-    async with aiohttp.ClientSession() as http, http.ws_connect(server.url + "/lmtp") as ws:
-        for frame in frames:
-            if isinstance(frame, bytes):  # a TEXT frame whose payload is not UTF-8
-                await ws._writer.send_frame(frame, aiohttp.WSMsgType.TEXT)
-            else:
-                await ws.send_str(frame)
-
-        async def read():
-            while not until(messages):
-                message = await ws.receive()
-                assert message.type == aiohttp.WSMsgType.TEXT, message
-                for line in message.data.splitlines():
-                    kind, _, data = line.partition(" ")
-                    messages.append((kind, json.loads(data)))
-        await asyncio.wait_for(read(), timeout)
-    return messages
-
-
 def test_lmtp_bad_lines_are_errors_and_the_connection_stays(server):
     good = 'GENERATE {"stream_id": 7, "prompt": [1, 5, 9], "max_tokens": 3}'
     done = lambda ms: any(k == "TOKEN" and any(e["stream_id"] == 7 and e.get("finish_reason") for e in p)
                           for k, p in ms)
-    messages = asyncio.run(_lmtp(server, ["GENERATE " + DEEP.decode(), 'GENERATE {"stream_id": 1, "prompt": "a\\ud800"}',
+    messages = asyncio.run(lmtp_exchange(server, ["GENERATE " + DEEP.decode(), 'GENERATE {"stream_id": 1, "prompt": "a\\ud800"}',
                                           good], done))
     errors = [p.get("error") or "" for k, p in messages if k == "MSG"]
     assert any("nested too deeply" in e for e in errors), messages
@@ -98,7 +78,7 @@ def test_websocket_text_frame_not_utf8_closes_only_that_socket(server):
     closed = asyncio.run(script())
     assert closed.type == aiohttp.WSMsgType.CLOSE and closed.data == 1007
     good = 'GENERATE {"stream_id": 7, "prompt": [1, 5, 9], "max_tokens": 3}'
-    messages = asyncio.run(_lmtp(server, [good], lambda ms: any(
+    messages = asyncio.run(lmtp_exchange(server, [good], lambda ms: any(
         k == "TOKEN" and any(e.get("finish_reason") for e in p) for k, p in ms)))
     assert messages[-1][1][-1]["finish_reason"] in ("stop", "length")
 

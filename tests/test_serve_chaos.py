@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 
 from backends.mlx.serve.app import ServeLimits, ServerThread
-from serve_helpers import bit_exact_batching, tiny_pte
+from serve_helpers import bit_exact_batching, lmtp_exchange, tiny_pte
 
 PROMPT = [1, 5, 9]
 
@@ -64,23 +64,6 @@ def server(tmp_path_factory):
     srv.stop()
 
 
-async def _lmtp(server, lines, until, timeout=120):
-    """Send `lines` on one WebSocket; collect messages until `until(messages)`."""
-    messages = []
-    async with aiohttp.ClientSession() as http, http.ws_connect(server.url + "/lmtp") as ws:
-        await ws.send_str("\n".join(lines))
-
-        async def read():
-            while not until(messages):
-                message = await ws.receive()
-                assert message.type == aiohttp.WSMsgType.TEXT, message
-                for line in message.data.splitlines():
-                    kind, _, data = line.partition(" ")
-                    messages.append((kind, json.loads(data)))
-        await asyncio.wait_for(read(), timeout)
-    return messages
-
-
 def _finished(messages):
     return {e["stream_id"]: e for kind, p in messages if kind == "TOKEN" for e in p if e.get("finish_reason")}
 
@@ -100,10 +83,10 @@ def test_bad_values_are_refused_at_the_edge_while_good_requests_complete(server)
             status, _, body = future.result()
             assert status == 400 and body["error"]["param"] == param, body
     good = 'GENERATE {"stream_id": "ok", "prompt": [1, 5, 9], "max_tokens": 6, "temperature": 1.0, "seed": 3}'
-    alone = asyncio.run(_lmtp(server, [good], lambda m: "ok" in _finished(m)))
+    alone = asyncio.run(lmtp_exchange(server, [good], lambda m: "ok" in _finished(m), timeout=120))
     lines = [good, f'GENERATE {{"stream_id": "k", "prompt": [1], "top_k": {2 ** 63}}}',
              f'GENERATE {{"stream_id": "s", "prompt": [1], "seed": {2 ** 63 - 1}}}']
-    messages = asyncio.run(_lmtp(server, lines, lambda m: len(_finished(m)) == 3))
+    messages = asyncio.run(lmtp_exchange(server, ["\n".join(lines)], lambda m: len(_finished(m)) == 3, timeout=120))
     ends = _finished(messages)
     assert "top_k" in ends["k"]["error"] and "seed" in ends["s"]["error"]
     assert ends["ok"]["finish_reason"] == "length" and ends["ok"].get("error") is None
@@ -221,14 +204,14 @@ def test_beyond_max_queue_http_gets_429_and_admitted_requests_complete(tmp_path_
 
 def test_a_flooded_lmtp_connection_does_not_starve_another_client(server):
     mine = 'GENERATE {"stream_id": "me", "prompt": [1, 5, 9], "max_tokens": 3, "temperature": 1.0, "seed": 3}'
-    alone = _stream_tokens(asyncio.run(_lmtp(server, [mine], lambda m: "me" in _finished(m))), "me")
+    alone = _stream_tokens(asyncio.run(lmtp_exchange(server, [mine], lambda m: "me" in _finished(m), timeout=120)), "me")
     flood = [f'GENERATE {{"stream_id": {i}, "prompt": [1, 5, 9], "max_tokens": 20}}' for i in range(1000)]
     limit = server.service.lmtp_inflight
 
     async def main():
         async with aiohttp.ClientSession() as http, http.ws_connect(server.url + "/lmtp") as flooder:
             await flooder.send_str("\n".join(flood))
-            other = await _lmtp(server, [mine], lambda m: "me" in _finished(m))
+            other = await lmtp_exchange(server, [mine], lambda m: "me" in _finished(m), timeout=120)
             finished = {}
             while len(finished) < len(flood):
                 message = await asyncio.wait_for(flooder.receive(), 120)
@@ -291,5 +274,5 @@ def test_limits_on_prompt_size_and_unsupported_fields_are_named(server):
         assert status == 400 and body["error"]["param"] == name, body
     status, _, body = _complete(server, best_of=1, echo=False)
     assert status == 200, body
-    messages = asyncio.run(_lmtp(server, ['GENERATE {"stream_id": NaN, "prompt": [1]}'], lambda m: m))
+    messages = asyncio.run(lmtp_exchange(server, ['GENERATE {"stream_id": NaN, "prompt": [1]}'], lambda m: m, timeout=120))
     assert messages[0][0] == "MSG" and "stream_id" in messages[0][1]["error"]

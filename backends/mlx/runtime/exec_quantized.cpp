@@ -13,20 +13,30 @@ namespace etmlx {
 
 namespace mx = mlx::core;
 
+bool Interpreter::read_quantized_weights(const fb::Tid* w, const fb::Tid* scales, const fb::Tid* biases,
+                                         int group_size, int bits, const mx::array** w_out,
+                                         const mx::array** scales_out, const mx::array** biases_out,
+                                         int* columns) {
+  *w_out = read(w);
+  if (!*w_out) return false;
+  *scales_out = read(scales);
+  if (!*scales_out) return false;
+  *biases_out = read(biases);
+  if (!*biases_out) return false;
+  std::string error;
+  if (!check_quantized_layout(**w_out, **scales_out, **biases_out, group_size, bits, columns, &error)) {
+    return fail("%s", error.c_str());
+  }
+  return true;
+}
+
 bool Interpreter::exec_quantized_linear(const fb::QuantizedLinearNode& n) {
   const mx::array* x = read(n.x());
   if (!x) return false;
-  const mx::array* w = read(n.w());
-  if (!w) return false;
-  const mx::array* scales = read(n.scales());
-  if (!scales) return false;
-  const mx::array* biases = read(n.biases());
-  if (!biases) return false;
+  const mx::array *w = nullptr, *scales = nullptr, *biases = nullptr;
   int k = 0;
-  std::string error;
-  if (!check_quantized_layout(*w, *scales, *biases, n.group_size(), n.bits(), &k, &error)) {
-    return fail("%s", error.c_str());
-  }
+  if (!read_quantized_weights(n.w(), n.scales(), n.biases(), n.group_size(), n.bits(), &w, &scales, &biases, &k))
+    return false;
   if (x->ndim() < 1 || x->shape(-1) != k) {
     return fail("input's last size must be the weights' %d input features", k);
   }
@@ -50,17 +60,10 @@ bool Interpreter::exec_quantized_linear(const fb::QuantizedLinearNode& n) {
 bool Interpreter::exec_quantized_embedding(const fb::QuantizedEmbeddingNode& n) {
   const mx::array* indices = read(n.indices());
   if (!indices) return false;
-  const mx::array* w = read(n.w());
-  if (!w) return false;
-  const mx::array* scales = read(n.scales());
-  if (!scales) return false;
-  const mx::array* biases = read(n.biases());
-  if (!biases) return false;
+  const mx::array *w = nullptr, *scales = nullptr, *biases = nullptr;
   int d = 0;
-  std::string error;
-  if (!check_quantized_layout(*w, *scales, *biases, n.group_size(), n.bits(), &d, &error)) {
-    return fail("%s", error.c_str());
-  }
+  if (!read_quantized_weights(n.w(), n.scales(), n.biases(), n.group_size(), n.bits(), &w, &scales, &biases, &d))
+    return false;
   mx::array rows = *indices;
   if (!safe_indices(*indices, w->shape(0), "indices", &rows)) return false;
   // Gather the packed rows and their scales first: only the looked-up rows are dequantized.

@@ -83,6 +83,11 @@ class Interpreter {
   bool exec_rope(const fb::RopeNode& n);  // exec_fused.cpp
   bool exec_quantized_linear(const fb::QuantizedLinearNode& n);  // exec_quantized.cpp
   bool exec_quantized_embedding(const fb::QuantizedEmbeddingNode& n);  // exec_quantized.cpp
+  // A quantized node's packed weights, scales and biases, read and their layout checked;
+  // `columns` gets the unpacked row size (exec_quantized.cpp).
+  bool read_quantized_weights(const fb::Tid* w, const fb::Tid* scales, const fb::Tid* biases, int group_size,
+                              int bits, const mlx::core::array** w_out, const mlx::core::array** scales_out,
+                              const mlx::core::array** biases_out, int* columns);
   bool unknown_node(int type);
 
   // Slot access. read() returns nullptr (after logging) for an unset or
