@@ -9,6 +9,11 @@ greedy and at a temperature. Engines take turns within each repeat so that load 
 machine hits them alike; one warm-up generation per engine and setting is not timed. Reported:
 the median over repeats of prefill tokens/s (prompt length / time to the first new token) and of
 decode tokens/s (steps / time of the steps after it), and ours / baseline ratios (> 1: ours faster).
+
+Dtypes int4 and int8 are the float32 checkpoint converted by `mlx_lm.convert -q` (group size 64): etmlx
+exports that directory (its mlx-lm import, no requantization) and mlx-lm loads it, so both run the same
+integers; XNNPACK is skipped. For every dtype each engine's model file size (bytes per parameter) and
+peak RSS (decode_memory: a child process per engine) are reported with etmlx / mlx-lm ratios.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from pathlib import Path
 import torch
 
 from backends.mlx.llm.builtin import bench_checkpoint as ckpt
+from backends.mlx.bench import decode_memory as memory
 from backends.mlx.bench import decode_programs as programs
 from backends.mlx.bench.decode_engines import EtmlxEngine, MlxLmEngine, XnnpackEngine
 
@@ -61,16 +67,23 @@ def prompt_ids(settings: Settings, vocab_size: int) -> list[int]:
     return torch.randint(0, vocab_size, (settings.prompt_len,), generator=generator).tolist()
 
 
+def engines_for(dtype: str) -> tuple:
+    """XNNPACK has no lowering of MLX's packed affine weights (its own int4/int8 are other schemes with
+    other integers), so quantized dtypes compare etmlx with mlx-lm only."""
+    return ENGINES[:2] if dtype in ckpt.QUANTIZED else ENGINES
+
+
 def _programs(checkpoint: Path, dtype: str, max_seq_len: int, log) -> dict:
-    """The etmlx and XNNPACK .pte paths for a checkpoint, exporting what is not cached yet."""
-    paths = {engine: programs.cached_pte(checkpoint, engine, max_seq_len) for engine in ("etmlx", "xnnpack")}
+    """The .pte paths for a checkpoint (etmlx, and XNNPACK for float dtypes), exporting what is not cached yet."""
+    paths = {engine: programs.cached_pte(checkpoint, engine, max_seq_len)
+             for engine in engines_for(dtype) if engine != "mlx_lm"}
     model = None
     for engine, path in paths.items():
         info = Path(str(path) + ".export.json")
         if path.is_file() and info.is_file():
             log(f"  {engine}: cached {path}")
             continue
-        model = model or ckpt.load_torch(checkpoint, dtype)
+        model = model or programs.load_model(checkpoint, dtype)
         log(f"  {engine}: exporting {path.name} (minutes for the full-size model)")
         for stale in path.parent.glob(f"{engine}-*.pte*"):  # other fingerprints: ~the model's size each
             if stale.is_dir():
@@ -96,12 +109,20 @@ def _median(values):
 
 
 def measure_dtype(settings: Settings, size: dict, dtype: str, cache_dir: Path, log) -> dict:
-    spec = ckpt.CheckpointSpec(**size, dtype=dtype, seed=settings.seed)
+    quantized = dtype in ckpt.QUANTIZED
+    spec = ckpt.CheckpointSpec(**size, dtype="float32" if quantized else dtype, seed=settings.seed)
     checkpoint = ckpt.cached(spec, cache_dir)
+    if quantized:
+        checkpoint = ckpt.cached_quantized(checkpoint, dtype, cache_dir)
     log(f"{dtype}: checkpoint {checkpoint}")
     ptes = _programs(checkpoint, dtype, settings.max_seq_len, log)
-    engines = [EtmlxEngine(ptes["etmlx"][0]), MlxLmEngine(checkpoint), XnnpackEngine(ptes["xnnpack"][0])]
+    files = {name: ptes[name][0] if name in ptes else checkpoint for name in engines_for(dtype)}
     prompt = prompt_ids(settings, spec.vocab_size)
+    # Before the timed engines load: the probes are separate processes, but this one's pages count
+    # against the machine's memory while they run.
+    footprint = memory_of(files, _parameters(spec), prompt, settings.steps, log)
+    kinds = {"etmlx": EtmlxEngine, "mlx_lm": MlxLmEngine, "xnnpack": XnnpackEngine}
+    engines = [kinds[name](path) for name, path in files.items()]
     results, greedy_tokens = [], {}
     for sampler, temperature in (("greedy", 0.0), (f"temperature {settings.temperature}", settings.temperature)):
         runs = {engine.name: [] for engine in engines}
@@ -127,9 +148,22 @@ def measure_dtype(settings: Settings, size: dict, dtype: str, cache_dir: Path, l
     gc.collect()
     reference = greedy_tokens["etmlx"]
     agreement = {name: _common_prefix(reference, tokens) for name, tokens in greedy_tokens.items()}
-    return {"dtype": dtype, "checkpoint": str(checkpoint), "parameters": _parameters(spec),
+    return {"dtype": dtype, "checkpoint": str(checkpoint), "parameters": _parameters(spec), "memory": footprint,
             "programs": {engine: summary for engine, (_, summary) in ptes.items()},
             "results": results, "greedy_tokens": greedy_tokens, "greedy_agreement_with_etmlx": agreement}
+
+
+def memory_of(files: dict, parameters: int, prompt: list[int], steps: int, log) -> dict:
+    """Per engine: model file bytes, bytes per parameter, and the peak RSS of a child that loads it and
+    decodes once (decode_memory)."""
+    out = {}
+    for name, path in files.items():
+        size = memory.file_bytes(name, path)
+        rss = memory.peak_rss(name, path, prompt, steps)
+        out[name] = {"file_bytes": size, "bytes_per_parameter": size / parameters, "peak_rss_bytes": rss}
+        log(f"  {name:>8}: {size / 1e6:8.1f} MB on disk, {size / parameters:.3f} bytes/parameter, "
+            f"peak RSS {rss / 1e6:8.1f} MB")
+    return out
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -155,11 +189,28 @@ def ratios(results: list[dict]) -> list[dict]:
             continue
         row = {"dtype": dtype, "sampler": sampler}
         for base in BASELINES:
-            other = table[(dtype, sampler, base)]
+            other = table.get((dtype, sampler, base))
+            if other is None:  # XNNPACK, for quantized dtypes
+                continue
             for phase in ("prefill", "decode"):
                 row[f"{phase}_vs_{base}"] = ours[f"{phase}_tokens_per_s"] / other[f"{phase}_tokens_per_s"]
         out.append(row)
     return out
+
+
+def memory_ratios(per_dtype: list[dict]) -> list[dict]:
+    """etmlx / mlx-lm bytes per parameter and peak RSS per dtype (< 1 means etmlx is smaller)."""
+    out = []
+    for d in per_dtype:
+        ours, base = d["memory"]["etmlx"], d["memory"]["mlx_lm"]
+        out.append({"dtype": d["dtype"],
+                    "bytes_per_parameter_vs_mlx_lm": ours["bytes_per_parameter"] / base["bytes_per_parameter"],
+                    "peak_rss_vs_mlx_lm": ours["peak_rss_bytes"] / base["peak_rss_bytes"]})
+    return out
+
+
+def _ratio(row: dict, key: str, width: int) -> str:
+    return f"{row[key]:>{width}.2f}" if key in row else f"{'-':>{width}}"
 
 
 def format_report(report: dict) -> str:
@@ -176,22 +227,34 @@ def format_report(report: dict) -> str:
               f"{'dtype':<9} {'sampler':<16} {'prefill/mlx_lm':>15} {'decode/mlx_lm':>14} "
               f"{'prefill/xnnpack':>16} {'decode/xnnpack':>15}"]
     for r in report["ratios"]:
-        lines.append(f"{r['dtype']:<9} {r['sampler']:<16} {r['prefill_vs_mlx_lm']:>15.2f} {r['decode_vs_mlx_lm']:>14.2f} "
-                     f"{r['prefill_vs_xnnpack']:>16.2f} {r['decode_vs_xnnpack']:>15.2f}")
+        lines.append(f"{r['dtype']:<9} {r['sampler']:<16} {_ratio(r, 'prefill_vs_mlx_lm', 15)} "
+                     f"{_ratio(r, 'decode_vs_mlx_lm', 14)} {_ratio(r, 'prefill_vs_xnnpack', 16)} "
+                     f"{_ratio(r, 'decode_vs_xnnpack', 15)}")
+    lines += ["", "model files and memory (peak RSS: a fresh process loading the engine and decoding once)",
+              f"{'dtype':<9} {'engine':<8} {'file MB':>9} {'bytes/param':>12} {'peak RSS MB':>12}"]
+    for d in report["dtypes"]:
+        for name, m in d["memory"].items():
+            lines.append(f"{d['dtype']:<9} {name:<8} {m['file_bytes'] / 1e6:>9.1f} {m['bytes_per_parameter']:>12.3f} "
+                         f"{m['peak_rss_bytes'] / 1e6:>12.1f}")
+    lines += ["", f"{'dtype':<9} {'bytes/param etmlx/mlx_lm':>25} {'peak RSS etmlx/mlx_lm':>22}"]
+    for r in report["memory_ratios"]:
+        lines.append(f"{r['dtype']:<9} {r['bytes_per_parameter_vs_mlx_lm']:>25.2f} {r['peak_rss_vs_mlx_lm']:>22.2f}")
     lines.append("")
     for d in report["dtypes"]:
         agree = ", ".join(f"{k} {v}/{s['steps'] + 1}" for k, v in d["greedy_agreement_with_etmlx"].items()
                           if k != "etmlx")
-        xnn = d["programs"]["xnnpack"]
-        lines.append(f"{d['dtype']}: greedy tokens equal to etmlx's for the first {agree}; XNNPACK program: "
-                     f"{xnn['delegate_calls']} delegate calls, {sum(xnn['outside'].values())} ops on the CPU kernels")
+        xnn = d["programs"].get("xnnpack")
+        xnn = (f"XNNPACK program: {xnn['delegate_calls']} delegate calls, {sum(xnn['outside'].values())} ops on "
+               "the CPU kernels" if xnn else "XNNPACK skipped: it has no path for MLX's packed affine weights "
+               f"(mlx_lm.convert -q, group size {ckpt.GROUP_SIZE}), which etmlx and mlx-lm both run")
+        lines.append(f"{d['dtype']}: greedy tokens equal to etmlx's for the first {agree}; {xnn}")
     return "\n".join(lines)
 
 
 def run(settings: Settings, size: dict, dtypes, cache_dir: Path, log=print) -> dict:
-    unknown = [d for d in dtypes if d not in ckpt.DTYPES]
-    if not dtypes or unknown:
-        raise ValueError(f"dtypes must be some of {sorted(ckpt.DTYPES)}, got {list(dtypes)}")
+    known = [*ckpt.DTYPES, *ckpt.QUANTIZED]
+    if not dtypes or any(d not in known for d in dtypes):
+        raise ValueError(f"dtypes must be some of {known}, got {list(dtypes)}")
     per_dtype = [measure_dtype(settings, size, dtype, Path(cache_dir), log) for dtype in dtypes]
     results = [r for d in per_dtype for r in d["results"]]
     import mlx.core as mx
@@ -202,7 +265,8 @@ def run(settings: Settings, size: dict, dtypes, cache_dir: Path, log=print) -> d
     machine = (f"{platform.machine()} {os.cpu_count()} cores, MLX {mx.__version__} device {mx.default_device()}, "
                f"MLX CPU GEMMs: {blas_route.status().describe()}, torch threads {torch.get_num_threads()}")
     return {"settings": asdict(settings), "size": size, "parameters": per_dtype[0]["parameters"],
-            "machine": machine, "results": results, "ratios": ratios(results), "dtypes": per_dtype}
+            "machine": machine, "results": results, "ratios": ratios(results),
+            "memory_ratios": memory_ratios(per_dtype), "dtypes": per_dtype}
 
 
 def main(json_path: str | None = None, quick: bool = False, dtypes=("float32", "bfloat16"),

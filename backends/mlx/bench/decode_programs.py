@@ -70,3 +70,16 @@ def export_etmlx(model: torch.nn.Module, out: Path, max_seq_len: int, tokenizer_
     from backends.mlx.llm.decoder.export import export_decoder
 
     return export_decoder(model, Path(out), max_seq_len, tokenizer=tokenizer_dir)
+
+
+def load_model(checkpoint: Path, dtype: str) -> torch.nn.Module:
+    """The torch model to export: a float checkpoint as `dtype`, or (int4/int8) the mlx-lm quantized
+    checkpoint as `etmlx export --model MLX_LM_DIR` loads it, packed integers as they are, float32
+    activations (the dtype mlx-lm converted the float32 checkpoint's scales to)."""
+    from backends.mlx.llm.builtin import bench_checkpoint as ckpt
+
+    if dtype in ckpt.QUANTIZED:
+        from backends.mlx.llm.quantize.mlx_checkpoint import load_mlx_quantized
+
+        return load_mlx_quantized(checkpoint, torch.float32)
+    return ckpt.load_torch(checkpoint, dtype)

@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--builtin", action="store_true", help="structured: also the built-in model (demo checkpoint, "
                        "cached in --cache-dir): unconstrained vs JSON schema vs sample-check-resample")
     bench.add_argument("--quick", action="store_true", help="decode: a tiny model and short runs (CI smoke)")
-    bench.add_argument("--dtypes", default="float32,bfloat16", help="decode: comma-separated weight dtypes")
+    bench.add_argument("--dtypes", default="float32,bfloat16", help="decode: comma-separated weight dtypes: float32, bfloat16, int4, int8 (mlx_lm.convert -q of the float32 checkpoint)")
     bench.add_argument("--cache-dir", default="out/bench", help="decode: where checkpoints and programs are cached")
     bench.add_argument("--vocabs", help="comma-separated vocabulary sizes (default 32000,128256,262144)")
     bench.add_argument("--batches", help="comma-separated batch sizes (default 1,8)")

@@ -102,3 +102,32 @@ def load_torch(directory: Path, dtype: str):
 
 def parameter_count(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+# Quantized "dtypes": the float32 checkpoint converted by mlx-lm's own converter, so that etmlx (through
+# `etmlx export`'s mlx-lm import, no requantization) and mlx-lm run the same integers.
+QUANTIZED = {"int4": 4, "int8": 8}
+GROUP_SIZE = 64
+
+
+def cached_quantized(float_dir: Path, scheme: str, cache_dir: Path) -> Path:
+    """`mlx_lm.convert(float_dir, quantize=True, q_bits, q_group_size=64)` under `cache_dir`, converted once."""
+    import contextlib
+    import io
+    import shutil
+
+    from mlx_lm import convert
+
+    if scheme not in QUANTIZED:
+        raise ValueError(f"scheme must be one of {sorted(QUANTIZED)}, got {scheme!r}")
+    directory = Path(cache_dir) / f"{Path(float_dir).name}-mlx-{scheme}-g{GROUP_SIZE}"
+    marker = directory / "bench_source.json"
+    source = {"float": (Path(float_dir) / "bench_spec.json").read_text(), "scheme": scheme, "group_size": GROUP_SIZE}
+    if marker.is_file() and json.loads(marker.read_text()) == source:
+        return directory
+    if directory.exists():  # another source or an interrupted conversion; convert refuses existing paths
+        shutil.rmtree(directory)
+    with contextlib.redirect_stdout(io.StringIO()):  # its [INFO] lines would interleave with the report
+        convert(str(float_dir), str(directory), quantize=True, q_bits=QUANTIZED[scheme], q_group_size=GROUP_SIZE)
+    marker.write_text(json.dumps(source))  # last: a directory without it is converted again
+    return directory
