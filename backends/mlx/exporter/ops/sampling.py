@@ -22,14 +22,19 @@ def _opt(b, node, i, name):
     return None if arg is None else b.tid(arg)
 
 
-def _gumbel_max(b, node, optional):
-    logits, temperature = node.args[:2]
-    fields = dict(x=b.operand(logits, F32), temperature=b.operand(temperature, F32))
+def _with_optional(b, node, fields: dict, optional) -> dict:
+    """`fields` plus each (argument index, field name) of `optional` the node was given."""
     for i, name in optional:
         tid = _opt(b, node, i, name)
         if tid is not None:
             fields[name] = tid
-    return b.op("GumbelMaxNode", **fields)
+    return fields
+
+
+def _gumbel_max(b, node, optional):
+    logits, temperature = node.args[:2]
+    fields = dict(x=b.operand(logits, F32), temperature=b.operand(temperature, F32))
+    return b.op("GumbelMaxNode", **_with_optional(b, node, fields, optional))
 
 
 @REGISTRY.register(torch.ops.mlx.sample.default)
@@ -47,11 +52,7 @@ def _filter_threshold(b, node):
     candidates = node.args[5] if len(node.args) > 5 else node.kwargs.get("candidates", 256)
     fields = dict(x=b.operand(node.args[0], F32), temperature=b.operand(node.args[1], F32),
                   candidates=int(candidates))
-    for i, name in ((2, "top_k"), (3, "top_p"), (4, "min_p")):
-        tid = _opt(b, node, i, name)
-        if tid is not None:
-            fields[name] = tid
-    return b.op("FilterThresholdNode", **fields)
+    return b.op("FilterThresholdNode", **_with_optional(b, node, fields, ((2, "top_k"), (3, "top_p"), (4, "min_p"))))
 
 
 @REGISTRY.register(torch.ops.mlx.allowed_mask.default)
