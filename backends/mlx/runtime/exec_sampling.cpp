@@ -4,7 +4,6 @@
 
 #include "interpreter.h"
 #include "kernels/random_bits.h"
-#include "size_limits.h"
 
 namespace etmlx {
 
@@ -20,14 +19,11 @@ mx::array temperature_rows(const mx::array& t, int rows) {
 }  // namespace
 
 bool Interpreter::exec_random_bits(const fb::RandomBitsNode& n) {
+  // The bits are lazy: write() refuses them before anything allocates them if they are too large.
   mx::Shape shape;
-  uint64_t numel = 0;
-  if (!resolve_new_shape(n.shape(), &shape, &numel)) return false;
+  if (!resolve_new_shape(n.shape(), &shape)) return false;
   const int width = n.width();
   if (width != 1 && width != 2 && width != 4) return fail("has unsupported width %d (1, 2 or 4)", width);
-  if (numel > max_array_bytes() / 4) {
-    return fail("has a shape larger than one array may use (physical memory; ETMLX_MAX_ARRAY_BYTES sets it)");
-  }
 
   std::optional<mx::array> seed;
   if (n.seed() != nullptr) {

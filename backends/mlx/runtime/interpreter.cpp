@@ -139,7 +139,7 @@ bool Interpreter::resolve_shape(
 }
 
 bool Interpreter::resolve_new_shape(const flatbuffers::Vector<flatbuffers::Offset<fb::IntOrVid>>* v,
-                                    mx::Shape* shape, uint64_t* numel) {
+                                    mx::Shape* shape) {
   std::vector<int64_t> dims;
   if (!resolve_shape(v, &dims)) return false;
   shape->clear();
@@ -147,9 +147,7 @@ bool Interpreter::resolve_new_shape(const flatbuffers::Vector<flatbuffers::Offse
     if (d < 0 || d > kMaxDim) return fail("has invalid size %lld", static_cast<long long>(d));
     shape->push_back(static_cast<int32_t>(d));
   }
-  const auto count = checked_numel(dims);
-  if (!count) return fail("has a shape that is too large");
-  *numel = *count;
+  if (!checked_numel(dims)) return fail("has a shape that is too large");
   return true;
 }
 
@@ -312,16 +310,11 @@ bool Interpreter::exec_copy(const fb::CopyNode& n) {
 // Creation
 
 bool Interpreter::exec_full(const fb::FullNode& n) {
+  // The array is lazy: write() refuses it before anything allocates it if it is too large.
   mx::Shape shape;
-  uint64_t numel = 0;
-  if (!resolve_new_shape(n.shape(), &shape, &numel)) return false;
+  if (!resolve_new_shape(n.shape(), &shape)) return false;
   const auto dt = to_mlx(n.dtype());
   if (!dt) return fail("has unknown dtype %d", static_cast<int>(n.dtype()));
-  if (numel > max_array_bytes() / mx::size_of(*dt)) {
-    return fail("would create %llu elements of %zu bytes, more than the %llu bytes one array may use "
-                "(physical memory; ETMLX_MAX_ARRAY_BYTES sets it)", static_cast<unsigned long long>(numel),
-                static_cast<size_t>(mx::size_of(*dt)), static_cast<unsigned long long>(max_array_bytes()));
-  }
   const double v = n.value();
   std::optional<mx::array> scalar;
   if (*dt == mx::bool_) {

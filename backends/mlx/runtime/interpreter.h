@@ -100,9 +100,9 @@ class Interpreter {
   bool resolve_shape(const flatbuffers::Vector<flatbuffers::Offset<fb::IntOrVid>>* v,
                      std::vector<int64_t>* out);
   // The shape of an array a node creates (full, random bits): every size in
-  // [0, kMaxDim] and an element count that fits; `numel` gets that count.
+  // [0, kMaxDim] and an element count that fits (its bytes are checked by write()).
   bool resolve_new_shape(const flatbuffers::Vector<flatbuffers::Offset<fb::IntOrVid>>* v,
-                         mlx::core::Shape* shape, uint64_t* numel);
+                         mlx::core::Shape* shape);
 
   // Normalizes `axis` (negative counts from the end) against `ndim`.
   bool norm_axis(int64_t axis, int ndim, int* out, const char* what);
