@@ -45,11 +45,10 @@ class ServeLimits:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds, got {value}")
-        for name in ("restart_attempts", "max_queue", "lmtp_inflight", "max_prompt_bytes"):
+        for name, low in (("restart_attempts", 0), ("max_queue", 1), ("lmtp_inflight", 1), ("max_prompt_bytes", 1)):
             value = getattr(self, name)
-            if value is not None and value < (0 if name == "restart_attempts" else 1):
-                raise ValueError(f"--{name.replace('_', '-')} must be >= {0 if name == 'restart_attempts' else 1}, "
-                                 f"got {value}")
+            if value is not None and value < low:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
 
 
 def load_service(pte: Path, max_batch: int | None = None, model_name: str | None = None,
