@@ -5,7 +5,6 @@
 //            the outputs with mlx and copies them into the output tensors.
 // Every mlx exception is caught here and turned into an Error + log line.
 #include <cstdint>
-#include <cstring>
 #include <exception>
 #include <memory>
 #include <new>
@@ -47,21 +46,22 @@ namespace {
 
 struct Handle {
   Program program;
-  // Current value of each mutable buffer (parallel to program.mutable_slots).
+  // Current value of each mutable buffer (parallel to program.mutable_slots). Possibly still being
+  // computed: a call waits for its outputs, not for its new state (see run()).
   std::vector<mx::array> state;
-};
+  // Set when evaluating a call's graph failed after the old state was handed to it: the state is
+  // then unknown (its buffers may have been updated in place), so later calls are refused.
+  bool state_lost = false;
 
-// A private copy of an evaluated array, for state that must not alias memory
-// the caller owns.
-mx::array own_copy(const mx::array& a) {
-  mx::array c = mx::contiguous(a);
-  mx::eval(c);
-  const size_t nbytes = c.nbytes();
-  if (nbytes == 0) return mx::zeros(c.shape(), c.dtype());
-  std::shared_ptr<uint64_t[]> buf(new uint64_t[(nbytes + 7) / 8]);
-  std::memcpy(buf.get(), c.data<uint8_t>(), nbytes);
-  return mx::array(static_cast<void*>(buf.get()), c.shape(), c.dtype(), [buf](void*) {});
-}
+  ~Handle() {
+    // Work still running reads the program's weights (mapped named data) and state buffers:
+    // finish it before they go.
+    try {
+      mx::eval(state);
+    } catch (...) {
+    }
+  }
+};
 
 template <typename Specs>
 size_t count(const Specs* specs) {
@@ -85,6 +85,15 @@ Error run(Handle& h, Span<EValue*> args) {
     }
   }
 
+  if (h.state_lost) {
+    ET_LOG(Error, "etmlx: an earlier call failed while evaluating its graph, so the program's state "
+                  "(KV cache) is lost: load the program again");
+    return Error::InvalidState;
+  }
+  // A program with state copies its inputs: the state's evaluation may outlive this call, and the
+  // caller may reuse its input memory as soon as execute returns.
+  const bool copy_inputs = !prog.mutable_slots.empty();
+
   Interpreter interp(prog);
   auto& tensors = interp.tensors();
   auto& values = interp.values();
@@ -96,7 +105,7 @@ Error run(Handle& h, Span<EValue*> args) {
     tensors[prog.mutable_slots[j]] = h.state[j];
   }
 
-  // Inputs. The wrappers alias ExecuTorch memory; they stay referenced here
+  // Inputs. Without copy_inputs the wrappers alias ExecuTorch memory; they stay referenced here
   // until the outputs are evaluated and copied out.
   std::vector<mx::array> wrappers;
   wrappers.reserve(n_in);
@@ -119,7 +128,7 @@ Error run(Handle& h, Span<EValue*> args) {
       return Error::InvalidArgument;
     }
     mx::array a(0.0f);
-    Error err = wrap_input(arg.toTensor(), spec->dtype(), i, &a);
+    Error err = wrap_input(arg.toTensor(), spec->dtype(), i, copy_inputs, &a);
     if (err != Error::Ok) return err;
     wrappers.push_back(a);
     tensors[slot->idx()] = std::move(a);
@@ -193,9 +202,23 @@ Error run(Handle& h, Span<EValue*> args) {
     record_premature(interp.written(), seeded);
   }
 
+  // Evaluation. The outputs are waited for; the new state is not: whatever only the state needs
+  // (in a pipelined decoder, the whole step whose token the next call returns) goes on running
+  // after execute returns, and the next call's graph builds on it. The outputs are scheduled first,
+  // in an evaluation of their own, so waiting for them never waits for work queued behind them.
+  std::vector<mx::array> outputs(to_eval.begin(), to_eval.begin() + first_state);
+  std::vector<mx::array> new_state(to_eval.begin() + first_state, to_eval.end());
+  to_eval.clear();
+  // The graph now holds the only references to the old state, so an update of it (a KV-cache
+  // write) can reuse its buffer instead of copying the whole cache.
+  tensors.clear();
+  h.state = std::move(new_state);
   try {
-    mx::eval(to_eval);
+    mx::async_eval(outputs);
+    mx::async_eval(h.state);
+    mx::eval(outputs);
   } catch (const std::exception& e) {
+    h.state_lost = !h.state.empty();
     ET_LOG(Error, "etmlx: evaluating the graph failed: %s", e.what());
     return Error::InvalidProgram;
   }
@@ -207,24 +230,9 @@ Error run(Handle& h, Span<EValue*> args) {
       arg = EValue(*values[spec->slot()->idx()]);
       continue;
     }
-    Error err = copy_output(arg.toTensor(), to_eval[eval_index[i]], i);
+    Error err = copy_output(arg.toTensor(), outputs[eval_index[i]], i);
     if (err != Error::Ok) return err;
   }
-
-  // Commit the new state. A state that aliases an input's memory (e.g. the
-  // graph stored an input unchanged) gets a private copy, since the caller may
-  // reuse that memory after this call.
-  std::vector<mx::array> new_state;
-  new_state.reserve(prog.mutable_slots.size());
-  for (size_t j = 0; j < prog.mutable_slots.size(); ++j) {
-    mx::array s = to_eval[first_state + j];
-    bool aliases = false;
-    for (const auto& w : wrappers) {
-      if (w.data_shared_ptr() && s.data_shared_ptr() == w.data_shared_ptr()) aliases = true;
-    }
-    new_state.push_back(aliases ? own_copy(s) : s);
-  }
-  h.state = std::move(new_state);
   return Error::Ok;
 }
 

@@ -7,6 +7,7 @@
 #include <executorch/runtime/core/exec_aten/util/dim_order_util.h>
 #include <executorch/runtime/core/exec_aten/util/tensor_util.h>
 #include <executorch/runtime/platform/log.h>
+#include <mlx/allocator.h>
 #include <mlx/ops.h>
 
 namespace etmlx {
@@ -22,7 +23,7 @@ const char* et_type_name(ETScalarType t) {
 
 }  // namespace
 
-Error wrap_input(const ETTensor& t, fb::DType expected, size_t index, mx::array* out) {
+Error wrap_input(const ETTensor& t, fb::DType expected, size_t index, bool copy, mx::array* out) {
   const auto want = to_et(expected);
   const auto mdt = to_mlx(expected);
   if (!want || !mdt) {
@@ -68,6 +69,12 @@ Error wrap_input(const ETTensor& t, fb::DType expected, size_t index, mx::array*
     ET_LOG(Error, "etmlx: input %zu holds %zu bytes, expected %llu", index, t.nbytes(),
            static_cast<unsigned long long>(numel * mdt->size()));
     return Error::InvalidArgument;
+  }
+  if (copy) {
+    mx::array owned(mx::allocator::malloc(t.nbytes()), std::move(shape), *mdt);
+    std::memcpy(owned.data<uint8_t>(), data, t.nbytes());
+    *out = std::move(owned);
+    return Error::Ok;
   }
   // No copy; the no-op deleter leaves ownership with ExecuTorch. The array is
   // not "owned" by mlx, so mlx never donates (writes into) this memory.

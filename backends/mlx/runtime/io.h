@@ -13,10 +13,11 @@ namespace etmlx {
 
 using ETTensor = executorch::runtime::etensor::Tensor;
 
-// Wraps the memory of graph input `index` as an mlx array without copying
-// (the array's deleter is a no-op: the caller keeps ownership). The tensor must
-// be contiguous in the default dim order and have dtype `expected`.
-executorch::runtime::Error wrap_input(const ETTensor& t, fb::DType expected, size_t index,
+// Graph input `index` as an mlx array. The tensor must be contiguous in the default dim order and
+// have dtype `expected`. Without `copy` the array wraps the caller's memory (a no-op deleter: the
+// caller keeps ownership), valid only while the call lasts; with `copy` it owns a copy, for a
+// graph whose evaluation may outlive the call (state evaluated after execute returns).
+executorch::runtime::Error wrap_input(const ETTensor& t, fb::DType expected, size_t index, bool copy,
                                       mlx::core::array* out);
 
 // Checks the (not yet evaluated) result `a` of graph output `index` against

@@ -5,7 +5,8 @@ The program's inputs (names and order recorded in the metadata the .pte embeds, 
   start_pos [B] int64     cache position of tokens[:, 0], per row
   lengths [B] int64       real tokens per row (1..L); the next token is sampled at index lengths-1
   temperature [B]         then seed [B] (seeded programs) and the knobs of the SamplerConfig, per row
-Outputs: token ids [B] (and logprobs when exported with them).
+Outputs: token ids [B] (and logprobs when exported with them); a pipelined program returns the
+previous call's and takes -1 for "the token you sampled last" (pipelined.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from backends.mlx.llm.decoder.meta import META_KEY, TOKENIZER_PREFIX, DecoderMet
 from backends.mlx.llm.decoder.tokenizer_files import as_tokenizer, prompt_affixes, tokenizer_blobs
 from backends.mlx.llm.sampler.export import knob_examples
 from backends.mlx.llm.decoder.kv_cache import StaticCacheLM
+from backends.mlx.llm.decoder.pipelined import FedBackSteps
 from backends.mlx.llm.sampler.config import SamplerConfig
 from backends.mlx.llm.sampler.head import SamplingHead
 
@@ -36,10 +38,13 @@ def _eos_ids(model) -> list[int]:
 
 def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, config: SamplerConfig | None = None,
                    batch: int = 1, seeded: bool = True, tokenizer=None,
-                   progress: Optional[Callable[[str], None]] = None, external_weights: bool = False) -> ExportResult:
+                   progress: Optional[Callable[[str], None]] = None, external_weights: bool = False,
+                   pipelined: bool | None = None) -> ExportResult:
     """Write `out` (.pte) holding the program, its DecoderMeta and, given one (a transformers tokenizer or
     a directory holding one), the tokenizer: the one file is all a decode loop needs. `external_weights`:
-    the weights go to `out` with suffix .ptd instead (the runners load it from beside the .pte)."""
+    the weights go to `out` with suffix .ptd instead (the runners load it from beside the .pte).
+    `pipelined` (pipelined.py; default: unless the sampler has the allowed-mask input): each call returns
+    the previous call's outputs, so a loop overlaps its host work with the device's step."""
     config = config or SamplerConfig()
     if config.expose_counts:
         raise ValueError("expose_counts is for sampler tests, not decoder programs")
@@ -47,6 +52,9 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
     lm = StaticCacheLM(model, max_seq_len=max_seq_len, batch=batch)
     vocab = model.config.vocab_size
     head = SamplingHead(lm, config, batch=batch, vocab=vocab)
+    if pipelined is None:
+        pipelined = not config.allowed_mask
+    program = FedBackSteps(head, config, batch) if pipelined else head
     length = torch.export.Dim("length", min=1, max=max_seq_len)
     # The example is as long as the cache: ExecuTorch sizes a dynamic input's buffer from it.
     example = (torch.ones(batch, max_seq_len, dtype=torch.int64), torch.zeros(batch, dtype=torch.int64),
@@ -63,9 +71,10 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
     meta = DecoderMeta.build(max_seq_len=max_seq_len, vocab_size=vocab, batch=batch, eos_token_ids=_eos_ids(model),
                              seeded=seeded, config=config, dtype=dtype, model_type=getattr(model.config, "model_type", ""),
                              tokenizer=TOKENIZER_PREFIX if blobs else None,
-                             prompt_affixes=prompt_affixes(tokenizer) if tokenizer is not None else ([], []))
+                             prompt_affixes=prompt_affixes(tokenizer) if tokenizer is not None else ([], []),
+                             pipelined=pipelined)
     blobs[META_KEY] = meta.to_json()
-    result = export_to_pte(head, example, kwargs, dynamic_shapes=dynamic, progress=progress, named_data=blobs,
+    result = export_to_pte(program, example, kwargs, dynamic_shapes=dynamic, progress=progress, named_data=blobs,
                            weights="external" if external_weights else "pte")
     result.save(Path(out))
     return result

@@ -9,7 +9,9 @@ token at position 0, greedy), and only row 0 is read back.
 
 Step 0 is the prefill call (the whole prompt, one program call); step k > 0 feeds the previous
 token at position len(prompt) + k - 1. Seeded programs draw with seed = params.seed + step, so a
-whole generation is reproducible from one base seed.
+whole generation is reproducible from one base seed. A pipelined program (pipelined.py) gets the
+same calls, except that step k > 0 feeds -1 (the device's own token) and returns step k-1's token:
+the host reads token k-1 while the device computes step k. Same tokens, one extra step at the end.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Iterator
 import torch
 
 from backends.mlx.llm.decoder.constraints import EXPORT_HINT, Constraint, ConstraintError, Matcher, vocabulary_for
-from backends.mlx.llm.decoder.meta import DecoderMeta
+from backends.mlx.llm.decoder.meta import FED_BACK, PIPELINED_HINT, DecoderMeta
 from backends.mlx.llm.decoder.step_inputs import step_inputs
 from backends.mlx.llm.decoder.tokenizer_files import has_tokenizer, load_tokenizer
 from backends.mlx.llm.sampler.params import SamplingParams
@@ -92,12 +94,14 @@ class Decoder:
         exported without the mask input, before anything is decoded."""
         if not self.meta.config.allowed_mask:
             raise ConstraintError(EXPORT_HINT)
+        if self.meta.pipelined:
+            raise ConstraintError(PIPELINED_HINT)
         if self._vocabulary is None:
             self._vocabulary = vocabulary_for(self.pte, self.meta)
         return self._vocabulary.matcher(constraint)
 
     def _call(self, tokens: list[int], start: int, params: SamplingParams, step: int,
-              matcher: Matcher | None = None) -> Step:
+              matcher: Matcher | None = None, returns: bool = True) -> Step | None:
         # Rows 1.. of a batched program idle: one token at position 0, greedy, their output ignored.
         idle = self.meta.batch - 1
         batch = torch.zeros(self.meta.batch, len(tokens), dtype=torch.int64)
@@ -106,6 +110,8 @@ class Decoder:
                              [params] + [SamplingParams()] * idle, [step] + [0] * idle, [step == 0] + [True] * idle,
                              masks=[matcher.mask()] if matcher is not None else None)
         out = self.method.execute(inputs)
+        if not returns:
+            return None
         result = Step(int(out[0][0]))
         if result.token == NO_ALLOWED_TOKEN:
             raise ConstraintError("the grammar allows no token the model can produce here (every allowed token "
@@ -124,12 +130,24 @@ class Decoder:
         params.check(self.meta.config, self.meta.vocab_size)
         prompt = check_prompt(self.meta, prompt_ids, max_tokens)
         matcher = self.matcher(constraint) if constraint is not None else None
+        if self.meta.pipelined:
+            yield from self._stream_pipelined(prompt, max_tokens, params, stop_at_eos)
+            return
         step = self._call(prompt, 0, params, 0, matcher)
         for k in range(max_tokens):
             yield step
             if (stop_at_eos and step.token in self.meta.eos_token_ids) or k + 1 == max_tokens:
                 return
             step = self._call([step.token], len(prompt) + k, params, k + 1, matcher)
+
+    def _stream_pipelined(self, prompt: list[int], max_tokens: int, params: SamplingParams,
+                          stop_at_eos: bool) -> Iterator[Step]:
+        self._call(prompt, 0, params, 0, returns=False)  # its outputs are the previous call's
+        for k in range(max_tokens):
+            step = self._call([FED_BACK], len(prompt) + k, params, k + 1)  # runs step k + 1, returns step k
+            yield step
+            if (stop_at_eos and step.token in self.meta.eos_token_ids) or k + 1 == max_tokens:
+                return
 
     def generate(self, prompt_ids, max_tokens: int, params: SamplingParams | None = None,
                  constraint: Constraint | None = None) -> Generation:

@@ -26,6 +26,10 @@ TOKENIZER_PREFIX = "etmlx/tokenizer/"  # + a file name save_pretrained wrote (to
 _INT_INPUTS = {"tokens", "start_pos", "lengths", "seed", "top_k", "penalty_reset", "penalty_add", "bias_ids"}
 _INT32_INPUTS = {"allowed_mask"}
 _LONG, _FLOAT, _INT = 4, 6, 3
+# Pipelined programs (pipelined.py): a token input that means "the token this row sampled last".
+FED_BACK = -1
+PIPELINED_HINT = ("structured output needs an unpipelined program (each step's mask depends on the token before "
+                  "it): export with --sampler ...,mask (unpipelined by default) or --no-pipeline")
 
 
 def meta_path(pte: Path) -> Path:
@@ -59,10 +63,13 @@ class DecoderMeta:
     # export so a runner with a plain tokenizer library (tools/etmlx_decode) adds the same ones.
     prompt_prefix_ids: list[int] = field(default_factory=list)
     prompt_suffix_ids: list[int] = field(default_factory=list)
+    # Each call returns the previous call's outputs; a token input < 0 is the row's last sampled token
+    # (pipelined.py). Absent in programs exported before pipelining: False.
+    pipelined: bool = False
 
     @classmethod
     def build(cls, *, max_seq_len, vocab_size, batch, eos_token_ids, seeded, config: SamplerConfig, dtype,
-              model_type="", tokenizer=None, prompt_affixes=([], [])) -> "DecoderMeta":
+              model_type="", tokenizer=None, prompt_affixes=([], []), pipelined=False) -> "DecoderMeta":
         inputs = MODEL_INPUTS + ["temperature"] + (["seed"] if seeded else []) + config.knob_names()
         outputs = ["token"] + (["logprob", "top_ids", "top_logprobs"] if config.logprobs else [])
         if config.expose_counts:
@@ -70,7 +77,8 @@ class DecoderMeta:
         return cls(max_seq_len=max_seq_len, vocab_size=vocab_size, batch=batch, eos_token_ids=list(eos_token_ids),
                    seeded=seeded, sampler=asdict(config), dtype=dtype, model_type=model_type, tokenizer=tokenizer,
                    inputs=inputs, outputs=outputs, knobs=knob_metadata(),
-                   prompt_prefix_ids=list(prompt_affixes[0]), prompt_suffix_ids=list(prompt_affixes[1]))
+                   prompt_prefix_ids=list(prompt_affixes[0]), prompt_suffix_ids=list(prompt_affixes[1]),
+                   pipelined=pipelined)
 
     @property
     def config(self) -> SamplerConfig:
