@@ -63,7 +63,7 @@ def run_export(args) -> int:
         say("no tokenizer in the checkpoint: generate will need --prompt-ids")
     result = export_decoder(model, Path(args.out), args.max_seq_len, config=config, batch=args.batch,
                             seeded=args.seeded, tokenizer=tokenizer, progress=say,
-                            external_weights=args.external_weights)
+                            external_weights=args.external_weights, pipelined=args.pipelined)
     say("done")
     written = f"{args.out} ({Path(args.out).stat().st_size / 1e6:.1f} MB)"
     ptd = weights_path(args.out)
@@ -146,6 +146,13 @@ def add_parsers(sub) -> None:
                          help="the program takes a seed input: reproducible sampling (default)")
     seeding.add_argument("--unseeded", dest="seeded", action="store_false",
                          help="no seed input: draws from MLX's global random state")
+    pipelining = export.add_mutually_exclusive_group()
+    pipelining.add_argument("--pipeline", dest="pipelined", action="store_true", default=None,
+                            help="each call returns the previous call's token, so the host never waits for the step "
+                                 "it just started (default, except with the mask feature)")
+    pipelining.add_argument("--no-pipeline", dest="pipelined", action="store_false",
+                            help="each call returns its own token (default with --sampler ...,mask: structured "
+                                 "output needs each token before the next step)")
     export.add_argument("--sampler", default=DEFAULT_FEATURES,
                         help=f"sampler features compiled in, comma-separated from {', '.join(FEATURES)} "
                              f"(default {DEFAULT_FEATURES}); their values are runtime inputs")
