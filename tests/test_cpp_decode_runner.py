@@ -1,5 +1,7 @@
 """build/etmlx_decode (the C++ decode loop, no Python) gives the Python Decoder's tokens, reads the metadata and
-tokenizer inside the .pte (a sidecar only for programs without them); bad input fails cleanly."""
+tokenizer inside the .pte (a sidecar only for programs without them); bad input fails cleanly. Programs export
+pipelined by default (each call returns the previous call's token); the same model exported unpipelined must give
+the same tokens."""
 
 from __future__ import annotations
 
@@ -56,6 +58,16 @@ def model():
 def pte(model, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("cpp_decode") / "llama.pte"
     export_decoder(model, out, MAX_SEQ_LEN)
+    assert DecoderMeta.load(out).pipelined  # the default without the mask input
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain_pte(model, tmp_path_factory) -> Path:
+    """The same model unpipelined: what programs exported before pipelining look like."""
+    out = tmp_path_factory.mktemp("cpp_decode_plain") / "llama.pte"
+    export_decoder(model, out, MAX_SEQ_LEN, pipelined=False)
+    assert not DecoderMeta.load(out).pipelined
     return out
 
 
@@ -67,6 +79,13 @@ FULL = SamplerConfig(top_k=True, top_p=True, min_p=True, logit_bias=2, penalties
 def full_pte(model, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("cpp_decode_full") / "full.pte"
     export_decoder(model, out, MAX_SEQ_LEN, config=FULL)
+    return out
+
+
+@pytest.fixture(scope="module")
+def full_plain_pte(model, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("cpp_decode_full_plain") / "full.pte"
+    export_decoder(model, out, MAX_SEQ_LEN, config=FULL, pipelined=False)
     return out
 
 
@@ -102,8 +121,9 @@ def test_json_output_and_eos_stop(pte, decoder):
     assert full["tokens"] == greedy and full["finish_reason"] == "length"
 
 
-def test_without_metadata_limits_come_from_the_program(pte, decoder, tmp_path):
-    alone = _without_metadata(pte, tmp_path / "alone.pte")
+def test_without_metadata_limits_come_from_the_program(plain_pte, decoder, tmp_path):
+    # Programs without metadata predate pipelining: an unpipelined one (nothing else says a program is pipelined).
+    alone = _without_metadata(plain_pte, tmp_path / "alone.pte")
     done = _run(alone, "--prompt-ids", "7,1,33,20", "--max-tokens", 10)
     assert _ids(done) == decoder.generate(PROMPT, 10).tokens
     assert "vocabulary size unknown" in done.stderr
@@ -292,3 +312,61 @@ def test_a_missing_tokenizer_plugin_fails_clearly(text_pte):
     ids = subprocess.run([str(BINARY), str(pte), "--prompt-ids", "1,2", "--max-tokens", "2"],
                          capture_output=True, text=True, timeout=120, env=env)
     assert ids.returncode == 0 and ids.stderr == "" and len(ids.stdout.split()) == 2, ids.stderr
+
+
+_KNOB_FLAGS = ["--top-k", 5, "--top-p", 0.9]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=1.0, seed=42),
+                                    SamplingParams(temperature=1.5, seed=5, top_k=5, top_p=0.9)],
+                         ids=["greedy", "seeded", "top_k_top_p"])
+def test_pipelined_gives_the_unpipelined_tokens(full_pte, full_plain_pte, params):
+    """Pipelined: each call returns the token of the call before it. Same tokens as the Python Decoder on either
+    program and as etmlx_decode on the unpipelined export, one for one."""
+    assert DecoderMeta.load(full_pte).pipelined and not DecoderMeta.load(full_plain_pte).pipelined
+    expected = Decoder(full_plain_pte).generate(PROMPT, 16, params).tokens
+    assert Decoder(full_pte).generate(PROMPT, 16, params).tokens == expected
+    args = ["--prompt-ids", "7,1,33,20", "--max-tokens", 16, "--temperature", params.temperature, "--seed", params.seed]
+    if params.top_k:
+        args += _KNOB_FLAGS
+    for program in (full_pte, full_plain_pte):
+        done = _run(program, *args, "--json")
+        assert done.returncode == 0, done.stderr[-2000:]
+        result = json.loads(done.stdout)
+        assert result["tokens"] == expected and result["finish_reason"] == "length"
+        assert result["time_to_first_token_s"] > 0 and result["decode_tokens_per_s"] > 0
+
+
+def test_pipelined_eos_stop_and_one_token(pte, plain_pte, decoder):
+    greedy = Decoder(plain_pte).generate([5, 6], 12).tokens
+    assert decoder.generate([5, 6], 12).tokens == greedy
+    for program in (pte, plain_pte):
+        one = json.loads(_run(program, "--prompt-ids", "5,6", "--max-tokens", 1, "--json").stdout)
+        assert one["tokens"] == greedy[:1] and one["finish_reason"] == "length"
+        assert one["decode_tokens_per_s"] == 0 and one["time_to_first_token_s"] > 0
+        first = json.loads(_run(program, "--prompt-ids", "5,6", "--max-tokens", 12, "--eos", greedy[0],
+                                "--json").stdout)
+        assert first["tokens"] == greedy[:1] and first["finish_reason"] == "stop"
+        stop_id = greedy[5]
+        stopped = json.loads(_run(program, "--prompt-ids", "5,6", "--max-tokens", 12, "--eos", stop_id,
+                                  "--json").stdout)
+        assert stopped["tokens"] == greedy[:greedy.index(stop_id) + 1] and stopped["finish_reason"] == "stop"
+        assert _ids(_run(program, "--prompt-ids", "5,6", "--max-tokens", 12)) == greedy
+
+
+def test_pipelined_flag_in_a_sidecar(pte, plain_pte, decoder, tmp_path):
+    """Older programs carry their metadata beside them: "pipelined" is read from the sidecar too, absent = false,
+    and must be a boolean."""
+    expected = decoder.generate(PROMPT, 8).tokens
+    for source, name in ((pte, "piped.pte"), (plain_pte, "plain.pte")):
+        copy = _without_metadata(source, tmp_path / name)
+        meta = json.loads(DecoderMeta.load(source).to_json())
+        if not meta["pipelined"]:
+            del meta["pipelined"]  # as written before pipelining
+        Path(str(copy) + ".json").write_text(json.dumps(meta))
+        assert _ids(_run(copy, "--prompt-ids", "7,1,33,20", "--max-tokens", 8)) == expected
+    meta = json.loads(DecoderMeta.load(pte).to_json())
+    meta["pipelined"] = "yes"
+    Path(str(tmp_path / "piped.pte") + ".json").write_text(json.dumps(meta))
+    bad = _run(tmp_path / "piped.pte", "--prompt-ids", "1")
+    assert bad.returncode == 2 and '"pipelined" must be true or false' in bad.stderr

@@ -42,7 +42,29 @@ def ptes(tmp_path_factory):
     masked, plain = out / "masked.pte", out / "plain.pte"
     export_decoder(model, masked, 48, config=SamplerConfig(top_k=True, allowed_mask=True))
     export_decoder(model, plain, 48)
+    assert not DecoderMeta.load(masked).pipelined  # the default with the mask input
     return masked, plain
+
+
+def test_structured_output_on_a_pipelined_program_is_one_line(tmp_path):
+    """A pipelined program samples step k + 1 before the host knows token k: no per-step mask can follow the output.
+    --mask-file and --choice-ids refuse it in one line that names the fix."""
+    torch.manual_seed(3)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                         eos_token_id=None, bos_token_id=None)).eval()
+    piped = tmp_path / "piped_masked.pte"
+    export_decoder(model, piped, 16, config=SamplerConfig(allowed_mask=True), pipelined=True)
+    assert DecoderMeta.load(piped).pipelined
+    args = ("--prompt-ids", "1,2", "--max-tokens", 3)
+    for flag, value in (("--mask-file", _write(tmp_path / "m.txt", _rows(1))), ("--choice-ids", "3,4;5")):
+        done = _run(piped, *args, flag, value)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1 and done.stdout == "", done.stderr
+        assert lines[0].startswith(f"etmlx_decode: error: {flag}: ") and "piped_masked.pte is pipelined" in lines[0]
+        assert "--sampler ...,mask" in lines[0] and "pipelined=False" in lines[0]
+    free = _run(piped, *args)  # without structured output it decodes
+    assert free.returncode == 0 and len(free.stdout.split()) == 3, free.stderr
 
 
 def _rows(seed: int) -> np.ndarray:

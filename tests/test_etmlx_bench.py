@@ -21,17 +21,20 @@ def _bench(*args):
     return done
 
 
-def test_decoder_json(tmp_path):
+def _tiny():
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                         eos_token_id=None, bos_token_id=None)).eval()
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                        eos_token_id=None, bos_token_id=None)).eval()
+
+
+def test_decoder_json(tmp_path):
     pte = tmp_path / "tiny.pte"
-    export_decoder(model, pte, 40)
+    export_decoder(_tiny(), pte, 40)  # pipelined (the default)
     done = _bench(pte, "--prompt-len", 8, "--decode-steps", 10, "--runs", 3)
     assert done.returncode == 0, done.stderr
     r = json.loads(done.stdout)
-    assert r["kind"] == "decoder" and r["prompt_len"] == 8
+    assert r["kind"] == "decoder" and r["prompt_len"] == 8 and r["pipelined"] is True
     assert r["decode"]["n"] == 3 * 10 and r["prefill"]["n"] == 2
     assert 0 < r["decode"]["median_ms"] <= r["decode"]["p90_ms"]
     assert abs(r["decode_tokens_per_s"] - 1e3 / r["decode"]["median_ms"]) < 1e-3 * r["decode_tokens_per_s"] + 1e-3
@@ -40,6 +43,24 @@ def test_decoder_json(tmp_path):
     assert r["token_sum"] % 3 == 0
     too_long = _bench(pte, "--prompt-len", 30, "--decode-steps", 20)
     assert too_long.returncode == 2 and "must fit the program's 40 positions" in too_long.stderr
+
+
+def test_pipelined_and_unpipelined_decode_the_same_tokens(tmp_path):
+    """The same model exported both ways: the same number of timed tokens and the same sampled tokens (their sum),
+    each program saying how it was exported."""
+    model = _tiny()
+    results = {}
+    for pipelined in (True, False):
+        pte = tmp_path / f"tiny_{pipelined}.pte"
+        export_decoder(model, pte, 40, pipelined=pipelined)
+        done = _bench(pte, "--prompt-len", 5, "--decode-steps", 12, "--runs", 2, "--temperature", 1, "--seed", 4)
+        assert done.returncode == 0, done.stderr
+        results[pipelined] = json.loads(done.stdout)
+        assert results[pipelined]["pipelined"] is pipelined
+    piped, plain = results[True], results[False]
+    assert piped["decode"]["n"] == plain["decode"]["n"] == 2 * 12 and piped["prefill"]["n"] == plain["prefill"]["n"] == 1
+    assert piped["token_sum"] == plain["token_sum"]
+    assert piped["cold_first_token_s"] > 0 and piped["warm_first_token_s"] > 0
 
 
 def test_sampler_only_json(tmp_path):

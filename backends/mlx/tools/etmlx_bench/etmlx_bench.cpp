@@ -3,7 +3,8 @@
 //
 // A decoder program (one with etmlx metadata: input names and knobs) runs --runs sequences of a
 // --prompt-len-token prefill and --decode-steps decode calls, each feeding back the sampled token,
-// as etmlx_decode does. The first prefill of the process is reported apart (cold_first_token_s): it
+// with etmlx_decode's loop (decode_loop.h; a pipelined program makes one more call per sequence,
+// since each call returns the previous one's token). The first prefill of the process is reported apart (cold_first_token_s): it
 // pays for loading and, on a GPU, kernel compilation; the later sequences' first tokens are the warm
 // figure. Any other program (a sampler-only head, ...) is called --calls times with zero-filled
 // inputs of its static shapes. Times are per call, wall clock, outputs copied to the host.
@@ -22,6 +23,7 @@
 #include <executorch/runtime/backend/interface.h>
 #include <executorch/runtime/platform/runtime.h>
 
+#include "decode_loop.h"
 #include "knobs.h"
 #include "program_metadata.h"
 #include "step_inputs.h"
@@ -133,38 +135,38 @@ int bench_decoder(Module& module, const std::string& method, const etmlx::Progra
   std::vector<int64_t> prompt(static_cast<size_t>(a.prompt_len));
   for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int64_t>((7 * i + 1) % vocab);
 
+  // "prefill": the time until token 0 is on the host (a pipelined program's prefill call returns
+  // nothing, so that is the prefill call plus the first decode call); "decode": the calls that
+  // return tokens 1..decode_steps, one each (decode_loop.h).
   std::vector<double> prefill, decode;
   double cold = 0;
   int64_t tokens_checksum = 0;
+  etmlx::DecodeLoop loop(module, method, *inputs, md.meta.pipelined);
   for (long run = 0; run < a.runs; ++run) {
-    std::vector<int64_t> call = prompt;
-    int64_t position = 0;
+    loop.start(prompt, static_cast<float>(a.temperature), a.seed);
     for (long step = 0; step <= a.decode_steps; ++step) {
-      auto values = inputs->build(call, position, static_cast<float>(a.temperature), a.seed + step, step == 0);
-      const auto t0 = Clock::now();
-      const auto out = module.execute(method, values);
-      if (!out.ok() || out->empty() || !(*out)[0].isTensor())
-        return fail("call " + std::to_string(step) + " of run " + std::to_string(run) + " failed");
-      const int64_t token = (*out)[0].toTensor().const_data_ptr<int64_t>()[0];
-      const double s = seconds_since(t0);
+      int64_t token = 0;
+      if (!loop.next(nullptr, &token, &error))
+        return fail("token " + std::to_string(step) + " of run " + std::to_string(run) + ": " + error);
+      double s = 0;
+      for (const auto& call : loop.calls()) s += call.seconds;
       if (step == 0) {
-        // The prefill returns the first token: the first run's is the cold figure, the others warm.
+        // The first run's first token is the cold figure, the others warm.
         if (run == 0) cold = s;
         else prefill.push_back(s);
       } else {
         decode.push_back(s);
       }
       tokens_checksum += token;
-      position += static_cast<int64_t>(call.size());
-      call.assign(1, token);
     }
   }
   const Stats p = stats_of(prefill), d = stats_of(decode);
-  std::printf("{\"program\": \"%s\", \"kind\": \"decoder\", \"method\": \"%s\", \"load_s\": %.6f, "
-              "\"prompt_len\": %ld, \"decode_steps\": %ld, \"runs\": %ld, \"temperature\": %g, "
+  std::printf("{\"program\": \"%s\", \"kind\": \"decoder\", \"method\": \"%s\", \"pipelined\": %s, "
+              "\"load_s\": %.6f, \"prompt_len\": %ld, \"decode_steps\": %ld, \"runs\": %ld, \"temperature\": %g, "
               "\"cold_first_token_s\": %.6f, \"warm_first_token_s\": %.6f, \"prefill\": %s, \"decode\": %s, "
               "\"prefill_tokens_per_s\": %.3f, \"decode_tokens_per_s\": %.3f, \"token_sum\": %lld}\n",
-              a.pte.c_str(), method.c_str(), load_s, a.prompt_len, a.decode_steps, a.runs, a.temperature, cold,
+              a.pte.c_str(), method.c_str(), md.meta.pipelined ? "true" : "false", load_s, a.prompt_len,
+              a.decode_steps, a.runs, a.temperature, cold,
               p.median_ms / 1e3, json_stats(p).c_str(), json_stats(d).c_str(),
               p.median_ms > 0 ? 1e3 * static_cast<double>(a.prompt_len) / p.median_ms : 0.0,
               d.median_ms > 0 ? 1e3 / d.median_ms : 0.0, static_cast<long long>(tokens_checksum));

@@ -7,8 +7,10 @@
 //                from the metadata's "knobs", the table in llm/sampler/knobs.py)
 //
 // It loads FILE.pte with ExecuTorch's Module, runs one prefill call over the
-// prompt and then one call per generated token; call k samples with seed
-// S + k on the device, so only token ids cross to the host. The metadata and
+// prompt and then one call per generated token; step k samples with seed
+// S + k on the device, so only token ids cross to the host. A pipelined
+// program returns each token one call later, while the device runs the next
+// step (decode_loop.h). The metadata and
 // tokenizer come from inside the .pte (program_metadata.h). The generated text
 // (token ids when the program has no tokenizer) goes to stdout; errors print one "etmlx_decode: error: ..." line to stderr and exit
 // with 2 (bad input) or 1 (the program failed to load or run).
@@ -26,6 +28,7 @@
 #include <executorch/runtime/platform/runtime.h>
 
 #include "decode_args.h"
+#include "decode_loop.h"
 #include "program_metadata.h"
 #include "choice_mask.h"
 #include "mask_file.h"
@@ -38,7 +41,6 @@ extern "C" const char* etmlx_backend_id();
 
 namespace {
 
-using executorch::aten::ScalarType;
 using executorch::extension::module::Module;
 using executorch::runtime::Error;
 
@@ -209,6 +211,11 @@ int run(const etmlx::DecodeArgs& args) {
   std::vector<std::vector<int32_t>> mask_rows;
   std::optional<etmlx::ChoiceMask> choice;
   if (args.mask_file && args.choice_ids) return fail(kBadInput, "give --mask-file or --choice-ids, not both");
+  // A pipelined program samples step k + 1 before the host sees token k, so no mask can depend on it.
+  const char* structured = args.mask_file ? "--mask-file" : args.choice_ids ? "--choice-ids" : nullptr;
+  if (structured && inputs->mask_words() > 0 && sidecar.pipelined)
+    return fail(kBadInput, std::string(structured) + ": " + args.pte + " is pipelined, and " +
+                               etmlx::kPipelinedMaskHint);
   if (args.choice_ids) {
     if (inputs->mask_words() == 0)
       return fail(kBadInput, "--choice-ids needs a program exported with --sampler ...,mask (" + args.pte +
@@ -234,28 +241,20 @@ int run(const etmlx::DecodeArgs& args) {
   std::vector<int64_t> generated;
   std::string text;
   etmlx::Utf8Stream utf8;
-  std::vector<int64_t> call_tokens = prompt;
-  int64_t position = 0;
+  etmlx::DecodeLoop loop(module, method, *inputs, sidecar.pipelined);
+  loop.start(prompt, temperature, seed);
   const char* finish = "length";
   for (int64_t step = 0; step < args.max_tokens; ++step) {
-    // Step 0 is the prefill; its token is the first generated one.
+    // Token `step` (step 0: the prefill's; a pipelined program's comes back one call later, decode_loop.h).
     std::vector<int32_t> choice_row;
     if (choice) choice_row = choice->row(generated);
     const auto* mask_row = choice ? &choice_row
                            : step < static_cast<int64_t>(mask_rows.size()) ? &mask_rows[static_cast<size_t>(step)] : nullptr;
-    auto values = inputs->build(call_tokens, position, temperature, seed + step, step == 0, mask_row);
-    const auto out = module.execute(method, values);
-    if (!out.ok())
-      return fail(kRunFailed, "step " + std::to_string(step) + " failed (error " + error_name(out.error()) + ")");
-    if (out->empty() || !(*out)[0].isTensor())
-      return fail(kRunFailed, "the program's first output is not a tensor of token ids");
-    const auto& ids = (*out)[0].toTensor();
-    if (ids.scalar_type() != ScalarType::Long || ids.numel() < 1)
-      return fail(kRunFailed, "the program's first output is not int64 token ids");
-    const int64_t token = ids.const_data_ptr<int64_t>()[0];
+    int64_t token = 0;
+    if (!loop.next(mask_row, &token, &error)) return fail(kRunFailed, error);
     if (token == -1)  // the sampler's answer for a row whose mask allows no token it can draw
       return fail(kBadInput, "step " + std::to_string(step) + ": the mask allows no token the model can produce");
-    if (step == 0) first_token_at = Clock::now();
+    if (step == 0) first_token_at = Clock::now();  // token 0 is on the host
     generated.push_back(token);
     if (is_eos(eos, token)) {
       finish = "stop";
@@ -275,8 +274,6 @@ int run(const etmlx::DecodeArgs& args) {
         break;
       }
     }
-    position += static_cast<int64_t>(call_tokens.size());
-    call_tokens.assign(1, token);
   }
   const auto end = Clock::now();
 

@@ -83,6 +83,13 @@ std::optional<Sidecar> parse_sidecar(const std::string& text, const std::string&
     *error = path + ": " + why;
     return std::nullopt;
   }
+  if (const Value* pipelined = root->find("pipelined"); pipelined && pipelined->kind != Value::Kind::Null) {
+    if (pipelined->kind != Value::Kind::Bool) {
+      *error = path + ": \"pipelined\" must be true or false";
+      return std::nullopt;
+    }
+    meta.pipelined = pipelined->boolean;
+  }
   if (const Value* inputs = root->find("inputs"); inputs && inputs->kind != Value::Kind::Null) {
     std::vector<std::string> names;
     bool ok = inputs->kind == Value::Kind::Array;

@@ -26,6 +26,9 @@ struct Sidecar {
   std::optional<std::vector<KnobSpec>> knobs;       // the knob table (knobs.h)
   // Ids the tokenizer adds around a text prompt (BOS, ...).
   std::vector<int64_t> prompt_prefix_ids, prompt_suffix_ids;
+  // Each call returns the previous call's outputs; a token input < 0 is the row's last sampled token
+  // (decode_loop.h). Absent in programs exported before pipelining: false.
+  bool pipelined = false;
 };
 
 // Parses the metadata JSON `text`; `where` names its origin in errors.
