@@ -7,7 +7,7 @@ namespace etmlx {
 
 const char kPipelinedMaskHint[] =
     "structured output needs an unpipelined program (each step's mask depends on the token before it): "
-    "export with --sampler ...,mask (unpipelined by default) or export_decoder(..., pipelined=False)";
+    "export with --sampler ...,mask (unpipelined by default) or --no-pipeline";
 
 void DecodeLoop::start(std::vector<int64_t> prompt, float temperature, int64_t seed) {
   prompt_ = std::move(prompt);
