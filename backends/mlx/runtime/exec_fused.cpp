@@ -1,13 +1,10 @@
 // The fused-kernel nodes (SdpaNode, RmsNormNode, LayerNormNode, RopeNode): operands read and
 // checked against the blob (mlx::core::fast trusts its caller's shapes on some devices), then
 // the kernels in kernels/attention.h, norms.h and rope.h.
-#include <algorithm>
 #include <cstdlib>
 #include <cstring>
-#include <limits>
 
 #include <mlx/ops.h>
-#include <mlx/transforms.h>
 
 #include "dtypes.h"
 #include "interpreter.h"
@@ -35,20 +32,6 @@ bool key_window_enabled() {
 
 bool integer_vector(const mx::array& values) {
   return values.ndim() == 1 && values.size() > 0 && mx::issubdtype(values.dtype(), mx::integer);
-}
-
-// max(values) of a small 1-d integer tensor (the rows' start positions). A program input is
-// already on the host; anything computed in the graph is evaluated here by the CPU kernel set
-// and left unknown (nullopt: attend over every key) by the lazy device set.
-std::optional<int64_t> max_of(const mx::array& values, bool lazy) {
-  if (auto known = kernels::known_max(values)) return known;
-  if (lazy) return std::nullopt;
-  mx::array v = mx::astype(values, mx::int64);
-  mx::eval(v);
-  const int64_t* data = v.data<int64_t>();
-  int64_t m = std::numeric_limits<int64_t>::min();
-  for (size_t i = 0; i < v.size(); ++i) m = std::max(m, data[i]);
-  return m;
 }
 
 // True when `t` broadcasts to `x` without changing x's shape.
@@ -79,7 +62,10 @@ bool Interpreter::sdpa_window_end(const fb::SdpaNode& n, int batch, int query_le
   // other requests share the call. A served request must get the same bits
   // whatever it is batched with, so multi-row calls attend over every key.
   if (batch != 1) return true;
-  std::optional<int64_t> start = base ? max_of(*base, program_.kernels->lazy) : std::optional<int64_t>(0);
+  // The rows' start positions are read only if the host already holds them (a program input);
+  // computed in the graph, they stay unknown and every key is attended (nothing is evaluated
+  // before the call's one evaluation).
+  std::optional<int64_t> start = base ? kernels::known_max(*base) : std::optional<int64_t>(0);
   if (!start) return true;
   int64_t e = *start;
   const int64_t extra = n.window_per_query() ? query_len : 1;

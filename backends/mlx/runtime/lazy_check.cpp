@@ -5,6 +5,9 @@
 #include <cstring>
 #include <unordered_set>
 
+#include <mlx/ops.h>
+#include <mlx/transforms.h>
+
 namespace etmlx {
 
 namespace mx = mlx::core;
@@ -22,14 +25,18 @@ bool lazy_check_enabled() {
   return v != nullptr && std::strcmp(v, "1") == 0;
 }
 
-void record_premature(const std::vector<mx::array>& outputs, const std::vector<mx::array>& seeded) {
+static int64_t count_premature(const std::vector<mx::array>& outputs, const std::vector<mx::array>& seeded) {
   std::unordered_set<uintptr_t> seeds;
   for (const auto& a : seeded) seeds.insert(a.id());
   int64_t n = 0;
   for (const auto& a : outputs) {
     if (seeds.count(a.id()) == 0 && a.status() != mx::array::Status::unscheduled) ++n;
   }
-  g_last_premature.store(n);
+  return n;
+}
+
+void record_premature(const std::vector<mx::array>& outputs, const std::vector<mx::array>& seeded) {
+  g_last_premature.store(count_premature(outputs, seeded));
   g_checked_calls.fetch_add(1);
 }
 
@@ -42,4 +49,17 @@ extern "C" __attribute__((visibility("default"))) int64_t etmlx_last_call_premat
 
 extern "C" __attribute__((visibility("default"))) uint64_t etmlx_checked_calls() {
   return etmlx::g_checked_calls.load();
+}
+
+// The control of the check, for tests: with no kernel evaluating early a count of 0 could also
+// mean a check that sees nothing. This builds seed -> a -> b, evaluates a (as a kernel reading
+// its operand on the host would) and returns the count over {a, b}: 1 when the check sees.
+// It records nothing: the last call's count is left as it was.
+extern "C" __attribute__((visibility("default"))) int64_t etmlx_lazy_check_control() {
+  namespace mx = mlx::core;
+  const mx::array seed = mx::array({1.0f, 2.0f});
+  const mx::array a = mx::add(seed, mx::array(1.0f));
+  const mx::array b = mx::multiply(a, mx::array(2.0f));
+  mx::eval(a);
+  return etmlx::count_premature({a, b}, {seed});
 }

@@ -2,9 +2,10 @@
 //
 // With ETMLX_CHECK_LAZY=1 the interpreter keeps every node output of a call, and just before the
 // call's one evaluation the backend counts those that are already materialised (a kernel
-// evaluated part of the graph, or computed its result on the host). The lazy device kernel set
-// must give 0; the CPU set, which reads its operands on the host, gives more. Tests read the
-// count through etmlx_last_call_premature() (exported from the backend library).
+// evaluated part of the graph, or computed its result on the host). Both kernel sets must give 0
+// (the CPU set's host loops are graph nodes, kernels/host_kernel.h). Tests read the count through
+// etmlx_last_call_premature() (exported from the backend library), and check that the count can
+// see a premature output through etmlx_lazy_check_control().
 #pragma once
 
 #include <cstdint>

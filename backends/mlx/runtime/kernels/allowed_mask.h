@@ -2,9 +2,10 @@
 //   out[r, j] = bit (j % 32) of mask[r, j / 32] set ? x[r, j] : -inf
 // Two variants, chosen once per program by kernel_set.h:
 //   allowed_mask_device  unpacks the bits with mlx ops and selects (lazy, no eval);
-//   allowed_mask_cpu     reads the words on the host: when every row is all ones (the unconstrained
-//                        case) it returns x itself, no pass over V; otherwise one copy of x with the
-//                        masked tokens set to -inf, whole words at a time.
+//   allowed_mask_cpu     reads the words on the host: when the mask is already there (a program
+//                        input) and every row is all ones (the unconstrained case) it returns x
+//                        itself, no pass over V; otherwise a lazy host loop node (host_kernel.h)
+//                        makes one copy of x with the masked tokens set to -inf, whole words at a time.
 #pragma once
 
 #include <mlx/array.h>
@@ -16,7 +17,7 @@ using AllowedMaskFn = mlx::core::array (*)(const mlx::core::array& x, const mlx:
 
 mlx::core::array allowed_mask_device(const mlx::core::array& x, const mlx::core::array& mask);
 
-// Evaluates the mask (a program input, already on the host) and, unless it is all ones, x.
+// Evaluates nothing: reads the mask now only if the host already holds it (known_values.h).
 mlx::core::array allowed_mask_cpu(const mlx::core::array& x, const mlx::core::array& mask);
 
 // DrawnOrNoneNode: tokens [B] integer (ids the sampler drew), x [B, V] float32 -> [B] int64, -1 where x[r, tokens[r]] is -inf.
@@ -24,8 +25,7 @@ using DrawnOrNoneFn = mlx::core::array (*)(const mlx::core::array& tokens, const
 
 mlx::core::array drawn_or_none_device(const mlx::core::array& tokens, const mlx::core::array& x);
 
-// On the host, from evaluated operands: the result is a plain array, so the step's final
-// evaluation has nothing left to schedule after the (host) sampler.
+// A host loop over the B drawn ids, run as a lazy graph node (host_kernel.h).
 mlx::core::array drawn_or_none_cpu(const mlx::core::array& tokens, const mlx::core::array& x);
 
 }  // namespace etmlx::kernels

@@ -8,7 +8,8 @@
 //   threshold = min(max of the active ones (-inf if none), m)
 // No full sort in the common case: only the best `candidates` scores are sorted, and a row falls
 // back to sorting its whole row only when its answer cannot lie among them. Two variants, chosen
-// once per program by kernel_set.h: filter_threshold_cpu partitions each row on the host;
+// once per program by kernel_set.h: filter_threshold_cpu partitions each row on the host
+// (a lazy graph node, host_kernel.h);
 // filter_threshold_device composes the same steps from mlx ops.
 #pragma once
 
@@ -28,7 +29,7 @@ struct FilterKnobs {
 using FilterThresholdFn = mlx::core::array (*)(const mlx::core::array& x, const mlx::core::array& temperature,
                                                const FilterKnobs& knobs, int candidates);
 
-// Reads its operands on the host (it evaluates them).
+// Evaluates nothing: the host loop runs in the call's evaluation (host_kernel.h).
 mlx::core::array filter_threshold_cpu(const mlx::core::array& x, const mlx::core::array& temperature,
                                       const FilterKnobs& knobs, int candidates);
 

@@ -1,8 +1,7 @@
-// exec_filter_threshold: the per-row keep threshold of top-k / top-p / min-p
-// (semantics in schema.fbs). No full sort in the common case: the CPU device
-// partitions each row on the host and sorts only the best `candidates`; other
-// devices compose the same steps from mlx::core ops. Either falls back to
-// sorting a whole row only when its answer cannot lie among the candidates.
+// filter_threshold_cpu: the per-row keep threshold of top-k / top-p / min-p (filter_threshold.h)
+// as a host loop over each row, run as a node of the lazy graph (host_kernel.h). No full sort in
+// the common case: each row is partitioned and only the best `candidates` are sorted; a row falls
+// back to sorting more only when its answer cannot lie among them.
 #include <algorithm>
 #include <cmath>
 #include <functional>
@@ -10,9 +9,9 @@
 #include <vector>
 
 #include <mlx/ops.h>
-#include <mlx/transforms.h>
 
 #include "kernels/filter_threshold.h"
+#include "kernels/host_kernel.h"
 
 namespace etmlx::kernels {
 
@@ -86,35 +85,37 @@ mx::array filter_threshold_cpu(const mx::array& x, const mx::array& temperature,
                                int cap) {
   const int rows = x.shape(0), vocab = x.shape(1);
   const mx::array safe_t = mx::where(mx::greater(temperature, mx::array(0.0f)), temperature, mx::array(1.0f));
-  // Host copies of the operands, one row at a time.
-  auto host_rows = [&](const std::optional<mx::array>& a, mx::Dtype dt) -> std::optional<mx::array> {
-    if (!a) return std::nullopt;
-    mx::array h = mx::contiguous(mx::broadcast_to(mx::reshape(mx::astype(*a, dt), {-1}), {rows}));
-    mx::eval(h);
-    return h;
+  std::vector<mx::array> inputs{mx::contiguous(x), mx::contiguous(safe_t)};
+  // Each present knob as one value per row; its operand index (0: absent).
+  auto knob_rows = [&](const std::optional<mx::array>& a, mx::Dtype dt) -> size_t {
+    if (!a) return 0;
+    inputs.push_back(mx::contiguous(mx::broadcast_to(mx::reshape(mx::astype(*a, dt), {-1}), {rows})));
+    return inputs.size() - 1;
   };
-  const auto top_k = host_rows(knobs.top_k, mx::int64);
-  const auto top_p = host_rows(knobs.top_p, mx::float32);
-  const auto min_p = host_rows(knobs.min_p, mx::float32);
-  const mx::array xs = mx::contiguous(x);
-  const mx::array ts = mx::contiguous(safe_t);
-  mx::eval({xs, ts});
-  RowKnobs k;
-  if (top_k) k.top_k = top_k->data<int64_t>();
-  if (top_p) k.top_p = top_p->data<float>();
-  if (min_p) k.min_p = min_p->data<float>();
-  std::vector<float> out(rows), row(vocab), z(vocab);
-  for (int r = 0; r < rows; ++r) {
-    const float* xr = xs.data<float>() + static_cast<size_t>(r) * vocab;
-    const float tr = ts.data<float>()[r];
-    for (int j = 0; j < vocab; ++j) {
-      const float s = xr[j] / tr;
-      row[j] = std::isnan(s) ? kNegInf : s;
+  const size_t top_k = knob_rows(knobs.top_k, mx::int64);
+  const size_t top_p = knob_rows(knobs.top_p, mx::float32);
+  const size_t min_p = knob_rows(knobs.min_p, mx::float32);
+  auto loop = [rows, vocab, cap, top_k, top_p, min_p](const std::vector<mx::array>& in, mx::array& out) {
+    RowKnobs k;
+    if (top_k) k.top_k = in[top_k].data<int64_t>();
+    if (top_p) k.top_p = in[top_p].data<float>();
+    if (min_p) k.min_p = in[min_p].data<float>();
+    const float* xs = in[0].data<float>();
+    const float* ts = in[1].data<float>();
+    float* thresholds = out.data<float>();
+    std::vector<float> row(vocab), z(vocab);
+    for (int r = 0; r < rows; ++r) {
+      const float* xr = xs + static_cast<size_t>(r) * vocab;
+      const float tr = ts[r];
+      for (int j = 0; j < vocab; ++j) {
+        const float s = xr[j] / tr;
+        row[j] = std::isnan(s) ? kNegInf : s;
+      }
+      z = row;
+      thresholds[r] = row_threshold(z, row, r, k, cap);
     }
-    z = row;
-    out[r] = row_threshold(z, row, r, k, cap);
-  }
-  return mx::array(out.begin(), {rows, 1}, mx::float32);
+  };
+  return host_kernel("FilterThresholdCpu", {rows, 1}, mx::float32, std::move(inputs), std::move(loop));
 }
 
 }  // namespace etmlx::kernels

@@ -12,7 +12,8 @@
 //
 // Two variants, chosen once per program by kernel_set.h:
 //   gumbel_max_device  the steps as mlx ops (lazy, no eval; the logits never leave the device);
-//   gumbel_max_cpu     one pass over each row in host memory: noise is drawn per token from
+//   gumbel_max_cpu     one pass over each row in host memory, a lazy graph node (host_kernel.h):
+//                      noise is drawn per token from
 //                      MLX's counter layout (threefry.h), so it equals the full draw, and a token
 //                      that cannot beat the best so far is skipped before it is hashed.
 #pragma once
@@ -33,7 +34,7 @@ mlx::core::array gumbel_max_device(const mlx::core::array& x, const mlx::core::a
                                    const std::optional<mlx::core::array>& seed,
                                    const std::optional<mlx::core::array>& threshold);
 
-// Reads its operands on the host (it evaluates them, and the global key when unseeded).
+// Evaluates nothing: the loop runs in the call's evaluation, the unseeded global key one of its operands.
 mlx::core::array gumbel_max_cpu(const mlx::core::array& x, const mlx::core::array& temperature,
                                 const std::optional<mlx::core::array>& seed,
                                 const std::optional<mlx::core::array>& threshold);

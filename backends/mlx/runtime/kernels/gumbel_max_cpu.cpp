@@ -1,4 +1,5 @@
-// gumbel_max_cpu: the steps of gumbel_max.h as one pass over each row in host memory.
+// gumbel_max_cpu: the steps of gumbel_max.h as one pass over each row in host memory, run as a
+// node of the lazy graph (host_kernel.h) once the scores, temperatures and key are computed.
 //
 // Noise is drawn per token from MLX's counter layout (threefry.h), so the result
 // equals the full-draw composition, and a token whose score plus the largest
@@ -11,9 +12,9 @@
 
 #include <mlx/ops.h>
 #include <mlx/random.h>
-#include <mlx/transforms.h>
 
 #include "kernels/gumbel_max.h"
+#include "kernels/host_kernel.h"
 #include "kernels/threefry.h"
 
 namespace etmlx::kernels {
@@ -116,38 +117,40 @@ int64_t sampled_row(const float* x, int vocab, float t, float floor, RngKey key,
 mx::array gumbel_max_cpu(const mx::array& scores, const mx::array& temperature, const std::optional<mx::array>& seed,
                          const std::optional<mx::array>& threshold) {
   const int rows = scores.shape(0), vocab = scores.shape(1);
-  // The keys and operands, on the host.
-  std::vector<RngKey> keys;
-  if (!seed) {
-    mx::array k = mx::random::KeySequence::default_().next();
-    mx::eval(k);
-    keys.push_back(RngKey{k.data<uint32_t>()[0], k.data<uint32_t>()[1]});
-  } else {
-    const mx::array s = mx::astype(mx::reshape(*seed, {-1}), mx::int64);
-    mx::eval(s);
-    for (size_t i = 0; i < s.size(); ++i) keys.push_back(key_from_seed(static_cast<uint64_t>(s.data<int64_t>()[i])));
-  }
-  const bool per_row = seed && seed->ndim() == 1;
-  const mx::array x = mx::contiguous(scores);
-  const mx::array t = mx::contiguous(temperature);
-  const mx::array floor = threshold ? mx::contiguous(mx::reshape(*threshold, {rows}))
-                                    : mx::full({rows}, mx::array(kNegInf));
-  mx::eval({x, t, floor});
-  const float* xs = x.data<float>();
-  const float* ts = t.data<float>();
-  std::vector<int64_t> out(rows);
-  for (int r = 0; r < rows; ++r) {
-    const float* row = xs + static_cast<size_t>(r) * vocab;
-    if (!(ts[r] > 0.0f)) {
-      out[r] = greedy_row(row, vocab);
-    } else if (per_row) {
-      out[r] = sampled_row(row, vocab, ts[r], floor.data<float>()[r], keys[r], static_cast<uint64_t>(vocab), 0);
+  // The keys' source, as an operand: the global sequence's next key (uint32 [2]), or the seeds as int64.
+  const mx::array keys = seed ? mx::contiguous(mx::astype(mx::reshape(*seed, {-1}), mx::int64))
+                              : mx::contiguous(mx::random::KeySequence::default_().next());
+  const bool seeded = seed.has_value(), per_row = seed && seed->ndim() == 1, has_floor = threshold.has_value();
+  std::vector<mx::array> inputs{mx::contiguous(scores), mx::contiguous(temperature), keys};
+  if (has_floor) inputs.push_back(mx::contiguous(mx::reshape(*threshold, {rows})));
+  auto loop = [rows, vocab, seeded, per_row, has_floor](const std::vector<mx::array>& in, mx::array& out) {
+    const float* xs = in[0].data<float>();
+    const float* ts = in[1].data<float>();
+    std::vector<RngKey> keys;
+    if (!seeded) {
+      const uint32_t* k = in[2].data<uint32_t>();
+      keys.push_back(RngKey{k[0], k[1]});
     } else {
-      out[r] = sampled_row(row, vocab, ts[r], floor.data<float>()[r], keys[0], static_cast<uint64_t>(rows) * vocab,
-                           static_cast<uint64_t>(r) * vocab);
+      const int64_t* s = in[2].data<int64_t>();
+      for (size_t i = 0; i < in[2].size(); ++i) keys.push_back(key_from_seed(static_cast<uint64_t>(s[i])));
     }
-  }
-  return mx::array(out.begin(), {rows}, mx::int64);
+    // Without a threshold no token is excluded: a floor of -inf.
+    const float* floor = has_floor ? in[3].data<float>() : nullptr;
+    int64_t* tokens = out.data<int64_t>();
+    for (int r = 0; r < rows; ++r) {
+      const float* row = xs + static_cast<size_t>(r) * vocab;
+      const float f = floor ? floor[r] : kNegInf;
+      if (!(ts[r] > 0.0f)) {
+        tokens[r] = greedy_row(row, vocab);
+      } else if (per_row) {
+        tokens[r] = sampled_row(row, vocab, ts[r], f, keys[r], static_cast<uint64_t>(vocab), 0);
+      } else {
+        tokens[r] = sampled_row(row, vocab, ts[r], f, keys[0], static_cast<uint64_t>(rows) * vocab,
+                                static_cast<uint64_t>(r) * vocab);
+      }
+    }
+  };
+  return host_kernel("GumbelMaxCpu", {rows}, mx::int64, std::move(inputs), std::move(loop));
 }
 
 }  // namespace etmlx::kernels

@@ -21,15 +21,13 @@ mx::array device_addmm(const mx::array& bias, const mx::array& a, const mx::arra
 
 const KernelSet& cpu_kernels() {
   static const KernelSet set{"cpu", gumbel_max_cpu, filter_threshold_cpu, cpu_matmul, cpu_addmm,
-                             /*fast_rope=*/false, allowed_mask_cpu, drawn_or_none_cpu,
-                             /*lazy=*/false};
+                             /*fast_rope=*/false, allowed_mask_cpu, drawn_or_none_cpu};
   return set;
 }
 
 const KernelSet& device_kernels() {
   static const KernelSet set{"device", gumbel_max_device, filter_threshold_device, device_matmul, device_addmm,
-                             /*fast_rope=*/true, allowed_mask_device, drawn_or_none_device,
-                             /*lazy=*/true};
+                             /*fast_rope=*/true, allowed_mask_device, drawn_or_none_device};
   return set;
 }
 

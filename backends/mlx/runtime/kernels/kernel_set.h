@@ -3,8 +3,11 @@
 // Kernels whose best formulation depends on the device have one file per variant
 // (gumbel_max_cpu.cpp / gumbel_max_device.cpp, ...) behind one signature; the
 // interpreter calls through the set it got at load and never asks the device
-// in the middle of an op. "cpu": host loops over evaluated operands, BLAS-friendly
-// matmuls. "device": compositions of mlx ops, lazy, for Metal and CUDA.
+// in the middle of an op. "cpu": host loops, each run as a node of the graph once its
+// operands are computed (host_kernel.h), BLAS-friendly matmuls. "device": compositions of
+// mlx ops, for Metal and CUDA. Both are lazy: nothing is evaluated before the call's one
+// evaluation; a node that would like a value the host does not hold yet (known_values.h)
+// takes the shape that is right for any value instead.
 #pragma once
 
 #include <string>
@@ -27,9 +30,6 @@ struct KernelSet {
   bool fast_rope;  // mx::fast::rope where the exporter allowed it (rope.h; ETMLX_FAST_ROPE overrides)
   AllowedMaskFn allowed_mask;
   DrawnOrNoneFn drawn_or_none;
-  // Nothing is evaluated before the call's one evaluation: a node that would like a value the
-  // host does not hold yet (known_values.h) takes the shape that is right for any value instead.
-  bool lazy;
 };
 
 const KernelSet& cpu_kernels();

@@ -4,7 +4,7 @@
 // when the array is already materialised: a program input, a constant loaded at init, or mutable
 // state from the previous call. Reading those costs no device round trip. Anything still lazy
 // returns nullopt, and the caller takes the shape that is right for every value instead; this is
-// how the device kernel set keeps one evaluation per call.
+// how both kernel sets keep one evaluation per call.
 #pragma once
 
 #include <cstdint>

@@ -1,0 +1,72 @@
+#include "kernels/host_kernel.h"
+
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include <mlx/allocator.h>
+#include <mlx/backend/cpu/encoder.h>
+#include <mlx/primitives.h>
+#include <mlx/stream.h>
+
+namespace etmlx::kernels {
+
+namespace mx = mlx::core;
+
+namespace {
+
+class HostKernel : public mx::UnaryPrimitive {
+ public:
+  HostKernel(mx::Stream stream, const char* name, HostLoop loop, bool may_reuse_input0)
+      : mx::UnaryPrimitive(stream), name_(name), loop_(std::move(loop)), may_reuse_input0_(may_reuse_input0) {}
+
+  // Dispatched through the stream's command encoder as MLX's CPU primitives are (arg_reduce.cpp):
+  // the buffers are set here, the loop runs later on the stream's worker, after its operands.
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    const bool reuse = may_reuse_input0_ && !inputs.empty() && inputs[0].is_donatable() &&
+                       inputs[0].dtype() == out.dtype() && inputs[0].nbytes() == out.nbytes() &&
+                       inputs[0].flags().row_contiguous;
+    if (reuse) {
+      out.copy_shared_buffer(inputs[0]);
+    } else {
+      out.set_data(mx::allocator::malloc(out.nbytes()));
+    }
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    std::vector<mx::array> in;
+    in.reserve(inputs.size());
+    for (const auto& a : inputs) {
+      encoder.set_input_array(a);
+      in.push_back(mx::array::unsafe_weak_copy(a));
+    }
+    encoder.set_output_array(out);
+    encoder.dispatch([in = std::move(in), out = mx::array::unsafe_weak_copy(out), loop = loop_]() mutable {
+      loop(in, out);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error(std::string(name_) +
+                             ": a host loop of the cpu kernel set cannot run on a GPU stream (it is built on the "
+                             "CPU stream; select the device kernel set for GPUs)");
+  }
+
+  const char* name() const override { return name_; }
+
+ private:
+  const char* name_;
+  HostLoop loop_;
+  bool may_reuse_input0_;
+};
+
+}  // namespace
+
+mx::array host_kernel(const char* name, mx::Shape shape, mx::Dtype dtype, std::vector<mx::array> inputs,
+                      HostLoop loop, bool may_reuse_input0) {
+  // Always the CPU stream: the loop reads host memory, so even a forced ETMLX_KERNELS=cpu on a
+  // GPU build runs it there (MLX orders it after operands computed on other streams).
+  const mx::Stream stream = mx::default_stream(mx::Device::cpu);
+  return mx::array(std::move(shape), dtype, std::make_shared<HostKernel>(stream, name, std::move(loop), may_reuse_input0),
+                   std::move(inputs));
+}
+
+}  // namespace etmlx::kernels

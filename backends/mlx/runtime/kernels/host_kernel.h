@@ -1,0 +1,29 @@
+// The cpu kernel set's host loops as nodes of the lazy graph.
+//
+// A host loop (gumbel_max_cpu, filter_threshold_cpu, ...) reads its operands in host memory, so
+// it can run only once they are computed. Evaluating them while the graph is built would wait
+// for everything before the node, and would stop the next call's graph from being built while
+// this one computes. So each loop is instead an MLX primitive: its CPU evaluation queues the loop
+// on the CPU stream, behind its operands, inside the call's one evaluation. The result is
+// bit-identical to running the same loop on evaluated operands, since it is the same loop.
+#pragma once
+
+#include <functional>
+#include <vector>
+
+#include <mlx/array.h>
+
+namespace etmlx::kernels {
+
+// Runs on the CPU stream's worker with `in` computed and `out` allocated. Every operand must be
+// row-contiguous: pass it through mx::contiguous when building the graph (lazy; no copy when it
+// already is).
+using HostLoop = std::function<void(const std::vector<mlx::core::array>& in, mlx::core::array& out)>;
+
+// A lazy [shape] `dtype` array computed by `loop` from `inputs`. With `may_reuse_input0`, out may
+// share inputs[0]'s buffer when no one else holds it (same dtype and size), as MLX's own
+// element-wise ops do; the loop then finds out.data() == in[0].data() and must not copy.
+mlx::core::array host_kernel(const char* name, mlx::core::Shape shape, mlx::core::Dtype dtype,
+                             std::vector<mlx::core::array> inputs, HostLoop loop, bool may_reuse_input0 = false);
+
+}  // namespace etmlx::kernels
