@@ -323,3 +323,29 @@ def test_structured_output_is_refused_on_a_pipelined_program(tmp_path):
     with pytest.raises(ConstraintError) as info:
         engine.submit(request)
     assert str(info.value) == PIPELINED_HINT and engine.waiting == 0
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_rows_of_a_worker_that_died_between_calls_end_with_an_error(pipelined):
+    meta = _meta(pipelined=pipelined)
+
+    class Supervised(PipelinedRecorder if pipelined else Recorder):  # SupervisedProgram's up / recover
+        up, restarts = True, 0
+
+        def recover(self):
+            if not self.up:
+                self.up, self.restarts = True, self.restarts + 1
+
+    engine = Engine(Supervised(meta), meta)
+    engine.running = True
+    a, b = [], []
+    engine.submit(_request([1, 2], 5, a))
+    _turn(engine), _turn(engine)
+    engine.program.up = False  # the worker is gone, and with it the row's cache
+    engine._keep_program_up()
+    assert a[-1].finish_reason == "error" and "exited" in a[-1].error and engine.active_rows == 0
+    assert engine.program.restarts == 1
+    engine.submit(_request([1, 2], 2, b))
+    for _ in range(3):
+        _turn(engine)
+    assert [e.finish_reason for e in b] == [None, "length"]

@@ -214,10 +214,20 @@ class Engine:
             self.on_fatal()
 
     def _keep_program_up(self) -> None:
-        """Restart a program that lost its worker (raises when it cannot be restarted)."""
+        """Restart a program that lost its worker (raises when it cannot be restarted). The running rows'
+        state lived in the worker (their caches; a pipelined program's pending tokens): they end with an
+        error, as when a call fails, also when the worker died between calls."""
         recover = getattr(self.program, "recover", None)
-        if recover is not None:
-            recover()
+        if recover is None:
+            return
+        if not getattr(self.program, "up", True):
+            self._fail_rows("the program worker exited between steps")
+        recover()
+
+    def _fail_rows(self, error: str) -> None:
+        for slot, row in enumerate(self.rows):
+            if row is not None:
+                self._free(slot, TokenEvent(None, finish_reason="error", error=error))
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -376,9 +386,7 @@ class Engine:
             outputs = self.program.execute(inputs)
         except Exception as exc:
             log.error("program call failed: %s", exc)
-            for slot, row in enumerate(self.rows):
-                if row is not None:
-                    self._free(slot, TokenEvent(None, finish_reason="error", error=str(exc)))
+            self._fail_rows(str(exc))
             self._keep_program_up()
             return
         self.steps += 1
