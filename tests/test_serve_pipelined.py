@@ -1,9 +1,11 @@
 """The engine over real pipelined programs (llm/decoder/pipelined.py): the same model exported
 pipelined and unpipelined gives every request the same tokens and logprobs, bit for bit, under the
-same arrivals; structured output is refused on a pipelined program, as a 400 over HTTP."""
+same arrivals; structured output is refused on a pipelined program, as a 400 over HTTP and an
+LMTP error."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import urllib.error
 import urllib.request
@@ -18,7 +20,7 @@ from backends.mlx.llm.sampler.params import SamplingParams
 from backends.mlx.serve.app import ServerThread
 from backends.mlx.serve.engine import Engine, EngineRequest
 from backends.mlx.serve.program_worker import ProgramWorker
-from serve_helpers import bit_exact_batching
+from serve_helpers import bit_exact_batching, lmtp_exchange
 
 MAX_SEQ_LEN = 40
 
@@ -126,6 +128,12 @@ def test_structured_output_on_a_pipelined_program_is_refused_clearly(programs):
             urllib.request.urlopen(request, timeout=60)
         assert info.value.code == 400
         assert json.loads(info.value.read())["error"]["message"] == PIPELINED_HINT
+        frame = "GENERATE " + json.dumps({"stream_id": "j", **body})  # LMTP: an error message for that stream
+        messages = asyncio.run(lmtp_exchange(server, [frame], lambda m: any(PIPELINED_HINT in json.dumps(p)
+                                                                                for _, p in m), timeout=60))
+        ends = [e for kind, p in messages if kind == "TOKEN" for e in p if e.get("finish_reason")]
+        assert ends == [{"stream_id": "j", "finish_reason": "error", "error": PIPELINED_HINT}] or \
+            any(p.get("stream_id") == "j" and p.get("error") == PIPELINED_HINT for kind, p in messages if kind == "MSG")
         body.pop("response_format")  # the same program serves unconstrained requests
         request = urllib.request.Request(server.url + "/v1/completions", data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
