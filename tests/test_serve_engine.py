@@ -14,13 +14,15 @@ from backends.mlx.serve.engine import Engine, EngineRequest
 VOCAB = 50
 
 
-def _meta(batch=2, max_seq_len=16, config=None):
-    return DecoderMeta.build(max_seq_len=max_seq_len, vocab_size=VOCAB, batch=batch, eos_token_ids=[0], seeded=True,
-                             config=config or SamplerConfig(logprobs=2, logit_bias=1, penalties=True), dtype="float32")
+def _meta(batch=2, max_seq_len=16, config=None, pipelined=False, eos=(0,)):
+    return DecoderMeta.build(max_seq_len=max_seq_len, vocab_size=VOCAB, batch=batch, eos_token_ids=list(eos),
+                             seeded=True, config=config or SamplerConfig(logprobs=2, logit_bias=1, penalties=True),
+                             dtype="float32", pipelined=pipelined)
 
 
 class Recorder:
-    """Returns token (start_pos + length) % 40 + 1 per row (never the eos id 0), logprob -1."""
+    """Returns token (start_pos + length + last fed token + seed) % 40 + 1 per row (never the eos id 0),
+    logprob -token / 10: a function of everything a row's step depends on."""
 
     def __init__(self, meta, fail=False):
         self.meta, self.fail, self.calls = meta, fail, []
@@ -31,14 +33,34 @@ class Recorder:
                            if k in named})
         if self.fail:
             raise RuntimeError("device lost")
-        tokens = (named["start_pos"] + named["lengths"]) % 40 + 1
+        return self._outputs(named, named["tokens"])
+
+    def _outputs(self, named, fed):
+        last = fed.gather(1, (named["lengths"] - 1).unsqueeze(1)).squeeze(1)
+        tokens = (named["start_pos"] + named["lengths"] + last + named["seed"]) % 40 + 1
         batch = tokens.shape[0]
-        return [tokens, torch.full((batch,), -1.0), torch.zeros(batch, 2, dtype=torch.int64), torch.zeros(batch, 2)]
+        return [tokens, -tokens / 10.0, torch.stack([tokens, tokens + 1], 1), torch.zeros(batch, 2)]
+
+
+class PipelinedRecorder(Recorder):
+    """The same steps as a pipelined program (pipelined.py): a token < 0 feeds the row's last sampled
+    token, and each call returns the previous call's outputs (zeros before the first)."""
+
+    def __init__(self, meta, fail=False):
+        super().__init__(meta, fail)
+        batch = meta.batch
+        self.last = [torch.zeros(batch, dtype=torch.int64), torch.zeros(batch), torch.zeros(batch, 2, dtype=torch.int64),
+                     torch.zeros(batch, 2)]
+
+    def _outputs(self, named, fed):
+        fed = torch.where(fed < 0, self.last[0].unsqueeze(1), fed)
+        previous, self.last = self.last, super()._outputs(named, fed)
+        return previous
 
 
 def _engine(meta=None, fail=False):
     meta = meta or _meta()
-    engine = Engine(Recorder(meta, fail), meta)
+    engine = Engine((PipelinedRecorder if meta.pipelined else Recorder)(meta, fail), meta)
     engine.running = True  # driven by hand below, one loop turn at a time
     return engine
 
@@ -182,3 +204,148 @@ def test_a_value_that_fails_building_a_step_fails_only_its_row(bad):
     expected = [(e.token, e.finish_reason) for e in alone]
     assert [(e.token, e.finish_reason) for e in a] == expected == [(e.token, e.finish_reason) for e in c]
     assert engine.active_rows == 0
+
+
+# ---- pipelined programs: the same results, one call later ----
+
+def _scenario(meta, forced, cancel_turn=4):
+    """Requests arriving at different turns, of different prompt lengths and max_tokens (1 and one that
+    fills the cache among them), two scored (one with a wrong forced token), one cancelled mid-stream;
+    each request's events, by name, and the engine."""
+    engine = _engine(meta)
+    events = {}
+
+    def request(name, prompt, max_tokens, **extra):
+        events[name] = []
+        return EngineRequest(list(prompt), SamplingParams(**extra.pop("params", {})), max_tokens,
+                             events[name].append, **extra)
+
+    # `forced`: the tokens the Recorder samples for [9, 8, 7] with the default params ("ref").
+    arrivals = {0: [request("a", [1, 2], 5, params={"seed": 10}), request("one", [4, 5, 6], 1)],
+                1: [request("full", list(range(1, 11)), 6, stop_at_eos=False)],
+                2: [request("cancelled", [7], 12, params={"seed": 3})],
+                3: [request("ref", [9, 8, 7], 4, stop_at_eos=False), request("b", [3, 1], 8, params={"seed": 5})],
+                6: [request("score", [9, 8, 7], 4, stop_at_eos=False, forced=forced),
+                    request("bad_score", [9, 8, 7], 4, stop_at_eos=False, forced=forced[:2] + [forced[2] + 1] + forced[3:])]}
+    cancelled = None
+    for turn in range(200):
+        for req in arrivals.get(turn, []):
+            engine.submit(req)
+            cancelled = req if req.prompt == [7] else cancelled
+        if turn == cancel_turn:
+            engine.cancel(cancelled.id)
+        _turn(engine)
+        if turn > max(arrivals) and not engine.active_rows and not engine.waiting:
+            break
+    return events, engine
+
+
+def test_a_pipelined_program_gives_each_request_the_same_events():
+    solo = _engine(_meta(batch=1))
+    ref = []
+    solo.submit(EngineRequest([9, 8, 7], SamplingParams(), 4, ref.append, stop_at_eos=False))
+    while not (ref and ref[-1].finish_reason):
+        _turn(solo)
+    forced = [e.token for e in ref]
+
+    def run(pipelined):
+        meta = _meta(batch=3, pipelined=pipelined, eos=(0, 39))
+        events, engine = _scenario(meta, forced)
+        for req_events in events.values():
+            assert req_events[-1].finish_reason is not None and all(e.finish_reason is None for e in req_events[:-1])
+        return {name: [(e.token, e.logprob, e.top, e.finish_reason, e.error) for e in evs]
+                for name, evs in events.items()}, engine
+
+    plain, plain_engine = run(False)
+    piped, piped_engine = run(True)
+    cancelled_plain, cancelled_piped = plain.pop("cancelled"), piped.pop("cancelled")
+    assert piped == plain
+    assert plain["one"][-1][3] == "length" and len(plain["one"]) == 1
+    assert len(plain["full"]) == 6 and plain["full"][-1][3] == "length"
+    assert plain["b"][-1][3] == "stop" and len(plain["b"]) == 6  # eos 39
+    assert plain["bad_score"][-1][3] == "error" and len(plain["bad_score"]) == 3
+    # Cancelled at the same turn, a pipelined row has delivered one token fewer: a prefix of the same tokens.
+    assert cancelled_piped[-1][3] == cancelled_plain[-1][3] == "cancelled"
+    assert cancelled_piped[:-1] == cancelled_plain[:len(cancelled_piped) - 1]
+    assert len(cancelled_piped) == len(cancelled_plain) - 1
+    assert piped_engine.tokens == plain_engine.tokens - 1  # the token the cancelled row had not delivered yet
+    # Decode calls feed the device's own token; no call writes past the cache.
+    calls = piped_engine.program.calls
+    assert any((c["tokens"][:, 0] == -1).any() for c in calls)
+    assert all(int((c["start_pos"] + c["tokens"].shape[1]).max()) <= 16 for c in calls)
+    assert all(c["tokens"].min() >= -1 and (c["tokens"][:, 1:] >= 0).all() for c in calls)
+
+
+def test_a_pipelined_row_gets_its_first_token_one_call_after_its_prefill():
+    engine = _engine(_meta(batch=1, pipelined=True))
+    a = []
+    engine.submit(_request([1, 2], 2, a, seed=4))
+    _turn(engine)
+    assert a == [] and engine.active_rows == 1
+    _turn(engine)
+    assert [e.finish_reason for e in a] == [None]
+    _turn(engine)  # computes a third step, which is dropped
+    assert [e.finish_reason for e in a] == [None, "length"] and engine.active_rows == 0
+    calls = engine.program.calls
+    assert [c["tokens"][0].tolist() for c in calls] == [[1, 2], [-1], [-1]]
+    assert [c["start_pos"].tolist() for c in calls] == [[0], [2], [3]]
+    assert [c["seed"].tolist() for c in calls] == [[4], [5], [6]]
+    b = []  # the freed slot is reused at once; its stale device token is never fed
+    engine.submit(_request([3], 1, b))
+    _turn(engine), _turn(engine)
+    assert [e.finish_reason for e in b] == ["length"]
+    assert calls[3]["tokens"][0].tolist() == [3] and calls[3]["penalty_reset"].tolist() == [1]
+
+
+def test_a_failing_pipelined_program_ends_its_rows_and_the_engine_goes_on():
+    engine = _engine(_meta(pipelined=True), fail=True)
+    a = []
+    engine.submit(_request([1, 2], 3, a))
+    _turn(engine)
+    assert a[-1].finish_reason == "error" and "device lost" in a[-1].error and engine.active_rows == 0
+    engine.program.fail = False
+    b = []
+    engine.submit(_request([1, 2], 3, b))
+    for _ in range(4):
+        _turn(engine)
+    assert [e.finish_reason for e in b] == [None, None, "length"]
+
+
+def test_structured_output_is_refused_on_a_pipelined_program(tmp_path):
+    from backends.mlx.llm.decoder.constraints import Constraint, ConstraintError
+    from backends.mlx.llm.decoder.meta import PIPELINED_HINT
+
+    meta = _meta(config=SamplerConfig(allowed_mask=True), pipelined=True)
+    engine = Engine(PipelinedRecorder(meta), meta, pte=tmp_path / "never_read.pte")
+    engine.running = True
+    request = _request([1], 2, [])
+    request.constraint = Constraint("json_object")
+    with pytest.raises(ConstraintError) as info:
+        engine.submit(request)
+    assert str(info.value) == PIPELINED_HINT and engine.waiting == 0
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_rows_of_a_worker_that_died_between_calls_end_with_an_error(pipelined):
+    meta = _meta(pipelined=pipelined)
+
+    class Supervised(PipelinedRecorder if pipelined else Recorder):  # SupervisedProgram's up / recover
+        up, restarts = True, 0
+
+        def recover(self):
+            if not self.up:
+                self.up, self.restarts = True, self.restarts + 1
+
+    engine = Engine(Supervised(meta), meta)
+    engine.running = True
+    a, b = [], []
+    engine.submit(_request([1, 2], 5, a))
+    _turn(engine), _turn(engine)
+    engine.program.up = False  # the worker is gone, and with it the row's cache
+    engine._keep_program_up()
+    assert a[-1].finish_reason == "error" and "exited" in a[-1].error and engine.active_rows == 0
+    assert engine.program.restarts == 1
+    engine.submit(_request([1, 2], 2, b))
+    for _ in range(3):
+        _turn(engine)
+    assert [e.finish_reason for e in b] == [None, "length"]

@@ -6,6 +6,13 @@ next call: its whole prompt is prefilled in the same call in which the other row
 its own SamplingParams, seed schedule (base seed + the row's own step), penalty reset at its first
 call and cache position, so a request gets the tokens it would get alone.
 
+Pipelined programs (llm/decoder/pipelined.py) run the same calls, except that a row's decode
+calls feed FED_BACK (the token the device sampled for it last, never copied to the host) and each
+call returns the rows' results of the call before: a row's first token arrives one call after its
+prefill, while the device already computes the next step. When a row ends, that one extra step is
+dropped; its last call was at position len(prompt) + max_tokens - 1 < max_seq_len (check_prompt).
+Structured output needs each token before the next call's mask, so it needs an unpipelined program.
+
 Hand-off: other threads call `submit` / `cancel` (a queue.Queue into this thread); results go out
 through each request's `sink`, called on this thread (the server wraps it in
 loop.call_soon_threadsafe). A cancelled or finished row is freed before the next call.
@@ -31,7 +38,7 @@ import torch
 from backends.mlx.llm.decoder.constraints import (EXPORT_HINT, Constraint, ConstraintError, Matcher, fill_masks,
                                                   vocabulary_for)
 from backends.mlx.llm.decoder.loop import check_prompt
-from backends.mlx.llm.decoder.meta import DecoderMeta
+from backends.mlx.llm.decoder.meta import FED_BACK, PIPELINED_HINT, DecoderMeta
 from backends.mlx.llm.decoder.step_inputs import step_inputs
 from backends.mlx.llm.sampler.knobs import mask_words
 from backends.mlx.llm.sampler.params import SamplingParams
@@ -78,10 +85,12 @@ class EngineRequest:
 @dataclass
 class _Row:
     request: EngineRequest
-    feed: list[int]  # tokens of the next call
+    feed: list[int]  # tokens of the next call ([FED_BACK] when a pipelined program decodes)
     pos: int = 0  # cache position of feed[0]
-    step: int = 0  # the row's decode step (0 = prefill): seed = params.seed + step
-    produced: int = 0
+    step: int = 0  # the row's decode step of the next call (0 = prefill): seed = params.seed + step
+    produced: int = 0  # tokens delivered; a pipelined row's step runs one ahead of them
+    # Pipelined: the device holds a result of this row that the next call returns (set after its prefill).
+    pending: bool = False
 
 
 def _advance(matcher: Matcher, token: int) -> bool:
@@ -145,6 +154,8 @@ class Engine:
             # ConstraintError (a ValueError) names a bad schema/regex/grammar or a program without the mask
             if not self.meta.config.allowed_mask or self.pte is None:
                 raise ConstraintError(EXPORT_HINT)
+            if self.meta.pipelined:  # the next call's mask would need the token the device has not returned
+                raise ConstraintError(PIPELINED_HINT)
             if self._vocabulary is None:
                 self._vocabulary = vocabulary_for(self.pte, self.meta)
             request.matcher = self._vocabulary.matcher(request.constraint)
@@ -203,10 +214,20 @@ class Engine:
             self.on_fatal()
 
     def _keep_program_up(self) -> None:
-        """Restart a program that lost its worker (raises when it cannot be restarted)."""
+        """Restart a program that lost its worker (raises when it cannot be restarted). The running rows'
+        state lived in the worker (their caches; a pipelined program's pending tokens): they end with an
+        error, as when a call fails, also when the worker died between calls."""
         recover = getattr(self.program, "recover", None)
-        if recover is not None:
-            recover()
+        if recover is None:
+            return
+        if not getattr(self.program, "up", True):
+            self._fail_rows("the program worker exited between steps")
+        recover()
+
+    def _fail_rows(self, error: str) -> None:
+        for slot, row in enumerate(self.rows):
+            if row is not None:
+                self._free(slot, TokenEvent(None, finish_reason="error", error=error))
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -274,7 +295,9 @@ class Engine:
 
     def _admit(self) -> None:
         # Every row of a call writes positions pos .. pos+L-1, so a prompt of length L joins only
-        # while each decoding row still has L free positions; otherwise it waits a few steps.
+        # while each decoding row still has L free positions; otherwise it waits a few steps. A
+        # row's pos is that of its next call, pipelined or not (a pipelined row's last call, the one
+        # returning its last token, is at len(prompt) + max_tokens - 1, still inside the cache).
         room = min((self.meta.max_seq_len - row.pos for row in self.rows if row is not None),
                    default=self.meta.max_seq_len)
         for request in list(self._waiting):
@@ -305,12 +328,17 @@ class Engine:
             tokens[slot, :len(row.feed)] = torch.tensor(row.feed, dtype=torch.int64)
             starts.append(row.pos), lengths.append(len(row.feed)), steps.append(row.step)
             resets.append(row.step == 0)
-            request = row.request
-            if request.forced is not None:  # greedy with the scored token pushed to the top
-                params.append(SamplingParams(logit_bias={request.forced[row.produced]: FORCE_BIAS}))
-            else:
-                params.append(request.params)
+            params.append(self._params(row))
         return step_inputs(meta, tokens, starts, lengths, params, steps, resets, masks=masks)
+
+    @staticmethod
+    def _params(row: _Row) -> SamplingParams:
+        forced = row.request.forced
+        if forced is None:
+            return row.request.params
+        if row.step < len(forced):  # greedy with step's scored token pushed to the top
+            return SamplingParams(logit_bias={forced[row.step]: FORCE_BIAS})
+        return SamplingParams()  # a pipelined row's extra step past its last token: dropped
 
     def _row_masks(self):
         """(masks, ok): the allowed-token masks of the next call (None: no row is constrained); ok is
@@ -358,43 +386,61 @@ class Engine:
             outputs = self.program.execute(inputs)
         except Exception as exc:
             log.error("program call failed: %s", exc)
-            for slot, row in enumerate(self.rows):
-                if row is not None:
-                    self._free(slot, TokenEvent(None, finish_reason="error", error=str(exc)))
+            self._fail_rows(str(exc))
             self._keep_program_up()
             return
         self.steps += 1
-        sampled = outputs[0].tolist()
-        logprobs = outputs[1].tolist() if meta.config.logprobs else None
-        top_ids = outputs[2].tolist() if meta.config.logprobs else None
-        top_lps = outputs[3].tolist() if meta.config.logprobs else None
+        results = _Results(outputs, meta.config.logprobs)
         for slot, row in enumerate(self.rows):
             if row is None:
                 continue
-            token = int(sampled[slot])
-            event = TokenEvent(token)
-            if logprobs is not None:
-                event.logprob = float(logprobs[slot])
-                event.top = list(zip(top_ids[slot], top_lps[slot]))
-            request = row.request
-            if request.forced is not None and token != request.forced[row.produced]:
-                self._free(slot, TokenEvent(None, finish_reason="error",
-                                            error=f"could not force token {request.forced[row.produced]}"))
-                continue
-            if token == NO_ALLOWED_TOKEN or request.matcher is not None and not _advance(request.matcher, token):
-                self._free(slot, TokenEvent(None, finish_reason="error", error=(
-                    "the grammar allows no token the model can produce here" if token == NO_ALLOWED_TOKEN
-                    else f"the grammar rejected token {token}")))
-                continue
-            row.produced += 1
-            self.tokens += 1
-            if request.stop_at_eos and token in meta.eos_token_ids:
-                event.finish_reason = "stop"
-            elif row.produced >= request.max_tokens:
-                event.finish_reason = "length"
-            if not self._emit(request, event) or event.finish_reason:
-                self._free(slot, None)
-                continue
+            if meta.pipelined and not row.pending:  # its prefill: the outputs are the slot's previous row's
+                row.pending = True
+            elif not self._deliver(slot, row, results.event(slot)):
+                continue  # ended (a pipelined row's step just computed is dropped)
             row.pos += len(row.feed)
-            row.feed = [token]
+            row.feed = [FED_BACK if meta.pipelined else results.token(slot)]
             row.step += 1
+
+    def _deliver(self, slot: int, row: _Row, event: TokenEvent) -> bool:
+        """Check and emit the row's next token; False when that ended the row (it is freed)."""
+        request, token = row.request, event.token
+        if request.forced is not None and token != request.forced[row.produced]:
+            self._free(slot, TokenEvent(None, finish_reason="error",
+                                        error=f"could not force token {request.forced[row.produced]}"))
+            return False
+        if token == NO_ALLOWED_TOKEN or request.matcher is not None and not _advance(request.matcher, token):
+            self._free(slot, TokenEvent(None, finish_reason="error", error=(
+                "the grammar allows no token the model can produce here" if token == NO_ALLOWED_TOKEN
+                else f"the grammar rejected token {token}")))
+            return False
+        row.produced += 1
+        self.tokens += 1
+        if request.stop_at_eos and token in self.meta.eos_token_ids:
+            event.finish_reason = "stop"
+        elif row.produced >= request.max_tokens:
+            event.finish_reason = "length"
+        if not self._emit(request, event) or event.finish_reason:
+            self._free(slot, None)
+            return False
+        return True
+
+
+class _Results:
+    """One call's outputs, per row: the sampled token, and its logprobs when the program has them."""
+
+    def __init__(self, outputs, logprobs: int):
+        self.tokens = outputs[0].tolist()
+        self.logprobs = outputs[1].tolist() if logprobs else None
+        self.top_ids = outputs[2].tolist() if logprobs else None
+        self.top_lps = outputs[3].tolist() if logprobs else None
+
+    def token(self, slot: int) -> int:
+        return int(self.tokens[slot])
+
+    def event(self, slot: int) -> TokenEvent:
+        event = TokenEvent(self.token(slot))
+        if self.logprobs is not None:
+            event.logprob = float(self.logprobs[slot])
+            event.top = list(zip(self.top_ids[slot], self.top_lps[slot]))
+        return event
