@@ -62,7 +62,7 @@ def test_structured_output_on_a_pipelined_program_is_one_line(tmp_path):
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2 and len(lines) == 1 and done.stdout == "", done.stderr
         assert lines[0].startswith(f"etmlx_decode: error: {flag}: ") and "piped_masked.pte is pipelined" in lines[0]
-        assert "--sampler ...,mask" in lines[0] and "pipelined=False" in lines[0]
+        assert "--sampler ...,mask" in lines[0] and "--no-pipeline" in lines[0]
     free = _run(piped, *args)  # without structured output it decodes
     assert free.returncode == 0 and len(free.stdout.split()) == 3, free.stderr
 
