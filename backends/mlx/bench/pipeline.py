@@ -165,8 +165,9 @@ def _same_tokens(runs: dict, a, b, what: str) -> None:
 def machine() -> str:
     import mlx.core as mx
 
+    default = "cpu" if mx.default_device() == mx.cpu else "device"  # kernel_set.cpp's choice without the variable
     return (f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores, MLX {mx.__version__}, "
-            f"device {mx.default_device()}")
+            f"device {mx.default_device()} (its default kernel set: {default})")
 
 
 def run(s: Settings, log=print) -> dict:
