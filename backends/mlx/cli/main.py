@@ -76,6 +76,10 @@ def _bench(args) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
         return 0
+    if args.what == "pipeline":
+        from backends.mlx.bench import pipeline
+
+        return pipeline.main(args.json, quick=args.quick, repeats=args.repeats)
     if args.what == "gemm":
         from backends.mlx.bench import cpu_gemm
 
@@ -100,16 +104,16 @@ def build_parser() -> argparse.ArgumentParser:
     llm_cli.add_parsers(sub)
     serve_cli.add_parsers(sub)
     bench = sub.add_parser("bench", help="benchmarks with same-run baselines")
-    bench.add_argument("what", choices=["sampler", "agreement", "decode", "serve", "gemm", "structured"], help="which benchmark")
+    bench.add_argument("what", choices=["sampler", "agreement", "decode", "serve", "gemm", "structured", "pipeline"], help="which benchmark")
     bench.add_argument("--suite", choices=["all", "basic", "features"], default="all",
                        help="sampler: basic (temperature by vocab and batch), features (top-k/top-p), or all")
     bench.add_argument("--rows", type=int, default=2000, help="agreement: rows per dtype")
     bench.add_argument("--json", help="also write the records to this path")
     bench.add_argument("--repeats", type=int, help="timed calls per measurement, median (default: sampler 30, "
-                       "decode 3 generations)")
+                       "decode 3 generations, pipeline 5)")
     bench.add_argument("--builtin", action="store_true", help="structured: also the built-in model (demo checkpoint, "
                        "cached in --cache-dir): unconstrained vs JSON schema vs sample-check-resample")
-    bench.add_argument("--quick", action="store_true", help="decode: a tiny model and short runs (CI smoke)")
+    bench.add_argument("--quick", action="store_true", help="decode, pipeline: a tiny model and short runs (CI smoke)")
     bench.add_argument("--dtypes", default="float32,bfloat16", help="decode: comma-separated weight dtypes: float32, bfloat16, int4, int8 (mlx_lm.convert -q of the float32 checkpoint)")
     bench.add_argument("--cache-dir", default="out/bench", help="decode: where checkpoints and programs are cached")
     bench.add_argument("--vocabs", help="comma-separated vocabulary sizes (default 32000,128256,262144)")
