@@ -144,7 +144,7 @@ Error run(Handle& h, Span<EValue*> args) {
 
   // Outputs: check dtypes, resize the ExecuTorch tensors (shapes are known
   // before evaluation, so an oversized result is refused before computing it).
-  std::vector<mx::array> to_eval;
+  std::vector<mx::array> outputs;
   std::vector<int> eval_index(n_out, -1);
   for (size_t i = 0; i < n_out; ++i) {
     const fb::IoSpec* spec = g.outputs()->Get(static_cast<flatbuffers::uoffset_t>(i));
@@ -176,10 +176,11 @@ Error run(Handle& h, Span<EValue*> args) {
     const mx::array& a = *tensors[slot->idx()];
     Error err = prepare_output(arg.toTensor(), a, spec->dtype(), i);
     if (err != Error::Ok) return err;
-    eval_index[i] = static_cast<int>(to_eval.size());
-    to_eval.push_back(mx::contiguous(a));
+    eval_index[i] = static_cast<int>(outputs.size());
+    outputs.push_back(mx::contiguous(a));
   }
-  const size_t first_state = to_eval.size();
+  std::vector<mx::array> new_state;
+  new_state.reserve(prog.mutable_slots.size());
   for (size_t j = 0; j < prog.mutable_slots.size(); ++j) {
     const auto& s = tensors[prog.mutable_slots[j]];
     if (!s.has_value()) {
@@ -192,7 +193,7 @@ Error run(Handle& h, Span<EValue*> args) {
       ET_LOG(Error, "etmlx: mutable buffer %zu changed its dtype or shape", j);
       return Error::InvalidProgram;
     }
-    to_eval.push_back(*s);
+    new_state.push_back(*s);
   }
 
   if (!interp.written().empty()) {  // ETMLX_CHECK_LAZY=1
@@ -206,9 +207,6 @@ Error run(Handle& h, Span<EValue*> args) {
   // (in a pipelined decoder, the whole step whose token the next call returns) goes on running
   // after execute returns, and the next call's graph builds on it. The outputs are scheduled first,
   // in an evaluation of their own, so waiting for them never waits for work queued behind them.
-  std::vector<mx::array> outputs(to_eval.begin(), to_eval.begin() + first_state);
-  std::vector<mx::array> new_state(to_eval.begin() + first_state, to_eval.end());
-  to_eval.clear();
   // The graph now holds the only references to the old state, so an update of it (a KV-cache
   // write) can reuse its buffer instead of copying the whole cache.
   tensors.clear();
