@@ -89,8 +89,6 @@ class _Row:
     pos: int = 0  # cache position of feed[0]
     step: int = 0  # the row's decode step of the next call (0 = prefill): seed = params.seed + step
     produced: int = 0  # tokens delivered; a pipelined row's step runs one ahead of them
-    # Pipelined: the device holds a result of this row that the next call returns (set after its prefill).
-    pending: bool = False
 
 
 def _advance(matcher: Matcher, token: int) -> bool:
@@ -394,9 +392,9 @@ class Engine:
         for slot, row in enumerate(self.rows):
             if row is None:
                 continue
-            if meta.pipelined and not row.pending:  # its prefill: the outputs are the slot's previous row's
-                row.pending = True
-            elif not self._deliver(slot, row, results.event(slot)):
+            # A pipelined row's prefill returns nothing of its own (the outputs are the slot's previous row's).
+            has_result = not (meta.pipelined and row.step == 0)
+            if has_result and not self._deliver(slot, row, results.event(slot)):
                 continue  # ended (a pipelined row's step just computed is dropped)
             row.pos += len(row.feed)
             row.feed = [FED_BACK if meta.pipelined else results.token(slot)]
