@@ -83,6 +83,8 @@ CASES = [
     Case("clamp", lambda a: torch.clamp(a, -1, 2), one()),
     Case("clamp_min_only", lambda a: torch.clamp(a, min=0.5), one(), FLOATS),
     Case("tanh_sigmoid", lambda a: torch.tanh(a) + torch.sigmoid(a), one(), FLOATS),
+    Case("gelu", lambda a: torch.nn.functional.gelu(a), one(), FLOATS),
+    Case("gelu_tanh", lambda a: torch.nn.functional.gelu(a, approximate="tanh"), one(), FLOATS),
     # comparisons and where
     Case("eq", lambda a, b: a == b, two(lambda s, d: rand(s, d, -1, 1))),
     Case("lt_ge", lambda a, b: torch.stack([a < b, a >= b]), two()),

@@ -154,3 +154,35 @@ def _relu(b, node):
 def _silu(b, node):
     x = b.tid(node.args[0])
     return b.op("BinaryNode", op=BinaryOp.Multiply, a=x, b=b.op("UnaryNode", op=UnaryOp.Sigmoid, x=x))
+
+
+def _gelu_supported(node):
+    if out_dtype(node) not in FLOAT_DTYPES:
+        return "gelu needs floats"
+    if node.kwargs.get("approximate", "none") not in ("none", "tanh"):
+        return f"gelu approximate={node.kwargs.get('approximate')!r} is not supported"
+    return None
+
+
+@REGISTRY.register(aten.gelu.default, supports=_gelu_supported)
+def _gelu(b, node):
+    """0.5 x (1 + erf(x / sqrt 2)), or with approximate='tanh' 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))),
+    computed in float32 as torch computes half-precision gelu, then cast back."""
+    import math
+
+    import torch
+
+    dtype, f32 = out_dtype(node), torch.float32
+    x = b.operand(node.args[0], f32)
+
+    def mul(a, c):
+        return b.op("BinaryNode", op=BinaryOp.Multiply, a=a, b=c)
+
+    if node.kwargs.get("approximate", "none") == "tanh":
+        cube = mul(mul(x, x), x)
+        inner = b.op("BinaryNode", op=BinaryOp.Add, a=x, b=mul(cube, b.full(0.044715, f32)))
+        t = b.op("UnaryNode", op=UnaryOp.Tanh, x=mul(inner, b.full(math.sqrt(2.0 / math.pi), f32)))
+    else:
+        t = b.op("UnaryNode", op=UnaryOp.Erf, x=mul(x, b.full(1.0 / math.sqrt(2.0), f32)))
+    one_plus = b.op("BinaryNode", op=BinaryOp.Add, a=t, b=b.full(1.0, f32))
+    return b.cast(mul(mul(x, b.full(0.5, f32)), one_plus), f32, dtype)
