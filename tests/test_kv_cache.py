@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM,
+from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
                           Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from backends.mlx.exporter.export import export_to_pte
@@ -108,14 +108,11 @@ def test_half_precision_weights_and_cache(dtype, tolerance):
 
 
 def test_unsupported_architectures_are_refused_by_name():
-    opt = OPTForCausalLM(OPTConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, ffn_dim=64,
-                                   num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=32))
-    with pytest.raises(ValueError, match="OPTForCausalLM.*unsupported architecture"):
-        StaticCacheLM(opt, max_seq_len=16)
-    broken = _llama()
-    del broken.model.layers[1].self_attn.v_proj
-    with pytest.raises(ValueError, match="layer 1 self_attn .* has no `v_proj`"):
-        StaticCacheLM(broken, max_seq_len=16)
+    from transformers import MambaConfig, MambaForCausalLM
+
+    mamba = MambaForCausalLM(MambaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1))
+    with pytest.raises(ValueError, match="MambaForCausalLM .* takes no KV cache and positions"):
+        StaticCacheLM(mamba, max_seq_len=16)
     with pytest.raises(ValueError, match="max_seq_len"):
         StaticCacheLM(_llama(), max_seq_len=0)
     with pytest.raises(ValueError, match="exceeds the model's 128 positions"):

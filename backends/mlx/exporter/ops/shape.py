@@ -56,8 +56,13 @@ def _squeeze_dims(node):
 
 
 def _squeeze_static(node):
+    """Only the dims squeeze may drop must be static (whether a symbolic dim is 1 is unknown); others may not."""
     shape = node.args[0].meta["val"].shape
-    return None if all(isinstance(s, int) for s in shape) else "squeeze of a symbolic dim is not supported"
+    dims = node.args[1] if len(node.args) > 1 else range(len(shape))
+    dims = dims if isinstance(dims, (list, tuple, range)) else [dims]
+    if any(not isinstance(shape[norm_axis(d, len(shape))], int) for d in dims if shape):
+        return "squeeze of a symbolic dim is not supported"
+    return None
 
 
 @REGISTRY.register(aten.squeeze_copy.dims, aten.squeeze_copy.dim, aten.squeeze_copy.default,

@@ -1,71 +1,141 @@
-"""A static KV cache owned by the program, for the decoder families in `families.py`.
+"""StaticCacheLM: a transformers causal LM with a static KV cache the exported program owns.
 
-transformers' own exportable static-cache module does not survive ExecuTorch's decomposition on the
-pinned torch, so this module re-runs the model's blocks (same weights, same math) around its own
-attention over per-layer key/value buffers:
+The model's own forward is the source of truth: every family's quirks (embedding scales, multipliers,
+soft-capping, QK-norm, partial rotary, parallel blocks, no-RoPE layers, MoE routing, ...) run as transformers
+wrote them. etmlx owns only the KV cache and the attention mask (attention.py), through transformers' cache and
+attention interfaces:
 
     lm = StaticCacheLM(hf_model, max_seq_len=128, batch=2)
     logits = lm(tokens [B, L], start_pos [B])                 # -> [B, L, V]
     logits = lm(tokens [B, L], start_pos [B], lengths [B])    # -> [B, V] at index lengths-1 per row
 
-Row b's tokens sit at cache positions start_pos[b] .. start_pos[b]+L-1; each query attends to the
-cached positions <= its own. Rows are independent sequences at their own positions, which is what
-lets a server decode rows that started at different times in one call. A row with fewer real
-tokens than L (lengths[b] < L) pads: its padding writes cache slots beyond its last real token,
-which its own later queries can never see before they are overwritten, because every write
-starts at the row's next position. The caches are mutable buffers, so an exported program keeps
-them on the device between calls.
+Row b's tokens sit at cache positions start_pos[b] .. start_pos[b]+L-1; each query attends to the cached
+positions <= its own (and within its layer's sliding window). Rows are independent sequences at their own
+positions, which is what lets a server decode rows that started at different times in one call. A row with
+fewer real tokens than L (lengths[b] < L) pads: its padding writes cache slots beyond its last real token, which
+its own later queries can never see before they are overwritten, because every write starts at the row's next
+position. The caches are mutable buffers, so an exported program keeps them on the device between calls.
+
+The model object is left as it was: the etmlx attention, the experts implementation and the last-position
+gather apply only inside this module's forward, so the same model stays a plain eager reference.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
-from backends.mlx.llm.decoder.families import family_for
+from backends.mlx.llm.decoder import attention, experts
+from backends.mlx.llm.decoder.attention import ForwardState, ProgramCache
+from backends.mlx.llm.decoder.model_support import check_layer_windows, check_model, position_limit
+
+def _configs(config):
+    """The model's config and the sub-configs that carry their own attention setting."""
+    yield config
+    for name in ("text_config", "decoder"):
+        sub = getattr(config, name, None)
+        if sub is not None and hasattr(sub, "_attn_implementation"):
+            yield sub
+
+
+@contextmanager
+def _etmlx_settings(config):
+    saved = [(c, c._attn_implementation, getattr(c, "_experts_implementation", None)) for c in _configs(config)]
+    try:
+        for c, _, experts_was in saved:
+            c._attn_implementation = attention.IMPLEMENTATION
+            if experts_was is not None:
+                c._experts_implementation = experts.IMPLEMENTATION
+        yield
+    finally:
+        for c, attn, experts_was in saved:
+            c._attn_implementation = attn
+            if experts_was is not None:
+                c._experts_implementation = experts_was
 
 
 class StaticCacheLM(nn.Module):
     def __init__(self, model: nn.Module, max_seq_len: int, batch: int = 1):
         super().__init__()
-        self.family = family_for(model)
+        check_model(model)
         if not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool) or max_seq_len < 1:
             raise ValueError(f"max_seq_len must be a positive int, got {max_seq_len!r}")
         if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
             raise ValueError(f"batch must be a positive int, got {batch!r}")
-        limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+        limit = position_limit(model.config)
         if limit is not None and max_seq_len > limit:
             raise ValueError(f"max_seq_len {max_seq_len} exceeds the model's {limit} positions")
         self.model = model
         self.max_seq_len = max_seq_len
         self.batch = batch
-        f = self.family
-        dtype = next(model.parameters()).dtype
-        for i in range(f.num_layers):
-            shape = (batch, f.kv_heads, max_seq_len, f.head_dim)
-            self.register_buffer(f"k_cache_{i}", torch.zeros(shape, dtype=dtype))
-            self.register_buffer(f"v_cache_{i}", torch.zeros(shape, dtype=dtype))
+        self._lengths = None
+        base = getattr(model, model.base_model_prefix, None)
+        if not isinstance(base, nn.Module):
+            raise ValueError(f"{type(model).__name__} has no base model at `{model.base_model_prefix}`: not a "
+                             "transformers causal LM")
+        # Handle kept outside the module tree (a hook is not a submodule); removed with the module.
+        self._gather_hook = base.register_forward_hook(self._last_positions)
+        self.layers = self._probe()
+        attended = {shape.attended for shape in self.layers.values()}
+        if len(attended) > 1:
+            raise ValueError(f"{type(model).__name__} attends through etmlx's attention in some layers only")
+        self.uses_attention_interface = attended.pop()
+        if self.uses_attention_interface:
+            check_layer_windows(model.config, {i: shape.window for i, shape in self.layers.items()})
+        for i, shape in sorted(self.layers.items()):
+            self.register_buffer(f"k_cache_{i}", torch.zeros(batch, shape.kv_heads, max_seq_len, shape.key_dim,
+                                                             dtype=shape.dtype))
+            self.register_buffer(f"v_cache_{i}", torch.zeros(batch, shape.kv_heads, max_seq_len, shape.value_dim,
+                                                             dtype=shape.dtype))
 
+    def _probe(self) -> dict:
+        """One eager token through the model records each layer's key/value shape and sliding window."""
+        state = ForwardState(positions=torch.zeros(1, 1, dtype=torch.int64), probe={})
+        with torch.no_grad():
+            self._run(torch.zeros(1, 1, dtype=torch.int64), state, lengths=None)
+        if not state.probe:
+            raise ValueError(f"{type(self.model).__name__} never called the KV cache: not a decoder etmlx can run")
+        layers = sorted(state.probe)
+        if layers != list(range(len(layers))):
+            raise ValueError(f"{type(self.model).__name__} cached layers {layers}: expected 0..{len(layers) - 1}")
+        return state.probe
+
+    def layer_cache(self, i: int):
+        return getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")
+
+    def _last_positions(self, _module, _args, output):
+        """Forward hook on the base model: only each row's sampled position goes on to the head ([B, 1, H])."""
+        if not attention._ACTIVE or self._lengths is None:
+            return output
+        x = output[0]
+        batch = x.shape[0]
+        last = (self._lengths - 1).view(batch, 1, 1).expand(batch, 1, x.shape[-1])
+        output["last_hidden_state"] = x.gather(1, last)
+        return output
+
+    def _run(self, tokens, state: ForwardState, lengths):
+        cache = ProgramCache(self, state)
+        kwargs = {}
+        if state.probe is not None or not self.uses_attention_interface:
+            # A model with its own attention code (Falcon) adds this mask to its scores.
+            keys = 1 if state.probe is not None else self.max_seq_len
+            visible = cache.mask(keys, None)
+            dtype = next(self.model.parameters()).dtype
+            kwargs["attention_mask"] = torch.zeros(visible.shape, dtype=dtype).masked_fill(
+                ~visible, torch.finfo(dtype).min)
+        self._lengths = lengths
+        try:
+            with cache, _etmlx_settings(self.model.config):
+                out = self.model(input_ids=tokens, position_ids=state.positions, past_key_values=cache,
+                                 use_cache=True, **kwargs)
+        finally:
+            self._lengths = None
+        return out.logits
 
     def forward(self, tokens: torch.Tensor, start_pos: torch.Tensor, lengths: torch.Tensor | None = None):
-        f = self.family
         batch, length = tokens.shape
         positions = start_pos.unsqueeze(1) + torch.arange(length).unsqueeze(0)  # [B, L]
-        x, rope = f.embed(tokens, positions)
-        slots = torch.arange(self.max_seq_len)
-        mask = (slots.view(1, 1, 1, -1) <= positions.view(batch, 1, length, 1))  # [B, 1, L, S]
-        # Where each new key/value goes along the cache's position axis (a put along that axis).
-        slot_index = positions.view(batch, 1, length, 1).expand(batch, f.kv_heads, length, f.head_dim)
-        for i in range(f.num_layers):
-            q, k, v = f.attention_in(i, x, rope)
-            k_cache, v_cache = getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")
-            k_cache.scatter_(2, slot_index, k)
-            v_cache.scatter_(2, slot_index, v)
-            attended = torch.nn.functional.scaled_dot_product_attention(
-                q, k_cache, v_cache, attn_mask=mask, scale=f.scale, enable_gqa=f.kv_heads != f.heads)
-            x = f.attention_out(i, x, attended)
-        if lengths is not None:
-            # Only each row's sampled position meets lm_head: [B, hidden].
-            last = (lengths - 1).view(batch, 1, 1).expand(batch, 1, x.shape[-1])
-            x = x.gather(1, last).squeeze(1)
-        return f.logits(x)
+        logits = self._run(tokens, ForwardState(positions=positions), lengths)
+        return logits[:, 0] if lengths is not None else logits

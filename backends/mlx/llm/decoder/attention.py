@@ -1,0 +1,150 @@
+"""etmlx's attention for transformers models: the model's own forward runs unchanged, etmlx owns the KV cache
+and the attention mask.
+
+transformers routes every modern model's attention through two interfaces, and etmlx plugs into both:
+- the cache: the model calls `past_key_values.update(k, v, layer_idx)` and attends over what it returns.
+  `ProgramCache` writes the new keys/values into the program's cache buffers (mutable buffers of the exported
+  program) at each row's own positions and returns the whole cache of that layer;
+- the attention function (`AttentionInterface`, registered as "etmlx"): `etmlx_attention` masks by position
+  (causal, per row, and the layer's sliding window when it has one), applies soft-capping when the layer asks
+  for it, and calls scaled_dot_product_attention, which the delegate lowers to MLX's fused kernel.
+
+Rows are independent sequences at their own positions (`positions [B, L]`), so a server can decode rows that
+started at different times in one call. A model whose attention skips the interface (Falcon) attends with its
+own code over the returned cache, under the additive mask StaticCacheLM passes as `attention_mask`.
+
+Anything the attention is asked to do that is not implemented here (attention sinks, bidirectional attention,
+...) is refused by name: the model would otherwise run, and decode wrong tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache
+
+IMPLEMENTATION = "etmlx"
+
+# Keywords models pass to the attention function that do not change its result in inference.
+_NEUTRAL = {"dropout", "position_ids", "cache_position", "use_cache", "output_attentions", "past_key_values",
+            "position_embeddings", "attention_mask", "layer_idx", "sliding_window", "softcap", "scaling",
+            "is_causal", "return_dict", "output_hidden_states", "logits_to_keep", "output_router_logits"}
+
+
+@dataclass
+class LayerShape:
+    """What the probe run saw of one layer's attention."""
+    kv_heads: int
+    key_dim: int
+    value_dim: int
+    dtype: torch.dtype
+    window: Optional[int] = None  # sliding window (keys within `window` positions of the query), None: full
+    attended: bool = False  # the layer called etmlx_attention (False: the model has attention code of its own)
+
+
+@dataclass
+class ForwardState:
+    """One forward's positions, shared by every layer; the masks are built once per window size."""
+    positions: torch.Tensor  # [B, L] int64, the cache position of each token
+    probe: Optional[dict] = None  # layer index -> LayerShape, filled by a probe run instead of caching
+    masks: dict = field(default_factory=dict)
+
+
+_ACTIVE: list = []  # the StaticCacheLM forward in progress (a stack: forwards do not nest, but stay safe)
+
+
+def active() -> "ProgramCache":
+    if not _ACTIVE:
+        raise RuntimeError("etmlx attention runs only inside StaticCacheLM.forward")
+    return _ACTIVE[-1]
+
+
+class ProgramCache(Cache):
+    """The `past_key_values` transformers sees: per-layer key/value buffers owned by StaticCacheLM."""
+
+    def __init__(self, owner, state: ForwardState):
+        # No Cache.__init__: its layer objects would allocate their own tensors; every method the decoder
+        # models call is implemented here.
+        self.layers = []
+        self.owner, self.state = owner, state
+
+    def __enter__(self):
+        _ACTIVE.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        _ACTIVE.pop()
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions come from position_ids, never from the cache
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    def update(self, key, value, layer_idx, cache_kwargs=None):
+        state = self.state
+        if state.probe is not None:
+            state.probe.setdefault(layer_idx, LayerShape(key.shape[1], key.shape[-1], value.shape[-1], key.dtype))
+            return key, value
+        k_cache, v_cache = self.owner.layer_cache(layer_idx)
+        batch, heads, length, _ = key.shape
+        slots = state.positions.view(batch, 1, length, 1)
+        k_cache.scatter_(2, slots.expand(batch, heads, length, key.shape[-1]), key.to(k_cache.dtype))
+        v_cache.scatter_(2, slots.expand(batch, heads, length, value.shape[-1]), value.to(v_cache.dtype))
+        return k_cache, v_cache
+
+    def key_positions(self, key_length: int) -> torch.Tensor:
+        """The position each key slot holds, [1, S] (slot s holds position s)."""
+        return torch.arange(key_length).view(1, -1)
+
+    def mask(self, key_length: int, window: Optional[int]) -> torch.Tensor:
+        """[B, 1, L, S] bool: query (row b, index l) may see key slot s."""
+        key = (key_length, window)
+        if key not in self.state.masks:
+            q = self.state.positions.unsqueeze(-1)  # [B, L, 1]
+            k = self.key_positions(key_length).unsqueeze(1)  # [1 or B, 1, S]
+            visible = (k <= q) & (k >= 0)
+            if window is not None:
+                visible = visible & (k > q - window)
+            self.state.masks[key] = visible.unsqueeze(1)
+        return self.state.masks[key]
+
+
+def etmlx_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
+                    softcap=None, **kwargs):
+    """transformers' attention-function signature: q [B, H, L, D], k/v [B, Hkv, S, D] -> ([B, L, H, Dv], None)."""
+    unsupported = sorted(k for k, v in kwargs.items() if k not in _NEUTRAL and v is not None)
+    if unsupported:
+        raise ValueError(f"{type(module).__name__} asks attention for {', '.join(unsupported)}, which etmlx does "
+                         "not implement")
+    if kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False:
+        raise ValueError(f"{type(module).__name__} is bidirectional (is_causal=False): etmlx decodes causal models")
+    cache = active()
+    heads = query.shape[1]
+    if cache.state.probe is not None:
+        layer = getattr(module, "layer_idx", None)
+        if layer in cache.state.probe:
+            cache.state.probe[layer].window = sliding_window
+            cache.state.probe[layer].attended = True
+    mask = cache.mask(key.shape[2], sliding_window)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if softcap is None:
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
+                                                               enable_gqa=key.shape[1] != heads)
+    else:  # Gemma 2: tanh soft-capping of the scores, which SDPA has no argument for
+        groups = heads // key.shape[1]
+        if groups > 1:
+            key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        scores = torch.matmul(query, key.transpose(2, 3)) * scale
+        scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.masked_fill(~mask, float("-inf"))
+        weights = torch.softmax(scores.float(), dim=-1).to(query.dtype)
+        out = torch.matmul(weights, value)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(IMPLEMENTATION, etmlx_attention)

@@ -1,0 +1,66 @@
+"""Which transformers models StaticCacheLM can run, and the config values it refuses.
+
+transformers' forward runs unchanged, so every field a family's modeling code reads is honoured. What etmlx
+replaces is the attention mask (attention.py builds it from positions and each layer's sliding window instead
+of transformers' mask functions); a config that asks for any other mask (chunked attention, bidirectional
+attention, linear-attention layers) would run and decode wrong tokens, so it is refused here by field name.
+`check_layer_windows` cross-checks, after the probe run, that every layer the config calls sliding passed its
+window to the attention.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Optional
+
+from torch import nn
+
+# The families tested against transformers' greedy tokens (tests/test_model_families.py), by model_type.
+TESTED = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "olmo", "gemma", "gemma2", "gemma3_text", "granite",
+          "smollm3", "starcoder2", "phi", "phi3", "olmo2", "stablelm", "cohere", "gpt_neox", "falcon", "qwen2_moe",
+          "qwen3_moe", "mixtral")
+
+_LAYER_TYPES = {"full_attention", "sliding_attention"}
+
+
+def _truthy(config, name) -> bool:
+    return bool(getattr(config, name, None))
+
+
+def check_model(model: nn.Module) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a transformers causal LM (nn.Module), got {type(model).__name__}")
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "base_model_prefix"):
+        raise ValueError(f"{type(model).__name__} has no `config`: not a transformers causal LM")
+    kind = getattr(config, "model_type", "?")
+    accepted = inspect.signature(model.forward).parameters
+    if "past_key_values" not in accepted or "position_ids" not in accepted:
+        raise ValueError(f"{type(model).__name__} (model_type {kind!r}) takes no KV cache and positions "
+                         "(past_key_values, position_ids): not an attention decoder etmlx can run")
+    if _truthy(config, "is_encoder_decoder"):
+        raise ValueError(f"model_type {kind!r} is an encoder-decoder model: etmlx decodes decoder-only causal LMs")
+    if _truthy(config, "use_bidirectional_attention"):
+        raise ValueError(f"model_type {kind!r}: use_bidirectional_attention=True is not supported (causal only)")
+    if getattr(config, "attention_chunk_size", None):
+        raise ValueError(f"model_type {kind!r}: attention_chunk_size (chunked attention) is not supported")
+    layer_types = getattr(config, "layer_types", None) or []
+    others = sorted(set(layer_types) - _LAYER_TYPES)
+    if others:
+        raise ValueError(f"model_type {kind!r}: layer_types {others} are not supported (only full and sliding "
+                         "attention)")
+
+
+def check_layer_windows(config, windows: dict) -> None:
+    """`windows`: layer index -> the sliding window its attention received (None: full attention)."""
+    layer_types = getattr(config, "layer_types", None)
+    if not layer_types:
+        return
+    for i, window in sorted(windows.items()):
+        if i < len(layer_types) and (layer_types[i] == "sliding_attention") != (window is not None):
+            raise ValueError(f"layer {i} is {layer_types[i]} in the config but its attention received "
+                             f"sliding_window={window}: refusing a mask that would differ from transformers'")
+
+
+def position_limit(config) -> Optional[int]:
+    return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
