@@ -43,6 +43,7 @@ class LayerShape:
     dtype: torch.dtype
     window: Optional[int] = None  # sliding window (keys within `window` positions of the query), None: full
     attended: bool = False  # the layer called etmlx_attention (False: the model has attention code of its own)
+    softcap: Optional[float] = None  # tanh soft-capping of the scores (Gemma 2)
 
 
 @dataclass
@@ -50,7 +51,15 @@ class ForwardState:
     """One forward's positions, shared by every layer; the masks are built once per window size."""
     positions: torch.Tensor  # [B, L] int64, the cache position of each token
     probe: Optional[dict] = None  # layer index -> LayerShape, filled by a probe run instead of caching
+    lengths: Optional[torch.Tensor] = None  # [B] real tokens per row (None: all L are real)
     masks: dict = field(default_factory=dict)
+    key_positions: dict = field(default_factory=dict)  # ring layer -> [B, W + L] position of each key
+
+    def last_positions(self) -> torch.Tensor:
+        """[B, 1]: each row's last real token's position."""
+        if self.lengths is None:
+            return self.positions[:, -1:]
+        return self.positions[:, :1] + self.lengths.view(-1, 1) - 1
 
 
 _ACTIVE: list = []  # the StaticCacheLM forward in progress (a stack: forwards do not nest, but stay safe)
@@ -91,27 +100,55 @@ class ProgramCache(Cache):
             state.probe.setdefault(layer_idx, LayerShape(key.shape[1], key.shape[-1], value.shape[-1], key.dtype))
             return key, value
         k_cache, v_cache = self.owner.layer_cache(layer_idx)
+        if self.owner.ring_window(layer_idx) is not None:
+            return self._update_ring(layer_idx, key, value, k_cache, v_cache)
         batch, heads, length, _ = key.shape
         slots = state.positions.view(batch, 1, length, 1)
         k_cache.scatter_(2, slots.expand(batch, heads, length, key.shape[-1]), key.to(k_cache.dtype))
         v_cache.scatter_(2, slots.expand(batch, heads, length, value.shape[-1]), value.to(v_cache.dtype))
         return k_cache, v_cache
 
-    def key_positions(self, key_length: int) -> torch.Tensor:
-        """The position each key slot holds, [1, S] (slot s holds position s)."""
-        return torch.arange(key_length).view(1, -1)
+    def _update_ring(self, layer_idx, key, value, k_ring, v_ring):
+        """A sliding-window layer's cache is a ring of `window` slots: slot j holds the latest position
+        p = j (mod window). Attention runs over the ring as it was plus the new keys (so a prefill longer than
+        the window still sees every key it should), then each slot takes the latest real position written."""
+        state = self.state
+        window = k_ring.shape[2]
+        start = state.positions[:, :1]  # [B, 1]
+        slot = torch.arange(window).view(1, -1)
+        held = start - 1 - torch.remainder(start - 1 - slot, window)  # [B, W]: position in slot j (< 0: empty)
+        state.key_positions[layer_idx] = torch.cat([held, state.positions], dim=1)
+        keys = torch.cat([k_ring, key.to(k_ring.dtype)], dim=2)
+        values = torch.cat([v_ring, value.to(v_ring.dtype)], dim=2)
+        last = state.last_positions()  # [B, 1]: the last real token's position (padding is never kept)
+        latest = last - torch.remainder(last - slot, window)  # [B, W]: the position slot j keeps
+        from_new = (latest >= start).view(latest.shape[0], 1, window, 1)
+        index = (latest - start).clamp(min=0).view(latest.shape[0], 1, window, 1)
+        # Every slot is rewritten (a scatter over all of them: the mutation form the exporter keeps in place),
+        # from the new keys where its position is new, else as it was.
+        every = slot.view(1, 1, window, 1)
+        for ring, new in ((k_ring, key.to(k_ring.dtype)), (v_ring, value.to(v_ring.dtype))):
+            shape = (new.shape[0], new.shape[1], window, new.shape[-1])
+            kept = torch.where(from_new, new.gather(2, index.expand(shape)), ring)
+            ring.scatter_(2, every.expand(shape), kept)
+        return keys, values
 
-    def mask(self, key_length: int, window: Optional[int]) -> torch.Tensor:
-        """[B, 1, L, S] bool: query (row b, index l) may see key slot s."""
-        key = (key_length, window)
-        if key not in self.state.masks:
+    def mask(self, layer_idx, key_length: int, window: Optional[int]) -> torch.Tensor:
+        """[B, 1, L, S] bool: query (row b, index l) may see key s. A ring layer's keys carry the positions
+        `_update_ring` recorded; a full cache's slot s holds position s."""
+        ring = layer_idx in self.state.key_positions
+        cache_key = ("ring" if ring else key_length, window)
+        if cache_key not in self.state.masks:
             q = self.state.positions.unsqueeze(-1)  # [B, L, 1]
-            k = self.key_positions(key_length).unsqueeze(1)  # [1 or B, 1, S]
+            if ring:
+                k = self.state.key_positions[layer_idx].unsqueeze(1)  # [B, 1, S]
+            else:
+                k = torch.arange(key_length).view(1, 1, -1)
             visible = (k <= q) & (k >= 0)
             if window is not None:
                 visible = visible & (k > q - window)
-            self.state.masks[key] = visible.unsqueeze(1)
-        return self.state.masks[key]
+            self.state.masks[cache_key] = visible.unsqueeze(1)
+        return self.state.masks[cache_key]
 
 
 def etmlx_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
@@ -130,21 +167,29 @@ def etmlx_attention(module, query, key, value, attention_mask, scaling=None, dro
         if layer in cache.state.probe:
             cache.state.probe[layer].window = sliding_window
             cache.state.probe[layer].attended = True
-    mask = cache.mask(key.shape[2], sliding_window)
+            cache.state.probe[layer].softcap = softcap
+    mask = cache.mask(getattr(module, "layer_idx", None), key.shape[2], sliding_window)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if softcap is None:
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
                                                                enable_gqa=key.shape[1] != heads)
     else:  # Gemma 2: tanh soft-capping of the scores, which SDPA has no argument for
-        groups = heads // key.shape[1]
-        if groups > 1:
-            key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-        scores = torch.matmul(query, key.transpose(2, 3)) * scale
-        scores = torch.tanh(scores / softcap) * softcap
-        scores = scores.masked_fill(~mask, float("-inf"))
-        weights = torch.softmax(scores.float(), dim=-1).to(query.dtype)
-        out = torch.matmul(weights, value)
+        out = _softcapped(query, key, value, mask, scale, softcap)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _softcapped(query, key, value, mask, scale, softcap):
+    """Attention with tanh-capped scores. Query heads are grouped under their key/value head ([B, Hkv, G, L, D])
+    rather than keys repeated per query head: repeating would guard on the symbolic key length."""
+    batch, heads, length, _ = query.shape
+    kv_heads = key.shape[1]
+    q = query.reshape(batch, kv_heads, heads // kv_heads, length, query.shape[-1])
+    scores = torch.matmul(q, key.unsqueeze(2).transpose(-1, -2)) * scale  # [B, Hkv, G, L, S]
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask.unsqueeze(2), float("-inf"))
+    weights = torch.softmax(scores.float(), dim=-1).to(query.dtype)
+    out = torch.matmul(weights, value.unsqueeze(2))  # [B, Hkv, G, L, Dv]
+    return out.reshape(batch, heads, length, value.shape[-1])
 
 
 AttentionInterface.register(IMPLEMENTATION, etmlx_attention)

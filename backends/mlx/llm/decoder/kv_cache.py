@@ -70,7 +70,6 @@ class StaticCacheLM(nn.Module):
         self.model = model
         self.max_seq_len = max_seq_len
         self.batch = batch
-        self._lengths = None
         base = getattr(model, model.base_model_prefix, None)
         if not isinstance(base, nn.Module):
             raise ValueError(f"{type(model).__name__} has no base model at `{model.base_model_prefix}`: not a "
@@ -85,16 +84,18 @@ class StaticCacheLM(nn.Module):
         if self.uses_attention_interface:
             check_layer_windows(model.config, {i: shape.window for i, shape in self.layers.items()})
         for i, shape in sorted(self.layers.items()):
-            self.register_buffer(f"k_cache_{i}", torch.zeros(batch, shape.kv_heads, max_seq_len, shape.key_dim,
+            # A sliding-window layer narrower than the cache keeps a ring of `window` slots (attention.py).
+            slots = self.ring_window(i) or max_seq_len
+            self.register_buffer(f"k_cache_{i}", torch.zeros(batch, shape.kv_heads, slots, shape.key_dim,
                                                              dtype=shape.dtype))
-            self.register_buffer(f"v_cache_{i}", torch.zeros(batch, shape.kv_heads, max_seq_len, shape.value_dim,
+            self.register_buffer(f"v_cache_{i}", torch.zeros(batch, shape.kv_heads, slots, shape.value_dim,
                                                              dtype=shape.dtype))
 
     def _probe(self) -> dict:
         """One eager token through the model records each layer's key/value shape and sliding window."""
         state = ForwardState(positions=torch.zeros(1, 1, dtype=torch.int64), probe={})
         with torch.no_grad():
-            self._run(torch.zeros(1, 1, dtype=torch.int64), state, lengths=None)
+            self._run(torch.zeros(1, 1, dtype=torch.int64), state)
         if not state.probe:
             raise ValueError(f"{type(self.model).__name__} never called the KV cache: not a decoder etmlx can run")
         layers = sorted(state.probe)
@@ -102,40 +103,48 @@ class StaticCacheLM(nn.Module):
             raise ValueError(f"{type(self.model).__name__} cached layers {layers}: expected 0..{len(layers) - 1}")
         return state.probe
 
+    def ring_window(self, i: int):
+        """Layer i's sliding window when its cache is a ring (narrower than max_seq_len), else None. Soft-capped
+        layers (Gemma 2) keep a full cache under a window mask: their hand-written attention over a ring's
+        window + L keys needs sizes the exporter cannot express (window + a symbolic length)."""
+        layer = self.layers[i]
+        if layer.window is None or layer.window >= self.max_seq_len or layer.softcap is not None:
+            return None
+        return layer.window
+
     def layer_cache(self, i: int):
         return getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")
 
     def _last_positions(self, _module, _args, output):
         """Forward hook on the base model: only each row's sampled position goes on to the head ([B, 1, H])."""
-        if not attention._ACTIVE or self._lengths is None:
+        if not attention._ACTIVE or attention._ACTIVE[-1].owner is not self:
+            return output
+        lengths = attention._ACTIVE[-1].state.lengths
+        if lengths is None:
             return output
         x = output[0]
         batch = x.shape[0]
-        last = (self._lengths - 1).view(batch, 1, 1).expand(batch, 1, x.shape[-1])
+        last = (lengths - 1).view(batch, 1, 1).expand(batch, 1, x.shape[-1])
         output["last_hidden_state"] = x.gather(1, last)
         return output
 
-    def _run(self, tokens, state: ForwardState, lengths):
+    def _run(self, tokens, state: ForwardState):
         cache = ProgramCache(self, state)
         kwargs = {}
         if state.probe is not None or not self.uses_attention_interface:
             # A model with its own attention code (Falcon) adds this mask to its scores.
             keys = 1 if state.probe is not None else self.max_seq_len
-            visible = cache.mask(keys, None)
+            visible = cache.mask(None, keys, None)
             dtype = next(self.model.parameters()).dtype
             kwargs["attention_mask"] = torch.zeros(visible.shape, dtype=dtype).masked_fill(
                 ~visible, torch.finfo(dtype).min)
-        self._lengths = lengths
-        try:
-            with cache, _etmlx_settings(self.model.config):
-                out = self.model(input_ids=tokens, position_ids=state.positions, past_key_values=cache,
-                                 use_cache=True, **kwargs)
-        finally:
-            self._lengths = None
+        with cache, _etmlx_settings(self.model.config):
+            out = self.model(input_ids=tokens, position_ids=state.positions, past_key_values=cache, use_cache=True,
+                             **kwargs)
         return out.logits
 
     def forward(self, tokens: torch.Tensor, start_pos: torch.Tensor, lengths: torch.Tensor | None = None):
         batch, length = tokens.shape
         positions = start_pos.unsqueeze(1) + torch.arange(length).unsqueeze(0)  # [B, L]
-        logits = self._run(tokens, ForwardState(positions=positions), lengths)
+        logits = self._run(tokens, ForwardState(positions=positions, lengths=lengths))
         return logits[:, 0] if lengths is not None else logits

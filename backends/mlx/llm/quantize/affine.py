@@ -44,19 +44,31 @@ def quantize_model(model: nn.Module, bits: int, group_size: int = 64, embeddings
     head = model.get_output_embeddings()
     head_name = _name_of(model, head) if head is not None else None
     tied = head is not None and embedding is not None and head.weight is embedding.weight
+    # As mlx-lm does, a layer whose input width the group size does not divide stays in float.
     linears = [name for name, module in model.named_modules()
-               if isinstance(module, nn.Linear) and name != head_name]
-    if embeddings and head is not None and not tied:
+               if isinstance(module, nn.Linear) and name != head_name and module.in_features % group_size == 0]
+    if embeddings and head is not None and not tied and head.in_features % group_size == 0:
         linears.append(head_name)
-    if embeddings and isinstance(embedding, nn.Embedding):
+    if embeddings and _quantizable_embedding(embedding, group_size):
         w, scales, biases = quantize_tensor(embedding.weight, group_size, bits)
-        model.set_input_embeddings(QuantizedEmbedding(w, scales, biases, group_size, bits))
+        # Gemma's embedding scales its rows (embed_scale): the quantized table keeps that scale.
+        scale = getattr(embedding, "embed_scale", None)
+        model.set_input_embeddings(QuantizedEmbedding(w, scales, biases, group_size, bits,
+                                                      scale=None if scale is None else float(scale)))
         if tied:
             # The head multiplies by the same table: it shares the quantized tensors.
             _set(model, head_name, QuantizedLinear(w, scales, biases, group_size, bits))
     for name in linears:
         _set(model, name, _quantized_linear(model.get_submodule(name), group_size, bits))
     return model
+
+
+def _quantizable_embedding(embedding, group_size: int) -> bool:
+    """A plain nn.Embedding, or a subclass whose only addition is a row scale (embed_scale); any other subclass
+    does something in its forward that a quantized lookup would skip, so it stays in float."""
+    if not isinstance(embedding, nn.Embedding) or embedding.embedding_dim % group_size:
+        return False
+    return type(embedding).forward is nn.Embedding.forward or hasattr(embedding, "embed_scale")
 
 
 def _name_of(model: nn.Module, target: nn.Module) -> str:

@@ -57,6 +57,11 @@ class QuantizedLinear(_Packed):
 
 
 class QuantizedEmbedding(_Packed):
+    def __init__(self, w, scales, biases, group_size: int, bits: int, scale: Optional[float] = None):
+        super().__init__(w, scales, biases, group_size, bits)
+        self.scale = scale  # rows multiplied by it (Gemma's embed_scale); None: as stored
+
     def forward(self, indices: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mlx.quantized_embedding(indices, self.weight, self.scales, self.biases,
+        rows = torch.ops.mlx.quantized_embedding(indices, self.weight, self.scales, self.biases,
                                                  self.group_size, self.bits)
+        return rows if self.scale is None else rows * torch.tensor(self.scale, dtype=rows.dtype)
