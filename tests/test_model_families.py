@@ -133,3 +133,33 @@ def test_what_etmlx_does_not_implement_is_refused_by_name(tmp_path, capsys, conf
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and err and err[-1].startswith("etmlx: error: ") and message in err[-1], (rc, err)
     assert not (tmp_path / "x.pte").exists()
+
+
+# mlx-community's quantized repos are `mlx_lm.convert -q` directories: exported as they are, every greedy token
+# is one the float model it came from ranks within INT8_NATS of its best (8-bit, group 64).
+MLX_LM_FAMILIES = ("qwen3", "mistral", "gemma3_text", "phi3")
+
+
+@pytest.mark.parametrize("family", MLX_LM_FAMILIES)
+def test_mlx_lm_quantized_directory_decodes_the_float_models_choices(tmp_path, family):
+    import json
+
+    from mlx_lm import convert
+
+    from backends.mlx.llm.builtin.bench_checkpoint import _save_tokenizer
+
+    directory = _checkpoint(tmp_path, family)
+    saved = json.loads((directory / "config.json").read_text())
+    # mlx-lm reads rope settings at the top level only (transformers 5 nests them in rope_parameters).
+    for key, value in (saved.get("rope_parameters") or {}).items():
+        saved.setdefault(key, value)
+    (directory / "config.json").write_text(json.dumps(saved))
+    _save_tokenizer(VOCAB, directory)
+    quantized = tmp_path / f"{family}-8bit"
+    convert(str(directory), str(quantized), quantize=True, q_group_size=64, q_bits=8, dtype="float32")
+    pte = _export(quantized, tmp_path / "m.pte")
+    tokens = Decoder(pte).generate(PROMPT, STEPS).tokens
+    logprobs = _float_logprobs(directory, tokens)
+    worst = (logprobs.max(dim=-1).values - logprobs[torch.arange(STEPS), torch.tensor(tokens)]).max().item()
+    print(f"{family} mlx-lm 8-bit: worst gap to the float model's best token {worst:.4f} nats")
+    assert worst <= INT8_NATS, (family, worst, tokens)

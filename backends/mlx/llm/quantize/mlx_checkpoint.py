@@ -17,8 +17,10 @@ from torch import nn
 
 from backends.mlx.llm.quantize.modules import QuantizedEmbedding, QuantizedLinear
 
-# Model types whose mlx-lm weight names equal transformers' and whose decoder family is tested with them.
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+# Model types whose mlx-lm weight names equal transformers' (a name that does not is refused below by the
+# strict key check) and whose quantized directories are tested (tests/test_quantized_decoder.py,
+# tests/test_model_families.py).
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi3")
 
 
 def quantization_config(model_dir: Path) -> dict | None:
@@ -77,7 +79,9 @@ def load_mlx_quantized(model_dir: Path, dtype: torch.dtype) -> nn.Module:
             packed = _packed(prefix, module, tensors, dtype)
             replacement = QuantizedLinear(*packed, bias=None if bias is None else bias.to(dtype))
         elif isinstance(module, nn.Embedding):
-            replacement = QuantizedEmbedding(*_packed(prefix, module, tensors, dtype))
+            scale = getattr(module, "embed_scale", None)  # Gemma scales the rows it looks up
+            replacement = QuantizedEmbedding(*_packed(prefix, module, tensors, dtype),
+                                             scale=None if scale is None else float(scale))
         else:
             raise ValueError(f"{prefix}: quantized weights for a {type(module).__name__}, not a Linear or Embedding")
         parent, _, leaf = prefix.rpartition(".")
