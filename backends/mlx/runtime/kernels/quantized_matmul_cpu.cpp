@@ -92,3 +92,10 @@ mx::array quantized_matmul_cpu(const mx::array& x, const mx::array& w, const mx:
 }
 
 }  // namespace etmlx::kernels
+
+// For `backends.mlx.runtime.kernels_info()` (benchmarks and tests say what they measured).
+extern "C" __attribute__((visibility("default"))) const char* etmlx_quantized_rows_isa() {
+  return etmlx::kernels::quantized_rows_isa();
+}
+
+extern "C" __attribute__((visibility("default"))) int etmlx_cpu_threads() { return etmlx::kernels::pool_threads(); }
