@@ -41,29 +41,37 @@ void dot_neon(const QuantizedMatrix& w, const PreparedRows& rows, int n_begin, i
     const uint8_t* wb = reinterpret_cast<const uint8_t*>(w.w) + n * row_bytes;
     float32x4_t total[M];
     float bias_part[M];
+    ETMLX_UNROLL
     for (int r = 0; r < M; ++r) total[r] = vdupq_n_f32(0.0f), bias_part[r] = 0.0f;
     const float* x = rows.x;
     for (int g = 0; g < groups; ++g) {
       float32x4_t acc[M][NA];
+      ETMLX_UNROLL
       for (int r = 0; r < M; ++r)
+        ETMLX_UNROLL
         for (int a = 0; a < NA; ++a) acc[r][a] = vdupq_n_f32(0.0f);
       for (int c = 0; c < chunks; ++c, wb += chunk_bytes, x += kChunk) {
         float32x4_t q[8];
         chunk_neon<BITS>(wb, q);
+        ETMLX_UNROLL
         for (int r = 0; r < M; ++r) {
           const float* xr = x + static_cast<int64_t>(r) * w.k;
+          ETMLX_UNROLL
           for (int i = 0; i < 8; ++i) acc[r][i % NA] = vfmaq_f32(acc[r][i % NA], q[i], vld1q_f32(xr + 4 * i));
         }
       }
       const int64_t at = static_cast<int64_t>(n) * groups + g;
       const float s = load_scale<T>(w.scales, at), b = load_scale<T>(w.biases, at);
+      ETMLX_UNROLL
       for (int r = 0; r < M; ++r) {
         float32x4_t a = acc[r][0];
+        ETMLX_UNROLL
         for (int i = 1; i < NA; ++i) a = vaddq_f32(a, acc[r][i]);
         total[r] = vfmaq_n_f32(total[r], a, s);
         bias_part[r] += b * rows.group_sums[static_cast<int64_t>(r) * groups + g];
       }
     }
+    ETMLX_UNROLL
     for (int r = 0; r < M; ++r) out[r * ldo + (n - n_begin)] = vaddvq_f32(total[r]) + bias_part[r];
   }
 }
@@ -89,9 +97,11 @@ void dequantize_neon(const QuantizedMatrix& w, int n_begin, int n_end, float* ou
         } else {
           v[0] = vld1q_u8(wb), v[1] = vld1q_u8(wb + 16);
         }
+        ETMLX_UNROLL
         for (int h = 0; h < 2; ++h) {
           float32x4_t q[4];
           widen16(v[h], q);
+          ETMLX_UNROLL
           for (int i = 0; i < 4; ++i) vst1q_f32(o + 16 * h + 4 * i, vfmaq_f32(b, q[i], s));
         }
       }

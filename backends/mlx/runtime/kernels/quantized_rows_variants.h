@@ -6,6 +6,10 @@
 
 #include "kernels/quantized_rows.h"
 
+// Fully unrolls a loop with a compile-time trip count (rows, accumulators, vectors of a chunk): the
+// vector accumulators then live in registers; GCC at -O2 would otherwise keep the arrays on the stack.
+#define ETMLX_UNROLL _Pragma("GCC unroll 16")
+
 namespace etmlx::kernels {
 
 struct RowsVariant {

@@ -36,6 +36,7 @@ ETMLX_AVX2 ETMLX_INLINE void chunk_avx2(const uint8_t* p, __m256* q) {
     q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
     q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(hi, hi)));
   } else {
+    ETMLX_UNROLL
     for (int i = 0; i < 4; ++i) {
       q[i] = _mm256_cvtepi32_ps(
           _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * i))));
@@ -63,30 +64,38 @@ ETMLX_AVX2 void dot_avx2(const QuantizedMatrix& w, const PreparedRows& rows, int
     const uint8_t* wb = reinterpret_cast<const uint8_t*>(w.w) + n * row_bytes;
     __m256 total[M];
     float bias_part[M];
+    ETMLX_UNROLL
     for (int r = 0; r < M; ++r) total[r] = _mm256_setzero_ps(), bias_part[r] = 0.0f;
     const float* x = rows.x;
     for (int g = 0; g < groups; ++g) {
       __m256 acc[M][NA];
+      ETMLX_UNROLL
       for (int r = 0; r < M; ++r)
+        ETMLX_UNROLL
         for (int a = 0; a < NA; ++a) acc[r][a] = _mm256_setzero_ps();
       for (int c = 0; c < chunks; ++c, wb += chunk_bytes, x += kChunk) {
         __m256 q[4];
         chunk_avx2<BITS>(wb, q);
+        ETMLX_UNROLL
         for (int r = 0; r < M; ++r) {
           const float* xr = x + static_cast<int64_t>(r) * w.k;
+          ETMLX_UNROLL
           for (int i = 0; i < 4; ++i) acc[r][i % NA] = _mm256_fmadd_ps(q[i], _mm256_loadu_ps(xr + 8 * i), acc[r][i % NA]);
         }
       }
       const int64_t at = static_cast<int64_t>(n) * groups + g;
       const __m256 s = _mm256_set1_ps(load_scale<T>(w.scales, at));
       const float b = load_scale<T>(w.biases, at);
+      ETMLX_UNROLL
       for (int r = 0; r < M; ++r) {
         __m256 a = acc[r][0];
+        ETMLX_UNROLL
         for (int i = 1; i < NA; ++i) a = _mm256_add_ps(a, acc[r][i]);
         total[r] = _mm256_fmadd_ps(a, s, total[r]);
         bias_part[r] += b * rows.group_sums[static_cast<int64_t>(r) * groups + g];
       }
     }
+    ETMLX_UNROLL
     for (int r = 0; r < M; ++r) out[r * ldo + (n - n_begin)] = hsum_avx2(total[r]) + bias_part[r];
   }
 }
@@ -114,6 +123,7 @@ ETMLX_AVX2 void dequantize_avx2(const QuantizedMatrix& w, int n_begin, int n_end
           v[0] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb));
           v[1] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 16));
         }
+        ETMLX_UNROLL
         for (int h = 0; h < 2; ++h) {
           const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v[h]));
           const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(v[h], v[h])));
@@ -153,30 +163,38 @@ ETMLX_AVX512 void dot_avx512(const QuantizedMatrix& w, const PreparedRows& rows,
     const uint8_t* wb = reinterpret_cast<const uint8_t*>(w.w) + n * row_bytes;
     __m512 total[M];
     float bias_part[M];
+    ETMLX_UNROLL
     for (int r = 0; r < M; ++r) total[r] = _mm512_setzero_ps(), bias_part[r] = 0.0f;
     const float* x = rows.x;
     for (int g = 0; g < groups; ++g) {
       __m512 acc[M][NA];
+      ETMLX_UNROLL
       for (int r = 0; r < M; ++r)
+        ETMLX_UNROLL
         for (int a = 0; a < NA; ++a) acc[r][a] = _mm512_setzero_ps();
       for (int c = 0; c < chunks; ++c, wb += chunk_bytes, x += kChunk) {
         __m512 q[2];
         chunk_avx512<BITS>(wb, q);
+        ETMLX_UNROLL
         for (int r = 0; r < M; ++r) {
           const float* xr = x + static_cast<int64_t>(r) * w.k;
+          ETMLX_UNROLL
           for (int i = 0; i < 2; ++i) acc[r][i] = _mm512_fmadd_ps(q[i], _mm512_loadu_ps(xr + 16 * i), acc[r][i]);
         }
       }
       const int64_t at = static_cast<int64_t>(n) * groups + g;
       const __m512 s = _mm512_set1_ps(load_scale<T>(w.scales, at));
       const float b = load_scale<T>(w.biases, at);
+      ETMLX_UNROLL
       for (int r = 0; r < M; ++r) {
         __m512 a = acc[r][0];
+        ETMLX_UNROLL
         for (int i = 1; i < NA; ++i) a = _mm512_add_ps(a, acc[r][i]);
         total[r] = _mm512_fmadd_ps(a, s, total[r]);
         bias_part[r] += b * rows.group_sums[static_cast<int64_t>(r) * groups + g];
       }
     }
+    ETMLX_UNROLL
     for (int r = 0; r < M; ++r) out[r * ldo + (n - n_begin)] = _mm512_reduce_add_ps(total[r]) + bias_part[r];
   }
 }
@@ -203,6 +221,7 @@ ETMLX_AVX512 void dequantize_avx512(const QuantizedMatrix& w, int n_begin, int n
           v[0] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb));
           v[1] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 16));
         }
+        ETMLX_UNROLL
         for (int h = 0; h < 2; ++h) {
           _mm512_storeu_ps(o + 16 * h, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v[h])), s, b));
         }
