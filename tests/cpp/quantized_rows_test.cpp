@@ -1,5 +1,6 @@
 // Every quantized_rows.h variant this CPU can run, against a double-precision reference computed
-// from the packed layout directly (value j of a row: bits [bits*j, bits*j + bits) of its bytes).
+// from the packed layout directly (value j of a row: bits [bits*j, bits*j + bits) of its bytes), and
+// a row's result computed alone equal bit for bit to the same row within a batch.
 // Prints one line per failure and ends with "N passed, N failed"; exit status 1 on any failure.
 // Built standalone (no MLX), so it also runs where the library is not built, e.g. on another CPU:
 //   g++ -std=c++20 -O2 -I backends/mlx/runtime tests/cpp/quantized_rows_test.cpp
@@ -67,6 +68,14 @@ void check(const RowsVariant& v, const Case& c, std::mt19937& rng) {
     v.dot(w, pr, 0, c.n / 2, out.data() + static_cast<size_t>(r0) * c.n, c.n);
     v.dot(w, pr, c.n / 2, c.n, out.data() + static_cast<size_t>(r0) * c.n + c.n / 2, c.n);
   }
+  // Each row alone (one-row calls) gives the same bits as within the batch.
+  bool invariant = true;
+  for (int r = 0; r < c.m; ++r) {
+    std::vector<float> alone(c.n);
+    const PreparedRows one{xp.data() + static_cast<size_t>(r) * c.k, sums.data() + static_cast<size_t>(r) * groups, 1};
+    v.dot(w, one, 0, c.n, alone.data(), c.n);
+    invariant = invariant && std::memcmp(alone.data(), out.data() + static_cast<size_t>(r) * c.n, sizeof(float) * c.n) == 0;
+  }
   double worst = 0.0;
   for (int r = 0; r < c.m; ++r) {
     for (int n = 0; n < c.n; ++n) {
@@ -90,11 +99,12 @@ void check(const RowsVariant& v, const Case& c, std::mt19937& rng) {
       deq_err = std::max(deq_err, std::fabs(deq[static_cast<size_t>(n) * c.k + j] - ref) / (std::fabs(ref) + 1e-3));
     }
   }
-  const bool ok = worst <= 1.0 && deq_err <= 1e-6;
+  const bool ok = worst <= 1.0 && deq_err <= 1e-6 && invariant;
   (ok ? passed : failed)++;
   if (!ok) {
-    std::printf("FAIL %s m=%d n=%d k=%d bits=%d group=%d type=%d: dot error %.3g of bound, dequantize %.3g\n",
-                v.name, c.m, c.n, c.k, c.bits, c.group, static_cast<int>(c.type), worst, deq_err);
+    std::printf("FAIL %s m=%d n=%d k=%d bits=%d group=%d type=%d: dot error %.3g of bound, dequantize %.3g, "
+                "rows alone %s\n", v.name, c.m, c.n, c.k, c.bits, c.group, static_cast<int>(c.type), worst, deq_err,
+                invariant ? "equal" : "DIFFER");
   }
 }
 

@@ -40,8 +40,13 @@ QuantizedMatrix matrix_of(const std::vector<mx::array>& in, int first, int group
 }
 
 // Output rows per task: a few tasks per thread so a slow thread (the machine is shared) does not
-// hold up the rest, each long enough that handing it out costs nothing.
-int grain_for(int n) { return std::max(8, n / (4 * pool_threads())); }
+// hold up the rest, each with at least kMinTaskWork multiply-adds (about 20 us), so that a small
+// product (a tiny model's linear) runs on the calling thread rather than paying to wake a worker.
+constexpr int64_t kMinTaskWork = 1 << 16;
+int grain_for(int n, int64_t work_per_row) {
+  const int64_t least = (kMinTaskWork + work_per_row - 1) / std::max<int64_t>(1, work_per_row);
+  return static_cast<int>(std::max<int64_t>({8, n / (4 * pool_threads()), least}));
+}
 
 // out [m, N] float32 = x [m, K] float32 . W^T.
 void dot_rows(const float* x, int m, const QuantizedMatrix& w, float* out) {
@@ -55,7 +60,7 @@ void dot_rows(const float* x, int m, const QuantizedMatrix& w, float* out) {
       quantized_dot_rows(w, rows, begin, end, out + static_cast<size_t>(r0) * w.n + begin, w.n);
     }
   };
-  parallel_for(w.n, grain_for(w.n), range);
+  parallel_for(w.n, grain_for(w.n, static_cast<int64_t>(w.k) * m), range);
 }
 
 }  // namespace
@@ -76,7 +81,7 @@ mx::array quantized_matmul_cpu(const mx::array& x, const mx::array& w, const mx:
       const QuantizedMatrix wm = matrix_of(in, 0, group_size, bits);
       float* o = out.data<float>();
       auto range = [&](int begin, int end) { dequantize_rows(wm, begin, end, o + static_cast<size_t>(begin) * wm.k); };
-      parallel_for(wm.n, grain_for(wm.n), range);
+      parallel_for(wm.n, grain_for(wm.n, wm.k), range);
     };
     const mx::array wf = host_kernel("QuantizedDequantizeCpu", {n, k}, mx::float32, std::move(weights), dequantize);
     out32 = mx::matmul(x32, mx::transpose(wf));  // float32: MLX sends it to BLAS (blas_route.cpp)

@@ -47,7 +47,8 @@ float f16_to_float(uint16_t h);
 void prepare_activations(const float* x, int m, int k, int bits, int group, float* xp, float* sums);
 
 // out[r * ldo + j] = row r of the prepared activations . W[n_begin + j], for j < n_end - n_begin
-// and every row r < rows.m (at most kMaxRows: the caller splits larger batches).
+// and every row r < rows.m (at most kMaxRows: the caller splits larger batches). A row's result
+// depends only on that row and W: not on rows.m, the row's place among them, or [n_begin, n_end).
 constexpr int kMaxRows = 4;
 void quantized_dot_rows(const QuantizedMatrix& w, const PreparedRows& rows, int n_begin, int n_end, float* out,
                         int64_t ldo);

@@ -33,7 +33,7 @@ inline void chunk_neon(const uint8_t* p, float32x4_t* q) {
 
 template <int BITS, int M, ScaleType T>
 void dot_neon(const QuantizedMatrix& w, const PreparedRows& rows, int n_begin, int n_end, float* out, int64_t ldo) {
-  constexpr int NA = M == 1 ? 4 : 2;  // independent sums per row, as in the AVX2 variant
+  constexpr int NA = 2;  // independent sums per row, the same for every row count (see the AVX2 variant)
   constexpr int chunk_bytes = kChunk * BITS / 8;
   const int groups = w.k / w.group, chunks = w.group / kChunk;
   const int64_t row_bytes = static_cast<int64_t>(w.k) * BITS / 8;

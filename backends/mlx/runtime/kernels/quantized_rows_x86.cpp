@@ -54,9 +54,9 @@ ETMLX_AVX2 ETMLX_INLINE float hsum_avx2(__m256 v) {
 template <int BITS, int M, ScaleType T>
 ETMLX_AVX2 void dot_avx2(const QuantizedMatrix& w, const PreparedRows& rows, int n_begin, int n_end, float* out,
                          int64_t ldo) {
-  // One row alone has 4 independent sums per group (the FMA latency would bound a single chain);
-  // with more rows the rows themselves give that independence.
-  constexpr int NA = M == 1 ? 4 : 2;
+  // Two independent sums per row and group (a single FMA chain would be latency-bound), the same
+  // for every row count: a row's result then does not depend on how many rows the call has.
+  constexpr int NA = 2;
   constexpr int chunk_bytes = kChunk * BITS / 8;
   const int groups = w.k / w.group, chunks = w.group / kChunk;
   const int64_t row_bytes = static_cast<int64_t>(w.k) * BITS / 8;
@@ -153,8 +153,7 @@ ETMLX_AVX512 ETMLX_INLINE void chunk_avx512(const uint8_t* p, __m512* q) {
 template <int BITS, int M, ScaleType T>
 ETMLX_AVX512 void dot_avx512(const QuantizedMatrix& w, const PreparedRows& rows, int n_begin, int n_end, float* out,
                              int64_t ldo) {
-  // Two independent sums per row, one per vector of the chunk (as in dot_avx2; a wider vector
-  // halves the chains' length per chunk, so two suffice).
+  // Two independent sums per row, one per vector of the chunk, for every row count (as in dot_avx2).
   constexpr int NA = 2;
   constexpr int chunk_bytes = kChunk * BITS / 8;
   const int groups = w.k / w.group, chunks = w.group / kChunk;
