@@ -99,3 +99,59 @@ def test_every_instruction_set_variant_matches_a_double_reference():
     done = subprocess.run([str(HARNESS)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "variant scalar" in done.stdout and " 0 failed" in done.stdout, done.stdout
+
+
+_RUN_ELSEWHERE = r"""
+import json, sys
+import torch
+from backends.mlx.runtime import kernels_info
+from backends.mlx.runtime.runner import load_method
+x = torch.load(sys.argv[2])
+out = load_method(open(sys.argv[1], "rb").read()).execute([x])[0]
+print(json.dumps({"info": kernels_info(), "out": out.tolist()}))
+"""
+
+
+def _run_with(env_extra: dict, pte: Path, x_path: Path) -> tuple[dict, str]:
+    import json
+    import os
+    import sys
+
+    env = {**os.environ, "ETMLX_KERNELS": "cpu", **env_extra}
+    done = subprocess.run([sys.executable, "-c", _RUN_ELSEWHERE, str(pte), str(x_path)], capture_output=True,
+                          text=True, timeout=300, env=env, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+
+def test_thread_count_and_variant_can_be_forced(tmp_path, monkeypatch):
+    """ETMLX_NUM_THREADS sizes the pool and ETMLX_QMM_ISA=scalar forces the portable loop: the same
+    program then gives this process's result within the stated tolerance, one thread its exact bits;
+    a bad thread count is one line on stderr and the default is kept."""
+    from backends.mlx.runtime import kernels_info
+
+    monkeypatch.setenv("ETMLX_KERNELS", "cpu")
+    torch.manual_seed(5)
+    w, scales, biases = quantize_tensor(torch.randn(300, 256) * torch.logspace(-1, 1, 300).unsqueeze(1), 32, 4)
+    lin = QuantizedLinear(w, scales, biases, 32, 4)
+    x = torch.randn(2, 256)
+    pte = tmp_path / "q.pte"
+    pte.write_bytes(export_to_pte(lin, (x,)).pte)
+    torch.save(x, tmp_path / "x.pt")
+    here = load_method(pte.read_bytes()).execute([x])[0].numpy()
+
+    forced, _ = _run_with({"ETMLX_NUM_THREADS": "3", "ETMLX_QMM_ISA": "scalar"}, pte, tmp_path / "x.pt")
+    assert forced["info"] == {"isa": "scalar", "threads": 3}
+    ref = _reference(x, lin)
+    bound = _bound(x, lin, ref, torch.float32)
+    assert (np.abs(np.array(forced["out"], dtype=np.float32) - ref) <= bound).all()
+    assert (np.abs(here - ref) <= bound).all()
+
+    # Each output is summed by one thread in one order: one thread gives this process's bits.
+    alone, _ = _run_with({"ETMLX_NUM_THREADS": "1"}, pte, tmp_path / "x.pt")
+    assert alone["info"] == {"isa": kernels_info()["isa"], "threads": 1}
+    np.testing.assert_array_equal(np.array(alone["out"], dtype=np.float32), here)
+
+    bad, stderr = _run_with({"ETMLX_NUM_THREADS": "zero"}, pte, tmp_path / "x.pt")
+    assert "ETMLX_NUM_THREADS=zero is not a thread count from 1 to 1024" in stderr
+    assert bad["info"]["threads"] == kernels_info()["threads"] >= 1
