@@ -27,9 +27,11 @@ namespace etmlx::kernels {
 
 namespace {
 
-// How long an idle worker polls for the next job before it sleeps: long enough to span the few
-// element-wise ops between two linears of a decode step, short enough not to hold a core for long.
-constexpr auto kSpin = std::chrono::microseconds(100);
+// How long an idle worker polls for the next job before it sleeps. Short: a polling thread holds a
+// core that MLX's own thread or OpenBLAS's threads may need (on 2 cores, a 100 us poll made a
+// quantized prefill 15x slower next to OpenBLAS's busy-waiting workers), while a wake-up costs only
+// microseconds next to a linear's work.
+constexpr auto kSpin = std::chrono::microseconds(5);
 
 int machine_threads() {
 #if defined(__linux__)
