@@ -84,6 +84,10 @@ def _bench(args) -> int:
         from backends.mlx.bench import cpu_gemm
 
         return cpu_gemm.main(args.json)
+    if args.what == "qmm":
+        from backends.mlx.bench import quantized_matmul
+
+        return quantized_matmul.main(args.json, repeats=args.repeats)
     raise ValueError(f"unknown benchmark {args.what!r}")
 
 
@@ -104,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     llm_cli.add_parsers(sub)
     serve_cli.add_parsers(sub)
     bench = sub.add_parser("bench", help="benchmarks with same-run baselines")
-    bench.add_argument("what", choices=["sampler", "agreement", "decode", "serve", "gemm", "structured", "pipeline"], help="which benchmark")
+    bench.add_argument("what", choices=["sampler", "agreement", "decode", "serve", "gemm", "qmm", "structured", "pipeline"], help="which benchmark")
     bench.add_argument("--suite", choices=["all", "basic", "features"], default="all",
                        help="sampler: basic (temperature by vocab and batch), features (top-k/top-p), or all")
     bench.add_argument("--rows", type=int, default=2000, help="agreement: rows per dtype")

@@ -16,7 +16,7 @@ import os
 import threading
 from pathlib import Path
 
-__all__ = ["BACKEND_ID", "library_path", "load", "pybindings", "schema_version"]
+__all__ = ["BACKEND_ID", "kernels_info", "library_path", "load", "pybindings", "schema_version"]
 
 BACKEND_ID = "EtmlxBackend"
 
@@ -102,3 +102,12 @@ def schema_version() -> int:
 
 
 load()
+
+
+def kernels_info() -> dict:
+    """The cpu kernel set's quantized-matmul variant ("avx512", "avx2", "neon" or "scalar"; ETMLX_QMM_ISA
+    forces one) and its thread pool's size (the CPUs this process may use, or ETMLX_NUM_THREADS)."""
+    lib = load()
+    lib.etmlx_quantized_rows_isa.restype = ctypes.c_char_p
+    lib.etmlx_cpu_threads.restype = ctypes.c_int
+    return {"isa": lib.etmlx_quantized_rows_isa().decode(), "threads": int(lib.etmlx_cpu_threads())}

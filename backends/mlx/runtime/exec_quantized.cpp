@@ -1,6 +1,7 @@
-// The quantized-weight nodes (QuantizedLinearNode, QuantizedEmbeddingNode): MLX's own affine
-// kernels over the packed weights, operands checked on every call (quantized_layout.h) since
-// mlx::core reads the packed words by the sizes the scales imply.
+// The quantized-weight nodes (QuantizedLinearNode, QuantizedEmbeddingNode) over MLX's affine
+// packed weights, operands checked on every call (quantized_layout.h) since the kernels read the
+// packed words by the sizes the scales imply. The linear runs the kernel set's quantized matmul
+// (kernels/quantized_matmul.h), the embedding MLX's dequantize of the rows looked up.
 #include <string>
 
 #include <mlx/ops.h>
@@ -44,8 +45,7 @@ bool Interpreter::exec_quantized_linear(const fb::QuantizedLinearNode& n) {
     return fail("input is %s but the scales are %s", mlx_dtype_name(x->dtype()),
                 mlx_dtype_name(scales->dtype()));
   }
-  mx::array out = mx::quantized_matmul(*x, *w, *scales, *biases, /*transpose=*/true, n.group_size(),
-                                       n.bits(), "affine");
+  mx::array out = program_.kernels->quantized_matmul(*x, *w, *scales, *biases, n.group_size(), n.bits());
   if (n.bias()) {
     const mx::array* bias = read(n.bias());
     if (!bias) return false;

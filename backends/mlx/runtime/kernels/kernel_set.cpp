@@ -17,17 +17,24 @@ mx::array device_addmm(const mx::array& bias, const mx::array& a, const mx::arra
   return mx::addmm(bias, a, b, alpha, beta);
 }
 
+mx::array device_quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
+                                  const mx::array& biases, int group_size, int bits) {
+  return mx::quantized_matmul(x, w, scales, biases, /*transpose=*/true, group_size, bits, "affine");
+}
+
 }  // namespace
 
 const KernelSet& cpu_kernels() {
   static const KernelSet set{"cpu", gumbel_max_cpu, filter_threshold_cpu, cpu_matmul, cpu_addmm,
-                             /*fast_rope=*/false, allowed_mask_cpu, drawn_or_none_cpu};
+                             /*fast_rope=*/false, allowed_mask_cpu, drawn_or_none_cpu,
+                             quantized_matmul_cpu};
   return set;
 }
 
 const KernelSet& device_kernels() {
   static const KernelSet set{"device", gumbel_max_device, filter_threshold_device, device_matmul, device_addmm,
-                             /*fast_rope=*/true, allowed_mask_device, drawn_or_none_device};
+                             /*fast_rope=*/true, allowed_mask_device, drawn_or_none_device,
+                             device_quantized_matmul};
   return set;
 }
 

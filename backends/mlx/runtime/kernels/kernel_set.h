@@ -4,7 +4,7 @@
 // (gumbel_max_cpu.cpp / gumbel_max_device.cpp, ...) behind one signature; the
 // interpreter calls through the set it got at load and never asks the device
 // in the middle of an op. "cpu": host loops, each run as a node of the graph once its
-// operands are computed (host_kernel.h), BLAS-friendly matmuls. "device": compositions of
+// operands are computed (host_kernel.h), BLAS-friendly matmuls, its own quantized matmul. "device": compositions of
 // mlx ops, for Metal and CUDA. Both are lazy: nothing is evaluated before the call's one
 // evaluation; a node that would like a value the host does not hold yet (known_values.h)
 // takes the shape that is right for any value instead.
@@ -18,6 +18,7 @@
 #include "kernels/cpu_gemm.h"
 #include "kernels/filter_threshold.h"
 #include "kernels/gumbel_max.h"
+#include "kernels/quantized_matmul.h"
 
 namespace etmlx::kernels {
 
@@ -30,6 +31,7 @@ struct KernelSet {
   bool fast_rope;  // mx::fast::rope where the exporter allowed it (rope.h; ETMLX_FAST_ROPE overrides)
   AllowedMaskFn allowed_mask;
   DrawnOrNoneFn drawn_or_none;
+  QuantizedMatmulFn quantized_matmul;
 };
 
 const KernelSet& cpu_kernels();

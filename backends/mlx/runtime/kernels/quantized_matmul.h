@@ -1,0 +1,27 @@
+// x @ dequantize(w)^T over MLX's affine layout (QuantizedLinearNode): the type of both variants.
+//
+//   device  mx::quantized_matmul as it is (kernel_set.cpp).
+//   cpu     quantized_matmul_cpu: MLX's CPU kernel is one scalar loop on one thread (a 4-bit
+//           Qwen2.5-0.5B decoded at ~2 tok/s), so the cpu set runs its own: for a few rows
+//           (decode), a vectorised, multi-threaded pass over the packed weights
+//           (quantized_rows.h, thread_pool.h), which reads each weight once for all rows;
+//           for many rows (prefill), the weights dequantized to float32 by the same code and
+//           multiplied by BLAS. Both compute in float32 and round once to x's dtype, as MLX does;
+//           only the order of the additions differs from mx::quantized_matmul.
+#pragma once
+
+#include <mlx/array.h>
+
+namespace etmlx::kernels {
+
+// x [..., K] float32/float16/bfloat16; w uint32 [N, K * bits / 32]; scales and biases [N, K / group]
+// in x's dtype (the caller checks the layout: quantized_layout.h). Returns [..., N] in x's dtype.
+using QuantizedMatmulFn = mlx::core::array (*)(const mlx::core::array& x, const mlx::core::array& w,
+                                               const mlx::core::array& scales, const mlx::core::array& biases,
+                                               int group_size, int bits);
+
+mlx::core::array quantized_matmul_cpu(const mlx::core::array& x, const mlx::core::array& w,
+                                      const mlx::core::array& scales, const mlx::core::array& biases,
+                                      int group_size, int bits);
+
+}  // namespace etmlx::kernels

@@ -1,0 +1,108 @@
+// quantized_matmul_cpu (quantized_matmul.h): host loops as lazy graph nodes (host_kernel.h).
+#include <algorithm>
+#include <cstdlib>
+#include <vector>
+
+#include <mlx/ops.h>
+
+#include "kernels/host_kernel.h"
+#include "kernels/quantized_matmul.h"
+#include "kernels/quantized_rows.h"
+#include "kernels/thread_pool.h"
+
+namespace etmlx::kernels {
+
+namespace mx = mlx::core;
+
+namespace {
+
+// From this many rows on, the weights are dequantized and multiplied by BLAS: a dot pass reads
+// the packed weights once per kMaxRows rows and does a few integer-to-float steps per weight,
+// while BLAS's blocked GEMM reuses each float weight across all rows.
+int gemm_rows() {
+  static const int rows = [] {
+    const char* env = std::getenv("ETMLX_QMM_GEMM_ROWS");  // for measuring the crossover
+    return env && *env ? std::max(1, std::atoi(env)) : 16;
+  }();
+  return rows;
+}
+
+ScaleType scale_type(mx::Dtype t) {
+  if (t == mx::float16) return ScaleType::f16;
+  if (t == mx::bfloat16) return ScaleType::bf16;
+  return ScaleType::f32;
+}
+
+QuantizedMatrix matrix_of(const std::vector<mx::array>& in, int first, int group, int bits) {
+  const mx::array &w = in[first], &s = in[first + 1], &b = in[first + 2];
+  return QuantizedMatrix{w.data<uint32_t>(), s.data<void>(), b.data<void>(), scale_type(s.dtype()),
+                         static_cast<int>(w.shape(0)), static_cast<int>(w.shape(1)) * 32 / bits, bits, group};
+}
+
+// Output rows per task: a few tasks per thread so a slow thread (the machine is shared) does not
+// hold up the rest, each with at least kMinTaskWork multiply-adds (about 20 us), so that a small
+// product (a tiny model's linear) runs on the calling thread rather than paying to wake a worker.
+constexpr int64_t kMinTaskWork = 1 << 16;
+int grain_for(int n, int64_t work_per_row) {
+  const int64_t least = (kMinTaskWork + work_per_row - 1) / std::max<int64_t>(1, work_per_row);
+  return static_cast<int>(std::max<int64_t>({8, n / (4 * pool_threads()), least}));
+}
+
+// out [m, N] float32 = x [m, K] float32 . W^T.
+void dot_rows(const float* x, int m, const QuantizedMatrix& w, float* out) {
+  const int groups = w.k / w.group;
+  std::vector<float> xp(static_cast<size_t>(m) * w.k), sums(static_cast<size_t>(m) * groups);
+  prepare_activations(x, m, w.k, w.bits, w.group, xp.data(), sums.data());
+  auto range = [&](int begin, int end) {
+    for (int r0 = 0; r0 < m; r0 += kMaxRows) {
+      const PreparedRows rows{xp.data() + static_cast<size_t>(r0) * w.k, sums.data() + static_cast<size_t>(r0) * groups,
+                              std::min(kMaxRows, m - r0)};
+      quantized_dot_rows(w, rows, begin, end, out + static_cast<size_t>(r0) * w.n + begin, w.n);
+    }
+  };
+  parallel_for(w.n, grain_for(w.n, static_cast<int64_t>(w.k) * m), range);
+}
+
+}  // namespace
+
+mx::array quantized_matmul_cpu(const mx::array& x, const mx::array& w, const mx::array& scales,
+                               const mx::array& biases, int group_size, int bits) {
+  const mx::Dtype dtype = x.dtype();
+  const int k = x.shape(-1), n = w.shape(0);
+  const int m = k == 0 ? 0 : static_cast<int>(x.size() / k);
+  mx::Shape out_shape = x.shape();
+  out_shape.back() = n;
+  if (m == 0 || k == 0) return mx::zeros(out_shape, dtype);
+  const mx::array x32 = mx::reshape(mx::astype(x, mx::float32), {m, k});
+  std::vector<mx::array> weights{mx::contiguous(w), mx::contiguous(scales), mx::contiguous(biases)};
+  mx::array out32 = x32;
+  if (m >= gemm_rows()) {
+    auto dequantize = [group_size, bits](const std::vector<mx::array>& in, mx::array& out) {
+      const QuantizedMatrix wm = matrix_of(in, 0, group_size, bits);
+      // On this thread alone: it is a small part of the product (1/10 of the GEMM's time at 64 rows),
+      // and waking the pool here would put its threads next to OpenBLAS's, which busy-wait between
+      // GEMMs: with more busy threads than cores, both pools then stall on descheduled threads
+      // (measured: a 128-token prefill 0.45 s -> 7-9 s on 2 cores).
+      dequantize_rows(wm, 0, wm.n, out.data<float>());
+    };
+    const mx::array wf = host_kernel("QuantizedDequantizeCpu", {n, k}, mx::float32, std::move(weights), dequantize);
+    out32 = mx::matmul(x32, mx::transpose(wf));  // float32: MLX sends it to BLAS (blas_route.cpp)
+  } else {
+    std::vector<mx::array> inputs{mx::contiguous(x32)};
+    inputs.insert(inputs.end(), weights.begin(), weights.end());
+    auto loop = [m, group_size, bits](const std::vector<mx::array>& in, mx::array& out) {
+      dot_rows(in[0].data<float>(), m, matrix_of(in, 1, group_size, bits), out.data<float>());
+    };
+    out32 = host_kernel("QuantizedMatmulCpu", {m, n}, mx::float32, std::move(inputs), loop);
+  }
+  return mx::astype(mx::reshape(out32, out_shape), dtype);
+}
+
+}  // namespace etmlx::kernels
+
+// For `backends.mlx.runtime.kernels_info()` (benchmarks and tests say what they measured).
+extern "C" __attribute__((visibility("default"))) const char* etmlx_quantized_rows_isa() {
+  return etmlx::kernels::quantized_rows_isa();
+}
+
+extern "C" __attribute__((visibility("default"))) int etmlx_cpu_threads() { return etmlx::kernels::pool_threads(); }

@@ -1,0 +1,281 @@
+// quantized_rows.h on x86-64: AVX2+FMA and AVX-512 variants. Every function using them carries
+// its own target attribute (the rest of the library stays baseline x86-64), and a variant is
+// offered only when the running CPU (and OS) supports it.
+#include "kernels/quantized_rows_variants.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+
+// GCC 12's AVX-512 headers make their "undefined" pass-through operands by self-assignment, which
+// -Wmaybe-uninitialized reports at every inlined intrinsic; the values are never read.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+#include <immintrin.h>
+
+namespace etmlx::kernels {
+
+namespace {
+
+#define ETMLX_AVX2 __attribute__((target("avx2,fma")))
+#define ETMLX_AVX512 __attribute__((target("avx512f,avx2,fma")))
+#define ETMLX_INLINE inline __attribute__((always_inline))
+
+// ---- AVX2: a chunk of 32 values is 4 vectors of 8 floats ----
+
+// The chunk's integers as floats in prepared order (quantized_rows.h): at 4 bits, the 16 low
+// nibbles then the 16 high ones; at 8 bits, the 32 bytes in order.
+template <int BITS>
+ETMLX_AVX2 ETMLX_INLINE void chunk_avx2(const uint8_t* p, __m256* q) {
+  if constexpr (BITS == 4) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(lo, lo)));
+    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(hi, hi)));
+  } else {
+    ETMLX_UNROLL
+    for (int i = 0; i < 4; ++i) {
+      q[i] = _mm256_cvtepi32_ps(
+          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * i))));
+    }
+  }
+}
+
+ETMLX_AVX2 ETMLX_INLINE float hsum_avx2(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <int BITS, int M, ScaleType T>
+ETMLX_AVX2 void dot_avx2(const QuantizedMatrix& w, const PreparedRows& rows, int n_begin, int n_end, float* out,
+                         int64_t ldo) {
+  // Two independent sums per row and group (a single FMA chain would be latency-bound), the same
+  // for every row count: a row's result then does not depend on how many rows the call has.
+  constexpr int NA = 2;
+  constexpr int chunk_bytes = kChunk * BITS / 8;
+  const int groups = w.k / w.group, chunks = w.group / kChunk;
+  const int64_t row_bytes = static_cast<int64_t>(w.k) * BITS / 8;
+  for (int n = n_begin; n < n_end; ++n) {
+    const uint8_t* wb = reinterpret_cast<const uint8_t*>(w.w) + n * row_bytes;
+    __m256 total[M];
+    float bias_part[M];
+    ETMLX_UNROLL
+    for (int r = 0; r < M; ++r) total[r] = _mm256_setzero_ps(), bias_part[r] = 0.0f;
+    const float* x = rows.x;
+    for (int g = 0; g < groups; ++g) {
+      __m256 acc[M][NA];
+      ETMLX_UNROLL
+      for (int r = 0; r < M; ++r)
+        ETMLX_UNROLL
+        for (int a = 0; a < NA; ++a) acc[r][a] = _mm256_setzero_ps();
+      for (int c = 0; c < chunks; ++c, wb += chunk_bytes, x += kChunk) {
+        __m256 q[4];
+        chunk_avx2<BITS>(wb, q);
+        ETMLX_UNROLL
+        for (int r = 0; r < M; ++r) {
+          const float* xr = x + static_cast<int64_t>(r) * w.k;
+          ETMLX_UNROLL
+          for (int i = 0; i < 4; ++i) acc[r][i % NA] = _mm256_fmadd_ps(q[i], _mm256_loadu_ps(xr + 8 * i), acc[r][i % NA]);
+        }
+      }
+      const int64_t at = static_cast<int64_t>(n) * groups + g;
+      const __m256 s = _mm256_set1_ps(load_scale<T>(w.scales, at));
+      const float b = load_scale<T>(w.biases, at);
+      ETMLX_UNROLL
+      for (int r = 0; r < M; ++r) {
+        __m256 a = acc[r][0];
+        ETMLX_UNROLL
+        for (int i = 1; i < NA; ++i) a = _mm256_add_ps(a, acc[r][i]);
+        total[r] = _mm256_fmadd_ps(a, s, total[r]);
+        bias_part[r] += b * rows.group_sums[static_cast<int64_t>(r) * groups + g];
+      }
+    }
+    ETMLX_UNROLL
+    for (int r = 0; r < M; ++r) out[r * ldo + (n - n_begin)] = hsum_avx2(total[r]) + bias_part[r];
+  }
+}
+
+template <int BITS, ScaleType T>
+ETMLX_AVX2 void dequantize_avx2(const QuantizedMatrix& w, int n_begin, int n_end, float* out) {
+  constexpr int chunk_bytes = kChunk * BITS / 8;
+  const int groups = w.k / w.group, chunks = w.group / kChunk;
+  const int64_t row_bytes = static_cast<int64_t>(w.k) * BITS / 8;
+  for (int n = n_begin; n < n_end; ++n) {
+    const uint8_t* wb = reinterpret_cast<const uint8_t*>(w.w) + n * row_bytes;
+    float* o = out + static_cast<int64_t>(n - n_begin) * w.k;
+    for (int g = 0; g < groups; ++g) {
+      const int64_t at = static_cast<int64_t>(n) * groups + g;
+      const __m256 s = _mm256_set1_ps(load_scale<T>(w.scales, at)), b = _mm256_set1_ps(load_scale<T>(w.biases, at));
+      for (int c = 0; c < chunks; ++c, wb += chunk_bytes, o += kChunk) {
+        __m128i v[2];
+        if constexpr (BITS == 4) {
+          // Natural order: interleave the low (even values) and high (odd values) nibbles.
+          const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb));
+          const __m128i mask = _mm_set1_epi8(0x0f);
+          const __m128i lo = _mm_and_si128(bytes, mask), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+          v[0] = _mm_unpacklo_epi8(lo, hi), v[1] = _mm_unpackhi_epi8(lo, hi);
+        } else {
+          v[0] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb));
+          v[1] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 16));
+        }
+        ETMLX_UNROLL
+        for (int h = 0; h < 2; ++h) {
+          const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v[h]));
+          const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(v[h], v[h])));
+          _mm256_storeu_ps(o + 16 * h, _mm256_fmadd_ps(q0, s, b));
+          _mm256_storeu_ps(o + 16 * h + 8, _mm256_fmadd_ps(q1, s, b));
+        }
+      }
+    }
+  }
+}
+
+// ---- AVX-512: a chunk of 32 values is 2 vectors of 16 floats ----
+
+template <int BITS>
+ETMLX_AVX512 ETMLX_INLINE void chunk_avx512(const uint8_t* p, __m512* q) {
+  if constexpr (BITS == 4) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    q[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, mask)));
+    q[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), mask)));
+  } else {
+    q[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    q[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+  }
+}
+
+template <int BITS, int M, ScaleType T>
+ETMLX_AVX512 void dot_avx512(const QuantizedMatrix& w, const PreparedRows& rows, int n_begin, int n_end, float* out,
+                             int64_t ldo) {
+  // Two independent sums per row, one per vector of the chunk, for every row count (as in dot_avx2).
+  constexpr int NA = 2;
+  constexpr int chunk_bytes = kChunk * BITS / 8;
+  const int groups = w.k / w.group, chunks = w.group / kChunk;
+  const int64_t row_bytes = static_cast<int64_t>(w.k) * BITS / 8;
+  for (int n = n_begin; n < n_end; ++n) {
+    const uint8_t* wb = reinterpret_cast<const uint8_t*>(w.w) + n * row_bytes;
+    __m512 total[M];
+    float bias_part[M];
+    ETMLX_UNROLL
+    for (int r = 0; r < M; ++r) total[r] = _mm512_setzero_ps(), bias_part[r] = 0.0f;
+    const float* x = rows.x;
+    for (int g = 0; g < groups; ++g) {
+      __m512 acc[M][NA];
+      ETMLX_UNROLL
+      for (int r = 0; r < M; ++r)
+        ETMLX_UNROLL
+        for (int a = 0; a < NA; ++a) acc[r][a] = _mm512_setzero_ps();
+      for (int c = 0; c < chunks; ++c, wb += chunk_bytes, x += kChunk) {
+        __m512 q[2];
+        chunk_avx512<BITS>(wb, q);
+        ETMLX_UNROLL
+        for (int r = 0; r < M; ++r) {
+          const float* xr = x + static_cast<int64_t>(r) * w.k;
+          ETMLX_UNROLL
+          for (int i = 0; i < 2; ++i) acc[r][i] = _mm512_fmadd_ps(q[i], _mm512_loadu_ps(xr + 16 * i), acc[r][i]);
+        }
+      }
+      const int64_t at = static_cast<int64_t>(n) * groups + g;
+      const __m512 s = _mm512_set1_ps(load_scale<T>(w.scales, at));
+      const float b = load_scale<T>(w.biases, at);
+      ETMLX_UNROLL
+      for (int r = 0; r < M; ++r) {
+        __m512 a = acc[r][0];
+        ETMLX_UNROLL
+        for (int i = 1; i < NA; ++i) a = _mm512_add_ps(a, acc[r][i]);
+        total[r] = _mm512_fmadd_ps(a, s, total[r]);
+        bias_part[r] += b * rows.group_sums[static_cast<int64_t>(r) * groups + g];
+      }
+    }
+    ETMLX_UNROLL
+    for (int r = 0; r < M; ++r) out[r * ldo + (n - n_begin)] = _mm512_reduce_add_ps(total[r]) + bias_part[r];
+  }
+}
+
+template <int BITS, ScaleType T>
+ETMLX_AVX512 void dequantize_avx512(const QuantizedMatrix& w, int n_begin, int n_end, float* out) {
+  constexpr int chunk_bytes = kChunk * BITS / 8;
+  const int groups = w.k / w.group, chunks = w.group / kChunk;
+  const int64_t row_bytes = static_cast<int64_t>(w.k) * BITS / 8;
+  for (int n = n_begin; n < n_end; ++n) {
+    const uint8_t* wb = reinterpret_cast<const uint8_t*>(w.w) + n * row_bytes;
+    float* o = out + static_cast<int64_t>(n - n_begin) * w.k;
+    for (int g = 0; g < groups; ++g) {
+      const int64_t at = static_cast<int64_t>(n) * groups + g;
+      const __m512 s = _mm512_set1_ps(load_scale<T>(w.scales, at)), b = _mm512_set1_ps(load_scale<T>(w.biases, at));
+      for (int c = 0; c < chunks; ++c, wb += chunk_bytes, o += kChunk) {
+        __m128i v[2];
+        if constexpr (BITS == 4) {
+          const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb));
+          const __m128i mask = _mm_set1_epi8(0x0f);
+          const __m128i lo = _mm_and_si128(bytes, mask), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+          v[0] = _mm_unpacklo_epi8(lo, hi), v[1] = _mm_unpackhi_epi8(lo, hi);
+        } else {
+          v[0] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb));
+          v[1] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 16));
+        }
+        ETMLX_UNROLL
+        for (int h = 0; h < 2; ++h) {
+          _mm512_storeu_ps(o + 16 * h, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v[h])), s, b));
+        }
+      }
+    }
+  }
+}
+
+// ---- dispatch (plain functions: the templates above carry the targets) ----
+
+void dot_avx2_any(const QuantizedMatrix& w, const PreparedRows& rows, int n_begin, int n_end, float* out,
+                  int64_t ldo) {
+  dispatch_rows(w.bits, rows.m, w.scale_type, [&]<int B, int M, ScaleType T>() {
+    dot_avx2<B, M, T>(w, rows, n_begin, n_end, out, ldo);
+  });
+}
+
+void dequantize_avx2_any(const QuantizedMatrix& w, int n_begin, int n_end, float* out) {
+  dispatch_dequantize(w.bits, w.scale_type, [&]<int B, ScaleType T>() { dequantize_avx2<B, T>(w, n_begin, n_end, out); });
+}
+
+void dot_avx512_any(const QuantizedMatrix& w, const PreparedRows& rows, int n_begin, int n_end, float* out,
+                    int64_t ldo) {
+  dispatch_rows(w.bits, rows.m, w.scale_type, [&]<int B, int M, ScaleType T>() {
+    dot_avx512<B, M, T>(w, rows, n_begin, n_end, out, ldo);
+  });
+}
+
+void dequantize_avx512_any(const QuantizedMatrix& w, int n_begin, int n_end, float* out) {
+  dispatch_dequantize(w.bits, w.scale_type,
+                      [&]<int B, ScaleType T>() { dequantize_avx512<B, T>(w, n_begin, n_end, out); });
+}
+
+}  // namespace
+
+const RowsVariant* avx2_rows() {
+  static const RowsVariant v{"avx2", dot_avx2_any, dequantize_avx2_any};
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return ok ? &v : nullptr;
+}
+
+const RowsVariant* avx512_rows() {
+  static const RowsVariant v{"avx512", dot_avx512_any, dequantize_avx512_any};
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") &&
+                         __builtin_cpu_supports("fma");
+  return ok ? &v : nullptr;
+}
+
+}  // namespace etmlx::kernels
+
+#else  // not x86-64
+
+namespace etmlx::kernels {
+const RowsVariant* avx2_rows() { return nullptr; }
+const RowsVariant* avx512_rows() { return nullptr; }
+}  // namespace etmlx::kernels
+
+#endif

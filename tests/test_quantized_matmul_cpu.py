@@ -1,0 +1,157 @@
+"""The cpu kernel set's own quantized matmul (kernels/quantized_matmul_cpu.cpp), through exported
+QuantizedLinear programs, against mx.quantized_matmul: 1, 3 and 64 rows (the few-row pass and the
+dequantize-then-BLAS route), 64 to 4096 input features, 4 and 8 bits, groups 32/64/128, float32 and
+bfloat16 activations. Its inner loops, every instruction-set variant the CPU runs, are checked
+against a double reference by build/etmlx_quantized_rows_test."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import backends.mlx  # noqa: F401  (before mlx.core: routes MLX's CPU GEMMs)
+import mlx.core as mx
+from backends.mlx.llm.quantize.affine import quantize_tensor
+from backends.mlx.llm.quantize.modules import QuantizedLinear
+from backends.mlx.exporter.export import export_to_pte
+from backends.mlx.runtime.runner import load_method
+
+ROWS = (1, 3, 64)
+MX_DTYPES = {torch.float32: mx.float32, torch.bfloat16: mx.bfloat16}
+HARNESS = Path(__file__).resolve().parents[1] / "build" / "etmlx_quantized_rows_test"
+
+
+def _mx(t: torch.Tensor):
+    return mx.array(t.float().numpy()).astype(MX_DTYPES[t.dtype])
+
+
+def _shapes(group: int) -> list[tuple[int, int]]:
+    """(in, out) features: the smallest input a group allows, a middle one, 4096; output counts
+    that do not divide evenly among threads."""
+    return [(max(64, group), 40), (896, 136), (4096, 24)]
+
+
+class _Linears(torch.nn.Module):
+    def __init__(self, bits, group, dtype):
+        super().__init__()
+        self.layers = torch.nn.ModuleList()
+        for k, n in _shapes(group):
+            # Sharp weights: rows of very different scales, so a mixed-up group or nibble shows.
+            weight = torch.randn(n, k) * torch.logspace(-1, 1, n).unsqueeze(1)
+            w, scales, biases = quantize_tensor(weight.to(dtype), group, bits)
+            self.layers.append(QuantizedLinear(w, scales, biases, group, bits))
+
+    def forward(self, a, b, c):
+        return tuple(layer(x) for layer, x in zip(self.layers, (a, b, c)))
+
+
+def _reference(x: torch.Tensor, lin: QuantizedLinear) -> np.ndarray:
+    """mx.quantized_matmul over the same values in float32, rounded once to x's dtype. (For bfloat16 not
+    MLX's bfloat16 CPU kernel itself: it sums in bfloat16, off by several percent at 4096 inputs.)"""
+    f32 = lambda t: mx.array(t.float().numpy())
+    ref = mx.quantized_matmul(f32(x), mx.array(lin.weight.numpy()), f32(lin.scales), f32(lin.biases),
+                              transpose=True, group_size=lin.group_size, bits=lin.bits)
+    return np.array(ref.astype(MX_DTYPES[x.dtype]).astype(mx.float32))
+
+
+def _bound(x: torch.Tensor, lin: QuantizedLinear, ref: np.ndarray, dtype) -> np.ndarray:
+    """The stated tolerance: both sides sum K float32 products in different orders, so they may differ
+    by up to K * 2^-24 of the sum of the products' magnitudes (4x margin); bfloat16 results may then
+    round to neighbouring values, one bfloat16 step (2^-8 relative) apart."""
+    w = np.array(mx.dequantize(mx.array(lin.weight.numpy()), _mx(lin.scales),
+                               _mx(lin.biases), group_size=lin.group_size, bits=lin.bits).astype(mx.float32))
+    magnitude = np.abs(x.float().numpy()) @ np.abs(w).T
+    bound = 4 * x.shape[-1] * 2.0 ** -24 * magnitude + 1e-30
+    if dtype == torch.bfloat16:
+        bound = bound + 2.0 ** -8 * np.abs(ref)
+    return bound
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits,group", [(b, g) for b in (4, 8) for g in (32, 64, 128)])
+def test_cpu_quantized_matmul_matches_mlx(bits, group, dtype, monkeypatch):
+    monkeypatch.setenv("ETMLX_KERNELS", "cpu")
+    torch.manual_seed(bits * 1000 + group)
+    model = _Linears(bits, group, dtype)
+    rows = torch.export.Dim("rows", min=1, max=64)
+    example = [torch.randn(3, k).to(dtype) for k, _ in _shapes(group)]
+    result = export_to_pte(model, tuple(example), dynamic_shapes=tuple({0: rows} for _ in example))
+    assert result.ops_outside == 0
+    method = load_method(result.pte)
+    for m in ROWS:
+        xs = [torch.randn(m, k).to(dtype) for k, _ in _shapes(group)]
+        outs = method.execute(xs)
+        for x, lin, out in zip(xs, model.layers, outs):
+            ref = _reference(x, lin)
+            assert out.dtype == dtype and tuple(out.shape) == ref.shape
+            err = np.abs(out.float().numpy() - ref)
+            bound = _bound(x, lin, ref, dtype)
+            worst = float((err / bound).max())
+            assert worst <= 1.0, f"rows {m}, in {x.shape[-1]}: error {worst:.3g} of the bound"
+
+
+def test_every_instruction_set_variant_matches_a_double_reference():
+    assert HARNESS.is_file(), "build/etmlx_quantized_rows_test missing: run `make setup`"
+    done = subprocess.run([str(HARNESS)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "variant scalar" in done.stdout and " 0 failed" in done.stdout, done.stdout
+
+
+_RUN_ELSEWHERE = r"""
+import json, sys
+import torch
+from backends.mlx.runtime import kernels_info
+from backends.mlx.runtime.runner import load_method
+x = torch.load(sys.argv[2])
+out = load_method(open(sys.argv[1], "rb").read()).execute([x])[0]
+print(json.dumps({"info": kernels_info(), "out": out.tolist()}))
+"""
+
+
+def _run_with(env_extra: dict, pte: Path, x_path: Path) -> tuple[dict, str]:
+    import json
+    import os
+    import sys
+
+    env = {**os.environ, "ETMLX_KERNELS": "cpu", **env_extra}
+    done = subprocess.run([sys.executable, "-c", _RUN_ELSEWHERE, str(pte), str(x_path)], capture_output=True,
+                          text=True, timeout=300, env=env, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+
+def test_thread_count_and_variant_can_be_forced(tmp_path, monkeypatch):
+    """ETMLX_NUM_THREADS sizes the pool and ETMLX_QMM_ISA=scalar forces the portable loop: the same
+    program then gives this process's result within the stated tolerance, one thread its exact bits;
+    a bad thread count is one line on stderr and the default is kept."""
+    from backends.mlx.runtime import kernels_info
+
+    monkeypatch.setenv("ETMLX_KERNELS", "cpu")
+    torch.manual_seed(5)
+    w, scales, biases = quantize_tensor(torch.randn(300, 256) * torch.logspace(-1, 1, 300).unsqueeze(1), 32, 4)
+    lin = QuantizedLinear(w, scales, biases, 32, 4)
+    x = torch.randn(2, 256)
+    pte = tmp_path / "q.pte"
+    pte.write_bytes(export_to_pte(lin, (x,)).pte)
+    torch.save(x, tmp_path / "x.pt")
+    here = load_method(pte.read_bytes()).execute([x])[0].numpy()
+
+    forced, _ = _run_with({"ETMLX_NUM_THREADS": "3", "ETMLX_QMM_ISA": "scalar"}, pte, tmp_path / "x.pt")
+    assert forced["info"] == {"isa": "scalar", "threads": 3}
+    ref = _reference(x, lin)
+    bound = _bound(x, lin, ref, torch.float32)
+    assert (np.abs(np.array(forced["out"], dtype=np.float32) - ref) <= bound).all()
+    assert (np.abs(here - ref) <= bound).all()
+
+    # Each output is summed by one thread in one order: one thread gives this process's bits.
+    alone, _ = _run_with({"ETMLX_NUM_THREADS": "1"}, pte, tmp_path / "x.pt")
+    assert alone["info"] == {"isa": kernels_info()["isa"], "threads": 1}
+    np.testing.assert_array_equal(np.array(alone["out"], dtype=np.float32), here)
+
+    bad, stderr = _run_with({"ETMLX_NUM_THREADS": "zero"}, pte, tmp_path / "x.pt")
+    assert "ETMLX_NUM_THREADS=zero is not a thread count from 1 to 1024" in stderr
+    assert bad["info"]["threads"] == kernels_info()["threads"] >= 1
