@@ -21,6 +21,7 @@ from backends.mlx.llm.decoder.meta import META_KEY, TOKENIZER_PREFIX, DecoderMet
 from backends.mlx.llm.decoder.tokenizer_files import as_tokenizer, prompt_affixes, tokenizer_blobs
 from backends.mlx.llm.sampler.export import knob_examples
 from backends.mlx.llm.decoder.kv_cache import StaticCacheLM
+from backends.mlx.llm.decoder.model_support import float_dtype
 from backends.mlx.llm.decoder.pipelined import FedBackSteps
 from backends.mlx.llm.sampler.config import SamplerConfig
 from backends.mlx.llm.sampler.head import SamplingHead
@@ -67,7 +68,7 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
     dynamic = {"args": ({1: length}, None, None), **{name: None for name in kwargs}}
     tokenizer = as_tokenizer(tokenizer) if tokenizer is not None else None
     blobs = tokenizer_blobs(tokenizer) if tokenizer is not None else {}
-    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    dtype = str(float_dtype(model)).replace("torch.", "")
     meta = DecoderMeta.build(max_seq_len=max_seq_len, vocab_size=vocab, batch=batch, eos_token_ids=_eos_ids(model),
                              seeded=seeded, config=config, dtype=dtype, model_type=getattr(model.config, "model_type", ""),
                              tokenizer=TOKENIZER_PREFIX if blobs else None,

@@ -29,7 +29,7 @@ from torch import nn
 
 from backends.mlx.llm.decoder import attention, experts
 from backends.mlx.llm.decoder.attention import ForwardState, ProgramCache
-from backends.mlx.llm.decoder.model_support import check_layer_windows, check_model, position_limit
+from backends.mlx.llm.decoder.model_support import check_layer_windows, check_model, float_dtype, position_limit
 
 def _configs(config):
     """The model's config and the sub-configs that carry their own attention setting."""
@@ -135,7 +135,7 @@ class StaticCacheLM(nn.Module):
             # A model with its own attention code (Falcon) adds this mask to its scores.
             keys = 1 if state.probe is not None else self.max_seq_len
             visible = cache.mask(None, keys, None)
-            dtype = next(self.model.parameters()).dtype
+            dtype = float_dtype(self.model)
             kwargs["attention_mask"] = torch.zeros(visible.shape, dtype=dtype).masked_fill(
                 ~visible, torch.finfo(dtype).min)
         with cache, _etmlx_settings(self.model.config):

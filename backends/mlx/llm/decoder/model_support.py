@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 from typing import Optional
 
+import torch
 from torch import nn
 
 # The families tested against transformers' greedy tokens (tests/test_model_families.py), by model_type.
@@ -64,3 +65,11 @@ def check_layer_windows(config, windows: dict) -> None:
 
 def position_limit(config) -> Optional[int]:
     return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+
+
+def float_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of the model's floating tensors (a quantized OLMo has no float parameter left, only buffers)."""
+    for tensor in (*model.parameters(), *model.buffers()):
+        if tensor.is_floating_point():
+            return tensor.dtype
+    return torch.float32
