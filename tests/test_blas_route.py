@@ -112,6 +112,7 @@ def test_matmul_before_etmlx_import_is_reported():
         "with warnings.catch_warnings(record=True) as caught:\n"
         "    warnings.simplefilter('always')\n"
         "    import backends.mlx.runtime\n"
+        "    backends.mlx.runtime.load()  # registering the backend is when etmlx checks the route\n"
         "from backends.mlx.runtime import blas_route\n"
         "print('ACTIVE', blas_route.status().active)\n"
         "print('WARNED', any('Import backends.mlx before' in str(w.message) for w in caught))\n"

@@ -7,6 +7,8 @@ from pathlib import Path
 
 
 def _serve(args) -> int:
+    if not Path(args.pte).is_file():  # before the server's imports (torch, ~2 s): a typo fails at once
+        raise FileNotFoundError(f"{args.pte} does not exist")
     from backends.mlx.serve.app import ServeLimits, serve
 
     limits = ServeLimits(step_timeout=args.step_timeout or None, restart_attempts=args.restart_attempts,
