@@ -57,8 +57,8 @@ def add_parsers(sub) -> None:
     client.add_argument("--send", action="append", default=[],
                         help="a line to send (repeatable); waits for the streams to finish, then exits")
     client.add_argument("--tokenizer", default=None,
-                        help="the served FILE.pte (its tokenizer) or a tokenizer directory: lets you type text "
-                             "and shows text")
+                        help="the served FILE.pte (its tokenizer), a tokenizer directory or a Hugging Face repo "
+                             "id: lets you type text and shows text")
     client.set_defaults(func=_lmtp_client)
 
 
