@@ -71,6 +71,7 @@ def test_cli_front_door_is_light(argv):
     assert _loaded(snippet) == NOTHING
 
 
+@pytest.mark.subprocess
 def test_running_a_program_loads_the_backend_on_demand():
     """The other side of the laziness: the runner still registers the backend before loading a program."""
     snippet = ("from backends.mlx.runtime import runner\n"
@@ -84,6 +85,7 @@ OPS = ("sample", "sample_fused", "allowed_mask", "drawn_or_none", "filter_thresh
        "quantized_embedding")
 
 
+@pytest.mark.subprocess
 def test_exporting_registers_the_custom_ops_it_lowers():
     """The exporter's mlx:: ops are defined by importing it, without anything else imported first."""
     snippet = ("import torch\nimport backends.mlx.exporter.export\n"
