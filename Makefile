@@ -22,7 +22,7 @@ DECODE := build/etmlx_decode
 BENCH := build/etmlx_bench
 RUNTIME_SOURCES := CMakeLists.txt $(wildcard backends/mlx/runtime/*.cpp backends/mlx/runtime/*.h backends/mlx/runtime/kernels/*.cpp backends/mlx/runtime/kernels/*.h backends/mlx/runtime/generated/* tests/cpp/*.cpp backends/mlx/tools/etmlx_decode/*.cpp backends/mlx/tools/etmlx_decode/*.h backends/mlx/tools/etmlx_bench/*.cpp)
 
-.PHONY: setup test demo bench regenerate clean
+.PHONY: setup test test-fast demo bench regenerate clean
 
 setup: $(DEPS_STAMP) $(LIB) $(DECODE) $(BENCH)
 
@@ -61,8 +61,20 @@ $(BENCH): $(LIB)
 	$(VENV)/bin/cmake --build build -j2 --target etmlx_bench >> build.log 2>&1 || (cat build.log; exit 1)
 	@touch $@
 
+# Test tiers (README: Contributing). Both run on every core (pytest-xdist; TEST_JOBS=1 for one process), one
+# test file per worker, so a file's module fixtures (exported programs) are built once; tests taking
+# longer than pyproject.toml's timeout fail (PYTEST_TIMEOUT=N to change it).
+#   test-fast: unit and parity tests (no servers, long child processes, benchmarks or training)
+#   test:      everything
+TEST_JOBS ?= auto
+PYTEST := $(VPY) -m pytest -q -n $(TEST_JOBS) --dist loadfile
+FAST_TESTS := not (server or subprocess or bench or slow)
+
 test: setup
-	$(VPY) -m pytest -q
+	$(PYTEST)
+
+test-fast: setup
+	$(PYTEST) -m "$(FAST_TESTS)"
 
 demo: setup
 	$(VENV)/bin/etmlx demo

@@ -9,15 +9,19 @@ import os
 import torch
 
 from backends.mlx.llm.builtin.tiny_model import export_tiny, tiny_llama, train_tokenizer
+from run_once import exclusive, shared_dir
 
 BATCH = 4
 MAX_SEQ_LEN = 64
 
 
 def tiny_pte(tmp_path_factory):
-    path = tmp_path_factory.getbasetemp() / "serve_tiny" / "tiny.pte"
-    if not path.is_file():
-        export_tiny(path, batch=BATCH, max_seq_len=MAX_SEQ_LEN)
+    """Exported once per run: the first caller exports (other xdist workers wait on the lock), later ones reuse it."""
+    directory = shared_dir(tmp_path_factory, "serve_tiny")
+    path = directory / "tiny.pte"
+    with exclusive(directory):
+        if not path.is_file():
+            export_tiny(path, batch=BATCH, max_seq_len=MAX_SEQ_LEN)
     return path
 
 

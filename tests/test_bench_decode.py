@@ -11,7 +11,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from backends.mlx.bench.decode import ENGINES, QUICK
+
+pytestmark = [pytest.mark.bench, pytest.mark.subprocess]  # etmlx bench decode --quick
 
 
 def _bench(*args):

@@ -12,7 +12,11 @@ import math
 import subprocess
 import sys
 
+import pytest
+
 from backends.mlx.bench.decode import QUICK
+
+pytestmark = [pytest.mark.bench, pytest.mark.subprocess]  # etmlx bench decode --quick, int4
 
 
 def test_quick_int4_bench_records(tmp_path):

@@ -8,7 +8,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from backends.mlx.bench.pipeline import KERNEL_SETS, QUICK, SAMPLERS
+
+pytestmark = [pytest.mark.bench, pytest.mark.subprocess]  # etmlx bench pipeline --quick
 
 
 def test_quick_pipeline_bench_report_and_identical_tokens(tmp_path):

@@ -20,6 +20,8 @@ from backends.mlx.llm.decoder.loop import Decoder
 from backends.mlx.llm.sampler.config import SamplerConfig
 from backends.mlx.llm.sampler.params import SamplingParams
 
+pytestmark = pytest.mark.bench  # the structured-output benchmark
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):

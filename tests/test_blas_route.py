@@ -104,6 +104,7 @@ def test_one_row_linears_take_sgemv_and_batched_ones_do_not(rows, expect_gemv):
 
 
 @linux_only
+@pytest.mark.subprocess
 def test_matmul_before_etmlx_import_is_reported():
     """MLX binds its GEMMs at the first matmul; if that came first, etmlx says so instead of running slowly."""
     code = (
@@ -112,6 +113,7 @@ def test_matmul_before_etmlx_import_is_reported():
         "with warnings.catch_warnings(record=True) as caught:\n"
         "    warnings.simplefilter('always')\n"
         "    import backends.mlx.runtime\n"
+        "    backends.mlx.runtime.load()  # registering the backend is when etmlx checks the route\n"
         "from backends.mlx.runtime import blas_route\n"
         "print('ACTIVE', blas_route.status().active)\n"
         "print('WARNED', any('Import backends.mlx before' in str(w.message) for w in caught))\n"
@@ -134,6 +136,8 @@ def test_cpp_programs_load_the_route_ahead_of_mlxs_blas():
     assert ours < reference, names
 
 
+@pytest.mark.bench
+@pytest.mark.subprocess
 def test_gemm_bench_times_the_stock_wheel_and_the_route_in_separate_processes():
     from backends.mlx.bench import cpu_gemm
 
@@ -143,6 +147,7 @@ def test_gemm_bench_times_the_stock_wheel_and_the_route_in_separate_processes():
 
 
 @linux_only
+@pytest.mark.subprocess
 def test_etmlx_blas_reference_sends_gemms_to_mlxs_bundled_blas():
     code = (
         "import backends.mlx.runtime\n"

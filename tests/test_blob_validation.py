@@ -160,6 +160,7 @@ def test_read_before_write_fails_at_run_time(monkeypatch, capfd):
     assert "before it is written" in capfd.readouterr().err
 
 
+@pytest.mark.subprocess
 def test_many_random_corruptions_never_crash(good_pte, tmp_path):
     """Bit flips and byte overwrites anywhere in a real blob, run in a child so a crash is seen."""
     src = tmp_path / "good.pte"
@@ -281,6 +282,7 @@ def _run_child(pte: bytes, tmp_path, env=None):
 
 @pytest.mark.parametrize("rows, cols", [(2 ** 31 - 1, 8),  # 64 GiB: under the old fixed 64 GiB cap
                                         (2 ** 31 - 1, 2 ** 4 * 3)])  # beyond it
+@pytest.mark.subprocess
 def test_an_allocation_bomb_is_refused_before_allocating(monkeypatch, tmp_path, rows, cols):
     import os
     physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGESIZE")
@@ -290,6 +292,7 @@ def test_an_allocation_bomb_is_refused_before_allocating(monkeypatch, tmp_path, 
     assert "ETMLX_MAX_ARRAY_BYTES" in proc.stderr or "too large" in proc.stderr, proc.stderr[-2000:]
 
 
+@pytest.mark.subprocess
 def test_the_array_limit_can_be_lowered(monkeypatch, tmp_path):
     pte = _full_of(monkeypatch, 3, 4)  # 48 bytes
     assert _run_child(pte, tmp_path).stdout.strip() == "ran"

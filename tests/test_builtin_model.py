@@ -20,6 +20,9 @@ from backends.mlx.llm.builtin.corpus import CORPUS_PATH, EOS_TEXT, ROLE_TEXT, ge
 from backends.mlx.llm.builtin.model import (DEFAULT_RECIPE, STAMP, BuiltinRecipe, build_checkpoint,
                                             ensure_builtin_checkpoint, read_stamp)
 from backends.mlx.llm.builtin.training import TrainingPlan, train
+from run_once import shared_dir
+
+pytestmark = pytest.mark.slow  # trains the built-in model
 
 TEST_RECIPE = dataclasses.replace(DEFAULT_RECIPE, steps=60)
 TINY_RECIPE = BuiltinRecipe(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32,
@@ -42,7 +45,9 @@ def _one_thread():
 
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory):
-    return ensure_builtin_checkpoint(tmp_path_factory.mktemp("builtin"), TEST_RECIPE)
+    # Shared with test_quantized_perplexity.py (the same recipe): trained once per run, even across xdist
+    # workers (ensure_builtin_checkpoint locks the cache directory while one of them trains).
+    return ensure_builtin_checkpoint(shared_dir(tmp_path_factory, "builtin-steps60"), TEST_RECIPE)
 
 
 @pytest.fixture(scope="session")

@@ -5,12 +5,15 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 
 def _etmlx(*args, timeout=300):
     return subprocess.run([sys.executable, "-m", "backends.mlx.cli.main", *args], capture_output=True, text=True,
                           timeout=timeout)
 
 
+@pytest.mark.subprocess
 def test_demo_exports_runs_and_agrees_with_eager(tmp_path):
     out = _etmlx("demo", "--classifier", "--out", str(tmp_path / "demo.pte"))
     assert out.returncode == 0, out.stderr[-2000:]
@@ -26,12 +29,15 @@ def test_inspect_names_a_missing_file(tmp_path):
     assert out.returncode != 0 and "nope.pte" in out.stderr
 
 
+@pytest.mark.bench
+@pytest.mark.subprocess
 def test_bench_agreement_reports_rates():
     out = _etmlx("bench", "agreement", "--rows", "16", timeout=540)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.count("host reference == device") == 3
 
 
+@pytest.mark.slow
 def test_language_model_demo_trains_exports_and_matches_transformers(tmp_path, capsys):
     """`etmlx demo` on a short training recipe: cached checkpoint, exported .pte, greedy text equal to
     transformers (the demo returns 1 otherwise), and a second run reuses both."""

@@ -21,6 +21,8 @@ from backends.mlx.llm.decoder.meta import META_KEY, DecoderMeta
 from backends.mlx.llm.sampler.config import SamplerConfig
 from backends.mlx.llm.sampler.params import SamplingParams
 
+pytestmark = pytest.mark.subprocess  # build/etmlx_decode runs
+
 BINARY = Path(__file__).resolve().parents[1] / "build" / "etmlx_decode"
 MAX_SEQ_LEN = 48
 VOCAB = 80

@@ -7,10 +7,13 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from backends.mlx.llm.decoder.export import export_decoder
+
+pytestmark = [pytest.mark.bench, pytest.mark.subprocess]  # the C++ etmlx_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "build" / "etmlx_bench"

@@ -113,6 +113,7 @@ print("loaded")
 
 
 @pytest.mark.parametrize("keep", [0.5, 0.02])
+@pytest.mark.subprocess
 def test_truncated_ptd_is_refused_without_a_crash(tmp_path, keep):
     pte = _save(tmp_path, "ext", "external")
     ptd = weights_path(pte)
@@ -166,6 +167,7 @@ def test_named_constant_with_inline_bytes_is_refused(monkeypatch, capfd):
     assert "also carries 4 inline bytes" in capfd.readouterr().err
 
 
+@pytest.mark.subprocess
 def test_cli_export_external_weights_then_generate_and_etmlx_decode(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -218,6 +218,7 @@ def _decode(pte, *args):
 
 
 @pytest.mark.parametrize("knob", [k for k in SCALARS if k.flag_name], ids=lambda k: k.name)
+@pytest.mark.subprocess
 def test_etmlx_decode_flags_come_from_the_metadata(full_pte, knob):
     inside, outside = edges(knob)
     for value in inside:  # accepted: one token decoded

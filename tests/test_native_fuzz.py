@@ -12,6 +12,8 @@ import torch
 from backends.mlx.exporter.inspect_pte import delegate_blobs
 from backends.mlx.llm.sampler.export import LogitsInput, export_sampling_head
 
+pytestmark = pytest.mark.subprocess  # the C++ fuzz harness
+
 HARNESS = Path(__file__).resolve().parents[1] / "build" / "etmlx_blob_test"
 
 

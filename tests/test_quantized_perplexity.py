@@ -13,13 +13,17 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from backends.mlx.llm.builtin.model import DEFAULT_RECIPE, ensure_builtin_checkpoint
 from backends.mlx.llm.quantize.affine import quantize_model
 from backends.mlx.llm.builtin.perplexity import corpus_perplexity
+from run_once import shared_dir
+
+pytestmark = pytest.mark.slow  # trains the built-in model
 
 RECIPE = dataclasses.replace(DEFAULT_RECIPE, steps=60)
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    return ensure_builtin_checkpoint(tmp_path_factory.mktemp("builtin-q"), RECIPE)
+    # test_builtin_model.py's checkpoint (the same recipe, the same shared cache directory): trained once per run
+    return ensure_builtin_checkpoint(shared_dir(tmp_path_factory, "builtin-steps60"), RECIPE)
 
 
 def test_int4_perplexity_close_to_float(checkpoint):

@@ -123,6 +123,7 @@ def test_runtime_temperature_changes_entropy_without_reexport(seeded_1000x50):
     assert len(torch.unique(hot)) >= 40
 
 
+@pytest.mark.subprocess
 def test_same_seed_is_reproducible_across_loads_and_processes(seeded_8x64, tmp_path):
     result, method = seeded_8x64
     logits = torch.randn(8, 64, generator=torch.Generator().manual_seed(11))

@@ -15,6 +15,8 @@ import pytest
 from backends.mlx.serve.app import ServerThread
 from serve_helpers import bit_exact_batching, lmtp_exchange, tiny_pte
 
+pytestmark = pytest.mark.server  # a server on a thread
+
 PROMPT = [1, 5, 9]
 DEEP = b"[" * 100_000 + b"]" * 100_000
 

@@ -20,6 +20,8 @@ import pytest
 from backends.mlx.serve.app import ServeLimits, ServerThread
 from serve_helpers import bit_exact_batching, lmtp_exchange, tiny_pte
 
+pytestmark = pytest.mark.server  # servers on threads
+
 PROMPT = [1, 5, 9]
 
 

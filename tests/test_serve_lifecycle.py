@@ -20,6 +20,8 @@ import pytest
 from backends.mlx.bench import serve as bench_serve
 from serve_helpers import tiny_pte
 
+pytestmark = [pytest.mark.server, pytest.mark.subprocess]  # etmlx serve as a process
+
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -16,6 +16,8 @@ import pytest
 from backends.mlx.serve.app import ServerThread
 from serve_helpers import bit_exact_batching, BATCH, MAX_SEQ_LEN, eager_greedy, eager_model, eager_scores, tiny_pte
 
+pytestmark = pytest.mark.server  # a server on a thread
+
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -14,6 +14,8 @@ import pytest
 from backends.mlx.serve.app import ServerThread
 from serve_helpers import bit_exact_batching, BATCH, MAX_SEQ_LEN, eager_greedy, eager_model, tiny_pte
 
+pytestmark = pytest.mark.server  # a server on a thread
+
 MODEL = "tiny"
 
 

@@ -22,6 +22,8 @@ from backends.mlx.serve.engine import Engine, EngineRequest
 from backends.mlx.serve.program_worker import ProgramWorker
 from serve_helpers import bit_exact_batching, lmtp_exchange
 
+pytestmark = pytest.mark.server  # program workers and a server
+
 MAX_SEQ_LEN = 40
 
 

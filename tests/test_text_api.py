@@ -151,6 +151,7 @@ def _run(*args, stdin=None):
                           cwd=REPO, timeout=300)
 
 
+@pytest.mark.subprocess
 def test_chat_two_turns_from_stdin(exported):
     pte, _, tok = exported
     ran = _run("-m", "etmlx", "chat", str(pte), "-m", "5", stdin="Hello\nWhere does Mira live?\n/reset\nHello\n")
@@ -167,6 +168,7 @@ def test_chat_two_turns_from_stdin(exported):
     assert "[conversation cleared]" in ran.stderr
 
 
+@pytest.mark.subprocess
 def test_chat_drops_the_oldest_exchange_when_full(exported):
     pte, _, _ = exported
     lines = "".join(f"Where does Mira live? Tell me about the mill {i}\n" for i in range(6))
@@ -184,6 +186,7 @@ def test_version_and_python_m_etmlx():
     assert light.stdout.split() == [version("etmlx"), "False"], light.stderr
 
 
+@pytest.mark.subprocess
 def test_generate_path_is_quiet_and_never_loads_the_exporter(exported):
     pte, _, _ = exported
     # transformers too: this tokenizer is a plain tokenizer.json one, which loads without it

@@ -13,6 +13,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from backends.mlx.llm.decoder.export import export_decoder
 
+pytestmark = pytest.mark.subprocess  # etmlx_decode under /usr/bin/time
+
 BINARY = Path(__file__).resolve().parents[1] / "build" / "etmlx_decode"
 TIME = Path("/usr/bin/time")
 

@@ -61,11 +61,14 @@ def constraint_from_args(args):
 
 
 def run_generate(args, params) -> int:
+    pte = pte_path(args)
+    if not pte.is_file():  # before the decoder's imports (torch, ~2 s): a typo fails at once
+        raise FileNotFoundError(f"{pte} does not exist")
     from backends.mlx.llm.decoder.loop import Decoder
     from backends.mlx.llm.decoder.text_generation import stream_text
 
     constraint = constraint_from_args(args)
-    decoder = Decoder(pte_path(args))
+    decoder = Decoder(pte)
     if constraint is not None:
         decoder.matcher(constraint)  # a bad schema / regex / grammar, or no mask input: one line, before decoding
     prompt = prompt_ids(args, decoder)

@@ -41,19 +41,21 @@ def _check_out(out: Path) -> None:
 
 
 def run_export(args) -> int:
+    from backends.mlx.llm.checkpoint_source import default_pte_name, resolve_checkpoint
+
+    if args.dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of float32, float16, bfloat16, got {args.dtype!r}")
+    config = sampler_config(args.sampler, args.logprobs, args.logprobs_mode)
+    args.out = args.out or default_pte_name(args.model)
+    _check_out(Path(args.out))  # before minutes of downloading, loading and lowering, not after
+    model_dir = resolve_checkpoint(args.model, args.revision)  # a local directory, or a Hub repo id
+
     import torch
     from transformers import AutoTokenizer
 
     from backends.mlx.exporter.export import weights_path
     from backends.mlx.llm.decoder.export import export_decoder
 
-    if args.dtype not in DTYPES:
-        raise ValueError(f"--dtype must be one of float32, float16, bfloat16, got {args.dtype!r}")
-    config = sampler_config(args.sampler, args.logprobs, args.logprobs_mode)
-    model_dir = Path(args.model)
-    if not model_dir.is_dir():
-        raise FileNotFoundError(f"--model {args.model} is not a local checkpoint directory (nothing is downloaded)")
-    _check_out(Path(args.out))  # before minutes of loading and lowering, not after
     say = _progress()
     model = _load_model(args, model_dir, getattr(torch, DTYPES[args.dtype]), say)
     tokenizer = None
@@ -125,9 +127,11 @@ def run_chat(args) -> int:
 def add_parsers(sub) -> None:
     export = sub.add_parser("export", help="export a local Hugging Face causal LM (Llama, Mistral, Qwen2/3, GPT-2) "
                                            "with its KV cache and sampler to one .pte")
-    export.add_argument("--model", required=True, help="local Hugging Face checkpoint directory")
-    export.add_argument("--out", required=True, help="the .pte to write (FILE.pte.json and FILE.pte.tokenizer/ "
-                                                     "are written beside it)")
+    export.add_argument("--model", required=True, help="a Hugging Face checkpoint: a local directory, or a repo "
+                                                       "id (Qwen/Qwen2.5-0.5B-Instruct) fetched into the HF cache")
+    export.add_argument("--revision", help="with a repo id: the branch, tag or commit to fetch (default: main)")
+    export.add_argument("--out", help="the .pte to write (FILE.pte.json and FILE.pte.tokenizer/ are written beside "
+                                      "it); default: NAME.pte in the current directory, NAME the repo's or directory's")
     export.add_argument("--dtype", default="float32", help="weights and cache: float32 (default), float16, bfloat16")
     export.add_argument("--quantize", help="int4 or int8: quantize the linear layers with MLX's affine scheme "
                                            "(what mlx_lm.convert -q writes); an mlx-lm quantized checkpoint needs "

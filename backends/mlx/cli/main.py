@@ -31,11 +31,11 @@ def _demo(args) -> int:
 
 
 def _inspect(args) -> int:
+    pte = Path(args.pte)
+    if not pte.is_file():  # before the exporter's imports (seconds): a typo fails at once
+        raise FileNotFoundError(f"{pte} is not a file (give the path of a .pte)")
     from backends.mlx.exporter.inspect_pte import describe
 
-    pte = Path(args.pte)
-    if not pte.is_file():
-        raise FileNotFoundError(f"{pte} is not a file (give the path of a .pte)")
     try:
         text = describe(pte)
     except Exception as exc:  # noqa: BLE001 - any parse failure of a foreign file: say what it is not

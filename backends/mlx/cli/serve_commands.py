@@ -7,6 +7,8 @@ from pathlib import Path
 
 
 def _serve(args) -> int:
+    if not Path(args.pte).is_file():  # before the server's imports (torch, ~2 s): a typo fails at once
+        raise FileNotFoundError(f"{args.pte} does not exist")
     from backends.mlx.serve.app import ServeLimits, serve
 
     limits = ServeLimits(step_timeout=args.step_timeout or None, restart_attempts=args.restart_attempts,
@@ -55,8 +57,8 @@ def add_parsers(sub) -> None:
     client.add_argument("--send", action="append", default=[],
                         help="a line to send (repeatable); waits for the streams to finish, then exits")
     client.add_argument("--tokenizer", default=None,
-                        help="the served FILE.pte (its tokenizer) or a tokenizer directory: lets you type text "
-                             "and shows text")
+                        help="the served FILE.pte (its tokenizer), a tokenizer directory or a Hugging Face repo "
+                             "id: lets you type text and shows text")
     client.set_defaults(func=_lmtp_client)
 
 

@@ -1,9 +1,12 @@
 """Loads the etmlx C++ backend into the ExecuTorch runtime of this process.
 
-Importing this package registers the backend ``EtmlxBackend`` with the
-ExecuTorch runtime of the pybindings extension (``executorch.extension.pybindings._C``),
-so a .pte delegating to etmlx can then be loaded through it (``runner.load_method``,
-or ``executorch.runtime``, which wraps the same extension).
+``load()`` registers the backend ``EtmlxBackend`` with the ExecuTorch runtime of
+the pybindings extension (``executorch.extension.pybindings._C``), so a .pte
+delegating to etmlx can then be loaded through it (``runner.load_method`` calls
+it; so must code that goes through ``executorch.runtime``, which wraps the same
+extension). Importing this package loads nothing: the pybindings pull in torch
+(~2 s), which the serializer, the CLI's argument checks and the blas route do
+not need.
 
 The shared library is ``_lib/libetmlx_backend.so`` next to this file (built by
 ``make setup`` / CMake); set ``ETMLX_BACKEND_LIB`` to use another file.
@@ -99,9 +102,6 @@ def load() -> ctypes.CDLL:
 def schema_version() -> int:
     """Blob schema version the loaded C++ runtime accepts."""
     return int(load().etmlx_schema_version())
-
-
-load()
 
 
 def kernels_info() -> dict:

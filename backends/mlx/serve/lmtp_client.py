@@ -114,5 +114,8 @@ def main(url: str, sends: list[str], tokenizer_dir: str | None = None) -> int:
     elif tokenizer_dir:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        from backends.mlx.llm.checkpoint_source import TOKENIZER_FILES, resolve_checkpoint
+
+        tokenizer = AutoTokenizer.from_pretrained(resolve_checkpoint(tokenizer_dir, flag="--tokenizer",
+                                                                     files=TOKENIZER_FILES))
     return asyncio.run(_session(url, list(sends), tokenizer))
