@@ -21,6 +21,9 @@ from backends.mlx.runtime.runner import load_method
 from backends.mlx.serialization import serializer
 from helpers import FLOATS, TOL, assert_matches
 
+# Whole decoder exports: the slow tier (make test), not make test-fast.
+pytestmark = pytest.mark.slow
+
 FUSED = ("RmsNormNode", "LayerNormNode", "RopeNode")
 
 

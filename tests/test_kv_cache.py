@@ -15,6 +15,9 @@ from backends.mlx.llm.decoder.export import export_decoder
 from backends.mlx.llm.decoder.kv_cache import StaticCacheLM
 from backends.mlx.runtime.runner import load_method
 
+# Whole decoder exports: the slow tier (make test), not make test-fast.
+pytestmark = pytest.mark.slow
+
 VOCAB = 96
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=128, eos_token_id=None, bos_token_id=None)

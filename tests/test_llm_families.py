@@ -17,6 +17,9 @@ from backends.mlx.llm.sampler.export import export_sampling_head
 from backends.mlx.llm.sampler.head import SamplingHead
 from backends.mlx.runtime.runner import load_method
 
+# Whole decoder exports: the slow tier (make test), not make test-fast.
+pytestmark = pytest.mark.slow
+
 VOCAB = 96
 
 

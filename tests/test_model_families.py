@@ -17,6 +17,9 @@ from backends.mlx.cli.main import main
 from backends.mlx.llm.decoder.loop import Decoder
 from backends.mlx.llm.decoder.model_support import TESTED
 
+# Whole decoder exports: the slow tier (make test), not make test-fast.
+pytestmark = pytest.mark.slow
+
 VOCAB = 128
 PROMPT = [5, 17, 99, 3, 42, 7]
 STEPS = 12

@@ -19,6 +19,9 @@ from backends.mlx.llm.sampler.config import SamplerConfig
 from backends.mlx.llm.sampler.params import SamplingParams
 from backends.mlx.runtime.runner import load_method
 
+# Whole decoder exports: the slow tier (make test), not make test-fast.
+pytestmark = pytest.mark.slow
+
 VOCAB = 96
 PROMPT = [5, 17, 3, 40, 8]
 CONFIG = SamplerConfig(top_k=True, top_p=True, min_p=True, penalties=True, logprobs=3)

@@ -15,6 +15,9 @@ from backends.mlx.cli.main import main
 from backends.mlx.llm.builtin.bench_checkpoint import _save_tokenizer
 from backends.mlx.llm.decoder.loop import Decoder
 
+# Whole decoder exports: the slow tier (make test), not make test-fast.
+pytestmark = pytest.mark.slow
+
 STEPS = 48
 PROMPT = [5, 17, 99, 3, 42]
 
