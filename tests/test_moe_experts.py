@@ -162,3 +162,25 @@ def test_moe_program_multiplies_experts_by_index(tmp_path, flags, node):
     assert len(stacks) == (6 if flags else 2) * MOE_CONFIG["num_hidden_layers"]
     readers = {TAG_NAMES[i.nodeType] for i in graph.instructions if _slots(i.node) & stacks}
     assert readers == {node}, f"expert stacks read by {readers}: a gathered copy of the weights"
+
+
+def test_int8_moe_program_decodes_as_the_eager_quantized_model(tmp_path):
+    """The quantized experts run as the host reference does: each greedy token of the int8 program is the
+    eager int8 model's (etmlx experts, quantized by the same quantize_model) best token in that context."""
+    from backends.mlx.llm.decoder.loop import Decoder
+    from backends.mlx.llm.quantize.affine import quantize_model
+
+    torch.manual_seed(7)
+    config = T.Qwen2MoeConfig(**MOE_CONFIG, shared_expert_intermediate_size=32)
+    T.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "m")
+    pte = tmp_path / "q.pte"
+    assert main(["export", "--model", str(tmp_path / "m"), "--out", str(pte), "--max-seq-len", "32",
+                 "--quantize", "int8", "--group-size", "32"]) == 0
+    prompt = [5, 17, 99, 3, 42, 7]
+    tokens = Decoder(pte).generate(prompt, 10).tokens
+    model = T.AutoModelForCausalLM.from_pretrained(str(tmp_path / "m"), experts_implementation="etmlx").eval()
+    quantize_model(model, 8, 32)
+    assert any(type(m).__name__ == "QuantizedExperts" for m in model.modules())
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
+    assert logits.argmax(-1).tolist() == tokens
