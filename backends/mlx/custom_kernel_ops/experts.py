@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from backends.mlx.custom_kernel_ops import quantized as q
+from backends.mlx.custom_kernel_ops.quantized import check_params, dequantize
 
 lib = torch.library.Library("mlx", "FRAGMENT")
 lib.define("gather_mm(Tensor x, Tensor w, Tensor indices, bool transposed) -> Tensor")
@@ -64,7 +64,7 @@ def _gather_mm_fake(x, w, indices, transposed):
 @torch.library.impl(lib, "gather_qmm", "CompositeExplicitAutograd")
 def _gather_qmm(x, w, scales, biases, indices, group_size: int, bits: int):
     return _per_expert(x, indices, w.shape[1],
-                       lambda e: q.dequantize(w[e], scales[e], biases[e], group_size, bits))
+                       lambda e: dequantize(w[e], scales[e], biases[e], group_size, bits))
 
 
 @torch.library.register_fake("mlx::gather_qmm")
@@ -73,6 +73,6 @@ def _gather_qmm_fake(x, w, scales, biases, indices, group_size, bits):
         raise ValueError(f"mlx::gather_qmm: packed expert weights must be 3-d uint32, got {w.dtype} "
                          f"{tuple(w.shape)}")
     in_features = w.shape[-1] * 32 // bits
-    q.check_params(group_size, bits, in_features)
+    check_params(group_size, bits, in_features)
     check_operands("gather_qmm", x, indices, in_features, scales.dtype)
     return x.new_empty((*indices.shape, w.shape[1]))
