@@ -17,7 +17,7 @@ namespace mx = mlx::core;
 bool Interpreter::read_quantized_weights(const fb::Tid* w, const fb::Tid* scales, const fb::Tid* biases,
                                          int group_size, int bits, const mx::array** w_out,
                                          const mx::array** scales_out, const mx::array** biases_out,
-                                         int* columns) {
+                                         int* columns, int ndim) {
   *w_out = read(w);
   if (!*w_out) return false;
   *scales_out = read(scales);
@@ -25,7 +25,7 @@ bool Interpreter::read_quantized_weights(const fb::Tid* w, const fb::Tid* scales
   *biases_out = read(biases);
   if (!*biases_out) return false;
   std::string error;
-  if (!check_quantized_layout(**w_out, **scales_out, **biases_out, group_size, bits, columns, &error)) {
+  if (!check_quantized_layout(**w_out, **scales_out, **biases_out, group_size, bits, columns, &error, ndim)) {
     return fail("%s", error.c_str());
   }
   return true;

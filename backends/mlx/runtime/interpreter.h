@@ -87,7 +87,13 @@ class Interpreter {
   // `columns` gets the unpacked row size (exec_quantized.cpp).
   bool read_quantized_weights(const fb::Tid* w, const fb::Tid* scales, const fb::Tid* biases, int group_size,
                               int bits, const mlx::core::array** w_out, const mlx::core::array** scales_out,
-                              const mlx::core::array** biases_out, int* columns);
+                              const mlx::core::array** biases_out, int* columns, int ndim = 2);
+  bool exec_gather_mm(const fb::GatherMmNode& n);  // exec_experts.cpp
+  bool exec_gather_qmm(const fb::GatherQmmNode& n);  // exec_experts.cpp
+  // An expert node's x and indices, checked against the E experts and their input features; the
+  // indices clamped into [0, E) (exec_experts.cpp).
+  bool read_expert_operands(const fb::Tid* x_tid, const fb::Tid* indices_tid, int experts, int in_features,
+                            const mlx::core::array** x, mlx::core::array* indices);
   bool unknown_node(int type);
 
   // Slot access. read() returns nullptr (after logging) for an unset or

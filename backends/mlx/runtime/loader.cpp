@@ -300,14 +300,14 @@ bool check_quantized_constants(const Program& p) {
   std::vector<int64_t> constant_of(p.num_tensors, -1);
   for (size_t i = 0; i < p.constant_slots.size(); ++i) constant_of[p.constant_slots[i]] = static_cast<int64_t>(i);
   auto check = [&](flatbuffers::uoffset_t pc, const char* kind, const fb::Tid* w, const fb::Tid* scales,
-                   const fb::Tid* biases, int group_size, int bits) {
+                   const fb::Tid* biases, int group_size, int bits, int ndim = 2) {
     std::string error;
     if (check_quantized_params(group_size, bits, &error)) {
       const int64_t cw = constant_of[w->idx()], cs = constant_of[scales->idx()], cb = constant_of[biases->idx()];
       if (cw < 0 || cs < 0 || cb < 0) return true;  // computed operands: checked when the node runs
       int k = 0;
       if (check_quantized_layout(p.constants[cw], p.constants[cs], p.constants[cb], group_size, bits, &k,
-                                 &error)) {
+                                 &error, ndim)) {
         return true;
       }
     }
@@ -322,6 +322,10 @@ bool check_quantized_constants(const Program& p) {
       }
     } else if (const auto* n = instr->node_as_QuantizedEmbeddingNode()) {
       if (!check(pc, "QuantizedEmbeddingNode", n->w(), n->scales(), n->biases(), n->group_size(), n->bits())) {
+        return false;
+      }
+    } else if (const auto* n = instr->node_as_GatherQmmNode()) {
+      if (!check(pc, "GatherQmmNode", n->w(), n->scales(), n->biases(), n->group_size(), n->bits(), 3)) {
         return false;
       }
     }

@@ -6,6 +6,7 @@ from backends.mlx.exporter.ops import (  # noqa: F401
     comparison,
     creation,
     elementwise,
+    experts,
     indexing,
     linalg,
     normalization,

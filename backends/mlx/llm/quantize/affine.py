@@ -3,7 +3,8 @@
 The integers, scales and biases are mlx.core.quantize's own, so a checkpoint quantized here and
 by `mlx_lm.convert -q` with the same bits and group size holds the same numbers. Every nn.Linear
 in the decoder blocks and the head is replaced; with `embeddings` the token embedding too (and a
-head tied to it shares its quantized tensors).
+head tied to it shares its quantized tensors). MoE experts' 3-D weight stacks become QuantizedExperts,
+each expert quantized as its [out, in] matrix would be.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ import torch
 from torch import nn
 
 from backends.mlx.custom_kernel_ops.quantized import check_params
-from backends.mlx.llm.quantize.modules import QuantizedEmbedding, QuantizedLinear
+from backends.mlx.llm.quantize.modules import QuantizedEmbedding, QuantizedExperts, QuantizedLinear
 
 
 def quantize_tensor(weight: torch.Tensor, group_size: int, bits: int) -> tuple:
-    """(w uint32, scales, biases) of a [N, K] float weight, as mlx.core.quantize gives them."""
+    """(w uint32, scales, biases) of a [N, K] (or [E, N, K]) float weight, as mlx.core.quantize gives them."""
     import mlx.core as mx  # the compute library itself; imported only when quantizing
 
     check_params(group_size, bits, weight.shape[-1])
@@ -60,7 +61,34 @@ def quantize_model(model: nn.Module, bits: int, group_size: int = 64, embeddings
             _set(model, head_name, QuantizedLinear(w, scales, biases, group_size, bits))
     for name in linears:
         _set(model, name, _quantized_linear(model.get_submodule(name), group_size, bits))
+    for module in model.modules():
+        if _is_experts(module):
+            _quantize_experts(module, group_size, bits)
     return model
+
+
+# The projections an experts module (transformers' use_experts_implementation) may hold as 3-D stacks.
+EXPERT_PROJECTIONS = ("gate_up_proj", "up_proj", "down_proj")
+
+
+def _is_experts(module: nn.Module) -> bool:
+    """A module built by transformers' use_experts_implementation (its decorator sets these flags)."""
+    return all(hasattr(module, flag) for flag in ("is_transposed", "has_gate", "is_concatenated"))
+
+
+def _quantize_experts(module: nn.Module, group_size: int, bits: int) -> None:
+    """Each 3-D projection stack ([E, out, in], or [E, in, out] when is_transposed) -> QuantizedExperts over
+    [E, out, in]; a stack whose input width the group size does not divide stays in float (as a Linear)."""
+    for name in EXPERT_PROJECTIONS:
+        weight = getattr(module, name, None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 3:
+            continue
+        stack = weight.detach().transpose(1, 2) if module.is_transposed else weight.detach()
+        if stack.shape[-1] % group_size:
+            continue
+        w, scales, biases = quantize_tensor(stack.contiguous(), group_size, bits)
+        delattr(module, name)
+        setattr(module, name, QuantizedExperts(w, scales, biases, group_size, bits))
 
 
 def _quantizable_embedding(embedding, group_size: int) -> bool:

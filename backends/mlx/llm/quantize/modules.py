@@ -16,13 +16,14 @@ from backends.mlx.custom_kernel_ops import quantized as q
 
 
 class _Packed(nn.Module):
-    def __init__(self, w: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, group_size: int, bits: int):
+    def __init__(self, w: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, group_size: int, bits: int,
+                 ndim: int = 2):
         super().__init__()
-        if w.dtype != torch.uint32 or w.dim() != 2:
-            raise ValueError(f"packed weights must be 2-d uint32, got {w.dtype} {tuple(w.shape)}")
-        in_features = w.shape[1] * 32 // bits
+        if w.dtype != torch.uint32 or w.dim() != ndim:
+            raise ValueError(f"packed weights must be {ndim}-d uint32, got {w.dtype} {tuple(w.shape)}")
+        in_features = w.shape[-1] * 32 // bits
         q.check_params(group_size, bits, in_features)
-        expected = (w.shape[0], in_features // group_size)
+        expected = (*w.shape[:-1], in_features // group_size)
         if tuple(scales.shape) != expected or tuple(biases.shape) != expected:
             raise ValueError(f"scales/biases {tuple(scales.shape)}/{tuple(biases.shape)} do not match packed "
                              f"weights {tuple(w.shape)} at {bits} bits, group size {group_size} (need {expected})")
@@ -33,17 +34,17 @@ class _Packed(nn.Module):
 
     @property
     def in_features(self) -> int:
-        return self.weight.shape[1] * 32 // self.bits
+        return self.weight.shape[-1] * 32 // self.bits
 
     @property
     def out_features(self) -> int:
-        return self.weight.shape[0]
+        return self.weight.shape[-2]
 
     def packed(self) -> tuple:
         return self.weight, self.scales, self.biases, self.group_size, self.bits
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}x{self.in_features}, bits={self.bits}, group_size={self.group_size}"
+        return f"{'x'.join(map(str, self.weight.shape[:-1]))}x{self.in_features}, bits={self.bits}, group_size={self.group_size}"
 
 
 class QuantizedLinear(_Packed):
@@ -65,3 +66,16 @@ class QuantizedEmbedding(_Packed):
         rows = torch.ops.mlx.quantized_embedding(indices, self.weight, self.scales, self.biases,
                                                  self.group_size, self.bits)
         return rows if self.scale is None else rows * torch.tensor(self.scale, dtype=rows.dtype)
+
+
+class QuantizedExperts(_Packed):
+    """A MoE projection's stack of E expert matrices [E, out, in], each quantized like a QuantizedLinear
+    weight. Called as experts(x, indices) by the etmlx experts forward (llm/decoder/experts.py): x [T, in]
+    or [T, K, in] and indices [T, K] -> [T, K, out], each pair through its own expert."""
+
+    def __init__(self, w, scales, biases, group_size: int, bits: int):
+        super().__init__(w, scales, biases, group_size, bits, ndim=3)
+
+    def forward(self, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mlx.gather_qmm(x, self.weight, self.scales, self.biases, indices, self.group_size,
+                                        self.bits)

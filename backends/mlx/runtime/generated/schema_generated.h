@@ -140,6 +140,12 @@ struct AllowedMaskNodeBuilder;
 struct DrawnOrNoneNode;
 struct DrawnOrNoneNodeBuilder;
 
+struct GatherMmNode;
+struct GatherMmNodeBuilder;
+
+struct GatherQmmNode;
+struct GatherQmmNodeBuilder;
+
 struct Instruction;
 struct InstructionBuilder;
 
@@ -534,11 +540,13 @@ enum class Node : uint8_t {
   QuantizedEmbeddingNode = 36,
   AllowedMaskNode = 37,
   DrawnOrNoneNode = 38,
+  GatherMmNode = 39,
+  GatherQmmNode = 40,
   MIN = NONE,
-  MAX = DrawnOrNoneNode
+  MAX = GatherQmmNode
 };
 
-inline const Node (&EnumValuesNode())[39] {
+inline const Node (&EnumValuesNode())[41] {
   static const Node values[] = {
     Node::NONE,
     Node::UnaryNode,
@@ -578,13 +586,15 @@ inline const Node (&EnumValuesNode())[39] {
     Node::QuantizedLinearNode,
     Node::QuantizedEmbeddingNode,
     Node::AllowedMaskNode,
-    Node::DrawnOrNoneNode
+    Node::DrawnOrNoneNode,
+    Node::GatherMmNode,
+    Node::GatherQmmNode
   };
   return values;
 }
 
 inline const char * const *EnumNamesNode() {
-  static const char * const names[40] = {
+  static const char * const names[42] = {
     "NONE",
     "UnaryNode",
     "BinaryNode",
@@ -624,13 +634,15 @@ inline const char * const *EnumNamesNode() {
     "QuantizedEmbeddingNode",
     "AllowedMaskNode",
     "DrawnOrNoneNode",
+    "GatherMmNode",
+    "GatherQmmNode",
     nullptr
   };
   return names;
 }
 
 inline const char *EnumNameNode(Node e) {
-  if (::flatbuffers::IsOutRange(e, Node::NONE, Node::DrawnOrNoneNode)) return "";
+  if (::flatbuffers::IsOutRange(e, Node::NONE, Node::GatherQmmNode)) return "";
   const size_t index = static_cast<size_t>(e);
   return EnumNamesNode()[index];
 }
@@ -789,6 +801,14 @@ template<> struct NodeTraits<backends::mlx::serialization::generated::fb::Allowe
 
 template<> struct NodeTraits<backends::mlx::serialization::generated::fb::DrawnOrNoneNode> {
   static const Node enum_value = Node::DrawnOrNoneNode;
+};
+
+template<> struct NodeTraits<backends::mlx::serialization::generated::fb::GatherMmNode> {
+  static const Node enum_value = Node::GatherMmNode;
+};
+
+template<> struct NodeTraits<backends::mlx::serialization::generated::fb::GatherQmmNode> {
+  static const Node enum_value = Node::GatherQmmNode;
 };
 
 template <bool B = false>
@@ -4030,6 +4050,210 @@ inline ::flatbuffers::Offset<DrawnOrNoneNode> CreateDrawnOrNoneNode(
   return builder_.Finish();
 }
 
+struct GatherMmNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef GatherMmNodeBuilder Builder;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_X = 4,
+    VT_W = 6,
+    VT_INDICES = 8,
+    VT_TRANSPOSED = 10,
+    VT_OUT = 12
+  };
+  const backends::mlx::serialization::generated::fb::Tid *x() const {
+    return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_X);
+  }
+  const backends::mlx::serialization::generated::fb::Tid *w() const {
+    return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_W);
+  }
+  const backends::mlx::serialization::generated::fb::Tid *indices() const {
+    return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_INDICES);
+  }
+  bool transposed() const {
+    return GetField<uint8_t>(VT_TRANSPOSED, 0) != 0;
+  }
+  const backends::mlx::serialization::generated::fb::Tid *out() const {
+    return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_X, 4) &&
+           VerifyFieldRequired<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_W, 4) &&
+           VerifyFieldRequired<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_INDICES, 4) &&
+           VerifyField<uint8_t>(verifier, VT_TRANSPOSED, 1) &&
+           VerifyFieldRequired<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct GatherMmNodeBuilder {
+  typedef GatherMmNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_x(const backends::mlx::serialization::generated::fb::Tid *x) {
+    fbb_.AddStruct(GatherMmNode::VT_X, x);
+  }
+  void add_w(const backends::mlx::serialization::generated::fb::Tid *w) {
+    fbb_.AddStruct(GatherMmNode::VT_W, w);
+  }
+  void add_indices(const backends::mlx::serialization::generated::fb::Tid *indices) {
+    fbb_.AddStruct(GatherMmNode::VT_INDICES, indices);
+  }
+  void add_transposed(bool transposed) {
+    fbb_.AddElement<uint8_t>(GatherMmNode::VT_TRANSPOSED, static_cast<uint8_t>(transposed), 0);
+  }
+  void add_out(const backends::mlx::serialization::generated::fb::Tid *out) {
+    fbb_.AddStruct(GatherMmNode::VT_OUT, out);
+  }
+  explicit GatherMmNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<GatherMmNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<GatherMmNode>(end);
+    fbb_.Required(o, GatherMmNode::VT_X);
+    fbb_.Required(o, GatherMmNode::VT_W);
+    fbb_.Required(o, GatherMmNode::VT_INDICES);
+    fbb_.Required(o, GatherMmNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<GatherMmNode> CreateGatherMmNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const backends::mlx::serialization::generated::fb::Tid *x = nullptr,
+    const backends::mlx::serialization::generated::fb::Tid *w = nullptr,
+    const backends::mlx::serialization::generated::fb::Tid *indices = nullptr,
+    bool transposed = false,
+    const backends::mlx::serialization::generated::fb::Tid *out = nullptr) {
+  GatherMmNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_indices(indices);
+  builder_.add_w(w);
+  builder_.add_x(x);
+  builder_.add_transposed(transposed);
+  return builder_.Finish();
+}
+
+struct GatherQmmNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef GatherQmmNodeBuilder Builder;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_X = 4,
+    VT_W = 6,
+    VT_SCALES = 8,
+    VT_BIASES = 10,
+    VT_INDICES = 12,
+    VT_GROUP_SIZE = 14,
+    VT_BITS = 16,
+    VT_OUT = 18
+  };
+  const backends::mlx::serialization::generated::fb::Tid *x() const {
+    return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_X);
+  }
+  const backends::mlx::serialization::generated::fb::Tid *w() const {
+    return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_W);
+  }
+  const backends::mlx::serialization::generated::fb::Tid *scales() const {
+    return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_SCALES);
+  }
+  const backends::mlx::serialization::generated::fb::Tid *biases() const {
+    return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_BIASES);
+  }
+  const backends::mlx::serialization::generated::fb::Tid *indices() const {
+    return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_INDICES);
+  }
+  int32_t group_size() const {
+    return GetField<int32_t>(VT_GROUP_SIZE, 64);
+  }
+  int32_t bits() const {
+    return GetField<int32_t>(VT_BITS, 4);
+  }
+  const backends::mlx::serialization::generated::fb::Tid *out() const {
+    return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_X, 4) &&
+           VerifyFieldRequired<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_W, 4) &&
+           VerifyFieldRequired<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_SCALES, 4) &&
+           VerifyFieldRequired<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_BIASES, 4) &&
+           VerifyFieldRequired<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_INDICES, 4) &&
+           VerifyField<int32_t>(verifier, VT_GROUP_SIZE, 4) &&
+           VerifyField<int32_t>(verifier, VT_BITS, 4) &&
+           VerifyFieldRequired<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct GatherQmmNodeBuilder {
+  typedef GatherQmmNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_x(const backends::mlx::serialization::generated::fb::Tid *x) {
+    fbb_.AddStruct(GatherQmmNode::VT_X, x);
+  }
+  void add_w(const backends::mlx::serialization::generated::fb::Tid *w) {
+    fbb_.AddStruct(GatherQmmNode::VT_W, w);
+  }
+  void add_scales(const backends::mlx::serialization::generated::fb::Tid *scales) {
+    fbb_.AddStruct(GatherQmmNode::VT_SCALES, scales);
+  }
+  void add_biases(const backends::mlx::serialization::generated::fb::Tid *biases) {
+    fbb_.AddStruct(GatherQmmNode::VT_BIASES, biases);
+  }
+  void add_indices(const backends::mlx::serialization::generated::fb::Tid *indices) {
+    fbb_.AddStruct(GatherQmmNode::VT_INDICES, indices);
+  }
+  void add_group_size(int32_t group_size) {
+    fbb_.AddElement<int32_t>(GatherQmmNode::VT_GROUP_SIZE, group_size, 64);
+  }
+  void add_bits(int32_t bits) {
+    fbb_.AddElement<int32_t>(GatherQmmNode::VT_BITS, bits, 4);
+  }
+  void add_out(const backends::mlx::serialization::generated::fb::Tid *out) {
+    fbb_.AddStruct(GatherQmmNode::VT_OUT, out);
+  }
+  explicit GatherQmmNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<GatherQmmNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<GatherQmmNode>(end);
+    fbb_.Required(o, GatherQmmNode::VT_X);
+    fbb_.Required(o, GatherQmmNode::VT_W);
+    fbb_.Required(o, GatherQmmNode::VT_SCALES);
+    fbb_.Required(o, GatherQmmNode::VT_BIASES);
+    fbb_.Required(o, GatherQmmNode::VT_INDICES);
+    fbb_.Required(o, GatherQmmNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<GatherQmmNode> CreateGatherQmmNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const backends::mlx::serialization::generated::fb::Tid *x = nullptr,
+    const backends::mlx::serialization::generated::fb::Tid *w = nullptr,
+    const backends::mlx::serialization::generated::fb::Tid *scales = nullptr,
+    const backends::mlx::serialization::generated::fb::Tid *biases = nullptr,
+    const backends::mlx::serialization::generated::fb::Tid *indices = nullptr,
+    int32_t group_size = 64,
+    int32_t bits = 4,
+    const backends::mlx::serialization::generated::fb::Tid *out = nullptr) {
+  GatherQmmNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_bits(bits);
+  builder_.add_group_size(group_size);
+  builder_.add_indices(indices);
+  builder_.add_biases(biases);
+  builder_.add_scales(scales);
+  builder_.add_w(w);
+  builder_.add_x(x);
+  return builder_.Finish();
+}
+
 struct Instruction FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef InstructionBuilder Builder;
   enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
@@ -4156,6 +4380,12 @@ struct Instruction FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   }
   const backends::mlx::serialization::generated::fb::DrawnOrNoneNode *node_as_DrawnOrNoneNode() const {
     return node_type() == backends::mlx::serialization::generated::fb::Node::DrawnOrNoneNode ? static_cast<const backends::mlx::serialization::generated::fb::DrawnOrNoneNode *>(node()) : nullptr;
+  }
+  const backends::mlx::serialization::generated::fb::GatherMmNode *node_as_GatherMmNode() const {
+    return node_type() == backends::mlx::serialization::generated::fb::Node::GatherMmNode ? static_cast<const backends::mlx::serialization::generated::fb::GatherMmNode *>(node()) : nullptr;
+  }
+  const backends::mlx::serialization::generated::fb::GatherQmmNode *node_as_GatherQmmNode() const {
+    return node_type() == backends::mlx::serialization::generated::fb::Node::GatherQmmNode ? static_cast<const backends::mlx::serialization::generated::fb::GatherQmmNode *>(node()) : nullptr;
   }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
@@ -4317,6 +4547,14 @@ template<> inline const backends::mlx::serialization::generated::fb::AllowedMask
 
 template<> inline const backends::mlx::serialization::generated::fb::DrawnOrNoneNode *Instruction::node_as<backends::mlx::serialization::generated::fb::DrawnOrNoneNode>() const {
   return node_as_DrawnOrNoneNode();
+}
+
+template<> inline const backends::mlx::serialization::generated::fb::GatherMmNode *Instruction::node_as<backends::mlx::serialization::generated::fb::GatherMmNode>() const {
+  return node_as_GatherMmNode();
+}
+
+template<> inline const backends::mlx::serialization::generated::fb::GatherQmmNode *Instruction::node_as<backends::mlx::serialization::generated::fb::GatherQmmNode>() const {
+  return node_as_GatherQmmNode();
 }
 
 struct InstructionBuilder {
@@ -4922,6 +5160,14 @@ inline bool VerifyNode(::flatbuffers::VerifierTemplate<B> &verifier, const void 
     }
     case Node::DrawnOrNoneNode: {
       auto ptr = reinterpret_cast<const backends::mlx::serialization::generated::fb::DrawnOrNoneNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Node::GatherMmNode: {
+      auto ptr = reinterpret_cast<const backends::mlx::serialization::generated::fb::GatherMmNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Node::GatherQmmNode: {
+      auto ptr = reinterpret_cast<const backends::mlx::serialization::generated::fb::GatherQmmNode *>(obj);
       return verifier.VerifyTable(ptr);
     }
     default: return true;

@@ -44,6 +44,8 @@ NODE_TAGS = {
     'QuantizedEmbeddingNode': 36,
     'AllowedMaskNode': 37,
     'DrawnOrNoneNode': 38,
+    'GatherMmNode': 39,
+    'GatherQmmNode': 40,
 }
 
 # union member name -> {field: schema type}, in declaration order
@@ -86,4 +88,6 @@ NODE_FIELDS = {
     'QuantizedEmbeddingNode': {'indices': 'Tid', 'w': 'Tid', 'scales': 'Tid', 'biases': 'Tid', 'group_size': 'int', 'bits': 'int', 'out': 'Tid'},
     'AllowedMaskNode': {'x': 'Tid', 'mask': 'Tid', 'out': 'Tid'},
     'DrawnOrNoneNode': {'tokens': 'Tid', 'x': 'Tid', 'out': 'Tid'},
+    'GatherMmNode': {'x': 'Tid', 'w': 'Tid', 'indices': 'Tid', 'transposed': 'bool', 'out': 'Tid'},
+    'GatherQmmNode': {'x': 'Tid', 'w': 'Tid', 'scales': 'Tid', 'biases': 'Tid', 'indices': 'Tid', 'group_size': 'int', 'bits': 'int', 'out': 'Tid'},
 }

@@ -42,6 +42,8 @@ class Node(object):
     QuantizedEmbeddingNode = 36
     AllowedMaskNode = 37
     DrawnOrNoneNode = 38
+    GatherMmNode = 39
+    GatherQmmNode = 40
 
 def NodeCreator(unionType, table):
     from flatbuffers.table import Table
@@ -161,4 +163,10 @@ def NodeCreator(unionType, table):
     if unionType == Node.DrawnOrNoneNode:
         import backends.mlx.serialization.generated.fb.DrawnOrNoneNode
         return backends.mlx.serialization.generated.fb.DrawnOrNoneNode.DrawnOrNoneNodeT.InitFromBuf(table.Bytes, table.Pos)
+    if unionType == Node.GatherMmNode:
+        import backends.mlx.serialization.generated.fb.GatherMmNode
+        return backends.mlx.serialization.generated.fb.GatherMmNode.GatherMmNodeT.InitFromBuf(table.Bytes, table.Pos)
+    if unionType == Node.GatherQmmNode:
+        import backends.mlx.serialization.generated.fb.GatherQmmNode
+        return backends.mlx.serialization.generated.fb.GatherQmmNode.GatherQmmNodeT.InitFromBuf(table.Bytes, table.Pos)
     return None
