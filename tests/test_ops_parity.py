@@ -6,6 +6,7 @@ several shapes in the same program, so a case covers shapes without re-exporting
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -56,6 +57,34 @@ def two(gen=rand, gen2=None):
 
 def last_dim_index(shape, k=2):
     return torch.randint(0, shape[-1], (*shape[:-1], k))
+
+
+def within(low, high):
+    """Values in (low, high) for floats; for ints, the integers in [ceil(low), floor(high)]."""
+    return lambda s, d: rand(s, d, low, high) if d.is_floating_point else torch.randint(
+        int(math.ceil(low)), int(math.floor(high)) + 1, s, dtype=d)
+
+
+def halves(shape, dtype):
+    """Multiples of 0.5 (ties for round's half-to-even), exact in every float dtype."""
+    return (torch.randint(-12, 13, shape) / 2).to(dtype)
+
+
+def shift_counts(shape, dtype):
+    return torch.randint(0, 8, shape, dtype=dtype)
+
+
+IMAGE_SHAPES = [(2, 3, 9, 8), (1, 3, 6, 7)]  # [N, C, H, W]
+SIGNAL_SHAPES = [(2, 3, 11), (1, 3, 8)]  # [N, C, L]
+VOLUME_SHAPES = [(1, 2, 5, 6, 7)]  # [N, C, D, H, W]
+
+
+def conv_case(name, conv, weight_shape, shapes, **kw):
+    """A convolution (input, weight, bias as inputs) with keyword arguments kw."""
+    transposed = "transpose" in conv.__name__
+    out_channels = weight_shape[1] * kw.get("groups", 1) if transposed else weight_shape[0]
+    return Case(name, lambda x, w, bias: conv(x, w, bias, **kw),
+                lambda s, d: (rand(s, d), rand(weight_shape, d, -1, 1), rand((out_channels,), d)), FLOATS, shapes)
 
 
 CASES = [
@@ -157,7 +186,98 @@ CASES = [
          lambda s, d: (rand(s, d), rand((6, s[-1]), d), rand((6,), d)), FLOATS, MATRIX_SHAPES),
     Case("addmm", lambda c, a, b: torch.addmm(c, a, b, beta=0.5, alpha=2.0),
          lambda s, d: (rand((s[0], 6), d), rand(s, d), rand((s[1], 6), d)), FLOATS, [(3, 5), (1, 4)]),
+    # trigonometric, hyperbolic and logarithmic functions (integers compute in float32, as torch)
+    Case("tan", torch.tan, one(within(-1.2, 1.2))),
+    Case("asin_acos", lambda a: (torch.asin(a), torch.acos(a)), one(within(-0.95, 0.95))),
+    Case("atan", torch.atan, one()),
+    Case("sinh_cosh", lambda a: (torch.sinh(a), torch.cosh(a)), one()),
+    Case("asinh", torch.asinh, one()),
+    Case("acosh", torch.acosh, one(within(1.05, 4))),
+    Case("atanh", torch.atanh, one(within(-0.95, 0.95)), FLOATS),
+    Case("log2_log10", lambda a: (torch.log2(a), torch.log10(a)), one(positive)),
+    Case("round", torch.round, one(halves), FLOATS),
+    Case("round_int", torch.round, one(), INTS),
+    Case("round_decimals", lambda a: (torch.round(a, decimals=1), torch.round(a * 100, decimals=-1)), one(),
+         (torch.float32,)),
+    Case("trunc", torch.trunc, one()),
+    Case("atan2", torch.atan2, two(), FLOATS),
+    Case("logaddexp", torch.logaddexp, two(), FLOATS),
+    # bitwise (the shift count within the dtype's width)
+    Case("bitwise_scalar", lambda a: (a & 6, a | 5, a ^ 3), one(lambda s, d: rand(s, d, -20, 20)), INTS),
+    Case("shift_scalar", lambda a: (a << 3, a >> 1), one(lambda s, d: rand(s, d, -20, 20)), INTS),
+    Case("shift_tensor", lambda a, n: (torch.bitwise_left_shift(a, n), torch.bitwise_right_shift(a, n)),
+         two(lambda s, d: rand(s, d, -20, 20), shift_counts), INTS),
+    Case("logical_xor", lambda a, b: torch.logical_xor(a > 0, b), two()),
+    # activations
+    Case("hardtanh_relu6", lambda a: (torch.nn.functional.hardtanh(a, -0.5, 2.0), torch.nn.functional.relu6(a * 3)),
+         one()),
+    Case("leaky_relu", lambda a: torch.nn.functional.leaky_relu(a, 0.07), one(), FLOATS),
+    Case("elu_selu_celu", lambda a: (torch.nn.functional.elu(a, 0.7), torch.nn.functional.selu(a),
+                                     torch.nn.functional.celu(a, 1.3)), one(), FLOATS),
+    # reductions
+    Case("max_min_all", lambda a: (a.max(), a.min()), one()),
+    Case("max_min_dim", lambda a: (a.max(-1), a.min(0, keepdim=True)), one(distinct)),
+    Case("var_std", lambda a: (a.var(-1), a.std(0, keepdim=True), torch.var(a, unbiased=False),
+                               torch.var(a, -1, True, True), torch.std(a, -1, correction=0)), one(), FLOATS),
+    # rearrangements
+    Case("tril_triu", lambda a: (torch.tril(a), torch.triu(a, 1), torch.tril(a, -1)), one(), ALL, MATRIX_SHAPES),
+    Case("constant_pad", lambda a: (torch.nn.functional.pad(a, (1, 2), value=3), torch.nn.functional.pad(a, (2, -1)),
+                                    torch.nn.functional.pad(a, (0, 0, 1, 0)) if a.dim() > 1 else a), one()),
+    Case("stack", lambda a, b: (torch.stack([a, b]), torch.stack([a, b, a], -1)), two()),
+    Case("narrow", lambda a: (a.narrow(-1, 1, 2), a.narrow(0, 0, 1)), one()),
+    Case("repeat", lambda a: (a.repeat(2, *[1] * a.dim()), a.repeat(*[1] * (a.dim() - 1), 3)), one()),
+    Case("repeat_interleave", lambda a: (a.repeat_interleave(2, dim=-1), a.repeat_interleave(3)), one()),
+    Case("roll", lambda a: (torch.roll(a, 2, -1), torch.roll(a, -1, 0), torch.roll(a, 3)), one()),
+    Case("slice_scatter", lambda a, b: (torch.slice_scatter(a, b[..., 1:3] * 2, -1, 2, 4),
+                                        torch.slice_scatter(a, b[..., ::2], -1, 0, None, 2)), two()),
+    Case("copy", lambda a, b: _copy_into(a, b), two(), ALL, MATRIX_SHAPES),
+    # normalization
+    Case("native_layer_norm", lambda a, w, bias: torch.native_layer_norm(a, a.shape[-1:], w, bias, 1e-5),
+         lambda s, d: (rand(s, d), rand(s[-1:], d), rand(s[-1:], d)), FLOATS),
+    Case("rms_norm", lambda a, w: (torch.nn.functional.rms_norm(a, a.shape[-1:], w, 1e-6),
+                                   torch.nn.functional.rms_norm(a, a.shape[-1:]),
+                                   torch.nn.functional.rms_norm(a, a.shape[-2:], eps=1e-5) if a.dim() > 1 else a),
+         lambda s, d: (rand(s, d), rand(s[-1:], d)), FLOATS),
+    Case("batch_norm", lambda x, m, v, w, bias: torch.nn.functional.batch_norm(x, m, v, w, bias, False, 0.1, 1e-3),
+         lambda s, d: (rand(s, d), rand(s[1:2], d), positive(s[1:2], d), rand(s[1:2], d), rand(s[1:2], d)), FLOATS,
+         [(2, 3, 5), (2, 3, 4, 4), (1, 3, 2, 3, 2)]),
+    # convolution (conv1d/2d/3d and the transposes all export as aten.convolution)
+    conv_case("conv1d", torch.nn.functional.conv1d, (4, 3, 3), SIGNAL_SHAPES, padding=1, stride=2),
+    conv_case("conv1d_groups_dilation", torch.nn.functional.conv1d, (6, 1, 3), SIGNAL_SHAPES, groups=3, dilation=2),
+    conv_case("conv2d", torch.nn.functional.conv2d, (4, 3, 3, 2), IMAGE_SHAPES, padding=(1, 0), stride=(1, 2)),
+    conv_case("conv2d_groups", torch.nn.functional.conv2d, (6, 1, 3, 3), IMAGE_SHAPES, groups=3, dilation=(2, 1)),
+    conv_case("conv3d", torch.nn.functional.conv3d, (4, 2, 2, 3, 2), VOLUME_SHAPES, padding=1),
+    conv_case("conv_transpose1d", torch.nn.functional.conv_transpose1d, (3, 2, 4), SIGNAL_SHAPES, stride=2,
+              padding=1, output_padding=1),
+    conv_case("conv_transpose2d", torch.nn.functional.conv_transpose2d, (3, 2, 3, 3), IMAGE_SHAPES, stride=(2, 1),
+              padding=(1, 0), dilation=(1, 2)),
+    conv_case("conv_transpose2d_groups", torch.nn.functional.conv_transpose2d, (3, 2, 2, 2), IMAGE_SHAPES, groups=3,
+              padding=2),
+    conv_case("conv_transpose3d", torch.nn.functional.conv_transpose3d, (2, 3, 2, 2, 3), VOLUME_SHAPES, stride=2),
+    # pooling (1-d pooling exports as the 2-d op)
+    Case("max_pool1d", lambda a: torch.nn.functional.max_pool1d(a, 3, 2, padding=1), one(), FLOATS, SIGNAL_SHAPES),
+    Case("max_pool2d", lambda a: (torch.nn.functional.max_pool2d(a, 2), torch.nn.functional.max_pool2d(a, 3, 2, 1),
+                                  torch.nn.functional.max_pool2d(a, (2, 3), (1, 2), dilation=(2, 1), ceil_mode=True)),
+         one(), FLOATS, IMAGE_SHAPES),
+    Case("max_pool3d", lambda a: torch.nn.functional.max_pool3d(a, 2, ceil_mode=True), one(), FLOATS, VOLUME_SHAPES),
+    Case("avg_pool1d", lambda a: torch.nn.functional.avg_pool1d(a, 3, 2, padding=1), one(), FLOATS, SIGNAL_SHAPES),
+    Case("avg_pool2d", lambda a: (torch.nn.functional.avg_pool2d(a, 2), torch.nn.functional.avg_pool2d(a, 3, 2, 1),
+                                  torch.nn.functional.avg_pool2d(a, 3, 2, 1, count_include_pad=False, ceil_mode=True),
+                                  torch.nn.functional.avg_pool2d(a, 2, 1, 1, divisor_override=3)),
+         one(), FLOATS, IMAGE_SHAPES),
+    Case("avg_pool3d", lambda a: torch.nn.functional.avg_pool3d(a, 2, ceil_mode=True, count_include_pad=False), one(),
+         FLOATS, VOLUME_SHAPES),
+    Case("adaptive_avg_pool2d", lambda a: (torch.nn.functional.adaptive_avg_pool2d(a, (3, 2)),
+                                           torch.nn.functional.adaptive_avg_pool2d(a, 1)), one(), FLOATS,
+         [(2, 3, 9, 8), (1, 2, 6, 4)]),
 ]
+
+
+def _copy_into(a, b):
+    """A functionalized in-place copy_ (aten.copy): one row of a clone overwritten by a row of b."""
+    y = a.clone()
+    y[0].copy_(b[1])
+    return y
 
 
 def _params():

@@ -44,6 +44,8 @@ NODE_TAGS = {
     'QuantizedEmbeddingNode': 36,
     'AllowedMaskNode': 37,
     'DrawnOrNoneNode': 38,
+    'ConvNode': 39,
+    'PadNode': 40,
 }
 
 # union member name -> {field: schema type}, in declaration order
@@ -86,4 +88,6 @@ NODE_FIELDS = {
     'QuantizedEmbeddingNode': {'indices': 'Tid', 'w': 'Tid', 'scales': 'Tid', 'biases': 'Tid', 'group_size': 'int', 'bits': 'int', 'out': 'Tid'},
     'AllowedMaskNode': {'x': 'Tid', 'mask': 'Tid', 'out': 'Tid'},
     'DrawnOrNoneNode': {'tokens': 'Tid', 'x': 'Tid', 'out': 'Tid'},
+    'ConvNode': {'x': 'Tid', 'w': 'Tid', 'stride': '[int]', 'padding_lo': '[int]', 'padding_hi': '[int]', 'kernel_dilation': '[int]', 'input_dilation': '[int]', 'groups': 'int', 'flip': 'bool', 'out': 'Tid'},
+    'PadNode': {'x': 'Tid', 'axes': '[int]', 'low': '[int]', 'high': '[int]', 'value': 'double', 'out': 'Tid'},
 }

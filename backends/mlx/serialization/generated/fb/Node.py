@@ -42,6 +42,8 @@ class Node(object):
     QuantizedEmbeddingNode = 36
     AllowedMaskNode = 37
     DrawnOrNoneNode = 38
+    ConvNode = 39
+    PadNode = 40
 
 def NodeCreator(unionType, table):
     from flatbuffers.table import Table
@@ -161,4 +163,10 @@ def NodeCreator(unionType, table):
     if unionType == Node.DrawnOrNoneNode:
         import backends.mlx.serialization.generated.fb.DrawnOrNoneNode
         return backends.mlx.serialization.generated.fb.DrawnOrNoneNode.DrawnOrNoneNodeT.InitFromBuf(table.Bytes, table.Pos)
+    if unionType == Node.ConvNode:
+        import backends.mlx.serialization.generated.fb.ConvNode
+        return backends.mlx.serialization.generated.fb.ConvNode.ConvNodeT.InitFromBuf(table.Bytes, table.Pos)
+    if unionType == Node.PadNode:
+        import backends.mlx.serialization.generated.fb.PadNode
+        return backends.mlx.serialization.generated.fb.PadNode.PadNodeT.InitFromBuf(table.Bytes, table.Pos)
     return None
