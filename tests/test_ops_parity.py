@@ -45,6 +45,9 @@ class Case:
     make: Callable  # (shape, dtype) -> tuple of inputs
     dtypes: Sequence[torch.dtype] = ALL
     shapes: Sequence[tuple] = tuple(SHAPES)
+    # Compare half-precision results with eager run in float32 and rounded once: for ops whose eager
+    # CPU half kernel rounds intermediates (measured further from the float64 result than ours).
+    float32_reference: bool = False
 
 
 def one(gen=rand):
@@ -80,11 +83,13 @@ VOLUME_SHAPES = [(1, 2, 5, 6, 7)]  # [N, C, D, H, W]
 
 
 def conv_case(name, conv, weight_shape, shapes, **kw):
-    """A convolution (input, weight, bias as inputs) with keyword arguments kw."""
+    """A convolution (input, weight, bias as inputs) with keyword arguments kw. Eager's half-precision
+    transposed convolution rounds its partial sums, so those compare with eager in float32."""
     transposed = "transpose" in conv.__name__
     out_channels = weight_shape[1] * kw.get("groups", 1) if transposed else weight_shape[0]
     return Case(name, lambda x, w, bias: conv(x, w, bias, **kw),
-                lambda s, d: (rand(s, d), rand(weight_shape, d, -1, 1), rand((out_channels,), d)), FLOATS, shapes)
+                lambda s, d: (rand(s, d), rand(weight_shape, d, -1, 1), rand((out_channels,), d)), FLOATS, shapes,
+                float32_reference=transposed)
 
 
 CASES = [
@@ -216,7 +221,7 @@ CASES = [
                                      torch.nn.functional.celu(a, 1.3)), one(), FLOATS),
     # reductions
     Case("max_min_all", lambda a: (a.max(), a.min()), one()),
-    Case("max_min_dim", lambda a: (a.max(-1), a.min(0, keepdim=True)), one(distinct)),
+    Case("max_min_dim", lambda a: (*a.max(-1), *a.min(0, keepdim=True)), one(distinct)),
     Case("var_std", lambda a: (a.var(-1), a.std(0, keepdim=True), torch.var(a, unbiased=False),
                                torch.var(a, -1, True, True), torch.std(a, -1, correction=0)), one(), FLOATS),
     # rearrangements
@@ -266,7 +271,7 @@ CASES = [
                                   torch.nn.functional.avg_pool2d(a, 2, 1, 1, divisor_override=3)),
          one(), FLOATS, IMAGE_SHAPES),
     Case("avg_pool3d", lambda a: torch.nn.functional.avg_pool3d(a, 2, ceil_mode=True, count_include_pad=False), one(),
-         FLOATS, VOLUME_SHAPES),
+         (torch.float32,), VOLUME_SHAPES),  # eager has no half-precision avg_pool3d on the CPU
     Case("adaptive_avg_pool2d", lambda a: (torch.nn.functional.adaptive_avg_pool2d(a, (3, 2)),
                                            torch.nn.functional.adaptive_avg_pool2d(a, 1)), one(), FLOATS,
          [(2, 3, 9, 8), (1, 2, 6, 4)]),
@@ -305,4 +310,11 @@ def test_op_matches_eager(case, dtype):
     fn = _flat_module(case, arity)
     result = export_fn(fn, flat)
     assert result.ops_outside == 0, result.summary()
-    assert_matches(run(result.pte, flat), list(fn(*flat)))
+    assert_matches(run(result.pte, flat), _reference(case, fn, flat))
+
+
+def _reference(case, fn, flat):
+    if not case.float32_reference:
+        return list(fn(*flat))
+    up = [t.float() if t.dtype.is_floating_point else t for t in flat]
+    return [r.to(t.dtype) for r, t in zip(fn(*up), fn(*flat))]

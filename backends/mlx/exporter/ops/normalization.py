@@ -123,7 +123,7 @@ def _batch_norm(b, node):
     torch's CPU kernel computes it (float32 for the half types, rounded once)."""
     src, weight, bias, mean, var = node.args[:5]
     eps = node.args[6] if len(node.args) > 6 else node.kwargs.get("eps", 1e-5)
-    dtype = out_dtype(node)
+    dtype = src.meta["val"].dtype
     compute = torch.float32 if half_type(dtype) else dtype
     shape = [-1] + [1] * (ndim(src) - 2)
 
