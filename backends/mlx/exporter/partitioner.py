@@ -30,7 +30,7 @@ _aten = torch.ops.aten
 # the op is claimable.
 _KEEP_WHOLE = (_aten.linear.default, _aten.logsumexp.default, _aten.scaled_dot_product_attention.default,
                _aten.index_copy.default, _aten.layer_norm.default, _aten.rms_norm.default, _aten.logaddexp.default,
-               _aten.roll.default, _aten.tril.default, _aten.triu.default, _aten.stack.default, _aten.narrow.default,
+               _aten.roll.default, _aten.tril.default, _aten.triu.default, _aten.stack.default,
                _aten.repeat_interleave.self_int, _aten.std.correction, _aten.var.dim)
 
 

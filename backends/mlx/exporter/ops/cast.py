@@ -29,8 +29,7 @@ def _cast(b, node):
     return b.cast(tid, src.meta["val"].dtype, dst)
 
 
-_CASTS = [aten._to_copy.default, aten.clone.default, aten.alias_copy.default, aten.detach_copy.default,
-          aten.lift_fresh_copy.default]
+_CASTS = [aten._to_copy.default, aten.clone.default, aten.alias_copy.default]
 if _dim_order_ops is not None and hasattr(_dim_order_ops, "_to_dim_order_copy"):
     _CASTS.append(_dim_order_ops._to_dim_order_copy.default)
     _CASTS.append(_dim_order_ops._clone_dim_order.default)

@@ -1,4 +1,4 @@
-"""Ops that copy elements into a new arrangement: constant_pad_nd, stack, narrow, repeat,
+"""Ops that copy elements into a new arrangement: constant_pad_nd, stack, repeat,
 repeat_interleave, roll, slice_scatter, tril / triu."""
 
 from __future__ import annotations
@@ -61,21 +61,6 @@ def _stack(b, node):
     axis = norm_axis(dim, ndim(tensors[0]) + 1)
     parts = [b.op("ExpandDimsNode", x=b.operand(t, dtype), axis=axis) for t in tensors]
     return b.op("ConcatNode", xs=parts, axis=axis)
-
-
-def _narrow_supported(node):
-    start, length = node.args[2:4]
-    if not isinstance(start, int) or not isinstance(length, int):
-        return "narrow with a symbolic start or length"
-    return None
-
-
-@REGISTRY.register(aten.narrow.default, supports=_narrow_supported)
-def _narrow(b, node):
-    src, dim, start, length = node.args[:4]
-    # A negative start counts from the end; the runtime resolves it against the actual size.
-    stop = start + length if start >= 0 or start + length < 0 else _END
-    return b.op("SliceNode", x=b.tid(src), axis=norm_axis(dim, ndim(src)), start=start, stop=stop)
 
 
 def _repeat_supported(node):
