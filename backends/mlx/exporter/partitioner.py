@@ -24,9 +24,14 @@ from backends.mlx.exporter.builder.registry import REGISTRY
 from backends.mlx.exporter.edge_target import aten_target
 from backends.mlx.exporter.preprocess import BACKEND_ID
 
-# Ops we lower better whole than decomposed; kept only if every node of the op is claimable.
-_KEEP_WHOLE = (torch.ops.aten.linear.default, torch.ops.aten.logsumexp.default,
-               torch.ops.aten.scaled_dot_product_attention.default, torch.ops.aten.index_copy.default)
+_aten = torch.ops.aten
+# Ops we lower better whole than decomposed (one fused node, or fewer and exact ops than the
+# decomposition: rms_norm, layer_norm, logaddexp, roll, tril/triu, ...); kept only if every node of
+# the op is claimable.
+_KEEP_WHOLE = (_aten.linear.default, _aten.logsumexp.default, _aten.scaled_dot_product_attention.default,
+               _aten.index_copy.default, _aten.layer_norm.default, _aten.rms_norm.default, _aten.logaddexp.default,
+               _aten.roll.default, _aten.tril.default, _aten.triu.default, _aten.stack.default,
+               _aten.repeat_interleave.self_int, _aten.std.correction, _aten.var.dim)
 
 
 def unsupported_reason(node: torch.fx.Node) -> Optional[str]:

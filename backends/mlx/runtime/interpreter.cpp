@@ -242,6 +242,18 @@ bool Interpreter::exec_unary(const fb::UnaryNode& n) {
       // torch.bitwise_not on bool is logical not.
       r = a.dtype() == mx::bool_ ? mx::logical_not(a) : mx::bitwise_invert(a);
       break;
+    case fb::UnaryOp::Tan: r = mx::tan(a); break;
+    case fb::UnaryOp::Arcsin: r = mx::arcsin(a); break;
+    case fb::UnaryOp::Arccos: r = mx::arccos(a); break;
+    case fb::UnaryOp::Arctan: r = mx::arctan(a); break;
+    case fb::UnaryOp::Sinh: r = mx::sinh(a); break;
+    case fb::UnaryOp::Cosh: r = mx::cosh(a); break;
+    case fb::UnaryOp::Arcsinh: r = mx::arcsinh(a); break;
+    case fb::UnaryOp::Arccosh: r = mx::arccosh(a); break;
+    case fb::UnaryOp::Arctanh: r = mx::arctanh(a); break;
+    case fb::UnaryOp::Log2: r = mx::log2(a); break;
+    case fb::UnaryOp::Log10: r = mx::log10(a); break;
+    case fb::UnaryOp::Round: r = mx::round(a); break;
   }
   if (!r) return fail("has unknown unary op %d", static_cast<int>(n.op()));
   return write(n.out(), std::move(*r));
@@ -276,6 +288,10 @@ bool Interpreter::exec_binary(const fb::BinaryNode& n) {
     case fb::BinaryOp::BitwiseAnd: r = mx::bitwise_and(a, b); break;
     case fb::BinaryOp::BitwiseOr: r = mx::bitwise_or(a, b); break;
     case fb::BinaryOp::BitwiseXor: r = mx::bitwise_xor(a, b); break;
+    case fb::BinaryOp::Arctan2: r = mx::arctan2(a, b); break;
+    case fb::BinaryOp::LogAddExp: r = mx::logaddexp(a, b); break;
+    case fb::BinaryOp::LeftShift: r = mx::left_shift(a, b); break;
+    case fb::BinaryOp::RightShift: r = mx::right_shift(a, b); break;
   }
   if (!r) return fail("has unknown binary op %d", static_cast<int>(n.op()));
   return write(n.out(), std::move(*r));

@@ -81,6 +81,8 @@ class Interpreter {
   bool exec_rms_norm(const fb::RmsNormNode& n);  // exec_fused.cpp
   bool exec_layer_norm(const fb::LayerNormNode& n);  // exec_fused.cpp
   bool exec_rope(const fb::RopeNode& n);  // exec_fused.cpp
+  bool exec_conv(const fb::ConvNode& n);  // exec_spatial.cpp
+  bool exec_pad(const fb::PadNode& n);  // exec_spatial.cpp
   bool exec_quantized_linear(const fb::QuantizedLinearNode& n);  // exec_quantized.cpp
   bool exec_quantized_embedding(const fb::QuantizedEmbeddingNode& n);  // exec_quantized.cpp
   // A quantized node's packed weights, scales and biases, read and their layout checked;

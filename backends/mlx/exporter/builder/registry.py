@@ -9,6 +9,7 @@ into a CPU fallback.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -84,6 +85,25 @@ class Registry:
 
     def targets(self):
         return list(self._entries)
+
+    @contextmanager
+    def recording(self, sink: set):
+        """While active, the target of every handler that runs is added to `sink` (which ops a
+        program really lowered through which handler; tests use it to prove op coverage)."""
+        saved = self._entries
+
+        def traced(entry):
+            def handler(b, node):
+                sink.add(entry.target)
+                return entry.handler(b, node)
+
+            return OpEntry(entry.target, handler, entry.supports)
+
+        self._entries = {t: traced(e) for t, e in saved.items()}
+        try:
+            yield sink
+        finally:
+            self._entries = saved
 
 
 REGISTRY = Registry()

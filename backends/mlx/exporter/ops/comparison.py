@@ -42,6 +42,7 @@ def _logical_handler(op):
 
 REGISTRY.register(aten.logical_and.default)(_logical_handler(BinaryOp.LogicalAnd))
 REGISTRY.register(aten.logical_or.default)(_logical_handler(BinaryOp.LogicalOr))
+REGISTRY.register(aten.logical_xor.default)(_logical_handler(BinaryOp.NotEqual))  # on bools, xor is !=
 
 
 @REGISTRY.register(aten.logical_not.default)

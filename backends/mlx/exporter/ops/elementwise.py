@@ -28,6 +28,17 @@ _UNARY = {
     aten.reciprocal.default: UnaryOp.Reciprocal,
     aten.sign.default: UnaryOp.Sign,
     aten.bitwise_not.default: UnaryOp.BitwiseNot,
+    aten.tan.default: UnaryOp.Tan,
+    aten.asin.default: UnaryOp.Arcsin,
+    aten.acos.default: UnaryOp.Arccos,
+    aten.atan.default: UnaryOp.Arctan,
+    aten.sinh.default: UnaryOp.Sinh,
+    aten.cosh.default: UnaryOp.Cosh,
+    aten.asinh.default: UnaryOp.Arcsinh,
+    aten.acosh.default: UnaryOp.Arccosh,
+    aten.atanh.default: UnaryOp.Arctanh,
+    aten.log2.default: UnaryOp.Log2,
+    aten.log10.default: UnaryOp.Log10,
 }
 
 
@@ -83,9 +94,16 @@ _BINARY = {
     (aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar, aten.pow.Scalar): BinaryOp.Power,
     (aten.remainder.Tensor, aten.remainder.Scalar): BinaryOp.Remainder,
     (aten.floor_divide.default,): BinaryOp.FloorDivide,
-    (aten.bitwise_and.Tensor,): BinaryOp.BitwiseAnd,
-    (aten.bitwise_or.Tensor,): BinaryOp.BitwiseOr,
-    (aten.bitwise_xor.Tensor,): BinaryOp.BitwiseXor,
+    (aten.bitwise_and.Tensor, aten.bitwise_and.Scalar): BinaryOp.BitwiseAnd,
+    (aten.bitwise_or.Tensor, aten.bitwise_or.Scalar): BinaryOp.BitwiseOr,
+    (aten.bitwise_xor.Tensor, aten.bitwise_xor.Scalar): BinaryOp.BitwiseXor,
+    # Shifts: the shift count must lie in [0, bits of the dtype) (C++ and MLX leave wider shifts undefined).
+    (aten.bitwise_left_shift.Tensor, aten.bitwise_left_shift.Tensor_Scalar, aten.bitwise_left_shift.Scalar_Tensor,
+     aten.__lshift__.Scalar, aten.__lshift__.Tensor): BinaryOp.LeftShift,
+    (aten.bitwise_right_shift.Tensor, aten.bitwise_right_shift.Tensor_Scalar,
+     aten.bitwise_right_shift.Scalar_Tensor, aten.__rshift__.Scalar, aten.__rshift__.Tensor): BinaryOp.RightShift,
+    (aten.atan2.default,): BinaryOp.Arctan2,
+    (aten.logaddexp.default,): BinaryOp.LogAddExp,
 }
 
 
@@ -186,3 +204,82 @@ def _gelu(b, node):
         t = b.op("UnaryNode", op=UnaryOp.Erf, x=mul(x, b.full(1.0 / math.sqrt(2.0), f32)))
     one_plus = b.op("BinaryNode", op=BinaryOp.Add, a=t, b=b.full(1.0, f32))
     return b.cast(mul(mul(x, b.full(0.5, f32)), one_plus), f32, dtype)
+
+
+@REGISTRY.register(aten.round.default, aten.round.decimals)
+def _round(b, node):
+    """Half to even, as torch.round; with `decimals` d, round(x * 10^d) / 10^d as torch computes it
+    (d < 0: round(x / 10^-d) * 10^-d). Integers are already round."""
+    dtype = out_dtype(node)
+    x = b.operand(node.args[0], dtype)
+    if dtype not in FLOAT_DTYPES:
+        return b.op("CopyNode", x=x)
+    decimals = node.kwargs.get("decimals", node.args[1] if len(node.args) > 1 else 0)
+    if decimals == 0:
+        return b.op("UnaryNode", op=UnaryOp.Round, x=x)
+    scale = b.full(10.0 ** abs(decimals), dtype)
+    into, back = (BinaryOp.Multiply, BinaryOp.Divide) if decimals > 0 else (BinaryOp.Divide, BinaryOp.Multiply)
+    r = b.op("UnaryNode", op=UnaryOp.Round, x=b.op("BinaryNode", op=into, a=x, b=scale))
+    return b.op("BinaryNode", op=back, a=r, b=scale)
+
+
+@REGISTRY.register(aten.trunc.default)
+def _trunc(b, node):
+    """sign(x) * floor(|x|); integers are already whole."""
+    dtype = out_dtype(node)
+    x = b.operand(node.args[0], dtype)
+    if dtype not in FLOAT_DTYPES:
+        return b.op("CopyNode", x=x)
+    mag = b.op("UnaryNode", op=UnaryOp.Floor, x=b.op("UnaryNode", op=UnaryOp.Abs, x=x))
+    return b.op("BinaryNode", op=BinaryOp.Multiply, a=b.op("UnaryNode", op=UnaryOp.Sign, x=x), b=mag)
+
+
+def _arg_or(node, index, name, default):
+    if name in node.kwargs:
+        return node.kwargs[name]
+    return node.args[index] if len(node.args) > index else default
+
+
+@REGISTRY.register(aten.hardtanh.default)
+def _hardtanh(b, node):
+    """clamp(x, min_val, max_val) (relu6 is hardtanh(x, 0, 6))."""
+    dtype = out_dtype(node)
+    lo, hi = _arg_or(node, 1, "min_val", -1.0), _arg_or(node, 2, "max_val", 1.0)
+    x = b.op("BinaryNode", op=BinaryOp.Maximum, a=b.operand(node.args[0], dtype), b=b.full(lo, dtype))
+    return b.op("BinaryNode", op=BinaryOp.Minimum, a=x, b=b.full(hi, dtype))
+
+
+def _floats(name):
+    return lambda n: None if out_dtype(n) in FLOAT_DTYPES else f"{name} needs floats"
+
+
+@REGISTRY.register(aten.leaky_relu.default, supports=_floats("leaky_relu"))
+def _leaky_relu(b, node):
+    """x where x > 0, else x * negative_slope, computed in float32 for the half types as torch does."""
+    import torch
+
+    dtype, f32 = out_dtype(node), torch.float32
+    slope = _arg_or(node, 1, "negative_slope", 0.01)
+    x = b.operand(node.args[0], f32)
+    positive = b.op("BinaryNode", op=BinaryOp.Greater, a=x, b=b.full(0, f32))
+    scaled = b.op("BinaryNode", op=BinaryOp.Multiply, a=x, b=b.full(slope, f32))
+    return b.cast(b.op("WhereNode", cond=positive, x=x, y=scaled), f32, dtype)
+
+
+@REGISTRY.register(aten.elu.default, supports=_floats("elu"))
+def _elu(b, node):
+    """scale * x where x > 0, else scale * alpha * expm1(input_scale * x); computed in float32 for the
+    half types, as torch does, then rounded once (selu and celu export as elu)."""
+    import torch
+
+    dtype, f32 = out_dtype(node), torch.float32
+    alpha, scale, input_scale = (_arg_or(node, 1, "alpha", 1.0), _arg_or(node, 2, "scale", 1.0),
+                                 _arg_or(node, 3, "input_scale", 1.0))
+    x = b.operand(node.args[0], f32)
+
+    def mul(a, c):
+        return a if c == 1 else b.op("BinaryNode", op=BinaryOp.Multiply, a=a, b=b.full(c, f32))
+
+    negative = mul(b.op("UnaryNode", op=UnaryOp.Expm1, x=mul(x, input_scale)), alpha * scale)
+    positive = b.op("BinaryNode", op=BinaryOp.Greater, a=x, b=b.full(0, f32))
+    return b.cast(b.op("WhereNode", cond=positive, x=mul(x, scale), y=negative), f32, dtype)

@@ -1,4 +1,5 @@
-"""Reductions (sum, mean, prod, amax, amin, any, all, logsumexp), argmax/argmin and cumsum.
+"""Reductions (sum, mean, prod, amax/max, amin/min, any, all, logsumexp, var/std), argmax/argmin,
+max.dim/min.dim and cumsum.
 
 Half-precision inputs accumulate in float32, as PyTorch does, and are cast back.
 """
@@ -10,7 +11,9 @@ import torch
 from backends.mlx.exporter.builder.registry import REGISTRY
 from backends.mlx.exporter.ops.common import aten, half_type, ndim, norm_axis, out_dtype
 from backends.mlx.serialization.generated.fb.ArgReduceOp import ArgReduceOp
+from backends.mlx.serialization.generated.fb.BinaryOp import BinaryOp
 from backends.mlx.serialization.generated.fb.ReduceOp import ReduceOp
+from backends.mlx.serialization.generated.fb.UnaryOp import UnaryOp
 
 
 def _axes(node, dim_arg):
@@ -60,6 +63,23 @@ REGISTRY.register(aten.any.default)(lambda b, node: _reduce(b, node, ReduceOp.An
 REGISTRY.register(aten.all.dim, aten.all.dims)(_reducer(ReduceOp.All))
 REGISTRY.register(aten.all.default)(lambda b, node: _reduce(b, node, ReduceOp.All, None, False))
 REGISTRY.register(aten.logsumexp.default)(_reducer(ReduceOp.LogSumExp))
+REGISTRY.register(aten.max.default)(lambda b, node: _reduce(b, node, ReduceOp.Max, None, False))
+REGISTRY.register(aten.min.default)(lambda b, node: _reduce(b, node, ReduceOp.Min, None, False))
+
+
+def _extreme_with_index(op, arg_op):
+    def handler(b, node):
+        """(values, indices) along dim: a reduce and an arg-reduce (the first index of the extreme)."""
+        src, dim = node.args[:2]
+        keep = bool(node.kwargs.get("keepdim", _arg(node, 2, False)))
+        axis = norm_axis(dim, max(ndim(src), 1))
+        if ndim(src) == 0:
+            return (b.op("CopyNode", x=b.tid(src)), b.full(0, torch.int64))
+        values = b.op("ReduceNode", op=op, x=b.tid(src), axes=[axis], keepdims=keep)
+        index = b.op("ArgReduceNode", op=arg_op, x=b.tid(src), axis=axis, keepdims=keep)
+        return (values, b.op("AsTypeNode", x=index, dtype=_int64()))
+
+    return handler
 
 
 def _arg_reduce(op):
@@ -106,3 +126,69 @@ def _cumsum(b, node):
         return b.cast(x, compute, dtype)
     out = b.op("CumsumNode", x=x, axis=axis, reverse=False, inclusive=True)
     return b.cast(out, compute, dtype)
+
+
+REGISTRY.register(aten.max.dim, supports=_not_empty)(_extreme_with_index(ReduceOp.Max, ArgReduceOp.ArgMax))
+REGISTRY.register(aten.min.dim, supports=_not_empty)(_extreme_with_index(ReduceOp.Min, ArgReduceOp.ArgMin))
+
+
+def _var_args(node):
+    """(dims, correction, keepdim) of var.correction / var.dim / std.correction."""
+    from backends.mlx.exporter.edge_target import aten_target
+
+    dim = node.kwargs.get("dim", _arg(node, 1))
+    keep = bool(node.kwargs.get("keepdim", _arg(node, 3 if aten_target(node.target) is aten.var.dim else 2, False)))
+    if aten_target(node.target) is aten.var.dim:
+        unbiased = node.kwargs.get("unbiased", _arg(node, 2, True))
+        correction = 1 if unbiased else 0
+    else:
+        correction = node.kwargs.get("correction")
+        correction = 1 if correction is None else correction
+    return dim, correction, keep
+
+
+def _var_supported(node):
+    dtype = out_dtype(node)
+    if not dtype.is_floating_point:
+        return f"var / std need floats, got {dtype}"
+    dim, _, _ = _var_args(node)
+    shape = node.args[0].meta["val"].shape
+    if any(not isinstance(shape[a], int) for a in _axes(node, dim)):
+        return "var / std over a symbolic size"
+    return None
+
+
+def _variance(b, node):
+    """sum((x - mean)^2) / (N - correction) in float32 for the half types (N - correction <= 0
+    divides by 0, giving inf or nan as torch does)."""
+    dim, correction, keep = _var_args(node)
+    dtype = out_dtype(node)
+    compute = torch.float32 if half_type(dtype) else dtype
+    axes = _axes(node, dim)
+    shape = node.args[0].meta["val"].shape
+    count = 1
+    for a in axes:
+        count *= shape[a]
+    x = b.operand(node.args[0], compute)
+    if not axes:
+        axes, x = [0], b.op("ReshapeNode", x=x, shape=[1])
+    mean = b.op("ReduceNode", op=ReduceOp.Mean, x=x, axes=axes, keepdims=True)
+    centered = b.op("BinaryNode", op=BinaryOp.Subtract, a=x, b=mean)
+    squares = b.op("UnaryNode", op=UnaryOp.Square, x=centered)
+    total = b.op("ReduceNode", op=ReduceOp.Sum, x=squares, axes=axes, keepdims=keep)
+    if ndim(node.args[0]) == 0:
+        total = b.op("ReshapeNode", x=total, shape=[])
+    var = b.op("BinaryNode", op=BinaryOp.Divide, a=total, b=b.full(max(count - correction, 0), compute))
+    return var, compute, dtype
+
+
+@REGISTRY.register(aten.var.correction, aten.var.dim, supports=_var_supported)
+def _var(b, node):
+    var, compute, dtype = _variance(b, node)
+    return b.cast(var, compute, dtype)
+
+
+@REGISTRY.register(aten.std.correction, supports=_var_supported)
+def _std(b, node):
+    var, compute, dtype = _variance(b, node)
+    return b.cast(b.op("UnaryNode", op=UnaryOp.Sqrt, x=var), compute, dtype)

@@ -119,7 +119,7 @@ def _sym_size(b, node):
     return out
 
 
-@REGISTRY.register(aten.split_with_sizes_copy.default, aten.split_with_sizes.default, aten.split_copy.Tensor,
+@REGISTRY.register(aten.split_with_sizes_copy.default, aten.split_with_sizes.default,
                    aten.split.Tensor)
 def _split(b, node):
     """Consecutive slices along one axis (split.Tensor's single size repeats, the last may be short)."""

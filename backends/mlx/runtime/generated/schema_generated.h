@@ -140,6 +140,12 @@ struct AllowedMaskNodeBuilder;
 struct DrawnOrNoneNode;
 struct DrawnOrNoneNodeBuilder;
 
+struct ConvNode;
+struct ConvNodeBuilder;
+
+struct PadNode;
+struct PadNodeBuilder;
+
 struct GatherMmNode;
 struct GatherMmNodeBuilder;
 
@@ -241,11 +247,23 @@ enum class UnaryOp : uint8_t {
   IsNan = 19,
   IsInf = 20,
   BitwiseNot = 21,
+  Tan = 22,
+  Arcsin = 23,
+  Arccos = 24,
+  Arctan = 25,
+  Sinh = 26,
+  Cosh = 27,
+  Arcsinh = 28,
+  Arccosh = 29,
+  Arctanh = 30,
+  Log2 = 31,
+  Log10 = 32,
+  Round = 33,
   MIN = Neg,
-  MAX = BitwiseNot
+  MAX = Round
 };
 
-inline const UnaryOp (&EnumValuesUnaryOp())[22] {
+inline const UnaryOp (&EnumValuesUnaryOp())[34] {
   static const UnaryOp values[] = {
     UnaryOp::Neg,
     UnaryOp::Exp,
@@ -268,13 +286,25 @@ inline const UnaryOp (&EnumValuesUnaryOp())[22] {
     UnaryOp::Sign,
     UnaryOp::IsNan,
     UnaryOp::IsInf,
-    UnaryOp::BitwiseNot
+    UnaryOp::BitwiseNot,
+    UnaryOp::Tan,
+    UnaryOp::Arcsin,
+    UnaryOp::Arccos,
+    UnaryOp::Arctan,
+    UnaryOp::Sinh,
+    UnaryOp::Cosh,
+    UnaryOp::Arcsinh,
+    UnaryOp::Arccosh,
+    UnaryOp::Arctanh,
+    UnaryOp::Log2,
+    UnaryOp::Log10,
+    UnaryOp::Round
   };
   return values;
 }
 
 inline const char * const *EnumNamesUnaryOp() {
-  static const char * const names[23] = {
+  static const char * const names[35] = {
     "Neg",
     "Exp",
     "Log",
@@ -297,13 +327,25 @@ inline const char * const *EnumNamesUnaryOp() {
     "IsNan",
     "IsInf",
     "BitwiseNot",
+    "Tan",
+    "Arcsin",
+    "Arccos",
+    "Arctan",
+    "Sinh",
+    "Cosh",
+    "Arcsinh",
+    "Arccosh",
+    "Arctanh",
+    "Log2",
+    "Log10",
+    "Round",
     nullptr
   };
   return names;
 }
 
 inline const char *EnumNameUnaryOp(UnaryOp e) {
-  if (::flatbuffers::IsOutRange(e, UnaryOp::Neg, UnaryOp::BitwiseNot)) return "";
+  if (::flatbuffers::IsOutRange(e, UnaryOp::Neg, UnaryOp::Round)) return "";
   const size_t index = static_cast<size_t>(e);
   return EnumNamesUnaryOp()[index];
 }
@@ -329,11 +371,15 @@ enum class BinaryOp : uint8_t {
   BitwiseAnd = 17,
   BitwiseOr = 18,
   BitwiseXor = 19,
+  Arctan2 = 20,
+  LogAddExp = 21,
+  LeftShift = 22,
+  RightShift = 23,
   MIN = Add,
-  MAX = BitwiseXor
+  MAX = RightShift
 };
 
-inline const BinaryOp (&EnumValuesBinaryOp())[20] {
+inline const BinaryOp (&EnumValuesBinaryOp())[24] {
   static const BinaryOp values[] = {
     BinaryOp::Add,
     BinaryOp::Subtract,
@@ -354,13 +400,17 @@ inline const BinaryOp (&EnumValuesBinaryOp())[20] {
     BinaryOp::Remainder,
     BinaryOp::BitwiseAnd,
     BinaryOp::BitwiseOr,
-    BinaryOp::BitwiseXor
+    BinaryOp::BitwiseXor,
+    BinaryOp::Arctan2,
+    BinaryOp::LogAddExp,
+    BinaryOp::LeftShift,
+    BinaryOp::RightShift
   };
   return values;
 }
 
 inline const char * const *EnumNamesBinaryOp() {
-  static const char * const names[21] = {
+  static const char * const names[25] = {
     "Add",
     "Subtract",
     "Multiply",
@@ -381,13 +431,17 @@ inline const char * const *EnumNamesBinaryOp() {
     "BitwiseAnd",
     "BitwiseOr",
     "BitwiseXor",
+    "Arctan2",
+    "LogAddExp",
+    "LeftShift",
+    "RightShift",
     nullptr
   };
   return names;
 }
 
 inline const char *EnumNameBinaryOp(BinaryOp e) {
-  if (::flatbuffers::IsOutRange(e, BinaryOp::Add, BinaryOp::BitwiseXor)) return "";
+  if (::flatbuffers::IsOutRange(e, BinaryOp::Add, BinaryOp::RightShift)) return "";
   const size_t index = static_cast<size_t>(e);
   return EnumNamesBinaryOp()[index];
 }
@@ -542,11 +596,13 @@ enum class Node : uint8_t {
   DrawnOrNoneNode = 38,
   GatherMmNode = 39,
   GatherQmmNode = 40,
+  ConvNode = 41,
+  PadNode = 42,
   MIN = NONE,
-  MAX = GatherQmmNode
+  MAX = PadNode
 };
 
-inline const Node (&EnumValuesNode())[41] {
+inline const Node (&EnumValuesNode())[43] {
   static const Node values[] = {
     Node::NONE,
     Node::UnaryNode,
@@ -588,13 +644,15 @@ inline const Node (&EnumValuesNode())[41] {
     Node::AllowedMaskNode,
     Node::DrawnOrNoneNode,
     Node::GatherMmNode,
-    Node::GatherQmmNode
+    Node::GatherQmmNode,
+    Node::ConvNode,
+    Node::PadNode
   };
   return values;
 }
 
 inline const char * const *EnumNamesNode() {
-  static const char * const names[42] = {
+  static const char * const names[44] = {
     "NONE",
     "UnaryNode",
     "BinaryNode",
@@ -636,13 +694,15 @@ inline const char * const *EnumNamesNode() {
     "DrawnOrNoneNode",
     "GatherMmNode",
     "GatherQmmNode",
+    "ConvNode",
+    "PadNode",
     nullptr
   };
   return names;
 }
 
 inline const char *EnumNameNode(Node e) {
-  if (::flatbuffers::IsOutRange(e, Node::NONE, Node::GatherQmmNode)) return "";
+  if (::flatbuffers::IsOutRange(e, Node::NONE, Node::PadNode)) return "";
   const size_t index = static_cast<size_t>(e);
   return EnumNamesNode()[index];
 }
@@ -809,6 +869,14 @@ template<> struct NodeTraits<backends::mlx::serialization::generated::fb::Gather
 
 template<> struct NodeTraits<backends::mlx::serialization::generated::fb::GatherQmmNode> {
   static const Node enum_value = Node::GatherQmmNode;
+};
+
+template<> struct NodeTraits<backends::mlx::serialization::generated::fb::ConvNode> {
+  static const Node enum_value = Node::ConvNode;
+};
+
+template<> struct NodeTraits<backends::mlx::serialization::generated::fb::PadNode> {
+  static const Node enum_value = Node::PadNode;
 };
 
 template <bool B = false>
@@ -4050,6 +4118,303 @@ inline ::flatbuffers::Offset<DrawnOrNoneNode> CreateDrawnOrNoneNode(
   return builder_.Finish();
 }
 
+struct ConvNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef ConvNodeBuilder Builder;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_X = 4,
+    VT_W = 6,
+    VT_STRIDE = 8,
+    VT_PADDING_LO = 10,
+    VT_PADDING_HI = 12,
+    VT_KERNEL_DILATION = 14,
+    VT_INPUT_DILATION = 16,
+    VT_GROUPS = 18,
+    VT_FLIP = 20,
+    VT_OUT = 22
+  };
+  const backends::mlx::serialization::generated::fb::Tid *x() const {
+    return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_X);
+  }
+  const backends::mlx::serialization::generated::fb::Tid *w() const {
+    return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_W);
+  }
+  const ::flatbuffers::Vector<int32_t> *stride() const {
+    return GetPointer<const ::flatbuffers::Vector<int32_t> *>(VT_STRIDE);
+  }
+  const ::flatbuffers::Vector<int32_t> *padding_lo() const {
+    return GetPointer<const ::flatbuffers::Vector<int32_t> *>(VT_PADDING_LO);
+  }
+  const ::flatbuffers::Vector<int32_t> *padding_hi() const {
+    return GetPointer<const ::flatbuffers::Vector<int32_t> *>(VT_PADDING_HI);
+  }
+  const ::flatbuffers::Vector<int32_t> *kernel_dilation() const {
+    return GetPointer<const ::flatbuffers::Vector<int32_t> *>(VT_KERNEL_DILATION);
+  }
+  const ::flatbuffers::Vector<int32_t> *input_dilation() const {
+    return GetPointer<const ::flatbuffers::Vector<int32_t> *>(VT_INPUT_DILATION);
+  }
+  int32_t groups() const {
+    return GetField<int32_t>(VT_GROUPS, 1);
+  }
+  bool flip() const {
+    return GetField<uint8_t>(VT_FLIP, 0) != 0;
+  }
+  const backends::mlx::serialization::generated::fb::Tid *out() const {
+    return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_X, 4) &&
+           VerifyFieldRequired<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_W, 4) &&
+           VerifyOffsetRequired(verifier, VT_STRIDE) &&
+           verifier.VerifyVector(stride()) &&
+           VerifyOffsetRequired(verifier, VT_PADDING_LO) &&
+           verifier.VerifyVector(padding_lo()) &&
+           VerifyOffsetRequired(verifier, VT_PADDING_HI) &&
+           verifier.VerifyVector(padding_hi()) &&
+           VerifyOffsetRequired(verifier, VT_KERNEL_DILATION) &&
+           verifier.VerifyVector(kernel_dilation()) &&
+           VerifyOffsetRequired(verifier, VT_INPUT_DILATION) &&
+           verifier.VerifyVector(input_dilation()) &&
+           VerifyField<int32_t>(verifier, VT_GROUPS, 4) &&
+           VerifyField<uint8_t>(verifier, VT_FLIP, 1) &&
+           VerifyFieldRequired<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct ConvNodeBuilder {
+  typedef ConvNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_x(const backends::mlx::serialization::generated::fb::Tid *x) {
+    fbb_.AddStruct(ConvNode::VT_X, x);
+  }
+  void add_w(const backends::mlx::serialization::generated::fb::Tid *w) {
+    fbb_.AddStruct(ConvNode::VT_W, w);
+  }
+  void add_stride(::flatbuffers::Offset<::flatbuffers::Vector<int32_t>> stride) {
+    fbb_.AddOffset(ConvNode::VT_STRIDE, stride);
+  }
+  void add_padding_lo(::flatbuffers::Offset<::flatbuffers::Vector<int32_t>> padding_lo) {
+    fbb_.AddOffset(ConvNode::VT_PADDING_LO, padding_lo);
+  }
+  void add_padding_hi(::flatbuffers::Offset<::flatbuffers::Vector<int32_t>> padding_hi) {
+    fbb_.AddOffset(ConvNode::VT_PADDING_HI, padding_hi);
+  }
+  void add_kernel_dilation(::flatbuffers::Offset<::flatbuffers::Vector<int32_t>> kernel_dilation) {
+    fbb_.AddOffset(ConvNode::VT_KERNEL_DILATION, kernel_dilation);
+  }
+  void add_input_dilation(::flatbuffers::Offset<::flatbuffers::Vector<int32_t>> input_dilation) {
+    fbb_.AddOffset(ConvNode::VT_INPUT_DILATION, input_dilation);
+  }
+  void add_groups(int32_t groups) {
+    fbb_.AddElement<int32_t>(ConvNode::VT_GROUPS, groups, 1);
+  }
+  void add_flip(bool flip) {
+    fbb_.AddElement<uint8_t>(ConvNode::VT_FLIP, static_cast<uint8_t>(flip), 0);
+  }
+  void add_out(const backends::mlx::serialization::generated::fb::Tid *out) {
+    fbb_.AddStruct(ConvNode::VT_OUT, out);
+  }
+  explicit ConvNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<ConvNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<ConvNode>(end);
+    fbb_.Required(o, ConvNode::VT_X);
+    fbb_.Required(o, ConvNode::VT_W);
+    fbb_.Required(o, ConvNode::VT_STRIDE);
+    fbb_.Required(o, ConvNode::VT_PADDING_LO);
+    fbb_.Required(o, ConvNode::VT_PADDING_HI);
+    fbb_.Required(o, ConvNode::VT_KERNEL_DILATION);
+    fbb_.Required(o, ConvNode::VT_INPUT_DILATION);
+    fbb_.Required(o, ConvNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<ConvNode> CreateConvNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const backends::mlx::serialization::generated::fb::Tid *x = nullptr,
+    const backends::mlx::serialization::generated::fb::Tid *w = nullptr,
+    ::flatbuffers::Offset<::flatbuffers::Vector<int32_t>> stride = 0,
+    ::flatbuffers::Offset<::flatbuffers::Vector<int32_t>> padding_lo = 0,
+    ::flatbuffers::Offset<::flatbuffers::Vector<int32_t>> padding_hi = 0,
+    ::flatbuffers::Offset<::flatbuffers::Vector<int32_t>> kernel_dilation = 0,
+    ::flatbuffers::Offset<::flatbuffers::Vector<int32_t>> input_dilation = 0,
+    int32_t groups = 1,
+    bool flip = false,
+    const backends::mlx::serialization::generated::fb::Tid *out = nullptr) {
+  ConvNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_groups(groups);
+  builder_.add_input_dilation(input_dilation);
+  builder_.add_kernel_dilation(kernel_dilation);
+  builder_.add_padding_hi(padding_hi);
+  builder_.add_padding_lo(padding_lo);
+  builder_.add_stride(stride);
+  builder_.add_w(w);
+  builder_.add_x(x);
+  builder_.add_flip(flip);
+  return builder_.Finish();
+}
+
+inline ::flatbuffers::Offset<ConvNode> CreateConvNodeDirect(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const backends::mlx::serialization::generated::fb::Tid *x = nullptr,
+    const backends::mlx::serialization::generated::fb::Tid *w = nullptr,
+    const std::vector<int32_t> *stride = nullptr,
+    const std::vector<int32_t> *padding_lo = nullptr,
+    const std::vector<int32_t> *padding_hi = nullptr,
+    const std::vector<int32_t> *kernel_dilation = nullptr,
+    const std::vector<int32_t> *input_dilation = nullptr,
+    int32_t groups = 1,
+    bool flip = false,
+    const backends::mlx::serialization::generated::fb::Tid *out = nullptr) {
+  auto stride__ = stride ? _fbb.CreateVector<int32_t>(*stride) : 0;
+  auto padding_lo__ = padding_lo ? _fbb.CreateVector<int32_t>(*padding_lo) : 0;
+  auto padding_hi__ = padding_hi ? _fbb.CreateVector<int32_t>(*padding_hi) : 0;
+  auto kernel_dilation__ = kernel_dilation ? _fbb.CreateVector<int32_t>(*kernel_dilation) : 0;
+  auto input_dilation__ = input_dilation ? _fbb.CreateVector<int32_t>(*input_dilation) : 0;
+  return backends::mlx::serialization::generated::fb::CreateConvNode(
+      _fbb,
+      x,
+      w,
+      stride__,
+      padding_lo__,
+      padding_hi__,
+      kernel_dilation__,
+      input_dilation__,
+      groups,
+      flip,
+      out);
+}
+
+struct PadNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef PadNodeBuilder Builder;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_X = 4,
+    VT_AXES = 6,
+    VT_LOW = 8,
+    VT_HIGH = 10,
+    VT_VALUE = 12,
+    VT_OUT = 14
+  };
+  const backends::mlx::serialization::generated::fb::Tid *x() const {
+    return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_X);
+  }
+  const ::flatbuffers::Vector<int32_t> *axes() const {
+    return GetPointer<const ::flatbuffers::Vector<int32_t> *>(VT_AXES);
+  }
+  const ::flatbuffers::Vector<int32_t> *low() const {
+    return GetPointer<const ::flatbuffers::Vector<int32_t> *>(VT_LOW);
+  }
+  const ::flatbuffers::Vector<int32_t> *high() const {
+    return GetPointer<const ::flatbuffers::Vector<int32_t> *>(VT_HIGH);
+  }
+  double value() const {
+    return GetField<double>(VT_VALUE, 0.0);
+  }
+  const backends::mlx::serialization::generated::fb::Tid *out() const {
+    return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_X, 4) &&
+           VerifyOffsetRequired(verifier, VT_AXES) &&
+           verifier.VerifyVector(axes()) &&
+           VerifyOffsetRequired(verifier, VT_LOW) &&
+           verifier.VerifyVector(low()) &&
+           VerifyOffsetRequired(verifier, VT_HIGH) &&
+           verifier.VerifyVector(high()) &&
+           VerifyField<double>(verifier, VT_VALUE, 8) &&
+           VerifyFieldRequired<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct PadNodeBuilder {
+  typedef PadNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_x(const backends::mlx::serialization::generated::fb::Tid *x) {
+    fbb_.AddStruct(PadNode::VT_X, x);
+  }
+  void add_axes(::flatbuffers::Offset<::flatbuffers::Vector<int32_t>> axes) {
+    fbb_.AddOffset(PadNode::VT_AXES, axes);
+  }
+  void add_low(::flatbuffers::Offset<::flatbuffers::Vector<int32_t>> low) {
+    fbb_.AddOffset(PadNode::VT_LOW, low);
+  }
+  void add_high(::flatbuffers::Offset<::flatbuffers::Vector<int32_t>> high) {
+    fbb_.AddOffset(PadNode::VT_HIGH, high);
+  }
+  void add_value(double value) {
+    fbb_.AddElement<double>(PadNode::VT_VALUE, value, 0.0);
+  }
+  void add_out(const backends::mlx::serialization::generated::fb::Tid *out) {
+    fbb_.AddStruct(PadNode::VT_OUT, out);
+  }
+  explicit PadNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<PadNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<PadNode>(end);
+    fbb_.Required(o, PadNode::VT_X);
+    fbb_.Required(o, PadNode::VT_AXES);
+    fbb_.Required(o, PadNode::VT_LOW);
+    fbb_.Required(o, PadNode::VT_HIGH);
+    fbb_.Required(o, PadNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<PadNode> CreatePadNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const backends::mlx::serialization::generated::fb::Tid *x = nullptr,
+    ::flatbuffers::Offset<::flatbuffers::Vector<int32_t>> axes = 0,
+    ::flatbuffers::Offset<::flatbuffers::Vector<int32_t>> low = 0,
+    ::flatbuffers::Offset<::flatbuffers::Vector<int32_t>> high = 0,
+    double value = 0.0,
+    const backends::mlx::serialization::generated::fb::Tid *out = nullptr) {
+  PadNodeBuilder builder_(_fbb);
+  builder_.add_value(value);
+  builder_.add_out(out);
+  builder_.add_high(high);
+  builder_.add_low(low);
+  builder_.add_axes(axes);
+  builder_.add_x(x);
+  return builder_.Finish();
+}
+
+inline ::flatbuffers::Offset<PadNode> CreatePadNodeDirect(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const backends::mlx::serialization::generated::fb::Tid *x = nullptr,
+    const std::vector<int32_t> *axes = nullptr,
+    const std::vector<int32_t> *low = nullptr,
+    const std::vector<int32_t> *high = nullptr,
+    double value = 0.0,
+    const backends::mlx::serialization::generated::fb::Tid *out = nullptr) {
+  auto axes__ = axes ? _fbb.CreateVector<int32_t>(*axes) : 0;
+  auto low__ = low ? _fbb.CreateVector<int32_t>(*low) : 0;
+  auto high__ = high ? _fbb.CreateVector<int32_t>(*high) : 0;
+  return backends::mlx::serialization::generated::fb::CreatePadNode(
+      _fbb,
+      x,
+      axes__,
+      low__,
+      high__,
+      value,
+      out);
+}
+
 struct GatherMmNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef GatherMmNodeBuilder Builder;
   enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
@@ -4387,6 +4752,12 @@ struct Instruction FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   const backends::mlx::serialization::generated::fb::GatherQmmNode *node_as_GatherQmmNode() const {
     return node_type() == backends::mlx::serialization::generated::fb::Node::GatherQmmNode ? static_cast<const backends::mlx::serialization::generated::fb::GatherQmmNode *>(node()) : nullptr;
   }
+  const backends::mlx::serialization::generated::fb::ConvNode *node_as_ConvNode() const {
+    return node_type() == backends::mlx::serialization::generated::fb::Node::ConvNode ? static_cast<const backends::mlx::serialization::generated::fb::ConvNode *>(node()) : nullptr;
+  }
+  const backends::mlx::serialization::generated::fb::PadNode *node_as_PadNode() const {
+    return node_type() == backends::mlx::serialization::generated::fb::Node::PadNode ? static_cast<const backends::mlx::serialization::generated::fb::PadNode *>(node()) : nullptr;
+  }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
     return VerifyTableStart(verifier) &&
@@ -4555,6 +4926,14 @@ template<> inline const backends::mlx::serialization::generated::fb::GatherMmNod
 
 template<> inline const backends::mlx::serialization::generated::fb::GatherQmmNode *Instruction::node_as<backends::mlx::serialization::generated::fb::GatherQmmNode>() const {
   return node_as_GatherQmmNode();
+}
+
+template<> inline const backends::mlx::serialization::generated::fb::ConvNode *Instruction::node_as<backends::mlx::serialization::generated::fb::ConvNode>() const {
+  return node_as_ConvNode();
+}
+
+template<> inline const backends::mlx::serialization::generated::fb::PadNode *Instruction::node_as<backends::mlx::serialization::generated::fb::PadNode>() const {
+  return node_as_PadNode();
 }
 
 struct InstructionBuilder {
@@ -5168,6 +5547,14 @@ inline bool VerifyNode(::flatbuffers::VerifierTemplate<B> &verifier, const void 
     }
     case Node::GatherQmmNode: {
       auto ptr = reinterpret_cast<const backends::mlx::serialization::generated::fb::GatherQmmNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Node::ConvNode: {
+      auto ptr = reinterpret_cast<const backends::mlx::serialization::generated::fb::ConvNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Node::PadNode: {
+      auto ptr = reinterpret_cast<const backends::mlx::serialization::generated::fb::PadNode *>(obj);
       return verifier.VerifyTable(ptr);
     }
     default: return true;

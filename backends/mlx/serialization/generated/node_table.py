@@ -46,6 +46,8 @@ NODE_TAGS = {
     'DrawnOrNoneNode': 38,
     'GatherMmNode': 39,
     'GatherQmmNode': 40,
+    'ConvNode': 41,
+    'PadNode': 42,
 }
 
 # union member name -> {field: schema type}, in declaration order
@@ -90,4 +92,6 @@ NODE_FIELDS = {
     'DrawnOrNoneNode': {'tokens': 'Tid', 'x': 'Tid', 'out': 'Tid'},
     'GatherMmNode': {'x': 'Tid', 'w': 'Tid', 'indices': 'Tid', 'transposed': 'bool', 'out': 'Tid'},
     'GatherQmmNode': {'x': 'Tid', 'w': 'Tid', 'scales': 'Tid', 'biases': 'Tid', 'indices': 'Tid', 'group_size': 'int', 'bits': 'int', 'out': 'Tid'},
+    'ConvNode': {'x': 'Tid', 'w': 'Tid', 'stride': '[int]', 'padding_lo': '[int]', 'padding_hi': '[int]', 'kernel_dilation': '[int]', 'input_dilation': '[int]', 'groups': 'int', 'flip': 'bool', 'out': 'Tid'},
+    'PadNode': {'x': 'Tid', 'axes': '[int]', 'low': '[int]', 'high': '[int]', 'value': 'double', 'out': 'Tid'},
 }

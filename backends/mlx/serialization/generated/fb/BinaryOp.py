@@ -23,3 +23,7 @@ class BinaryOp(object):
     BitwiseAnd = 17
     BitwiseOr = 18
     BitwiseXor = 19
+    Arctan2 = 20
+    LogAddExp = 21
+    LeftShift = 22
+    RightShift = 23

@@ -44,6 +44,8 @@ class Node(object):
     DrawnOrNoneNode = 38
     GatherMmNode = 39
     GatherQmmNode = 40
+    ConvNode = 41
+    PadNode = 42
 
 def NodeCreator(unionType, table):
     from flatbuffers.table import Table
@@ -169,4 +171,10 @@ def NodeCreator(unionType, table):
     if unionType == Node.GatherQmmNode:
         import backends.mlx.serialization.generated.fb.GatherQmmNode
         return backends.mlx.serialization.generated.fb.GatherQmmNode.GatherQmmNodeT.InitFromBuf(table.Bytes, table.Pos)
+    if unionType == Node.ConvNode:
+        import backends.mlx.serialization.generated.fb.ConvNode
+        return backends.mlx.serialization.generated.fb.ConvNode.ConvNodeT.InitFromBuf(table.Bytes, table.Pos)
+    if unionType == Node.PadNode:
+        import backends.mlx.serialization.generated.fb.PadNode
+        return backends.mlx.serialization.generated.fb.PadNode.PadNodeT.InitFromBuf(table.Bytes, table.Pos)
     return None

@@ -25,3 +25,15 @@ class UnaryOp(object):
     IsNan = 19
     IsInf = 20
     BitwiseNot = 21
+    Tan = 22
+    Arcsin = 23
+    Arccos = 24
+    Arctan = 25
+    Sinh = 26
+    Cosh = 27
+    Arcsinh = 28
+    Arccosh = 29
+    Arctanh = 30
+    Log2 = 31
+    Log10 = 32
+    Round = 33
