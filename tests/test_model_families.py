@@ -66,6 +66,11 @@ CONFIGS = {
     "qwen2_moe": lambda: T.Qwen2MoeConfig(**COMMON, **MOE, num_experts=4, shared_expert_intermediate_size=32),
     "qwen3_moe": lambda: T.Qwen3MoeConfig(**COMMON, **MOE, num_experts=4),
     "mixtral": lambda: T.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2),
+    # multi-head latent attention (low-rank q and kv, split rotary/non-rotary head dims), grouped routing
+    "deepseek_v3": lambda: T.DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, **MOE, n_routed_experts=4,
+                                              first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16,
+                                              qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_group=2,
+                                              topk_group=1),
 }
 
 
@@ -121,7 +126,7 @@ def test_int8_tokens_are_the_float_models_choices(tmp_path, family):
     chosen = logprobs[torch.arange(STEPS), torch.tensor(tokens)]
     worst = (logprobs.max(dim=-1).values - chosen).max().item()
     print(f"{family} int8: worst gap to the float model's best token {worst:.4f} nats")
-    assert worst <= (INT8_NATS_MOE if family in ("qwen2_moe", "qwen3_moe", "mixtral") else INT8_NATS), (family, worst)
+    assert worst <= (INT8_NATS_MOE if family in ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3") else INT8_NATS), (family, worst)
 
 
 @pytest.mark.parametrize("config,message", [

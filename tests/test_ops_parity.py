@@ -60,6 +60,14 @@ def two(gen=rand, gen2=None):
     return lambda s, d: (gen(s, d), (gen2 or gen)(s, d))
 
 
+def _filled_empty(a):
+    """An empty tensor written slice by slice, as DeepSeek-V3's attention builds its query (empty + slice_scatter)."""
+    out = a.new_empty(a.shape)
+    out[..., :1] = a[..., :1]
+    out[..., 1:] = a[..., 1:] * 2
+    return out
+
+
 def last_dim_index(shape, k=2):
     return torch.randint(0, shape[-1], (*shape[:-1], k))
 
@@ -138,6 +146,7 @@ CASES = [
     Case("full_like", lambda a: a + torch.full(a.shape, 3, dtype=a.dtype), one()),
     Case("zeros_ones", lambda a: a + torch.zeros(a.shape, dtype=a.dtype) + torch.ones(a.shape, dtype=a.dtype),
          one()),
+    Case("empty_filled", lambda a: _filled_empty(a), one()),
     Case("arange", lambda a: a + torch.arange(a.shape[-1], dtype=a.dtype), one()),
     Case("arange_step", lambda a: a * torch.arange(1, 2 * a.shape[-1] + 1, 2).to(a.dtype), one()),
     # reductions

@@ -70,3 +70,15 @@ def _arange(b, node):
     # 0..n-1 for a run-time n (a dynamic input size): an exclusive running sum of n ones.
     ones = b.op("FullNode", shape=[b.int_or_vid(end)], value=1.0, dtype=to_schema(dtype))
     return b.op("CumsumNode", x=ones, axis=0, reverse=False, inclusive=False)
+
+
+_EMPTY = [aten.empty.memory_format]
+if hasattr(getattr(torch.ops, "dim_order_ops", None), "_empty_dim_order"):
+    _EMPTY.append(torch.ops.dim_order_ops._empty_dim_order.default)
+
+
+@REGISTRY.register(*_EMPTY, supports=resolvable_shape)
+def _empty(b, node):
+    """An uninitialized tensor (DeepSeek's attention fills one slice by slice): zeros, a valid 'anything'."""
+    shape = [b.int_or_vid(s) for s in node.meta["val"].shape]
+    return b.op("FullNode", shape=shape, value=0.0, dtype=to_schema(out_dtype(node)))

@@ -19,7 +19,7 @@ from torch import nn
 # The families tested against transformers' greedy tokens (tests/test_model_families.py), by model_type.
 TESTED = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "olmo", "gemma", "gemma2", "gemma3_text", "granite",
           "smollm3", "starcoder2", "phi", "phi3", "olmo2", "stablelm", "cohere", "gpt_neox", "falcon", "qwen2_moe",
-          "qwen3_moe", "mixtral")
+          "qwen3_moe", "mixtral", "deepseek_v3")
 
 _LAYER_TYPES = {"full_attention", "sliding_attention"}
 
