@@ -98,3 +98,33 @@ def test_export_rejects_bad_arguments():
         export_fn.__globals__["export_to_pte"](lambda x: x, (torch.ones(1),))
     with pytest.raises(TypeError, match="args"):
         export_fn.__globals__["export_to_pte"](CoreModel(), [torch.ones(1)])
+
+
+class StateAcrossCalls(torch.nn.Module):
+    """A running state read before an op the delegate does not run (fmod) and updated after it, so
+    two delegate calls use the buffer: both must see each call's update."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("total", torch.tensor([0.5, -1.0, 2.0]))
+
+    def forward(self, x):
+        seen = self.total * 2  # delegate call 1 reads the state
+        y = torch.fmod(x + seen, 1.5)  # ExecuTorch's CPU kernel
+        self.total.copy_(self.total + y)  # delegate call 2 updates it
+        return seen
+
+
+def test_state_used_by_two_delegate_calls_is_updated_for_both():
+    from backends.mlx.runtime.runner import load_method
+
+    module = StateAcrossCalls().eval()
+    result = export_fn(module, [torch.zeros(3)])
+    assert dict(result.outside) == {"aten.fmod.Scalar": 1}, result.summary()
+    assert result.delegated_calls == 2
+    assert result.host_state == ["fn.total"], result.summary()
+    method = load_method(result.pte)
+    eager = StateAcrossCalls().eval()  # starts from the initial total, as the program does
+    for step in range(4):
+        x = torch.full((3,), float(step))
+        assert_matches(method.execute([x])[0], eager(x))

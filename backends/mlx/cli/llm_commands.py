@@ -65,7 +65,8 @@ def run_export(args) -> int:
         say("no tokenizer in the checkpoint: generate will need --prompt-ids")
     result = export_decoder(model, Path(args.out), args.max_seq_len, config=config, batch=args.batch,
                             seeded=args.seeded, tokenizer=tokenizer, progress=say,
-                            external_weights=args.external_weights, pipelined=args.pipelined)
+                            external_weights=args.external_weights, pipelined=args.pipelined,
+                            verify=args.verify)
     say("done")
     written = f"{args.out} ({Path(args.out).stat().st_size / 1e6:.1f} MB)"
     ptd = weights_path(args.out)
@@ -157,6 +158,9 @@ def add_parsers(sub) -> None:
     pipelining.add_argument("--no-pipeline", dest="pipelined", action="store_false",
                             help="each call returns its own token (default with --sampler ...,mask: structured "
                                  "output needs each token before the next step)")
+    export.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
+                        help="after writing, run the program and check its greedy tokens (and logprobs) against the "
+                             "eager model on a short prompt; a mismatch removes the file and fails (default on)")
     export.add_argument("--sampler", default=DEFAULT_FEATURES,
                         help=f"sampler features compiled in, comma-separated from {', '.join(FEATURES)} "
                              f"(default {DEFAULT_FEATURES}); their values are runtime inputs")

@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
-from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
+from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
 from executorch.exir.backend.compile_spec_schema import CompileSpec
+from executorch.exir.passes.init_mutable_pass import InitializedMutableBufferPass
 
 from backends.mlx.exporter.builder.weights import EXTERNAL_TAG, PLACEMENTS
 from backends.mlx.exporter.edge_target import aten_target
@@ -29,6 +30,9 @@ class ExportResult:
     outside: Counter = field(default_factory=Counter)  # aten op name -> count run by ExecuTorch's CPU kernels
     reasons: dict = field(default_factory=dict)
     weights: str = "pte"  # where the delegate's constants went (export_to_pte's `weights`)
+    # Mutable buffers ExecuTorch keeps (several delegate calls or a CPU op use them; partitioner.py):
+    # copied into and out of the delegate each call.
+    host_state: list = field(default_factory=list)
 
     @property
     def pte(self) -> bytes:
@@ -41,11 +45,15 @@ class ExportResult:
 
     def summary(self) -> str:
         if not self.outside:
-            return f"{self.delegated_calls} delegate call(s); 0 ops outside the etmlx delegate"
-        lines = [f"{self.delegated_calls} delegate call(s); {self.ops_outside} op(s) outside the etmlx delegate:"]
+            lines = [f"{self.delegated_calls} delegate call(s); 0 ops outside the etmlx delegate"]
+        else:
+            lines = [f"{self.delegated_calls} delegate call(s); {self.ops_outside} op(s) outside the etmlx delegate:"]
         for name, count in self.outside.most_common():
             reason = self.reasons.get(name, "")
             lines.append(f"  {count} x {name}" + (f"  ({reason})" if reason else ""))
+        if self.host_state:
+            lines.append(f"  state shared by several delegate calls, kept by ExecuTorch and copied each call: "
+                         f"{', '.join(self.host_state)}")
         return "\n".join(lines)
 
     def save(self, path) -> Path:
@@ -138,6 +146,11 @@ def export_to_pte(
         # The same store the delegates' preprocess fills: to_executorch writes it into the .pte's segments.
         edge._named_data_store.add_named_data(key, blob)
     say("serializing the ExecuTorch program")
-    program = edge.to_executorch()
+    # ExecuTorch serializes only the shape of a mutable buffer it keeps unless told to store its value:
+    # the state the delegate does not own starts from the module's value, as the delegate's own does.
+    # (The pass matches placeholder names, "b_" + the target with "_" for ".".)
+    host_state = list(partitioner.shared_state)
+    init = [InitializedMutableBufferPass([t.replace(".", "_") for t in host_state])] if host_state else []
+    program = edge.to_executorch(ExecutorchBackendConfig(passes=init))
     return ExportResult(program=program, delegated_calls=calls, outside=outside, reasons=dict(partitioner.reasons),
-                        weights=weights)
+                        weights=weights, host_state=host_state)

@@ -15,7 +15,7 @@ from executorch.exir.backend.canonical_partitioners.pattern_op_partitioner impor
     generate_partitions_from_list_of_nodes,
 )
 from executorch.exir.backend.partitioner import DelegationSpec, Partitioner, PartitionResult
-from executorch.exir.backend.utils import tag_constant_data, tag_mutated_buffer
+from executorch.exir.backend.utils import tag_constant_data
 from torch.export.exported_program import ExportedProgram
 from torch.fx.passes.operator_support import OperatorSupportBase
 
@@ -42,6 +42,40 @@ def unsupported_reason(node: torch.fx.Node) -> Optional[str]:
     return REGISTRY.unsupported_reason(node)
 
 
+def tag_owned_state(ep: ExportedProgram) -> List[str]:
+    """Tag each mutable buffer that one partition alone reads and updates with that partition, so
+    the delegate keeps it on the device between calls (KV caches, penalty counts); return the
+    buffers left to ExecuTorch.
+
+    ExecuTorch's tag_mutated_buffer tags a buffer with one of its readers' partitions even when
+    several read it; lowering then gives every reading delegate its own copy, and only the copy of
+    the delegate that computes the update ever changes: the others read the buffer's first value
+    forever (a pipelined program fed back a stale token once an op outside the delegate split it in
+    two). A buffer used by several partitions, read by a CPU op, or updated outside its reader's
+    partition stays untagged instead: ExecuTorch holds it, hands it to the delegates as an input and
+    writes the updated value back after each call, which is correct, at the cost of a copy per call."""
+    sig = ep.graph_signature
+    mutated = {}  # buffer target -> the node computing its new value
+    outputs = next(n for n in ep.graph.nodes if n.op == "output").args[0]
+    for node in outputs:
+        target = sig.buffers_to_mutate.get(getattr(node, "name", None))
+        if target is not None:
+            mutated[target] = node
+    shared = []
+    for node in ep.graph.nodes:
+        target = sig.inputs_to_buffers.get(node.name) if node.op == "placeholder" else None
+        if target not in mutated:
+            continue
+        # The updated value counts as a use: it is written back where the buffer lives.
+        users = list(node.users) + [mutated[target]]
+        user_tags = {user.meta.get("delegation_tag") for user in users if user.op != "output"}
+        if len(user_tags) == 1 and None not in user_tags:
+            node.meta["delegation_tag"] = user_tags.pop()
+        else:
+            shared.append(target)
+    return shared
+
+
 class _Support(OperatorSupportBase):
     def is_node_supported(self, submodules, node: torch.fx.Node) -> bool:
         return unsupported_reason(node) is None
@@ -53,6 +87,8 @@ class MLXPartitioner(Partitioner):
         self.delegation_spec = DelegationSpec(BACKEND_ID, list(compile_specs or []))
         self.outside: Counter = Counter()
         self.reasons: Dict[str, str] = {}
+        # Mutable buffers left to ExecuTorch because more than one delegate call (or a CPU op) uses them.
+        self.shared_state: List[str] = []
 
     def ops_to_not_decompose(self, ep: ExportedProgram) -> tuple[List, Optional[Callable]]:
         keep, declined = [], set()
@@ -83,8 +119,7 @@ class MLXPartitioner(Partitioner):
             tags[tag] = self.delegation_spec
         if tags:
             tag_constant_data(exported_program)
-            # State mutated inside a partition (penalty counts, KV caches) is owned by the delegate.
-            tag_mutated_buffer(exported_program)
+            self.shared_state = tag_owned_state(exported_program)
         return PartitionResult(tagged_exported_program=exported_program, partition_tags=tags)
 
     def report(self) -> str:

@@ -16,13 +16,14 @@ from typing import Callable, Optional
 
 import torch
 
-from backends.mlx.exporter.export import ExportResult, export_to_pte
+from backends.mlx.exporter.export import ExportResult, export_to_pte, weights_path
 from backends.mlx.llm.decoder.meta import META_KEY, TOKENIZER_PREFIX, DecoderMeta
 from backends.mlx.llm.decoder.tokenizer_files import as_tokenizer, prompt_affixes, tokenizer_blobs
 from backends.mlx.llm.sampler.export import knob_examples
 from backends.mlx.llm.decoder.kv_cache import StaticCacheLM
 from backends.mlx.llm.decoder.model_support import float_dtype
 from backends.mlx.llm.decoder.pipelined import FedBackSteps
+from backends.mlx.llm.decoder.verify import VerificationError, VerificationReport, verify_decoder
 from backends.mlx.llm.sampler.config import SamplerConfig
 from backends.mlx.llm.sampler.head import SamplingHead
 
@@ -40,12 +41,14 @@ def _eos_ids(model) -> list[int]:
 def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, config: SamplerConfig | None = None,
                    batch: int = 1, seeded: bool = True, tokenizer=None,
                    progress: Optional[Callable[[str], None]] = None, external_weights: bool = False,
-                   pipelined: bool | None = None) -> ExportResult:
+                   pipelined: bool | None = None, verify: bool = True) -> ExportResult:
     """Write `out` (.pte) holding the program, its DecoderMeta and, given one (a transformers tokenizer or
     a directory holding one), the tokenizer: the one file is all a decode loop needs. `external_weights`:
     the weights go to `out` with suffix .ptd instead (the runners load it from beside the .pte).
     `pipelined` (pipelined.py; default: unless the sampler has the allowed-mask input): each call returns
-    the previous call's outputs, so a loop overlaps its host work with the device's step."""
+    the previous call's outputs, so a loop overlaps its host work with the device's step.
+    `verify`: run the written program in the runtime and check it decodes as `model` does (verify.py);
+    on a mismatch the file is removed and VerificationError names the first divergent step."""
     config = config or SamplerConfig()
     if config.expose_counts:
         raise ValueError("expose_counts is for sampler tests, not decoder programs")
@@ -78,4 +81,18 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
     result = export_to_pte(program, example, kwargs, dynamic_shapes=dynamic, progress=progress, named_data=blobs,
                            weights="external" if external_weights else "pte")
     result.save(Path(out))
+    if verify:
+        say = progress or (lambda _stage: None)
+        say("verifying the program against the eager model")
+        say(_verified(model, Path(out), external_weights).summary())
     return result
+
+
+def _verified(model, out: Path, external_weights: bool) -> VerificationReport:
+    try:
+        return verify_decoder(model, out)
+    except VerificationError as exc:
+        # A program known to be wrong is not left where a loop would load it.
+        for path in [out] + ([weights_path(out)] if external_weights else []):
+            path.unlink(missing_ok=True)
+        raise VerificationError(f"{exc}; removed {out} (verify=False / --no-verify keeps it)") from None
