@@ -138,3 +138,25 @@ def test_a_program_loaded_on_one_thread_runs_on_another():
     worker.start()
     worker.join(120)
     torch.testing.assert_close(result["out"], torch.stack([full[0, 5], full[0, 5]]), atol=1e-5, rtol=1e-5)
+
+
+def test_wrapping_a_model_twice_keeps_it_a_plain_model_and_frees_the_caches():
+    """StaticCacheLM leaves the model as it was (eager forward unchanged), wrapping it again gathers the last
+    position once, and a dropped StaticCacheLM is freed with its caches (the model holds no reference to it)."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = _llama().eval()
+    ids = torch.randint(0, VOCAB, (1, 6))
+    with torch.no_grad():
+        before = model(ids).logits
+        first = StaticCacheLM(model, max_seq_len=16)
+        gone = weakref.ref(first)
+        del first
+        gc.collect()
+        assert gone() is None
+        lm = StaticCacheLM(model, max_seq_len=16)
+        last = lm(ids, torch.tensor([0]), torch.tensor([6]))
+        torch.testing.assert_close(model(ids).logits, before)
+    torch.testing.assert_close(last, before[:, -1], atol=1e-5, rtol=1e-5)

@@ -31,6 +31,7 @@ from backends.mlx.llm.decoder import attention, experts
 from backends.mlx.llm.decoder.attention import ForwardState, ProgramCache
 from backends.mlx.llm.decoder.model_support import check_layer_windows, check_model, float_dtype, position_limit
 
+
 def _configs(config):
     """The model's config and the sub-configs that carry their own attention setting."""
     yield config
@@ -56,6 +57,19 @@ def _etmlx_settings(config):
                 c._experts_implementation = experts_was
 
 
+def _last_positions(_module, _args, output):
+    """Forward hook on the base model: inside an etmlx forward with `lengths`, only each row's sampled position
+    goes on to the head ([B, 1, H])."""
+    lengths = attention._ACTIVE[-1].state.lengths if attention._ACTIVE else None
+    if lengths is None:
+        return output
+    x = output[0]
+    batch = x.shape[0]
+    last = (lengths - 1).view(batch, 1, 1).expand(batch, 1, x.shape[-1])
+    output["last_hidden_state"] = x.gather(1, last)
+    return output
+
+
 class StaticCacheLM(nn.Module):
     def __init__(self, model: nn.Module, max_seq_len: int, batch: int = 1):
         super().__init__()
@@ -74,8 +88,11 @@ class StaticCacheLM(nn.Module):
         if not isinstance(base, nn.Module):
             raise ValueError(f"{type(model).__name__} has no base model at `{model.base_model_prefix}`: not a "
                              "transformers causal LM")
-        # Handle kept outside the module tree (a hook is not a submodule); removed with the module.
-        self._gather_hook = base.register_forward_hook(self._last_positions)
+        # Once per base model, however many StaticCacheLMs wrap it; the hook holds no reference to this module
+        # (it would keep the caches alive as long as the model), and outside etmlx's forward it does nothing.
+        if not getattr(base, "_etmlx_last_positions", False):
+            base.register_forward_hook(_last_positions)
+            base._etmlx_last_positions = True
         self.layers = self._probe()
         attended = {shape.attended for shape in self.layers.values()}
         if len(attended) > 1:
@@ -114,19 +131,6 @@ class StaticCacheLM(nn.Module):
 
     def layer_cache(self, i: int):
         return getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")
-
-    def _last_positions(self, _module, _args, output):
-        """Forward hook on the base model: only each row's sampled position goes on to the head ([B, 1, H])."""
-        if not attention._ACTIVE or attention._ACTIVE[-1].owner is not self:
-            return output
-        lengths = attention._ACTIVE[-1].state.lengths
-        if lengths is None:
-            return output
-        x = output[0]
-        batch = x.shape[0]
-        last = (lengths - 1).view(batch, 1, 1).expand(batch, 1, x.shape[-1])
-        output["last_hidden_state"] = x.gather(1, last)
-        return output
 
     def _run(self, tokens, state: ForwardState):
         cache = ProgramCache(self, state)
