@@ -134,20 +134,24 @@ class ProgramCache(Cache):
         return keys, values
 
     def mask(self, layer_idx, key_length: int, window: Optional[int]) -> torch.Tensor:
-        """[B, 1, L, S] bool: query (row b, index l) may see key s. A ring layer's keys carry the positions
-        `_update_ring` recorded; a full cache's slot s holds position s."""
+        """[B, 1, L, S] bool: query (row b, index l) may see key s. A full cache's slot s holds position s: its
+        mask is `arange(S) <= P` exactly, the form the exporter's key-window proof recognises (a decode step then
+        attends over the filled part only, exporter/fusion/key_window.py). A ring layer's keys carry the
+        positions `_update_ring` recorded (< 0: an empty slot)."""
         ring = layer_idx in self.state.key_positions
         cache_key = ("ring" if ring else key_length, window)
         if cache_key not in self.state.masks:
-            q = self.state.positions.unsqueeze(-1)  # [B, L, 1]
+            batch, length = self.state.positions.shape
+            q = self.state.positions.view(batch, 1, length, 1)
             if ring:
-                k = self.state.key_positions[layer_idx].unsqueeze(1)  # [B, 1, S]
+                k = self.state.key_positions[layer_idx].view(batch, 1, 1, -1)
+                visible = (k <= q) & (k >= 0)
             else:
-                k = torch.arange(key_length).view(1, 1, -1)
-            visible = (k <= q) & (k >= 0)
+                k = torch.arange(key_length).view(1, 1, 1, key_length)
+                visible = k <= q
             if window is not None:
                 visible = visible & (k > q - window)
-            self.state.masks[cache_key] = visible.unsqueeze(1)
+            self.state.masks[cache_key] = visible
         return self.state.masks[cache_key]
 
 

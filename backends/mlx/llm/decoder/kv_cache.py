@@ -27,7 +27,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from backends.mlx.llm.decoder import attention, experts
+from backends.mlx.llm import experts
+from backends.mlx.llm.decoder import attention
 from backends.mlx.llm.decoder.attention import ForwardState, ProgramCache
 from backends.mlx.llm.decoder.model_support import check_layer_windows, check_model, float_dtype, position_limit
 

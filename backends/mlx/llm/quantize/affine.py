@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from backends.mlx.custom_kernel_ops.quantized import check_params
+from backends.mlx.llm import experts
 from backends.mlx.llm.quantize.modules import QuantizedEmbedding, QuantizedExperts, QuantizedLinear
 
 
@@ -61,9 +62,17 @@ def quantize_model(model: nn.Module, bits: int, group_size: int = 64, embeddings
             _set(model, head_name, QuantizedLinear(w, scales, biases, group_size, bits))
     for name in linears:
         _set(model, name, _quantized_linear(model.get_submodule(name), group_size, bits))
+    quantized_experts = False
     for module in model.modules():
         if _is_experts(module):
             _quantize_experts(module, group_size, bits)
+            quantized_experts = True
+    if quantized_experts:
+        # transformers' own experts forwards multiply the 3-D float stacks; only etmlx's runs quantized ones, so
+        # the eager model (export's reference) runs it too.
+        for config in (model.config, getattr(model.config, "text_config", None)):
+            if config is not None and hasattr(config, "_experts_implementation"):
+                config._experts_implementation = experts.IMPLEMENTATION
     return model
 
 

@@ -70,7 +70,7 @@ class QuantizedEmbedding(_Packed):
 
 class QuantizedExperts(_Packed):
     """A MoE projection's stack of E expert matrices [E, out, in], each quantized like a QuantizedLinear
-    weight. Called as experts(x, indices) by the etmlx experts forward (llm/decoder/experts.py): x [T, in]
+    weight. Called as experts(x, indices) by the etmlx experts forward (llm/experts.py): x [T, in]
     or [T, K, in] and indices [T, K] -> [T, K, out], each pair through its own expert."""
 
     def __init__(self, w, scales, biases, group_size: int, bits: int):
