@@ -61,7 +61,7 @@ $(BENCH): $(LIB)
 	$(VENV)/bin/cmake --build build -j2 --target etmlx_bench >> build.log 2>&1 || (cat build.log; exit 1)
 	@touch $@
 
-# Test tiers (README: Contributing). Both run on every core (pytest-xdist; TEST_JOBS=1 for one process), one
+# Test tiers (docs/contributing.md, "Test tiers"). Both run on every core (pytest-xdist; TEST_JOBS=1 for one process), one
 # test file per worker, so a file's module fixtures (exported programs) are built once; tests taking
 # longer than pyproject.toml's timeout fail (PYTEST_TIMEOUT=N to change it).
 #   test-fast: unit and parity tests (no servers, long child processes, benchmarks or training)

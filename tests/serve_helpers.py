@@ -57,7 +57,7 @@ def bit_exact_batching():
 
     These tests compare a request's tokens and logprobs bit for bit alone and batched. OpenBLAS picks
     kernels by problem size, so with it a row of a product may round differently depending on how many
-    rows share the call (the ~1-ulp logprob differences are documented in the README); the reference
+    rows share the call (the ~1-ulp logprob differences are documented in docs/serving.md); the reference
     BLAS sums in one fixed order, which is what makes the comparison exact."""
     before = os.environ.get("ETMLX_BLAS")
     os.environ["ETMLX_BLAS"] = "reference"

@@ -1,4 +1,4 @@
-"""The README's command line: `etmlx demo`, `etmlx inspect`, and a small `etmlx bench agreement`."""
+"""The command line of the README's table: `etmlx demo`, `etmlx inspect`, and a small `etmlx bench agreement`."""
 
 from __future__ import annotations
 

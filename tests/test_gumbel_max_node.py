@@ -2,7 +2,7 @@
 
 The plain temperature program (no filters, bias, penalties or logprobs) must draw through the
 same node as every other sampler program (runtime/kernels/gumbel_max.h), including the
-edge cases README "Sampling semantics" documents: T <= 0 and NaN T are greedy, NaN logits
+edge cases docs/sampler.md "Sampling semantics" documents: T <= 0 and NaN T are greedy, NaN logits
 never win, +inf logits do, T = +inf is uniform over the finite logits. ETMLX_KERNELS=device
 runs the GPU formulation (mlx ops) on this CPU build.
 """

@@ -2,7 +2,7 @@
 import each other, even through a chain (imports inside functions count too: a lazy import is still a
 dependency, it only hides it).
 
-The layers, lowest first, are the architecture the README's Layout section draws. A module belongs to the
+The layers, lowest first, are the architecture docs/architecture.md's Layout section draws. A module belongs to the
 layer with the longest matching prefix.
 """
 

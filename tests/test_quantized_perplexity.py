@@ -1,7 +1,7 @@
 """int4 on the built-in model: perplexity over the built-in corpus close to float's.
 
 The suite's model is trained briefly (as in test_builtin_model.py), so the bound here is looser than
-the 10% the shipped model meets (the figure is in README.md, Quantization)."""
+the 10% the shipped model meets (the figure is in docs/quantization.md)."""
 
 from __future__ import annotations
 

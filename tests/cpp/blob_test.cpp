@@ -140,8 +140,7 @@ float f16_to_f32(uint16_t h) {
   return f;
 }
 
-// Deterministic input values; tests/cpp/README or the Python driver mirror
-// this formula: v(k) = ((k * 37) % 11) - 5, scaled by 0.5 for floats.
+// Deterministic input values: v(k) = ((k * 37) % 11) - 5, scaled by 0.5 for floats.
 double fill_value(size_t k, const TypeInfo* t) {
   const double base = static_cast<double>(static_cast<int64_t>((k * 37) % 11) - 5);
   switch (t->type) {

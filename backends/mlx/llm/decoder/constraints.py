@@ -9,7 +9,7 @@ grammar is complete, so a constrained generation ends with EOS exactly when the 
 
 Why nothing overlaps within a sequence: step k+1's mask depends on step k's token, which is what the
 device returns, so the mask is computed between two calls (llguidance: tens of microseconds per token
-on these vocabularies, see README "Structured output"); the server computes the rows of one call
+on these vocabularies, see docs/structured-output.md); the server computes the rows of one call
 together (`fill_masks`, llguidance's thread pool, GIL released).
 """
 

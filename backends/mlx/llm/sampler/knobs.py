@@ -5,7 +5,7 @@ From this table come the program's knob inputs and their order (`program_inputs`
 `step_inputs`, the OpenAI and LMTP parameters, the `etmlx generate` flags and, through the
 decoder metadata (`metadata()`), the flags and input tensors of the C++ `etmlx_decode`.
 Semantics and processing order: config.py. Adding a knob: a row here, its kernel in
-processing.py, its tests (README, "Contributing").
+processing.py, its tests (docs/contributing.md, "A sampler knob"; llm/sampler/README.md).
 
 Table order is the program's input order: programs already exported depend on it, so a new
 knob goes at the end (or after the inputs of its feature's last knob, if its feature is new).

@@ -1,4 +1,4 @@
-"""The sampler pipeline in torch ops and etmlx custom ops (order: sampler_config.py).
+"""The sampler pipeline in torch ops and etmlx custom ops (order: config.py's module docstring).
 
 Traced by torch.export it becomes the device program; run eagerly it is the host
 reference (its custom ops' CPU implementations reproduce the device, and the rest

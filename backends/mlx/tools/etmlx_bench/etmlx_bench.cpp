@@ -1,5 +1,5 @@
 // etmlx_bench: times a .pte on the etmlx backend and prints one JSON object. No Python, no torch:
-// a GPU host needs only the built binaries, libexecutorch*.so and libmlx (README, "Running on a GPU host").
+// a GPU host needs only the built binaries, libexecutorch*.so and libmlx (docs/cpp-tools.md, "Carrying binaries to a GPU host").
 //
 // A decoder program (one with etmlx metadata: input names and knobs) runs --runs sequences of a
 // --prompt-len-token prefill and --decode-steps decode calls, each feeding back the sampled token,
