@@ -22,7 +22,7 @@ DECODE := build/etmlx_decode
 BENCH := build/etmlx_bench
 RUNTIME_SOURCES := CMakeLists.txt $(wildcard backends/mlx/runtime/*.cpp backends/mlx/runtime/*.h backends/mlx/runtime/kernels/*.cpp backends/mlx/runtime/kernels/*.h backends/mlx/runtime/generated/* tests/cpp/*.cpp backends/mlx/tools/etmlx_decode/*.cpp backends/mlx/tools/etmlx_decode/*.h backends/mlx/tools/etmlx_bench/*.cpp)
 
-.PHONY: setup test test-fast demo bench regenerate clean
+.PHONY: setup develop test test-fast demo bench regenerate clean
 
 setup: $(DEPS_STAMP) $(LIB) $(DECODE) $(BENCH)
 
@@ -39,8 +39,16 @@ else
 	$(VPY) -m pip install --quiet -r $(VENV)/requirements-$(MLX).txt "$(MLX_PIP)"
 endif
 	rm -f $(filter-out $(DEPS_STAMP),$(ALL_STAMPS))
-	$(VPY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	$(MAKE) --no-print-directory develop VENV=$(VENV)
 	touch $@
+
+# The checkout as an editable install (the `etmlx` command, its version, `import backends` and `import etmlx`
+# from here). pyproject.toml's editable override runs no CMake (the rules below build the runtime), and the
+# import hook scikit-build-core's editable .pth installs is dropped, keeping only the path line: the hook sits
+# first on sys.meta_path and would import this checkout even where PYTHONPATH names another (a worktree).
+develop: | $(VPY)
+	$(VPY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	sed -i '/^import _editable_skbc_/d' "$$($(VPY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_editable_skbc_etmlx.pth"
 
 CONFIGURE := $(VENV)/bin/cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE=$(abspath $(VPY))
 
