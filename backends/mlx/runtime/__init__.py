@@ -8,8 +8,8 @@ extension). Importing this package loads nothing: the pybindings pull in torch
 (~2 s), which the serializer, the CLI's argument checks and the blas route do
 not need.
 
-The shared library is ``_lib/libetmlx_backend.so`` next to this file (built by
-``make setup`` / CMake); set ``ETMLX_BACKEND_LIB`` to use another file.
+The shared library is ``_lib/libetmlx_backend.so`` next to this file (built there by
+``make setup`` / CMake, or installed there by the wheel); set ``ETMLX_BACKEND_LIB`` to use another file.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def load() -> ctypes.CDLL:
             hint = (
                 "ETMLX_BACKEND_LIB points at a missing file"
                 if os.environ.get("ETMLX_BACKEND_LIB")
-                else "run `make setup` to build it"
+                else "a checkout: run `make setup` to build it; an installed package: reinstall the wheel"
             )
             raise ImportError(f"etmlx backend library not found: {path} ({hint})")
         try:
