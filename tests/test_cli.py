@@ -55,6 +55,7 @@ def test_language_model_demo_trains_exports_and_matches_transformers(tmp_path, c
     assert "exported from the current checkpoint" in capsys.readouterr().out and pte.stat().st_mtime == exported_at
 
 
+@pytest.mark.subprocess  # many etmlx processes
 def test_bad_paths_and_absent_servers_are_one_line_errors(tmp_path):
     text = tmp_path / "notes.txt"
     text.write_text("hi\n")

@@ -66,6 +66,7 @@ def _texts(decoder, tok, constraint, runs=RUNS, complete=True, **knobs):
     return out
 
 
+@pytest.mark.slow  # 200 constrained completions
 def test_json_schema_completions_all_parse_and_validate(tiny):
     decoder, tok, _ = tiny
     texts = _texts(decoder, tok, Constraint("json_schema", SCHEMA))

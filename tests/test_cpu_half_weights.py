@@ -53,6 +53,7 @@ def _decode(pte: Path, widen: str):
                           capture_output=True, text=True, timeout=300, env={**os.environ, "ETMLX_CPU_WIDEN": widen})
 
 
+@pytest.mark.subprocess  # build/etmlx_decode runs
 @pytest.mark.parametrize("tied,expected", [(False, 2 * 7 + 1), (True, 2 * 7)])
 def test_decoder_widens_its_linears_once_with_the_same_tokens(tmp_path, tied, expected):
     torch.manual_seed(1)

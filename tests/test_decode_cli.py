@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from helpers import run_cli
+
+pytestmark = pytest.mark.slow  # a whole-decoder export through the CLI
 
 
 _etmlx = run_cli

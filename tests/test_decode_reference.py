@@ -4,6 +4,7 @@ seed schedule seed + step."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -12,6 +13,8 @@ from backends.mlx.llm.decoder.export import export_decoder
 from backends.mlx.llm.sampler.processing import process_and_sample
 from backends.mlx.llm.sampler.config import SamplerConfig
 from backends.mlx.llm.sampler.params import SamplingParams
+
+pytestmark = pytest.mark.slow  # a decoder export decoded step by step against the host reference
 
 VOCAB = 120
 

@@ -21,6 +21,8 @@ from backends.mlx.llm.decoder.meta import DecoderMeta
 from backends.mlx.llm.sampler.config import SamplerConfig
 from backends.mlx.llm.sampler.params import SamplingParams
 
+pytestmark = pytest.mark.slow  # decoder exports run on both kernel sets
+
 BINARY = Path(__file__).resolve().parents[1] / "build" / "etmlx_decode"
 VOCAB = 300  # more than CANDIDATES, so both sort widths of the filter are exercised
 CANDIDATES = 16

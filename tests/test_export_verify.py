@@ -17,6 +17,8 @@ from backends.mlx.llm.decoder.verify import (PROMPT_TOKENS, RELATIVE_TOLERANCE, 
 from backends.mlx.llm.sampler.config import SamplerConfig
 from helpers import run_cli
 
+pytestmark = pytest.mark.slow  # whole decoders exported and verified, in-process CLI exports
+
 VOCAB = 90
 
 

@@ -146,6 +146,7 @@ def _slots(node) -> set[int]:
     return found
 
 
+@pytest.mark.slow  # MoE decoder exports
 @pytest.mark.parametrize("flags,node", [((), "GatherMmNode"), (("--quantize", "int8", "--group-size", "32"),
                                                                 "GatherQmmNode")])
 def test_moe_program_multiplies_experts_by_index(tmp_path, flags, node):
@@ -164,6 +165,7 @@ def test_moe_program_multiplies_experts_by_index(tmp_path, flags, node):
     assert readers == {node}, f"expert stacks read by {readers}: a gathered copy of the weights"
 
 
+@pytest.mark.slow  # an int8 MoE decoder export
 def test_int8_moe_program_decodes_as_the_eager_quantized_model(tmp_path):
     """The quantized experts run as the host reference does: each greedy token of the int8 program is the
     eager int8 model's (etmlx experts, quantized by the same quantize_model) best token in that context."""

@@ -124,6 +124,7 @@ def _run_with(env_extra: dict, pte: Path, x_path: Path) -> tuple[dict, str]:
     return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
 
 
+@pytest.mark.subprocess  # fresh interpreters loading torch
 def test_thread_count_and_variant_can_be_forced(tmp_path, monkeypatch):
     """ETMLX_NUM_THREADS sizes the pool and ETMLX_QMM_ISA=scalar forces the portable loop: the same
     program then gives this process's result within the stated tolerance, one thread its exact bits;

@@ -66,6 +66,7 @@ def _export_rows(module=None, batch=BATCH, **kw):
                          dynamic_shapes=({2: length}, None, None, None), **kw)
 
 
+@pytest.mark.slow  # a decoder export per family
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_every_family_decoder_gets_a_window_on_each_attention(family):
     torch.manual_seed(0)

@@ -19,6 +19,8 @@ from backends.mlx.serve.api_errors import ApiError
 from backends.mlx.serve.engine import Engine, EngineRequest
 from backends.mlx.serve.structured_params import constraint_from_body
 
+pytestmark = pytest.mark.slow  # two decoder exports, batched engine runs
+
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
                                            "c": {"enum": ["x", "y"]}},
           "required": ["n", "c"], "additionalProperties": False}
