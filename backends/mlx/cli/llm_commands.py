@@ -41,7 +41,7 @@ def _check_out(out: Path) -> None:
 
 
 def run_export(args) -> int:
-    from backends.mlx.llm.checkpoint_source import default_pte_name, resolve_checkpoint
+    from backends.mlx.llm.checkpoint_source import check_weight_files, default_pte_name, resolve_checkpoint
 
     if args.dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of float32, float16, bfloat16, got {args.dtype!r}")
@@ -49,6 +49,7 @@ def run_export(args) -> int:
     args.out = args.out or default_pte_name(args.model)
     _check_out(Path(args.out))  # before minutes of downloading, loading and lowering, not after
     model_dir = resolve_checkpoint(args.model, args.revision)  # a local directory, or a Hub repo id
+    check_weight_files(model_dir)  # a truncated or foreign weights file: one line, not transformers' traceback
 
     import torch
     from transformers import AutoTokenizer

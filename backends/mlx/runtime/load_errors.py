@@ -39,7 +39,7 @@ def reason(log: str) -> str | None:
 
 @contextmanager
 def native_load(what: str):
-    """Runs the body with fd 2 captured; a RuntimeError from the bindings becomes LoadError("<what>: <reason>")."""
+    """Runs the body with fd 2 captured; a RuntimeError from the bindings becomes LoadError("cannot load <what>: <reason>")."""
     failure = None
     with _lock:
         sys.stderr.flush()
@@ -59,4 +59,4 @@ def native_load(what: str):
             if failure is None and text:  # loaded (or failed in Python): the log goes where it would have
                 sys.stderr.write(text)
     if failure is not None:
-        raise LoadError(f"{what}: {reason(text) or failure}") from None
+        raise LoadError(f"cannot load {what}: {reason(text) or failure}") from None

@@ -152,9 +152,10 @@ bool named_constant(const executorch::runtime::NamedDataMap* named, const char* 
       return true;
     }
   }
+  // ExecuTorch cuts a log message at 256 bytes: the key is shortened to its hash's first 16 digits.
   ET_LOG(Error,
-         "etmlx: %s: named data '%s' fails its checksum (crc32 %08" PRIx32 ", exported %08" PRIx32
-         "): the file holding it (.pte or .ptd) is damaged or changed since export; restore or re-export it",
+         "etmlx: %s: weight '%.24s...' fails its checksum (crc32 %08" PRIx32 ", exported %08" PRIx32
+         "): its .pte/.ptd is damaged or changed since export; restore or re-export it",
          what, key, crc, want);
   return false;
 }
