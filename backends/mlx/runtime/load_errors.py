@@ -1,14 +1,16 @@
 """A program or weights file that does not load, as one line naming the file and the reason.
 
 ExecuTorch's Python bindings raise "Failed to load method forward, error: 0x:23" and leave the reason
-(which tensor failed its checksum, that a .ptd is truncated) in the native log on stderr. `native_load`
-runs a load with that log captured: on success the log is passed on unchanged; on failure it raises
+(which tensor failed its checksum, that a .ptd is truncated) in the native log, which they write to
+Python's sys.stderr (other native code writes to fd 2). `native_load` runs a load with both captured: on
+success the log is passed on unchanged; on failure it raises
 LoadError with the line that says why. LoadError is a ValueError, the CLI's class of bad input (exit 2,
 one line, no traceback).
 """
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import sys
@@ -46,15 +48,17 @@ def native_load(what: str):
         saved = os.dup(2)
         log = tempfile.TemporaryFile()
         os.dup2(log.fileno(), 2)
+        python_stderr, sys.stderr = sys.stderr, io.StringIO()
         try:
             yield
         except RuntimeError as exc:
             failure = exc
         finally:
+            python_text, sys.stderr = sys.stderr.getvalue(), python_stderr
             os.dup2(saved, 2)
             os.close(saved)
             log.seek(0)
-            text = log.read().decode(errors="replace")
+            text = python_text + log.read().decode(errors="replace")
             log.close()
             if failure is None and text:  # loaded (or failed in Python): the log goes where it would have
                 sys.stderr.write(text)
