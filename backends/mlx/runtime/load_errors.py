@@ -24,8 +24,15 @@ _lock = threading.Lock()
 _PREFIX = re.compile(r"^(?:[A-Z] [0-9:.]+ executorch:)?\[?[\w./-]+\.(?:cpp|h):\d+\] ")
 
 
-class LoadError(ValueError):
-    """A .pte or .ptd that cannot be loaded: damaged, truncated, foreign, or not the pair of one export."""
+class LoadError(ValueError, RuntimeError):
+    """A .pte or .ptd that cannot be loaded: damaged, truncated, foreign, or not the pair of one export.
+
+    A RuntimeError too, as the bindings' error it replaces was, so callers that caught that still do. `log` is
+    the whole native log of the failed load (the message keeps one line of it)."""
+
+    def __init__(self, message: str, log: str = ""):
+        super().__init__(message)
+        self.log = log
 
 
 def reason(log: str) -> str | None:
@@ -63,4 +70,4 @@ def native_load(what: str):
             if failure is None and text:  # loaded (or failed in Python): the log goes where it would have
                 sys.stderr.write(text)
     if failure is not None:
-        raise LoadError(f"cannot load {what}: {reason(text) or failure}") from None
+        raise LoadError(f"cannot load {what}: {reason(text) or failure}", log=text) from None
