@@ -1,0 +1,123 @@
+"""The isolated grammar compile: `python -m backends.mlx.llm.decoder.grammar_worker`, one per slot of
+grammar_guard.GrammarChecker's pool.
+
+It builds llguidance's tokenizer once (from the first message), caps its own address space
+(RLIMIT_AS: its size after start-up plus the memory limit), then answers one request per grammar:
+validate it, build the matcher on a thread with an ordinary 8 MiB stack (COMPILE_STACK; the server
+builds its own copy on a far bigger stack, so a grammar that fits here fits there), and compute the
+first mask both ways the server does (one row on a plain thread, several through llguidance's
+executor). A grammar that allows nothing (no token and no end of sequence can come first) is refused
+here. A grammar that overflows the stack or the memory kills only this process; the parent reports it.
+
+Messages both ways: 4-byte big-endian length, then UTF-8 JSON.
+  in:  {"tokenizer_json", "vocab_size", "eos", "memory_mb"} once, then {"grammar"} per request
+  out: {"ready": true} once, then {"ok": true} or {"error": "one line"} per request
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import struct
+import sys
+import threading
+
+COMPILE_STACK = 8 * 1024 * 1024
+
+
+def read_message(stream) -> dict | None:
+    head = stream.read(4)
+    if len(head) < 4:
+        return None
+    (size,) = struct.unpack(">I", head)
+    body = stream.read(size)
+    return json.loads(body.decode("utf-8")) if len(body) == size else None
+
+
+def write_message(stream, message: dict) -> None:
+    body = json.dumps(message).encode("utf-8")
+    stream.write(struct.pack(">I", len(body)) + body)
+    stream.flush()
+
+
+def parser_limits():
+    from llguidance import LLParserLimits
+
+    # verbose_errors=False: llguidance's messages leave out its parser state and the grammar
+    return LLParserLimits(verbose_errors=False)
+
+
+def _address_space() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class _Compiler:
+    def __init__(self, init: dict):
+        import numpy as np
+        from llguidance import LLExecutor, LLTokenizer
+
+        self.np = np
+        self.tokenizer = LLTokenizer(init["tokenizer_json"], n_vocab=init["vocab_size"], eos_token=init["eos"])
+        self.words = (init["vocab_size"] + 31) // 32
+        self.executor = LLExecutor()
+        self.limits = parser_limits()
+
+    def check(self, grammar: str) -> dict:
+        from llguidance import LLMatcher
+
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer, limits=self.limits)
+        if is_error:
+            return {"error": str(messages[0]) if messages else "rejected"}
+        matcher = LLMatcher(self.tokenizer, grammar, log_level=0, limits=self.limits)
+        if matcher.is_error():
+            return {"error": matcher.get_error()}
+        np = self.np
+        rows = [matcher.deep_copy(), matcher.deep_copy()]
+        many = np.zeros((len(rows), self.words), dtype=np.int32)
+        self.executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(rows)], many.ctypes.data,
+                                              self.words * 4, len(rows))
+        one = np.zeros(self.words, dtype=np.int32)
+        matcher.unsafe_compute_mask_ptr(one.ctypes.data, one.nbytes)
+        if any(m.is_error() for m in [matcher, *rows]) or not one.any():
+            return {"error": "the grammar allows nothing: no token and no end of sequence can come first "
+                             "(an empty regex class, a rule with no base case, a $ref cycle)"}
+        return {"ok": True}
+
+
+def _on_thread(function, *args):
+    """function(*args) on a fresh thread with COMPILE_STACK (the server's own threads have at least this)."""
+    result: list = []
+
+    def run():
+        try:
+            result.append(function(*args))
+        except BaseException as exc:  # noqa: BLE001 - any failure (a Rust panic too) is this grammar's
+            result.append({"error": f"{type(exc).__name__}: {exc}"})
+
+    threading.stack_size(COMPILE_STACK)
+    thread = threading.Thread(target=run, name="grammar-compile")
+    thread.start()
+    thread.join()
+    return result[0]
+
+
+def main() -> int:
+    source, sink = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # nothing but messages on the pipe
+    init = read_message(source)
+    if init is None:
+        return 1
+    compiler = _Compiler(init)
+    if init.get("memory_mb"):
+        limit = _address_space() + int(init["memory_mb"]) * 1024 * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    write_message(sink, {"ready": True})
+    while (message := read_message(source)) is not None:
+        write_message(sink, _on_thread(compiler.check, message["grammar"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
