@@ -42,8 +42,17 @@ class Constraint:
     spec: object = None
 
     def __post_init__(self):
-        if self.kind not in KINDS:
-            raise ConstraintError(f"unknown constraint kind {self.kind!r} (choose from {', '.join(KINDS)})")
+        """The spec's shape (cheap: nothing is converted or compiled here)."""
+        kind, spec = self.kind, self.spec
+        if kind not in KINDS:
+            raise ConstraintError(f"unknown constraint kind {kind!r} (choose from {', '.join(KINDS)})")
+        if kind == "json_schema" and not isinstance(spec, (dict, str)):
+            raise ConstraintError(f"json_schema must be a JSON object, got {type(spec).__name__}")
+        if kind == "choice" and not (isinstance(spec, (list, tuple)) and spec
+                                     and all(isinstance(c, str) and c for c in spec)):
+            raise ConstraintError("choice must be a non-empty list of non-empty strings")
+        if kind in ("regex", "grammar") and not (isinstance(spec, str) and spec):
+            raise ConstraintError(f"{kind} must be a non-empty string")
 
     def grammar(self, limits: GrammarLimits | None = None) -> str:
         """The llguidance grammar (not yet checked against a tokenizer: GrammarVocabulary.compile does);
@@ -72,15 +81,13 @@ class Constraint:
                     spec = json.loads(spec)
                 except json.JSONDecodeError as exc:
                     raise ConstraintError(f"json_schema is not valid JSON: {exc}") from None
+                except RecursionError:
+                    raise ConstraintError("json_schema is nested too deeply to parse") from None
             if not isinstance(spec, dict):
                 raise ConstraintError(f"json_schema must be a JSON object, got {type(spec).__name__}")
             return LLMatcher.grammar_from_json_schema(spec, defaults=JSON_DEFAULTS)
         if kind == "choice":
-            if not (isinstance(spec, (list, tuple)) and spec and all(isinstance(c, str) and c for c in spec)):
-                raise ConstraintError("choice must be a non-empty list of non-empty strings")
             return grammar_from("choice", json.dumps(list(spec)))
-        if not isinstance(spec, str) or not spec:
-            raise ConstraintError(f"{kind} must be a non-empty string")
         return LLMatcher.grammar_from_regex(spec) if kind == "regex" else grammar_from("grammar", spec)
 
 
