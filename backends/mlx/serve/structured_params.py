@@ -21,7 +21,10 @@ def constraint_from_body(body: dict) -> Constraint | None:
     if fmt is not None and so is not None:
         raise ApiError("give 'response_format' or 'structured_outputs', not both", param="response_format")
     try:
-        return _structured_outputs(so) if so is not None else _response_format(fmt) if fmt is not None else None
+        constraint = _structured_outputs(so) if so is not None else _response_format(fmt) if fmt is not None else None
+        if constraint is not None:
+            constraint.check_shape()
+        return constraint
     except ConstraintError as exc:
         raise ApiError(str(exc), param="structured_outputs" if so is not None else "response_format") from None
 

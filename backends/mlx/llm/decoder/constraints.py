@@ -42,10 +42,12 @@ class Constraint:
     spec: object = None
 
     def __post_init__(self):
-        """The spec's shape (cheap: nothing is converted or compiled here)."""
+        if self.kind not in KINDS:
+            raise ConstraintError(f"unknown constraint kind {self.kind!r} (choose from {', '.join(KINDS)})")
+
+    def check_shape(self) -> None:
+        """ConstraintError for a spec of the wrong shape (cheap: nothing is converted or compiled)."""
         kind, spec = self.kind, self.spec
-        if kind not in KINDS:
-            raise ConstraintError(f"unknown constraint kind {kind!r} (choose from {', '.join(KINDS)})")
         if kind == "json_schema" and not isinstance(spec, (dict, str)):
             raise ConstraintError(f"json_schema must be a JSON object, got {type(spec).__name__}")
         if kind == "choice" and not (isinstance(spec, (list, tuple)) and spec
@@ -61,6 +63,7 @@ class Constraint:
 
         kind, spec = self.kind, self.spec
         limits = limits or GrammarLimits()
+        self.check_shape()
         precheck(kind, spec, limits)  # before any llguidance call: sizes, nesting, $ref chains, choices
         try:
             grammar = self._grammar(kind, spec, LLMatcher, grammar_from)
