@@ -34,7 +34,7 @@ import threading
 from collections import OrderedDict
 
 from backends.mlx.llm.decoder.grammar_limits import ConstraintError, GrammarLimits, one_line
-from backends.mlx.llm.decoder.grammar_worker import COMPILE_STACK, read_message, write_message
+from backends.mlx.llm.decoder.grammar_worker import COMPILE_STACK, MEMORY, read_message, write_message
 
 log = logging.getLogger("etmlx.grammar")
 BUILD_STACK = 8 * COMPILE_STACK
@@ -66,6 +66,10 @@ def on_big_stack(function, *args):
 
 
 _STACK_LOCK = threading.Lock()
+
+
+def _memory(limits: GrammarLimits) -> str:
+    return f"compiling the grammar needed more than {limits.grammar_memory_mb} MiB (the limit; etmlx serve --grammar-memory-mb)"
 
 
 class _Worker:
@@ -121,8 +125,7 @@ class _Worker:
         if code == -signal.SIGSEGV:
             return "the grammar is too deeply nested to compile (the compiler ran out of stack)"
         if code in (-signal.SIGABRT, -signal.SIGKILL, -signal.SIGBUS):
-            return (f"compiling the grammar needed more than {limits.grammar_memory_mb} MiB (the limit; "
-                    "etmlx serve --grammar-memory-mb)")
+            return _memory(limits)
         return f"the grammar compiler failed on this grammar (exit {code})"
 
 
@@ -161,7 +164,7 @@ class GrammarChecker:
         finally:
             self._idle.put(None if self._closed else worker)
         if "error" in reply:
-            raise ConstraintError(one_line(reply["error"]))
+            raise ConstraintError(_memory(self.limits) if reply["error"] == MEMORY else one_line(reply["error"]))
         with self._lock:
             self._proven[key] = None
             while len(self._proven) > PROVEN_CACHE:

@@ -24,6 +24,7 @@ import sys
 import threading
 
 COMPILE_STACK = 8 * 1024 * 1024
+MEMORY = "memory"  # the reply's error when the compile ran out of memory (the parent words it)
 
 
 def read_message(stream) -> dict | None:
@@ -93,14 +94,19 @@ def _on_thread(function, *args):
     def run():
         try:
             result.append(function(*args))
+        except MemoryError:
+            result.append({"error": MEMORY})
         except BaseException as exc:  # noqa: BLE001 - any failure (a Rust panic too) is this grammar's
             result.append({"error": f"{type(exc).__name__}: {exc}"})
 
-    threading.stack_size(COMPILE_STACK)
-    thread = threading.Thread(target=run, name="grammar-compile")
-    thread.start()
-    thread.join()
-    return result[0]
+    try:
+        threading.stack_size(COMPILE_STACK)
+        thread = threading.Thread(target=run, name="grammar-compile")
+        thread.start()
+        thread.join()
+    except (RuntimeError, MemoryError):  # no room left for the thread's stack: the memory limit
+        return {"error": MEMORY}
+    return result[0] if result else {"error": MEMORY}
 
 
 def main() -> int:
