@@ -157,6 +157,24 @@ def test_a_hostile_grammar_fails_alone_while_good_ones_compile(tokenizer, tokeni
         vocabulary.close()
 
 
+def test_a_choice_list_longer_than_llguidance_row_limit_completes(tokenizer, tokenizer_json):
+    """llguidance refuses a grammar row over 2,000 items at the first token, after its mask allowed it
+    (the issue's 500 "the grammar rejected token 79"): the row limit follows --max-choices instead."""
+    choices = [f"item{i}" for i in range(2500)]
+    vocabulary = _vocabulary(tokenizer, tokenizer_json)
+    try:
+        matcher = vocabulary.matcher(Constraint("choice", choices))
+        taken = []
+        while not matcher.accepting:
+            bits = np.unpackbits(matcher.mask().view(np.uint8), bitorder="little")
+            token = int(np.flatnonzero(bits[:len(tokenizer)])[-1])  # the highest allowed id: a long merge
+            matcher.advance(token)
+            taken.append(token)
+        assert tokenizer.decode(taken) in choices
+    finally:
+        vocabulary.close()
+
+
 # ---- a mask program: the server and the CLI ----
 
 @pytest.fixture(scope="module")
@@ -169,7 +187,7 @@ def masked_pte(tmp_path_factory, tokenizer):
     with exclusive(directory):
         if not path.is_file():
             model = tiny_llama(len(tokenizer), tokenizer.eos_token_id, hidden=32, layers=1)
-            export_decoder(model, path, 96, batch=4, config=SamplerConfig(top_k=True, allowed_mask=True),
+            export_decoder(model, path, 96, batch=4, config=SamplerConfig(top_k=True, allowed_mask=True, logprobs=2),
                            tokenizer=tokenizer)
     return path
 
@@ -287,7 +305,7 @@ def test_a_grammar_failing_mid_generation_is_a_400(server, monkeypatch):
 
     import backends.mlx.llm.decoder.constraints as constraints
 
-    monkeypatch.setattr(constraints, "parser_limits", lambda: LLParserLimits(step_max_items=3, verbose_errors=False))
+    monkeypatch.setattr(constraints, "parser_limits", lambda _choices: LLParserLimits(step_max_items=3, verbose_errors=False))
 
     async def main():
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:

@@ -149,7 +149,7 @@ class Matcher:
             self.words, self._m = _words, _matcher
             return
         self.words = vocab.words
-        self._m = LLMatcher(vocab.tokenizer, grammar, log_level=0, limits=parser_limits())
+        self._m = LLMatcher(vocab.tokenizer, grammar, log_level=0, limits=parser_limits(vocab.limits.max_choices))
         self._check("the grammar")
 
     def copy(self) -> "Matcher":

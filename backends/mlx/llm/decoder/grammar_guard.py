@@ -136,7 +136,7 @@ class GrammarChecker:
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int], limits: GrammarLimits):
         self.limits = limits
         self._init = {"tokenizer_json": tokenizer_json, "vocab_size": vocab_size, "eos": list(eos_token_ids),
-                      "memory_mb": limits.grammar_memory_mb}
+                      "memory_mb": limits.grammar_memory_mb, "max_choices": limits.max_choices}
         self._idle: queue.Queue = queue.Queue()
         for _ in range(limits.grammar_workers):
             self._idle.put(None)  # a slot whose worker starts on first use

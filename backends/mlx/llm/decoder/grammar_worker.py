@@ -6,11 +6,11 @@ It builds llguidance's tokenizer once (from the first message), caps its own add
 validate it, build the matcher on a thread with an ordinary 8 MiB stack (COMPILE_STACK; the server
 builds its own copy on a far bigger stack, so a grammar that fits here fits there), and compute the
 first mask both ways the server does (one row on a plain thread, several through llguidance's
-executor). A grammar that allows nothing (no token and no end of sequence can come first) is refused
-here. A grammar that overflows the stack or the memory kills only this process; the parent reports it.
+executor), then take the first token it allows. A grammar that allows nothing (no token and no end of
+sequence can come first), or fails at its first token, is refused here. A grammar that overflows the stack or the memory kills only this process; the parent reports it.
 
 Messages both ways: 4-byte big-endian length, then UTF-8 JSON.
-  in:  {"tokenizer_json", "vocab_size", "eos", "memory_mb"} once, then {"grammar"} per request
+  in:  {"tokenizer_json", "vocab_size", "eos", "memory_mb", "max_choices"} once, then {"grammar"} per request
   out: {"ready": true} once, then {"ok": true} or {"error": "one line"} per request
 """
 
@@ -42,11 +42,14 @@ def write_message(stream, message: dict) -> None:
     stream.flush()
 
 
-def parser_limits():
+def parser_limits(max_choices: int):
+    """llguidance's limits, the same here and in the server. A choice list is one grammar row of that many
+    items, and llguidance refuses a row over max_items_in_row (2,000) only at the first token, after the
+    mask allowed it: the row limit follows --max-choices. verbose_errors=False: llguidance's messages
+    leave out its parser state and the grammar."""
     from llguidance import LLParserLimits
 
-    # verbose_errors=False: llguidance's messages leave out its parser state and the grammar
-    return LLParserLimits(verbose_errors=False)
+    return LLParserLimits(max_items_in_row=max(2000, max_choices + 8), verbose_errors=False)
 
 
 def _address_space() -> int:
@@ -63,7 +66,7 @@ class _Compiler:
         self.tokenizer = LLTokenizer(init["tokenizer_json"], n_vocab=init["vocab_size"], eos_token=init["eos"])
         self.words = (init["vocab_size"] + 31) // 32
         self.executor = LLExecutor()
-        self.limits = parser_limits()
+        self.limits = parser_limits(init["max_choices"])
 
     def check(self, grammar: str) -> dict:
         from llguidance import LLMatcher
@@ -84,6 +87,10 @@ class _Compiler:
         if any(m.is_error() for m in [matcher, *rows]) or not one.any():
             return {"error": "the grammar allows nothing: no token and no end of sequence can come first "
                              "(an empty regex class, a rule with no base case, a $ref cycle)"}
+        # The first token the mask allows must be taken too (a row over llguidance's limits fails only here).
+        first = int(np.flatnonzero(np.unpackbits(one.view(np.uint8), bitorder="little"))[0])
+        if not rows[0].consume_token(first) or rows[0].is_error():
+            return {"error": f"the grammar fails at its first token: {rows[0].get_error()}"}
         return {"ok": True}
 
 
