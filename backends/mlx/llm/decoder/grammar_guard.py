@@ -119,7 +119,7 @@ class _Worker:
             pass
         self.kill()
         code = self.process.returncode
-        if self.timed_out:
+        if self.timed_out or code == -signal.SIGXCPU:
             return (f"compiling the grammar took longer than {limits.grammar_compile_timeout:g} s (the limit; "
                     "etmlx serve --grammar-compile-timeout)")
         if code == -signal.SIGSEGV:
@@ -136,8 +136,9 @@ class GrammarChecker:
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int], limits: GrammarLimits):
         self.limits = limits
         self._init = {"tokenizer_json": tokenizer_json, "vocab_size": vocab_size, "eos": list(eos_token_ids),
-                      "memory_mb": limits.grammar_memory_mb, "max_choices": limits.max_choices}
-        self._idle: queue.Queue = queue.Queue()
+                      "memory_mb": limits.grammar_memory_mb, "max_choices": limits.max_choices,
+                      "timeout": limits.grammar_compile_timeout}
+        self._idle: queue.LifoQueue = queue.LifoQueue()  # the warm worker first: a second starts only when needed
         for _ in range(limits.grammar_workers):
             self._idle.put(None)  # a slot whose worker starts on first use
         self._proven: OrderedDict[str, None] = OrderedDict()

@@ -10,7 +10,7 @@ executor), then take the first token it allows. A grammar that allows nothing (n
 sequence can come first), or fails at its first token, is refused here. A grammar that overflows the stack or the memory kills only this process; the parent reports it.
 
 Messages both ways: 4-byte big-endian length, then UTF-8 JSON.
-  in:  {"tokenizer_json", "vocab_size", "eos", "memory_mb", "max_choices"} once, then {"grammar"} per request
+  in:  {"tokenizer_json", "vocab_size", "eos", "memory_mb", "max_choices", "timeout"} once, then {"grammar"} per request
   out: {"ready": true} once, then {"ok": true} or {"error": "one line"} per request
 """
 
@@ -116,6 +116,16 @@ def _on_thread(function, *args):
     return result[0] if result else {"error": MEMORY}
 
 
+def _cpu_backstop(timeout: float) -> None:
+    """The parent kills a compile past `timeout`; should the parent be gone, the kernel ends this one
+    (SIGXCPU) once it has used several times that in CPU seconds (all its threads count)."""
+    if timeout > 0:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        soft = int(usage.ru_utime + usage.ru_stime + 8 * timeout + 10)
+        _, hard = resource.getrlimit(resource.RLIMIT_CPU)  # only the soft limit moves (raising hard needs root)
+        resource.setrlimit(resource.RLIMIT_CPU, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
+
+
 def main() -> int:
     source, sink = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing but messages on the pipe
@@ -128,6 +138,7 @@ def main() -> int:
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     write_message(sink, {"ready": True})
     while (message := read_message(source)) is not None:
+        _cpu_backstop(float(init.get("timeout") or 0))
         write_message(sink, _on_thread(compiler.check, message["grammar"]))
     return 0
 
