@@ -83,6 +83,14 @@ def test_within_the_limits_passes_the_checks():
         GrammarLimits(max_choices=0).check()
 
 
+def test_a_library_panic_becomes_one_plain_line():
+    from backends.mlx.llm.decoder.grammar_limits import one_line
+
+    panic = "thread '<unnamed>' panicked at src/earley/parser.rs:1:2:\nindex out of bounds\nstack backtrace:\n 0: x"
+    _one_line_no_leak(one_line(panic))
+    assert one_line("line one\n  line two") == "line one line two"
+
+
 # ---- the isolated compile ----
 
 @pytest.fixture(scope="module")

@@ -69,7 +69,11 @@ class Constraint:
             grammar = self._grammar(kind, spec, LLMatcher, grammar_from)
         except ConstraintError:
             raise
-        except (ValueError, TypeError, RuntimeError) as exc:  # e.g. a Rust panic surfaced as an exception
+        except (ValueError, TypeError, RuntimeError) as exc:
+            raise ConstraintError(f"{kind}: {_one_line(exc)}") from None
+        except BaseException as exc:  # a Rust panic (pyo3's PanicException is a BaseException)
+            if type(exc).__name__ != "PanicException":
+                raise
             raise ConstraintError(f"{kind}: {_one_line(exc)}") from None
         check_grammar_size(grammar, limits)
         return grammar

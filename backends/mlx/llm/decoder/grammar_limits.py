@@ -20,9 +20,15 @@ class ConstraintError(ValueError):
     the mask input), or a generation the grammar cannot continue. The message names the problem in one line."""
 
 
+_PANIC = ("panicked", "backtrace", "RUST_BACKTRACE", "PanicException")
+
+
 def one_line(message, limit: int = 300) -> str:
-    """A library's message (possibly multi-line, with a source excerpt) as one short line."""
+    """A library's message (possibly multi-line, with a source excerpt) as one short line; a Rust panic
+    (llguidance reports some as messages, with a backtrace) becomes a plain sentence."""
     text = " ".join(str(message).split())
+    if any(word in text for word in _PANIC):
+        return "llguidance failed on this grammar (an internal error; a smaller or simpler grammar may work)"
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
