@@ -24,6 +24,7 @@ class Piece:
     tokens: list[TokenEvent] = field(default_factory=list)  # emitted tokens with their logprob data
     finish_reason: str | None = None
     error: str | None = None
+    client_error: bool = False  # the error is the request's own grammar failing (400, not 500)
 
 
 class ChoiceText:
@@ -53,5 +54,6 @@ class ChoiceText:
             piece.finish_reason = "stop" if self.stops.stopped else _FINISH.get(event.finish_reason,
                                                                                   event.finish_reason)
             piece.error = event.error
+            piece.client_error = event.cause == "grammar"
         self.finished = piece.finish_reason is not None
         return piece

@@ -64,6 +64,7 @@ class TokenEvent:
     top: list[tuple[int, float]] | None = None  # (token id, logprob), best first
     finish_reason: str | None = None
     error: str | None = None
+    cause: str | None = None  # "grammar": the error is the request's grammar failing (a client error, not ours)
 
 
 @dataclass
@@ -349,7 +350,7 @@ class Engine:
         except ConstraintError as exc:
             for slot, m in enumerate(matchers):
                 if m is not None:
-                    self._free(slot, TokenEvent(None, finish_reason="error", error=str(exc)))
+                    self._free(slot, TokenEvent(None, finish_reason="error", error=str(exc), cause="grammar"))
             return None, False
 
     def _isolate(self, error: Exception, masks) -> None:
@@ -410,7 +411,7 @@ class Engine:
         if token == NO_ALLOWED_TOKEN or request.matcher is not None and not _advance(request.matcher, token):
             self._free(slot, TokenEvent(None, finish_reason="error", error=(
                 "the grammar allows no token the model can produce here" if token == NO_ALLOWED_TOKEN
-                else f"the grammar rejected token {token}")))
+                else f"the grammar rejected token {token}"), cause="grammar"))
             return False
         row.produced += 1
         self.tokens += 1
