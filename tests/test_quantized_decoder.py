@@ -94,6 +94,25 @@ def _greedy_with_logprobs(model_dir, flags, tmp_path, name):
     return out.tokens, [[lp for _, lp in top] for top in out.top_logprobs]
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_each_weight_is_stored_once(tmp_path, tied):
+    """Nothing of the model stays in ExecuTorch's own constant storage: a tied embedding and head are one set
+    of named tensors (torch.export keeps a second, unread set of placeholders for the alias)."""
+    from backends.mlx.exporter.inspect_pte import host_constant_bytes
+
+    source = _checkpoint(tmp_path / "float", "qwen2", tied)
+    for name, model_dir, flags in (("i4.pte", source, ["--quantize", "int4"]), ("i8.pte", source, ["--quantize", "int8"]),
+                                   ("f.pte", source, []), ("mlx.pte", _mlx_lm_quantized(tmp_path, "qwen2", tied), [])):
+        pte = _export(model_dir, tmp_path / name, *flags)
+        assert host_constant_bytes(pte.read_bytes()) == 0, name
+    # The tied int4 file holds one table: it is smaller than the untied one by about the head's share.
+    if tied:
+        untied = _export(_checkpoint(tmp_path / "untied", "qwen2", False), tmp_path / "u.pte", "--quantize", "int4")
+        head_bytes = 256 * 128 // 2 + 2 * 256 * 2 * 4  # [vocab, hidden] int4 + float32 scales and biases (group 64)
+        saved = untied.stat().st_size - (tmp_path / "i4.pte").stat().st_size
+        assert abs(saved - head_bytes) < 2048, (saved, head_bytes)
+
+
 def test_int8_stays_near_float_and_int4_runs(tmp_path):
     source = _checkpoint(tmp_path / "float", "llama")
     float_tokens, float_lp = _greedy_with_logprobs(source, [], tmp_path, "f.pte")
