@@ -79,8 +79,10 @@ def run_export(args) -> int:
 
 def _load_model(args, model_dir: Path, dtype, say):
     """A float checkpoint (quantized with --quantize), or an mlx-lm quantized one as it is."""
+    import torch
     from transformers import AutoModelForCausalLM
 
+    from backends.mlx.llm.checkpoint_source import stored_dtype_name
     from backends.mlx.llm.quantize.mlx_checkpoint import load_mlx_quantized, quantization_config
 
     if args.quantize is not None and args.quantize not in SCHEMES:
@@ -98,7 +100,10 @@ def _load_model(args, model_dir: Path, dtype, say):
 
         say(f"quantizing to {args.quantize}, group size {args.group_size}"
             + ("" if args.quantize_embeddings else " (embedding and head kept in float)"))
-        quantize_model(model, SCHEMES[args.quantize], args.group_size, embeddings=args.quantize_embeddings)
+        # Scales and biases keep the checkpoint's dtype (bf16 for most releases), as mlx_lm.convert -q writes them.
+        stored = stored_dtype_name(model_dir)
+        quantize_model(model, SCHEMES[args.quantize], args.group_size, embeddings=args.quantize_embeddings,
+                       stored=getattr(torch, stored) if stored else None)
     return model
 
 

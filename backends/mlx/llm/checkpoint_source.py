@@ -112,3 +112,15 @@ def check_weight_files(model_dir: Path) -> None:
         missing = sorted(s for s in shards if not (Path(model_dir) / s).is_file())
         if missing:
             raise CheckpointSourceError(f"{model_dir} lacks the weight files its index names: {', '.join(missing[:4])}")
+
+
+def stored_dtype_name(model_dir: Path) -> str | None:
+    """The float dtype config.json says the weights are stored in ("bfloat16", ...), or None if it names none."""
+    import json
+
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    name = config.get("dtype") or config.get("torch_dtype")
+    return name if name in ("float32", "float16", "bfloat16") else None

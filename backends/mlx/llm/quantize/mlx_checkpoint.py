@@ -91,7 +91,9 @@ def _packed(prefix: str, module: nn.Module, tensors: dict, dtype: torch.dtype, q
                      and in_features % t.shape[1] == 0 else "")
             raise ValueError(f"{prefix}.{name} is {list(t.shape)}{found}; config.json's group size {group_size} "
                              f"needs {grouped}")
-    return w, scales.to(dtype), biases.to(dtype), group_size, bits
+    # Scales and biases stay as stored (bf16 in most mlx-community repos): the file holds them once, at their own
+    # size, and the product promotes them to the activations' dtype as mlx-lm's does.
+    return w, scales, biases, group_size, bits
 
 
 def load_mlx_quantized(model_dir: Path, dtype: torch.dtype) -> nn.Module:
