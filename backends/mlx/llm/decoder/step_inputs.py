@@ -8,18 +8,21 @@ from __future__ import annotations
 
 import torch
 
-from backends.mlx.llm.decoder.meta import DecoderMeta
+from backends.mlx.llm.decoder.meta import DRAFT_INPUT, DecoderMeta
 from backends.mlx.llm.sampler.knobs import KNOBS, enabled, width
 from backends.mlx.llm.sampler.params import SamplingParams
 
 
 def step_inputs(meta: DecoderMeta, tokens: torch.Tensor, start_pos, lengths, params: list[SamplingParams],
-                steps: list[int], reset: list[bool], masks: list | None = None) -> list[torch.Tensor]:
+                steps: list[int], reset: list[bool], masks: list | None = None,
+                draft_len=None) -> list[torch.Tensor]:
     """The input list, in the program's order, for one call over meta.batch rows.
 
     steps[b] is row b's decode step (its seed is params[b].seed + steps[b]); reset[b] zeroes the
     row's penalty counts before this call (the start of a sequence); masks[b], for a program with
-    the allowed-mask input, is row b's packed bitmask (ceil(V/32) int32 words) or None (all allowed)."""
+    the allowed-mask input, is row b's packed bitmask (ceil(V/32) int32 words) or None (all allowed).
+    draft_len[b], for a draft-verifying program (meta.draft_tokens > 0): how many of row b's last real
+    tokens are drafts (default 0)."""
     batch = meta.batch
     if tokens.shape[0] != batch or len(params) != batch:
         raise ValueError(f"the program decodes {batch} row(s) per call, got {tokens.shape[0]}")
@@ -29,6 +32,9 @@ def step_inputs(meta: DecoderMeta, tokens: torch.Tensor, start_pos, lengths, par
         "start_pos": torch.as_tensor(start_pos, dtype=torch.int64),
         "lengths": torch.as_tensor(lengths, dtype=torch.int64),
     }
+    if meta.draft_tokens:
+        values[DRAFT_INPUT] = (torch.zeros(batch, dtype=torch.int64) if draft_len is None
+                               else torch.as_tensor(draft_len, dtype=torch.int64))
     for knob in KNOBS:
         if not enabled(knob, config):
             continue
