@@ -180,3 +180,37 @@ def test_export_refuses_what_a_verifying_program_cannot_do(tmp_path, llama):
     with pytest.raises(ValueError, match="draft_tokens must be an int >= 0"):
         export_decoder(llama, tmp_path / "x.pte", 32, draft_tokens=-1)
     assert not (tmp_path / "x.pte").exists()
+
+
+def test_builtin_model_greedy_tokens_with_every_draft_source(tmp_path_factory):
+    """The built-in demo model (the suite's shorter recipe, shared with test_builtin_model.py), on a demo
+    prompt: greedy speculative decoding gives the plain program's tokens, which are transformers' greedy ones."""
+    import dataclasses
+
+    from transformers import AutoModelForCausalLM
+
+    from backends.mlx.llm.builtin.model import DEFAULT_RECIPE, ensure_builtin_checkpoint
+    from backends.mlx.llm.decoder.prompt import encode_prompt
+    from run_once import shared_dir
+
+    ckpt = ensure_builtin_checkpoint(shared_dir(tmp_path_factory, "builtin-steps60"),
+                                     dataclasses.replace(DEFAULT_RECIPE, steps=60))
+    model = AutoModelForCausalLM.from_pretrained(str(ckpt), attn_implementation="eager").eval()
+    out = tmp_path_factory.mktemp("builtin-speculative")
+    config = SamplerConfig(top_k=True, top_p=True, min_p=True)
+    export_decoder(model, out / "plain.pte", 128, config=config, tokenizer=ckpt)
+    export_decoder(model, out / "draft.pte", 128, config=config, tokenizer=ckpt, draft_tokens=8)
+    plain = Decoder(out / "plain.pte")
+    prompt = encode_prompt(plain.tokenizer, "One morning, Mira went to")
+    n = 60
+    reference = [s.token for s in plain.stream(prompt, n, stop_at_eos=False)]
+    assert reference == _eager_greedy(model, prompt, n)
+    decoder = SpeculativeDecoder(out / "draft.pte")
+    edited = [(t + 1) % model.config.vocab_size if i % 10 == 9 else t for i, t in enumerate(reference)]
+    for name, source in {"none": None, "ngram": NgramDraft(), "prediction": PredictionDraft(reference),
+                         "edited prediction": PredictionDraft(edited)}.items():
+        decoder.stats.__init__()
+        tokens = list(decoder.stream(prompt, n, draft=source, stop_at_eos=False))
+        assert tokens == reference, name
+        if source is not None:
+            assert decoder.stats.accepted > 0, name
