@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
-from backends.mlx.llm.decoder.draft_sources import DraftBudget, NgramDraft, PredictionDraft
+from backends.mlx.llm.decoder.draft_sources import NgramDraft, PredictionDraft
 from backends.mlx.llm.decoder.export import export_decoder
 from backends.mlx.llm.decoder.loop import Decoder
 from backends.mlx.llm.decoder.meta import DecoderMeta
@@ -87,7 +87,6 @@ def test_tokens_are_plain_decodings_with_every_draft_source(programs, llama, par
         assert reference == _eager_greedy(llama, PROMPT, n)
     decoder = SpeculativeDecoder(programs["draft"])
     for name, source in _sources(reference).items():
-        decoder.stats.__init__()
         tokens = list(decoder.stream(PROMPT, n, PARAMS[params], draft=source, stop_at_eos=False))
         assert tokens == reference, f"{params}, {name} drafts"
         stats = decoder.stats
@@ -209,7 +208,6 @@ def test_builtin_model_greedy_tokens_with_every_draft_source(tmp_path_factory):
     edited = [(t + 1) % model.config.vocab_size if i % 10 == 9 else t for i, t in enumerate(reference)]
     for name, source in {"none": None, "ngram": NgramDraft(), "prediction": PredictionDraft(reference),
                          "edited prediction": PredictionDraft(edited)}.items():
-        decoder.stats.__init__()
         tokens = list(decoder.stream(prompt, n, draft=source, stop_at_eos=False))
         assert tokens == reference, name
         if source is not None:

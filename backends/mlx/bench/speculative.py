@@ -75,7 +75,6 @@ def run(cache_dir: Path, draft_tokens: int = 8, max_tokens: int = 200, repeats: 
                 raise RuntimeError(f"{name} decoding is not deterministic")
             rates[name].append(rate)
         for name, source in sources.items():
-            spec.stats.__init__()
             tokens, rate = spec.generate(prompt, max_tokens, draft=source(), stop_at_eos=False)
             if tokens != reference:
                 raise RuntimeError(f"speculative decoding with {name} drafts gave other tokens than plain decoding")

@@ -8,6 +8,7 @@ attention interfaces:
     lm = StaticCacheLM(hf_model, max_seq_len=128, batch=2)
     logits = lm(tokens [B, L], start_pos [B])                 # -> [B, L, V]
     logits = lm(tokens [B, L], start_pos [B], lengths [B])    # -> [B, V] at index lengths-1 per row
+    logits = lm(tokens [B, L], start_pos [B], lengths [B], gather=index [B, G])  # -> [B, G, V] at those indices
 
 Row b's tokens sit at cache positions start_pos[b] .. start_pos[b]+L-1; each query attends to the cached
 positions <= its own (and within its layer's sliding window). Rows are independent sequences at their own

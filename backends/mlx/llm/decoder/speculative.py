@@ -2,7 +2,7 @@
 
     decoder = SpeculativeDecoder("model.pte")
     tokens = list(decoder.stream(prompt_ids, 64, params, draft=NgramDraft()))
-    decoder.stats   # DraftStats(calls, proposed, accepted)
+    decoder.stats   # DraftStats(calls, proposed, accepted) of the last stream
 
 Each call feeds the row's last token and up to K drafts from the source (draft_sources.py) at the next
 positions; the program returns how many drafts it accepts (n) and the next token, so a call emits n + 1
@@ -51,7 +51,7 @@ class SpeculativeDecoder:
             raise ValueError(f"{self.pte} does not verify drafts: export it with --draft-tokens K")
         self.method = method or load_method(self.pte)
         self.meta.check_program(self.pte, self.method.input_specs(), drafts=True)
-        self.stats = DraftStats()
+        self.stats = DraftStats()  # the last stream's calls and drafts
         self.first_call = (0.0, 0)  # (time, tokens) when the last stream's first call returned
 
     def _call(self, tokens: list[int], drafts: list[int], start: int, params: SamplingParams, step: int):
@@ -76,6 +76,7 @@ class SpeculativeDecoder:
         params.check(self.meta.config, self.meta.vocab_size)
         prompt = check_prompt(self.meta, prompt_ids, max_tokens)
         budget = budget or DraftBudget(self.meta.draft_tokens)
+        self.stats = DraftStats()  # this stream's
         output: list[int] = []
         fed = prompt  # tokens of the next call before its drafts
         while len(output) < max_tokens:
