@@ -80,7 +80,7 @@ def test_device_program_reproduces_the_host_reference(name):
     config = CONFIGS[name]
     eager = Verifier(config, B, V)
     gen = torch.Generator().manual_seed(11)
-    example = (torch.zeros(B, K + 1, V), torch.zeros(B, K, dtype=torch.int64), torch.zeros(B, dtype=torch.int64),
+    example = (torch.zeros(B, K + 1, V), torch.zeros(B, K + 1, dtype=torch.int64), torch.zeros(B, dtype=torch.int64),
                torch.ones(B), torch.zeros(B, dtype=torch.int64), *_knobs(config, gen, 0))
     method = load_method(export_to_pte(Verifier(config, B, V), example).pte)
     agree = total = accepted_total = 0
@@ -92,6 +92,7 @@ def test_device_program_reproduces_the_host_reference(name):
         guess = logits.argmax(-1)[:, :K]  # greedy's draws; sampled rows hit them often enough
         random = torch.randint(0, V, (B, K), generator=gen)
         drafts = torch.where(torch.rand(B, K, generator=gen) < 0.6, guess, random)
+        drafts = torch.cat([drafts, torch.zeros(B, 1, dtype=torch.int64)], 1)  # position K's: padding
         draft_len = torch.randint(0, K + 1, (B,), generator=gen)
         inputs = [logits, drafts, draft_len, temperature, seed, *knobs]
         with torch.no_grad():
@@ -147,7 +148,7 @@ def draws():
     draft = int(np.argsort(p0)[-2])  # the second most likely token
     n = SAMPLES
     batch_logits = logits.unsqueeze(0).expand(n, 2, vocab).contiguous()
-    drafts = torch.full((n, 1), draft, dtype=torch.int64)
+    drafts = torch.tensor([[draft, 0]]).expand(n, 2).contiguous()  # position 1's column: padding
     seeds = torch.arange(n, dtype=torch.int64) * 1000 + 17
     knobs = {"top_k": torch.full((n,), TOP_K), "top_p": torch.full((n,), TOP_P)}
     temperature = torch.full((n,), T)
@@ -199,7 +200,7 @@ def test_penalty_state_counts_accepted_tokens_only():
     state = torch.zeros(1, vocab, dtype=torch.int32)
     knobs = {"presence_penalty": torch.zeros(1), "frequency_penalty": torch.zeros(1),
              "repetition_penalty": torch.ones(1), "penalty_reset": torch.ones(1, dtype=torch.int64)}
-    drafts = torch.tensor([[2, 7, 2]])  # 2 accepted, 7 rejected (the draw there is 2), the last never reached
+    drafts = torch.tensor([[2, 7, 2, 0]])  # 2 accepted, 7 rejected (the draw there is 2), the last never reached
     accepted, token = verify_drafts(config, logits, drafts, torch.tensor([3]), torch.zeros(1), torch.zeros(1,
                                     dtype=torch.int64), knobs, state)
     assert (int(accepted), int(token)) == (1, 2)
@@ -217,6 +218,6 @@ def test_positions_see_the_drafts_before_them_in_the_penalties():
     logits[0, :, 1] = 0.5
     knobs = {"presence_penalty": torch.zeros(1), "frequency_penalty": torch.ones(1),
              "repetition_penalty": torch.ones(1), "penalty_reset": torch.ones(1, dtype=torch.int64)}
-    tokens, _ = position_tokens(config, logits, torch.tensor([[4, 1]]), torch.zeros(1),
+    tokens, _ = position_tokens(config, logits, torch.tensor([[4, 1, 0]]), torch.zeros(1),
                                 torch.zeros(1, dtype=torch.int64), knobs, torch.zeros(1, vocab, dtype=torch.int32))
     assert tokens.tolist() == [[4, 1, 4]]  # position 1 saw 4 once (1.0 - 1 < 0.5); position 2 saw 4 and 1

@@ -114,11 +114,11 @@ def test_per_row_drafts_in_a_batch_match_the_eager_model(tmp_path, llama):
         for b, r in enumerate(rows):
             tokens[b, :len(r)] = torch.tensor(r)
         inputs = step_inputs(meta, tokens, starts, [len(r) for r in rows], [SamplingParams()] * 3, [0] * 3,
-                             [True] * 3, draft_len=drafts_per_row)
+                             [True] * 3, drafts=drafts_per_row)
         accepted, token = method.execute(inputs)
         return accepted.tolist(), token.tolist()
 
-    accepted, token = call(prompts, [0, 0, 0], [0, 0, 0])
+    accepted, token = call(prompts, [0, 0, 0], [[], [], []])
     assert accepted == [0, 0, 0] and token == [s[-1] for s in seqs]
     for round_ in range(3):
         rows, drafts = [], []
@@ -129,7 +129,7 @@ def test_per_row_drafts_in_a_batch_match_the_eager_model(tmp_path, llama):
             if b == round_ and d:  # one wrong draft per round: its KV entry goes stale
                 guess[d // 2] = (guess[d // 2] + 1) % VOCAB
             rows.append([seq[-1]] + guess)
-            drafts.append(d)
+            drafts.append(guess)
         accepted, token = call(rows, [len(s) - 1 for s in seqs], drafts)
         for b, seq in enumerate(seqs):
             guess, truth = rows[b][1:], _eager_greedy(llama, seq, 5)
@@ -159,7 +159,7 @@ def test_metadata_and_loaders(programs):
     assert DecoderMeta.load(programs["draft"]).draft_tokens == K
     assert DecoderMeta.load(programs["plain"]).draft_tokens == 0
     meta = DecoderMeta.load(programs["draft"])
-    assert meta.inputs[:4] == ["tokens", "start_pos", "lengths", "draft_len"]
+    assert meta.inputs[:4] == ["tokens", "start_pos", "lengths", "verify"]
     assert meta.outputs == ["accepted", "token"]
     with pytest.raises(ValueError, match="exported with --draft-tokens 4.*cannot drive it"):
         Decoder(programs["draft"])

@@ -8,7 +8,7 @@ The program's inputs (names and order recorded in the metadata the .pte embeds, 
 Outputs: token ids [B] (and logprobs when exported with them); a pipelined program returns the
 previous call's and takes -1 for "the token you sampled last" (pipelined.py).
 With draft_tokens=K (`--draft-tokens K`) the program verifies drafts instead (speculative_head.py): a
-draft_len [B] input follows lengths, and it returns (accepted [B], token [B]).
+verify [B, G] input follows lengths (the last accepted token and the drafts per row), and it returns (accepted [B], token [B]).
 """
 
 from __future__ import annotations
@@ -87,8 +87,12 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
     kwargs.update({name: examples[name] for name in config.knob_names()})
     dynamic = {"args": ({1: length}, None, None), **{name: None for name in kwargs}}
     if draft_tokens:  # DraftVerifyingHead names its inputs (SamplingHead takes *args)
-        example = example + (torch.zeros(batch, dtype=torch.int64),)
-        dynamic = {"tokens": {1: length}, "start_pos": None, "lengths": None, "draft_len": None,
+        example = example + (torch.zeros(batch, draft_tokens + 1, dtype=torch.int64),)
+        # One row: G is dynamic (2..K+1; 1 would be specialised), a call pays for the drafts it carries. More
+        # rows: B * G would be an expression of it, which the delegate does not take, so G is K + 1.
+        width = torch.export.Dim("verify", min=2, max=draft_tokens + 1) if batch == 1 else None
+        dynamic = {"tokens": {1: length}, "start_pos": None, "lengths": None,
+                   "verify": {1: width} if width is not None else None,
                    **{name: None for name in kwargs}}
     tokenizer = as_tokenizer(tokenizer) if tokenizer is not None else None
     blobs = tokenizer_blobs(tokenizer) if tokenizer is not None else {}

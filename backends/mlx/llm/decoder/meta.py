@@ -19,9 +19,11 @@ from backends.mlx.runtime.pte_metadata import named_data
 
 FORMAT = "etmlx-decoder/1"
 MODEL_INPUTS = ["tokens", "start_pos", "lengths"]
-# Programs exported with --draft-tokens K take this after the model inputs: the row's last draft_len real
-# tokens are drafts to verify (decoder/speculative_head.py); they return (accepted, token).
-DRAFT_INPUT = "draft_len"
+# Programs exported with --draft-tokens K take this after the model inputs: [B, G] (G dynamic, 2..K+1, for one
+# row; K+1 for more), per row
+# its last accepted token, then its drafts (the last real tokens of `tokens`), -1 padding
+# (decoder/speculative_head.py); they return (accepted, token).
+DRAFT_INPUT = "verify"
 DRAFT_OUTPUTS = ["accepted", "token"]
 # Named-data keys; tools/etmlx_decode/program_metadata.cpp reads the same ones.
 META_KEY = "etmlx/decoder_meta.json"
@@ -144,7 +146,7 @@ class DecoderMeta:
                              f"the program takes {len(inputs)}: metadata and program come from different exports")
         widths = {"tokens": self.max_seq_len, "penalty_add": self.config.penalty_seed,
                   "bias_ids": self.config.logit_bias, "bias_values": self.config.logit_bias,
-                  "allowed_mask": mask_words(self.vocab_size)}
+                  "allowed_mask": mask_words(self.vocab_size), DRAFT_INPUT: self.draft_tokens + 1}
         for name, (sizes, dtype) in zip(self.inputs, inputs):
             expected = (self.batch, widths[name]) if name in widths else (self.batch,)
             if tuple(sizes) != expected:

@@ -61,7 +61,7 @@ class SpeculativeDecoder:
         batch[0] = torch.tensor(row)
         inputs = step_inputs(self.meta, batch, [start] + [0] * idle, [len(row)] + [1] * idle,
                              [params] + [SamplingParams()] * idle, [step] + [0] * idle, [step == 0] + [True] * idle,
-                             draft_len=[len(drafts)] + [0] * idle)
+                             drafts=[drafts] + [[]] * idle)
         accepted, token = self.method.execute(inputs)
         n = int(accepted[0])
         self.stats.calls += 1

@@ -2,8 +2,9 @@
 
     accepted, token = verify_drafts(config, logits, drafts, draft_len, temperature, seed, knobs, state)
 
-logits [B, K+1, V]: position i holds the model's logits after the row's last accepted token and its drafts
-1..i (drafts [B, K], draft_len [B] of them real, the rest padding). Returns per row the number of drafts
+logits [B, G, V] (G <= K + 1): position i holds the model's logits after the row's last accepted token and its
+drafts 1..i. drafts [B, G]: drafts[:, i] is the draft that position i's draw must equal, so draft i + 1;
+draft_len [B] of them are real, the rest (the last column always) padding. Returns per row the number of drafts
 accepted, n in 0..draft_len, and the next token after them (the correction when a draft was rejected, the
 bonus token when all were accepted).
 
@@ -46,20 +47,39 @@ def check_draft_config(config: SamplerConfig) -> None:
         raise ValueError("expose_counts is for sampler tests, not draft-verifying programs")
 
 
-def _spread(t: torch.Tensor, batch: int, g: int) -> torch.Tensor:
-    """[B, ...] -> [B*G, ...]: row b's value for each of its G positions (scalars broadcast as they are)."""
+# The number of positions G is a dynamic size in a program (the call's widest row of drafts, plus one): sizes
+# here come from tensors (`counting`, expand to a tensor's shape, reshape with -1), never from arithmetic on G,
+# which the exported program could not evaluate.
+
+
+def counting(like: torch.Tensor) -> torch.Tensor:
+    """0, 1, .. along the last axis of `like` (int64, like's shape): arange without a size."""
+    return torch.cumsum(torch.ones_like(like, dtype=torch.int64), dim=-1) - 1
+
+
+def _row_owner(positions: torch.Tensor) -> torch.Tensor:
+    """[B*G]: the row b of each (b, i), in row-major order."""
+    return (torch.cumsum(torch.ones_like(positions), dim=0) - 1).reshape(-1)
+
+
+def _spread(t: torch.Tensor, batch: int, positions: torch.Tensor) -> torch.Tensor:
+    """[B, ...] -> [B*G, ...]: row b's value for each of its G positions (`positions` [B, G]; scalars broadcast
+    as they are). An index_select, not expand + reshape: reshaping an expanded tensor of dynamic size makes
+    torch.export guard on its strides."""
     if t.dim() == 0:
         return t
     if t.shape[0] != batch:
         raise ValueError(f"per-row knob tensors must have {batch} rows, got shape {tuple(t.shape)}")
-    return t.unsqueeze(1).expand(batch, g, *t.shape[1:]).reshape(batch * g, *t.shape[1:])
+    return t.index_select(0, _row_owner(positions))
 
 
 def draft_prefixes(drafts: torch.Tensor) -> torch.Tensor:
-    """[B, K] -> [B, K+1, K]: position i's drafts 1..i, left-aligned, -1 after (penalty_add's layout)."""
-    batch, k = drafts.shape
-    seen = torch.arange(k).view(1, 1, k) < torch.arange(k + 1).view(1, k + 1, 1)
-    return torch.where(seen, drafts.unsqueeze(1), torch.full_like(drafts.unsqueeze(1), -1))
+    """[B, G] -> [B*G, G]: the drafts position (b, i) has seen (drafts[b, :i]), left-aligned, -1 after
+    (penalty_add's layout)."""
+    positions = counting(drafts)
+    rows = drafts.index_select(0, _row_owner(positions))  # [B*G, G]
+    seen = counting(rows) < positions.reshape(-1, 1)  # j < i
+    return torch.where(seen, rows, torch.full_like(rows, -1))
 
 
 def position_tokens(config: SamplerConfig, logits: torch.Tensor, drafts: torch.Tensor, temperature, seed,
@@ -67,16 +87,17 @@ def position_tokens(config: SamplerConfig, logits: torch.Tensor, drafts: torch.T
     """The plain sampler's token at every position ([B, K+1]) and the penalty state after each ([B, K+1, ...],
     None without penalties), position i assuming drafts 1..i were accepted."""
     check_draft_config(config)
-    batch, g, vocab = logits.shape
-    if drafts.shape != (batch, g - 1):
-        raise ValueError(f"drafts must be [{batch}, {g - 1}] for logits {tuple(logits.shape)}, got {tuple(drafts.shape)}")
-    rows = batch * g
+    batch, vocab = logits.shape[0], logits.shape[2]
+    if drafts.dim() != 2 or drafts.shape[0] != batch or logits.dim() != 3:
+        raise ValueError(f"drafts must be [{batch}, G] for logits [{batch}, G, V], got {tuple(drafts.shape)} "
+                         f"and {tuple(logits.shape)}")
+    positions = counting(logits[:, :, 0])  # [B, G]: i
     temperature = temperature.reshape(-1).expand(batch)
-    t_rows = _spread(temperature, batch, g)
+    t_rows = _spread(temperature, batch, positions)
     seed_rows = None
     if seed is not None:  # position i draws as the plain loop's step i later would: seed + i
-        seed_rows = (seed.reshape(-1).expand(batch).unsqueeze(1) + torch.arange(g).unsqueeze(0)).reshape(rows)
-    knobs_rows = {name: (None if value is None else _spread(value, batch, g)) for name, value in knobs.items()
+        seed_rows = (seed.reshape(-1).expand(batch).unsqueeze(1) + positions).reshape(-1)
+    knobs_rows = {name: (None if value is None else _spread(value, batch, positions)) for name, value in knobs.items()
                   if name not in _STATE_KNOBS}
     state_rows = None
     if config.penalties:
@@ -84,18 +105,18 @@ def position_tokens(config: SamplerConfig, logits: torch.Tensor, drafts: torch.T
             raise ValueError("penalties need the penalty state")
         step = window_for_step if config.penalty_window else counts_for_step
         before = step(state, knobs["penalty_reset"], knobs.get("penalty_add"))  # the call's reset and prompt ids
-        state_rows = _spread(before, batch, g).clone()
-        knobs_rows["penalty_reset"] = torch.zeros(rows, dtype=torch.int64)
-        knobs_rows["penalty_add"] = draft_prefixes(drafts).reshape(rows, g - 1)
-    tokens = process_and_sample(config, logits.reshape(rows, vocab), t_rows, seed_rows, knobs_rows, state_rows)
-    after = state_rows.view(batch, g, *state_rows.shape[1:]) if state_rows is not None else None
-    return tokens.view(batch, g), after
+        state_rows = _spread(before, batch, positions).clone()
+        knobs_rows["penalty_reset"] = torch.zeros_like(positions).reshape(-1)
+        knobs_rows["penalty_add"] = draft_prefixes(drafts)
+    tokens = process_and_sample(config, logits.reshape(-1, vocab), t_rows, seed_rows, knobs_rows, state_rows)
+    after = state_rows.view(batch, -1, *state_rows.shape[1:]) if state_rows is not None else None
+    return tokens.view(batch, -1), after
 
 
 def accepted_run(tokens: torch.Tensor, drafts: torch.Tensor, draft_len: torch.Tensor) -> torch.Tensor:
-    """[B]: how many leading drafts equal the sampler's token at their position (and are real drafts)."""
-    batch, k = drafts.shape
-    hit = (tokens[:, :k] == drafts) & (torch.arange(k).unsqueeze(0) < draft_len.unsqueeze(1))
+    """[B]: how many leading drafts equal the sampler's token at their position (and are real drafts); tokens
+    and drafts [B, G]."""
+    hit = (tokens == drafts) & (counting(drafts) < draft_len.unsqueeze(1))
     return (torch.cumsum((~hit).to(torch.int64), dim=1) == 0).to(torch.int64).sum(dim=1)
 
 
