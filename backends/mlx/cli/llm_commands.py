@@ -46,6 +46,8 @@ def run_export(args) -> int:
     if args.dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of float32, float16, bfloat16, got {args.dtype!r}")
     config = sampler_config(args.sampler, args.logprobs, args.logprobs_mode)
+    if args.draft_tokens < 0:
+        raise ValueError(f"--draft-tokens must be >= 0, got {args.draft_tokens}")
     args.out = args.out or default_pte_name(args.model)
     _check_out(Path(args.out))  # before minutes of downloading, loading and lowering, not after
     model_dir = resolve_checkpoint(args.model, args.revision)  # a local directory, or a Hub repo id
@@ -67,7 +69,7 @@ def run_export(args) -> int:
     result = export_decoder(model, Path(args.out), args.max_seq_len, config=config, batch=args.batch,
                             seeded=args.seeded, tokenizer=tokenizer, progress=say,
                             external_weights=args.external_weights, pipelined=args.pipelined,
-                            verify=args.verify)
+                            verify=args.verify, draft_tokens=args.draft_tokens)
     say("done")
     written = f"{args.out} ({Path(args.out).stat().st_size / 1e6:.1f} MB)"
     ptd = weights_path(args.out)
@@ -174,6 +176,9 @@ def add_parsers(sub) -> None:
                                                                  "top-N alternatives (default 0: off)")
     export.add_argument("--logprobs-mode", choices=["raw", "processed"], default="raw",
                         help="raw: the model's distribution (default); processed: after bias, temperature, filters")
+    export.add_argument("--draft-tokens", type=int, default=0, metavar="K",
+                        help="a program that verifies up to K drafted tokens per call (speculative decoding: "
+                             "greedy acceptance, rejection sampling at T > 0); default 0: a plain program")
     export.set_defaults(func=run_export)
 
     generate = sub.add_parser("generate", help="decode on the device from an exported .pte, streaming text")

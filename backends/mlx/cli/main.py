@@ -80,6 +80,10 @@ def _bench(args) -> int:
         from backends.mlx.bench import pipeline
 
         return pipeline.main(args.json, quick=args.quick, repeats=args.repeats)
+    if args.what == "speculative":
+        from backends.mlx.bench import speculative
+
+        return speculative.main(args.json, args.cache_dir, repeats=args.repeats)
     if args.what == "gemm":
         from backends.mlx.bench import cpu_gemm
 
@@ -108,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     llm_cli.add_parsers(sub)
     serve_cli.add_parsers(sub)
     bench = sub.add_parser("bench", help="benchmarks with same-run baselines")
-    bench.add_argument("what", choices=["sampler", "agreement", "decode", "serve", "gemm", "qmm", "structured", "pipeline"], help="which benchmark")
+    bench.add_argument("what", choices=["sampler", "agreement", "decode", "serve", "gemm", "qmm", "structured", "pipeline", "speculative"], help="which benchmark")
     bench.add_argument("--suite", choices=["all", "basic", "features"], default="all",
                        help="sampler: basic (temperature by vocab and batch), features (top-k/top-p), or all")
     bench.add_argument("--rows", type=int, default=2000, help="agreement: rows per dtype")
