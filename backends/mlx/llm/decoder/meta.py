@@ -66,10 +66,14 @@ class DecoderMeta:
     # Each call returns the previous call's outputs; a token input < 0 is the row's last sampled token
     # (pipelined.py). Absent in programs exported before pipelining: False.
     pipelined: bool = False
+    # Some sliding-window layer keeps a ring of `window` slots (kv_cache.py), which a prompt cache may
+    # reuse only where positions continue (row_caches.py). None: exported before the field (unknown).
+    ring_cache: bool | None = None
 
     @classmethod
     def build(cls, *, max_seq_len, vocab_size, batch, eos_token_ids, seeded, config: SamplerConfig, dtype,
-              model_type="", tokenizer=None, prompt_affixes=([], []), pipelined=False) -> "DecoderMeta":
+              model_type="", tokenizer=None, prompt_affixes=([], []), pipelined=False,
+              ring_cache=None) -> "DecoderMeta":
         inputs = MODEL_INPUTS + ["temperature"] + (["seed"] if seeded else []) + config.knob_names()
         outputs = ["token"] + (["logprob", "top_ids", "top_logprobs"] if config.logprobs else [])
         if config.expose_counts:
@@ -78,7 +82,7 @@ class DecoderMeta:
                    seeded=seeded, sampler=asdict(config), dtype=dtype, model_type=model_type, tokenizer=tokenizer,
                    inputs=inputs, outputs=outputs, knobs=knob_metadata(),
                    prompt_prefix_ids=list(prompt_affixes[0]), prompt_suffix_ids=list(prompt_affixes[1]),
-                   pipelined=pipelined)
+                   pipelined=pipelined, ring_cache=ring_cache)
 
     @property
     def config(self) -> SamplerConfig:
