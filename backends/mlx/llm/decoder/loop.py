@@ -128,6 +128,22 @@ class Decoder:
             if rows.rows[slot] is row:
                 rows.end(slot)
 
+    def step_at(self, feed: list[int], start: int, params: SamplingParams, step: int,
+                matcher: Matcher | None = None) -> Step:
+        """One call for row 0 at an explicit cache position and step, outside a generation: for loops
+        of their own (a benchmark's sample-check-resample). `matcher` masks the call and advances on its
+        token. Unpipelined programs only (a pipelined call returns the call before's token)."""
+        if self.meta.pipelined:
+            raise ValueError("step_at needs an unpipelined program")
+        rows = DecodeRows(self.meta, prompt_cache=False)
+        row = rows.start(0, Sequence(list(feed), params, 1, stop_at_eos=False, matcher=matcher), reuse=False)
+        row.pos, row.step = start, step
+        self.rows.forget()  # this call writes into row 0's cache behind the generations' back
+        [(_, _, event)] = rows.read(self.method.execute(rows.call_inputs(masks=rows.masks())))
+        if event.error:
+            raise ConstraintError(event.error)
+        return Step(event.token, event.logprob, event.top)
+
     def generate(self, prompt_ids, max_tokens: int, params: SamplingParams | None = None,
                  constraint: Constraint | None = None) -> Generation:
         out = Generation(prompt_tokens=len(list(prompt_ids)))
