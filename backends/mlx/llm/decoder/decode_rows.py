@@ -94,12 +94,14 @@ class DecodeRows:
         return min((self.meta.max_seq_len - row.pos for row in self.rows if row is not None),
                    default=self.meta.max_seq_len)
 
-    def choose(self, prompt: list[int], usable: int) -> tuple[int | None, int]:
+    def choose(self, prompt: list[int], usable: int, reuse: bool = True) -> tuple[int | None, int]:
         """(slot, prompt tokens it already holds) for a new request among the first `usable` slots;
-        (None, 0) when none is free."""
+        (None, 0) when none is free. Without `reuse`, the least recently used free slot."""
         free = [slot for slot in range(usable) if self.rows[slot] is None]
         if not free:
             return None, 0
+        if not reuse:
+            return min(free, key=lambda slot: self.caches.rows[slot].used), 0
         return self.caches.choose(prompt, free)
 
     def start(self, slot: int, request, reuse: bool = True) -> Row:

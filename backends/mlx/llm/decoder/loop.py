@@ -109,7 +109,7 @@ class Decoder:
         prompt = check_prompt(self.meta, prompt_ids, max_tokens)
         matcher = self.matcher(constraint) if constraint is not None else None
         rows = self.rows
-        slot, _ = rows.choose(prompt, self.meta.batch)
+        slot, _ = rows.choose(prompt, self.meta.batch, reuse)
         row = rows.start(slot, Sequence(prompt, params, max_tokens, stop_at_eos, matcher=matcher), reuse=reuse)
         self.last_cached = row.cached
         try:
