@@ -237,3 +237,25 @@ def test_server_reports_cached_tokens_and_gives_the_eager_tokens(server, eager):
     chat += [{"role": "assistant", "content": reply.choices[0].message.content}, {"role": "user", "content": "Ok"}]
     again = client.chat.completions.create(model="tiny", messages=chat, max_tokens=3, temperature=0)
     assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+
+@pytest.mark.parametrize("affinity", [True, False])
+def test_requests_sharing_a_long_prefix_wait_for_the_row_that_holds_it(affinity):
+    meta = DecoderMeta.build(max_seq_len=256, vocab_size=50, batch=2, eos_token_ids=[0], seeded=True,
+                             config=SamplerConfig(), dtype="float32", ring_cache=False)
+    program = _Echo(meta)
+    engine = Engine(program, meta, prefix_affinity=affinity)
+    engine.running = True
+    prefix = [2 + i % 40 for i in range(200)]
+    requests = [EngineRequest(prefix + [40 + i], SamplingParams(), 3, lambda event: None) for i in range(3)]
+    engine.submit_all(requests)
+    while True:
+        assert engine._drain()
+        engine._admit()
+        if not engine.active_rows and not engine.waiting:
+            break
+        engine._step()
+    if affinity:  # one prefill of the prefix; the others wait 3 steps each for its row
+        assert [r.cached_tokens for r in requests] == [0, 200, 200]
+    else:  # both rows prefill it at once; the third reuses whichever row frees first
+        assert [r.cached_tokens for r in requests] == [0, 0, 200]

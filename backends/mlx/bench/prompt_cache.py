@@ -25,6 +25,7 @@ from backends.mlx.llm.builtin.corpus import generate_corpus
 from backends.mlx.llm.builtin.model import STAMP, ensure_builtin_checkpoint
 from backends.mlx.llm.decoder.loop import Decoder
 from backends.mlx.llm.decoder.prompt import chat_prompt, encode_prompt
+from backends.mlx.llm.decoder.row_caches import common_prefix
 from backends.mlx.llm.decoder.text_generation import stream_text
 from backends.mlx.llm.sampler.params import SamplingParams
 
@@ -51,12 +52,13 @@ def _program(cache_dir: Path) -> Path:
     return pte
 
 
-def chat(decoder: Decoder, reuse: bool, max_tokens: int) -> list[dict]:
-    """Per turn: prompt tokens, tokens prefilled, time to first token."""
+def chat(decoder: Decoder, reuse: bool, max_tokens: int, tag: str) -> list[dict]:
+    """Per turn: prompt tokens, tokens prefilled, time to first token. `tag` starts every user message, so
+    that conversations of different repetitions share no more than the template's first tokens."""
     tokenizer, messages, turns = decoder.tokenizer, [], []
     params = SamplingParams()
     for text in TURNS:
-        messages.append({"role": "user", "content": text})
+        messages.append({"role": "user", "content": f"{tag} {text}"})
         prompt = chat_prompt(tokenizer, messages)
         start = time.perf_counter()
         first, reply = None, []
@@ -96,21 +98,35 @@ def shared_prefix(pte: Path, decoder: Decoder, together: bool, max_tokens: int) 
         engine.stop()
     seconds = time.perf_counter() - start
     prefilled = sum(len(r.prompt) - r.cached_tokens for r in requests)
-    unique = len(prefix) + sum(len(s) for s in suffixes)
+    unique = _trie_size(prompts)
     return {"arrivals": "together" if together else "one after another", "requests": len(requests),
             "prompt_tokens": sum(len(p) for p in prompts), "prefilled": prefilled, "unique": unique,
             "prefilled_over_unique": prefilled / unique, "seconds": seconds}
 
 
-def main(cache_dir: str | Path, json_path: str | None = None, max_tokens: int = 16) -> int:
+def _trie_size(prompts: list[list[int]]) -> int:
+    """Distinct token prefixes among the prompts: the tokens a perfect prefix cache computes once."""
+    ordered = sorted(prompts)
+    return sum(len(p) - (common_prefix(p, q) if q else 0) for p, q in zip(ordered, [None] + ordered[:-1]))
+
+
+def _median_turns(runs: list[list[dict]]) -> list[dict]:
+    return [{**turns[0], "ttft_s": statistics.median(t["ttft_s"] for t in turns)} for turns in zip(*runs)]
+
+
+def main(cache_dir: str | Path, json_path: str | None = None, max_tokens: int = 16, repeats: int = 3) -> int:
+    """Chat times are medians over `repeats` conversations."""
     cache_dir = Path(cache_dir)
     pte = _program(cache_dir)
     result = {"program": str(pte), "chat": {}, "shared_prefix": []}
+    decoder = Decoder(pte)
+    chat(decoder, True, max_tokens, "[warm-up]")  # first calls of each shape
+    runs = {True: [], False: []}
+    for repetition in range(repeats):  # interleaved, so that load from elsewhere hits both alike
+        for reuse in (True, False):
+            runs[reuse].append(chat(decoder, reuse, max_tokens, f"[{repetition}/{reuse}]"))
     for reuse in (True, False):
-        decoder = Decoder(pte)  # a fresh program each: nothing cached from the other run
-        chat(decoder, reuse, max_tokens)  # warm-up: first calls of each shape
-        decoder = Decoder(pte)
-        turns = chat(decoder, reuse, max_tokens)
+        turns = _median_turns(runs[reuse])
         key = "cached" if reuse else "uncached"
         result["chat"][key] = turns
         print(f"chat ({key}): " + "  ".join(f"turn {i + 1}: {t['prompt_tokens']} tok, prefilled {t['prefilled']}, "

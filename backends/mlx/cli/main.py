@@ -87,7 +87,7 @@ def _bench(args) -> int:
     if args.what == "prompt-cache":
         from backends.mlx.bench import prompt_cache
 
-        return prompt_cache.main(args.cache_dir, args.json)
+        return prompt_cache.main(args.cache_dir, args.json, repeats=args.repeats or 3)
     if args.what == "qmm":
         from backends.mlx.bench import quantized_matmul
 

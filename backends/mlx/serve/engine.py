@@ -10,7 +10,9 @@ extra step is dropped (its last call was at position len(prompt) + max_tokens - 
 
 Prompt cache (llm/decoder/row_caches.py): a row's KV cache outlives its request; a new request takes
 the free row holding the longest prefix of its prompt (else the least recently used one) and
-prefills only the rest. `EngineRequest.cached_tokens` says how many prompt tokens it reused.
+prefills only the rest. `EngineRequest.cached_tokens` says how many prompt tokens it reused. Rows
+share no entries, so a request sharing a long prefix with a running row may wait for that row instead
+of prefilling the prefix again elsewhere (prefix affinity, in _admit).
 
 Hand-off: other threads call `submit` / `cancel` (a queue.Queue into this thread); results go out
 through each request's `sink`, called on this thread (the server wraps it in
@@ -42,6 +44,13 @@ from backends.mlx.llm.sampler.params import SamplingParams
 
 log = logging.getLogger("etmlx.serve")
 _ids = itertools.count(1)
+# Prefix affinity (see _admit): rows share no KV entries, so a request whose prompt shares a long prefix
+# with a running row's may do better to wait for that row than to prefill the prefix on a free one. It
+# waits when the prefill it saves outweighs the steps it waits, a decode step costing about as much as
+# STEP_COST_TOKENS prompt tokens of prefill (an estimate: prefill runs many tokens per matrix product),
+# and only for at least AFFINITY_MIN_TOKENS saved: short prefixes are cheaper to recompute than to queue for.
+STEP_COST_TOKENS = 16
+AFFINITY_MIN_TOKENS = 128
 
 
 class QueueFull(RuntimeError):
@@ -68,12 +77,13 @@ class EngineRequest:
 class Engine:
     def __init__(self, program, meta: DecoderMeta, max_batch: int | None = None,
                  request_timeout: float | None = None, max_queue: int | None = None, pte=None,
-                 prompt_cache: bool = True):
+                 prompt_cache: bool = True, prefix_affinity: bool = True):
         """program: anything with execute(inputs) -> outputs (a loaded method, a ProgramWorker or a
         SupervisedProgram). request_timeout: seconds a request may take from submission (None: no limit).
         max_queue: requests that may wait for a row (default 8 x the rows); beyond it submit raises QueueFull.
         pte: the program's file, where structured output reads the tokenizer from.
-        prompt_cache: reuse what a row's cache holds from earlier requests (row_caches.py)."""
+        prompt_cache: reuse what a row's cache holds from earlier requests (row_caches.py).
+        prefix_affinity: let a request wait for a running row that will hold a long prefix of its prompt."""
         if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int)
                                       or not 1 <= max_batch <= meta.batch):
             raise ValueError(f"max_batch must be an int in [1, {meta.batch}] (the program's batch), got {max_batch!r}")
@@ -82,6 +92,7 @@ class Engine:
         self.pte = pte
         self._vocabulary = None  # llguidance's view of the tokenizer, built on the first constrained request
         self.core = DecodeRows(meta, prompt_cache=prompt_cache)
+        self.prefix_affinity = prefix_affinity
         self.usable = max_batch or meta.batch
         self.request_timeout = request_timeout
         self.max_queue = max_queue or 8 * self.usable
@@ -271,12 +282,20 @@ class Engine:
         # prefilled joins only while each decoding row has L free positions; otherwise it waits a few
         # steps. A row's pos is that of its next call, pipelined or not.
         room = self.core.room()
+        queued_for: dict[int, int] = {}  # busy slot -> steps of the requests already waiting for it
         for request in list(self._waiting):
             if self.active_rows >= self.usable:
                 break
             slot, cached = self.core.choose(request.prompt, self.usable)
             if len(request.prompt) - cached > room:
                 continue
+            if self.prefix_affinity:
+                busy, shared, steps = self.core.busy_prefix(request.prompt)
+                saved = shared - cached
+                wait = steps + queued_for.get(busy, 0)
+                if busy is not None and saved >= AFFINITY_MIN_TOKENS and saved > STEP_COST_TOKENS * wait:
+                    queued_for[busy] = wait + request.max_tokens
+                    continue
             request.cached_tokens = self.core.start(slot, request).cached
             self._waiting.remove(request)
             self._unqueue()

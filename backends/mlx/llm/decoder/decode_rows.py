@@ -34,7 +34,7 @@ import torch
 
 from backends.mlx.llm.decoder.constraints import ConstraintError, Matcher, fill_masks
 from backends.mlx.llm.decoder.meta import FED_BACK, DecoderMeta
-from backends.mlx.llm.decoder.row_caches import RowCaches
+from backends.mlx.llm.decoder.row_caches import RowCaches, common_prefix
 from backends.mlx.llm.decoder.step_inputs import step_inputs
 from backends.mlx.llm.sampler.knobs import mask_words
 from backends.mlx.llm.sampler.params import SamplingParams
@@ -103,6 +103,22 @@ class DecodeRows:
         if not reuse:
             return min(free, key=lambda slot: self.caches.rows[slot].used), 0
         return self.caches.choose(prompt, free)
+
+    def busy_prefix(self, prompt: list[int]) -> tuple[int | None, int, int]:
+        """(slot, n, steps): the running row whose prompt shares the longest prefix (n tokens) with
+        `prompt`, and the steps it has left at most; the row's cache will hold that prefix when it ends.
+        (None, 0, 0) with none, with caching off, or for ring programs (a ring row is reused only where
+        positions continue, which depends on the tokens it has yet to write)."""
+        if not self.caches.enabled or self.caches.ring:
+            return None, 0, 0
+        best = (None, 0, 0)
+        for slot, row in enumerate(self.rows):
+            if row is None:
+                continue
+            n = min(common_prefix(row.request.prompt, prompt), len(prompt) - 1)
+            if n > best[1]:
+                best = (slot, n, row.request.max_tokens - row.produced + (1 if row.step == 0 else 0))
+        return best
 
     def start(self, slot: int, request, reuse: bool = True) -> Row:
         """Row `slot` takes `request` (its prompt checked: loop.check_prompt); with `reuse`, from the
