@@ -4,9 +4,10 @@
   each turn with the cache (only the new turn is prefilled) and without (the whole conversation again).
 - shared prefix: 16 requests whose prompts share a 1,500-token prefix (the built-in corpus) and end in
   distinct questions, through the server's engine: prompt tokens prefilled vs unique prompt tokens (the
-  prefix once plus each request's own part). Once with requests arriving one after another, once with
-  all 16 submitted together: rows do not share KV entries, so concurrent requests that start on
-  different rows each prefill the prefix.
+  prefix once plus each request's own part), and wall time. Once with requests arriving one after
+  another, once with all 16 submitted together (rows do not share KV entries: the engine's prefix
+  affinity decides between waiting for the row that holds the prefix and prefilling it on a free row),
+  and once together with step_cost_tokens=0 (always wait: the least computation).
 
 The built-in checkpoint (trained once, cached in `cache_dir/builtin-llama`) was trained on 256-token
 windows with 512 positions; the program here has 2,048 (the RoPE positions are computed, not learned), so
@@ -71,7 +72,7 @@ def chat(decoder: Decoder, reuse: bool, max_tokens: int, tag: str) -> list[dict]
     return turns
 
 
-def shared_prefix(pte: Path, decoder: Decoder, together: bool, max_tokens: int) -> dict:
+def shared_prefix(pte: Path, decoder: Decoder, together: bool, max_tokens: int, step_cost_tokens=None) -> dict:
     from backends.mlx.runtime.runner import load_method
     from backends.mlx.serve.engine import Engine, EngineRequest
 
@@ -80,7 +81,8 @@ def shared_prefix(pte: Path, decoder: Decoder, together: bool, max_tokens: int) 
     suffixes = [tokenizer.encode(f" Question {i}: who is {name}?", add_special_tokens=False)
                 for i, name in enumerate(["Mira", "the baker", "the fox", "the old man"] * (REQUESTS // 4))]
     prompts = [prefix + s for s in suffixes]
-    engine = Engine(load_method(pte), decoder.meta).start()
+    options = {} if step_cost_tokens is None else {"step_cost_tokens": step_cost_tokens}
+    engine = Engine(load_method(pte), decoder.meta, **options).start()
     done = threading.Semaphore(0)
     requests = [EngineRequest(p, SamplingParams(), max_tokens,
                               lambda e: done.release() if e.finish_reason else None) for p in prompts]
@@ -99,7 +101,10 @@ def shared_prefix(pte: Path, decoder: Decoder, together: bool, max_tokens: int) 
     seconds = time.perf_counter() - start
     prefilled = sum(len(r.prompt) - r.cached_tokens for r in requests)
     unique = _trie_size(prompts)
-    return {"arrivals": "together" if together else "one after another", "requests": len(requests),
+    arrivals = "together" if together else "one after another"
+    if step_cost_tokens is not None:
+        arrivals += f", step_cost_tokens={step_cost_tokens}"
+    return {"arrivals": arrivals, "requests": len(requests),
             "prompt_tokens": sum(len(p) for p in prompts), "prefilled": prefilled, "unique": unique,
             "prefilled_over_unique": prefilled / unique, "seconds": seconds}
 
@@ -133,8 +138,9 @@ def main(cache_dir: str | Path, json_path: str | None = None, max_tokens: int = 
                                             f"TTFT {t['ttft_s'] * 1e3:.1f} ms" for i, t in enumerate(turns)))
         print(f"  turn 6 / turn 1 TTFT: {turns[-1]['ttft_s'] / turns[0]['ttft_s']:.2f}x")
     decoder = Decoder(pte)
-    for together in (False, True):
-        record = shared_prefix(pte, decoder, together, max_tokens)
+    # together, step_cost_tokens=0: every request waits for the row holding the prefix (compute-optimal)
+    for together, cost in ((False, None), (True, None), (True, 0)):
+        record = shared_prefix(pte, decoder, together, max_tokens, cost)
         result["shared_prefix"].append(record)
         print(f"shared {PREFIX_TOKENS}-token prefix, {record['requests']} requests, {record['arrivals']}: "
               f"prefilled {record['prefilled']} of {record['prompt_tokens']} prompt tokens, unique "

@@ -77,13 +77,15 @@ class EngineRequest:
 class Engine:
     def __init__(self, program, meta: DecoderMeta, max_batch: int | None = None,
                  request_timeout: float | None = None, max_queue: int | None = None, pte=None,
-                 prompt_cache: bool = True, prefix_affinity: bool = True):
+                 prompt_cache: bool = True, prefix_affinity: bool = True,
+                 step_cost_tokens: float = STEP_COST_TOKENS):
         """program: anything with execute(inputs) -> outputs (a loaded method, a ProgramWorker or a
         SupervisedProgram). request_timeout: seconds a request may take from submission (None: no limit).
         max_queue: requests that may wait for a row (default 8 x the rows); beyond it submit raises QueueFull.
         pte: the program's file, where structured output reads the tokenizer from.
         prompt_cache: reuse what a row's cache holds from earlier requests (row_caches.py).
-        prefix_affinity: let a request wait for a running row that will hold a long prefix of its prompt."""
+        prefix_affinity: let a request wait for a running row that will hold a long prefix of its prompt.
+        step_cost_tokens: prefill tokens one decode step is worth in that choice (0: always wait)."""
         if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int)
                                       or not 1 <= max_batch <= meta.batch):
             raise ValueError(f"max_batch must be an int in [1, {meta.batch}] (the program's batch), got {max_batch!r}")
@@ -93,6 +95,7 @@ class Engine:
         self._vocabulary = None  # llguidance's view of the tokenizer, built on the first constrained request
         self.core = DecodeRows(meta, prompt_cache=prompt_cache)
         self.prefix_affinity = prefix_affinity
+        self.step_cost_tokens = step_cost_tokens
         self.usable = max_batch or meta.batch
         self.request_timeout = request_timeout
         self.max_queue = max_queue or 8 * self.usable
@@ -293,7 +296,7 @@ class Engine:
                 busy, shared, steps = self.core.busy_prefix(request.prompt)
                 saved = shared - cached
                 wait = steps + queued_for.get(busy, 0)
-                if busy is not None and saved >= AFFINITY_MIN_TOKENS and saved > STEP_COST_TOKENS * wait:
+                if busy is not None and saved >= AFFINITY_MIN_TOKENS and saved > self.step_cost_tokens * wait:
                     queued_for[busy] = wait + request.max_tokens
                     continue
             request.cached_tokens = self.core.start(slot, request).cached
