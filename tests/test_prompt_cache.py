@@ -259,3 +259,14 @@ def test_requests_sharing_a_long_prefix_wait_for_the_row_that_holds_it(affinity)
         assert [r.cached_tokens for r in requests] == [0, 200, 200]
     else:  # both rows prefill it at once; the third reuses whichever row frees first
         assert [r.cached_tokens for r in requests] == [0, 0, 200]
+
+
+def test_a_decoder_runs_one_generation_at_a_time(programs):
+    decoder = Decoder(programs[False])
+    first = decoder.stream(PROMPT, 3, _no_eos(decoder))
+    next(first)
+    with pytest.raises(RuntimeError, match="unfinished"):
+        next(decoder.stream(PROMPT, 3))
+    first.close()  # frees its row; what it wrote stays reusable
+    assert len(_tokens(decoder, PROMPT + [1], 3, _no_eos(decoder), reuse=True)) == 3
+    assert decoder.last_cached == len(PROMPT)

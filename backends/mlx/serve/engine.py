@@ -209,7 +209,6 @@ class Engine:
             return
         if not getattr(self.program, "up", True):
             self._fail_rows("the program worker exited between steps")
-            self.core.forget()
         recover()
 
     def _fail_rows(self, error: str) -> None:

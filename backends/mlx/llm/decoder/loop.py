@@ -109,13 +109,15 @@ class Decoder:
         prompt = check_prompt(self.meta, prompt_ids, max_tokens)
         matcher = self.matcher(constraint) if constraint is not None else None
         rows = self.rows
+        if rows.active:  # its calls would advance the unfinished one's row too
+            raise RuntimeError("another generation of this Decoder is unfinished: exhaust or close() it first")
         slot, _ = rows.choose(prompt, self.meta.batch, reuse)
         row = rows.start(slot, Sequence(prompt, params, max_tokens, stop_at_eos, matcher=matcher), reuse=reuse)
         self.last_cached = row.cached
         try:
             while rows.rows[slot] is row:
                 outputs = self.method.execute(rows.call_inputs(masks=rows.masks()))
-                for _, _, event in rows.read(outputs):
+                for _, _, event in rows.read(outputs):  # only this row is active
                     if event.error:
                         raise ConstraintError(event.error)
                     yield Step(event.token, event.logprob, event.top)
