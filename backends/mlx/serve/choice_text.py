@@ -33,6 +33,7 @@ class ChoiceText:
         self.stops = StopStrings(stops)
         self.eos_ids = set(eos_ids)
         self.completion_tokens = 0
+        self.cached_tokens = 0  # prompt tokens its engine row reused (usage.prompt_tokens_details)
         self.finished = False
 
     def feed(self, event: TokenEvent) -> Piece:
@@ -41,6 +42,7 @@ class ChoiceText:
             return piece
         if event.token is not None:
             self.completion_tokens += 1
+            self.cached_tokens = event.cached_tokens
             if not (event.finish_reason == "stop" and event.token in self.eos_ids):
                 piece.tokens.append(event)
                 if self.detok is not None:

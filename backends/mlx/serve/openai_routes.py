@@ -144,7 +144,7 @@ class OpenAIRoutes:
                                               usage=self._usage(job, texts)))
 
     def _usage(self, job, texts) -> dict:
-        return fmt.usage(len(job.prompt), sum(t.completion_tokens for t in texts))
+        return fmt.usage(len(job.prompt), sum(t.completion_tokens for t in texts), texts[0].cached_tokens)
 
     async def _stream(self, request, job, chat, pieces, texts) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})

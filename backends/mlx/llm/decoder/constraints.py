@@ -186,10 +186,11 @@ def fill_masks(matchers: list[Matcher | None], words: int) -> np.ndarray:
     from llguidance import LLExecutor
 
     out = np.full((len(matchers), words), -1, dtype=np.int32)
-    rows = [(m._m, i) for i, m in enumerate(matchers) if m is not None]
-    if len(rows) == 1:
-        matchers[rows[0][1]].mask(out[rows[0][1]])
-    elif rows:
+    constrained = [i for i, m in enumerate(matchers) if m is not None]
+    if len(constrained) == 1:  # one row: its own mask(out), no executor (any object with Matcher's mask works)
+        matchers[constrained[0]].mask(out[constrained[0]])
+    elif constrained:
+        rows = [(matchers[i]._m, i) for i in constrained]
         global _EXECUTOR
         if _EXECUTOR is None:
             _EXECUTOR = LLExecutor()

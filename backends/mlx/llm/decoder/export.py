@@ -101,7 +101,8 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
                              seeded=seeded, config=config, dtype=dtype, model_type=getattr(model.config, "model_type", ""),
                              tokenizer=TOKENIZER_PREFIX if blobs else None,
                              prompt_affixes=prompt_affixes(tokenizer) if tokenizer is not None else ([], []),
-                             pipelined=pipelined, draft_tokens=draft_tokens)
+                             pipelined=pipelined, draft_tokens=draft_tokens,
+                             ring_cache=any(lm.ring_window(i) is not None for i in lm.layers))
     blobs[META_KEY] = meta.to_json()
     result = export_to_pte(program, example, kwargs, dynamic_shapes=dynamic, progress=progress, named_data=blobs,
                            weights="external" if external_weights else "pte")

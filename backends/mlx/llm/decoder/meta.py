@@ -74,11 +74,14 @@ class DecoderMeta:
     pipelined: bool = False
     # Drafted tokens a call can verify (--draft-tokens K; 0: a plain program). Absent in older programs: 0.
     draft_tokens: int = 0
+    # Some sliding-window layer keeps a ring of `window` slots (kv_cache.py), which a prompt cache may
+    # reuse only where positions continue (row_caches.py). None: exported before the field (unknown).
+    ring_cache: bool | None = None
 
     @classmethod
     def build(cls, *, max_seq_len, vocab_size, batch, eos_token_ids, seeded, config: SamplerConfig, dtype,
               model_type="", tokenizer=None, prompt_affixes=([], []), pipelined=False,
-              draft_tokens=0) -> "DecoderMeta":
+              draft_tokens=0, ring_cache=None) -> "DecoderMeta":
         model_inputs = MODEL_INPUTS + ([DRAFT_INPUT] if draft_tokens else [])
         inputs = model_inputs + ["temperature"] + (["seed"] if seeded else []) + config.knob_names()
         outputs = ["token"] + (["logprob", "top_ids", "top_logprobs"] if config.logprobs else [])
@@ -90,7 +93,7 @@ class DecoderMeta:
                    seeded=seeded, sampler=asdict(config), dtype=dtype, model_type=model_type, tokenizer=tokenizer,
                    inputs=inputs, outputs=outputs, knobs=knob_metadata(),
                    prompt_prefix_ids=list(prompt_affixes[0]), prompt_suffix_ids=list(prompt_affixes[1]),
-                   pipelined=pipelined, draft_tokens=draft_tokens)
+                   pipelined=pipelined, draft_tokens=draft_tokens, ring_cache=ring_cache)
 
     @property
     def config(self) -> SamplerConfig:
