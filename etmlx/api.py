@@ -19,12 +19,36 @@ from backends.mlx.llm.decoder.text_generation import Response, stream_text
 
 DEFAULT_MAX_TOKENS = 256  # as mlx-lm; capped by what the program's cache has room for
 
-__all__ = ["Response", "generate", "load", "stream_generate"]
+__all__ = ["PromptCache", "Response", "generate", "load", "make_prompt_cache", "stream_generate"]
 
 
 def load(path: str | Path) -> Decoder:
     """The program at `path` (a .pte from `etmlx export`), ready to generate; `.tokenizer` is its tokenizer."""
     return Decoder(Path(path))
+
+
+class PromptCache:
+    """A conversation kept in the program's KV cache, as mlx-lm's prompt_cache: pass it to every
+    stream_generate / generate of the conversation with only the new part as the prompt; it holds the
+    tokens so far (prompts and replies), and each call prefills only what its row does not hold yet.
+
+    The keys and values themselves live in the program's state on the device (row_caches.py): the
+    runtime has no call that reads or writes them, so a cache cannot be saved to a file (mlx-lm's
+    save_prompt_cache) and lasts as long as the loaded model."""
+
+    def __init__(self, model: Decoder):
+        if not isinstance(model, Decoder):
+            raise TypeError(f"model must be what etmlx.load returns, got {type(model).__name__}")
+        self.model = model
+        self.tokens: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def make_prompt_cache(model: Decoder) -> PromptCache:
+    """An empty conversation for `model` (mlx-lm's make_prompt_cache)."""
+    return PromptCache(model)
 
 
 def _prompt_ids(model: Decoder, prompt) -> list[int]:
@@ -46,18 +70,35 @@ def _params(sampling: dict) -> SamplingParams:
 
 
 def stream_generate(model: Decoder, prompt, max_tokens: int | None = None, *, stop=(),
-                    **sampling) -> Iterator[Response]:
+                    prompt_cache: PromptCache | None = None, **sampling) -> Iterator[Response]:
     """Yield a Response per generated token: `.text` (the new piece of text), `.token`, `.logprobs`
     (token id -> logprob, when the program was exported with --logprobs N), `.finish_reason` (on the last:
-    "stop" or "length"), and prompt/generation token counts and rates."""
+    "stop" or "length"), and prompt/generation token counts and rates. With `prompt_cache`, `prompt` is
+    what follows the conversation so far, and `.cached_tokens` says how much of it was not prefilled."""
     if not isinstance(model, Decoder):
         raise TypeError(f"model must be what etmlx.load returns, got {type(model).__name__}")
+    if prompt_cache is not None and (not isinstance(prompt_cache, PromptCache) or prompt_cache.model is not model):
+        raise TypeError("prompt_cache must be make_prompt_cache(model) of this same model")
     ids = _prompt_ids(model, prompt)
+    if prompt_cache is not None:
+        ids = prompt_cache.tokens + ids
     params = _params(sampling)
     if max_tokens is None:
         max_tokens = max(1, min(DEFAULT_MAX_TOKENS, model.meta.max_seq_len - len(ids)))
     tokenizer = model.tokenizer if model.has_tokenizer else None
-    return stream_text(model, ids, max_tokens, params, stop, tokenizer)
+    responses = stream_text(model, ids, max_tokens, params, stop, tokenizer, reuse=prompt_cache is not None)
+    return responses if prompt_cache is None else _recorded(responses, ids, prompt_cache)
+
+
+def _recorded(responses: Iterator[Response], ids: list[int], cache: PromptCache) -> Iterator[Response]:
+    """The responses, with the conversation's tokens kept in `cache` as they come (also when left early)."""
+    generated = []
+    try:
+        for response in responses:
+            generated.append(response.token)
+            yield response
+    finally:
+        cache.tokens = ids + generated
 
 
 def generate(model: Decoder, prompt, max_tokens: int | None = None, *, verbose: bool = False, stop=(),

@@ -52,9 +52,9 @@ def _export_with(monkeypatch, mangle):
 
 
 def _assert_rejected(pte, capfd, *needles):
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError) as err:
         load_method(pte)
-    log = capfd.readouterr().err
+    log = getattr(err.value, "log", "") + capfd.readouterr().err  # LoadError carries the native log
     for needle in needles:
         assert needle in log, f"expected {needle!r} in the runtime log, got:\n{log}"
 

@@ -90,10 +90,9 @@ class _Replay:
     def __init__(self, rows):
         self.rows, self.k = rows, 0
 
-    def mask(self):
-        row = self.rows[self.k] if self.k < len(self.rows) else np.full(WORDS, -1, np.int32)
+    def mask(self, out):  # Matcher.mask's interface: fill `out`
+        out[:] = self.rows[self.k] if self.k < len(self.rows) else np.full(WORDS, -1, np.int32)
         self.k += 1
-        return row
 
     def advance(self, token):
         pass
@@ -101,10 +100,10 @@ class _Replay:
 
 def _python(decoder: Decoder, rows, params: SamplingParams) -> list[int]:
     replay = _Replay(rows)
-    step = decoder._call(PROMPT, 0, params, 0, replay)
+    step = decoder.step_at(PROMPT, 0, params, 0, replay)
     out = [step.token]
     for k in range(1, STEPS):
-        step = decoder._call([step.token], len(PROMPT) + k - 1, params, k, replay)
+        step = decoder.step_at([step.token], len(PROMPT) + k - 1, params, k, replay)
         out.append(step.token)
     return out
 
@@ -179,12 +178,12 @@ class _Choices:
     def __init__(self):
         self.out = []
 
-    def mask(self):
+    def mask(self, out):  # Matcher.mask's interface: fill `out`
         row = np.zeros(WORDS, np.uint32)
         for c in CHOICES:
             if c[:len(self.out)] == self.out and len(c) > len(self.out):
                 row[c[len(self.out)] // 32] |= np.uint32(1 << (c[len(self.out)] % 32))
-        return row.view(np.int32)
+        out[:] = row.view(np.int32)
 
     def advance(self, token):
         self.out.append(token)
@@ -202,10 +201,10 @@ def test_choice_ids_give_one_choice_and_the_python_decoders_tokens(ptes):
         assert cpp in CHOICES, cpp
         mirror = _Choices()
         params = SamplingParams(temperature=1.0, seed=seed)
-        step = decoder._call(PROMPT, 0, params, 0, mirror)
+        step = decoder.step_at(PROMPT, 0, params, 0, mirror)
         python = [step.token]
         while python not in CHOICES:
-            step = decoder._call([step.token], len(PROMPT) + len(python) - 1, params, len(python), mirror)
+            step = decoder.step_at([step.token], len(PROMPT) + len(python) - 1, params, len(python), mirror)
             python.append(step.token)
         assert python == cpp
         seen.add(tuple(cpp))

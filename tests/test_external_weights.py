@@ -1,5 +1,5 @@
 """Weights outside the delegate blob: constants are ExecuTorch named data, in the .pte's segments by default or
-in a FILE.ptd (`weights="external"`); the runtime maps them instead of copying. The blob stays small, outputs
+in a FILE.ptd (`weights="external"`), outside the delegate blob. The blob stays small, outputs
 are bit-identical to the inline layout, and a missing, mismatched or truncated .ptd is a clean error."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import backends.mlx.exporter.preprocess as preprocess
 from backends.mlx.exporter.builder.weights import NAMED_MIN_BYTES
 from backends.mlx.exporter.export import export_to_pte, weights_path
 from backends.mlx.exporter.inspect_pte import delegate_blobs
+from backends.mlx.runtime.load_errors import LoadError
 from backends.mlx.runtime.runner import load_method, run
 from backends.mlx.serialization import serializer
 
@@ -82,22 +83,20 @@ def test_external_weights_go_to_a_ptd_beside_the_pte(tmp_path):
     assert torch.equal(run(pte, [X], weights=moved)[0], expected)
 
 
-def test_missing_ptd_is_a_clear_error(tmp_path, capfd):
+def test_missing_ptd_is_a_clear_error(tmp_path):
     pte = _save(tmp_path, "ext", "external")
     weights_path(pte).unlink()
-    with pytest.raises(RuntimeError):
+    with pytest.raises(LoadError, match="not in the program or its weights file"):
         load_method(pte)
-    assert "not in the program or its weights file" in capfd.readouterr().err
     with pytest.raises(FileNotFoundError, match="weights: no such file"):
         load_method(pte, weights=tmp_path / "nope.ptd")
 
 
-def test_ptd_of_another_export_is_a_clear_error(tmp_path, capfd):
+def test_ptd_of_another_export_is_a_clear_error(tmp_path):
     pte = _save(tmp_path, "a", "external", seed=0)
     other = weights_path(_save(tmp_path, "b", "external", seed=1))
-    with pytest.raises(RuntimeError):
+    with pytest.raises(LoadError, match="not in the program or its weights file"):
         load_method(pte, weights=other)
-    assert "not in the program or its weights file" in capfd.readouterr().err
 
 
 _LOAD_CHILD = """
@@ -123,7 +122,7 @@ def test_truncated_ptd_is_refused_without_a_crash(tmp_path, keep):
     done = subprocess.run([sys.executable, "-c", _LOAD_CHILD, str(pte), str(ptd)], capture_output=True, text=True,
                           timeout=300, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert done.returncode == 3, f"rc {done.returncode}\n{done.stdout}\n{done.stderr[-3000:]}"
-    assert "refused: RuntimeError" in done.stdout
+    assert "refused: LoadError" in done.stdout
 
 
 def _mangled_named(monkeypatch, edit):
@@ -137,34 +136,41 @@ def _mangled_named(monkeypatch, edit):
     return export_to_pte(_Mlp(), (X,), weights="pte").pte
 
 
-def test_named_constant_whose_shape_disagrees_is_refused(monkeypatch, capfd):
+def test_named_constant_whose_shape_disagrees_is_refused(monkeypatch):
     def edit(named):
         named[0].shape = [named[0].shape[0] + 1, *named[0].shape[1:]]
 
     pte = _mangled_named(monkeypatch, edit)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(LoadError, match="names a size other than its shape and dtype need"):
         load_method(pte)
-    assert "bytes but its shape and dtype need" in capfd.readouterr().err
 
 
-def test_unknown_key_is_refused(monkeypatch, capfd):
+def test_unknown_key_is_refused(monkeypatch):
     def edit(named):
-        named[0].key = "etmlx/w/" + "0" * 40
+        nbytes = 4 * int(np.prod(named[0].shape))  # float32: a well-formed key that no entry has
+        named[0].key = "etmlx/w/" + "0" * 40 + f"-{nbytes}-00000000"
 
     pte = _mangled_named(monkeypatch, edit)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(LoadError, match="is not in the program or its weights file"):
         load_method(pte)
-    assert "is not in the program or its weights file" in capfd.readouterr().err
 
 
-def test_named_constant_with_inline_bytes_is_refused(monkeypatch, capfd):
+def test_key_without_a_checksum_asks_for_a_re_export(monkeypatch):
+    def edit(named):  # the key layout before checked weights
+        named[0].key = named[0].key.rpartition("-")[0]
+
+    pte = _mangled_named(monkeypatch, edit)
+    with pytest.raises(LoadError, match="carries no checksum .*re-export the model"):
+        load_method(pte)
+
+
+def test_named_constant_with_inline_bytes_is_refused(monkeypatch):
     def edit(named):
         named[0].data = np.zeros(4, np.uint8)
 
     pte = _mangled_named(monkeypatch, edit)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(LoadError, match="also carries 4 inline bytes"):
         load_method(pte)
-    assert "also carries 4 inline bytes" in capfd.readouterr().err
 
 
 @pytest.mark.subprocess

@@ -22,7 +22,7 @@ STEPS = 48
 PROMPT = [5, 17, 99, 3, 42]
 
 
-def _checkpoint(directory, family: str, tied: bool = False):
+def _checkpoint(directory, family: str, tied: bool = False, dtype=torch.float32):
     """A small random model with a wider-than-default init (argmaxes far from ties) and a tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -32,7 +32,7 @@ def _checkpoint(directory, family: str, tied: bool = False):
                         initializer_range=0.1, tie_word_embeddings=tied, bos_token_id=None, eos_token_id=None,
                         pad_token_id=None)
     torch.manual_seed(3)
-    model_cls(config).eval().save_pretrained(directory)
+    model_cls(config).eval().to(dtype).save_pretrained(directory)
     # transformers 5 writes rope_theta inside rope_parameters only, where mlx-lm does not look (it would
     # take its own default, 1e6 for Qwen2): state it at the top level too, as older checkpoints do.
     saved = json.loads((directory / "config.json").read_text())
@@ -42,12 +42,14 @@ def _checkpoint(directory, family: str, tied: bool = False):
     return directory
 
 
-def _mlx_lm_quantized(tmp_path, family: str, tied: bool = False, bits: int = 4, group: int = 64):
+def _mlx_lm_quantized(tmp_path, family: str, tied: bool = False, bits: int = 4, group: int = 64,
+                      dtype: str | None = "float32"):
     from mlx_lm import convert
 
-    source = _checkpoint(tmp_path / f"{family}-float", family, tied)
+    source = _checkpoint(tmp_path / f"{family}-float", family, tied,
+                         getattr(torch, dtype) if dtype else torch.bfloat16)
     out = tmp_path / f"{family}-q{bits}"
-    convert(str(source), str(out), quantize=True, q_group_size=group, q_bits=bits, dtype="float32")
+    convert(str(source), str(out), quantize=True, q_group_size=group, q_bits=bits, dtype=dtype)
     return out
 
 
@@ -55,7 +57,13 @@ def _mlx_lm_greedy(directory, steps: int) -> list[int]:
     from mlx_lm import load
     from mlx_lm.generate import generate_step
 
+    from mlx.utils import tree_map_with_path
+
     model, _ = load(str(directory))
+    # mlx-lm computes in its weights' dtype; etmlx exports float32 activations by default: the float parts of a
+    # bf16 directory go to float32 (the packed integers, scales and biases stay as stored).
+    model.update(tree_map_with_path(lambda path, x: x if path.endswith(("scales", "biases")) or x.dtype == mx.uint32
+                                    else x.astype(mx.float32), model.parameters()))
     greedy = lambda logits: mx.argmax(logits, axis=-1)
     steps_iter = generate_step(mx.array(PROMPT), model, max_tokens=steps, sampler=greedy)
     return [int(token) for token, _ in steps_iter]
@@ -87,11 +95,52 @@ def test_quantize_flag_holds_mlx_lm_integers(tmp_path):
     assert delegate_blobs(ours.read_bytes()) == delegate_blobs(theirs.read_bytes())
 
 
+def test_quantize_of_a_bf16_checkpoint_is_mlx_lm_byte_for_byte(tmp_path):
+    """--quantize int4 of a bf16 checkpoint quantizes its bf16 values and keeps bf16 scales and biases, as
+    mlx_lm.convert -q does: the same bytes, and greedy tokens equal to mlx-lm's at float32 activations."""
+    from safetensors.torch import load_file
+
+    from backends.mlx.exporter.inspect_pte import delegate_blobs
+
+    theirs_dir = _mlx_lm_quantized(tmp_path, "llama", tied=True, dtype=None)  # keeps the checkpoint's bf16
+    tensors = load_file(str(theirs_dir / "model.safetensors"))
+    assert tensors["model.embed_tokens.scales"].dtype == torch.bfloat16
+    ours = _export(tmp_path / "llama-float", tmp_path / "ours.pte", "--quantize", "int4")
+    theirs = _export(theirs_dir, tmp_path / "theirs.pte")
+    assert delegate_blobs(ours.read_bytes()) == delegate_blobs(theirs.read_bytes())
+    # The file holds the integers and bf16 scales once: no more than the mlx-lm directory's weights, plus the
+    # float32 norms (mlx-lm stores them in bf16) and the program.
+    weights = (theirs_dir / "model.safetensors").stat().st_size
+    assert ours.stat().st_size < weights * 1.02 + 64 * 1024, (ours.stat().st_size, weights)
+    expected = _mlx_lm_greedy(theirs_dir, STEPS)
+    assert len(set(expected)) > 8, expected
+    assert Decoder(ours).generate(PROMPT, STEPS).tokens == expected
+
+
 def _greedy_with_logprobs(model_dir, flags, tmp_path, name):
     """Greedy tokens with the model's raw log-probabilities of the top 8 at each step."""
     pte = _export(model_dir, tmp_path / name, "--logprobs", "8", *flags)
     out = Decoder(pte).generate(PROMPT, 16)
     return out.tokens, [[lp for _, lp in top] for top in out.top_logprobs]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_each_weight_is_stored_once(tmp_path, tied):
+    """Nothing of the model stays in ExecuTorch's own constant storage: a tied embedding and head are one set
+    of named tensors (torch.export keeps a second, unread set of placeholders for the alias)."""
+    from backends.mlx.exporter.inspect_pte import host_constant_bytes
+
+    source = _checkpoint(tmp_path / "float", "qwen2", tied)
+    for name, model_dir, flags in (("i4.pte", source, ["--quantize", "int4"]), ("i8.pte", source, ["--quantize", "int8"]),
+                                   ("f.pte", source, []), ("mlx.pte", _mlx_lm_quantized(tmp_path, "qwen2", tied), [])):
+        pte = _export(model_dir, tmp_path / name, *flags)
+        assert host_constant_bytes(pte.read_bytes()) == 0, name
+    # The tied int4 file holds one table: it is smaller than the untied one by about the head's share.
+    if tied:
+        untied = _export(_checkpoint(tmp_path / "untied", "qwen2", False), tmp_path / "u.pte", "--quantize", "int4")
+        head_bytes = 256 * 128 // 2 + 2 * 256 * 2 * 4  # [vocab, hidden] int4 + float32 scales and biases (group 64)
+        saved = untied.stat().st_size - (tmp_path / "i4.pte").stat().st_size
+        assert abs(saved - head_bytes) < 2048, (saved, head_bytes)
 
 
 def test_int8_stays_near_float_and_int4_runs(tmp_path):

@@ -52,12 +52,12 @@ def check_resample(decoder: Decoder, prompt: list[int], tokens: int, params: Sam
     eos = set(decoder.meta.eos_token_ids)
     seq, start = list(prompt), 0
     for k in range(tokens):
-        step = decoder._call(seq, start, params, k)
+        step = decoder.step_at(seq, start, params, k)
         if raw.validate_tokens([step.token]) == 1:
             matcher.advance(step.token)
         else:  # rejected: the same step again, with the grammar's mask
             resampled[0] += 1
-            step = decoder._call(seq, start, params, k, matcher)
+            step = decoder.step_at(seq, start, params, k, matcher)
         yield step.token
         start += len(seq)
         seq = [step.token]

@@ -2,8 +2,9 @@
 turn, each reply streamed as it decodes. Lines from a pipe work too (no prompt is drawn then).
 
 /reset clears the conversation, /exit (or end of input) ends it. Each turn re-renders the whole
-conversation and prefills it in one call; when it no longer fits the program's max_seq_len with room
-for a reply, the oldest exchanges are dropped, and said so.
+conversation; the program's KV cache still holds the turns before (row_caches.py), so only the new
+part is prefilled. When it no longer fits the program's max_seq_len with room for a reply, the oldest
+exchanges are dropped, and said so (the next turn then prefills from the start).
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def run_chat(args, params) -> int:
             continue
         budget = min(args.max_tokens, decoder.meta.max_seq_len - len(prompt))
         reply = []
-        for response in stream_text(decoder, prompt, budget, params, args.stop, tokenizer):
+        for response in stream_text(decoder, prompt, budget, params, args.stop, tokenizer, reuse=True):
             reply.append(response.text)
             print(response.text, end="", flush=True)
         print(flush=True)

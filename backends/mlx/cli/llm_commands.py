@@ -41,14 +41,17 @@ def _check_out(out: Path) -> None:
 
 
 def run_export(args) -> int:
-    from backends.mlx.llm.checkpoint_source import default_pte_name, resolve_checkpoint
+    from backends.mlx.llm.checkpoint_source import check_weight_files, default_pte_name, resolve_checkpoint
 
     if args.dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of float32, float16, bfloat16, got {args.dtype!r}")
     config = sampler_config(args.sampler, args.logprobs, args.logprobs_mode)
+    if args.draft_tokens < 0:
+        raise ValueError(f"--draft-tokens must be >= 0, got {args.draft_tokens}")
     args.out = args.out or default_pte_name(args.model)
     _check_out(Path(args.out))  # before minutes of downloading, loading and lowering, not after
     model_dir = resolve_checkpoint(args.model, args.revision)  # a local directory, or a Hub repo id
+    check_weight_files(model_dir)  # a truncated or foreign weights file: one line, not transformers' traceback
 
     import torch
     from transformers import AutoTokenizer
@@ -66,7 +69,7 @@ def run_export(args) -> int:
     result = export_decoder(model, Path(args.out), args.max_seq_len, config=config, batch=args.batch,
                             seeded=args.seeded, tokenizer=tokenizer, progress=say,
                             external_weights=args.external_weights, pipelined=args.pipelined,
-                            verify=args.verify)
+                            verify=args.verify, draft_tokens=args.draft_tokens)
     say("done")
     written = f"{args.out} ({Path(args.out).stat().st_size / 1e6:.1f} MB)"
     ptd = weights_path(args.out)
@@ -78,8 +81,10 @@ def run_export(args) -> int:
 
 def _load_model(args, model_dir: Path, dtype, say):
     """A float checkpoint (quantized with --quantize), or an mlx-lm quantized one as it is."""
+    import torch
     from transformers import AutoModelForCausalLM
 
+    from backends.mlx.llm.checkpoint_source import stored_dtype_name
     from backends.mlx.llm.quantize.mlx_checkpoint import load_mlx_quantized, quantization_config
 
     if args.quantize is not None and args.quantize not in SCHEMES:
@@ -97,7 +102,10 @@ def _load_model(args, model_dir: Path, dtype, say):
 
         say(f"quantizing to {args.quantize}, group size {args.group_size}"
             + ("" if args.quantize_embeddings else " (embedding and head kept in float)"))
-        quantize_model(model, SCHEMES[args.quantize], args.group_size, embeddings=args.quantize_embeddings)
+        # Scales and biases keep the checkpoint's dtype (bf16 for most releases), as mlx_lm.convert -q writes them.
+        stored = stored_dtype_name(model_dir)
+        quantize_model(model, SCHEMES[args.quantize], args.group_size, embeddings=args.quantize_embeddings,
+                       stored=getattr(torch, stored) if stored else None)
     return model
 
 
@@ -168,6 +176,9 @@ def add_parsers(sub) -> None:
                                                                  "top-N alternatives (default 0: off)")
     export.add_argument("--logprobs-mode", choices=["raw", "processed"], default="raw",
                         help="raw: the model's distribution (default); processed: after bias, temperature, filters")
+    export.add_argument("--draft-tokens", type=int, default=0, metavar="K",
+                        help="a program that verifies up to K drafted tokens per call (speculative decoding: "
+                             "greedy acceptance, rejection sampling at T > 0); default 0: a plain program")
     export.set_defaults(func=run_export)
 
     generate = sub.add_parser("generate", help="decode on the device from an exported .pte, streaming text")

@@ -80,10 +80,18 @@ def _bench(args) -> int:
         from backends.mlx.bench import pipeline
 
         return pipeline.main(args.json, quick=args.quick, repeats=args.repeats)
+    if args.what == "speculative":
+        from backends.mlx.bench import speculative
+
+        return speculative.main(args.json, args.cache_dir, repeats=args.repeats)
     if args.what == "gemm":
         from backends.mlx.bench import cpu_gemm
 
         return cpu_gemm.main(args.json)
+    if args.what == "prompt-cache":
+        from backends.mlx.bench import prompt_cache
+
+        return prompt_cache.main(args.cache_dir, args.json, repeats=args.repeats or 3)
     if args.what == "qmm":
         from backends.mlx.bench import quantized_matmul
 
@@ -108,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     llm_cli.add_parsers(sub)
     serve_cli.add_parsers(sub)
     bench = sub.add_parser("bench", help="benchmarks with same-run baselines")
-    bench.add_argument("what", choices=["sampler", "agreement", "decode", "serve", "gemm", "qmm", "structured", "pipeline"], help="which benchmark")
+    bench.add_argument("what", choices=["sampler", "agreement", "decode", "serve", "gemm", "qmm", "structured", "pipeline", "speculative", "prompt-cache"], help="which benchmark")
     bench.add_argument("--suite", choices=["all", "basic", "features"], default="all",
                        help="sampler: basic (temperature by vocab and batch), features (top-k/top-p), or all")
     bench.add_argument("--rows", type=int, default=2000, help="agreement: rows per dtype")
@@ -119,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "cached in --cache-dir): unconstrained vs JSON schema vs sample-check-resample")
     bench.add_argument("--quick", action="store_true", help="decode, pipeline: a tiny model and short runs (CI smoke)")
     bench.add_argument("--dtypes", default="float32,bfloat16", help="decode: comma-separated weight dtypes: float32, bfloat16, int4, int8 (mlx_lm.convert -q of the float32 checkpoint)")
-    bench.add_argument("--cache-dir", default="out/bench", help="decode: where checkpoints and programs are cached")
+    bench.add_argument("--cache-dir", default="out/bench", help="decode, prompt-cache: where checkpoints and programs are cached")
     bench.add_argument("--vocabs", help="comma-separated vocabulary sizes (default 32000,128256,262144)")
     bench.add_argument("--batches", help="comma-separated batch sizes (default 1,8)")
     serve_cli.add_bench_arguments(bench)

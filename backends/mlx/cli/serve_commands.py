@@ -9,11 +9,13 @@ from pathlib import Path
 def _serve(args) -> int:
     if not Path(args.pte).is_file():  # before the server's imports (torch, ~2 s): a typo fails at once
         raise FileNotFoundError(f"{args.pte} does not exist")
+    from backends.mlx.llm.decoder.grammar_limits import GrammarLimits
     from backends.mlx.serve.app import ServeLimits, serve
 
+    grammar = GrammarLimits(**{name: getattr(args, name) for name in GRAMMAR_FLAGS})
     limits = ServeLimits(step_timeout=args.step_timeout or None, restart_attempts=args.restart_attempts,
                          request_timeout=args.request_timeout, max_queue=args.max_queue,
-                         lmtp_inflight=args.lmtp_inflight, max_prompt_bytes=args.max_prompt_bytes)
+                         lmtp_inflight=args.lmtp_inflight, max_prompt_bytes=args.max_prompt_bytes, grammar=grammar)
     try:
         limits.check()
     except ValueError as exc:
@@ -26,6 +28,19 @@ def _lmtp_client(args) -> int:
     from backends.mlx.serve.lmtp_client import main
 
     return main(args.url, args.send, args.tokenizer)
+
+
+# Structured output's limits (GrammarLimits in llm/decoder/grammar_limits.py; defaults there): flag -> help.
+GRAMMAR_FLAGS = {
+    "max_schema_bytes": "largest JSON schema (bytes of JSON text)",
+    "max_schema_depth": "deepest nesting of a JSON schema document",
+    "max_ref_depth": "longest chain of $refs a JSON schema may follow",
+    "max_choices": "most items of a choice list",
+    "max_grammar_bytes": "largest grammar text (regex, Lark/GBNF, choices, a converted schema)",
+    "grammar_compile_timeout": "seconds a grammar's isolated compile may take",
+    "grammar_memory_mb": "MiB of address space a grammar's isolated compile may add",
+    "grammar_workers": "processes that compile grammars in isolation (and threads that build them here)",
+}
 
 
 def add_parsers(sub) -> None:
@@ -51,6 +66,13 @@ def add_parsers(sub) -> None:
                        help="unfinished streams per LMTP connection (default 2 x the rows)")
     serve.add_argument("--max-prompt-bytes", type=int, default=4 * 1024 * 1024,
                        help="largest prompt text (UTF-8 bytes) of one request; beyond it HTTP 413 (default 4 MiB)")
+    from backends.mlx.llm.decoder.grammar_limits import GrammarLimits
+
+    group = serve.add_argument_group("structured output limits (a request over one is a 400 naming it)")
+    for name, text in GRAMMAR_FLAGS.items():
+        default = getattr(GrammarLimits, name)
+        group.add_argument("--" + name.replace("_", "-"), type=type(default), default=default,
+                           help=f"{text} (default {default})")
     serve.set_defaults(func=_serve)
     client = sub.add_parser("lmtp-client", help="talk LMTP to `etmlx serve` (interactive, or --send)")
     client.add_argument("--url", default="ws://127.0.0.1:8000/lmtp")

@@ -37,13 +37,13 @@ def unpack(w: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def dequantize(w: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, group_size: int,
-               bits: int) -> torch.Tensor:
-    """The float [N, K] weight (in scales' dtype) the packed triple stands for."""
+               bits: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """The float [N, K] weight (in `dtype`, default the scales') the packed triple stands for."""
     q = unpack(w, bits).to(torch.float32)
     rows, k = q.shape
     grouped = q.view(rows, k // group_size, group_size)
     out = grouped * scales.float().unsqueeze(-1) + biases.float().unsqueeze(-1)
-    return out.view(rows, k).to(scales.dtype)
+    return out.view(rows, k).to(dtype or scales.dtype)
 
 
 def _in_features(w: torch.Tensor, bits: int) -> int:
@@ -59,8 +59,12 @@ lib.define("quantized_embedding(Tensor indices, Tensor w, Tensor scales, Tensor 
 
 @torch.library.impl(lib, "quantized_linear", "CompositeExplicitAutograd")
 def _quantized_linear(x, w, scales, biases, bias: Optional[torch.Tensor], group_size: int, bits: int):
-    weight = dequantize(w, scales, biases, group_size, bits)
-    return torch.nn.functional.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+    # In the promoted type of x and the scales, as mx.quantized_matmul: float32 activations over bf16 scales
+    # (mlx_lm.convert -q of a bf16 checkpoint) multiply in float32; the result is in x's dtype.
+    compute = torch.promote_types(x.dtype, scales.dtype)
+    weight = dequantize(w, scales, biases, group_size, bits, compute)
+    out = torch.nn.functional.linear(x.to(compute), weight, None if bias is None else bias.to(compute))
+    return out.to(x.dtype)
 
 
 @torch.library.register_fake("mlx::quantized_linear")

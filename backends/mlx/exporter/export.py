@@ -18,6 +18,7 @@ from executorch.exir.passes.init_mutable_pass import InitializedMutableBufferPas
 from backends.mlx.exporter.builder.weights import EXTERNAL_TAG, PLACEMENTS
 from backends.mlx.exporter.edge_target import aten_target
 from backends.mlx.exporter.partitioner import MLXPartitioner
+from backends.mlx.exporter.unused_state import drop_unused_state
 from backends.mlx.exporter.preprocess import FUSE_SPEC, WEIGHTS_SPEC
 
 _NOT_OPS = {"executorch_call_delegate", "getitem"}
@@ -133,12 +134,16 @@ def export_to_pte(
     say("tracing with torch.export")
     with torch.no_grad():
         ep = torch.export.export(module, args, kwargs or {}, dynamic_shapes=dynamic_shapes, strict=strict)
+    drop_unused_state(ep)
     specs = [CompileSpec(WEIGHTS_SPEC, weights.encode())] + ([] if fuse else [CompileSpec(FUSE_SPEC, b"0")])
     partitioner = MLXPartitioner(specs)
     say("lowering to the etmlx delegate")
     edge = to_edge_transform_and_lower(
         ep, partitioner=[partitioner], compile_config=EdgeCompileConfig(_check_ir_validity=False)
     )
+    # Lowering can leave more unread state behind (a rotary table whose use a fused node replaced).
+    for method in edge.methods:
+        drop_unused_state(edge.exported_program(method))
     calls, outside = count_outside(edge.exported_program())
     for key, blob in (named_data or {}).items():
         if not isinstance(key, str) or not isinstance(blob, bytes):

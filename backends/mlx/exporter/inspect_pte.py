@@ -39,3 +39,13 @@ def describe(path: Path) -> str:
         for kind, n in kinds.most_common():
             lines.append(f"    {n:4d} x {kind}")
     return "\n".join(lines)
+
+
+def host_constant_bytes(pte: bytes) -> int:
+    """Bytes of tensor data ExecuTorch itself holds (its constant buffer and constant segment), outside every
+    delegate and the named data: a model whose weights all live in the delegate's named data holds none."""
+    program = deserialize_pte_binary(pte).program
+    inline = sum(len(buffer.storage) for buffer in program.constant_buffer)
+    offsets = list(program.constant_segment.offsets or [])
+    segment = program.segments[program.constant_segment.segment_index].size if offsets else 0
+    return inline + segment

@@ -86,3 +86,41 @@ def _snapshot(repo_id: str, revision: str | None, flag: str, files: tuple[str, .
     except RepositoryNotFoundError:
         raise CheckpointSourceError(f"{flag} {repo_id} is not a local directory, and the Hugging Face Hub has no "
                                     "such repo (or it is private: set HF_TOKEN)") from None
+
+
+def check_weight_files(model_dir: Path) -> None:
+    """Every .safetensors file in `model_dir` opens (its header parses and its tensors lie inside the file), so a
+    truncated, missing or foreign weights file is one line naming it rather than a traceback from deep in
+    transformers. Reads the headers only."""
+    from safetensors import SafetensorError, safe_open
+
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt"):
+                pass
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointSourceError(f"{f} is not a readable safetensors file ({exc}); truncated or damaged? "
+                                        "download or convert it again") from None
+    index = Path(model_dir) / "model.safetensors.index.json"
+    if index.is_file():
+        import json
+
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (ValueError, KeyError, AttributeError, TypeError) as exc:
+            raise CheckpointSourceError(f"{index} is not a safetensors index ({type(exc).__name__}: {exc})") from None
+        missing = sorted(s for s in shards if not (Path(model_dir) / s).is_file())
+        if missing:
+            raise CheckpointSourceError(f"{model_dir} lacks the weight files its index names: {', '.join(missing[:4])}")
+
+
+def stored_dtype_name(model_dir: Path) -> str | None:
+    """The float dtype config.json says the weights are stored in ("bfloat16", ...), or None if it names none."""
+    import json
+
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    name = config.get("dtype") or config.get("torch_dtype")
+    return name if name in ("float32", "float16", "bfloat16") else None

@@ -41,11 +41,15 @@ bool Interpreter::exec_quantized_linear(const fb::QuantizedLinearNode& n) {
   if (x->ndim() < 1 || x->shape(-1) != k) {
     return fail("input's last size must be the weights' %d input features", k);
   }
-  if (x->dtype() != scales->dtype()) {
-    return fail("input is %s but the scales are %s", mlx_dtype_name(x->dtype()),
+  if (biases->dtype() != scales->dtype()) {
+    return fail("biases are %s but the scales are %s", mlx_dtype_name(biases->dtype()),
                 mlx_dtype_name(scales->dtype()));
   }
-  mx::array out = program_.kernels->quantized_matmul(*x, *w, *scales, *biases, n.group_size(), n.bits());
+  // As mx::quantized_matmul does, the product is in the promoted type of the input and the scales: float32
+  // activations over bfloat16 scales (what mlx_lm.convert -q writes for a bf16 checkpoint) multiply in float32.
+  const mx::Dtype compute = mx::promote_types(x->dtype(), scales->dtype());
+  const mx::array input = x->dtype() == compute ? *x : mx::astype(*x, compute);
+  mx::array out = program_.kernels->quantized_matmul(input, *w, *scales, *biases, n.group_size(), n.bits());
   if (n.bias()) {
     const mx::array* bias = read(n.bias());
     if (!bias) return false;

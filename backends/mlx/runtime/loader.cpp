@@ -264,7 +264,7 @@ bool make_constant(const fb::Constant& c, size_t i, const std::shared_ptr<uint64
       ET_LOG(Error, "etmlx: constant %zu is named data but has no elements", i);
       return false;
     }
-    return named_constant(named, c.key()->c_str(), i, numel * itemsize, itemsize, std::move(mshape), dt, out);
+    return named_constant(named, c.key()->c_str(), i, numel * itemsize, std::move(mshape), dt, out);
   }
   if (numel * itemsize != static_cast<uint64_t>(data->size())) {
     ET_LOG(Error,

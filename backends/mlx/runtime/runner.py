@@ -7,6 +7,8 @@ from typing import Sequence, Union
 
 import torch
 
+from backends.mlx.runtime.load_errors import native_load
+
 PteSource = Union[bytes, bytearray, str, Path]
 
 
@@ -48,7 +50,9 @@ def weights_beside(pte: Path) -> Path | None:
 
 def load_method(pte: PteSource, method: str = "forward", weights: Union[str, Path, None] = None) -> LoadedMethod:
     """Load `method` of a .pte (path or bytes); the delegate's init() runs here. `weights`: the .ptd holding
-    the program's external weights; by default FILE.ptd beside a FILE.pte path, if it exists."""
+    the program's external weights; by default FILE.ptd beside a FILE.pte path, if it exists. A file that does
+    not load (damaged, truncated, foreign, a weight failing its checksum) raises LoadError (a ValueError) with one
+    line naming the file and the reason."""
     bindings = _bindings()
     verify = bindings.Verification.InternalConsistency
     data = None
@@ -57,19 +61,26 @@ def load_method(pte: PteSource, method: str = "forward", weights: Union[str, Pat
     elif weights is not None and not Path(weights).is_file():
         raise FileNotFoundError(f"weights: no such file {weights}")
     data_path = None if weights is None else str(weights)
+    what = "the program" if isinstance(pte, (bytes, bytearray)) else str(pte)
+    if weights is not None:
+        what += f" with weights {weights}"
     if isinstance(pte, (str, Path)):
         if not Path(pte).is_file():
             raise FileNotFoundError(f"pte: no such file {pte}")
-        program = bindings._load_program(str(pte), program_verification=verify, data_path=data_path)
+        with native_load(what):
+            program = bindings._load_program(str(pte), program_verification=verify, data_path=data_path)
     elif isinstance(pte, (bytes, bytearray)):
         data = bytes(pte)
-        program = bindings._load_program_from_buffer(data, program_verification=verify, data_path=data_path)
+        with native_load(what):
+            program = bindings._load_program_from_buffer(data, program_verification=verify, data_path=data_path)
     else:
         raise TypeError(f"pte must be a path or bytes, got {type(pte).__name__}")
     names = [program.get_method_name(i) for i in range(program.num_methods())]
     if method not in names:
         raise ValueError(f"method {method!r} not in the program (has {sorted(names)})")
-    return LoadedMethod(program, program.load_method(method), data)
+    with native_load(what):  # the delegate's init: where etmlx checks every weight
+        loaded = program.load_method(method)
+    return LoadedMethod(program, loaded, data)
 
 
 def run(pte: PteSource, inputs: Sequence, method: str = "forward", weights: Union[str, Path, None] = None) -> list:

@@ -4,7 +4,8 @@ over WebSocket) and optionally LMTP lines over plain TCP; stop cleanly on SIGINT
     etmlx serve FILE.pte [--host 127.0.0.1] [--port 8000] [--max-batch N] [--lmtp-port P] [limits]
 
 Limits (ServeLimits): the per-step deadline and restart attempts of the program worker, an optional
-per-request deadline, the admission queue and the prompt size.
+per-request deadline, the admission queue, the prompt size and a request grammar's limits
+(llm/decoder/grammar_limits.py: sizes, depths, choices, compile time and memory).
 
 `ServerThread` runs the same server on a background thread (tests, benchmarks).
 """
@@ -17,14 +18,16 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
 
+from backends.mlx.llm.decoder.grammar_limits import GrammarLimits
 from backends.mlx.llm.decoder.meta import DecoderMeta
 from backends.mlx.llm.decoder.tokenizer_files import load_tokenizer
 from backends.mlx.serve.engine import Engine
+from backends.mlx.serve.grammar_compiler import GrammarCompiler
 from backends.mlx.serve.service import Service
 from backends.mlx.serve.supervisor import SupervisedProgram
 
@@ -39,8 +42,10 @@ class ServeLimits:
     max_queue: int | None = None  # requests waiting for a row; None: 8 x the rows
     lmtp_inflight: int | None = None  # unfinished streams per LMTP connection; None: 2 x the rows
     max_prompt_bytes: int = 4 * 1024 * 1024  # a request's prompt text (UTF-8); beyond it 413
+    grammar: GrammarLimits = field(default_factory=GrammarLimits)  # structured output's limits (400 beyond)
 
     def check(self) -> None:
+        self.grammar.check()
         for name in ("step_timeout", "request_timeout"):
             value = getattr(self, name)
             if value is not None and not value > 0:
@@ -68,7 +73,8 @@ def load_service(pte: Path, max_batch: int | None = None, model_name: str | None
                     max_queue=limits.max_queue, pte=pte).start()
     return Service(meta=meta, tokenizer=tokenizer, engine=engine, model_name=model_name or pte.stem,
                    max_prompt_bytes=limits.max_prompt_bytes,
-                   lmtp_inflight=limits.lmtp_inflight or 2 * engine.usable)
+                   lmtp_inflight=limits.lmtp_inflight or 2 * engine.usable,
+                   grammar=GrammarCompiler(pte, meta, limits.grammar))
 
 
 def make_app(service: Service) -> web.Application:
@@ -126,6 +132,8 @@ class Server:
             self.tcp_server.close()
         await self.runner.cleanup()
         await asyncio.get_running_loop().run_in_executor(None, self.service.engine.program.close)
+        if self.service.grammar is not None:
+            self.service.grammar.close()
 
 
 def serve(pte: Path, host: str = "127.0.0.1", port: int = 8000, max_batch: int | None = None,

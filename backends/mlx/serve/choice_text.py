@@ -24,6 +24,7 @@ class Piece:
     tokens: list[TokenEvent] = field(default_factory=list)  # emitted tokens with their logprob data
     finish_reason: str | None = None
     error: str | None = None
+    client_error: bool = False  # the error is the request's own grammar failing (400, not 500)
 
 
 class ChoiceText:
@@ -32,6 +33,7 @@ class ChoiceText:
         self.stops = StopStrings(stops)
         self.eos_ids = set(eos_ids)
         self.completion_tokens = 0
+        self.cached_tokens = 0  # prompt tokens its engine row reused (usage.prompt_tokens_details)
         self.finished = False
 
     def feed(self, event: TokenEvent) -> Piece:
@@ -40,6 +42,7 @@ class ChoiceText:
             return piece
         if event.token is not None:
             self.completion_tokens += 1
+            self.cached_tokens = event.cached_tokens
             if not (event.finish_reason == "stop" and event.token in self.eos_ids):
                 piece.tokens.append(event)
                 if self.detok is not None:
@@ -53,5 +56,6 @@ class ChoiceText:
             piece.finish_reason = "stop" if self.stops.stopped else _FINISH.get(event.finish_reason,
                                                                                   event.finish_reason)
             piece.error = event.error
+            piece.client_error = event.cause == "grammar"
         self.finished = piece.finish_reason is not None
         return piece

@@ -1,17 +1,18 @@
 """The engine thread: owns the program and runs the batched decode loop.
 
 Each slot of the exported batch is a row. A request waits until a slot is free, then joins at the
-next call: its whole prompt is prefilled in the same call in which the other rows decode one token
-(the call's length is the longest row's; shorter rows pad, which the cache allows). Every row has
-its own SamplingParams, seed schedule (base seed + the row's own step), penalty reset at its first
-call and cache position, so a request gets the tokens it would get alone.
+next call: its prompt is prefilled in the same call in which the other rows decode one token (the
+call's length is the longest row's; shorter rows pad, which the cache allows). The step rules (seed
+schedule, penalty reset, pipelined programs' fed-back token, masks, scoring) are DecodeRows'
+(llm/decoder/decode_rows.py), which the Python Decoder runs too: a request gets the tokens it would
+get alone. A pipelined row's first token arrives one call after its prefill; when it ends, that one
+extra step is dropped (its last call was at position len(prompt) + max_tokens - 1 < max_seq_len).
 
-Pipelined programs (llm/decoder/pipelined.py) run the same calls, except that a row's decode
-calls feed FED_BACK (the token the device sampled for it last, never copied to the host) and each
-call returns the rows' results of the call before: a row's first token arrives one call after its
-prefill, while the device already computes the next step. When a row ends, that one extra step is
-dropped; its last call was at position len(prompt) + max_tokens - 1 < max_seq_len (check_prompt).
-Structured output needs each token before the next call's mask, so it needs an unpipelined program.
+Prompt cache (llm/decoder/row_caches.py): a row's KV cache outlives its request; a new request takes
+the free row holding the longest prefix of its prompt (else the least recently used one) and
+prefills only the rest. `EngineRequest.cached_tokens` says how many prompt tokens it reused. Rows
+share no entries, so a request sharing a long prefix with a running row may wait for that row instead
+of prefilling the prefix again elsewhere (prefix affinity, in _admit).
 
 Hand-off: other threads call `submit` / `cancel` (a queue.Queue into this thread); results go out
 through each request's `sink`, called on this thread (the server wraps it in
@@ -35,35 +36,25 @@ from typing import Callable
 
 import torch
 
-from backends.mlx.llm.decoder.constraints import (EXPORT_HINT, Constraint, ConstraintError, Matcher, fill_masks,
-                                                  vocabulary_for)
+from backends.mlx.llm.decoder.constraints import EXPORT_HINT, Constraint, ConstraintError, Matcher, vocabulary_for
+from backends.mlx.llm.decoder.decode_rows import FORCE_BIAS, DecodeRows, TokenEvent  # noqa: F401 (re-exported)
 from backends.mlx.llm.decoder.loop import check_prompt
-from backends.mlx.llm.decoder.meta import FED_BACK, PIPELINED_HINT, DecoderMeta
-from backends.mlx.llm.decoder.step_inputs import step_inputs
-from backends.mlx.llm.sampler.knobs import mask_words
+from backends.mlx.llm.decoder.meta import PIPELINED_HINT, DecoderMeta
 from backends.mlx.llm.sampler.params import SamplingParams
-from backends.mlx.llm.sampler.processing import NO_ALLOWED_TOKEN
 
 log = logging.getLogger("etmlx.serve")
 _ids = itertools.count(1)
-# Logit bias that forces a scored token; raw logprobs are unaffected by bias (see scoring below).
-FORCE_BIAS = 100.0
+# Prefix affinity (see _admit): rows share no KV entries, so a request whose prompt shares a long prefix
+# with a running row's may do better to wait for that row than to prefill the prefix on a free one. It
+# waits when the prefill it saves outweighs the steps it waits, a decode step costing about as much as
+# STEP_COST_TOKENS prompt tokens of prefill (an estimate: prefill runs many tokens per matrix product),
+# and only for at least AFFINITY_MIN_TOKENS saved: short prefixes are cheaper to recompute than to queue for.
+STEP_COST_TOKENS = 16
+AFFINITY_MIN_TOKENS = 128
 
 
 class QueueFull(RuntimeError):
     """Admission control: more requests wait for a row than the engine's max_queue."""
-
-
-@dataclass
-class TokenEvent:
-    """One sampled token of a request, or its end. finish_reason: None while running, then "stop"
-    (end-of-sequence token), "length", "cancelled", "abort" (server shutdown) or "error"."""
-
-    token: int | None
-    logprob: float | None = None
-    top: list[tuple[int, float]] | None = None  # (token id, logprob), best first
-    finish_reason: str | None = None
-    error: str | None = None
 
 
 @dataclass
@@ -80,32 +71,21 @@ class EngineRequest:
     matcher: Matcher | None = None
     deadline: float | None = None  # time.monotonic() by which it must finish; None: the engine's default
     id: int = field(default_factory=lambda: next(_ids))
-
-
-@dataclass
-class _Row:
-    request: EngineRequest
-    feed: list[int]  # tokens of the next call ([FED_BACK] when a pipelined program decodes)
-    pos: int = 0  # cache position of feed[0]
-    step: int = 0  # the row's decode step of the next call (0 = prefill): seed = params.seed + step
-    produced: int = 0  # tokens delivered; a pipelined row's step runs one ahead of them
-
-
-def _advance(matcher: Matcher, token: int) -> bool:
-    try:
-        matcher.advance(token)
-        return True
-    except ConstraintError:
-        return False
+    cached_tokens: int = 0  # prompt tokens its row's cache already held (set when it gets a row)
 
 
 class Engine:
     def __init__(self, program, meta: DecoderMeta, max_batch: int | None = None,
-                 request_timeout: float | None = None, max_queue: int | None = None, pte=None):
+                 request_timeout: float | None = None, max_queue: int | None = None, pte=None,
+                 prompt_cache: bool = True, prefix_affinity: bool = True,
+                 step_cost_tokens: float = STEP_COST_TOKENS):
         """program: anything with execute(inputs) -> outputs (a loaded method, a ProgramWorker or a
         SupervisedProgram). request_timeout: seconds a request may take from submission (None: no limit).
         max_queue: requests that may wait for a row (default 8 x the rows); beyond it submit raises QueueFull.
-        pte: the program's file, where structured output reads the tokenizer from."""
+        pte: the program's file, where structured output reads the tokenizer from.
+        prompt_cache: reuse what a row's cache holds from earlier requests (row_caches.py).
+        prefix_affinity: let a request wait for a running row that will hold a long prefix of its prompt.
+        step_cost_tokens: prefill tokens one decode step is worth in that choice (0: always wait)."""
         if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int)
                                       or not 1 <= max_batch <= meta.batch):
             raise ValueError(f"max_batch must be an int in [1, {meta.batch}] (the program's batch), got {max_batch!r}")
@@ -113,7 +93,9 @@ class Engine:
         self.meta = meta
         self.pte = pte
         self._vocabulary = None  # llguidance's view of the tokenizer, built on the first constrained request
-        self.rows: list[_Row | None] = [None] * meta.batch
+        self.core = DecodeRows(meta, prompt_cache=prompt_cache)
+        self.prefix_affinity = prefix_affinity
+        self.step_cost_tokens = step_cost_tokens
         self.usable = max_batch or meta.batch
         self.request_timeout = request_timeout
         self.max_queue = max_queue or 8 * self.usable
@@ -127,9 +109,16 @@ class Engine:
         # Read by /health from other threads: plain ints, written only here.
         self.steps = 0
         self.tokens = 0
-        self.active_rows = 0
         self.waiting = 0
         self.running = False
+
+    @property
+    def rows(self):
+        return self.core.rows
+
+    @property
+    def active_rows(self) -> int:
+        return self.core.active
 
     # ---- other threads ----
     def start(self) -> "Engine":
@@ -223,6 +212,7 @@ class Engine:
         recover()
 
     def _fail_rows(self, error: str) -> None:
+        self.core.forget()  # the program's state is unknown (or gone with its worker)
         for slot, row in enumerate(self.rows):
             if row is not None:
                 self._free(slot, TokenEvent(None, finish_reason="error", error=error))
@@ -277,9 +267,7 @@ class Engine:
         self.waiting = 0
 
     def _free(self, slot: int, final: TokenEvent | None) -> None:
-        row = self.rows[slot]
-        self.rows[slot] = None
-        self.active_rows -= 1
+        row = self.core.end(slot)
         if final is not None:
             self._emit(row.request, final)
 
@@ -292,64 +280,40 @@ class Engine:
             return False
 
     def _admit(self) -> None:
-        # Every row of a call writes positions pos .. pos+L-1, so a prompt of length L joins only
-        # while each decoding row still has L free positions; otherwise it waits a few steps. A
-        # row's pos is that of its next call, pipelined or not (a pipelined row's last call, the one
-        # returning its last token, is at len(prompt) + max_tokens - 1, still inside the cache).
-        room = min((self.meta.max_seq_len - row.pos for row in self.rows if row is not None),
-                   default=self.meta.max_seq_len)
+        # Every row of a call writes positions pos .. pos+L-1, so a prompt that still needs L tokens
+        # prefilled joins only while each decoding row has L free positions; otherwise it waits a few
+        # steps. A row's pos is that of its next call, pipelined or not.
+        room = self.core.room()
+        queued_for: dict[int, int] = {}  # busy slot -> steps of the requests already waiting for it
         for request in list(self._waiting):
             if self.active_rows >= self.usable:
                 break
-            if len(request.prompt) > room:
+            slot, cached = self.core.choose(request.prompt, self.usable)
+            if len(request.prompt) - cached > room:
                 continue
-            slot = next(i for i in range(self.usable) if self.rows[i] is None)
-            self.rows[slot] = _Row(request, feed=list(request.prompt))
+            if self.prefix_affinity:
+                busy, shared, steps = self.core.busy_prefix(request.prompt)
+                saved = shared - cached
+                wait = steps + queued_for.get(busy, 0)
+                if busy is not None and saved >= AFFINITY_MIN_TOKENS and saved > self.step_cost_tokens * wait:
+                    queued_for[busy] = wait + request.max_tokens
+                    continue
+            request.cached_tokens = self.core.start(slot, request).cached
             self._waiting.remove(request)
             self._unqueue()
-            self.active_rows += 1
         self.waiting = len(self._waiting)
 
     def _call_inputs(self, only: int | None = None, masks=None) -> list[torch.Tensor]:
-        """The program inputs of the next call; `only`: that row alone (the others idle), to find
-        which row a value that cannot be laid out belongs to."""
-        meta = self.meta
-        rows = [row if only is None or slot == only else None for slot, row in enumerate(self.rows)]
-        width = max(len(row.feed) for row in rows if row is not None)
-        tokens = torch.zeros(meta.batch, width, dtype=torch.int64)
-        starts, lengths, params, steps, resets = [], [], [], [], []
-        for slot, row in enumerate(rows):
-            if row is None:  # an idle slot computes a throwaway token at position 0 of its own cache
-                starts.append(0), lengths.append(1), params.append(SamplingParams()), steps.append(0)
-                resets.append(True)
-                continue
-            tokens[slot, :len(row.feed)] = torch.tensor(row.feed, dtype=torch.int64)
-            starts.append(row.pos), lengths.append(len(row.feed)), steps.append(row.step)
-            resets.append(row.step == 0)
-            params.append(self._params(row))
-        return step_inputs(meta, tokens, starts, lengths, params, steps, resets, masks=masks)
-
-    @staticmethod
-    def _params(row: _Row) -> SamplingParams:
-        forced = row.request.forced
-        if forced is None:
-            return row.request.params
-        if row.step < len(forced):  # greedy with step's scored token pushed to the top
-            return SamplingParams(logit_bias={forced[row.step]: FORCE_BIAS})
-        return SamplingParams()  # a pipelined row's extra step past its last token: dropped
+        return self.core.call_inputs(only=only, masks=masks)
 
     def _row_masks(self):
         """(masks, ok): the allowed-token masks of the next call (None: no row is constrained); ok is
         False when a grammar is in an error state, which ends every constrained row and this turn."""
-        matchers = [row.request.matcher if row is not None else None for row in self.rows]
-        if all(m is None for m in matchers):
-            return None, True
         try:
-            return fill_masks(matchers, mask_words(self.meta.vocab_size)), True
+            return self.core.masks(), True
         except ConstraintError as exc:
-            for slot, m in enumerate(matchers):
-                if m is not None:
-                    self._free(slot, TokenEvent(None, finish_reason="error", error=str(exc)))
+            for slot in self.core.constrained():
+                self._free(slot, TokenEvent(None, finish_reason="error", error=str(exc), cause="grammar"))
             return None, False
 
     def _isolate(self, error: Exception, masks) -> None:
@@ -371,7 +335,6 @@ class Engine:
             self._free(slot, TokenEvent(None, finish_reason="error", error=f"invalid request values: {exc}"))
 
     def _step(self) -> None:
-        meta = self.meta
         masks, ok = self._row_masks()
         if not ok:
             return
@@ -388,57 +351,8 @@ class Engine:
             self._keep_program_up()
             return
         self.steps += 1
-        results = _Results(outputs, meta.config.logprobs)
-        for slot, row in enumerate(self.rows):
-            if row is None:
-                continue
-            # A pipelined row's prefill returns nothing of its own (the outputs are the slot's previous row's).
-            has_result = not (meta.pipelined and row.step == 0)
-            if has_result and not self._deliver(slot, row, results.event(slot)):
-                continue  # ended (a pipelined row's step just computed is dropped)
-            row.pos += len(row.feed)
-            row.feed = [FED_BACK if meta.pipelined else results.token(slot)]
-            row.step += 1
-
-    def _deliver(self, slot: int, row: _Row, event: TokenEvent) -> bool:
-        """Check and emit the row's next token; False when that ended the row (it is freed)."""
-        request, token = row.request, event.token
-        if request.forced is not None and token != request.forced[row.produced]:
-            self._free(slot, TokenEvent(None, finish_reason="error",
-                                        error=f"could not force token {request.forced[row.produced]}"))
-            return False
-        if token == NO_ALLOWED_TOKEN or request.matcher is not None and not _advance(request.matcher, token):
-            self._free(slot, TokenEvent(None, finish_reason="error", error=(
-                "the grammar allows no token the model can produce here" if token == NO_ALLOWED_TOKEN
-                else f"the grammar rejected token {token}")))
-            return False
-        row.produced += 1
-        self.tokens += 1
-        if request.stop_at_eos and token in self.meta.eos_token_ids:
-            event.finish_reason = "stop"
-        elif row.produced >= request.max_tokens:
-            event.finish_reason = "length"
-        if not self._emit(request, event) or event.finish_reason:
-            self._free(slot, None)
-            return False
-        return True
-
-
-class _Results:
-    """One call's outputs, per row: the sampled token, and its logprobs when the program has them."""
-
-    def __init__(self, outputs, logprobs: int):
-        self.tokens = outputs[0].tolist()
-        self.logprobs = outputs[1].tolist() if logprobs else None
-        self.top_ids = outputs[2].tolist() if logprobs else None
-        self.top_lps = outputs[3].tolist() if logprobs else None
-
-    def token(self, slot: int) -> int:
-        return int(self.tokens[slot])
-
-    def event(self, slot: int) -> TokenEvent:
-        event = TokenEvent(self.token(slot))
-        if self.logprobs is not None:
-            event.logprob = float(self.logprobs[slot])
-            event.top = list(zip(self.top_ids[slot], self.top_lps[slot]))
-        return event
+        for slot, request, event in self.core.read(outputs):
+            if event.token is not None:
+                self.tokens += 1
+            if not self._emit(request, event) and not event.finish_reason:
+                self._free(slot, None)  # its client is gone

@@ -53,8 +53,27 @@ def json_line(kind: str, payload: dict) -> str:
     return kind + " " + json.dumps(payload)
 
 
+MAX_LINE = 4 * 1024 * 1024  # bytes of one LMTP line over TCP
+DRAIN_SECONDS = 2.0
+
+
+async def _half_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """End our side (FIN) and read what the client still sends for a moment: closing with unread input
+    would reset the connection, and the client could lose the error line sent just before."""
+    writer.write_eof()
+    loop = asyncio.get_running_loop()
+    end = loop.time() + DRAIN_SECONDS
+    while loop.time() < end:
+        try:
+            if not await asyncio.wait_for(reader.read(1 << 16), timeout=end - loop.time()):
+                return
+        except asyncio.TimeoutError:
+            return
+
+
 async def serve_lmtp_lines(service: Service, host: str, port: int):
-    """LMTP over plain TCP, one message per line."""
+    """LMTP over plain TCP, one message per line (at most MAX_LINE bytes: a longer one is answered with an
+    error MSG and the connection closes, since the rest of that line cannot be told from the next)."""
     async def connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         async def send(line: str) -> None:
             writer.write(line.encode() + b"\n")
@@ -63,7 +82,14 @@ async def serve_lmtp_lines(service: Service, host: str, port: int):
         session = LmtpSession(service, send)
         try:
             while True:
-                line = await reader.readline()
+                try:
+                    line = await reader.readline()
+                except ValueError:  # asyncio's limit: the line is longer than MAX_LINE (a client's mistake)
+                    await asyncio.wait_for(send(json_line("MSG", {
+                        "stream_id": None, "error": f"line longer than the limit of {MAX_LINE} bytes; closing "
+                                                    "the connection"})), timeout=5.0)
+                    await _half_close(reader, writer)
+                    break
                 if not line:
                     break
                 try:
@@ -73,10 +99,10 @@ async def serve_lmtp_lines(service: Service, host: str, port: int):
                                                  "error": f"malformed line: not valid UTF-8 (byte {exc.start})"}))
                     continue
                 await session.handle_line(text)
-        except (ConnectionError, asyncio.IncompleteReadError):
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError):
             pass
         finally:
             await session.close()
             writer.close()
 
-    return await asyncio.start_server(connection, host, port, limit=4 * 1024 * 1024)
+    return await asyncio.start_server(connection, host, port, limit=MAX_LINE)

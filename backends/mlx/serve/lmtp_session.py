@@ -33,7 +33,7 @@ from backends.mlx.llm.sampler.params import SamplingParams
 from backends.mlx.serve.api_errors import ApiError
 from backends.mlx.serve.engine import EngineRequest, TokenEvent
 from backends.mlx.serve.json_text import parse_json_text
-from backends.mlx.serve.structured_params import constraint_from_body
+from backends.mlx.serve.structured_params import constraint_from_body, structured_rows
 from backends.mlx.serve.service import Service, queue_sink
 
 log = logging.getLogger("etmlx.serve")
@@ -157,15 +157,16 @@ class LmtpSession:
         # Tokenizing a large text prompt takes a while: off the event loop.
         prompt = await self.service.off_loop(prompt_ids, text, self.service.tokenizer, meta.vocab_size)
         params = generate_params(payload)
-        try:  # response_format / structured_outputs, as the OpenAI endpoints take them
+        top = _top_logprobs(payload.get("top_logprobs"), meta.config.logprobs)
+        try:  # response_format / structured_outputs, as the OpenAI endpoints take them; compiled off the loop
             constraint = constraint_from_body(payload)
+            (extra,) = await structured_rows(self.service, constraint, 1, payload)
         except ApiError as exc:
             raise LmtpError(exc.message) from None
-        top = _top_logprobs(payload.get("top_logprobs"), meta.config.logprobs)
         room = meta.max_seq_len - len(prompt)
         max_tokens = payload.get("max_tokens", max(1, min(32, room)))  # a too-long prompt is reported as such
         self._submit(stream_id, EngineRequest(prompt, params, max_tokens, queue_sink(self.loop, self.events,
-                                                                                     stream_id), constraint=constraint),
+                                                                                     stream_id), **extra),
                      scoring=False)
         if top is not None:
             self.top[stream_id] = top

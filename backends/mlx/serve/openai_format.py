@@ -54,9 +54,11 @@ def completion_logprobs(tokens: list[TokenEvent], top: int, text: TokenText, off
             "top_logprobs": [alternatives(t) for t in tokens], "text_offset": offsets}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage; cached_tokens: prompt tokens the prompt cache supplied (not computed again)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def envelope(kind: str, request_id: str, model: str, choices: list, **extra) -> dict:

@@ -20,7 +20,7 @@ from backends.mlx.serve.json_text import parse_json_text
 from backends.mlx.serve.openai_params import (Job, build_job, chat_prompt, check_model, check_unsupported,
                                               completion_prompt, prompt_text_bytes)
 from backends.mlx.serve.service import PromptTooLarge, Service
-from backends.mlx.serve.structured_params import constraint_from_body
+from backends.mlx.serve.structured_params import constraint_from_body, structured_rows
 
 _STARTED = int(time.time())
 
@@ -76,9 +76,10 @@ class OpenAIRoutes:
             job = build_job(body, service.meta, prompt, chat=chat)
             texts = [ChoiceText(service.tokenizer, prompt, job.stops, service.meta.eos_token_ids)
                      for _ in job.choices]
-            constraint = constraint_from_body(body)  # checked with the program by the engine, before it runs
-            extra = {"constraint": constraint} if constraint is not None else {}
-            rows = [(prompt, params, job.max_tokens, dict(extra)) for params in job.choices]
+            constraint = constraint_from_body(body)
+            # compiled off the event loop, in a bounded worker first (serve/grammar_compiler.py): one per row
+            extras = await structured_rows(service, constraint, len(job.choices), body)
+            rows = [(prompt, params, job.max_tokens, extra) for params, extra in zip(job.choices, extras)]
             events = service.stream_rows(rows, list(range(len(rows))))
             first = await _first(events)  # submission errors surface here, before any response starts
         except ApiError as error:
@@ -131,10 +132,11 @@ class OpenAIRoutes:
             merged[index].text += piece.text
             merged[index].tokens += piece.tokens
             merged[index].finish_reason = piece.finish_reason
-            merged[index].error = merged[index].error or piece.error
-        errors = [p.error for p in merged if p.error]
-        if errors:
-            return error_response(ApiError(f"generation failed: {errors[0]}", status=500, type="server_error"))
+            if piece.error and not merged[index].error:
+                merged[index].error, merged[index].client_error = piece.error, piece.client_error
+        failed = [p for p in merged if p.error]
+        if failed:
+            return error_response(_generation_error(failed[0]))
         choices = [self._choice(job, chat, i, p, 0, stream=False) for i, p in enumerate(merged)]
         kind = "chat.completion" if chat else "text_completion"
         return web.json_response(fmt.envelope(kind, fmt.new_id("chatcmpl" if chat else "cmpl"),
@@ -142,7 +144,7 @@ class OpenAIRoutes:
                                               usage=self._usage(job, texts)))
 
     def _usage(self, job, texts) -> dict:
-        return fmt.usage(len(job.prompt), sum(t.completion_tokens for t in texts))
+        return fmt.usage(len(job.prompt), sum(t.completion_tokens for t in texts), texts[0].cached_tokens)
 
     async def _stream(self, request, job, chat, pieces, texts) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -161,8 +163,7 @@ class OpenAIRoutes:
                                              "logprobs": None, "finish_reason": None} for i in range(len(texts))]))
             async for index, piece in pieces:
                 if piece.error:
-                    await response.write(fmt.sse({"error": {"message": f"generation failed: {piece.error}",
-                                                            "type": "server_error", "param": None, "code": None}}))
+                    await response.write(fmt.sse(_generation_error(piece).body()))
                 if not (piece.text or piece.tokens or piece.finish_reason):
                     continue
                 await response.write(chunk([self._choice(job, chat, index, piece, offsets[index], stream=True)]))
@@ -176,6 +177,14 @@ class OpenAIRoutes:
         finally:
             await pieces.aclose()
         return response
+
+
+def _generation_error(piece: Piece) -> ApiError:
+    """A choice that ended with an error: the request's own grammar failing is the client's (400), the
+    rest is the server's (500)."""
+    if piece.client_error:
+        return ApiError(f"the request's grammar failed during generation: {piece.error}")
+    return ApiError(f"generation failed: {piece.error}", status=500, type="server_error")
 
 
 async def _first(events):

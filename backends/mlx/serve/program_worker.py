@@ -80,10 +80,14 @@ def _child_main(pte: str) -> int:
     inp = sys.stdin.buffer
     try:
         from backends.mlx.llm.decoder.meta import DecoderMeta
+        from backends.mlx.runtime.load_errors import LoadError
         from backends.mlx.runtime.runner import load_method
 
         method = load_method(Path(pte))
         DecoderMeta.load(Path(pte)).check_program(pte, method.input_specs())
+    except LoadError as exc:  # already one line naming the file and the reason
+        _write(out, b"e", str(exc).encode())
+        return 1
     except Exception as exc:
         _write(out, b"e", f"{type(exc).__name__}: {exc}".encode())
         return 1
@@ -120,7 +124,8 @@ class ProgramWorker:
             raise RuntimeError(f"the program worker failed while loading {pte}: {exc}") from None
         if kind != b"r":
             self.close()
-            raise ValueError(f"cannot load {pte}: {payload.decode()}")
+            message = payload.decode()
+            raise ValueError(message if message.startswith("cannot load ") else f"cannot load {pte}: {message}")
 
     @property
     def pid(self) -> int:

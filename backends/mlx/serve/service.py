@@ -10,6 +10,7 @@ from typing import AsyncIterator
 from backends.mlx.llm.decoder.meta import DecoderMeta
 from backends.mlx.llm.sampler.params import SamplingParams
 from backends.mlx.serve.engine import Engine, EngineRequest, TokenEvent
+from backends.mlx.serve.grammar_compiler import GrammarCompiler
 
 
 class PromptTooLarge(ValueError):
@@ -31,6 +32,7 @@ class Service:
     model_name: str
     max_prompt_bytes: int = 4 * 1024 * 1024  # prompt text of one request (UTF-8 bytes)
     lmtp_inflight: int = 8  # unfinished streams per LMTP connection
+    grammar: GrammarCompiler | None = None  # structured output: request grammars to matchers, off the loop
 
     async def stream_rows(self, requests: list[tuple[list[int], SamplingParams, int, dict]], keys: list
                           ) -> AsyncIterator[tuple[object, TokenEvent, int]]:

@@ -3,9 +3,9 @@
 OpenAI: `response_format` = {"type": "text"} | {"type": "json_object"} |
 {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}.
 vLLM: `structured_outputs` = one of {"json": schema}, {"regex": R}, {"choice": [...]}, {"grammar": G}.
-LMTP GENERATE takes the same two fields. Whether the schema, regex or grammar is valid, and whether
-the program has the mask input, is checked when the engine takes the request (Engine.check), before
-anything runs: a 400 naming the problem.
+LMTP GENERATE takes the same two fields. Here only the fields' shape is checked (on the event loop,
+cheaply); the limits, the compile and whether the program has the mask input are checked off the loop
+by serve/grammar_compiler.py, before anything runs: a 400 naming the problem.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def constraint_from_body(body: dict) -> Constraint | None:
     try:
         constraint = _structured_outputs(so) if so is not None else _response_format(fmt) if fmt is not None else None
         if constraint is not None:
-            constraint.grammar()  # the spec's shape (a list of choices, JSON text, ...); the engine compiles it
+            constraint.check_shape()
         return constraint
     except ConstraintError as exc:
         raise ApiError(str(exc), param="structured_outputs" if so is not None else "response_format") from None
@@ -49,3 +49,18 @@ def _structured_outputs(so) -> Constraint:
         raise ApiError("'structured_outputs' must have exactly one of 'json', 'regex', 'choice', 'grammar'",
                        param="structured_outputs")
     return Constraint(_VLLM_KINDS[given[0]], so[given[0]])
+
+
+async def structured_rows(service, constraint: Constraint | None, count: int, body: dict) -> list[dict]:
+    """The EngineRequest fields of each of `count` rows: the constraint and a matcher of its own, compiled
+    off the event loop by the service's GrammarCompiler; ApiError (400, one line) for a refused grammar."""
+    if constraint is None:
+        return [{} for _ in range(count)]
+    if service.grammar is None:  # no compiler: the engine compiles (Engine.check)
+        return [{"constraint": constraint} for _ in range(count)]
+    try:
+        matchers = await service.grammar.matchers(constraint, count)
+    except ConstraintError as exc:
+        raise ApiError(str(exc), param="structured_outputs" if body.get("structured_outputs") is not None
+                       else "response_format") from None
+    return [{"constraint": constraint, "matcher": m} for m in matchers]

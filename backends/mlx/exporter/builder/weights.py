@@ -2,14 +2,17 @@
 
 Named data is what ExecuTorch gives delegates for large shared bytes: `to_executorch` writes it into the
 .pte's segments (`placement="pte"`, the default) or, with an external tag, into a separate `.ptd`
-(`placement="external"`). The runtime maps those bytes and wraps them as MLX arrays, so weights neither
-pass through the FlatBuffers blob (and its 2 GiB limit) nor get copied at load. Small constants (scalars,
-norms' epsilons, masks) stay inline: a named entry costs a key, a segment entry and alignment padding.
+(`placement="external"`), so weights do not pass through the FlatBuffers blob (and its 2 GiB limit). What
+the runtime does with them at load on each device (a copy on the CPU and CUDA builds) is in docs/weights.md.
+Each key ends in the CRC-32 of its bytes, which the runtime checks at load (runtime/named_constant.cpp): a
+damaged or shifted weight is a load error naming the constant, not different tokens. Small constants
+(scalars, norms' epsilons, masks) stay inline: a named entry costs a key, a segment entry and padding.
 """
 
 from __future__ import annotations
 
 import hashlib
+import zlib
 
 import torch
 from executorch.exir._serialize._named_data_store import NamedDataStore, NamedDataStoreOutput
@@ -36,15 +39,16 @@ class WeightStore:
     def key_for(self, tensor: torch.Tensor) -> str | None:
         """Stores a contiguous CPU tensor's bytes as named data and returns its key, or None if it stays inline.
 
-        The key is the content hash (plus dtype and size), so identical tensors of several delegates or
-        methods share one entry and the same checkpoint always exports the same keys."""
+        The key is the content hash and size, so identical tensors of several delegates or methods share one
+        entry and the same checkpoint always exports the same keys, and then the bytes' CRC-32 (zlib's, 8 hex
+        digits), which the runtime verifies as it copies them (SHA-256 would cost ~4x more at every load)."""
         nbytes = tensor.numel() * tensor.element_size()
         if self.placement == "inline" or nbytes < NAMED_MIN_BYTES:
             return None
         # A uint8 view of the tensor's own storage: hashing and the store's one copy read it in place.
         raw = tensor.reshape(-1).view(torch.uint8).numpy()
         digest = hashlib.sha256(memoryview(raw)).hexdigest()[:40]
-        key = f"{KEY_PREFIX}{digest}-{nbytes}"
+        key = f"{KEY_PREFIX}{digest}-{nbytes}-{zlib.crc32(memoryview(raw)):08x}"
         tag = EXTERNAL_TAG if self.placement == "external" else None
         self.store.add_named_data(key, raw.tobytes(), alignment=ALIGNMENT, external_tag=tag)
         self.count += 1

@@ -21,8 +21,9 @@ def _params(node, first: int) -> dict:
 @REGISTRY.register(torch.ops.mlx.quantized_linear.default)
 def _quantized_linear(b, node):
     x, w, scales, biases, bias = node.args[:5]
-    # MLX multiplies in the scales' dtype; the op's result is in x's.
-    compute = b.meta(scales).dtype
+    # MLX multiplies in the promoted type of x and the scales (float32 activations over bf16 scales: float32);
+    # the op's result is in x's.
+    compute = torch.promote_types(b.meta(x).dtype, b.meta(scales).dtype)
     fields = dict(x=b.operand(x, compute), w=b.tid(w), scales=b.tid(scales), biases=b.tid(biases),
                   **_params(node, 5))
     if bias is not None:

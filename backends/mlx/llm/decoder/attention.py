@@ -52,6 +52,9 @@ class ForwardState:
     positions: torch.Tensor  # [B, L] int64, the cache position of each token
     probe: Optional[dict] = None  # layer index -> LayerShape, filled by a probe run instead of caching
     lengths: Optional[torch.Tensor] = None  # [B] real tokens per row (None: all L are real)
+    # [B, G] token indices whose logits the head gets (speculative verification: the last accepted token and
+    # the drafts after it); None: each row's last real token (lengths - 1), or every token without lengths
+    gather: Optional[torch.Tensor] = None
     masks: dict = field(default_factory=dict)
     key_positions: dict = field(default_factory=dict)  # ring layer -> [B, W + L] position of each key
 

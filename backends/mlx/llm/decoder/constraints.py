@@ -20,6 +20,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from backends.mlx.llm.decoder.grammar_guard import GrammarChecker, on_big_stack
+from backends.mlx.llm.decoder.grammar_limits import ConstraintError, GrammarLimits, check_grammar_size, one_line, precheck
+from backends.mlx.llm.decoder.grammar_worker import parser_limits
 from backends.mlx.llm.sampler.knobs import mask_words
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
@@ -28,11 +31,6 @@ KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 # there. A schema's own "x-guidance" options override these.
 JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 EXPORT_HINT = "this program was exported without the allowed-token mask (export with --sampler ...,mask)"
-
-
-class ConstraintError(ValueError):
-    """A constraint that cannot be used (bad schema, regex or grammar; a program without the mask input),
-    or a generation the grammar cannot continue. The message names the problem in one line."""
 
 
 @dataclass(frozen=True)
@@ -47,76 +45,119 @@ class Constraint:
         if self.kind not in KINDS:
             raise ConstraintError(f"unknown constraint kind {self.kind!r} (choose from {', '.join(KINDS)})")
 
-    def grammar(self) -> str:
-        """The llguidance grammar (not yet checked against a tokenizer: GrammarVocabulary.compile does)."""
+    def check_shape(self) -> None:
+        """ConstraintError for a spec of the wrong shape (cheap: nothing is converted or compiled)."""
+        kind, spec = self.kind, self.spec
+        if kind == "json_schema" and not isinstance(spec, (dict, str)):
+            raise ConstraintError(f"json_schema must be a JSON object, got {type(spec).__name__}")
+        if kind == "choice" and not (isinstance(spec, (list, tuple)) and spec
+                                     and all(isinstance(c, str) and c for c in spec)):
+            raise ConstraintError("choice must be a non-empty list of non-empty strings")
+        if kind in ("regex", "grammar") and not (isinstance(spec, str) and spec):
+            raise ConstraintError(f"{kind} must be a non-empty string")
+
+    def grammar(self, limits: GrammarLimits | None = None) -> str:
+        """The llguidance grammar (not yet checked against a tokenizer: GrammarVocabulary.compile does);
+        ConstraintError names a malformed spec or one over `limits` (default: GrammarLimits())."""
         from llguidance import LLMatcher, grammar_from
 
         kind, spec = self.kind, self.spec
+        limits = limits or GrammarLimits()
+        self.check_shape()
+        precheck(kind, spec, limits)  # before any llguidance call: sizes, nesting, $ref chains, choices
         try:
-            if kind == "json_object":
-                return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_DEFAULTS)
-            if kind == "json_schema":
-                if isinstance(spec, str):
-                    try:
-                        spec = json.loads(spec)
-                    except json.JSONDecodeError as exc:
-                        raise ConstraintError(f"json_schema is not valid JSON: {exc}") from None
-                if not isinstance(spec, dict):
-                    raise ConstraintError(f"json_schema must be a JSON object, got {type(spec).__name__}")
-                return LLMatcher.grammar_from_json_schema(spec, defaults=JSON_DEFAULTS)
-            if kind == "choice":
-                if not (isinstance(spec, (list, tuple)) and spec and all(isinstance(c, str) and c for c in spec)):
-                    raise ConstraintError("choice must be a non-empty list of non-empty strings")
-                return grammar_from("choice", json.dumps(list(spec)))
-            if not isinstance(spec, str) or not spec:
-                raise ConstraintError(f"{kind} must be a non-empty string")
-            return LLMatcher.grammar_from_regex(spec) if kind == "regex" else grammar_from("grammar", spec)
+            grammar = self._grammar(kind, spec, LLMatcher, grammar_from)
         except ConstraintError:
             raise
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, RuntimeError) as exc:
             raise ConstraintError(f"{kind}: {_one_line(exc)}") from None
+        except BaseException as exc:  # a Rust panic (pyo3's PanicException is a BaseException)
+            if type(exc).__name__ != "PanicException":
+                raise
+            raise ConstraintError(f"{kind}: {_one_line(exc)}") from None
+        check_grammar_size(grammar, limits)
+        return grammar
+
+    @staticmethod
+    def _grammar(kind, spec, LLMatcher, grammar_from) -> str:
+        if kind == "json_object":
+            return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_DEFAULTS)
+        if kind == "json_schema":
+            if isinstance(spec, str):
+                try:
+                    spec = json.loads(spec)
+                except json.JSONDecodeError as exc:
+                    raise ConstraintError(f"json_schema is not valid JSON: {exc}") from None
+                except RecursionError:
+                    raise ConstraintError("json_schema is nested too deeply to parse") from None
+            if not isinstance(spec, dict):
+                raise ConstraintError(f"json_schema must be a JSON object, got {type(spec).__name__}")
+            return LLMatcher.grammar_from_json_schema(spec, defaults=JSON_DEFAULTS)
+        if kind == "choice":
+            return grammar_from("choice", json.dumps(list(spec)))
+        return LLMatcher.grammar_from_regex(spec) if kind == "regex" else grammar_from("grammar", spec)
 
 
-def _one_line(message) -> str:
-    text = " ".join(str(message).split())
-    return text if len(text) <= 300 else text[:297] + "..."
+_one_line = one_line
 
 
 class GrammarVocabulary:
-    """llguidance's view of one program's tokenizer (built once per program: ~0.1-1 s)."""
+    """llguidance's view of one program's tokenizer (built once per program: ~0.1-1 s), and the guard that
+    compiles a client's grammar in a bounded worker process before this process does (grammar_guard.py)."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]):
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int],
+                 limits: GrammarLimits | None = None):
         from llguidance import LLTokenizer
 
         if not eos_token_ids:
             raise ConstraintError("structured output needs an end-of-sequence token, and this program has none")
         self.vocab_size = vocab_size
         self.words = mask_words(vocab_size)
+        self.limits = limits or GrammarLimits()
+        self.limits.check()
         self.tokenizer = LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+        self.checker = GrammarChecker(tokenizer_json, vocab_size, eos_token_ids, self.limits)
 
     def compile(self, constraint: Constraint) -> str:
-        """The grammar of `constraint`, checked against this vocabulary; ConstraintError names the problem."""
-        from llguidance import LLMatcher
-
-        grammar = constraint.grammar()
-        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
-        if is_error:
-            raise ConstraintError(f"invalid {constraint.kind}: {_one_line(messages[0] if messages else 'rejected')}")
+        """The grammar of `constraint`, within the limits and proven to compile (and to allow something) in a
+        worker process; ConstraintError names the problem in one line. Blocking: call it off an event loop."""
+        grammar = constraint.grammar(self.limits)
+        try:
+            self.checker.check(grammar)
+        except ConstraintError as exc:
+            raise ConstraintError(f"invalid {constraint.kind}: {exc}") from None
         return grammar
 
+    def matchers(self, constraint: Constraint, count: int = 1) -> list["Matcher"]:
+        """`count` fresh grammar states (one per sequence) for `constraint`: compiled once, on a big stack,
+        after the worker proved it safe, then copied (a copy shares the compiled grammar)."""
+        grammar = self.compile(constraint)
+        first = on_big_stack(Matcher, self, grammar)
+        return [first] + [first.copy() for _ in range(count - 1)]
+
     def matcher(self, constraint: Constraint) -> "Matcher":
-        return Matcher(self, self.compile(constraint))
+        return self.matchers(constraint, 1)[0]
+
+    def close(self) -> None:
+        self.checker.close()
 
 
 class Matcher:
-    """One sequence's grammar state: `mask()` for the next token, `advance(token)` with the one sampled."""
+    """One sequence's grammar state: `mask()` for the next token, `advance(token)` with the one sampled.
+    Build it through GrammarVocabulary.matchers (which proves the grammar safe first), not directly."""
 
-    def __init__(self, vocab: GrammarVocabulary, grammar: str):
+    def __init__(self, vocab: GrammarVocabulary | None, grammar: str | None, _matcher=None, _words: int = 0):
         from llguidance import LLMatcher
 
+        if _matcher is not None:
+            self.words, self._m = _words, _matcher
+            return
         self.words = vocab.words
-        self._m = LLMatcher(vocab.tokenizer, grammar, log_level=0)
+        self._m = LLMatcher(vocab.tokenizer, grammar, log_level=0, limits=parser_limits(vocab.limits.max_choices))
         self._check("the grammar")
+
+    def copy(self) -> "Matcher":
+        return Matcher(None, None, _matcher=self._m.deep_copy(), _words=self.words)
 
     def _check(self, what: str) -> None:
         if self._m.is_error():
@@ -145,10 +186,11 @@ def fill_masks(matchers: list[Matcher | None], words: int) -> np.ndarray:
     from llguidance import LLExecutor
 
     out = np.full((len(matchers), words), -1, dtype=np.int32)
-    rows = [(m._m, i) for i, m in enumerate(matchers) if m is not None]
-    if len(rows) == 1:
-        matchers[rows[0][1]].mask(out[rows[0][1]])
-    elif rows:
+    constrained = [i for i, m in enumerate(matchers) if m is not None]
+    if len(constrained) == 1:  # one row: its own mask(out), no executor (any object with Matcher's mask works)
+        matchers[constrained[0]].mask(out[constrained[0]])
+    elif constrained:
+        rows = [(matchers[i]._m, i) for i in constrained]
         global _EXECUTOR
         if _EXECUTOR is None:
             _EXECUTOR = LLExecutor()
@@ -162,7 +204,7 @@ def fill_masks(matchers: list[Matcher | None], words: int) -> np.ndarray:
 _EXECUTOR = None
 
 
-def vocabulary_for(pte, meta) -> GrammarVocabulary:
+def vocabulary_for(pte, meta, limits: GrammarLimits | None = None) -> GrammarVocabulary:
     """The program's GrammarVocabulary, from the tokenizer.json inside it; ConstraintError when the program
     has no mask input or no tokenizer.json."""
     from backends.mlx.llm.decoder.tokenizer_files import tokenizer_json
@@ -172,4 +214,4 @@ def vocabulary_for(pte, meta) -> GrammarVocabulary:
     text = tokenizer_json(pte, meta)
     if text is None:
         raise ConstraintError("structured output needs the program's tokenizer (a tokenizer.json), and it has none")
-    return GrammarVocabulary(text, meta.vocab_size, meta.eos_token_ids)
+    return GrammarVocabulary(text, meta.vocab_size, meta.eos_token_ids, limits)

@@ -7,6 +7,8 @@ The program's inputs (names and order recorded in the metadata the .pte embeds, 
   temperature [B]         then seed [B] (seeded programs) and the knobs of the SamplerConfig, per row
 Outputs: token ids [B] (and logprobs when exported with them); a pipelined program returns the
 previous call's and takes -1 for "the token you sampled last" (pipelined.py).
+With draft_tokens=K (`--draft-tokens K`) the program verifies drafts instead (speculative_head.py): a
+verify [B, G] input follows lengths (the last accepted token and the drafts per row), and it returns (accepted [B], token [B]).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from backends.mlx.llm.sampler.export import knob_examples
 from backends.mlx.llm.decoder.kv_cache import StaticCacheLM
 from backends.mlx.llm.decoder.model_support import float_dtype
 from backends.mlx.llm.decoder.pipelined import FedBackSteps
+from backends.mlx.llm.decoder.speculative_head import DraftVerifyingHead
+from backends.mlx.llm.decoder.speculative_verify import verify_draft_program
 from backends.mlx.llm.decoder.verify import VerificationError, VerificationReport, verify_decoder
 from backends.mlx.llm.sampler.config import SamplerConfig
 from backends.mlx.llm.sampler.head import SamplingHead
@@ -41,21 +45,34 @@ def _eos_ids(model) -> list[int]:
 def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, config: SamplerConfig | None = None,
                    batch: int = 1, seeded: bool = True, tokenizer=None,
                    progress: Optional[Callable[[str], None]] = None, external_weights: bool = False,
-                   pipelined: bool | None = None, verify: bool = True) -> ExportResult:
+                   pipelined: bool | None = None, verify: bool = True, draft_tokens: int = 0) -> ExportResult:
     """Write `out` (.pte) holding the program, its DecoderMeta and, given one (a transformers tokenizer or
     a directory holding one), the tokenizer: the one file is all a decode loop needs. `external_weights`:
     the weights go to `out` with suffix .ptd instead (the runners load it from beside the .pte).
     `pipelined` (pipelined.py; default: unless the sampler has the allowed-mask input): each call returns
     the previous call's outputs, so a loop overlaps its host work with the device's step.
     `verify`: run the written program in the runtime and check it decodes as `model` does (verify.py);
-    on a mismatch the file is removed and VerificationError names the first divergent step."""
+    on a mismatch the file is removed and VerificationError names the first divergent step.
+    `draft_tokens` K > 0: a program that verifies up to K drafted tokens per call (speculative_head.py;
+    never pipelined: the next call's drafts depend on how many this one accepts)."""
     config = config or SamplerConfig()
     if config.expose_counts:
         raise ValueError("expose_counts is for sampler tests, not decoder programs")
+    if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or draft_tokens < 0:
+        raise ValueError(f"draft_tokens must be an int >= 0, got {draft_tokens!r}")
+    if draft_tokens and pipelined:
+        raise ValueError("--draft-tokens: a draft-verifying program cannot be pipelined (each call's drafts "
+                         "depend on how many the previous call accepted); drop --pipeline")
+    if draft_tokens >= max_seq_len:
+        raise ValueError(f"--draft-tokens {draft_tokens} must be below max_seq_len {max_seq_len}")
     model = model.eval()
-    lm = StaticCacheLM(model, max_seq_len=max_seq_len, batch=batch)
+    lm = StaticCacheLM(model, max_seq_len=max_seq_len, batch=batch, rings=not draft_tokens)
     vocab = model.config.vocab_size
-    head = SamplingHead(lm, config, batch=batch, vocab=vocab)
+    if draft_tokens:
+        head = DraftVerifyingHead(lm, config, batch=batch, vocab=vocab, draft_tokens=draft_tokens)
+        pipelined = False
+    else:
+        head = SamplingHead(lm, config, batch=batch, vocab=vocab)
     if pipelined is None:
         pipelined = not config.allowed_mask
     program = FedBackSteps(head, config, batch) if pipelined else head
@@ -69,6 +86,14 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
     examples = knob_examples(config, batch, per_row=True, vocab=vocab)
     kwargs.update({name: examples[name] for name in config.knob_names()})
     dynamic = {"args": ({1: length}, None, None), **{name: None for name in kwargs}}
+    if draft_tokens:  # DraftVerifyingHead names its inputs (SamplingHead takes *args)
+        example = example + (torch.zeros(batch, draft_tokens + 1, dtype=torch.int64),)
+        # One row: G is dynamic (2..K+1; 1 would be specialised), a call pays for the drafts it carries. More
+        # rows: B * G would be an expression of it, which the delegate does not take, so G is K + 1.
+        width = torch.export.Dim("verify", min=2, max=draft_tokens + 1) if batch == 1 else None
+        dynamic = {"tokens": {1: length}, "start_pos": None, "lengths": None,
+                   "verify": {1: width} if width is not None else None,
+                   **{name: None for name in kwargs}}
     tokenizer = as_tokenizer(tokenizer) if tokenizer is not None else None
     blobs = tokenizer_blobs(tokenizer) if tokenizer is not None else {}
     dtype = str(float_dtype(model)).replace("torch.", "")
@@ -76,7 +101,8 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
                              seeded=seeded, config=config, dtype=dtype, model_type=getattr(model.config, "model_type", ""),
                              tokenizer=TOKENIZER_PREFIX if blobs else None,
                              prompt_affixes=prompt_affixes(tokenizer) if tokenizer is not None else ([], []),
-                             pipelined=pipelined)
+                             pipelined=pipelined, draft_tokens=draft_tokens,
+                             ring_cache=any(lm.ring_window(i) is not None for i in lm.layers))
     blobs[META_KEY] = meta.to_json()
     result = export_to_pte(program, example, kwargs, dynamic_shapes=dynamic, progress=progress, named_data=blobs,
                            weights="external" if external_weights else "pte")
@@ -84,12 +110,14 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
     if verify:
         say = progress or (lambda _stage: None)
         say("verifying the program against the eager model")
-        say(_verified(model, Path(out), external_weights).summary())
+        say(_verified(model, Path(out), external_weights, draft_tokens).summary())
     return result
 
 
-def _verified(model, out: Path, external_weights: bool) -> VerificationReport:
+def _verified(model, out: Path, external_weights: bool, draft_tokens: int) -> VerificationReport:
     try:
+        if draft_tokens:
+            return verify_draft_program(model, out)
         return verify_decoder(model, out)
     except VerificationError as exc:
         # A program known to be wrong is not left where a loop would load it.

@@ -8,6 +8,7 @@ attention interfaces:
     lm = StaticCacheLM(hf_model, max_seq_len=128, batch=2)
     logits = lm(tokens [B, L], start_pos [B])                 # -> [B, L, V]
     logits = lm(tokens [B, L], start_pos [B], lengths [B])    # -> [B, V] at index lengths-1 per row
+    logits = lm(tokens [B, L], start_pos [B], lengths [B], gather=index [B, G])  # -> [B, G, V] at those indices
 
 Row b's tokens sit at cache positions start_pos[b] .. start_pos[b]+L-1; each query attends to the cached
 positions <= its own (and within its layer's sliding window). Rows are independent sequences at their own
@@ -60,20 +61,24 @@ def _etmlx_settings(config):
 
 def _last_positions(_module, _args, output):
     """Forward hook on the base model: inside an etmlx forward with `lengths`, only each row's sampled position
-    goes on to the head ([B, 1, H])."""
-    lengths = attention._ACTIVE[-1].state.lengths if attention._ACTIVE else None
-    if lengths is None:
+    goes on to the head ([B, 1, H]); with `gather` ([B, G] token indices), those positions ([B, G, H])."""
+    state = attention._ACTIVE[-1].state if attention._ACTIVE else None
+    if state is None or (state.lengths is None and state.gather is None):
         return output
     x = output[0]
     batch = x.shape[0]
-    last = (lengths - 1).view(batch, 1, 1).expand(batch, 1, x.shape[-1])
-    output["last_hidden_state"] = x.gather(1, last)
+    index = state.gather if state.gather is not None else (state.lengths - 1).view(batch, 1)
+    output["last_hidden_state"] = x.gather(1, index.unsqueeze(2).expand(batch, index.shape[1], x.shape[-1]))
     return output
 
 
 class StaticCacheLM(nn.Module):
-    def __init__(self, model: nn.Module, max_seq_len: int, batch: int = 1):
+    def __init__(self, model: nn.Module, max_seq_len: int, batch: int = 1, rings: bool = True):
+        """`rings=False` keeps every layer's cache full-length (a sliding window is then only a mask): a
+        program that writes positions it may later reject (speculative verification) needs that, since a ring
+        slot written for a rejected position has lost the older position it held."""
         super().__init__()
+        self.rings = rings
         check_model(model)
         if not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool) or max_seq_len < 1:
             raise ValueError(f"max_seq_len must be a positive int, got {max_seq_len!r}")
@@ -126,7 +131,7 @@ class StaticCacheLM(nn.Module):
         layers (Gemma 2) keep a full cache under a window mask: their hand-written attention over a ring's
         window + L keys needs sizes the exporter cannot express (window + a symbolic length)."""
         layer = self.layers[i]
-        if layer.window is None or layer.window >= self.max_seq_len or layer.softcap is not None:
+        if not self.rings or layer.window is None or layer.window >= self.max_seq_len or layer.softcap is not None:
             return None
         return layer.window
 
@@ -148,8 +153,12 @@ class StaticCacheLM(nn.Module):
                              **kwargs)
         return out.logits
 
-    def forward(self, tokens: torch.Tensor, start_pos: torch.Tensor, lengths: torch.Tensor | None = None):
+    def forward(self, tokens: torch.Tensor, start_pos: torch.Tensor, lengths: torch.Tensor | None = None,
+                gather: torch.Tensor | None = None):
+        """gather [B, G] (token indices per row): the logits of those tokens, [B, G, V]."""
         batch, length = tokens.shape
         positions = start_pos.unsqueeze(1) + torch.arange(length).unsqueeze(0)  # [B, L]
-        logits = self._run(tokens, ForwardState(positions=positions, lengths=lengths))
+        logits = self._run(tokens, ForwardState(positions=positions, lengths=lengths, gather=gather))
+        if gather is not None:
+            return logits
         return logits[:, 0] if lengths is not None else logits

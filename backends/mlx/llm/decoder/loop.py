@@ -1,17 +1,17 @@
 """The on-device decode loop over a decoder .pte (see export.py), one sequence at a time.
 
-A program exported with --batch B > 1 runs too: the sequence is row 0, the other rows idle (one
-token at position 0, greedy), and only row 0 is read back.
-
     decoder = Decoder("model.pte")
     for step in decoder.stream(prompt_ids, max_tokens=64, params=SamplingParams(temperature=0.8, seed=1)):
         print(step.token)
 
-Step 0 is the prefill call (the whole prompt, one program call); step k > 0 feeds the previous
-token at position len(prompt) + k - 1. Seeded programs draw with seed = params.seed + step, so a
-whole generation is reproducible from one base seed. A pipelined program (pipelined.py) gets the
-same calls, except that step k > 0 feeds -1 (the device's own token) and returns step k-1's token:
-the host reads token k-1 while the device computes step k. Same tokens, one extra step at the end.
+A generation is a batch of one request driven through DecodeRows (decode_rows.py), which holds the
+step rules the server's engine runs too: step 0 prefills the prompt in one call, step k > 0 feeds the
+previous token; seeded programs draw with seed = params.seed + step; a pipelined program feeds the
+device's own token and returns each step one call later (same tokens, one extra step at the end). A
+program exported with --batch B > 1 runs too: the other rows idle.
+
+The rows' KV caches outlive a generation: `stream(..., reuse=True)` prefills only what the cache does
+not hold yet (row_caches.py), which `etmlx chat` and `etmlx.stream_generate(..., prompt_cache=...)` use.
 """
 
 from __future__ import annotations
@@ -21,14 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-import torch
-
 from backends.mlx.llm.decoder.constraints import EXPORT_HINT, Constraint, ConstraintError, Matcher, vocabulary_for
-from backends.mlx.llm.decoder.meta import FED_BACK, PIPELINED_HINT, DecoderMeta
-from backends.mlx.llm.decoder.step_inputs import step_inputs
+from backends.mlx.llm.decoder.decode_rows import DecodeRows, Sequence
+from backends.mlx.llm.decoder.meta import PIPELINED_HINT, DecoderMeta
 from backends.mlx.llm.decoder.tokenizer_files import has_tokenizer, load_tokenizer
 from backends.mlx.llm.sampler.params import SamplingParams
-from backends.mlx.llm.sampler.processing import NO_ALLOWED_TOKEN
 from backends.mlx.runtime.runner import load_method
 
 
@@ -75,6 +72,8 @@ class Decoder:
         self.meta.check_program(self.pte, self.method.input_specs())
         self._tokenizer = None
         self._vocabulary = None
+        self.rows = DecodeRows(self.meta)  # the step rules; its row caches persist between generations
+        self.last_cached = 0
 
     @property
     def has_tokenizer(self) -> bool:
@@ -100,54 +99,52 @@ class Decoder:
             self._vocabulary = vocabulary_for(self.pte, self.meta)
         return self._vocabulary.matcher(constraint)
 
-    def _call(self, tokens: list[int], start: int, params: SamplingParams, step: int,
-              matcher: Matcher | None = None, returns: bool = True) -> Step | None:
-        # Rows 1.. of a batched program idle: one token at position 0, greedy, their output ignored.
-        idle = self.meta.batch - 1
-        batch = torch.zeros(self.meta.batch, len(tokens), dtype=torch.int64)
-        batch[0] = torch.tensor(tokens)
-        inputs = step_inputs(self.meta, batch, [start] + [0] * idle, [len(tokens)] + [1] * idle,
-                             [params] + [SamplingParams()] * idle, [step] + [0] * idle, [step == 0] + [True] * idle,
-                             masks=[matcher.mask()] if matcher is not None else None)
-        out = self.method.execute(inputs)
-        if not returns:
-            return None
-        result = Step(int(out[0][0]))
-        if result.token == NO_ALLOWED_TOKEN:
-            raise ConstraintError("the grammar allows no token the model can produce here (every allowed token "
-                                  "has probability 0)")
-        if matcher is not None:
-            matcher.advance(result.token)
-        if self.meta.config.logprobs:
-            result.logprob = float(out[1][0])
-            result.top = [(int(i), float(v)) for i, v in zip(out[2][0], out[3][0])]
-        return result
-
     def stream(self, prompt_ids, max_tokens: int, params: SamplingParams | None = None,
-               stop_at_eos: bool = True, constraint: Constraint | None = None) -> Iterator[Step]:
-        """With a constraint the output matches it (ending with EOS once complete), or stops at max_tokens."""
+               stop_at_eos: bool = True, constraint: Constraint | None = None, reuse: bool = False) -> Iterator[Step]:
+        """With a constraint the output matches it (ending with EOS once complete), or stops at max_tokens.
+        `reuse`: start from the longest prefix of the prompt that a row's KV cache still holds from an
+        earlier generation (row_caches.py); `last_cached` then says how many prompt tokens were not prefilled."""
         params = params or SamplingParams()
         params.check(self.meta.config, self.meta.vocab_size)
         prompt = check_prompt(self.meta, prompt_ids, max_tokens)
         matcher = self.matcher(constraint) if constraint is not None else None
-        if self.meta.pipelined:
-            yield from self._stream_pipelined(prompt, max_tokens, params, stop_at_eos)
-            return
-        step = self._call(prompt, 0, params, 0, matcher)
-        for k in range(max_tokens):
-            yield step
-            if (stop_at_eos and step.token in self.meta.eos_token_ids) or k + 1 == max_tokens:
-                return
-            step = self._call([step.token], len(prompt) + k, params, k + 1, matcher)
+        rows = self.rows
+        if rows.active:  # its calls would advance the unfinished one's row too
+            raise RuntimeError("another generation of this Decoder is unfinished: exhaust or close() it first")
+        slot, _ = rows.choose(prompt, self.meta.batch, reuse)
+        row = rows.start(slot, Sequence(prompt, params, max_tokens, stop_at_eos, matcher=matcher), reuse=reuse)
+        self.last_cached = row.cached
+        try:
+            while rows.rows[slot] is row:
+                outputs = self.method.execute(rows.call_inputs(masks=rows.masks()))
+                for _, _, event in rows.read(outputs):  # only this row is active
+                    if event.error:
+                        raise ConstraintError(event.error)
+                    yield Step(event.token, event.logprob, event.top)
+        except (GeneratorExit, ConstraintError):  # the caller stopped, or a grammar did: the caches are whole
+            raise
+        except BaseException:  # a failed call may have left the caches half written
+            rows.forget()
+            raise
+        finally:
+            if rows.rows[slot] is row:
+                rows.end(slot)
 
-    def _stream_pipelined(self, prompt: list[int], max_tokens: int, params: SamplingParams,
-                          stop_at_eos: bool) -> Iterator[Step]:
-        self._call(prompt, 0, params, 0, returns=False)  # its outputs are the previous call's
-        for k in range(max_tokens):
-            step = self._call([FED_BACK], len(prompt) + k, params, k + 1)  # runs step k + 1, returns step k
-            yield step
-            if (stop_at_eos and step.token in self.meta.eos_token_ids) or k + 1 == max_tokens:
-                return
+    def step_at(self, feed: list[int], start: int, params: SamplingParams, step: int,
+                matcher: Matcher | None = None) -> Step:
+        """One call for row 0 at an explicit cache position and step, outside a generation: for loops
+        of their own (a benchmark's sample-check-resample). `matcher` masks the call and advances on its
+        token. Unpipelined programs only (a pipelined call returns the call before's token)."""
+        if self.meta.pipelined:
+            raise ValueError("step_at needs an unpipelined program")
+        rows = DecodeRows(self.meta, prompt_cache=False)
+        row = rows.start(0, Sequence(list(feed), params, 1, stop_at_eos=False, matcher=matcher), reuse=False)
+        row.pos, row.step = start, step
+        self.rows.forget()  # this call writes into row 0's cache behind the generations' back
+        [(_, _, event)] = rows.read(self.method.execute(rows.call_inputs(masks=rows.masks())))
+        if event.error:
+            raise ConstraintError(event.error)
+        return Step(event.token, event.logprob, event.top)
 
     def generate(self, prompt_ids, max_tokens: int, params: SamplingParams | None = None,
                  constraint: Constraint | None = None) -> Generation:

@@ -19,11 +19,17 @@ from backends.mlx.runtime.pte_metadata import named_data
 
 FORMAT = "etmlx-decoder/1"
 MODEL_INPUTS = ["tokens", "start_pos", "lengths"]
+# Programs exported with --draft-tokens K take this after the model inputs: [B, G] (G dynamic, 2..K+1, for one
+# row; K+1 for more), per row
+# its last accepted token, then its drafts (the last real tokens of `tokens`), -1 padding
+# (decoder/speculative_head.py); they return (accepted, token).
+DRAFT_INPUT = "verify"
+DRAFT_OUTPUTS = ["accepted", "token"]
 # Named-data keys; tools/etmlx_decode/program_metadata.cpp reads the same ones.
 META_KEY = "etmlx/decoder_meta.json"
 TOKENIZER_PREFIX = "etmlx/tokenizer/"  # + a file name save_pretrained wrote (tokenizer.json, ...)
 # Inputs that are int64 (ExecuTorch ScalarType 4); the rest are float32 (6).
-_INT_INPUTS = {"tokens", "start_pos", "lengths", "seed", "top_k", "penalty_reset", "penalty_add", "bias_ids"}
+_INT_INPUTS = {"tokens", "start_pos", "lengths", DRAFT_INPUT, "seed", "top_k", "penalty_reset", "penalty_add", "bias_ids"}
 _INT32_INPUTS = {"allowed_mask"}
 _LONG, _FLOAT, _INT = 4, 6, 3
 # Pipelined programs (pipelined.py): a token input that means "the token this row sampled last".
@@ -66,19 +72,28 @@ class DecoderMeta:
     # Each call returns the previous call's outputs; a token input < 0 is the row's last sampled token
     # (pipelined.py). Absent in programs exported before pipelining: False.
     pipelined: bool = False
+    # Drafted tokens a call can verify (--draft-tokens K; 0: a plain program). Absent in older programs: 0.
+    draft_tokens: int = 0
+    # Some sliding-window layer keeps a ring of `window` slots (kv_cache.py), which a prompt cache may
+    # reuse only where positions continue (row_caches.py). None: exported before the field (unknown).
+    ring_cache: bool | None = None
 
     @classmethod
     def build(cls, *, max_seq_len, vocab_size, batch, eos_token_ids, seeded, config: SamplerConfig, dtype,
-              model_type="", tokenizer=None, prompt_affixes=([], []), pipelined=False) -> "DecoderMeta":
-        inputs = MODEL_INPUTS + ["temperature"] + (["seed"] if seeded else []) + config.knob_names()
+              model_type="", tokenizer=None, prompt_affixes=([], []), pipelined=False,
+              draft_tokens=0, ring_cache=None) -> "DecoderMeta":
+        model_inputs = MODEL_INPUTS + ([DRAFT_INPUT] if draft_tokens else [])
+        inputs = model_inputs + ["temperature"] + (["seed"] if seeded else []) + config.knob_names()
         outputs = ["token"] + (["logprob", "top_ids", "top_logprobs"] if config.logprobs else [])
+        if draft_tokens:
+            outputs = list(DRAFT_OUTPUTS)
         if config.expose_counts:
             outputs.append("penalty_state")
         return cls(max_seq_len=max_seq_len, vocab_size=vocab_size, batch=batch, eos_token_ids=list(eos_token_ids),
                    seeded=seeded, sampler=asdict(config), dtype=dtype, model_type=model_type, tokenizer=tokenizer,
                    inputs=inputs, outputs=outputs, knobs=knob_metadata(),
                    prompt_prefix_ids=list(prompt_affixes[0]), prompt_suffix_ids=list(prompt_affixes[1]),
-                   pipelined=pipelined)
+                   pipelined=pipelined, draft_tokens=draft_tokens, ring_cache=ring_cache)
 
     @property
     def config(self) -> SamplerConfig:
@@ -117,17 +132,24 @@ class DecoderMeta:
             value = getattr(meta, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{path}: {name} must be a positive int, got {value!r}")
+        if isinstance(meta.draft_tokens, bool) or not isinstance(meta.draft_tokens, int) or meta.draft_tokens < 0:
+            raise ValueError(f"{path}: draft_tokens must be an int >= 0, got {meta.draft_tokens!r}")
         return meta
 
-    def check_program(self, pte, inputs: list[tuple[tuple[int, ...], int]]) -> None:
+    def check_program(self, pte, inputs: list[tuple[tuple[int, ...], int]], drafts: bool = False) -> None:
         """Fail clearly when the metadata does not describe the program: `inputs` is the loaded method's
-        (sizes, ExecuTorch dtype code) per input, in call order."""
+        (sizes, ExecuTorch dtype code) per input, in call order. `drafts`: the caller drives draft-verifying
+        programs (decoder/speculative.py); other callers refuse them, whose calling convention differs."""
+        if self.draft_tokens and not drafts:
+            raise ValueError(f"{pte} verifies drafted tokens (exported with --draft-tokens {self.draft_tokens}): "
+                             "this decode loop cannot drive it; use backends.mlx.llm.decoder.speculative, or "
+                             "export without --draft-tokens")
         if len(inputs) != len(self.inputs):
             raise ValueError(f"{pte}: the metadata lists {len(self.inputs)} inputs ({', '.join(self.inputs)}) but "
                              f"the program takes {len(inputs)}: metadata and program come from different exports")
         widths = {"tokens": self.max_seq_len, "penalty_add": self.config.penalty_seed,
                   "bias_ids": self.config.logit_bias, "bias_values": self.config.logit_bias,
-                  "allowed_mask": mask_words(self.vocab_size)}
+                  "allowed_mask": mask_words(self.vocab_size), DRAFT_INPUT: self.draft_tokens + 1}
         for name, (sizes, dtype) in zip(self.inputs, inputs):
             expected = (self.batch, widths[name]) if name in widths else (self.batch,)
             if tuple(sizes) != expected:

@@ -8,18 +8,32 @@ from __future__ import annotations
 
 import torch
 
-from backends.mlx.llm.decoder.meta import DecoderMeta
+from backends.mlx.llm.decoder.meta import DRAFT_INPUT, DecoderMeta
 from backends.mlx.llm.sampler.knobs import KNOBS, enabled, width
 from backends.mlx.llm.sampler.params import SamplingParams
 
 
+def verify_input(tokens: torch.Tensor, lengths, drafts: list, draft_tokens: int) -> torch.Tensor:
+    """[B, G]: per row its last accepted token (the one before its drafts), its drafts, -1 padding. A one-row
+    program's G is dynamic: one more than the row's drafts, at least 2; a batched program's is K + 1."""
+    width = max(2, 1 + max(len(d) for d in drafts)) if tokens.shape[0] == 1 else draft_tokens + 1
+    verify = torch.full((tokens.shape[0], width), -1, dtype=torch.int64)
+    for b, (n, d) in enumerate(zip(lengths, drafts)):
+        verify[b, 0] = tokens[b, int(n) - 1 - len(d)]
+        verify[b, 1:1 + len(d)] = torch.as_tensor(list(d), dtype=torch.int64)
+    return verify
+
+
 def step_inputs(meta: DecoderMeta, tokens: torch.Tensor, start_pos, lengths, params: list[SamplingParams],
-                steps: list[int], reset: list[bool], masks: list | None = None) -> list[torch.Tensor]:
+                steps: list[int], reset: list[bool], masks: list | None = None,
+                drafts: list | None = None) -> list[torch.Tensor]:
     """The input list, in the program's order, for one call over meta.batch rows.
 
     steps[b] is row b's decode step (its seed is params[b].seed + steps[b]); reset[b] zeroes the
     row's penalty counts before this call (the start of a sequence); masks[b], for a program with
-    the allowed-mask input, is row b's packed bitmask (ceil(V/32) int32 words) or None (all allowed)."""
+    the allowed-mask input, is row b's packed bitmask (ceil(V/32) int32 words) or None (all allowed).
+    drafts[b], for a draft-verifying program (meta.draft_tokens > 0): row b's drafted tokens, which are also
+    its last real tokens (default none)."""
     batch = meta.batch
     if tokens.shape[0] != batch or len(params) != batch:
         raise ValueError(f"the program decodes {batch} row(s) per call, got {tokens.shape[0]}")
@@ -29,6 +43,8 @@ def step_inputs(meta: DecoderMeta, tokens: torch.Tensor, start_pos, lengths, par
         "start_pos": torch.as_tensor(start_pos, dtype=torch.int64),
         "lengths": torch.as_tensor(lengths, dtype=torch.int64),
     }
+    if meta.draft_tokens:
+        values[DRAFT_INPUT] = verify_input(tokens, lengths, drafts or [[] for _ in range(batch)], meta.draft_tokens)
     for knob in KNOBS:
         if not enabled(knob, config):
             continue

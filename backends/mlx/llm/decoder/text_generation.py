@@ -27,6 +27,7 @@ class Response:
     prompt_tps: float  # prompt tokens / time to first token
     generation_tokens: int
     generation_tps: float  # tokens after the first / time since the first
+    cached_tokens: int = 0  # prompt tokens the prompt cache supplied (not prefilled again)
 
     @property
     def logprobs(self) -> dict[int, float] | None:
@@ -38,9 +39,10 @@ class Response:
 
 
 def stream_text(decoder, prompt_ids: list[int], max_tokens: int, params=None, stop=(),
-                tokenizer=None, constraint=None) -> Iterator[Response]:
+                tokenizer=None, constraint=None, reuse: bool = False) -> Iterator[Response]:
     """Responses for one generation; `tokenizer` None gives '' texts (token ids only); `constraint`
-    (constraints.Constraint) makes the output match a schema, regex, choice or grammar."""
+    (constraints.Constraint) makes the output match a schema, regex, choice or grammar; `reuse`: start
+    from what the program's row caches hold of the prompt (Decoder.stream)."""
     stops = StopStrings(stop)
     if stops.stops and tokenizer is None:
         raise ValueError("stop strings need text: this program has no tokenizer")
@@ -48,7 +50,7 @@ def stream_text(decoder, prompt_ids: list[int], max_tokens: int, params=None, st
     start = time.perf_counter()
     first = None
     count = 0
-    for step in decoder.stream(prompt_ids, max_tokens, params, constraint=constraint):
+    for step in decoder.stream(prompt_ids, max_tokens, params, constraint=constraint, reuse=reuse):
         now = time.perf_counter()
         first = first or now
         count += 1
@@ -60,6 +62,7 @@ def stream_text(decoder, prompt_ids: list[int], max_tokens: int, params=None, st
         yield Response(text=text, token=step.token, logprob=step.logprob, top_logprobs=step.top, finish_reason=finish,
                        prompt_tokens=len(prompt_ids), prompt_tps=len(prompt_ids) / max(first - start, 1e-9),
                        generation_tokens=count,
-                       generation_tps=(count - 1) / (now - first) if count > 1 and now > first else 0.0)
+                       generation_tps=(count - 1) / (now - first) if count > 1 and now > first else 0.0,
+                       cached_tokens=decoder.last_cached)
         if finish:
             return

@@ -9,6 +9,8 @@ each expert quantized as its [out, in] matrix would be.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 import torch
 from torch import nn
@@ -18,12 +20,19 @@ from backends.mlx.llm import experts
 from backends.mlx.llm.quantize.modules import QuantizedEmbedding, QuantizedExperts, QuantizedLinear
 
 
-def quantize_tensor(weight: torch.Tensor, group_size: int, bits: int) -> tuple:
-    """(w uint32, scales, biases) of a [N, K] (or [E, N, K]) float weight, as mlx.core.quantize gives them."""
+def quantize_tensor(weight: torch.Tensor, group_size: int, bits: int, stored: Optional[torch.dtype] = None) -> tuple:
+    """(w uint32, scales, biases) of a [N, K] (or [E, N, K]) float weight, as mlx.core.quantize gives them.
+
+    `stored`: the checkpoint's own dtype. A bf16 checkpoint loaded as float32 is quantized from its bf16
+    values, so the scales and biases are bf16 and every byte equals what `mlx_lm.convert -q` writes from
+    the same checkpoint (half the bytes of float32 scales); a weight that does not round-trip through
+    `stored` exactly is quantized in its own dtype."""
     import mlx.core as mx  # the compute library itself; imported only when quantizing
 
     check_params(group_size, bits, weight.shape[-1])
     dtype = weight.dtype
+    if stored is not None and stored != dtype and torch.equal(weight.to(stored).to(dtype), weight):
+        dtype = stored
     # MLX has no conversion from torch; float32 numpy carries every float dtype exactly.
     source = mx.array(weight.detach().float().cpu().numpy())
     if dtype != torch.float32:
@@ -33,15 +42,17 @@ def quantize_tensor(weight: torch.Tensor, group_size: int, bits: int) -> tuple:
     return torch.from_numpy(np.array(w)), as_torch(scales), as_torch(biases)
 
 
-def _quantized_linear(linear: nn.Linear, group_size: int, bits: int) -> QuantizedLinear:
-    w, scales, biases = quantize_tensor(linear.weight, group_size, bits)
+def _quantized_linear(linear: nn.Linear, group_size: int, bits: int, stored=None) -> QuantizedLinear:
+    w, scales, biases = quantize_tensor(linear.weight, group_size, bits, stored)
     bias = None if linear.bias is None else linear.bias.detach().clone()
     return QuantizedLinear(w, scales, biases, group_size, bits, bias=bias)
 
 
-def quantize_model(model: nn.Module, bits: int, group_size: int = 64, embeddings: bool = True) -> nn.Module:
+def quantize_model(model: nn.Module, bits: int, group_size: int = 64, embeddings: bool = True,
+                   stored: Optional[torch.dtype] = None) -> nn.Module:
     """Replace the model's Linear layers (and, with `embeddings`, the token embedding and the head) by
-    quantized ones, in place."""
+    quantized ones, in place. `stored`: the checkpoint's dtype, which the scales and biases keep
+    (quantize_tensor)."""
     embedding = model.get_input_embeddings()
     head = model.get_output_embeddings()
     head_name = _name_of(model, head) if head is not None else None
@@ -52,7 +63,7 @@ def quantize_model(model: nn.Module, bits: int, group_size: int = 64, embeddings
     if embeddings and head is not None and not tied and head.in_features % group_size == 0:
         linears.append(head_name)
     if embeddings and _quantizable_embedding(embedding, group_size):
-        w, scales, biases = quantize_tensor(embedding.weight, group_size, bits)
+        w, scales, biases = quantize_tensor(embedding.weight, group_size, bits, stored)
         # Gemma's embedding scales its rows (embed_scale): the quantized table keeps that scale.
         scale = getattr(embedding, "embed_scale", None)
         model.set_input_embeddings(QuantizedEmbedding(w, scales, biases, group_size, bits,
@@ -61,11 +72,11 @@ def quantize_model(model: nn.Module, bits: int, group_size: int = 64, embeddings
             # The head multiplies by the same table: it shares the quantized tensors.
             _set(model, head_name, QuantizedLinear(w, scales, biases, group_size, bits))
     for name in linears:
-        _set(model, name, _quantized_linear(model.get_submodule(name), group_size, bits))
+        _set(model, name, _quantized_linear(model.get_submodule(name), group_size, bits, stored))
     quantized_experts = False
     for module in model.modules():
         if _is_experts(module):
-            _quantize_experts(module, group_size, bits)
+            _quantize_experts(module, group_size, bits, stored)
             quantized_experts = True
     if quantized_experts:
         # transformers' own experts forwards multiply the 3-D float stacks; only etmlx's runs quantized ones, so
@@ -85,7 +96,7 @@ def _is_experts(module: nn.Module) -> bool:
     return all(hasattr(module, flag) for flag in ("is_transposed", "has_gate", "is_concatenated"))
 
 
-def _quantize_experts(module: nn.Module, group_size: int, bits: int) -> None:
+def _quantize_experts(module: nn.Module, group_size: int, bits: int, stored=None) -> None:
     """Each 3-D projection stack ([E, out, in], or [E, in, out] when is_transposed) -> QuantizedExperts over
     [E, out, in]; a stack whose input width the group size does not divide stays in float (as a Linear)."""
     for name in EXPERT_PROJECTIONS:
@@ -95,7 +106,7 @@ def _quantize_experts(module: nn.Module, group_size: int, bits: int) -> None:
         stack = weight.detach().transpose(1, 2) if module.is_transposed else weight.detach()
         if stack.shape[-1] % group_size:
             continue
-        w, scales, biases = quantize_tensor(stack.contiguous(), group_size, bits)
+        w, scales, biases = quantize_tensor(stack.contiguous(), group_size, bits, stored)
         delattr(module, name)
         setattr(module, name, QuantizedExperts(w, scales, biases, group_size, bits))
 

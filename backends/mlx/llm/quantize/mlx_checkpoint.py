@@ -3,8 +3,12 @@
 mlx-lm writes safetensors in Hugging Face's key names where each quantized layer has `.weight` (uint32,
 packed), `.scales` and `.biases`, and config.json a "quantization" entry ({"group_size", "bits",
 "mode"}, plus per-layer overrides). The packed tensors go into QuantizedLinear / QuantizedEmbedding
-as they are: no dequantize/requantize round trip. Bits and group size are read per layer from the
-tensors' shapes (which also covers mlx-lm's per-layer overrides and the layers it leaves in float).
+as they are: no dequantize/requantize round trip. Each layer's bits and group size are config.json's
+(its per-layer entry, which `mlx_lm.convert` writes for every layer a recipe quantizes differently, else
+the top-level default), and every packed weight, scale and bias must have the shapes they give: a
+directory whose tensors disagree with its config (scales shaped for another group size, weights packed
+for other bits) is refused by tensor name rather than decoded as whichever of the two is wrong.
+(mlx-lm 0.32 itself infers a layer's scheme from the shapes where the config names no per-layer entry.)
 """
 
 from __future__ import annotations
@@ -43,18 +47,53 @@ def _read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _packed(prefix: str, module: nn.Module, tensors: dict, dtype: torch.dtype) -> tuple:
+def layer_scheme(quant: dict, prefix: str) -> tuple[int, int] | None:
+    """(group size, bits) config.json's "quantization" entry gives layer `prefix`: its per-layer entry if it has
+    one (False: left in float, None returned), else the top-level defaults."""
+    entry = quant.get(prefix, quant)
+    if entry is False:
+        return None
+    if not isinstance(entry, dict):  # True: the defaults
+        entry = quant
+    group_size, bits = entry.get("group_size", quant.get("group_size")), entry.get("bits", quant.get("bits"))
+    if not isinstance(group_size, int) or not isinstance(bits, int) or group_size <= 0 or bits <= 0:
+        raise ValueError(f"{prefix}: config.json's quantization gives group size {group_size!r} and bits {bits!r}; "
+                         "both must be positive integers")
+    return group_size, bits
+
+
+def _packed(prefix: str, module: nn.Module, tensors: dict, dtype: torch.dtype, quant: dict) -> tuple:
     w, scales = tensors.pop(prefix + ".weight"), tensors.pop(prefix + ".scales")
     biases = tensors.pop(prefix + ".biases", None)
     if biases is None:
         raise ValueError(f"{prefix} has scales but no biases: only MLX's affine quantization is supported")
-    in_features = module.in_features if isinstance(module, nn.Linear) else module.embedding_dim
-    if w.dtype != torch.uint32 or w.dim() != 2 or (w.shape[1] * 32) % in_features:
-        raise ValueError(f"{prefix}.weight {w.dtype} {tuple(w.shape)} is not a packed [out, in * bits / 32] "
-                         f"uint32 weight of {in_features} input features")
-    bits = w.shape[1] * 32 // in_features
-    group_size = in_features // max(scales.shape[-1], 1)
-    return w, scales.to(dtype), biases.to(dtype), group_size, bits
+    scheme = layer_scheme(quant, prefix)
+    if scheme is None:
+        raise ValueError(f"{prefix} has packed weights and scales but config.json's quantization leaves it in float")
+    group_size, bits = scheme
+    if isinstance(module, nn.Linear):
+        out_features, in_features = module.out_features, module.in_features
+    else:
+        out_features, in_features = module.num_embeddings, module.embedding_dim
+    if in_features % group_size or (in_features * bits) % 32:
+        raise ValueError(f"{prefix}: config.json's group size {group_size} and {bits} bits do not divide its "
+                         f"{in_features} input features")
+    packed = (out_features, in_features * bits // 32)
+    if w.dtype != torch.uint32 or tuple(w.shape) != packed:
+        found = (f", packed for {w.shape[1] * 32 // in_features} bits" if w.dim() == 2 and w.dtype == torch.uint32
+                 and (w.shape[1] * 32) % in_features == 0 else "")
+        raise ValueError(f"{prefix}.weight is {str(w.dtype).removeprefix('torch.')} {list(w.shape)}{found}; "
+                         f"config.json's {bits} bits need uint32 {list(packed)}")
+    grouped = [out_features, in_features // group_size]
+    for name, t in (("scales", scales), ("biases", biases)):
+        if list(t.shape) != grouped:
+            found = (f", shaped for group size {in_features // t.shape[1]}" if t.dim() == 2 and t.shape[1]
+                     and in_features % t.shape[1] == 0 else "")
+            raise ValueError(f"{prefix}.{name} is {list(t.shape)}{found}; config.json's group size {group_size} "
+                             f"needs {grouped}")
+    # Scales and biases stay as stored (bf16 in most mlx-community repos): the file holds them once, at their own
+    # size, and the product promotes them to the activations' dtype as mlx-lm's does.
+    return w, scales, biases, group_size, bits
 
 
 def load_mlx_quantized(model_dir: Path, dtype: torch.dtype) -> nn.Module:
@@ -76,11 +115,11 @@ def load_mlx_quantized(model_dir: Path, dtype: torch.dtype) -> nn.Module:
         module = model.get_submodule(prefix)
         if isinstance(module, nn.Linear):
             bias = tensors.pop(prefix + ".bias", None)
-            packed = _packed(prefix, module, tensors, dtype)
+            packed = _packed(prefix, module, tensors, dtype, quant)
             replacement = QuantizedLinear(*packed, bias=None if bias is None else bias.to(dtype))
         elif isinstance(module, nn.Embedding):
             scale = getattr(module, "embed_scale", None)  # Gemma scales the rows it looks up
-            replacement = QuantizedEmbedding(*_packed(prefix, module, tensors, dtype),
+            replacement = QuantizedEmbedding(*_packed(prefix, module, tensors, dtype, quant),
                                              scale=None if scale is None else float(scale))
         else:
             raise ValueError(f"{prefix}: quantized weights for a {type(module).__name__}, not a Linear or Embedding")

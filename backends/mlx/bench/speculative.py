@@ -1,0 +1,103 @@
+"""`etmlx bench speculative`: speculative decoding on the built-in model, against plain decoding, in one run.
+
+The built-in demo checkpoint (trained once, cached) is exported three times with the same top-k/top-p/min-p
+sampler: the plain program as `etmlx export` writes it (pipelined), the same unpipelined, and a draft-verifying
+program (--draft-tokens K, default 8). Measured, decode tok/s (tokens after the first call over the time
+after it), greedy, `max_tokens` tokens after the demo prompt (EOS does not stop them):
+  plain              Decoder.generate on the plain programs
+  prediction         Predicted Outputs: the prediction is the model's own greedy continuation (the plain
+                     run's tokens), the best case a correct prediction gives
+  ngram              prompt lookup over prompt + output
+  miss               a prediction that never matches (random ids): what a source that never hits costs
+Every speculative run must yield the plain run's tokens (a RuntimeError otherwise). Each figure is the median
+of `repeats` runs, the variants taking turns within each repeat (the machine may be shared).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+DEFAULT_PROMPT = "One morning, Mira went to"
+
+
+def _export(ckpt: Path, pte: Path, **kw) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    from backends.mlx.llm.decoder.export import export_decoder
+    from backends.mlx.llm.decoder.meta import has_embedded_meta
+    from backends.mlx.llm.sampler.config import SamplerConfig
+
+    stamp = ckpt / "etmlx_builtin.json"
+    if pte.is_file() and has_embedded_meta(pte) and pte.stat().st_mtime > stamp.stat().st_mtime:
+        return pte
+    model = AutoModelForCausalLM.from_pretrained(str(ckpt), attn_implementation="eager")
+    pte.parent.mkdir(parents=True, exist_ok=True)
+    export_decoder(model, pte, 256, config=SamplerConfig(top_k=True, top_p=True, min_p=True), tokenizer=ckpt, **kw)
+    return pte
+
+
+def _plain(decoder, prompt, max_tokens) -> tuple[list[int], float]:
+    """Decoder.generate's measure without stopping at EOS: tokens after the first over the time after it."""
+    tokens, first = [], None
+    for step in decoder.stream(prompt, max_tokens, stop_at_eos=False):
+        first = first or time.perf_counter()
+        tokens.append(step.token)
+    return tokens, (len(tokens) - 1) / (time.perf_counter() - first)
+
+
+def run(cache_dir: Path, draft_tokens: int = 8, max_tokens: int = 200, repeats: int = 5) -> dict:
+    from backends.mlx.llm.builtin.model import ensure_builtin_checkpoint
+    from backends.mlx.llm.decoder.draft_sources import NgramDraft, PredictionDraft
+    from backends.mlx.llm.decoder.loop import Decoder
+    from backends.mlx.llm.decoder.prompt import encode_prompt
+    from backends.mlx.llm.decoder.speculative import SpeculativeDecoder
+
+    ckpt = ensure_builtin_checkpoint(cache_dir)
+    plain = Decoder(_export(ckpt, cache_dir / "spec-plain.pte"))
+    unpipelined = Decoder(_export(ckpt, cache_dir / "spec-unpipelined.pte", pipelined=False))
+    spec = SpeculativeDecoder(_export(ckpt, cache_dir / f"spec-draft{draft_tokens}.pte", draft_tokens=draft_tokens))
+    prompt = encode_prompt(plain.tokenizer, DEFAULT_PROMPT)
+    reference, _ = _plain(plain, prompt, max_tokens)
+    miss = torch.randint(0, spec.meta.vocab_size, (max_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+    sources = {"prediction": lambda: PredictionDraft(reference), "ngram": NgramDraft, "miss": lambda: PredictionDraft(miss)}
+    rates = {name: [] for name in ("plain", "plain unpipelined", *sources)}
+    acceptance = {}
+    for _ in range(repeats + 1):  # the first round warms up
+        for name, decoder in (("plain", plain), ("plain unpipelined", unpipelined)):
+            tokens, rate = _plain(decoder, prompt, max_tokens)
+            if tokens != reference:
+                raise RuntimeError(f"{name} decoding is not deterministic")
+            rates[name].append(rate)
+        for name, source in sources.items():
+            tokens, rate = spec.generate(prompt, max_tokens, draft=source(), stop_at_eos=False)
+            if tokens != reference:
+                raise RuntimeError(f"speculative decoding with {name} drafts gave other tokens than plain decoding")
+            rates[name].append(rate)
+            acceptance[name] = {"proposed": spec.stats.proposed, "accepted": spec.stats.accepted,
+                                "calls": spec.stats.calls}
+    medians = {name: statistics.median(values[1:]) for name, values in rates.items()}
+    return {"machine": platform.machine(), "model": "builtin", "draft_tokens": draft_tokens, "tokens": len(reference),
+            "repeats": repeats, "decode_tok_s": medians,
+            "speedup": {name: medians[name] / medians["plain"] for name in sources}, "drafts": acceptance}
+
+
+def main(json_path: str | None, cache_dir: str, repeats: int | None = None, draft_tokens: int = 8) -> int:
+    result = run(Path(cache_dir), draft_tokens=draft_tokens, repeats=repeats or 5)
+    print(f"built-in model, greedy, {result['tokens']} tokens, K = {draft_tokens}, median of {result['repeats']}")
+    for name, rate in result["decode_tok_s"].items():
+        line = f"  {name:18s} {rate:8.0f} tok/s"
+        if name in result["speedup"]:
+            d = result["drafts"][name]
+            rate_text = f"{d['accepted'] / d['proposed']:.0%}" if d["proposed"] else "-"
+            line += (f"  x{result['speedup'][name]:.2f} vs plain; drafts {d['accepted']}/{d['proposed']} accepted "
+                     f"({rate_text}), {d['calls']} calls")
+        print(line)
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=1) + "\n")
+    return 0

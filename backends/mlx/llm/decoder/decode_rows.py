@@ -1,0 +1,257 @@
+"""The decode-step rules, in one place: the rows of a decoder program, the inputs of its next call,
+and what a call's outputs mean for each row. The Python Decoder (loop.py: one request, a batch of
+one) and the server's engine (serve/engine.py: a request per row) both drive a DecodeRows:
+
+    rows = DecodeRows(meta)
+    slot, reuse = rows.choose(prompt, usable=meta.batch)
+    rows.start(slot, Sequence(prompt, params, max_tokens))
+    while rows.active:
+        outputs = program.execute(rows.call_inputs(masks=rows.masks()))
+        for slot, request, event in rows.read(outputs):
+            ...  # event.finish_reason set: the row has ended (and freed its slot)
+
+The rules:
+- Step 0 of a row prefills its prompt (only the part its row's cache does not already hold:
+  row_caches.py) in one call; step k > 0 feeds the previous token at the next position.
+- Seeded programs draw with seed = params.seed + step, so a generation is reproducible from one base
+  seed; step 0 also resets the row's penalty state (penalty counts are never seeded from the prompt,
+  so a reused prefix changes neither).
+- Pipelined programs (pipelined.py) get the same calls, except that step k > 0 feeds FED_BACK (the
+  token the device sampled for the row) and each call returns the previous call's results: a row's
+  prefill returns nothing of its own, and its first token arrives with step 1.
+- Structured output: a row's matcher gives its next call's mask and advances on each token.
+- Scoring (`forced`): step k is greedy with forced[k] pushed up by FORCE_BIAS; a mismatch fails the row.
+- A row with no request writes a throwaway token where nothing cached depends on it (row_caches.py).
+- Rows share nothing but the call: each has its own position, step, seed, penalty reset and mask, so
+  a request gets the tokens it would get alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from backends.mlx.llm.decoder.constraints import ConstraintError, Matcher, fill_masks
+from backends.mlx.llm.decoder.meta import FED_BACK, DecoderMeta
+from backends.mlx.llm.decoder.row_caches import RowCaches, common_prefix
+from backends.mlx.llm.decoder.step_inputs import step_inputs
+from backends.mlx.llm.sampler.knobs import mask_words
+from backends.mlx.llm.sampler.params import SamplingParams
+from backends.mlx.llm.sampler.processing import NO_ALLOWED_TOKEN
+
+# Logit bias that forces a scored token; raw logprobs are unaffected by bias.
+FORCE_BIAS = 100.0
+NO_TOKEN_ERROR = "the grammar allows no token the model can produce here (every allowed token has probability 0)"
+
+
+@dataclass
+class TokenEvent:
+    """One sampled token of a request, or its end. finish_reason: None while running, then "stop"
+    (end-of-sequence token), "length", or (set by a driver) "cancelled", "abort", "error"."""
+
+    token: int | None
+    logprob: float | None = None
+    top: list[tuple[int, float]] | None = None  # (token id, logprob), best first
+    finish_reason: str | None = None
+    error: str | None = None
+    cause: str | None = None  # "grammar": the error is the request's grammar failing (a client error, not ours)
+    cached_tokens: int = 0  # prompt tokens its row's cache already held (not prefilled)
+
+
+@dataclass
+class Sequence:
+    """What the rules read of a request (the server's EngineRequest has the same fields)."""
+
+    prompt: list[int]
+    params: SamplingParams
+    max_tokens: int
+    stop_at_eos: bool = True
+    forced: list[int] | None = None  # scoring: the tokens to force, one per step
+    matcher: Matcher | None = None  # structured output: the grammar state
+
+
+@dataclass
+class Row:
+    request: object  # a Sequence, or anything with its fields
+    feed: list[int]  # tokens of the next call ([FED_BACK] when a pipelined program decodes)
+    pos: int  # cache position of feed[0]
+    cached: int = 0  # prompt tokens its row's cache already held (not prefilled)
+    step: int = 0  # the row's decode step of the next call (0 = prefill): seed = params.seed + step
+    produced: int = 0  # tokens delivered; a pipelined row's step runs one ahead of them
+
+
+class DecodeRows:
+    def __init__(self, meta: DecoderMeta, prompt_cache: bool = True):
+        self.meta = meta
+        self.rows: list[Row | None] = [None] * meta.batch
+        self.caches = RowCaches(meta.batch, meta.max_seq_len, ring=meta.ring_cache is not False,
+                                enabled=prompt_cache)
+        self.active = 0
+
+    # ---- rows come and go ----
+    def room(self) -> int:
+        """Tokens a call may feed: every row of a call writes positions pos .. pos + width - 1."""
+        return min((self.meta.max_seq_len - row.pos for row in self.rows if row is not None),
+                   default=self.meta.max_seq_len)
+
+    def choose(self, prompt: list[int], usable: int, reuse: bool = True) -> tuple[int | None, int]:
+        """(slot, prompt tokens it already holds) for a new request among the first `usable` slots;
+        (None, 0) when none is free. Without `reuse`, the least recently used free slot."""
+        free = [slot for slot in range(usable) if self.rows[slot] is None]
+        if not free:
+            return None, 0
+        if not reuse:
+            return min(free, key=lambda slot: self.caches.rows[slot].used), 0
+        return self.caches.choose(prompt, free)
+
+    def busy_prefix(self, prompt: list[int]) -> tuple[int | None, int, int]:
+        """(slot, n, steps): the running row whose prompt shares the longest prefix (n tokens) with
+        `prompt`, and the steps it has left at most; the row's cache will hold that prefix when it ends.
+        (None, 0, 0) with none, with caching off, or for ring programs (a ring row is reused only where
+        positions continue, which depends on the tokens it has yet to write)."""
+        if not self.caches.enabled or self.caches.ring:
+            return None, 0, 0
+        best = (None, 0, 0)
+        for slot, row in enumerate(self.rows):
+            if row is None:
+                continue
+            n = min(common_prefix(row.request.prompt, prompt), len(prompt) - 1)
+            if n > best[1]:
+                best = (slot, n, row.request.max_tokens - row.produced + (1 if row.step == 0 else 0))
+        return best
+
+    def start(self, slot: int, request, reuse: bool = True) -> Row:
+        """Row `slot` takes `request` (its prompt checked: loop.check_prompt); with `reuse`, from the
+        longest prefix the slot's cache holds."""
+        prompt = list(request.prompt)
+        n = self.caches.reusable(slot, prompt) if reuse else 0
+        row = Row(request, feed=prompt[n:], pos=n, cached=n)
+        self.rows[slot] = row
+        self.caches.taken(slot)
+        self.active += 1
+        return row
+
+    def end(self, slot: int) -> Row:
+        """Free the slot; its cache keeps what the row wrote."""
+        row = self.rows[slot]
+        self.rows[slot] = None
+        self.active -= 1
+        return row
+
+    def forget(self) -> None:
+        """The program lost its state (a failed call, a restarted worker): no row's cache is reusable."""
+        self.caches.forget()
+
+    # ---- one call ----
+    def masks(self):
+        """The allowed-token masks of the next call, or None when no row is constrained; raises
+        ConstraintError when a grammar is in an error state."""
+        matchers = [row.request.matcher if row is not None else None for row in self.rows]
+        if all(m is None for m in matchers):
+            return None
+        return fill_masks(matchers, mask_words(self.meta.vocab_size))
+
+    def constrained(self) -> list[int]:
+        return [slot for slot, row in enumerate(self.rows) if row is not None and row.request.matcher is not None]
+
+    def call_inputs(self, only: int | None = None, masks=None) -> list[torch.Tensor]:
+        """The program inputs of the next call; `only`: that row alone (the others idle), to find which
+        row a value that cannot be laid out belongs to."""
+        meta = self.meta
+        rows = [row if only is None or slot == only else None for slot, row in enumerate(self.rows)]
+        width = max((len(row.feed) for row in rows if row is not None), default=1)
+        tokens = torch.zeros(meta.batch, width, dtype=torch.int64)
+        starts, lengths, params, steps, resets = [], [], [], [], []
+        for slot, row in enumerate(rows):
+            if row is None:  # a throwaway token, greedy, where it overwrites nothing cached
+                starts.append(self.caches.idle_position(slot, width)), lengths.append(1)
+                params.append(SamplingParams()), steps.append(0), resets.append(True)
+                continue
+            tokens[slot, :len(row.feed)] = torch.tensor(row.feed, dtype=torch.int64)
+            starts.append(row.pos), lengths.append(len(row.feed)), steps.append(row.step)
+            resets.append(row.step == 0)
+            params.append(self.params(row))
+        return step_inputs(meta, tokens, starts, lengths, params, steps, resets, masks=masks)
+
+    @staticmethod
+    def params(row: Row) -> SamplingParams:
+        forced = row.request.forced
+        if forced is None:
+            return row.request.params
+        if row.step < len(forced):  # greedy with the step's scored token pushed to the top
+            return SamplingParams(logit_bias={forced[row.step]: FORCE_BIAS})
+        return SamplingParams()  # a pipelined row's extra step past its last token: dropped
+
+    def read(self, outputs) -> list[tuple[int, object, TokenEvent]]:
+        """Apply a call's outputs: (slot, request, event) for each row that got a token or failed, in
+        slot order. A row whose event has a finish_reason has ended and freed its slot."""
+        meta = self.meta
+        results = _Results(outputs, meta.config.logprobs)
+        events = []
+        for slot, row in enumerate(self.rows):
+            if row is None:
+                continue
+            # A pipelined row's prefill returns nothing of its own (the outputs are the slot's previous call's);
+            # its decode calls feed the device's token, which is the one this call returns.
+            has_result = not (meta.pipelined and row.step == 0)
+            event = results.event(slot) if has_result else None
+            written = [event.token] if row.feed == [FED_BACK] else row.feed
+            self.caches.wrote(slot, row.pos, written)
+            if event is not None:
+                event.cached_tokens = row.cached
+                self._check(row, event)
+                events.append((slot, row.request, event))
+                if event.finish_reason:
+                    self.end(slot)
+                    continue
+            row.pos += len(row.feed)
+            row.feed = [FED_BACK if meta.pipelined else results.token(slot)]
+            row.step += 1
+        return events
+
+    def _check(self, row: Row, event: TokenEvent) -> None:
+        """Check the row's token; set finish_reason (and error) when it ends the row."""
+        request, token = row.request, event.token
+        if request.forced is not None and token != request.forced[row.produced]:
+            event.finish_reason, event.error = "error", f"could not force token {request.forced[row.produced]}"
+        elif token == NO_ALLOWED_TOKEN:
+            event.finish_reason, event.error, event.cause = "error", NO_TOKEN_ERROR, "grammar"
+        elif request.matcher is not None and not _advance(request.matcher, token):
+            event.finish_reason, event.error, event.cause = "error", f"the grammar rejected token {token}", "grammar"
+        if event.error:
+            event.token = event.logprob = event.top = None
+            return
+        row.produced += 1
+        if request.stop_at_eos and token in self.meta.eos_token_ids:
+            event.finish_reason = "stop"
+        elif row.produced >= request.max_tokens:
+            event.finish_reason = "length"
+
+
+def _advance(matcher: Matcher, token: int) -> bool:
+    try:
+        matcher.advance(token)
+        return True
+    except ConstraintError:
+        return False
+
+
+class _Results:
+    """One call's outputs, per row: the sampled token, and its logprobs when the program has them."""
+
+    def __init__(self, outputs, logprobs: int):
+        self.tokens = outputs[0].tolist()
+        self.logprobs = outputs[1].tolist() if logprobs else None
+        self.top_ids = outputs[2].tolist() if logprobs else None
+        self.top_lps = outputs[3].tolist() if logprobs else None
+
+    def token(self, slot: int) -> int:
+        return int(self.tokens[slot])
+
+    def event(self, slot: int) -> TokenEvent:
+        event = TokenEvent(self.token(slot))
+        if self.logprobs is not None:
+            event.logprob = float(self.logprobs[slot])
+            event.top = list(zip(self.top_ids[slot], self.top_lps[slot]))
+        return event
