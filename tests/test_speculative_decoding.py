@@ -212,3 +212,42 @@ def test_builtin_model_greedy_tokens_with_every_draft_source(tmp_path_factory):
         assert tokens == reference, name
         if source is not None:
             assert decoder.stats.accepted > 0, name
+
+
+def _cli_json(capsys, *argv) -> dict:
+    import json
+
+    from backends.mlx.cli.main import main
+
+    assert main(["generate", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_cli_generate_on_a_draft_program_gives_the_plain_tokens(programs, capsys):
+    """`etmlx generate` decodes a --draft-tokens program speculatively: every draft source (prompt lookup by
+    default, a predicted output, none) gives the plain program's tokens, greedy and seeded; --json reports the
+    drafts, and an exact prediction is accepted in full."""
+    ids = ",".join(map(str, PROMPT))
+    for seeded in ([], ["--temperature", "0.8", "--seed", "3", "--top-k", "20", "--top-p", "0.9"]):
+        plain = _cli_json(capsys, str(programs["plain"]), "--prompt-ids", ids, "-m", "24", *seeded)
+        assert "draft" not in plain
+        prediction = ",".join(map(str, plain["tokens"]))
+        for flags in ([], ["--draft", "none"], ["--prediction", prediction], ["--num-draft-tokens", "2"]):
+            out = _cli_json(capsys, str(programs["draft"]), "--prompt-ids", ids, "-m", "24", *seeded, *flags)
+            assert out["tokens"] == plain["tokens"], flags
+            assert out["draft"]["accepted"] <= out["draft"]["proposed"]
+            if flags and flags[0] == "--prediction":
+                assert out["draft"]["accepted"] == out["draft"]["proposed"] >= len(plain["tokens"]) - 5
+                assert out["draft"]["calls"] <= len(plain["tokens"]) // K + 2
+            if flags == ["--draft", "none"]:
+                assert out["draft"]["proposed"] == 0
+
+
+def test_cli_draft_flags_on_a_plain_program_are_one_line_errors(programs, capsys):
+    from backends.mlx.cli.main import main
+
+    assert main(["generate", str(programs["plain"]), "--prompt-ids", "5,6", "--prediction", "7,8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--draft-tokens" in err[0], err
+    assert main(["generate", str(programs["draft"]), "--prompt-ids", "5,6", "--num-draft-tokens", str(K + 1)]) == 2
+    assert "--num-draft-tokens must be 0..4" in capsys.readouterr().err

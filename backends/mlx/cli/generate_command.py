@@ -65,8 +65,16 @@ def run_generate(args, params) -> int:
     if not pte.is_file():  # before the decoder's imports (torch, ~2 s): a typo fails at once
         raise FileNotFoundError(f"{pte} does not exist")
     from backends.mlx.llm.decoder.loop import Decoder
+    from backends.mlx.llm.decoder.meta import DecoderMeta
     from backends.mlx.llm.decoder.text_generation import stream_text
 
+    if DecoderMeta.load(pte).draft_tokens:
+        from backends.mlx.cli.speculative_generate import run_speculative
+
+        return run_speculative(args, params, pte)
+    if args.prediction is not None or args.num_draft_tokens is not None:
+        raise ValueError(f"--prediction and --num-draft-tokens need a program exported with --draft-tokens K; "
+                         f"{pte} verifies no drafts")
     constraint = constraint_from_args(args)
     decoder = Decoder(pte)
     if constraint is not None:

@@ -196,6 +196,15 @@ def add_parsers(sub) -> None:
     structured.add_argument("--regex", metavar="R", help="the output matches this regular expression")
     structured.add_argument("--choice", metavar="A,B,C", help="the output is one of these comma-separated strings")
     structured.add_argument("--grammar", metavar="FILE", help="the output matches this Lark or GBNF grammar")
+    # Programs exported with --draft-tokens K decode speculatively (cli/speculative_generate.py): same tokens.
+    generate.add_argument("--draft", choices=["ngram", "none"], default="ngram",
+                          help="--draft-tokens programs: where drafts come from: prompt lookup over the prompt and "
+                               "the output (default), or none")
+    generate.add_argument("--prediction", metavar="TEXT|@FILE",
+                          help="--draft-tokens programs: the expected output (Predicted Outputs), used as drafts; "
+                               "token ids with --prompt-ids")
+    generate.add_argument("--num-draft-tokens", type=int,
+                          help="--draft-tokens programs: most drafts per call (default the program's K)")
     generate.set_defaults(func=run_generate)
 
     chat = sub.add_parser("chat", help="a multi-turn conversation with an exported .pte (lines from stdin, replies "
