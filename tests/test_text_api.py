@@ -56,7 +56,7 @@ def _greedy(model, ids, steps):
 
 
 def test_text_gets_bos_once_on_every_path(exported):
-    from backends.mlx.cli.generate_command import prompt_ids as cli_prompt
+    from backends.mlx.cli.prompt_args import prompt_ids as cli_prompt
     from backends.mlx.llm.decoder.meta import DecoderMeta
     from backends.mlx.llm.decoder.prompt import encode_prompt
     from backends.mlx.serve.lmtp_session import prompt_ids as lmtp_prompt

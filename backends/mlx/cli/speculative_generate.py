@@ -37,7 +37,7 @@ def draft_source(args, decoder):
 
 
 def run_speculative(args, params, pte: Path) -> int:
-    from backends.mlx.cli.generate_command import constraint_from_args, prompt_ids
+    from backends.mlx.cli.prompt_args import constraint_from_args, prompt_ids
     from backends.mlx.llm.decoder.draft_sources import DraftBudget
     from backends.mlx.llm.decoder.speculative import SpeculativeDecoder
 
