@@ -24,7 +24,7 @@ from typing import Iterator
 from backends.mlx.llm.decoder.constraints import EXPORT_HINT, Constraint, ConstraintError, Matcher, vocabulary_for
 from backends.mlx.llm.decoder.decode_rows import DecodeRows, Sequence
 from backends.mlx.llm.decoder.meta import PIPELINED_HINT, DecoderMeta
-from backends.mlx.llm.decoder.tokenizer_files import has_tokenizer, load_tokenizer
+from backends.mlx.llm.decoder.tokenizer_files import ProgramTokenizer
 from backends.mlx.llm.sampler.params import SamplingParams
 from backends.mlx.runtime.runner import load_method
 
@@ -62,7 +62,7 @@ def check_prompt(meta: DecoderMeta, prompt_ids, max_tokens: int) -> list[int]:
     return ids
 
 
-class Decoder:
+class Decoder(ProgramTokenizer):
     def __init__(self, pte: Path):
         self.pte = Path(pte)
         if not self.pte.is_file():
@@ -74,19 +74,6 @@ class Decoder:
         self._vocabulary = None
         self.rows = DecodeRows(self.meta)  # the step rules; its row caches persist between generations
         self.last_cached = 0
-
-    @property
-    def has_tokenizer(self) -> bool:
-        return has_tokenizer(self.pte, self.meta)
-
-    @property
-    def tokenizer(self):
-        if self._tokenizer is None:
-            self._tokenizer = load_tokenizer(self.pte, self.meta)
-            if self._tokenizer is None:
-                raise FileNotFoundError(f"{self.pte} has no tokenizer: pass token ids (--prompt-ids) or re-export "
-                                        "from a checkpoint that has one")
-        return self._tokenizer
 
     def matcher(self, constraint: Constraint) -> Matcher:
         """A fresh grammar state for one sequence; ConstraintError names a bad constraint, or a program

@@ -26,7 +26,7 @@ from backends.mlx.llm.decoder.draft_sources import DraftBudget
 from backends.mlx.llm.decoder.loop import check_prompt
 from backends.mlx.llm.decoder.meta import DecoderMeta
 from backends.mlx.llm.decoder.step_inputs import step_inputs
-from backends.mlx.llm.decoder.tokenizer_files import has_tokenizer, load_tokenizer
+from backends.mlx.llm.decoder.tokenizer_files import ProgramTokenizer
 from backends.mlx.llm.sampler.params import SamplingParams
 from backends.mlx.runtime.runner import load_method
 
@@ -42,7 +42,7 @@ class DraftStats:
         return self.accepted / self.proposed if self.proposed else 0.0
 
 
-class SpeculativeDecoder:
+class SpeculativeDecoder(ProgramTokenizer):
     def __init__(self, pte: Path, meta: DecoderMeta | None = None, method=None):
         self.pte = Path(pte)
         if not self.pte.is_file():
@@ -54,19 +54,6 @@ class SpeculativeDecoder:
         self.meta.check_program(self.pte, self.method.input_specs(), drafts=True)
         self.stats = DraftStats()  # the last stream's calls and drafts
         self.first_call = (0.0, 0)  # (time, tokens) when the last stream's first call returned
-        self._tokenizer = None
-
-    @property
-    def has_tokenizer(self) -> bool:
-        return has_tokenizer(self.pte, self.meta)
-
-    @property
-    def tokenizer(self):
-        if self._tokenizer is None:
-            self._tokenizer = load_tokenizer(self.pte, self.meta)
-            if self._tokenizer is None:
-                raise FileNotFoundError(f"{self.pte} has no tokenizer: pass token ids (--prompt-ids)")
-        return self._tokenizer
 
     def _call(self, tokens: list[int], drafts: list[int], start: int, params: SamplingParams, step: int):
         idle = self.meta.batch - 1

@@ -84,3 +84,24 @@ def tokenizer_json(pte: Path, meta: DecoderMeta) -> str | None:
         return None if blob is None else blob.decode()
     path = pte.parent / meta.tokenizer / "tokenizer.json" if meta.tokenizer else None
     return path.read_text() if path is not None and path.is_file() else None
+
+
+class ProgramTokenizer:
+    """The tokenizer of a decoder program, loaded on first use: for loops that hold `pte` and `meta`."""
+
+    pte: Path
+    meta: DecoderMeta
+    _tokenizer = None
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return has_tokenizer(self.pte, self.meta)
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.pte, self.meta)
+            if self._tokenizer is None:
+                raise FileNotFoundError(f"{self.pte} has no tokenizer: pass token ids (--prompt-ids) or re-export "
+                                        "from a checkpoint that has one")
+        return self._tokenizer
