@@ -22,7 +22,7 @@ DECODE := build/etmlx_decode
 BENCH := build/etmlx_bench
 RUNTIME_SOURCES := CMakeLists.txt $(wildcard backends/mlx/runtime/*.cpp backends/mlx/runtime/*.h backends/mlx/runtime/kernels/*.cpp backends/mlx/runtime/kernels/*.h backends/mlx/runtime/generated/* tests/cpp/*.cpp backends/mlx/tools/etmlx_decode/*.cpp backends/mlx/tools/etmlx_decode/*.h backends/mlx/tools/etmlx_bench/*.cpp)
 
-.PHONY: setup develop test test-fast demo bench regenerate clean
+.PHONY: setup develop test test-fast demo bench bench-deps regenerate clean
 
 setup: $(DEPS_STAMP) $(LIB) $(DECODE) $(BENCH)
 
@@ -86,6 +86,11 @@ test-fast: setup
 
 demo: setup
 	$(VENV)/bin/etmlx demo
+
+# Optional baseline for `etmlx bench decode --shape`: llama.cpp through llama-cpp-python, built from its sdist for
+# this CPU (about 20 minutes on 2 cores); never needed by setup or the tests.
+bench-deps: setup
+	CMAKE_ARGS="-DGGML_NATIVE=ON" $(VPY) -m pip install --quiet llama-cpp-python==0.3.36
 
 regenerate: $(DEPS_STAMP)
 	$(VPY) -m backends.mlx.serialization.generate

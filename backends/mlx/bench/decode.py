@@ -120,7 +120,7 @@ def measure_dtype(settings: Settings, size: dict, dtype: str, cache_dir: Path, l
     prompt = prompt_ids(settings, spec.vocab_size)
     # Before the timed engines load: the probes are separate processes, but this one's pages count
     # against the machine's memory while they run.
-    footprint = memory_of(files, _parameters(spec), prompt, settings.steps, log)
+    footprint = memory_of(files, spec.parameters, prompt, settings.steps, log)
     kinds = {"etmlx": EtmlxEngine, "mlx_lm": MlxLmEngine, "xnnpack": XnnpackEngine}
     engines = [kinds[name](path) for name, path in files.items()]
     results, greedy_tokens = [], {}
@@ -148,7 +148,7 @@ def measure_dtype(settings: Settings, size: dict, dtype: str, cache_dir: Path, l
     gc.collect()
     reference = greedy_tokens["etmlx"]
     agreement = {name: _common_prefix(reference, tokens) for name, tokens in greedy_tokens.items()}
-    return {"dtype": dtype, "checkpoint": str(checkpoint), "parameters": _parameters(spec), "memory": footprint,
+    return {"dtype": dtype, "checkpoint": str(checkpoint), "parameters": spec.parameters, "memory": footprint,
             "programs": {engine: summary for engine, (_, summary) in ptes.items()},
             "results": results, "greedy_tokens": greedy_tokens, "greedy_agreement_with_etmlx": agreement}
 
@@ -171,13 +171,6 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
     return n
-
-
-def _parameters(spec: ckpt.CheckpointSpec) -> int:
-    h, i, layers, v = spec.hidden_size, spec.intermediate_size, spec.num_hidden_layers, spec.vocab_size
-    kv = h // spec.num_attention_heads * spec.num_key_value_heads
-    per_layer = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h
-    return 2 * v * h + layers * per_layer + h
 
 
 def ratios(results: list[dict]) -> list[dict]:

@@ -64,10 +64,16 @@ class MlxLmEngine:
 
     name = "mlx_lm"
 
-    def __init__(self, checkpoint: Path):
+    def __init__(self, checkpoint: Path, activations: str | None = None):
+        """activations: None runs the checkpoint's float dtype; "bfloat16" casts every float parameter
+        (norms, scales and biases of quantized layers) to it, keeping the same packed integers."""
+        import mlx.core as mx
         import mlx_lm
 
         self.model, _ = mlx_lm.load(str(checkpoint))
+        if activations is not None:
+            self.model.set_dtype(getattr(mx, activations))
+            self.name = f"mlx_lm_{activations[:4]}"
 
     def generate(self, prompt_ids: list[int], steps: int, temperature: float, seed: int) -> Run:
         import mlx.core as mx
@@ -115,3 +121,29 @@ class XnnpackEngine:
 
     def generate(self, prompt_ids: list[int], steps: int, temperature: float, seed: int) -> Run:
         return timed(self._stream(prompt_ids, steps, temperature, seed), steps)
+
+
+class LlamaCppEngine:
+    """llama.cpp through llama-cpp-python (`make bench-deps`), on a GGUF of the same float weights
+    (bench/gguf_checkpoint.py). It feeds token ids; its own sampler picks (greedy at temperature 0)."""
+
+    def __init__(self, gguf_path: Path, n_ctx: int = 1024, threads: int | None = None):
+        import os
+
+        from llama_cpp import Llama
+
+        threads = threads or len(os.sched_getaffinity(0))
+        self.name = "llama_cpp_" + Path(gguf_path).stem.rsplit("-", 1)[-1].lower()
+        self.llm = Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
+                         n_threads_batch=threads, verbose=False)
+
+    def generate(self, prompt_ids: list[int], steps: int, temperature: float, seed: int) -> Run:
+        # reset() forgets the previous run's tokens: generate() would otherwise reuse the matching prefix
+        # of its KV cache and skip most of the prefill being timed.
+        self.llm.reset()
+        self.llm.set_seed(seed)
+        stream = self.llm.generate(prompt_ids, temp=temperature, top_k=0, top_p=1.0, min_p=0.0,
+                                   repeat_penalty=1.0, reset=True)
+        run = timed(stream, steps)
+        stream.close()
+        return run

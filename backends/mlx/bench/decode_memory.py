@@ -19,10 +19,12 @@ from pathlib import Path
 
 
 def model_files(engine: str, path: Path) -> list[Path]:
-    """What each engine reads its weights from: .pte (+ .ptd external weights), or mlx-lm's safetensors."""
+    """What each engine reads its weights from: .pte (+ .ptd external weights), mlx-lm's safetensors or a GGUF."""
     path = Path(path)
-    if engine == "mlx_lm":
+    if engine.startswith("mlx_lm"):
         return sorted(path.glob("*.safetensors"))
+    if engine.startswith("llama_cpp"):
+        return [path]
     from backends.mlx.exporter.export import weights_path
 
     return [p for p in (path, weights_path(path)) if p.is_file()]
@@ -52,10 +54,12 @@ def peak_rss(engine: str, path: Path, prompt_ids: list[int], steps: int) -> int:
 
 
 def _child(engine: str, path: str, prompt_json: str, steps: str) -> None:
-    from backends.mlx.bench.decode_engines import EtmlxEngine, MlxLmEngine, XnnpackEngine
+    from backends.mlx.bench.decode_engines import EtmlxEngine, LlamaCppEngine, MlxLmEngine, XnnpackEngine
 
-    kinds = {"etmlx": EtmlxEngine, "mlx_lm": MlxLmEngine, "xnnpack": XnnpackEngine}
-    run = kinds[engine](Path(path)).generate(json.loads(prompt_json), int(steps), 0.0, 0)
+    kinds = {"etmlx": EtmlxEngine, "mlx_lm": MlxLmEngine, "xnnpack": XnnpackEngine,
+             "mlx_lm_bflo": lambda p: MlxLmEngine(p, activations="bfloat16")}
+    made = LlamaCppEngine(Path(path)) if engine.startswith("llama_cpp") else kinds[engine](Path(path))
+    run = made.generate(json.loads(prompt_json), int(steps), 0.0, 0)
     print(json.dumps({"peak_rss_bytes": _peak_rss_bytes(), "tokens": len(run.tokens)}))
 
 

@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+DEFAULT_DECODE_DTYPES = "float32,bfloat16"
+
 from backends.mlx.cli import llm_commands as llm_cli
 from backends.mlx.cli import quiet
 from backends.mlx.cli import serve_commands as serve_cli
@@ -62,6 +64,14 @@ def _bench(args) -> int:
         from backends.mlx.bench import decode
 
         dtypes = tuple(d.strip() for d in args.dtypes.split(",") if d.strip())
+        if args.shape:
+            from backends.mlx.bench import decode_shapes
+
+            if args.quick:
+                raise SystemExit("etmlx bench decode: --quick and --shape exclude each other")
+            dtypes = dtypes if args.dtypes != DEFAULT_DECODE_DTYPES else ("int4",)
+            return decode_shapes.main(args.shape, args.json, dtypes=dtypes, repeats=args.repeats,
+                                      cache_dir=args.cache_dir)
         return decode.main(args.json, quick=args.quick, dtypes=dtypes, repeats=args.repeats, cache_dir=args.cache_dir)
     if args.what == "structured":
         import json
@@ -126,7 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--builtin", action="store_true", help="structured: also the built-in model (demo checkpoint, "
                        "cached in --cache-dir): unconstrained vs JSON schema vs sample-check-resample")
     bench.add_argument("--quick", action="store_true", help="decode, pipeline: a tiny model and short runs (CI smoke)")
-    bench.add_argument("--dtypes", default="float32,bfloat16", help="decode: comma-separated weight dtypes: float32, bfloat16, int4, int8 (mlx_lm.convert -q of the float32 checkpoint)")
+    bench.add_argument("--shape", help="decode: qwen2.5-0.5b, qwen2.5-1.5b or llama-3.2-1b, a published model's shape at real size "
+                       "(random weights, mlx_lm.convert -q), against mlx-lm and llama.cpp (make bench-deps), with the "
+                       "memory-bandwidth floor; --dtypes int4 (default), int8 or both")
+    bench.add_argument("--dtypes", default=DEFAULT_DECODE_DTYPES, help="decode: comma-separated weight dtypes: float32, bfloat16, int4, int8 (mlx_lm.convert -q of the float32 checkpoint)")
     bench.add_argument("--cache-dir", default="out/bench", help="decode, prompt-cache: where checkpoints and programs are cached")
     bench.add_argument("--vocabs", help="comma-separated vocabulary sizes (default 32000,128256,262144)")
     bench.add_argument("--batches", help="comma-separated batch sizes (default 1,8)")

@@ -21,7 +21,23 @@ BENCH_SIZE = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num
 QUICK_SIZE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2)
 
+# Real sizes for `etmlx bench decode --shape NAME`: the published models' shapes (config.json of
+# Qwen/Qwen2.5-0.5B, Qwen/Qwen2.5-1.5B, meta-llama/Llama-3.2-1B; Llama 3.2's rope scaling is left out,
+# which changes no cost), with random weights.
+SHAPES = {
+    "qwen2.5-0.5b": dict(architecture="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         tie_word_embeddings=True, rope_theta=1000000.0),
+    "qwen2.5-1.5b": dict(architecture="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                         num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                         tie_word_embeddings=True, rope_theta=1000000.0),
+    "llama-3.2-1b": dict(architecture="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                         num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                         tie_word_embeddings=True, rope_theta=500000.0),
+}
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+ARCHITECTURES = ("llama", "qwen2")
 
 
 @dataclass(frozen=True)
@@ -38,26 +54,46 @@ class CheckpointSpec:
     # argmaxes are rarely decided by rounding noise and engines can be compared token by token.
     initializer_range: float = 0.05
     max_position_embeddings: int = 4096
+    architecture: str = "llama"
+    tie_word_embeddings: bool = False
+    rope_theta: float = 10000.0
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"architecture must be one of {ARCHITECTURES}, got {self.architecture!r}")
 
     @property
     def name(self) -> str:
+        # The first three fields' defaults keep the name every earlier cache used for the ~100M Llama.
+        extra = (f"-{self.architecture}" if self.architecture != "llama" else "") + \
+                ("-tied" if self.tie_word_embeddings else "") + \
+                (f"-rope{self.rope_theta:g}" if self.rope_theta != 10000.0 else "")
         return (f"llama-v{self.vocab_size}-h{self.hidden_size}-i{self.intermediate_size}-l{self.num_hidden_layers}"
                 f"-a{self.num_attention_heads}-kv{self.num_key_value_heads}-s{self.seed}"
-                f"-r{self.initializer_range}-{self.dtype}")
+                f"-r{self.initializer_range}-{self.dtype}{extra}")
+
+    @property
+    def parameters(self) -> int:
+        """Parameter count (a tied head counted once), from the shape alone."""
+        h, i, layers, v = self.hidden_size, self.intermediate_size, self.num_hidden_layers, self.vocab_size
+        kv = h // self.num_attention_heads * self.num_key_value_heads
+        qkv_bias = h + 2 * kv if self.architecture == "qwen2" else 0
+        per_layer = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h + qkv_bias
+        return (1 if self.tie_word_embeddings else 2) * v * h + layers * per_layer + h
 
 
 def _config(spec: CheckpointSpec):
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig, Qwen2Config
 
-    return LlamaConfig(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
-                       intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_hidden_layers,
-                       num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
-                       max_position_embeddings=spec.max_position_embeddings, initializer_range=spec.initializer_range,
-                       tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    kind = {"llama": LlamaConfig, "qwen2": Qwen2Config}[spec.architecture]
+    return kind(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+                intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_hidden_layers,
+                num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
+                max_position_embeddings=spec.max_position_embeddings, initializer_range=spec.initializer_range,
+                tie_word_embeddings=spec.tie_word_embeddings, bos_token_id=None, eos_token_id=None,
+                pad_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta})
 
 
 def _save_tokenizer(vocab_size: int, directory: Path) -> None:
@@ -75,12 +111,19 @@ def build(spec: CheckpointSpec, directory: Path) -> None:
 
     Every dtype variant of one size therefore holds the same weights up to rounding.
     """
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(spec.seed)
-    model = LlamaForCausalLM(_config(spec)).eval().to(DTYPES[spec.dtype])
+    model = AutoModelForCausalLM.from_config(_config(spec)).eval().to(DTYPES[spec.dtype])
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)
+    del model
+    # transformers 5 writes rope_theta inside rope_parameters only; mlx-lm 0.32 reads the top-level key (and
+    # would otherwise assume its own default theta), so both are written.
+    config_path = directory / "config.json"
+    saved = json.loads(config_path.read_text())
+    saved["rope_theta"] = spec.rope_theta
+    config_path.write_text(json.dumps(saved, indent=2))
     _save_tokenizer(spec.vocab_size, directory)
     (directory / "bench_spec.json").write_text(json.dumps(asdict(spec)))
 

@@ -13,6 +13,7 @@ for other bits) is refused by tensor name rather than decoded as whichever of th
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -109,7 +110,10 @@ def load_mlx_quantized(model_dir: Path, dtype: torch.dtype) -> nn.Module:
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"{model_dir}: a quantized {config.model_type!r} checkpoint is not supported "
                          f"(quantized checkpoints of {', '.join(SUPPORTED_MODEL_TYPES)} are)")
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager").eval()
+    # Parameters are made on the meta device: a float copy of the whole model (2 GB at 0.5B in float32, built
+    # and randomly initialised) would be thrown away, since every parameter comes from the checkpoint below.
+    with _parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager").eval()
     tensors = _read_weights(model_dir)
     for prefix in sorted(k[: -len(".scales")] for k in tensors if k.endswith(".scales")):
         module = model.get_submodule(prefix)
@@ -131,14 +135,39 @@ def load_mlx_quantized(model_dir: Path, dtype: torch.dtype) -> nn.Module:
         # mlx-lm stores no lm_head for a tied model: the head multiplies by the quantized table.
         model.lm_head = QuantizedLinear(*quantized_embedding.packed())
     missing, unexpected = model.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v
-                                                 for k, v in tensors.items()}, strict=False)
+                                                 for k, v in tensors.items()}, strict=False, assign=True)
     # Quantized modules took their tensors above; rotary tables are computed; a tied head is the embedding.
     missing = [k for k in missing if not (k.endswith("inv_freq") or _quantized_owner(model, k)
                                           or (tied and k == "lm_head.weight"))]
     if missing or unexpected:
         raise ValueError(f"{model_dir}: weights do not match the {config.model_type} config "
                          f"(missing {missing[:4]}, unexpected {unexpected[:4]})")
+    if tied and isinstance(getattr(model, "lm_head", None), nn.Linear):
+        # assign=True gave the embedding a new Parameter; the float head must be that one again.
+        model.lm_head.weight = model.get_input_embeddings().weight
+    left = [name for name, p in model.named_parameters() if p.is_meta]
+    if left:
+        raise ValueError(f"{model_dir}: no weights for {left[:4]}")
     return model
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Every nn.Parameter registered inside goes to the meta device (no memory, no initialisation); buffers
+    (rotary tables, computed from the config) stay real. What accelerate's init_empty_weights does."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None:
+            kept = module._parameters[name]
+            module._parameters[name] = nn.Parameter(kept.to("meta"), requires_grad=kept.requires_grad)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
 
 
 def _quantized_owner(model: nn.Module, key: str) -> bool:
