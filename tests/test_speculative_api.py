@@ -90,7 +90,8 @@ def test_draft_options_are_one_line_errors(programs):
              (draft, {"num_draft_tokens": K + 1}, f"num_draft_tokens must be 0..{K}"),
              (draft, {"num_draft_tokens": -1}, f"num_draft_tokens must be 0..{K}"),
              (draft, {"draft": "model"}, "draft must be one of ngram, none"),
-             (draft, {"draft": "ngram", "prediction": "x"}, "give prediction or draft, not both")]
+             (draft, {"draft": "ngram", "prediction": "x"}, "give prediction or draft, not both"),
+             (draft, {"prediction": [5, 10_000]}, r"prediction token ids must be in \[0, ")]
     for model, options, message in cases:
         with pytest.raises(ValueError, match=message) as info:
             etmlx.generate(model, TEXT, 4, **options)

@@ -4,6 +4,7 @@
 num_draft_tokens=...)`) all build a Speculation here: a draft source (draft_sources.py) and the most drafts
 per call, checked against the program's K. text_generation.stream_text then decodes through it as it does
 through the plain loop, so the text, stop strings and prompt cache work the same on both.
+
 load_decoder opens a program with the loop that drives it: SpeculativeDecoder for a --draft-tokens program,
 else the plain Decoder.
 """
@@ -12,9 +13,8 @@ from __future__ import annotations
 
 from contextlib import closing
 from dataclasses import dataclass
-from typing import Iterator
-
 from pathlib import Path
+from typing import Iterator
 
 from backends.mlx.llm.decoder.draft_sources import DraftBudget, NgramDraft, PredictionDraft
 from backends.mlx.llm.decoder.loop import Decoder, Step
@@ -87,5 +87,8 @@ def speculation(decoder, prediction=None, draft: str | None = None, num_draft_to
         raise ValueError(f"{name('num_draft_tokens')} must be 0..{k_max} (the program's --draft-tokens), got {k!r}")
     if prediction is not None:
         tokenizer = decoder.tokenizer if decoder.has_tokenizer else None
-        return Speculation(PredictionDraft(prediction_ids(tokenizer, prediction)), k)
+        ids = prediction_ids(tokenizer, prediction)
+        if any(not 0 <= t < decoder.meta.vocab_size for t in ids):  # drafts are fed to the model's embedding
+            raise ValueError(f"prediction token ids must be in [0, {decoder.meta.vocab_size})")
+        return Speculation(PredictionDraft(ids), k)
     return Speculation(NgramDraft() if draft in (None, "ngram") else None, k)
