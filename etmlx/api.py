@@ -4,6 +4,11 @@ A prompt is text (tokenized as the tokenizer's own template frames it: see llm/d
 a list of chat messages ({"role", "content"}: rendered by the chat template), or a list of token ids.
 Sampling options are SamplingParams' fields (temperature, seed, top_k, top_p, min_p, the penalties,
 logit_bias); the defaults are off, so the default is greedy decoding.
+
+A program exported with --draft-tokens K loads as a SpeculativeDecoder and decodes speculatively, with the
+plain program's tokens: drafts from prompt lookup by default, `prediction=` (Predicted Outputs: the expected
+output, text or token ids), `draft="none"`, and `num_draft_tokens=` (at most K) as `etmlx generate` takes them
+(llm/decoder/speculation.py).
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from typing import Iterator
 
 from backends.mlx.llm.decoder.loop import Decoder
 from backends.mlx.llm.decoder.prompt import chat_prompt, encode_prompt
+from backends.mlx.llm.decoder.speculation import load_decoder, speculation
+from backends.mlx.llm.decoder.speculative import SpeculativeDecoder
 from backends.mlx.llm.sampler.params import SamplingParams
 from backends.mlx.llm.decoder.text_generation import Response, stream_text
 
@@ -22,9 +29,17 @@ DEFAULT_MAX_TOKENS = 256  # as mlx-lm; capped by what the program's cache has ro
 __all__ = ["PromptCache", "Response", "generate", "load", "make_prompt_cache", "stream_generate"]
 
 
-def load(path: str | Path) -> Decoder:
+Model = Decoder | SpeculativeDecoder  # what load returns: the plain loop, or the loop of a --draft-tokens program
+
+
+def load(path: str | Path) -> Model:
     """The program at `path` (a .pte from `etmlx export`), ready to generate; `.tokenizer` is its tokenizer."""
-    return Decoder(Path(path))
+    return load_decoder(Path(path))
+
+
+def _check_model(model) -> None:
+    if not isinstance(model, (Decoder, SpeculativeDecoder)):
+        raise TypeError(f"model must be what etmlx.load returns, got {type(model).__name__}")
 
 
 class PromptCache:
@@ -36,9 +51,8 @@ class PromptCache:
     runtime has no call that reads or writes them, so a cache cannot be saved to a file (mlx-lm's
     save_prompt_cache) and lasts as long as the loaded model."""
 
-    def __init__(self, model: Decoder):
-        if not isinstance(model, Decoder):
-            raise TypeError(f"model must be what etmlx.load returns, got {type(model).__name__}")
+    def __init__(self, model: Model):
+        _check_model(model)
         self.model = model
         self.tokens: list[int] = []
 
@@ -46,12 +60,12 @@ class PromptCache:
         return len(self.tokens)
 
 
-def make_prompt_cache(model: Decoder) -> PromptCache:
+def make_prompt_cache(model: Model) -> PromptCache:
     """An empty conversation for `model` (mlx-lm's make_prompt_cache)."""
     return PromptCache(model)
 
 
-def _prompt_ids(model: Decoder, prompt) -> list[int]:
+def _prompt_ids(model: Model, prompt) -> list[int]:
     if isinstance(prompt, str):
         return encode_prompt(model.tokenizer, prompt)
     if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
@@ -69,16 +83,20 @@ def _params(sampling: dict) -> SamplingParams:
     return SamplingParams(**sampling)
 
 
-def stream_generate(model: Decoder, prompt, max_tokens: int | None = None, *, stop=(),
-                    prompt_cache: PromptCache | None = None, **sampling) -> Iterator[Response]:
+def stream_generate(model: Model, prompt, max_tokens: int | None = None, *, stop=(),
+                    prompt_cache: PromptCache | None = None, prediction=None, draft: str | None = None,
+                    num_draft_tokens: int | None = None, **sampling) -> Iterator[Response]:
     """Yield a Response per generated token: `.text` (the new piece of text), `.token`, `.logprobs`
     (token id -> logprob, when the program was exported with --logprobs N), `.finish_reason` (on the last:
     "stop" or "length"), and prompt/generation token counts and rates. With `prompt_cache`, `prompt` is
-    what follows the conversation so far, and `.cached_tokens` says how much of it was not prefilled."""
-    if not isinstance(model, Decoder):
-        raise TypeError(f"model must be what etmlx.load returns, got {type(model).__name__}")
+    what follows the conversation so far, and `.cached_tokens` says how much of it was not prefilled.
+    On a --draft-tokens program: `prediction` (text or token ids), `draft` ("ngram", the default, or "none")
+    and `num_draft_tokens` choose the drafts, and `.proposed_draft_tokens` / `.accepted_draft_tokens` count
+    them so far; on a plain program they are a ValueError."""
+    _check_model(model)
     if prompt_cache is not None and (not isinstance(prompt_cache, PromptCache) or prompt_cache.model is not model):
         raise TypeError("prompt_cache must be make_prompt_cache(model) of this same model")
+    drafts = speculation(model, prediction, draft, num_draft_tokens)
     ids = _prompt_ids(model, prompt)
     if prompt_cache is not None:
         ids = prompt_cache.tokens + ids
@@ -86,7 +104,8 @@ def stream_generate(model: Decoder, prompt, max_tokens: int | None = None, *, st
     if max_tokens is None:
         max_tokens = max(1, min(DEFAULT_MAX_TOKENS, model.meta.max_seq_len - len(ids)))
     tokenizer = model.tokenizer if model.has_tokenizer else None
-    responses = stream_text(model, ids, max_tokens, params, stop, tokenizer, reuse=prompt_cache is not None)
+    responses = stream_text(model, ids, max_tokens, params, stop, tokenizer, reuse=prompt_cache is not None,
+                            speculation=drafts)
     return responses if prompt_cache is None else _recorded(responses, ids, prompt_cache)
 
 
@@ -101,11 +120,12 @@ def _recorded(responses: Iterator[Response], ids: list[int], cache: PromptCache)
         cache.tokens = ids + generated
 
 
-def generate(model: Decoder, prompt, max_tokens: int | None = None, *, verbose: bool = False, stop=(),
-             **sampling) -> str:
-    """The whole generated text; with verbose, also streamed to stdout followed by the counts and rates."""
+def generate(model: Model, prompt, max_tokens: int | None = None, *, verbose: bool = False, stop=(),
+             **options) -> str:
+    """The whole generated text; with verbose, also streamed to stdout followed by the counts and rates.
+    `options`: stream_generate's (prompt_cache, the draft options, sampling)."""
     pieces, last = [], None
-    for last in stream_generate(model, prompt, max_tokens, stop=stop, **sampling):
+    for last in stream_generate(model, prompt, max_tokens, stop=stop, **options):
         pieces.append(last.text)
         if verbose:
             print(last.text, end="", flush=True)
@@ -114,4 +134,6 @@ def generate(model: Decoder, prompt, max_tokens: int | None = None, *, verbose: 
         print("=" * 10)
         print(f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.3f} tokens-per-sec")
         print(f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.3f} tokens-per-sec")
+        if isinstance(model, SpeculativeDecoder):
+            print(f"Drafts: {last.accepted_draft_tokens} of {last.proposed_draft_tokens} accepted")
     return "".join(pieces)

@@ -3,7 +3,9 @@ turn, each reply streamed as it decodes. Lines from a pipe work too (no prompt i
 
 /reset clears the conversation, /exit (or end of input) ends it. Each turn re-renders the whole
 conversation; the program's KV cache still holds the turns before (row_caches.py), so only the new
-part is prefilled. When it no longer fits the program's max_seq_len with room for a reply, the oldest
+part is prefilled. A --draft-tokens program decodes each reply speculatively (the same tokens), its drafts by
+default from prompt lookup over the conversation so far (cli/draft_flags.py), the cache reused the same way;
+the drafts accepted are summed up on stderr at the end. When it no longer fits the program's max_seq_len with room for a reply, the oldest
 exchanges are dropped, and said so (the next turn then prefills from the start).
 """
 
@@ -53,12 +55,14 @@ class Conversation:
 
 
 def run_chat(args, params) -> int:
+    from backends.mlx.cli.draft_flags import speculation_from_args
     from backends.mlx.cli.generate_command import pte_path
-    from backends.mlx.llm.decoder.loop import Decoder
     from backends.mlx.llm.decoder.prompt import has_chat_template
+    from backends.mlx.llm.decoder.speculation import load_decoder
     from backends.mlx.llm.decoder.text_generation import stream_text
 
-    decoder = Decoder(pte_path(args))
+    decoder = load_decoder(pte_path(args))
+    drafts = speculation_from_args(args, decoder)  # None: a plain program
     tokenizer = decoder.tokenizer  # raises, naming the missing tokenizer
     if not has_chat_template(tokenizer):
         raise ValueError(f"{decoder.pte}'s tokenizer has no chat template: use etmlx generate "
@@ -66,6 +70,7 @@ def run_chat(args, params) -> int:
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     chat = Conversation(tokenizer, decoder.meta.max_seq_len, args.max_tokens, args.system_prompt)
+    proposed = accepted = 0
     interactive = sys.stdin.isatty()
     if interactive:
         _say(HELP)
@@ -92,10 +97,14 @@ def run_chat(args, params) -> int:
         if prompt is None:
             continue
         budget = min(args.max_tokens, decoder.meta.max_seq_len - len(prompt))
-        reply = []
-        for response in stream_text(decoder, prompt, budget, params, args.stop, tokenizer, reuse=True):
-            reply.append(response.text)
-            print(response.text, end="", flush=True)
+        reply, last = [], None
+        for last in stream_text(decoder, prompt, budget, params, args.stop, tokenizer, reuse=True, speculation=drafts):
+            reply.append(last.text)
+            print(last.text, end="", flush=True)
         print(flush=True)
         chat.answered("".join(reply))
+        if last is not None:
+            proposed, accepted = proposed + last.proposed_draft_tokens, accepted + last.accepted_draft_tokens
+    if drafts is not None:
+        _say(f"[speculative decoding: {accepted} of {proposed} drafted tokens accepted]")
     return 0

@@ -1,5 +1,7 @@
 """`etmlx generate`: one prompt through the on-device decode loop, streaming text (flags as mlx_lm.generate
-names them where they mean the same). Imports no exporter: see tests/test_text_api.py."""
+names them where they mean the same). A --draft-tokens program decodes speculatively (cli/draft_flags.py);
+`--json` then adds "draft": {"proposed": P, "accepted": A, "calls": C}. Imports no exporter: see
+tests/test_text_api.py."""
 
 from __future__ import annotations
 
@@ -23,19 +25,13 @@ def run_generate(args, params) -> int:
     pte = pte_path(args)
     if not pte.is_file():  # before the decoder's imports (torch, ~2 s): a typo fails at once
         raise FileNotFoundError(f"{pte} does not exist")
-    from backends.mlx.llm.decoder.loop import Decoder
-    from backends.mlx.llm.decoder.meta import DecoderMeta
+    from backends.mlx.cli.draft_flags import speculation_from_args
+    from backends.mlx.llm.decoder.speculation import load_decoder
     from backends.mlx.llm.decoder.text_generation import stream_text
 
-    if DecoderMeta.load(pte).draft_tokens:
-        from backends.mlx.cli.speculative_generate import run_speculative
-
-        return run_speculative(args, params, pte)
-    if args.prediction is not None or args.num_draft_tokens is not None:
-        raise ValueError(f"--prediction and --num-draft-tokens need a program exported with --draft-tokens K; "
-                         f"{pte} verifies no drafts")
     constraint = constraint_from_args(args)
-    decoder = Decoder(pte)
+    decoder = load_decoder(pte)  # a --draft-tokens program decodes speculatively: the same tokens
+    drafts = speculation_from_args(args, decoder, constraint)
     if constraint is not None:
         decoder.matcher(constraint)  # a bad schema / regex / grammar, or no mask input: one line, before decoding
     prompt = prompt_ids(args, decoder)
@@ -44,7 +40,8 @@ def run_generate(args, params) -> int:
     tokenizer = decoder.tokenizer if decoder.has_tokenizer else None
     tokens, logprobs, tops, text = [], [], [], []
     last = None
-    for response in stream_text(decoder, prompt, args.max_tokens, params, args.stop, tokenizer, constraint):
+    for response in stream_text(decoder, prompt, args.max_tokens, params, args.stop, tokenizer, constraint,
+                                speculation=drafts):
         last = response
         tokens.append(response.token)
         if response.logprob is not None:
@@ -59,6 +56,9 @@ def run_generate(args, params) -> int:
     report = {"prompt_tokens": len(prompt), "completion_tokens": len(tokens), "finish_reason": last.finish_reason,
               "time_to_first_token_s": round(ttft, 6), "prefill_tokens_per_s": round(last.prompt_tps, 2),
               "decode_tokens_per_s": round(last.generation_tps, 2)}
+    if drafts is not None:
+        report["draft"] = {"proposed": last.proposed_draft_tokens, "accepted": last.accepted_draft_tokens,
+                           "calls": decoder.stats.calls}
     if args.json:
         out = {"tokens": tokens, **report}
         if tokenizer is not None:
@@ -70,5 +70,13 @@ def run_generate(args, params) -> int:
     else:
         print()
         print(f"[{len(prompt)} prompt tokens, {len(tokens)} generated, finish: {last.finish_reason}; "
-              f"time to first token {ttft * 1000:.1f} ms, decode {last.generation_tps:.1f} tok/s]", file=sys.stderr)
+              f"time to first token {ttft * 1000:.1f} ms, decode {last.generation_tps:.1f} tok/s{_drafts(report)}]",
+              file=sys.stderr)
     return 0
+
+
+def _drafts(report: dict) -> str:
+    if "draft" not in report:
+        return ""
+    draft = report["draft"]
+    return f"; drafts accepted {draft['accepted']}/{draft['proposed']} in {draft['calls']} calls"

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from backends.mlx.cli.draft_flags import add_draft_flags
 from backends.mlx.cli.knob_flags import add_knob_arguments, params_from_args
 from backends.mlx.llm.sampler.knobs import FEATURE_FLAGS, parse_features
 
@@ -196,19 +197,12 @@ def add_parsers(sub) -> None:
     structured.add_argument("--regex", metavar="R", help="the output matches this regular expression")
     structured.add_argument("--choice", metavar="A,B,C", help="the output is one of these comma-separated strings")
     structured.add_argument("--grammar", metavar="FILE", help="the output matches this Lark or GBNF grammar")
-    # Programs exported with --draft-tokens K decode speculatively (cli/speculative_generate.py): same tokens.
-    generate.add_argument("--draft", choices=["ngram", "none"], default="ngram",
-                          help="--draft-tokens programs: where drafts come from: prompt lookup over the prompt and "
-                               "the output (default), or none")
-    generate.add_argument("--prediction", metavar="TEXT|@FILE",
-                          help="--draft-tokens programs: the expected output (Predicted Outputs), used as drafts; "
-                               "token ids with --prompt-ids")
-    generate.add_argument("--num-draft-tokens", type=int,
-                          help="--draft-tokens programs: most drafts per call (default the program's K)")
+    add_draft_flags(generate, prediction=True)  # --draft-tokens programs decode speculatively: same tokens
     generate.set_defaults(func=run_generate)
 
     chat = sub.add_parser("chat", help="a multi-turn conversation with an exported .pte (lines from stdin, replies "
                                        "streamed; /reset, /exit)")
     _text_flags(chat, max_tokens=256)
     add_knob_arguments(chat)
+    add_draft_flags(chat, prediction=False)
     chat.set_defaults(func=run_chat)

@@ -11,6 +11,11 @@ program's acceptance draws are the plain sampler's own (sampler/draft_verificati
 sampled tokens are the plain loop's tokens, whatever the source proposes. The first call (the prefill) may
 carry drafts already (a prediction's first tokens). A batched program decodes the sequence in row 0, as
 loop.py does; the other rows idle.
+
+Row 0's KV cache outlives a stream, as the plain loop's rows do (row_caches.py): `stream(..., reuse=True)`
+prefills only what it does not hold yet (`etmlx chat`, the Python API's prompt_cache). The record holds the
+tokens each call fed and the drafts it accepted; a rejected draft's position is past the record's end, so the
+next call overwrites it before any reuse could count it. Draft programs keep full-length caches (no rings).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch
 from backends.mlx.llm.decoder.draft_sources import DraftBudget
 from backends.mlx.llm.decoder.loop import check_prompt
 from backends.mlx.llm.decoder.meta import DecoderMeta
+from backends.mlx.llm.decoder.row_caches import RowCaches
 from backends.mlx.llm.decoder.step_inputs import step_inputs
 from backends.mlx.llm.decoder.tokenizer_files import ProgramTokenizer
 from backends.mlx.llm.sampler.params import SamplingParams
@@ -54,6 +60,9 @@ class SpeculativeDecoder(ProgramTokenizer):
         self.meta.check_program(self.pte, self.method.input_specs(), drafts=True)
         self.stats = DraftStats()  # the last stream's calls and drafts
         self.first_call = (0.0, 0)  # (time, tokens) when the last stream's first call returned
+        self.caches = RowCaches(1, self.meta.max_seq_len, ring=self.meta.ring_cache is not False)  # row 0's
+        self.last_cached = 0  # prompt tokens the last stream found in row 0's cache (not prefilled)
+        self._active = False
 
     def _call(self, tokens: list[int], drafts: list[int], start: int, params: SamplingParams, step: int):
         idle = self.meta.batch - 1
@@ -71,21 +80,38 @@ class SpeculativeDecoder(ProgramTokenizer):
         return drafts[:n] + [int(token[0])]
 
     def stream(self, prompt_ids, max_tokens: int, params: SamplingParams | None = None, draft=None,
-               stop_at_eos: bool = True, budget: DraftBudget | None = None) -> Iterator[int]:
-        """Token ids, as the plain loop (loop.py) would yield them; `draft`: a source (draft_sources.py) or None."""
+               stop_at_eos: bool = True, budget: DraftBudget | None = None, reuse: bool = False) -> Iterator[int]:
+        """Token ids, as the plain loop (loop.py) would yield them; `draft`: a source (draft_sources.py) or None.
+        `reuse`: start from the longest prefix of the prompt that row 0's cache still holds (`last_cached`)."""
         params = params or SamplingParams()
         params.check(self.meta.config, self.meta.vocab_size)
         prompt = check_prompt(self.meta, prompt_ids, max_tokens)
         budget = budget or DraftBudget(self.meta.draft_tokens)
+        if self._active:  # its calls would write into the unfinished one's row
+            raise RuntimeError("another generation of this SpeculativeDecoder is unfinished: exhaust or close() it "
+                               "first")
+        self._active = True
+        try:
+            yield from self._stream(prompt, max_tokens, params, draft, stop_at_eos, budget, reuse)
+        finally:
+            self._active = False
+
+    def _stream(self, prompt, max_tokens, params, draft, stop_at_eos, budget, reuse) -> Iterator[int]:
         self.stats = DraftStats()  # this stream's
+        self.last_cached = self.caches.reusable(0, prompt) if reuse else 0
         output: list[int] = []
-        fed = prompt  # tokens of the next call before its drafts
+        fed = prompt[self.last_cached:]  # tokens of the next call before its drafts
         while len(output) < max_tokens:
             # Room: the call emits up to k + 1 tokens, all within max_tokens (the cache then has room too).
             k = min(budget.size(), self.meta.draft_tokens, max_tokens - len(output) - 1)
             drafts = list(draft.propose(prompt, output, k))[:k] if draft is not None and k > 0 else []
             start = len(prompt) + len(output) - len(fed)
-            new = self._call(fed, drafts, start, params, len(output))
+            try:
+                new = self._call(fed, drafts, start, params, len(output))
+            except BaseException:  # a failed call may have left the cache half written
+                self.caches.forget()
+                raise
+            self.caches.wrote(0, start, fed + new[:-1])  # the accepted drafts; the last token is not fed yet
             if not output:
                 self.first_call = (time.perf_counter(), len(new))
             budget.update(len(drafts), len(new) - 1)

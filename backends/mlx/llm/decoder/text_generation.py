@@ -10,6 +10,7 @@ end-of-sequence token itself adds no text.
 from __future__ import annotations
 
 import time
+from contextlib import closing
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -28,6 +29,8 @@ class Response:
     generation_tokens: int
     generation_tps: float  # tokens after the first / time since the first
     cached_tokens: int = 0  # prompt tokens the prompt cache supplied (not prefilled again)
+    proposed_draft_tokens: int = 0  # speculative decoding (a --draft-tokens program): drafts sent so far
+    accepted_draft_tokens: int = 0  # of those, accepted (each one a token without a call of its own)
 
     @property
     def logprobs(self) -> dict[int, float] | None:
@@ -39,18 +42,28 @@ class Response:
 
 
 def stream_text(decoder, prompt_ids: list[int], max_tokens: int, params=None, stop=(),
-                tokenizer=None, constraint=None, reuse: bool = False) -> Iterator[Response]:
+                tokenizer=None, constraint=None, reuse: bool = False, speculation=None) -> Iterator[Response]:
     """Responses for one generation; `tokenizer` None gives '' texts (token ids only); `constraint`
     (constraints.Constraint) makes the output match a schema, regex, choice or grammar; `reuse`: start
-    from what the program's row caches hold of the prompt (Decoder.stream)."""
+    from what the program's row caches hold of the prompt (Decoder.stream). `speculation`
+    (speculation.Speculation): `decoder` is a SpeculativeDecoder, decoded with these drafts."""
     stops = StopStrings(stop)
     if stops.stops and tokenizer is None:
         raise ValueError("stop strings need text: this program has no tokenizer")
     detok = IncrementalDetokenizer(tokenizer, prompt_ids) if tokenizer is not None else None
+    if speculation is not None:
+        steps = speculation.steps(decoder, prompt_ids, max_tokens, params, constraint=constraint, reuse=reuse)
+    else:
+        steps = decoder.stream(prompt_ids, max_tokens, params, constraint=constraint, reuse=reuse)
+    with closing(steps):  # leaving early (a stop string) ends the decoder's generation now, not at collection
+        yield from _responses(decoder, steps, prompt_ids, max_tokens, stops, detok, speculation is not None)
+
+
+def _responses(decoder, steps, prompt_ids, max_tokens, stops, detok, speculative) -> Iterator[Response]:
     start = time.perf_counter()
     first = None
     count = 0
-    for step in decoder.stream(prompt_ids, max_tokens, params, constraint=constraint, reuse=reuse):
+    for step in steps:
         now = time.perf_counter()
         first = first or now
         count += 1
@@ -63,6 +76,8 @@ def stream_text(decoder, prompt_ids: list[int], max_tokens: int, params=None, st
                        prompt_tokens=len(prompt_ids), prompt_tps=len(prompt_ids) / max(first - start, 1e-9),
                        generation_tokens=count,
                        generation_tps=(count - 1) / (now - first) if count > 1 and now > first else 0.0,
-                       cached_tokens=decoder.last_cached)
+                       cached_tokens=decoder.last_cached,
+                       proposed_draft_tokens=decoder.stats.proposed if speculative else 0,
+                       accepted_draft_tokens=decoder.stats.accepted if speculative else 0)
         if finish:
             return

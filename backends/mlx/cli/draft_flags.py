@@ -1,0 +1,49 @@
+"""The speculative-decoding flags of `etmlx generate` and `etmlx chat`, and what they ask for: a program exported
+with --draft-tokens K decodes speculatively (llm/decoder/speculation.py, the Python API's path too) with the plain
+program's tokens; drafts come from prompt lookup (`--draft ngram`, the default) or, for generate, a predicted
+output (`--prediction TEXT|@FILE`). On a plain program the flags are a one-line error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def add_draft_flags(parser, prediction: bool) -> None:
+    parser.add_argument("--draft", choices=["ngram", "none"],
+                        help="--draft-tokens programs: where drafts come from: prompt lookup over the prompt and "
+                             "the output (default ngram), or none")
+    if prediction:
+        parser.add_argument("--prediction", metavar="TEXT|@FILE",
+                            help="--draft-tokens programs: the expected output (Predicted Outputs), used as drafts; "
+                                 "token ids with --prompt-ids")
+    parser.add_argument("--num-draft-tokens", type=int,
+                        help="--draft-tokens programs: most drafts per call (default the program's K)")
+
+
+def prediction_text(value: str) -> str:
+    """--prediction TEXT, or @FILE for a file's contents."""
+    if not value.startswith("@"):
+        return value
+    try:
+        return Path(value[1:]).read_text()
+    except OSError as exc:
+        raise ValueError(f"--prediction: cannot read {value[1:]}: {exc.strerror}") from None
+
+
+def speculation_from_args(args, decoder, constraint=None):
+    """The Speculation the flags ask for on `decoder` (None: a plain program, decoded by the plain loop)."""
+    from backends.mlx.llm.decoder.speculation import STRUCTURED_HINT, speculation
+
+    prediction = getattr(args, "prediction", None)
+    if prediction is not None:
+        if getattr(args, "prompt_ids", None) is not None:
+            try:  # with token-id prompts, a prediction is token ids too
+                prediction = [int(t) for t in prediction.split(",") if t.strip()]
+            except ValueError:
+                raise ValueError("--prediction with --prompt-ids must be comma-separated token ids") from None
+        else:
+            prediction = prediction_text(prediction)
+    drafts = speculation(decoder, prediction, args.draft, args.num_draft_tokens, flags=True)
+    if drafts is not None and constraint is not None:
+        raise ValueError(f"{decoder.pte} {STRUCTURED_HINT} (--json-schema/--regex/--choice/--grammar)")
+    return drafts
