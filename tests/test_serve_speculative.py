@@ -253,3 +253,24 @@ def test_structured_output_on_a_draft_program_is_a_400(server, field, value):
                                                 max_tokens=2, extra_body={field: value})
     error = info.value.body
     assert error["param"] == field and "--draft-tokens" in error["message"] and "\n" not in error["message"]
+
+
+def test_each_choice_follows_its_own_prediction_cursor(server, programs, tokenizer):
+    """n = 2 seeded choices (seeds s and s + max_seq_len) share one prediction: each choice is its plain tokens,
+    and usage sums both rows' counts."""
+    prompt_ids = prompt_rules.encode_prompt(tokenizer, PROMPTS[0])
+    seeds = [3, 3 + MAX_SEQ_LEN]
+    texts = [tokenizer.decode(_plain_tokens(programs, prompt_ids, SamplingParams(
+        temperature=0.8, seed=s, top_p=0.9, logit_bias={tokenizer.eos_token_id: -100.0}))) for s in seeds]
+    assert texts[0] != texts[1]
+    r = _client(server).completions.create(model="draft", prompt=PROMPTS[0], max_tokens=TOKENS, n=2,
+                                           logit_bias=_no_eos(tokenizer), **SAMPLING["seeded"],
+                                           extra_body={"prediction": {"type": "content", "content": texts[0]}})
+    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == texts
+    counts = [0, 0]
+    for s, text in zip(seeds, texts):
+        params = SamplingParams(temperature=0.8, seed=s, top_p=0.9, logit_bias={tokenizer.eos_token_id: -100.0})
+        draft = PredictionDraft(tokenizer.encode(texts[0], add_special_tokens=False))
+        _, proposed, accepted = _speculative_stats(programs, prompt_ids, params, draft)
+        counts = [counts[0] + accepted, counts[1] + proposed - accepted]
+    assert _counts(r.usage) == tuple(counts) and counts[0] > 0

@@ -79,7 +79,10 @@ class OpenAIRoutes:
                             else service.off_loop(completion_prompt, body, service.tokenizer, service.meta))
             job = build_job(body, service.meta, prompt, chat=chat)
             if predicted is not None:
-                job.prediction = await service.off_loop(prediction_tokens, predicted, service.tokenizer)
+                # Its first 2 x max_seq_len tokens: an output never holds more than max_seq_len, and a re-alignment
+                # (draft_sources.py) scans the prediction on the engine thread, so an endless one would slow every row.
+                tokens = await service.off_loop(prediction_tokens, predicted, service.tokenizer)
+                job.prediction = tokens[:2 * service.meta.max_seq_len]
             texts = [ChoiceText(service.tokenizer, prompt, job.stops, service.meta.eos_token_ids)
                      for _ in job.choices]
             constraint = constraint_from_body(body)
