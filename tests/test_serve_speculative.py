@@ -25,7 +25,7 @@ from backends.mlx.llm.decoder.speculative import SpeculativeDecoder
 from backends.mlx.llm.sampler.config import SamplerConfig
 from backends.mlx.llm.sampler.params import SamplingParams
 from backends.mlx.serve.app import ServerThread
-from serve_helpers import bit_exact_batching
+from serve_helpers import bit_exact_batching, lmtp_exchange
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]  # servers on threads, two decoder exports
 
@@ -274,3 +274,20 @@ def test_each_choice_follows_its_own_prediction_cursor(server, programs, tokeniz
         _, proposed, accepted = _speculative_stats(programs, prompt_ids, params, draft)
         counts = [counts[0] + accepted, counts[1] + proposed - accepted]
     assert _counts(r.usage) == tuple(counts) and counts[0] > 0
+
+
+def test_lmtp_generate_drafts_by_prompt_lookup(server, programs, tokenizer):
+    import asyncio
+
+    prompt_ids = prompt_rules.encode_prompt(tokenizer, PROMPTS[1])
+    plain = _plain_tokens(programs, prompt_ids, _params(tokenizer, "seeded"))
+    request = {"stream_id": 1, "prompt": prompt_ids, "max_tokens": TOKENS, **SAMPLING["seeded"],
+               "logit_bias": _no_eos(tokenizer)}
+
+    def finished(messages):
+        return any(kind == "TOKEN" and any(e.get("finish_reason") for e in payload) for kind, payload in messages)
+
+    messages = asyncio.run(lmtp_exchange(server, ["GENERATE " + json.dumps(request)], finished))
+    tokens = [e["token"] for kind, payload in messages if kind == "TOKEN" for e in payload
+              if e.get("token") is not None]
+    assert tokens == plain
