@@ -120,7 +120,8 @@ def test_completion_tokens_are_the_plain_programs(server, programs, tokenizer, s
                                            logit_bias=_no_eos(tokenizer), **SAMPLING[sampling], extra_body=extra)
     assert r.choices[0].text == plain_text
     assert r.usage.completion_tokens == len(plain) == TOKENS
-    draft = NgramDraft() if predicted is None else PredictionDraft(tokenizer.encode(predicted, add_special_tokens=False))
+    draft = (NgramDraft() if predicted is None
+             else PredictionDraft(tokenizer.encode(predicted, add_special_tokens=False)))
     tokens, proposed, accepted = _speculative_stats(programs, prompt_ids, params, draft)
     assert tokens == plain
     if predicted is None:

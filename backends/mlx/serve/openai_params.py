@@ -263,8 +263,12 @@ def prediction_text(body: dict) -> str | None:
     return content
 
 
-def prediction_tokens(text: str, tokenizer) -> list[int]:
-    """The predicted text's token ids (no special tokens: it continues the output, not a new sequence)."""
+def prediction_tokens(text: str, tokenizer, meta: DecoderMeta) -> list[int]:
+    """The predicted text's token ids (no special tokens: it continues the output, not a new sequence), cut to
+    the first 2 x max_seq_len (an output never holds more, and re-aligning (draft_sources.py) scans the
+    prediction on the engine thread: an endless one would slow every row) and before any id the model has no
+    embedding for (a tokenizer with more tokens than the model). Drafts only change speed, so cutting is safe."""
     if tokenizer is None:
         raise ApiError("'prediction' needs a tokenizer and this .pte has none", param="prediction")
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    tokens = list(tokenizer.encode(text, add_special_tokens=False))[:2 * meta.max_seq_len]
+    return tokens[:next((i for i, t in enumerate(tokens) if not 0 <= t < meta.vocab_size), len(tokens))]

@@ -1,9 +1,9 @@
 """The OpenAI-compatible endpoints: /v1/completions, /v1/chat/completions, /v1/models.
 
-Each choice (n) is its own engine row. OpenAI's `prediction` (Predicted Outputs) gives each row of a
-draft-verifying program its own PredictionDraft; a plain program serves it without drafts (usage counts 0). A choice that hits a stop string is cancelled in the engine
+Each choice (n) is its own engine row. A choice that hits a stop string is cancelled in the engine
 at once; a client that goes away mid-request cancels all its rows (the write fails, or aiohttp
-cancels the handler).
+cancels the handler). OpenAI's `prediction` (Predicted Outputs) gives each row of a draft-verifying
+program its own PredictionDraft; a plain program serves it without drafts (usage counts 0).
 """
 
 from __future__ import annotations
@@ -79,10 +79,7 @@ class OpenAIRoutes:
                             else service.off_loop(completion_prompt, body, service.tokenizer, service.meta))
             job = build_job(body, service.meta, prompt, chat=chat)
             if predicted is not None:
-                # Its first 2 x max_seq_len tokens: an output never holds more than max_seq_len, and a re-alignment
-                # (draft_sources.py) scans the prediction on the engine thread, so an endless one would slow every row.
-                tokens = await service.off_loop(prediction_tokens, predicted, service.tokenizer)
-                job.prediction = tokens[:2 * service.meta.max_seq_len]
+                job.prediction = await service.off_loop(prediction_tokens, predicted, service.tokenizer, service.meta)
             texts = [ChoiceText(service.tokenizer, prompt, job.stops, service.meta.eos_token_ids)
                      for _ in job.choices]
             constraint = constraint_from_body(body)
