@@ -34,6 +34,7 @@ class ChoiceText:
         self.eos_ids = set(eos_ids)
         self.completion_tokens = 0
         self.cached_tokens = 0  # prompt tokens its engine row reused (usage.prompt_tokens_details)
+        self.drafts = (0, 0)  # draft programs: (proposed, accepted) drafts of its row so far
         self.finished = False
 
     def feed(self, event: TokenEvent) -> Piece:
@@ -43,6 +44,7 @@ class ChoiceText:
         if event.token is not None:
             self.completion_tokens += 1
             self.cached_tokens = event.cached_tokens
+            self.drafts = (event.drafts_proposed, event.drafts_accepted)
             if not (event.finish_reason == "stop" and event.token in self.eos_ids):
                 piece.tokens.append(event)
                 if self.detok is not None:

@@ -8,6 +8,11 @@ schedule, penalty reset, pipelined programs' fed-back token, masks, scoring) are
 get alone. A pipelined row's first token arrives one call after its prefill; when it ends, that one
 extra step is dropped (its last call was at position len(prompt) + max_tokens - 1 < max_seq_len).
 
+Draft-verifying programs (`etmlx export --draft-tokens K`): each row drafts from its own source
+(`EngineRequest.draft`: a PredictionDraft for an OpenAI `prediction`, else prompt lookup, NgramDraft) and a
+call may give a row several tokens (DecodeRows.draft / read); the tokens are still the plain program's.
+Structured output is refused for them (the export refuses the mask).
+
 Prompt cache (llm/decoder/row_caches.py): a row's KV cache outlives its request; a new request takes
 the free row holding the longest prefix of its prompt (else the least recently used one) and
 prefills only the rest. `EngineRequest.cached_tokens` says how many prompt tokens it reused. Rows
@@ -38,8 +43,9 @@ import torch
 
 from backends.mlx.llm.decoder.constraints import EXPORT_HINT, Constraint, ConstraintError, Matcher, vocabulary_for
 from backends.mlx.llm.decoder.decode_rows import FORCE_BIAS, DecodeRows, TokenEvent  # noqa: F401 (re-exported)
+from backends.mlx.llm.decoder.draft_sources import NgramDraft
 from backends.mlx.llm.decoder.loop import check_prompt
-from backends.mlx.llm.decoder.meta import PIPELINED_HINT, DecoderMeta
+from backends.mlx.llm.decoder.meta import DRAFTS_HINT, PIPELINED_HINT, DecoderMeta
 from backends.mlx.llm.sampler.params import SamplingParams
 
 log = logging.getLogger("etmlx.serve")
@@ -72,6 +78,9 @@ class EngineRequest:
     deadline: float | None = None  # time.monotonic() by which it must finish; None: the engine's default
     id: int = field(default_factory=lambda: next(_ids))
     cached_tokens: int = 0  # prompt tokens its row's cache already held (set when it gets a row)
+    # Draft-verifying programs: the row's draft source (draft_sources.py); None: prompt lookup (set by check).
+    # Ignored by plain programs.
+    draft: object | None = None
 
 
 class Engine:
@@ -137,6 +146,11 @@ class Engine:
                                  "(export with --logprobs N and --sampler logit-bias=N)")
             if len(request.forced) != request.max_tokens:
                 raise ValueError("forced tokens and max_tokens disagree")
+        if self.meta.draft_tokens:
+            if request.constraint is not None:
+                raise ConstraintError(DRAFTS_HINT)
+            if request.draft is None:
+                request.draft = NgramDraft()
         if request.constraint is not None and request.matcher is None:
             # ConstraintError (a ValueError) names a bad schema/regex/grammar or a program without the mask
             if not self.meta.config.allowed_mask or self.pte is None:
@@ -335,6 +349,7 @@ class Engine:
             self._free(slot, TokenEvent(None, finish_reason="error", error=f"invalid request values: {exc}"))
 
     def _step(self) -> None:
+        self.core.draft()  # draft-verifying programs: each row's drafts for this call
         masks, ok = self._row_masks()
         if not ok:
             return
@@ -351,8 +366,12 @@ class Engine:
             self._keep_program_up()
             return
         self.steps += 1
+        gone = set()  # rows freed while reading: a draft program's call may have more events for them
         for slot, request, event in self.core.read(outputs):
+            if slot in gone:
+                continue
             if event.token is not None:
                 self.tokens += 1
             if not self._emit(request, event) and not event.finish_reason:
                 self._free(slot, None)  # its client is gone
+                gone.add(slot)

@@ -54,11 +54,17 @@ def completion_logprobs(tokens: list[TokenEvent], top: int, text: TokenText, off
             "top_logprobs": [alternatives(t) for t in tokens], "text_offset": offsets}
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    """OpenAI's usage; cached_tokens: prompt tokens the prompt cache supplied (not computed again)."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+          prediction: tuple[int, int] | None = None) -> dict:
+    """OpenAI's usage; cached_tokens: prompt tokens the prompt cache supplied (not computed again);
+    prediction: (accepted, rejected) drafted tokens of a request that sent a `prediction`."""
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens,
+           "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    if prediction is not None:
+        out["completion_tokens_details"] = {"accepted_prediction_tokens": prediction[0],
+                                            "rejected_prediction_tokens": prediction[1]}
+    return out
 
 
 def envelope(kind: str, request_id: str, model: str, choices: list, **extra) -> dict:

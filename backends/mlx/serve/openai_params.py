@@ -71,6 +71,7 @@ class Job:
     logprobs: int | None = None  # None: none; k: chosen token's logprob and k alternatives
     stream: bool = False
     include_usage: bool = False
+    prediction: list[int] | None = None  # Predicted Outputs: the expected output's tokens (draft programs' drafts)
 
 
 def _number(body: dict, name: str, default, low=None, high=None, *, integer=False, low_open=False):
@@ -236,3 +237,38 @@ def completion_prompt(body: dict, tokenizer, meta: DecoderMeta) -> list[int]:
     if not ids:
         raise ApiError("the prompt is empty", param="prompt")
     return ids
+
+
+def prediction_text(body: dict) -> str | None:
+    """OpenAI's Predicted Outputs field: {"type": "content", "content": TEXT or [{"type": "text", "text": TEXT},
+    ...]} -> the predicted text (parts joined), or None without one; a bad shape is a 400 naming `prediction`."""
+    prediction = body.get("prediction")
+    if prediction is None:
+        return None
+    shape = ("'prediction' must be {\"type\": \"content\", \"content\": a string or a list of "
+             "{\"type\": \"text\", \"text\": a string}}")
+    if not isinstance(prediction, dict) or prediction.get("type") != "content" or set(prediction) - {"type", "content"}:
+        raise ApiError(shape, param="prediction")
+    content = prediction.get("content")
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and set(p) == {"type", "text"}
+                                         and isinstance(p["text"], str) for p in content):
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise ApiError(shape, param="prediction")
+    try:
+        content.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ApiError(f"the prediction text is not valid Unicode (a lone surrogate at character {exc.start})",
+                       param="prediction") from None
+    return content
+
+
+def prediction_tokens(text: str, tokenizer, meta: DecoderMeta) -> list[int]:
+    """The predicted text's token ids (no special tokens: it continues the output, not a new sequence), cut to
+    the first 2 x max_seq_len (an output never holds more, and re-aligning (draft_sources.py) scans the
+    prediction on the engine thread: an endless one would slow every row) and before any id the model has no
+    embedding for (a tokenizer with more tokens than the model). Drafts only change speed, so cutting is safe."""
+    if tokenizer is None:
+        raise ApiError("'prediction' needs a tokenizer and this .pte has none", param="prediction")
+    tokens = list(tokenizer.encode(text, add_special_tokens=False))[:2 * meta.max_seq_len]
+    return tokens[:next((i for i, t in enumerate(tokens) if not 0 <= t < meta.vocab_size), len(tokens))]

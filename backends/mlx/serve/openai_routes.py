@@ -2,7 +2,8 @@
 
 Each choice (n) is its own engine row. A choice that hits a stop string is cancelled in the engine
 at once; a client that goes away mid-request cancels all its rows (the write fails, or aiohttp
-cancels the handler).
+cancels the handler). OpenAI's `prediction` (Predicted Outputs) gives each row of a draft-verifying
+program its own PredictionDraft; a plain program serves it without drafts (usage counts 0).
 """
 
 from __future__ import annotations
@@ -12,13 +13,15 @@ import time
 
 from aiohttp import web
 
+from backends.mlx.llm.decoder.draft_sources import PredictionDraft
 from backends.mlx.serve import openai_format as fmt
 from backends.mlx.serve.api_errors import ApiError
 from backends.mlx.serve.choice_text import ChoiceText, Piece
 from backends.mlx.serve.engine import QueueFull
 from backends.mlx.serve.json_text import parse_json_text
 from backends.mlx.serve.openai_params import (Job, build_job, chat_prompt, check_model, check_unsupported,
-                                              completion_prompt, prompt_text_bytes)
+                                              completion_prompt, prediction_text, prediction_tokens,
+                                              prompt_text_bytes)
 from backends.mlx.serve.service import PromptTooLarge, Service
 from backends.mlx.serve.structured_params import constraint_from_body, structured_rows
 
@@ -69,16 +72,21 @@ class OpenAIRoutes:
             body = await _body(request)
             check_model(body, service.model_name)
             check_unsupported(body)
-            service.check_prompt_size(prompt_text_bytes(body, chat))
+            predicted = prediction_text(body)
+            service.check_prompt_size(prompt_text_bytes(body, chat) + len((predicted or "").encode("utf-8")))
             # Templating and tokenizing a large prompt take a while: off the event loop.
             prompt = await (service.off_loop(chat_prompt, body, service.tokenizer) if chat
                             else service.off_loop(completion_prompt, body, service.tokenizer, service.meta))
             job = build_job(body, service.meta, prompt, chat=chat)
+            if predicted is not None:
+                job.prediction = await service.off_loop(prediction_tokens, predicted, service.tokenizer, service.meta)
             texts = [ChoiceText(service.tokenizer, prompt, job.stops, service.meta.eos_token_ids)
                      for _ in job.choices]
             constraint = constraint_from_body(body)
             # compiled off the event loop, in a bounded worker first (serve/grammar_compiler.py): one per row
             extras = await structured_rows(service, constraint, len(job.choices), body)
+            if job.prediction is not None:  # each row its own source: it follows its own output
+                extras = [{**extra, "draft": PredictionDraft(job.prediction)} for extra in extras]
             rows = [(prompt, params, job.max_tokens, extra) for params, extra in zip(job.choices, extras)]
             events = service.stream_rows(rows, list(range(len(rows))))
             first = await _first(events)  # submission errors surface here, before any response starts
@@ -144,7 +152,12 @@ class OpenAIRoutes:
                                               usage=self._usage(job, texts)))
 
     def _usage(self, job, texts) -> dict:
-        return fmt.usage(len(job.prompt), sum(t.completion_tokens for t in texts), texts[0].cached_tokens)
+        prediction = None
+        if job.prediction is not None:  # drafts of a plain program: none (0, 0)
+            proposed, accepted = (sum(t.drafts[i] for t in texts) for i in (0, 1))
+            prediction = (accepted, proposed - accepted)
+        return fmt.usage(len(job.prompt), sum(t.completion_tokens for t in texts), texts[0].cached_tokens,
+                         prediction)
 
     async def _stream(self, request, job, chat, pieces, texts) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})

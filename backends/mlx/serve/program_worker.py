@@ -84,7 +84,8 @@ def _child_main(pte: str) -> int:
         from backends.mlx.runtime.runner import load_method
 
         method = load_method(Path(pte))
-        DecoderMeta.load(Path(pte)).check_program(pte, method.input_specs())
+        # drafts=True: the engine drives draft-verifying programs too (decode_rows.py)
+        DecoderMeta.load(Path(pte)).check_program(pte, method.input_specs(), drafts=True)
     except LoadError as exc:  # already one line naming the file and the reason
         _write(out, b"e", str(exc).encode())
         return 1

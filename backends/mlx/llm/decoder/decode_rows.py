@@ -24,6 +24,12 @@ The rules:
 - A row with no request writes a throwaway token where nothing cached depends on it (row_caches.py).
 - Rows share nothing but the call: each has its own position, step, seed, penalty reset and mask, so
   a request gets the tokens it would get alone.
+- Draft-verifying programs (`--draft-tokens K`, speculative.py's rules, per row): before a call, `draft()`
+  asks each row's source (draft_sources.py) for up to k drafts (k from the row's DraftBudget, at most
+  K, the row's tokens left minus one and the call's room), fed after the row's tokens; the call returns how
+  many it accepted (n) and the next token, so the row gets n + 1 tokens (each checked for eos / max_tokens),
+  advances n + 1 steps (seed + step stays the plain schedule) and n + 1 positions past its fed tokens. A
+  rejected draft's KV entry is overwritten by the next call before anything attends to it.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from backends.mlx.llm.decoder.constraints import ConstraintError, Matcher, fill_masks
+from backends.mlx.llm.decoder.draft_sources import DraftBudget
 from backends.mlx.llm.decoder.meta import FED_BACK, DecoderMeta
 from backends.mlx.llm.decoder.row_caches import RowCaches, common_prefix
 from backends.mlx.llm.decoder.step_inputs import step_inputs
@@ -57,6 +64,9 @@ class TokenEvent:
     error: str | None = None
     cause: str | None = None  # "grammar": the error is the request's grammar failing (a client error, not ours)
     cached_tokens: int = 0  # prompt tokens its row's cache already held (not prefilled)
+    # Draft-verifying programs: the row's drafts sent for verification so far, and how many were accepted.
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
 
 
 @dataclass
@@ -69,6 +79,7 @@ class Sequence:
     stop_at_eos: bool = True
     forced: list[int] | None = None  # scoring: the tokens to force, one per step
     matcher: Matcher | None = None  # structured output: the grammar state
+    draft: object | None = None  # draft-verifying programs: the row's draft source (draft_sources.py), or None
 
 
 @dataclass
@@ -79,6 +90,12 @@ class Row:
     cached: int = 0  # prompt tokens its row's cache already held (not prefilled)
     step: int = 0  # the row's decode step of the next call (0 = prefill): seed = params.seed + step
     produced: int = 0  # tokens delivered; a pipelined row's step runs one ahead of them
+    # Draft-verifying programs only:
+    drafts: list[int] | None = None  # the next call's drafts, fed after `feed`
+    output: list[int] | None = None  # the tokens produced so far (what a draft source reads)
+    budget: DraftBudget | None = None
+    proposed: int = 0
+    accepted: int = 0
 
 
 class DecodeRows:
@@ -127,6 +144,8 @@ class DecodeRows:
         prompt = list(request.prompt)
         n = self.caches.reusable(slot, prompt) if reuse else 0
         row = Row(request, feed=prompt[n:], pos=n, cached=n)
+        if self.meta.draft_tokens:
+            row.drafts, row.output, row.budget = [], [], DraftBudget(self.meta.draft_tokens)
         self.rows[slot] = row
         self.caches.taken(slot)
         self.active += 1
@@ -144,6 +163,24 @@ class DecodeRows:
         self.caches.forget()
 
     # ---- one call ----
+    def draft(self) -> None:
+        """Draft-verifying programs: ask each row's source for its next call's drafts (no-op otherwise).
+        A call's rows all write `width` positions, so a row's tokens plus drafts stay within the call's room."""
+        if not self.meta.draft_tokens:
+            return
+        room = self.room()
+        for row in self.rows:
+            if row is None:
+                continue
+            row.drafts = []
+            source = row.request.draft
+            if source is None:
+                continue
+            k = min(row.budget.size(), self.meta.draft_tokens, row.request.max_tokens - row.produced - 1,
+                    room - len(row.feed))
+            if k > 0:
+                row.drafts = [int(t) for t in source.propose(list(row.request.prompt), row.output, k)][:k]
+
     def masks(self):
         """The allowed-token masks of the next call, or None when no row is constrained; raises
         ConstraintError when a grammar is in an error state."""
@@ -160,19 +197,21 @@ class DecodeRows:
         row a value that cannot be laid out belongs to."""
         meta = self.meta
         rows = [row if only is None or slot == only else None for slot, row in enumerate(self.rows)]
-        width = max((len(row.feed) for row in rows if row is not None), default=1)
+        fed = [None if row is None else row.feed + (row.drafts or []) for row in rows]
+        width = max((len(f) for f in fed if f is not None), default=1)
         tokens = torch.zeros(meta.batch, width, dtype=torch.int64)
-        starts, lengths, params, steps, resets = [], [], [], [], []
+        starts, lengths, params, steps, resets, drafts = [], [], [], [], [], []
         for slot, row in enumerate(rows):
             if row is None:  # a throwaway token, greedy, where it overwrites nothing cached
                 starts.append(self.caches.idle_position(slot, width)), lengths.append(1)
-                params.append(SamplingParams()), steps.append(0), resets.append(True)
+                params.append(SamplingParams()), steps.append(0), resets.append(True), drafts.append([])
                 continue
-            tokens[slot, :len(row.feed)] = torch.tensor(row.feed, dtype=torch.int64)
-            starts.append(row.pos), lengths.append(len(row.feed)), steps.append(row.step)
-            resets.append(row.step == 0)
+            tokens[slot, :len(fed[slot])] = torch.tensor(fed[slot], dtype=torch.int64)
+            starts.append(row.pos), lengths.append(len(fed[slot])), steps.append(row.step)
+            resets.append(row.step == 0), drafts.append(row.drafts or [])
             params.append(self.params(row))
-        return step_inputs(meta, tokens, starts, lengths, params, steps, resets, masks=masks)
+        return step_inputs(meta, tokens, starts, lengths, params, steps, resets, masks=masks,
+                           drafts=drafts if meta.draft_tokens else None)
 
     @staticmethod
     def params(row: Row) -> SamplingParams:
@@ -187,6 +226,8 @@ class DecodeRows:
         """Apply a call's outputs: (slot, request, event) for each row that got a token or failed, in
         slot order. A row whose event has a finish_reason has ended and freed its slot."""
         meta = self.meta
+        if meta.draft_tokens:
+            return self._read_drafts(outputs)
         results = _Results(outputs, meta.config.logprobs)
         events = []
         for slot, row in enumerate(self.rows):
@@ -208,6 +249,35 @@ class DecodeRows:
             row.pos += len(row.feed)
             row.feed = [FED_BACK if meta.pipelined else results.token(slot)]
             row.step += 1
+        return events
+
+    def _read_drafts(self, outputs) -> list[tuple[int, object, TokenEvent]]:
+        """read() for a draft-verifying program: outputs (accepted [B], token [B]); a row gets its accepted drafts
+        and the call's token, one event each, until one of them ends it."""
+        accepted, tokens = outputs[0].tolist(), outputs[1].tolist()
+        events = []
+        for slot, row in enumerate(self.rows):
+            if row is None:
+                continue
+            n, drafts = int(accepted[slot]), row.drafts or []
+            new = drafts[:n] + [int(tokens[slot])]
+            self.caches.wrote(slot, row.pos, row.feed + drafts[:n])  # not the rejected drafts: stale entries
+            row.proposed += len(drafts)
+            row.accepted += n
+            row.budget.update(len(drafts), n)
+            for token in new:
+                event = TokenEvent(token, cached_tokens=row.cached, drafts_proposed=row.proposed,
+                                   drafts_accepted=row.accepted)
+                self._check(row, event)
+                events.append((slot, row.request, event))
+                if event.finish_reason:
+                    self.end(slot)
+                    break
+            else:
+                row.pos += len(row.feed) + n
+                row.output += new
+                row.feed, row.drafts = [new[-1]], []
+                row.step += len(new)  # output token j draws with seed + j, as in the plain loop
         return events
 
     def _check(self, row: Row, event: TokenEvent) -> None:

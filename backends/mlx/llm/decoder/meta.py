@@ -34,6 +34,8 @@ _INT32_INPUTS = {"allowed_mask"}
 _LONG, _FLOAT, _INT = 4, 6, 3
 # Pipelined programs (pipelined.py): a token input that means "the token this row sampled last".
 FED_BACK = -1
+DRAFTS_HINT = ("structured output is not available with a draft-verifying program (exported with --draft-tokens; "
+               "the export refuses the allowed-token mask): export without --draft-tokens")
 PIPELINED_HINT = ("structured output needs an unpipelined program (each step's mask depends on the token before "
                   "it): export with --sampler ...,mask (unpipelined by default) or --no-pipeline")
 
