@@ -1,7 +1,8 @@
 """The speculative-decoding flags of `etmlx generate` and `etmlx chat`, and what they ask for: a program exported
 with --draft-tokens K decodes speculatively (llm/decoder/speculation.py, the Python API's path too) with the plain
-program's tokens; drafts come from prompt lookup (`--draft ngram`, the default) or, for generate, a predicted
-output (`--prediction TEXT|@FILE`). On a plain program the flags are a one-line error."""
+program's tokens; drafts come from prompt lookup (`--draft ngram`, the default), a small draft program
+(`--draft-model SMALL.pte`, llm/decoder/draft_model.py) or, for generate, a predicted output
+(`--prediction TEXT|@FILE`). On a plain program the flags are a one-line error."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ def add_draft_flags(parser, prediction: bool) -> None:
         parser.add_argument("--prediction", metavar="TEXT|@FILE",
                             help="--draft-tokens programs: the expected output (Predicted Outputs), used as drafts; "
                                  "token ids with --prompt-ids")
+    parser.add_argument("--draft-model", metavar="SMALL.pte",
+                        help="--draft-tokens programs: a small plain program with the same vocabulary proposes "
+                             "the drafts (greedy)")
     parser.add_argument("--num-draft-tokens", type=int,
                         help="--draft-tokens programs: most drafts per call (default the program's K)")
 
@@ -43,7 +47,8 @@ def speculation_from_args(args, decoder, constraint=None):
                 raise ValueError("--prediction with --prompt-ids must be comma-separated token ids") from None
         else:
             prediction = prediction_text(prediction)
-    drafts = speculation(decoder, prediction, args.draft, args.num_draft_tokens, flags=True)
+    drafts = speculation(decoder, prediction, args.draft, args.num_draft_tokens, flags=True,
+                         draft_model=args.draft_model)
     if drafts is not None and constraint is not None:
         raise ValueError(f"{decoder.pte} {STRUCTURED_HINT} (--json-schema/--regex/--choice/--grammar)")
     return drafts

@@ -1,8 +1,8 @@
 """The options of speculative decoding as callers give them, and its tokens in the plain loop's step shape.
 
 `etmlx generate`, `etmlx chat` and the Python API (`etmlx.generate(..., prediction=..., draft=...,
-num_draft_tokens=...)`) all build a Speculation here: a draft source (draft_sources.py) and the most drafts
-per call, checked against the program's K. text_generation.stream_text then decodes through it as it does
+num_draft_tokens=...)`) all build a Speculation here: a draft source (draft_sources.py, or a draft model:
+draft_model.py) and the most drafts per call, checked against the program's K. text_generation.stream_text then decodes through it as it does
 through the plain loop, so the text, stop strings and prompt cache work the same on both.
 
 load_decoder opens a program with the loop that drives it: SpeculativeDecoder for a --draft-tokens program,
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from backends.mlx.llm.decoder.draft_model import DraftModel, check_vocabulary
 from backends.mlx.llm.decoder.draft_sources import DraftBudget, NgramDraft, PredictionDraft
 from backends.mlx.llm.decoder.loop import Decoder, Step
 from backends.mlx.llm.decoder.meta import DecoderMeta
@@ -64,27 +65,38 @@ def prediction_ids(tokenizer, prediction) -> list[int]:
 
 
 def speculation(decoder, prediction=None, draft: str | None = None, num_draft_tokens: int | None = None,
-                flags: bool = False) -> Speculation | None:
+                flags: bool = False, draft_model=None) -> Speculation | None:
     """The source and draft count asked for on `decoder`'s program (meta.draft_tokens K); defaults: prompt lookup,
     K drafts per call. A plain program (K = 0) gives None, and refuses any option with a one-line ValueError
-    (`flags`: errors name the options as the CLI's flags)."""
+    (`flags`: errors name the options as the CLI's flags). `draft_model`: a plain .pte with the program's
+    vocabulary (or a DraftModel, whose row cache then carries over between calls) proposes the drafts."""
     def name(option: str) -> str:
         return "--" + option.replace("_", "-") if flags else option
 
     k_max = decoder.meta.draft_tokens
     if not k_max:
         given = [name(option) for option, value in (("prediction", prediction), ("draft", draft),
-                                                    ("num_draft_tokens", num_draft_tokens)) if value is not None]
+                                                    ("num_draft_tokens", num_draft_tokens),
+                                                    ("draft_model", draft_model)) if value is not None]
         if given:
             raise ValueError(f"{' and '.join(given)} {PLAIN_HINT}; {decoder.pte} verifies no drafts")
         return None
     if draft is not None and draft not in DRAFTS:
         raise ValueError(f"{name('draft')} must be one of {', '.join(DRAFTS)}, got {draft!r}")
-    if prediction is not None and draft is not None:
-        raise ValueError(f"give {name('prediction')} or {name('draft')}, not both: a prediction is the draft source")
+    sources = [name(option) for option, value in (("prediction", prediction), ("draft", draft),
+                                                   ("draft_model", draft_model)) if value is not None]
+    if len(sources) > 1:
+        raise ValueError(f"give {' or '.join(sources)}, not {'both' if len(sources) == 2 else 'more than one'}: "
+                         "each is a draft source")
     k = k_max if num_draft_tokens is None else num_draft_tokens
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= k_max:
         raise ValueError(f"{name('num_draft_tokens')} must be 0..{k_max} (the program's --draft-tokens), got {k!r}")
+    if draft_model is not None:
+        if not isinstance(draft_model, DraftModel):
+            draft_model = DraftModel(Path(draft_model), target=decoder)
+        else:
+            check_vocabulary(draft_model.meta.vocab_size, draft_model.pte, decoder.meta.vocab_size, decoder.pte)
+        return Speculation(draft_model, k)
     if prediction is not None:
         tokenizer = decoder.tokenizer if decoder.has_tokenizer else None
         ids = prediction_ids(tokenizer, prediction)

@@ -1,0 +1,147 @@
+"""A draft model as the draft source (llm/decoder/draft_model.py): its row cache follows the accepted tokens
+(after a rejection it proposes what a fresh greedy run on the accepted sequence would), speculative decoding
+with it gives the plain program's tokens (greedy and seeded), a draft program with another vocabulary is a
+one-line error, and the counts add up (the target's own weights as the draft: every greedy draft accepted)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from backends.mlx.llm.decoder.draft_model import DraftModel
+from backends.mlx.llm.decoder.export import export_decoder
+from backends.mlx.llm.decoder.loop import Decoder
+from backends.mlx.llm.decoder.speculative import SpeculativeDecoder
+from backends.mlx.llm.sampler.config import SamplerConfig
+from backends.mlx.llm.sampler.params import SamplingParams
+
+pytestmark = pytest.mark.slow  # whole decoder exports
+
+VOCAB = 96
+K = 4
+PROMPT = [5, 17, 3, 40, 8, 5, 17, 3]
+CONFIG = SamplerConfig(top_k=True, top_p=True, min_p=True)
+SEEDED = SamplingParams(temperature=0.8, seed=3)
+
+
+def _llama(seed: int, hidden: int, layers: int, vocab: int = VOCAB):
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=128, eos_token_id=None, bos_token_id=None)).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.3)  # flat enough that sampled runs differ from greedy
+    return model
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return _llama(3, 32, 2)
+
+
+@pytest.fixture(scope="module")
+def programs(tmp_path_factory, llama) -> dict:
+    out = tmp_path_factory.mktemp("draft-model")
+    paths = {name: out / f"{name}.pte" for name in ("spec", "plain", "pipelined", "small", "other-vocab")}
+    export_decoder(llama, paths["spec"], 64, config=CONFIG, draft_tokens=K)
+    # The target's own weights as plain programs: the reference tokens, and a draft model that is always right.
+    export_decoder(llama, paths["plain"], 64, config=CONFIG, pipelined=False)
+    export_decoder(llama, paths["pipelined"], 64, config=CONFIG, pipelined=True)
+    export_decoder(_llama(7, 16, 1), paths["small"], 64, config=SamplerConfig(), pipelined=False)  # a poor guesser
+    export_decoder(_llama(7, 16, 1, vocab=64), paths["other-vocab"], 64, config=SamplerConfig(), verify=False)
+    return paths
+
+
+def _eager_greedy(model, prompt, n):
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def _plain(pte, params, n):
+    return [s.token for s in Decoder(pte).stream(PROMPT, n, params, stop_at_eos=False)]
+
+
+@pytest.mark.parametrize("draft", ["plain", "pipelined"])
+def test_the_draft_cache_follows_the_accepted_tokens(programs, llama, draft):
+    """Proposals after accepted drafts, after a rejection (the output leaves the drafted path: the row's entries
+    past the shared prefix are stale) and for a new prompt are the eager model's greedy continuations."""
+    source = DraftModel(programs[draft])
+    truth = _eager_greedy(llama, PROMPT, 12)
+    assert source.propose(PROMPT, [], K) == truth[:K]
+    assert source.propose(PROMPT, truth[:3], K) == truth[3:3 + K]  # two drafts accepted, then the correction
+    off = truth[:5] + [(truth[5] + 1) % VOCAB]  # a token the draft model did not propose
+    assert source.propose(PROMPT, off, K) == _eager_greedy(llama, PROMPT + off, K)
+    assert source.propose(PROMPT, off + [9, 9], 2) == _eager_greedy(llama, PROMPT + off + [9, 9], 2)
+    other = [1, 2, 3, 40]
+    assert source.propose(other, [], K) == _eager_greedy(llama, other, K)
+    # Past the end of the draft program's cache it proposes no more than fits (64 positions here).
+    long = (PROMPT * 8)[:62]
+    assert len(source.propose(long, [], K)) == 2 and source.propose(long + [1, 2], [], K) == []
+
+
+@pytest.mark.parametrize("params", ["greedy", "seeded"])
+def test_tokens_are_the_plain_programs_with_a_draft_model(programs, params):
+    n = 40
+    sampling = SamplingParams() if params == "greedy" else SEEDED
+    reference = _plain(programs["plain"], sampling, n)
+    decoder = SpeculativeDecoder(programs["spec"])
+    for draft in ("plain", "pipelined", "small"):
+        source = DraftModel(programs[draft], target=decoder)
+        tokens = list(decoder.stream(PROMPT, n, sampling, draft=source, stop_at_eos=False))
+        assert tokens == reference, f"{params}, draft {draft}"
+        stats = decoder.stats
+        assert 0 < stats.proposed and stats.accepted <= stats.proposed
+        if params == "greedy" and draft != "small":  # the target's own weights: every greedy draft is right
+            assert stats.accepted == stats.proposed and stats.calls <= -(-n // (K + 1)) + 1
+            # One draft program call per draft; a pipelined program needs one more per proposal.
+            proposals = stats.calls if draft == "pipelined" else 0
+            assert source.calls == stats.proposed + proposals
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(programs):
+    decoder = SpeculativeDecoder(programs["spec"])
+    with pytest.raises(ValueError, match=r"vocabulary of 64 tokens but .*spec\.pte has 96"):
+        DraftModel(programs["other-vocab"], target=decoder)
+
+
+def _cli(capsys, *argv):
+    from backends.mlx.cli.main import main
+
+    rc = main(["generate", *argv])
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+def test_cli_generate_with_a_draft_model(programs, capsys):
+    ids = ",".join(map(str, PROMPT))
+    for seeded in ([], ["--temperature", "0.8", "--seed", "3"]):
+        rc, out, _ = _cli(capsys, str(programs["plain"]), "--prompt-ids", ids, "-m", "24", "--json", *seeded)
+        plain = json.loads(out.strip().splitlines()[-1])
+        for k in ([], ["--num-draft-tokens", "2"]):
+            rc, out, _ = _cli(capsys, str(programs["spec"]), "--prompt-ids", ids, "-m", "24", "--json",
+                              "--draft-model", str(programs["plain"]), *seeded, *k)
+            assert rc == 0
+            report = json.loads(out.strip().splitlines()[-1])
+            assert report["tokens"] == plain["tokens"], (seeded, k)
+            draft = report["draft"]
+            assert draft["accepted"] <= draft["proposed"] and draft["calls"] <= len(plain["tokens"])
+            if not seeded:  # the same weights: every greedy draft is accepted
+                assert 0 < draft["accepted"] == draft["proposed"] and draft["calls"] < len(plain["tokens"]) // 2
+
+
+def test_cli_draft_model_errors_are_one_line(programs, capsys):
+    spec, ids = str(programs["spec"]), "5,6,7"
+    cases = [([spec, "--draft-model", str(programs["other-vocab"])], "vocabulary of 64 tokens"),
+             ([spec, "--draft-model", str(programs["plain"]), "--draft", "ngram"], "--draft and --draft-model"),
+             ([str(programs["plain"]), "--draft-model", str(programs["small"])], "--draft-tokens K"),
+             ([spec, "--draft-model", str(programs["spec"])], "cannot drive it")]
+    for argv, message in cases:
+        rc, _, err = _cli(capsys, *argv, "--prompt-ids", ids)
+        lines = err.strip().splitlines()
+        assert rc == 2 and len(lines) == 1 and message in lines[0], (argv, err)
