@@ -12,6 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from backends.mlx.llm.decoder.draft_model import DraftModel
+from backends.mlx.llm.decoder.draft_sources import DraftBudget
 from backends.mlx.llm.decoder.export import export_decoder
 from backends.mlx.llm.decoder.loop import Decoder
 from backends.mlx.llm.decoder.speculative import SpeculativeDecoder
@@ -70,19 +71,25 @@ def _plain(pte, params, n):
 @pytest.mark.parametrize("draft", ["plain", "pipelined"])
 def test_the_draft_cache_follows_the_accepted_tokens(programs, llama, draft):
     """Proposals after accepted drafts, after a rejection (the output leaves the drafted path: the row's entries
-    past the shared prefix are stale) and for a new prompt are the eager model's greedy continuations."""
-    source = DraftModel(programs[draft])
+    past the shared prefix are stale) and for a new prompt are the eager model's greedy continuations. (How
+    many the budget asks for after a rejection is the budget's business: only their values are checked.)"""
+    source = DraftModel(programs[draft], cost=0)  # no timing in the budget
+
+    def check(prompt, output, k=K):
+        drafts = source.propose(prompt, output, k)
+        assert drafts and drafts == _eager_greedy(llama, prompt + output, len(drafts)), (prompt, output)
+
     truth = _eager_greedy(llama, PROMPT, 12)
-    assert source.propose(PROMPT, [], K) == truth[:K]
-    assert source.propose(PROMPT, truth[:3], K) == truth[3:3 + K]  # two drafts accepted, then the correction
-    off = truth[:5] + [(truth[5] + 1) % VOCAB]  # a token the draft model did not propose
-    assert source.propose(PROMPT, off, K) == _eager_greedy(llama, PROMPT + off, K)
-    assert source.propose(PROMPT, off + [9, 9], 2) == _eager_greedy(llama, PROMPT + off + [9, 9], 2)
-    other = [1, 2, 3, 40]
-    assert source.propose(other, [], K) == _eager_greedy(llama, other, K)
+    assert source.propose(PROMPT, [], K) == truth[:K]  # a fresh budget: all k
+    check(PROMPT, truth[:3])  # two drafts accepted, then the correction
+    check(PROMPT, truth[:5] + [(truth[5] + 1) % VOCAB])  # a token the draft model did not propose
+    check(PROMPT, truth[:5] + [(truth[5] + 1) % VOCAB, 9, 9])
+    check([1, 2, 3, 40], [])  # another prompt
+    check(PROMPT, truth[:2])  # back to the first, shorter than the row holds
     # Past the end of the draft program's cache it proposes no more than fits (64 positions here).
+    fresh = DraftModel(programs[draft], cost=0)
     long = (PROMPT * 8)[:62]
-    assert len(source.propose(long, [], K)) == 2 and source.propose(long + [1, 2], [], K) == []
+    assert len(fresh.propose(long, [], K)) == 2 and fresh.propose(long + [1, 2], [], K) == []
 
 
 @pytest.mark.parametrize("params", ["greedy", "seeded"])
@@ -92,7 +99,7 @@ def test_tokens_are_the_plain_programs_with_a_draft_model(programs, params):
     reference = _plain(programs["plain"], sampling, n)
     decoder = SpeculativeDecoder(programs["spec"])
     for draft in ("plain", "pipelined", "small"):
-        source = DraftModel(programs[draft], target=decoder)
+        source = DraftModel(programs[draft], target=decoder, cost=0)  # sized as prompt lookup: no timing in it
         tokens = list(decoder.stream(PROMPT, n, sampling, draft=source, stop_at_eos=False))
         assert tokens == reference, f"{params}, draft {draft}"
         stats = decoder.stats
@@ -102,6 +109,10 @@ def test_tokens_are_the_plain_programs_with_a_draft_model(programs, params):
             # One draft program call per draft; a pipelined program needs one more per proposal.
             proposals = stats.calls if draft == "pipelined" else 0
             assert source.calls == stats.proposed + proposals
+    # A draft model whose calls cost five target calls proposes only the budget's rare probes.
+    source = DraftModel(programs["plain"], target=decoder, cost=5)
+    assert list(decoder.stream(PROMPT, n, sampling, draft=source, stop_at_eos=False)) == reference
+    assert decoder.stats.proposed <= n // DraftBudget.PROBE_EVERY + 1
 
 
 def test_a_draft_model_with_another_vocabulary_is_refused(programs):
@@ -132,7 +143,7 @@ def test_cli_generate_with_a_draft_model(programs, capsys):
             draft = report["draft"]
             assert draft["accepted"] <= draft["proposed"] and draft["calls"] <= len(plain["tokens"])
             if not seeded:  # the same weights: every greedy draft is accepted
-                assert 0 < draft["accepted"] == draft["proposed"] and draft["calls"] < len(plain["tokens"]) // 2
+                assert 0 < draft["accepted"] == draft["proposed"]
 
 
 def test_cli_draft_model_errors_are_one_line(programs, capsys):
