@@ -9,6 +9,8 @@ after it), greedy, `max_tokens` tokens after the demo prompt (EOS does not stop 
                      run's tokens), the best case a correct prediction gives
   ngram              prompt lookup over prompt + output
   miss               a prediction that never matches (random ids): what a source that never hits costs
+  draft-model        the built-in draft model (builtin/model.py DRAFT_RECIPE: same tokenizer, one layer a quarter
+                     as wide; trained once, cached), exported unpipelined, proposing greedily
 Every speculative run must yield the plain run's tokens (a RuntimeError otherwise). Each figure is the median
 of `repeats` runs, the variants taking turns within each repeat (the machine may be shared).
 """
@@ -52,7 +54,8 @@ def _plain(decoder, prompt, max_tokens) -> tuple[list[int], float]:
 
 
 def run(cache_dir: Path, draft_tokens: int = 8, max_tokens: int = 200, repeats: int = 5) -> dict:
-    from backends.mlx.llm.builtin.model import ensure_builtin_checkpoint
+    from backends.mlx.llm.builtin.model import ensure_builtin_checkpoint, ensure_builtin_draft_checkpoint
+    from backends.mlx.llm.decoder.draft_model import DraftModel
     from backends.mlx.llm.decoder.draft_sources import NgramDraft, PredictionDraft
     from backends.mlx.llm.decoder.loop import Decoder
     from backends.mlx.llm.decoder.prompt import encode_prompt
@@ -62,10 +65,15 @@ def run(cache_dir: Path, draft_tokens: int = 8, max_tokens: int = 200, repeats: 
     plain = Decoder(_export(ckpt, cache_dir / "spec-plain.pte"))
     unpipelined = Decoder(_export(ckpt, cache_dir / "spec-unpipelined.pte", pipelined=False))
     spec = SpeculativeDecoder(_export(ckpt, cache_dir / f"spec-draft{draft_tokens}.pte", draft_tokens=draft_tokens))
+    draft_ckpt = ensure_builtin_draft_checkpoint(cache_dir)
+    if (draft_ckpt / "tokenizer.json").read_bytes() != (ckpt / "tokenizer.json").read_bytes():
+        raise RuntimeError(f"the built-in draft model's tokenizer differs from the demo model's ({draft_ckpt})")
+    draft_model = DraftModel(_export(draft_ckpt, cache_dir / "spec-draft-model.pte", pipelined=False), target=spec)
     prompt = encode_prompt(plain.tokenizer, DEFAULT_PROMPT)
     reference, _ = _plain(plain, prompt, max_tokens)
     miss = torch.randint(0, spec.meta.vocab_size, (max_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
-    sources = {"prediction": lambda: PredictionDraft(reference), "ngram": NgramDraft, "miss": lambda: PredictionDraft(miss)}
+    sources = {"prediction": lambda: PredictionDraft(reference), "ngram": NgramDraft, "miss": lambda: PredictionDraft(miss),
+               "draft-model": lambda: draft_model}  # one draft program, its row cache carried between runs
     rates = {name: [] for name in ("plain", "plain unpipelined", *sources)}
     acceptance = {}
     for _ in range(repeats + 1):  # the first round warms up
@@ -81,10 +89,12 @@ def run(cache_dir: Path, draft_tokens: int = 8, max_tokens: int = 200, repeats: 
             rates[name].append(rate)
             acceptance[name] = {"proposed": spec.stats.proposed, "accepted": spec.stats.accepted,
                                 "calls": spec.stats.calls}
+    draft_calls = {"calls": draft_model.calls, "ms_per_call": 1000 * draft_model.seconds / max(draft_model.calls, 1)}
     medians = {name: statistics.median(values[1:]) for name, values in rates.items()}
     return {"machine": platform.machine(), "model": "builtin", "draft_tokens": draft_tokens, "tokens": len(reference),
             "repeats": repeats, "decode_tok_s": medians,
-            "speedup": {name: medians[name] / medians["plain"] for name in sources}, "drafts": acceptance}
+            "speedup": {name: medians[name] / medians["plain"] for name in sources}, "drafts": acceptance,
+            "draft_model_calls": draft_calls}
 
 
 def main(json_path: str | None, cache_dir: str, repeats: int | None = None, draft_tokens: int = 8) -> int:
@@ -98,6 +108,7 @@ def main(json_path: str | None, cache_dir: str, repeats: int | None = None, draf
             line += (f"  x{result['speedup'][name]:.2f} vs plain; drafts {d['accepted']}/{d['proposed']} accepted "
                      f"({rate_text}), {d['calls']} calls")
         print(line)
+    print(f"  draft model: {result['draft_model_calls']['ms_per_call']:.2f} ms per draft program call")
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=1) + "\n")
     return 0
