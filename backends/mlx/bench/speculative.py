@@ -10,7 +10,10 @@ after it), greedy, `max_tokens` tokens after the demo prompt (EOS does not stop 
   ngram              prompt lookup over prompt + output
   miss               a prediction that never matches (random ids): what a source that never hits costs
   draft-model        the built-in draft model (builtin/model.py DRAFT_RECIPE: same tokenizer, one layer a quarter
-                     as wide; trained once, cached), exported unpipelined, proposing greedily
+                     as wide; trained once, cached), exported unpipelined, proposing greedily as many drafts
+                     as its budget finds worth their measured cost
+  draft-model all    the same with cost=0: the drafts prompt lookup's budget would ask for (up to K; the
+                     acceptance rate of longer drafts)
 Every speculative run must yield the plain run's tokens (a RuntimeError otherwise). Each figure is the median
 of `repeats` runs, the variants taking turns within each repeat (the machine may be shared).
 """
@@ -68,12 +71,14 @@ def run(cache_dir: Path, draft_tokens: int = 8, max_tokens: int = 200, repeats: 
     draft_ckpt = ensure_builtin_draft_checkpoint(cache_dir)
     if (draft_ckpt / "tokenizer.json").read_bytes() != (ckpt / "tokenizer.json").read_bytes():
         raise RuntimeError(f"the built-in draft model's tokenizer differs from the demo model's ({draft_ckpt})")
-    draft_model = DraftModel(_export(draft_ckpt, cache_dir / "spec-draft-model.pte", pipelined=False), target=spec)
+    draft_pte = _export(draft_ckpt, cache_dir / "spec-draft-model.pte", pipelined=False)
+    draft_model, draft_model_all = DraftModel(draft_pte, target=spec), DraftModel(draft_pte, target=spec, cost=0)
     prompt = encode_prompt(plain.tokenizer, DEFAULT_PROMPT)
     reference, _ = _plain(plain, prompt, max_tokens)
     miss = torch.randint(0, spec.meta.vocab_size, (max_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     sources = {"prediction": lambda: PredictionDraft(reference), "ngram": NgramDraft, "miss": lambda: PredictionDraft(miss),
-               "draft-model": lambda: draft_model}  # one draft program, its row cache carried between runs
+               # one draft program each, its row cache (and budget) carried between runs
+               "draft-model": lambda: draft_model, "draft-model all": lambda: draft_model_all}
     rates = {name: [] for name in ("plain", "plain unpipelined", *sources)}
     acceptance = {}
     for _ in range(repeats + 1):  # the first round warms up
