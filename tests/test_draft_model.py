@@ -156,3 +156,55 @@ def test_cli_draft_model_errors_are_one_line(programs, capsys):
         rc, _, err = _cli(capsys, *argv, "--prompt-ids", ids)
         lines = err.strip().splitlines()
         assert rc == 2 and len(lines) == 1 and message in lines[0], (argv, err)
+
+
+def test_the_builtin_draft_model_drafts_for_the_demo_model(tmp_path_factory):
+    """The built-in draft recipe (here, as the demo's, trained 60 steps) has the demo model's tokenizer, and its
+    drafts for the demo model are accepted in part while the tokens stay the plain program's."""
+    import dataclasses
+
+    from transformers import AutoModelForCausalLM
+
+    from backends.mlx.llm.builtin.model import (DEFAULT_RECIPE, DRAFT_CHECKPOINT_NAME, DRAFT_RECIPE,
+                                                ensure_builtin_checkpoint)
+    from backends.mlx.llm.decoder.prompt import encode_prompt
+    from run_once import shared_dir
+
+    ckpt = ensure_builtin_checkpoint(shared_dir(tmp_path_factory, "builtin-steps60"),
+                                     dataclasses.replace(DEFAULT_RECIPE, steps=60))
+    draft_ckpt = ensure_builtin_checkpoint(shared_dir(tmp_path_factory, "builtin-draft-steps60"),
+                                           dataclasses.replace(DRAFT_RECIPE, steps=60), name=DRAFT_CHECKPOINT_NAME)
+    assert (draft_ckpt / "tokenizer.json").read_bytes() == (ckpt / "tokenizer.json").read_bytes()
+    out = tmp_path_factory.mktemp("builtin-draft-model")
+    model = AutoModelForCausalLM.from_pretrained(str(ckpt), attn_implementation="eager").eval()
+    draft = AutoModelForCausalLM.from_pretrained(str(draft_ckpt), attn_implementation="eager").eval()
+    assert sum(p.numel() for p in draft.parameters()) < sum(p.numel() for p in model.parameters()) / 1.5
+    export_decoder(model, out / "plain.pte", 128, config=CONFIG, tokenizer=ckpt)
+    export_decoder(model, out / "spec.pte", 128, config=CONFIG, tokenizer=ckpt, draft_tokens=8)
+    export_decoder(draft, out / "draft.pte", 128, config=CONFIG, tokenizer=draft_ckpt, pipelined=False)
+    plain = Decoder(out / "plain.pte")
+    prompt = encode_prompt(plain.tokenizer, "One morning, Mira went to")
+    n = 60
+    reference = [s.token for s in plain.stream(prompt, n, stop_at_eos=False)]
+    decoder = SpeculativeDecoder(out / "spec.pte")
+    tokens = list(decoder.stream(prompt, n, draft=DraftModel(out / "draft.pte", target=decoder, cost=0),
+                                 stop_at_eos=False))
+    assert tokens == reference
+    assert decoder.stats.accepted > decoder.stats.proposed // 4 and decoder.stats.calls < n // 2
+
+
+def test_the_draft_checkpoint_lives_beside_the_demo_checkpoint(tmp_path):
+    import dataclasses
+
+    from backends.mlx.llm.builtin.model import (DRAFT_CHECKPOINT_NAME, STAMP, BuiltinRecipe,
+                                                ensure_builtin_checkpoint, read_stamp)
+
+    tiny = BuiltinRecipe(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32, steps=2,
+                         batch=2, seq_len=32, warmup=1)
+    demo = ensure_builtin_checkpoint(tmp_path, tiny)
+    built = (demo / STAMP).stat().st_mtime_ns
+    draft = ensure_builtin_checkpoint(tmp_path, dataclasses.replace(tiny, hidden_size=8), name=DRAFT_CHECKPOINT_NAME)
+    assert read_stamp(draft)["recipe"]["hidden_size"] == 8
+    assert ensure_builtin_checkpoint(tmp_path, tiny) == demo and (demo / STAMP).stat().st_mtime_ns == built  # kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".builtin-llama-draft.lock", ".builtin-llama.lock",
+                                                         "builtin-llama", "builtin-llama-draft"]
