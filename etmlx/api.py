@@ -7,7 +7,8 @@ logit_bias); the defaults are off, so the default is greedy decoding.
 
 A program exported with --draft-tokens K loads as a SpeculativeDecoder and decodes speculatively, with the
 plain program's tokens: drafts from prompt lookup by default, `prediction=` (Predicted Outputs: the expected
-output, text or token ids), `draft="none"`, and `num_draft_tokens=` (at most K) as `etmlx generate` takes them
+output, text or token ids), `draft="none"`, `draft_model=` (a small plain .pte with the same vocabulary, or a
+DraftModel to keep its cache between calls) and `num_draft_tokens=` (at most K) as `etmlx generate` takes them
 (llm/decoder/speculation.py).
 """
 
@@ -85,18 +86,18 @@ def _params(sampling: dict) -> SamplingParams:
 
 def stream_generate(model: Model, prompt, max_tokens: int | None = None, *, stop=(),
                     prompt_cache: PromptCache | None = None, prediction=None, draft: str | None = None,
-                    num_draft_tokens: int | None = None, **sampling) -> Iterator[Response]:
+                    num_draft_tokens: int | None = None, draft_model=None, **sampling) -> Iterator[Response]:
     """Yield a Response per generated token: `.text` (the new piece of text), `.token`, `.logprobs`
     (token id -> logprob, when the program was exported with --logprobs N), `.finish_reason` (on the last:
     "stop" or "length"), and prompt/generation token counts and rates. With `prompt_cache`, `prompt` is
     what follows the conversation so far, and `.cached_tokens` says how much of it was not prefilled.
-    On a --draft-tokens program: `prediction` (text or token ids), `draft` ("ngram", the default, or "none")
-    and `num_draft_tokens` choose the drafts, and `.proposed_draft_tokens` / `.accepted_draft_tokens` count
+    On a --draft-tokens program: `prediction` (text or token ids), `draft` ("ngram", the default, or "none"),
+    `draft_model` (a plain .pte path, or a DraftModel) and `num_draft_tokens` choose the drafts, and `.proposed_draft_tokens` / `.accepted_draft_tokens` count
     them so far; on a plain program they are a ValueError."""
     _check_model(model)
     if prompt_cache is not None and (not isinstance(prompt_cache, PromptCache) or prompt_cache.model is not model):
         raise TypeError("prompt_cache must be make_prompt_cache(model) of this same model")
-    drafts = speculation(model, prediction, draft, num_draft_tokens)
+    drafts = speculation(model, prediction, draft, num_draft_tokens, draft_model=draft_model)
     ids = _prompt_ids(model, prompt)
     if prompt_cache is not None:
         ids = prompt_cache.tokens + ids

@@ -149,7 +149,7 @@ def test_cli_generate_with_a_draft_model(programs, capsys):
 def test_cli_draft_model_errors_are_one_line(programs, capsys):
     spec, ids = str(programs["spec"]), "5,6,7"
     cases = [([spec, "--draft-model", str(programs["other-vocab"])], "vocabulary of 64 tokens"),
-             ([spec, "--draft-model", str(programs["plain"]), "--draft", "ngram"], "--draft and --draft-model"),
+             ([spec, "--draft-model", str(programs["plain"]), "--draft", "ngram"], "give --draft or --draft-model"),
              ([str(programs["plain"]), "--draft-model", str(programs["small"])], "--draft-tokens K"),
              ([spec, "--draft-model", str(programs["spec"])], "cannot drive it")]
     for argv, message in cases:
@@ -208,3 +208,30 @@ def test_the_draft_checkpoint_lives_beside_the_demo_checkpoint(tmp_path):
     assert ensure_builtin_checkpoint(tmp_path, tiny) == demo and (demo / STAMP).stat().st_mtime_ns == built  # kept
     assert sorted(p.name for p in tmp_path.iterdir()) == [".builtin-llama-draft.lock", ".builtin-llama.lock",
                                                          "builtin-llama", "builtin-llama-draft"]
+
+
+def test_python_api_with_a_draft_model(programs):
+    """etmlx.generate / stream_generate take draft_model= (a path, or a DraftModel that keeps its cache), also
+    with a prompt cache over two turns; with another draft option or on a plain program it is a one-line error."""
+    import etmlx
+
+    plain, spec = etmlx.load(programs["plain"]), etmlx.load(programs["spec"])
+    small = DraftModel(programs["small"], target=spec)
+    for sampling in ({}, {"temperature": 0.8, "seed": 3}):
+        reference = [r.token for r in etmlx.stream_generate(plain, PROMPT, 24, **sampling)]
+        for draft_model in (programs["plain"], small):
+            responses = list(etmlx.stream_generate(spec, PROMPT, 24, draft_model=draft_model, **sampling))
+            assert [r.token for r in responses] == reference, (sampling, draft_model)
+            assert 0 < responses[-1].proposed_draft_tokens
+    turns = [PROMPT, [9, 30, 2]]
+    caches = etmlx.make_prompt_cache(plain), etmlx.make_prompt_cache(spec)
+    for turn in turns:
+        reference = [r.token for r in etmlx.stream_generate(plain, turn, 12, prompt_cache=caches[0])]
+        got = [r.token for r in etmlx.stream_generate(spec, turn, 12, prompt_cache=caches[1], draft_model=small)]
+        assert got == reference
+    with pytest.raises(ValueError, match="give prediction or draft_model, not both"):
+        etmlx.generate(spec, PROMPT, 4, prediction=[1, 2], draft_model=small)
+    with pytest.raises(ValueError, match="draft_model needs a program exported with --draft-tokens K"):
+        etmlx.generate(plain, PROMPT, 4, draft_model=programs["small"])
+    with pytest.raises(ValueError, match="vocabulary of 64 tokens"):
+        etmlx.generate(spec, PROMPT, 4, draft_model=programs["other-vocab"])
