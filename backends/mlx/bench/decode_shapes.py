@@ -14,7 +14,10 @@ Per engine: prefill tok/s of a 64- and a 512-token prompt (the 64-token prefill 
 token), decode tok/s of 32 greedy steps after the 64-token prompt, model file bytes per parameter, and peak RSS
 of a fresh process that loads the engine and decodes once (decode_memory). Engines take turns within each
 repeat; medians over repeats after one untimed warm-up each. An engine whose warm-up 64-token prefill takes
-longer than SLOW_PREFILL_S (mlx-lm's scalar CPU kernel) has its 512-token prefill timed in the first repeat only.
+longer than SLOW_PREFILL_S (mlx-lm's scalar CPU kernel) is timed in the first repeat only, and not on the longer
+prompts: its compute-bound loop prefills at the same tok/s at any length, minutes per run.
+The peak-RSS probe decodes PROBE_STEPS tokens: the weights, the cache and the prefill's buffers are all
+allocated by then.
 
 The memory-bandwidth floor: a decode step reads every weight once (the tied head reads the whole embedding
 table), so no engine decodes faster than read bandwidth / weight bytes; the bandwidth is measured in the same
@@ -43,6 +46,7 @@ from backends.mlx.llm.builtin import bench_checkpoint as ckpt
 
 GGUF_TYPES = {"int4": ("Q4_0", "F16"), "int8": ("Q8_0",)}
 SLOW_PREFILL_S = 5.0
+PROBE_STEPS = 2
 
 
 @dataclass(frozen=True)
@@ -131,7 +135,7 @@ def measure(settings: ShapeSettings, spec: ckpt.CheckpointSpec, float_dir: Path,
     footprint = {}
     for name, path in files.items():
         size = memory.file_bytes(name, path)
-        rss = memory.peak_rss(name, path, prompt[:short], settings.steps)
+        rss = memory.peak_rss(name, path, prompt[:short], PROBE_STEPS)
         footprint[name] = {"file_bytes": size, "bytes_per_parameter": size / spec.parameters, "peak_rss_bytes": rss}
         log(f"  {name:>16}: {size / 1e6:8.1f} MB, {size / spec.parameters:.3f} B/param, peak RSS {rss / 1e6:8.1f} MB")
 
@@ -146,7 +150,7 @@ def measure(settings: ShapeSettings, spec: ckpt.CheckpointSpec, float_dir: Path,
     for repeat in range(settings.repeats):
         for engine in engines:
             for n in settings.prompt_lens:
-                if n != short and engine.name in slow and repeat > 0:
+                if engine.name in slow and (repeat > 0 or n != short):
                     continue
                 run = engine.generate(prompt[:n], settings.steps if n == short else 0, 0.0, settings.seed)
                 runs[engine.name]["prefill"][n].append(n / run.prefill_s)
@@ -162,9 +166,10 @@ def measure(settings: ShapeSettings, spec: ckpt.CheckpointSpec, float_dir: Path,
     for name, r in runs.items():
         results[name] = {"decode_tokens_per_s": statistics.median(r["decode"]),
                          "ttft_s": statistics.median(r["ttft_s"]),
-                         **{f"prefill_{n}_tokens_per_s": statistics.median(r["prefill"][n]) for n in settings.prompt_lens},
+                         **{f"prefill_{n}_tokens_per_s": statistics.median(r["prefill"][n]) if r["prefill"][n] else None
+                            for n in settings.prompt_lens},
                          "runs": r}
-        log(f"  {name:>16}: " + ", ".join(f"prefill {n}: {results[name][f'prefill_{n}_tokens_per_s']:.1f} tok/s"
+        log(f"  {name:>16}: " + ", ".join(f"prefill {n}: {_num(results[name][f'prefill_{n}_tokens_per_s'], 12)} tok/s"
                                           for n in settings.prompt_lens)
             + f", decode {results[name]['decode_tokens_per_s']:.1f} tok/s")
     agreement = {name: _common_prefix(greedy["etmlx"], tokens) for name, tokens in greedy.items()}
@@ -210,6 +215,14 @@ def run(shape: str, dtypes=("int4",), settings: ShapeSettings = ShapeSettings(),
             "llama_cpp": with_llama_cpp}
 
 
+def _num(value, width: int) -> str:
+    return f"{value:>{width}.1f}" if value is not None else f"{'-':>{width}}"
+
+
+def _ratio(ours, theirs) -> str:
+    return f"{ours / theirs:.2f}x" if ours is not None and theirs is not None else "-"
+
+
 def floor_tokens_per_s(report: dict, d: dict) -> float:
     return report["read_bandwidth_gbs"] * 1e9 / d["weight_bytes_per_token"]
 
@@ -227,7 +240,7 @@ def format_report(report: dict) -> str:
         for name, r in d["results"].items():
             m = d["memory"][name]
             lines.append(f"{d['dtype']:<5} {name:<16} "
-                         + " ".join(f"{r[f'prefill_{n}_tokens_per_s']:>12.1f}" for n in lens)
+                         + " ".join(_num(r[f'prefill_{n}_tokens_per_s'], 12) for n in lens)
                          + f" {r['ttft_s']:>7.3f} {r['decode_tokens_per_s']:>8.1f} {m['file_bytes'] / 1e6:>8.1f}"
                          f" {m['bytes_per_parameter']:>8.3f} {m['peak_rss_bytes'] / 1e6:>8.0f}")
         floor = floor_tokens_per_s(report, d)
@@ -241,7 +254,7 @@ def format_report(report: dict) -> str:
                 continue
             m = d["memory"][name]
             lines.append(f"{d['dtype']:<5} vs {name:<16} " + " ".join(
-                f"prefill {n} {ours[f'prefill_{n}_tokens_per_s'] / r[f'prefill_{n}_tokens_per_s']:.2f}x" for n in lens)
+                f"prefill {n} {_ratio(ours[f'prefill_{n}_tokens_per_s'], r[f'prefill_{n}_tokens_per_s'])}" for n in lens)
                 + f", decode {ours['decode_tokens_per_s'] / r['decode_tokens_per_s']:.2f}x"
                 f", bytes {ours_m['file_bytes'] / m['file_bytes']:.2f}x, RSS {ours_m['peak_rss_bytes'] / m['peak_rss_bytes']:.2f}x")
         lines.append(f"{d['dtype']:<5} etmlx decode / bandwidth floor {ours['decode_tokens_per_s'] / floor_tokens_per_s(report, d):.2f}; "
@@ -249,8 +262,8 @@ def format_report(report: dict) -> str:
                      f"greedy tokens equal to etmlx's: " + ", ".join(
                          f"{k} {v}/{s['steps'] + 1}" for k, v in d["greedy_agreement_with_etmlx"].items() if k != "etmlx"))
         if d["slow_prefill_once"]:
-            lines.append(f"{d['dtype']:<5} {', '.join(d['slow_prefill_once'])}: {max(lens)}-token prefill timed once "
-                         f"(its {min(lens)}-token prefill took over {SLOW_PREFILL_S:.0f} s)")
+            lines.append(f"{d['dtype']:<5} {', '.join(d['slow_prefill_once'])}: timed once, not {s['repeats']} times "
+                         f"and only the {min(lens)}-token prefill (it took over {SLOW_PREFILL_S:.0f} s)")
     if not report["llama_cpp"]:
         lines.append("llama.cpp not measured: run `make bench-deps` (llama-cpp-python built from source, gguf)")
     return "\n".join(lines)

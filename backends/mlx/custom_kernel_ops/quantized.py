@@ -29,11 +29,20 @@ def check_params(group_size: int, bits: int, in_features: int) -> None:
 
 
 def unpack(w: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint32 [N, K * bits / 32] -> the integers, int64 [N, K]."""
+    """uint32 [N, K * bits / 32] -> the integers, int32 [N, K]."""
     per_word = 32 // bits
-    shifts = torch.arange(per_word, dtype=torch.int64) * bits
-    words = w.to(torch.int64).unsqueeze(-1)
+    shifts = torch.arange(per_word, dtype=torch.int32) * bits
+    # The words as int32 (same bits): the arithmetic shift fills the top with copies of bit 31, which the
+    # mask drops; 4 bytes per integer rather than the 8 of an int64 widening (1 GB for a 0.5B model's head).
+    words = w.view(torch.int32).unsqueeze(-1)
     return ((words >> shifts) & ((1 << bits) - 1)).reshape(*w.shape[:-1], w.shape[-1] * per_word)
+
+
+# Weights per dequantized block in the eager linear: bounds its float copy (64 MB in float32) instead of widening
+# a whole matrix (545 MB for Qwen2.5-0.5B's tied head, with 1 GB of integers beside it) for a reference forward.
+# Not smaller: glibc serves blocks under its mmap threshold (up to 32 MB) from the heap, and keeps them
+# after they are freed.
+_BLOCK_ELEMENTS = 1 << 24
 
 
 def dequantize(w: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, group_size: int,
@@ -62,8 +71,13 @@ def _quantized_linear(x, w, scales, biases, bias: Optional[torch.Tensor], group_
     # In the promoted type of x and the scales, as mx.quantized_matmul: float32 activations over bf16 scales
     # (mlx_lm.convert -q of a bf16 checkpoint) multiply in float32; the result is in x's dtype.
     compute = torch.promote_types(x.dtype, scales.dtype)
-    weight = dequantize(w, scales, biases, group_size, bits, compute)
-    out = torch.nn.functional.linear(x.to(compute), weight, None if bias is None else bias.to(compute))
+    xc, bias = x.to(compute), None if bias is None else bias.to(compute)
+    blocks, step = [], max(1, _BLOCK_ELEMENTS // _in_features(w, bits))
+    for r in range(0, w.shape[0], step):
+        rows = slice(r, r + step)
+        weight = dequantize(w[rows], scales[rows], biases[rows], group_size, bits, compute)
+        blocks.append(torch.nn.functional.linear(xc, weight, None if bias is None else bias[rows]))
+    out = torch.cat(blocks, dim=-1) if len(blocks) > 1 else blocks[0]
     return out.to(x.dtype)
 
 
