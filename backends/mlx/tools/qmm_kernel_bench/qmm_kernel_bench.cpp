@@ -3,7 +3,7 @@
 // a shared machine, where wall time also counts other jobs) and by wall time; best of 20.
 //   g++ -std=c++20 -O2 -I backends/mlx/runtime backends/mlx/tools/qmm_kernel_bench/qmm_kernel_bench.cpp
 //       backends/mlx/runtime/kernels/quantized_rows*.cpp -o qmm_kernel_bench
-//   ./qmm_kernel_bench BITS MATRICES ROWS [avx2|scalar]   (MATRICES 16: 35-43 MB, beyond the L3 cache)
+//   ./qmm_kernel_bench BITS MATRICES ROWS [avx2|avx512|scalar]   (MATRICES 16: 35-43 MB, beyond the L3 cache)
 #include <time.h>
 #include <cstdio>
 #include <cstdlib>
@@ -18,7 +18,7 @@ double wall_now(){timespec t; clock_gettime(CLOCK_MONOTONIC,&t); return t.tv_sec
 int main(int argc, char** argv){
   int N=4864,K=896,bits=atoi(argv[1]),G=64,L=atoi(argv[2]),m=atoi(argv[3]);
   const char* isa = argc>4? argv[4] : "avx2";
-  const RowsVariant* v = strcmp(isa,"scalar")==0? &scalar_rows() : avx2_rows();
+  const RowsVariant* v = strcmp(isa,"scalar")==0? &scalar_rows() : strcmp(isa,"avx512")==0? avx512_rows() : avx2_rows();
   std::mt19937 rng(1);
   size_t wb=(size_t)N*K*bits/8;
   std::vector<std::vector<uint32_t>> W(L, std::vector<uint32_t>(wb/4)); for(auto&w:W) for(auto&e:w) e=rng();
