@@ -208,7 +208,7 @@ def run(shape: str, dtypes=("int4",), settings: ShapeSettings = ShapeSettings(),
     bandwidth = max(bandwidth, read_bandwidth_gbs(threads))  # again after the runs: the better of two
     import mlx.core as mx
 
-    machine = (f"{platform.machine()} {platform.processor() or ''} {threads} CPUs, MLX {mx.__version__}, "
+    machine = (f"{platform.machine()} {threads} CPUs, MLX {mx.__version__}, "
                f"etmlx kernels {kernels_info()}")
     return {"shape": shape, "spec": asdict(spec), "parameters": spec.parameters, "settings": asdict(settings),
             "machine": machine, "read_bandwidth_gbs": bandwidth, "dtypes": per_dtype,
