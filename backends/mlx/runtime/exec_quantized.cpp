@@ -70,15 +70,9 @@ bool Interpreter::exec_quantized_embedding(const fb::QuantizedEmbeddingNode& n) 
     return false;
   mx::array rows = *indices;
   if (!safe_indices(*indices, w->shape(0), "indices", &rows)) return false;
-  // Gather the packed rows and their scales first: only the looked-up rows are dequantized. Half-precision
-  // scales are widened and the rows rounded once to their dtype, as the host reference computes them
-  // (custom_kernel_ops/quantized.py): MLX's dequantize in bfloat16 rounds the product and the sum apart,
-  // and a 24-layer model amplified that last-bit difference past the export's verification tolerance.
-  const mx::Dtype stored = scales->dtype();
-  mx::array s = mx::take(*scales, rows, 0), b = mx::take(*biases, rows, 0);
-  if (stored != mx::float32) s = mx::astype(s, mx::float32), b = mx::astype(b, mx::float32);
-  mx::array out = mx::dequantize(mx::take(*w, rows, 0), s, b, n.group_size(), n.bits(), "affine");
-  if (stored != mx::float32) out = mx::astype(out, stored);
+  // Gather the packed rows and their scales first: only the looked-up rows are dequantized.
+  mx::array out = mx::dequantize(mx::take(*w, rows, 0), mx::take(*scales, rows, 0),
+                                 mx::take(*biases, rows, 0), n.group_size(), n.bits(), "affine");
   return write(n.out(), std::move(out));
 }
 
