@@ -87,10 +87,24 @@ def _quantized_linear_fake(x, w, scales, biases, bias, group_size, bits):
     return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
+def dequantize_as_mlx(w: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, group_size: int,
+                      bits: int) -> torch.Tensor:
+    """dequantize() in the scales' dtype, one rounding per operation as mx.dequantize computes it: for bfloat16
+    scales, round(round(scale * q) + bias), where dequantize() rounds once from float32. The embedding's
+    program node is mx.dequantize, and a 24-layer model amplified that last-bit difference in the rows it
+    looks up into another token (a 0.5B bfloat16 `--quantize int4` export failed its own verification)."""
+    if scales.dtype == torch.float32:
+        return dequantize(w, scales, biases, group_size, bits)
+    q = unpack(w, bits).to(scales.dtype)  # at most 255: exact in float16 and bfloat16
+    rows, k = q.shape
+    grouped = q.view(rows, k // group_size, group_size)
+    return (grouped * scales.unsqueeze(-1) + biases.unsqueeze(-1)).view(rows, k)
+
+
 @torch.library.impl(lib, "quantized_embedding", "CompositeExplicitAutograd")
 def _quantized_embedding(indices, w, scales, biases, group_size: int, bits: int):
     flat = indices.reshape(-1)
-    rows = dequantize(w[flat], scales[flat], biases[flat], group_size, bits)
+    rows = dequantize_as_mlx(w[flat], scales[flat], biases[flat], group_size, bits)
     return rows.view(*indices.shape, rows.shape[-1])
 
 
