@@ -18,6 +18,7 @@ from backends.mlx.llm.decoder.loop import Decoder
 from backends.mlx.llm.decoder.speculative import SpeculativeDecoder
 from backends.mlx.llm.sampler.config import SamplerConfig
 from backends.mlx.llm.sampler.params import SamplingParams
+from helpers import eager_greedy
 
 pytestmark = pytest.mark.slow  # whole decoder exports
 
@@ -56,14 +57,6 @@ def programs(tmp_path_factory, llama) -> dict:
     return paths
 
 
-def _eager_greedy(model, prompt, n):
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
-
-
 def _plain(pte, params, n):
     return [s.token for s in Decoder(pte).stream(PROMPT, n, params, stop_at_eos=False)]
 
@@ -77,9 +70,9 @@ def test_the_draft_cache_follows_the_accepted_tokens(programs, llama, draft):
 
     def check(prompt, output, k=K):
         drafts = source.propose(prompt, output, k)
-        assert drafts and drafts == _eager_greedy(llama, prompt + output, len(drafts)), (prompt, output)
+        assert drafts and drafts == eager_greedy(llama, prompt + output, len(drafts)), (prompt, output)
 
-    truth = _eager_greedy(llama, PROMPT, 12)
+    truth = eager_greedy(llama, PROMPT, 12)
     assert source.propose(PROMPT, [], K) == truth[:K]  # a fresh budget: all k
     check(PROMPT, truth[:3])  # two drafts accepted, then the correction
     check(PROMPT, truth[:5] + [(truth[5] + 1) % VOCAB])  # a token the draft model did not propose

@@ -20,6 +20,7 @@ from backends.mlx.llm.decoder.step_inputs import step_inputs
 from backends.mlx.llm.sampler.config import SamplerConfig
 from backends.mlx.llm.sampler.params import SamplingParams
 from backends.mlx.runtime.runner import load_method
+from helpers import eager_greedy
 
 pytestmark = pytest.mark.slow  # whole decoder exports
 
@@ -63,14 +64,6 @@ def _plain(pte, params, n):
     return [s.token for s in Decoder(pte).stream(PROMPT, n, params, stop_at_eos=False)]
 
 
-def _eager_greedy(model, prompt, n):
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
-
-
 def _sources(reference):
     wrong = list(reference)
     for i in range(3, len(wrong), 7):  # a prediction that is right in runs, wrong every 7th token
@@ -84,7 +77,7 @@ def test_tokens_are_plain_decodings_with_every_draft_source(programs, llama, par
     n = 40
     reference = _plain(programs["plain"], PARAMS[params], n)
     if params == "greedy":
-        assert reference == _eager_greedy(llama, PROMPT, n)
+        assert reference == eager_greedy(llama, PROMPT, n)
     decoder = SpeculativeDecoder(programs["draft"])
     for name, source in _sources(reference).items():
         tokens = list(decoder.stream(PROMPT, n, PARAMS[params], draft=source, stop_at_eos=False))
@@ -106,7 +99,7 @@ def test_per_row_drafts_in_a_batch_match_the_eager_model(tmp_path, llama):
     meta = DecoderMeta.load(pte)
     method = load_method(pte)
     prompts = [PROMPT, PROMPT[:5], [9, 9, 30, 2, 11, 60, 1]]
-    seqs = [list(p) + _eager_greedy(llama, p, 1) for p in prompts]  # prompt + the first (prefill) token
+    seqs = [list(p) + eager_greedy(llama, p, 1) for p in prompts]  # prompt + the first (prefill) token
 
     def call(rows, starts, drafts_per_row):
         width = max(len(r) for r in rows)
@@ -123,7 +116,7 @@ def test_per_row_drafts_in_a_batch_match_the_eager_model(tmp_path, llama):
     for round_ in range(3):
         rows, drafts = [], []
         for b, seq in enumerate(seqs):
-            truth = _eager_greedy(llama, seq, 4)
+            truth = eager_greedy(llama, seq, 4)
             d = [0, 2, 4][(b + round_) % 3]
             guess = truth[:d]
             if b == round_ and d:  # one wrong draft per round: its KV entry goes stale
@@ -132,7 +125,7 @@ def test_per_row_drafts_in_a_batch_match_the_eager_model(tmp_path, llama):
             drafts.append(guess)
         accepted, token = call(rows, [len(s) - 1 for s in seqs], drafts)
         for b, seq in enumerate(seqs):
-            guess, truth = rows[b][1:], _eager_greedy(llama, seq, 5)
+            guess, truth = rows[b][1:], eager_greedy(llama, seq, 5)
             n = next((i for i, (g, t) in enumerate(zip(guess, truth)) if g != t), len(guess))
             assert (accepted[b], token[b]) == (n, truth[n]), f"round {round_}, row {b}"
             seq.extend(truth[:n + 1])
@@ -147,7 +140,7 @@ def test_sliding_window_model_keeps_full_caches(tmp_path):
                                              bos_token_id=None)).eval()
     pte = tmp_path / "window.pte"
     export_decoder(model, pte, 48, config=SamplerConfig(), draft_tokens=K)
-    reference = _eager_greedy(model, PROMPT, 30)
+    reference = eager_greedy(model, PROMPT, 30)
     wrong = [(t + 1) % VOCAB if i % 3 == 2 else t for i, t in enumerate(reference)]  # a rejection every call
     decoder = SpeculativeDecoder(pte)
     tokens = list(decoder.stream(PROMPT, 30, draft=PredictionDraft(wrong), stop_at_eos=False))
@@ -203,7 +196,7 @@ def test_builtin_model_greedy_tokens_with_every_draft_source(tmp_path_factory):
     prompt = encode_prompt(plain.tokenizer, "One morning, Mira went to")
     n = 60
     reference = [s.token for s in plain.stream(prompt, n, stop_at_eos=False)]
-    assert reference == _eager_greedy(model, prompt, n)
+    assert reference == eager_greedy(model, prompt, n)
     decoder = SpeculativeDecoder(out / "draft.pte")
     edited = [(t + 1) % model.config.vocab_size if i % 10 == 9 else t for i, t in enumerate(reference)]
     for name, source in {"none": None, "ngram": NgramDraft(), "prediction": PredictionDraft(reference),
