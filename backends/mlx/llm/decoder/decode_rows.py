@@ -24,7 +24,8 @@ The rules:
 - A row with no request writes a throwaway token where nothing cached depends on it (row_caches.py).
 - Rows share nothing but the call: each has its own position, step, seed, penalty reset and mask, so
   a request gets the tokens it would get alone.
-- Draft-verifying programs (`--draft-tokens K`, speculative.py's rules, per row): before a call, `draft()`
+- Draft-verifying programs (`--draft-tokens K`, per row; speculative.py drives one sequence through these
+  rules, the server a request per row): before every call, the prefill included, `draft()`
   asks each row's source (draft_sources.py) for up to k drafts (k from the row's DraftBudget, at most
   K, the row's tokens left minus one and the call's room), fed after the row's tokens; the call returns how
   many it accepted (n) and the next token, so the row gets n + 1 tokens (each checked for eos / max_tokens),
@@ -90,6 +91,7 @@ class Row:
     cached: int = 0  # prompt tokens its row's cache already held (not prefilled)
     step: int = 0  # the row's decode step of the next call (0 = prefill): seed = params.seed + step
     produced: int = 0  # tokens delivered; a pipelined row's step runs one ahead of them
+    calls: int = 0  # program calls that fed the row, the prefill included
     # Draft-verifying programs only:
     drafts: list[int] | None = None  # the next call's drafts, fed after `feed`
     output: list[int] | None = None  # the tokens produced so far (what a draft source reads)
@@ -138,14 +140,16 @@ class DecodeRows:
                 best = (slot, n, row.request.max_tokens - row.produced + (1 if row.step == 0 else 0))
         return best
 
-    def start(self, slot: int, request, reuse: bool = True) -> Row:
+    def start(self, slot: int, request, reuse: bool = True, budget: DraftBudget | None = None) -> Row:
         """Row `slot` takes `request` (its prompt checked: loop.check_prompt); with `reuse`, from the
-        longest prefix the slot's cache holds."""
+        longest prefix the slot's cache holds. `budget`: a draft-verifying program's drafts per call for
+        the row (default: a DraftBudget of up to K)."""
         prompt = list(request.prompt)
         n = self.caches.reusable(slot, prompt) if reuse else 0
         row = Row(request, feed=prompt[n:], pos=n, cached=n)
         if self.meta.draft_tokens:
-            row.drafts, row.output, row.budget = [], [], DraftBudget(self.meta.draft_tokens)
+            row.drafts, row.output = [], []
+            row.budget = budget if budget is not None else DraftBudget(self.meta.draft_tokens)
         self.rows[slot] = row
         self.caches.taken(slot)
         self.active += 1
@@ -226,6 +230,9 @@ class DecodeRows:
         """Apply a call's outputs: (slot, request, event) for each row that got a token or failed, in
         slot order. A row whose event has a finish_reason has ended and freed its slot."""
         meta = self.meta
+        for row in self.rows:
+            if row is not None:
+                row.calls += 1
         if meta.draft_tokens:
             return self._read_drafts(outputs)
         results = _Results(outputs, meta.config.logprobs)

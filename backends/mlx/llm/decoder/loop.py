@@ -17,12 +17,14 @@ not hold yet (row_caches.py), which `etmlx chat` and `etmlx.stream_generate(...,
 from __future__ import annotations
 
 import time
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
 from backends.mlx.llm.decoder.constraints import EXPORT_HINT, Constraint, ConstraintError, Matcher, vocabulary_for
-from backends.mlx.llm.decoder.decode_rows import DecodeRows, Sequence
+from backends.mlx.llm.decoder.decode_rows import DecodeRows, Row, Sequence, TokenEvent
+from backends.mlx.llm.decoder.draft_sources import DraftBudget
 from backends.mlx.llm.decoder.meta import PIPELINED_HINT, DecoderMeta
 from backends.mlx.llm.decoder.tokenizer_files import ProgramTokenizer
 from backends.mlx.llm.sampler.params import SamplingParams
@@ -62,6 +64,34 @@ def check_prompt(meta: DecoderMeta, prompt_ids, max_tokens: int) -> list[int]:
     return ids
 
 
+def decode_alone(rows: DecodeRows, execute, request: Sequence, reuse: bool, started, owner: str = "Decoder",
+                 budget: DraftBudget | None = None) -> Iterator[TokenEvent]:
+    """One request as a batch of one: it takes a free row of `rows` (with `reuse`, the one whose cache holds
+    most of its prompt), the other rows idle; its events until it ends, each call being `execute(inputs)`.
+    `started(row)` is told the row before its first call. A row's error raises ConstraintError."""
+    if rows.active:  # its calls would advance the unfinished one's row too
+        raise RuntimeError(f"another generation of this {owner} is unfinished: exhaust or close() it first")
+    slot, _ = rows.choose(request.prompt, rows.meta.batch, reuse)
+    row = rows.start(slot, request, reuse=reuse, budget=budget)
+    started(row)
+    try:
+        while rows.rows[slot] is row:
+            rows.draft()  # draft-verifying programs: the row's drafts for this call
+            outputs = execute(rows.call_inputs(masks=rows.masks()))
+            for _, _, event in rows.read(outputs):  # only this row is active
+                if event.error:
+                    raise ConstraintError(event.error)
+                yield event
+    except (GeneratorExit, ConstraintError):  # the caller stopped, or a grammar did: the caches are whole
+        raise
+    except BaseException:  # a failed call (or draft source) may have left the caches half written
+        rows.forget()
+        raise
+    finally:
+        if rows.rows[slot] is row:
+            rows.end(slot)
+
+
 class Decoder(ProgramTokenizer):
     def __init__(self, pte: Path):
         self.pte = Path(pte)
@@ -95,27 +125,13 @@ class Decoder(ProgramTokenizer):
         params.check(self.meta.config, self.meta.vocab_size)
         prompt = check_prompt(self.meta, prompt_ids, max_tokens)
         matcher = self.matcher(constraint) if constraint is not None else None
-        rows = self.rows
-        if rows.active:  # its calls would advance the unfinished one's row too
-            raise RuntimeError("another generation of this Decoder is unfinished: exhaust or close() it first")
-        slot, _ = rows.choose(prompt, self.meta.batch, reuse)
-        row = rows.start(slot, Sequence(prompt, params, max_tokens, stop_at_eos, matcher=matcher), reuse=reuse)
+        request = Sequence(prompt, params, max_tokens, stop_at_eos, matcher=matcher)
+        with closing(decode_alone(self.rows, self.method.execute, request, reuse, self._started)) as events:
+            for event in events:  # closing: a caller that stops early frees the row at once
+                yield Step(event.token, event.logprob, event.top)
+
+    def _started(self, row: Row) -> None:
         self.last_cached = row.cached
-        try:
-            while rows.rows[slot] is row:
-                outputs = self.method.execute(rows.call_inputs(masks=rows.masks()))
-                for _, _, event in rows.read(outputs):  # only this row is active
-                    if event.error:
-                        raise ConstraintError(event.error)
-                    yield Step(event.token, event.logprob, event.top)
-        except (GeneratorExit, ConstraintError):  # the caller stopped, or a grammar did: the caches are whole
-            raise
-        except BaseException:  # a failed call may have left the caches half written
-            rows.forget()
-            raise
-        finally:
-            if rows.rows[slot] is row:
-                rows.end(slot)
 
     def step_at(self, feed: list[int], start: int, params: SamplingParams, step: int,
                 matcher: Matcher | None = None) -> Step:
