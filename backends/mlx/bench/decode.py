@@ -147,7 +147,7 @@ def measure_dtype(settings: Settings, size: dict, dtype: str, cache_dir: Path, l
     del engines
     gc.collect()
     reference = greedy_tokens["etmlx"]
-    agreement = {name: _common_prefix(reference, tokens) for name, tokens in greedy_tokens.items()}
+    agreement = {name: common_prefix(reference, tokens) for name, tokens in greedy_tokens.items()}
     return {"dtype": dtype, "checkpoint": str(checkpoint), "parameters": spec.parameters, "memory": footprint,
             "programs": {engine: summary for engine, (_, summary) in ptes.items()},
             "results": results, "greedy_tokens": greedy_tokens, "greedy_agreement_with_etmlx": agreement}
@@ -166,7 +166,7 @@ def memory_of(files: dict, parameters: int, prompt: list[int], steps: int, log) 
     return out
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1

@@ -42,6 +42,7 @@ import torch
 
 from backends.mlx.bench import decode_memory as memory
 from backends.mlx.bench import decode_programs as programs
+from backends.mlx.bench.decode import common_prefix
 from backends.mlx.llm.builtin import bench_checkpoint as ckpt
 
 GGUF_TYPES = {"int4": ("Q4_0", "F16"), "int8": ("Q8_0",)}
@@ -98,10 +99,6 @@ def export_in_child(checkpoint: Path, pte: Path, max_seq_len: int, log) -> dict:
     return info
 
 
-def _weight_bytes(directory: Path) -> int:
-    return sum(p.stat().st_size for p in Path(directory).glob("*.safetensors"))
-
-
 def _engines(files: dict, max_seq_len: int) -> list:
     from backends.mlx.bench.decode_engines import EtmlxEngine, LlamaCppEngine, MlxLmEngine
 
@@ -146,7 +143,8 @@ def measure(settings: ShapeSettings, spec: ckpt.CheckpointSpec, float_dir: Path,
         warm = engine.generate(prompt[:short], WARM_STEPS, 0.0, settings.seed)
         if warm.decode_steps / warm.decode_s < SLOW_DECODE_TOKENS_PER_S:
             slow.add(engine.name)
-    runs = {engine.name: {"prefill": {n: [] for n in settings.prompt_lens}, "decode": []} for engine in engines}
+    runs = {engine.name: {"prefill": {n: [] for n in settings.prompt_lens}, "decode": [], "ttft_s": []}
+            for engine in engines}
     for repeat in range(settings.repeats):
         for engine in engines:
             for n in settings.prompt_lens:
@@ -158,7 +156,7 @@ def measure(settings: ShapeSettings, spec: ckpt.CheckpointSpec, float_dir: Path,
                     if run.tokens != greedy.setdefault(engine.name, run.tokens):
                         raise RuntimeError(f"{engine.name}: greedy tokens changed between runs")
                     runs[engine.name]["decode"].append(run.decode_steps / run.decode_s)
-                    runs[engine.name]["ttft_s"] = runs[engine.name].get("ttft_s", []) + [run.prefill_s]
+                    runs[engine.name]["ttft_s"].append(run.prefill_s)
         log(f"  repeat {repeat + 1}/{settings.repeats} done")
     del engines
     gc.collect()
@@ -172,17 +170,10 @@ def measure(settings: ShapeSettings, spec: ckpt.CheckpointSpec, float_dir: Path,
         log(f"  {name:>16}: " + ", ".join(f"prefill {n}: {_num(results[name][f'prefill_{n}_tokens_per_s'], 12)} tok/s"
                                           for n in settings.prompt_lens)
             + f", decode {results[name]['decode_tokens_per_s']:.1f} tok/s")
-    agreement = {name: _common_prefix(greedy["etmlx"], tokens) for name, tokens in greedy.items()}
+    agreement = {name: common_prefix(greedy["etmlx"], tokens) for name, tokens in greedy.items()}
     return {"dtype": dtype, "checkpoint": str(quantized_dir), "export": export, "memory": footprint,
-            "weight_bytes_per_token": _weight_bytes(quantized_dir), "results": results,
+            "weight_bytes_per_token": footprint["mlx_lm"]["file_bytes"], "results": results,
             "slow_prefill_once": sorted(slow), "greedy_agreement_with_etmlx": agreement}
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def run(shape: str, dtypes=("int4",), settings: ShapeSettings = ShapeSettings(), cache_dir: Path = Path("out/bench"),
