@@ -44,8 +44,29 @@ def test_decoder_json(tmp_path):
     assert r["warm_first_token_s"] > 0 and r["cold_first_token_s"] > 0
     # Greedy: every run decodes the same tokens, so the sum is a multiple of the run count.
     assert r["token_sum"] % 3 == 0
+    # The backend's host-time split of the warm runs' decode calls (runtime/call_profile.h): one backend call per
+    # decode step, each phase measured.
+    host = r["decode_host"]
+    assert host["calls"] == 2 * 10
+    assert host["build_ms"] > 0 and host["submit_ms"] > 0 and host["wait_ms"] >= 0 and host["copy_ms"] >= 0
     too_long = _bench(pte, "--prompt-len", 30, "--decode-steps", 20)
     assert too_long.returncode == 2 and "must fit the program's 40 positions" in too_long.stderr
+
+
+def test_etmlx_dot_writes_the_calls_graph(tmp_path):
+    """ETMLX_DOT=FILE: the last call's MLX graph as Graphviz; a decode step of a 1-layer Llama holds its projections
+    and its KV-cache writes."""
+    import os
+
+    pte = tmp_path / "tiny.pte"
+    export_decoder(_tiny(), pte, 40)
+    dot = tmp_path / "step.dot"
+    done = subprocess.run([str(BENCH), str(pte), "--prompt-len", "4", "--decode-steps", "2", "--runs", "1"],
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ, ETMLX_DOT=str(dot)))
+    assert done.returncode == 0, done.stderr
+    text = dot.read_text()
+    assert text.startswith("digraph") and text.count('"Matmul"') + text.count('label ="Matmul') >= 4
+    assert 'label ="ScatterAxis' in text or 'label ="SliceUpdate' in text
 
 
 def test_pipelined_and_unpipelined_decode_the_same_tokens(tmp_path):
@@ -91,3 +112,83 @@ def test_make_setup_mlx_cuda13_installs_the_cuda_wheel():
     assert "cuda" not in cpu.replace(".etmlx-deps-cuda", "")
     bad = subprocess.run(["make", "-n", "setup", "MLX=rocm"], cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode != 0 and "MLX=rocm is not cpu, cuda12 or cuda13" in bad.stderr
+
+
+def _sampler_with_inputs(tmp_path, batch=2, vocab=1000):
+    """A seeded top-k sampler program and its inputs (LM-shaped logits, T=0.8) written as etmlx_bench --inputs
+    files; returns (pte, inputs dir, the tokens the Python runtime returns for those inputs)."""
+    from backends.mlx.bench.gpu_kit import _write_inputs
+    from backends.mlx.bench.sampler_features import make_logits
+    from backends.mlx.llm.sampler.config import SamplerConfig
+    from backends.mlx.llm.sampler.export import LogitsInput, export_sampling_head, sampler_inputs
+    from backends.mlx.runtime.runner import load_method
+
+    config = SamplerConfig(top_k=True)
+    pte = tmp_path / "head.pte"
+    pte.write_bytes(export_sampling_head(LogitsInput(), (torch.zeros(batch, vocab),), config=config).pte)
+    inputs = sampler_inputs(config, [make_logits("lm", batch, vocab, seed=3)], torch.tensor(0.8), torch.tensor(5),
+                            top_k=torch.tensor(40))
+    _write_inputs(tmp_path / "inputs", inputs)
+    expected = load_method(pte.read_bytes()).execute(inputs)[0].tolist()
+    return pte, tmp_path / "inputs", expected
+
+
+def test_inputs_from_files_give_the_python_runtimes_tokens(tmp_path):
+    pte, inputs, expected = _sampler_with_inputs(tmp_path)
+    done = _bench(pte, "--inputs", inputs, "--calls", 3, "--warmup", 1)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["output0"] == expected
+    # Zero-filled inputs (temperature 0, every logit tied) give other tokens: the files were read.
+    assert json.loads(_bench(pte, "--calls", 1, "--warmup", 0).stdout)["output0"] != expected
+    (inputs / "input_0.bin").write_bytes(b"\0" * 12)
+    short = _bench(pte, "--inputs", inputs)
+    assert short.returncode == 2 and short.stderr.strip().endswith("input_0.bin has 12 bytes; input 0 takes 8000")
+    missing = _bench(pte, "--inputs", tmp_path / "nowhere")
+    assert missing.returncode == 2 and "cannot read it" in missing.stderr
+
+
+def test_etmlx_device_picks_the_device_or_says_why_not(tmp_path):
+    import os
+
+    import mlx.core as mx
+
+    pte, inputs, expected = _sampler_with_inputs(tmp_path)
+
+    def on(device):
+        return subprocess.run([str(BENCH), str(pte), "--inputs", str(inputs), "--calls", "1", "--warmup", "0"],
+                              capture_output=True, text=True, timeout=300, env=dict(os.environ, ETMLX_DEVICE=device))
+
+    cpu = on("cpu")
+    assert cpu.returncode == 0 and json.loads(cpu.stdout)["output0"] == expected
+    gpu = on("gpu")
+    if mx.is_available(mx.gpu):  # a CUDA or Metal build: the same tokens there (docs/cpp-tools.md's GPU figures)
+        assert gpu.returncode == 0 and json.loads(gpu.stdout)["output0"] == expected
+    else:
+        assert gpu.returncode != 0 and "ETMLX_DEVICE=gpu, but this MLX build has no GPU" in gpu.stderr
+    bad = on("tpu")
+    assert bad.returncode != 0 and 'ETMLX_DEVICE=tpu is not "cpu" or "gpu"' in bad.stderr
+
+
+def test_gpu_kit_runs_with_the_device_script(tmp_path):
+    """`etmlx bench gpu-kit` + bench/gpu_device.py end to end, with the CPU standing in for the GPU: a kit of a tiny
+    checkpoint, every item measured, and the engines' tokens compared (same device twice: all equal)."""
+    import sys
+
+    from backends.mlx.bench import gpu_kit
+    from backends.mlx.llm.builtin import bench_checkpoint as ckpt
+
+    kit = tmp_path / "kit"
+    gpu_kit.build(kit, tmp_path / "cache", log=lambda *_: None, size=ckpt.QUICK_SIZE, sampler_shapes=((500, 2),))
+    script = ROOT / "backends" / "mlx" / "bench" / "gpu_device.py"
+    done = subprocess.run([sys.executable, str(script), str(kit), "--bin", str(BENCH.parent), "--devices", "cpu,cpu",
+                           "--runs", "1", "--calls", "3", "--json", str(tmp_path / "r.json")],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    results = json.loads((tmp_path / "r.json").read_text())
+    assert [r["kind"] for r in results] == ["decoder"] + ["sampler"] * 3, done.stderr
+    decoder = results[0]
+    steps = gpu_kit.DECODE_STEPS + 1
+    assert decoder["greedy_cpu_gpu_agree"] == decoder["sampled_cpu_gpu_agree"] == steps
+    assert decoder["mlx_lm_agree_with_etmlx"] == steps  # mlx-lm on the same integers, greedy
+    assert all(r["tokens_cpu_gpu_equal"] and len(r["tokens_cpu"]) == 2 for r in results[1:])
+    assert "decoder-int4" in done.stdout and "sampler-topp-v500-b2" in done.stdout

@@ -106,6 +106,14 @@ def _bench(args) -> int:
         from backends.mlx.bench import quantized_matmul
 
         return quantized_matmul.main(args.json, repeats=args.repeats)
+    if args.what == "gpu-kit":
+        from pathlib import Path
+
+        from backends.mlx.bench import gpu_kit
+
+        gpu_kit.build(Path(args.out or "out/gpu-kit"), Path(args.cache_dir),
+                      shapes=[args.shape] if args.shape else ())
+        return 0
     raise ValueError(f"unknown benchmark {args.what!r}")
 
 
@@ -126,11 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
     llm_cli.add_parsers(sub)
     serve_cli.add_parsers(sub)
     bench = sub.add_parser("bench", help="benchmarks with same-run baselines")
-    bench.add_argument("what", choices=["sampler", "agreement", "decode", "serve", "gemm", "qmm", "structured", "pipeline", "speculative", "prompt-cache"], help="which benchmark")
+    bench.add_argument("what", choices=["sampler", "agreement", "decode", "serve", "gemm", "qmm", "structured", "pipeline", "speculative", "prompt-cache", "gpu-kit"], help="which benchmark (gpu-kit: write the programs bench/gpu_device.py "
+                       "measures on a GPU host)")
     bench.add_argument("--suite", choices=["all", "basic", "features"], default="all",
                        help="sampler: basic (temperature by vocab and batch), features (top-k/top-p), or all")
     bench.add_argument("--rows", type=int, default=2000, help="agreement: rows per dtype")
     bench.add_argument("--json", help="also write the records to this path")
+    bench.add_argument("--out", help="gpu-kit: the directory to write (default out/gpu-kit)")
     bench.add_argument("--repeats", type=int, help="timed calls per measurement, median (default: sampler 30, "
                        "decode 3 generations, pipeline 5)")
     bench.add_argument("--builtin", action="store_true", help="structured: also the built-in model (demo checkpoint, "

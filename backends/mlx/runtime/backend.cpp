@@ -18,7 +18,12 @@
 #include <mlx/ops.h>
 #include <mlx/transforms.h>
 
+#include <fstream>
+
+#include <mlx/graph_utils.h>
+
 #include "blob_header.h"
+#include "call_profile.h"
 #include "interpreter.h"
 #include "io.h"
 #include "lazy_check.h"
@@ -69,6 +74,7 @@ size_t count(const Specs* specs) {
 }
 
 Error run(Handle& h, Span<EValue*> args) {
+  CallTimer timer;
   const Program& prog = h.program;
   const fb::Graph& g = *prog.graph;
   const size_t n_in = count(g.inputs());
@@ -209,12 +215,23 @@ Error run(Handle& h, Span<EValue*> args) {
   // in an evaluation of their own, so waiting for them never waits for work queued behind them.
   // The graph now holds the only references to the old state, so an update of it (a KV-cache
   // write) can reuse its buffer instead of copying the whole cache.
+  // ETMLX_DOT=FILE: the call's graph (outputs and new state) as Graphviz, overwritten by each call;
+  // for counting what a decode step asks of MLX (docs/cpp-tools.md).
+  if (const char* dot = std::getenv("ETMLX_DOT"); dot != nullptr && *dot != '\0') {
+    std::vector<mx::array> roots(outputs);
+    roots.insert(roots.end(), new_state.begin(), new_state.end());
+    std::ofstream f(dot);
+    mx::export_to_dot(f, roots);
+  }
   tensors.clear();
   h.state = std::move(new_state);
   try {
+    timer.mark(CallPhase::Build);
     mx::async_eval(outputs);
     mx::async_eval(h.state);
+    timer.mark(CallPhase::Submit);
     mx::eval(outputs);
+    timer.mark(CallPhase::Wait);
   } catch (const std::exception& e) {
     h.state_lost = !h.state.empty();
     ET_LOG(Error, "etmlx: evaluating the graph failed: %s", e.what());
@@ -231,6 +248,8 @@ Error run(Handle& h, Span<EValue*> args) {
     Error err = copy_output(arg.toTensor(), outputs[eval_index[i]], i);
     if (err != Error::Ok) return err;
   }
+  timer.mark(CallPhase::Copy);
+  count_call();
   return Error::Ok;
 }
 

@@ -1,5 +1,6 @@
 #include "loader.h"
 #include "cpu_weights.h"
+#include "device_choice.h"
 #include "named_constant.h"
 #include "quantized_layout.h"
 
@@ -364,6 +365,12 @@ Error check_header(const void* data, size_t size, uint64_t* payload_len) {
 
 Error load_program(const void* data, size_t size, const executorch::runtime::NamedDataMap* named,
                    Program& out) {
+  // First: the constants made below and the kernel set follow the default device.
+  std::string device_error;
+  if (!apply_device_choice(&device_error)) {
+    ET_LOG(Error, "etmlx: %s", device_error.c_str());
+    return Error::InvalidArgument;
+  }
   uint64_t len = 0;
   Error err = check_header(data, size, &len);
   if (err != Error::Ok) return err;

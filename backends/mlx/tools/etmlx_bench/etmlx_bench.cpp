@@ -7,12 +7,14 @@
 // since each call returns the previous one's token). The first prefill of the process is reported apart (cold_first_token_s): it
 // pays for loading and, on a GPU, kernel compilation; the later sequences' first tokens are the warm
 // figure. Any other program (a sampler-only head, ...) is called --calls times with zero-filled
-// inputs of its static shapes. Times are per call, wall clock, outputs copied to the host.
+// inputs of its static shapes, or with the bytes of DIR/input_<i>.bin (--inputs DIR): zeros are a
+// poor timing input for a sampler (every logit ties). Times are per call, wall clock, outputs copied to the host.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <string>
 #include <system_error>
@@ -29,6 +31,7 @@
 #include "step_inputs.h"
 
 extern "C" const char* etmlx_backend_id();
+extern "C" void etmlx_call_profile(uint64_t* calls, double* build_s, double* submit_s, double* wait_s, double* copy_s);
 
 namespace {
 
@@ -39,13 +42,14 @@ using Clock = std::chrono::steady_clock;
 
 constexpr const char kUsage[] =
     "usage: etmlx_bench FILE.pte [--prompt-len N] [--decode-steps N] [--runs N] [--calls N] [--warmup N]\n"
-    "                   [--temperature T] [--seed S]\n"
+    "                   [--temperature T] [--seed S] [--inputs DIR]\n"
     "Times FILE.pte on the etmlx backend and prints JSON (milliseconds per call: median, p90).\n"
     "  decoder programs: --runs sequences (default 3; the first is the cold one, the others warm) of a --prompt-len prefill (default 16)\n"
     "                    and --decode-steps decode calls (default 32), sampling at --temperature\n"
     "                    (default 0, greedy) with --seed (default 0)\n"
     "  other programs:   --warmup calls (default 2), then --calls timed calls (default 20) on\n"
-    "                    zero-filled inputs\n";
+    "                    zero-filled inputs, or the raw bytes of DIR/input_<i>.bin (--inputs DIR; each file\n"
+    "                    exactly input i's size); prints the integer values of output 0's last call\n";
 
 int fail(const std::string& message) {
   std::fprintf(stderr, "etmlx_bench: error: %s\n", message.c_str());
@@ -72,6 +76,31 @@ Stats stats_of(std::vector<double> s) {
   return st;
 }
 
+// The backend's host-time totals (runtime/call_profile.h): build, submit, wait, copy seconds.
+struct HostTimes {
+  uint64_t calls = 0;
+  double s[4] = {0, 0, 0, 0};
+  static HostTimes now() {
+    HostTimes t;
+    etmlx_call_profile(&t.calls, &t.s[0], &t.s[1], &t.s[2], &t.s[3]);
+    return t;
+  }
+  void add_since(const HostTimes& before, const HostTimes& after) {
+    calls += after.calls - before.calls;
+    for (int i = 0; i < 4; ++i) s[i] += after.s[i] - before.s[i];
+  }
+  // Mean milliseconds per backend call, by phase.
+  std::string json() const {
+    const double n = calls ? static_cast<double>(calls) : 1.0;
+    char buf[200];
+    std::snprintf(buf, sizeof(buf),
+                  "{\"calls\": %llu, \"build_ms\": %.4f, \"submit_ms\": %.4f, \"wait_ms\": %.4f, \"copy_ms\": %.4f}",
+                  static_cast<unsigned long long>(calls), 1e3 * s[0] / n, 1e3 * s[1] / n, 1e3 * s[2] / n,
+                  1e3 * s[3] / n);
+    return buf;
+  }
+};
+
 std::string json_stats(const Stats& s) {
   char buf[160];
   std::snprintf(buf, sizeof(buf), "{\"n\": %zu, \"median_ms\": %.4f, \"p90_ms\": %.4f, \"mean_ms\": %.4f}", s.n,
@@ -80,7 +109,7 @@ std::string json_stats(const Stats& s) {
 }
 
 struct Args {
-  std::string pte;
+  std::string pte, inputs_dir;
   long prompt_len = 16, decode_steps = 32, runs = 3, calls = 20, warmup = 2, seed = 0;
   double temperature = 0;
 };
@@ -100,6 +129,10 @@ bool parse(int argc, char** argv, Args* a, std::string* error, bool* help) {
     if (i + 1 >= argc) return *error = flag + " needs a value", false;
     const std::string value = argv[++i];
     char* end = nullptr;
+    if (flag == "--inputs") {
+      a->inputs_dir = value;
+      continue;
+    }
     if (flag == "--temperature") {
       a->temperature = std::strtod(value.c_str(), &end);
       if (end == value.c_str() || *end || !(a->temperature >= 0))
@@ -141,11 +174,13 @@ int bench_decoder(Module& module, const std::string& method, const etmlx::Progra
   std::vector<double> prefill, decode;
   double cold = 0;
   int64_t tokens_checksum = 0;
+  HostTimes decode_host;  // the warm runs' decode calls
   etmlx::DecodeLoop loop(module, method, *inputs, md.meta.pipelined);
   for (long run = 0; run < a.runs; ++run) {
     loop.start(prompt, static_cast<float>(a.temperature), a.seed);
     for (long step = 0; step <= a.decode_steps; ++step) {
       int64_t token = 0;
+      const HostTimes before = HostTimes::now();
       if (!loop.next(nullptr, &token, &error))
         return fail("token " + std::to_string(step) + " of run " + std::to_string(run) + ": " + error);
       double s = 0;
@@ -156,6 +191,7 @@ int bench_decoder(Module& module, const std::string& method, const etmlx::Progra
         else prefill.push_back(s);
       } else {
         decode.push_back(s);
+        if (run > 0) decode_host.add_since(before, HostTimes::now());
       }
       tokens_checksum += token;
     }
@@ -164,12 +200,13 @@ int bench_decoder(Module& module, const std::string& method, const etmlx::Progra
   std::printf("{\"program\": \"%s\", \"kind\": \"decoder\", \"method\": \"%s\", \"pipelined\": %s, "
               "\"load_s\": %.6f, \"prompt_len\": %ld, \"decode_steps\": %ld, \"runs\": %ld, \"temperature\": %g, "
               "\"cold_first_token_s\": %.6f, \"warm_first_token_s\": %.6f, \"prefill\": %s, \"decode\": %s, "
-              "\"prefill_tokens_per_s\": %.3f, \"decode_tokens_per_s\": %.3f, \"token_sum\": %lld}\n",
+              "\"prefill_tokens_per_s\": %.3f, \"decode_tokens_per_s\": %.3f, \"token_sum\": %lld, \"decode_host\": %s}\n",
               a.pte.c_str(), method.c_str(), md.meta.pipelined ? "true" : "false", load_s, a.prompt_len,
               a.decode_steps, a.runs, a.temperature, cold,
               p.median_ms / 1e3, json_stats(p).c_str(), json_stats(d).c_str(),
               p.median_ms > 0 ? 1e3 * static_cast<double>(a.prompt_len) / p.median_ms : 0.0,
-              d.median_ms > 0 ? 1e3 / d.median_ms : 0.0, static_cast<long long>(tokens_checksum));
+              d.median_ms > 0 ? 1e3 / d.median_ms : 0.0, static_cast<long long>(tokens_checksum),
+              decode_host.json().c_str());
   return 0;
 }
 
@@ -185,9 +222,21 @@ int bench_generic(Module& module, const std::string& method, const Args& a, doub
     std::vector<executorch::aten::SizesType> sizes(tm->sizes().begin(), tm->sizes().end());
     alive.push_back(executorch::extension::zeros(sizes, tm->scalar_type()));
     values.emplace_back(alive.back());
+    if (!a.inputs_dir.empty()) {
+      const std::string path = a.inputs_dir + "/input_" + std::to_string(i) + ".bin";
+      std::ifstream f(path, std::ios::binary | std::ios::ate);
+      if (!f) return fail(path + ": cannot read it (--inputs DIR needs one file per input)");
+      const auto bytes = static_cast<size_t>(f.tellg());
+      if (bytes != alive.back()->nbytes())
+        return fail(path + " has " + std::to_string(bytes) + " bytes; input " + std::to_string(i) + " takes " +
+                    std::to_string(alive.back()->nbytes()));
+      f.seekg(0);
+      f.read(static_cast<char*>(alive.back()->mutable_data_ptr()), static_cast<std::streamsize>(bytes));
+    }
   }
   std::vector<double> times;
   double first = 0;
+  std::string output0 = "[]";
   for (long c = 0; c < a.warmup + a.calls; ++c) {
     const auto t0 = Clock::now();
     const auto out = module.execute(method, values);
@@ -195,12 +244,21 @@ int bench_generic(Module& module, const std::string& method, const Args& a, doub
     const double s = seconds_since(t0);
     if (c == 0) first = s;
     if (c >= a.warmup) times.push_back(s);
+    // Output 0's integers (a sampler's tokens), to compare devices on the same inputs.
+    if (!out->empty() && (*out)[0].isTensor() &&
+        (*out)[0].toTensor().scalar_type() == executorch::aten::ScalarType::Long) {
+      const auto& t = (*out)[0].toTensor();
+      output0 = "[";
+      for (ssize_t k = 0; k < std::min<ssize_t>(t.numel(), 64); ++k)
+        output0 += (k ? ", " : "") + std::to_string(t.const_data_ptr<int64_t>()[k]);
+      output0 += "]";
+    }
   }
   const Stats s = stats_of(times);
   std::printf("{\"program\": \"%s\", \"kind\": \"generic\", \"method\": \"%s\", \"load_s\": %.6f, "
-              "\"inputs\": %zu, \"first_call_s\": %.6f, \"call\": %s, \"calls_per_s\": %.3f}\n",
+              "\"inputs\": %zu, \"first_call_s\": %.6f, \"call\": %s, \"calls_per_s\": %.3f, \"output0\": %s}\n",
               a.pte.c_str(), method.c_str(), load_s, values.size(), first, json_stats(s).c_str(),
-              s.median_ms > 0 ? 1e3 / s.median_ms : 0.0);
+              s.median_ms > 0 ? 1e3 / s.median_ms : 0.0, output0.c_str());
   return 0;
 }
 

@@ -142,7 +142,11 @@ int run(const etmlx::DecodeArgs& args) {
   std::unique_ptr<etmlx::TextTokenizer> tokenizer;
   if (!metadata->tokenizer_files.empty() && (args.prompt_text || etmlx::TextTokenizer::available())) {
     tokenizer = etmlx::TextTokenizer::load(metadata->tokenizer_files, &error);
-    if (!tokenizer) return fail(kBadInput, args.pte + ": " + error);
+    if (!tokenizer && args.prompt_text) return fail(kBadInput, args.pte + ": " + error);
+    // Given ids, the text is only a decoration of the output: a tokenizer this build cannot read
+    // (e.g. a word-level one) leaves the ids, with a note, instead of refusing to decode.
+    if (!tokenizer)
+      std::fprintf(stderr, "etmlx_decode: note: %s: %s; printing token ids\n", args.pte.c_str(), error.c_str());
   }
   std::vector<int64_t> prompt = args.prompt_ids;
   if (args.prompt_text) {
