@@ -176,6 +176,13 @@ CASES = [
          lambda s, d: (rand(s, d), torch.argsort(torch.rand(s), -1)[..., :2].contiguous(), rand((*s[:-1], 2), d))),
     Case("scatter_add", lambda a, i, v: torch.scatter_add(a, -1, i, v),
          lambda s, d: (rand(s, d), last_dim_index(s, 3), rand((*s[:-1], 3), d))),
+    # One index, broadcast from a smaller tensor, used by several gathers/scatters over axes of two sizes (as a KV cache's
+    # positions are, once per layer): the runtime normalizes it once per axis size and re-broadcasts it.
+    Case("broadcast_index_shared", lambda a, i: (
+        torch.gather(a, -1, i.reshape(*([1] * (a.dim() - 1)), 2).expand(*a.shape[:-1], 2)),
+        torch.scatter(a, -1, i.reshape(*([1] * (a.dim() - 1)), 2).expand(*a.shape[:-1], 2), 5),
+        torch.gather(torch.cat([a, a], -1), -1, i.reshape(*([1] * (a.dim() - 1)), 2).expand(*a.shape[:-1], 2))),
+         lambda s, d: (rand(s, d), torch.tensor([s[-1] - 1, 0]))),
     Case("embedding", lambda w, i: torch.nn.functional.embedding(i, w),
          lambda s, d: (rand((10, 4), d), torch.randint(0, 10, s)), FLOATS),
     Case("index_one_tensor", lambda a, i: (a[i], a[:, i] if a.dim() > 1 else a[i]),

@@ -5,10 +5,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdarg>
+#include <string>
 #include <cstdio>
 #include <limits>
 
 #include <executorch/runtime/platform/log.h>
+#include <mlx/primitives.h>
 #include <mlx/ops.h>
 
 namespace etmlx {
@@ -191,6 +193,24 @@ bool Interpreter::safe_indices(const mx::array& idx, int dim_size, const char* w
     *out = idx;
     return true;
   }
+  *out = normalized_indices(idx, dim_size);
+  return true;
+}
+
+mx::array Interpreter::normalized_indices(const mx::array& idx, int dim_size) {
+  // The normalization is element-wise, so it commutes with a view that only repeats or regroups
+  // elements: a KV-cache write's indices are the positions broadcast to the cache's shape, once per
+  // layer, and normalizing the positions once (instead of the broadcast copy of every layer: ~9 MLX
+  // nodes each) removes ~400 nodes from a 24-layer decode step.
+  if (idx.has_primitive() && idx.inputs().size() == 1) {
+    const std::string kind = idx.primitive().name();
+    if (kind == "Broadcast" || kind == "ExpandDims" || kind == "Reshape") {
+      const mx::array inner = normalized_indices(idx.inputs()[0], dim_size);
+      return kind == "Broadcast" ? mx::broadcast_to(inner, idx.shape()) : mx::reshape(inner, idx.shape());
+    }
+  }
+  const auto key = std::make_pair(static_cast<std::uintptr_t>(idx.id()), dim_size);
+  if (const auto it = normalized_.find(key); it != normalized_.end()) return it->second;
   // mlx gathers and scatters without bounds checks, so a bad index (e.g. a
   // corrupted constant) would read or write out of bounds. Wrap negative
   // indices like PyTorch, then clamp into [0, dim_size).
@@ -204,8 +224,8 @@ bool Interpreter::safe_indices(const mx::array& idx, int dim_size, const char* w
     i = mx::where(mx::less(i, mx::array(0, it)), mx::add(i, mx::array(dim_size, it)), i);
   }
   i = mx::clip(i, mx::array(0, it), mx::array(dim_size - 1, it));
-  *out = i;
-  return true;
+  normalized_.emplace(key, i);
+  return i;
 }
 
 // ---------------------------------------------------------------------------

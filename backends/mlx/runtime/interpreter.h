@@ -12,7 +12,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include <mlx/array.h>
@@ -123,6 +125,9 @@ class Interpreter {
   // not bounds-check): integer dtype required, negative wrapped, clamped.
   bool safe_indices(const mlx::core::array& idx, int dim_size, const char* what,
                     mlx::core::array* out);
+  // safe_indices' wrap-and-clamp of an integer array, made once per call per (array, axis size) and
+  // pushed through the broadcasts/reshapes that `idx` is a view of.
+  mlx::core::array normalized_indices(const mlx::core::array& idx, int dim_size);
   // Normalization operands (exec_fused.cpp): a floating x of rank >= 1, and an
   // optional floating weight or bias, 1-d with x's last size (absent: unset).
   bool norm_input(const fb::Tid* t, const mlx::core::array** x);
@@ -137,6 +142,8 @@ class Interpreter {
   const char* node_name_ = "";
   bool keep_written_ = false;
   std::vector<mlx::core::array> written_;
+  // normalized_indices' results of this call, by (array id, axis size).
+  std::map<std::pair<std::uintptr_t, int>, mlx::core::array> normalized_;
 };
 
 }  // namespace etmlx
