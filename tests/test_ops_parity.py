@@ -294,6 +294,9 @@ CASES = [
                                    torch.nn.functional.rms_norm(a, a.shape[-1:]),
                                    torch.nn.functional.rms_norm(a, a.shape[-2:], eps=1e-5) if a.dim() > 1 else a),
          lambda s, d: (rand(s, d), rand(s[-1:], d)), FLOATS),
+    # A strided (transposed) input: the CPU kernel set's RMSNorm host loop reads it in place.
+    Case("rms_norm_strided", lambda a, w: torch.nn.functional.rms_norm(a.transpose(0, -1), (a.shape[0],), w, 1e-6),
+         lambda s, d: (rand(s, d), rand(s[:1], d)), FLOATS),
     Case("batch_norm", lambda x, m, v, w, bias: torch.nn.functional.batch_norm(x, m, v, w, bias, False, 0.1, 1e-3),
          lambda s, d: (rand(s, d), rand(s[1:2], d), positive(s[1:2], d), rand(s[1:2], d), rand(s[1:2], d)), FLOATS,
          [(2, 3, 5), (2, 3, 4, 4), (1, 3, 2, 3, 2)]),

@@ -138,7 +138,7 @@ bool Interpreter::exec_rms_norm(const fb::RmsNormNode& n) {
   if (!norm_input(n.x(), &x)) return false;
   std::optional<mx::array> weight;
   if (!norm_operand(n.weight(), *x, "weight", &weight)) return false;
-  return write(n.out(), kernels::rms_norm(*x, weight, n.eps()));
+  return write(n.out(), program_.kernels->rms_norm(*x, weight, n.eps()));
 }
 
 bool Interpreter::exec_layer_norm(const fb::LayerNormNode& n) {

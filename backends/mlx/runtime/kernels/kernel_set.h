@@ -18,6 +18,7 @@
 #include "kernels/cpu_gemm.h"
 #include "kernels/filter_threshold.h"
 #include "kernels/gumbel_max.h"
+#include "kernels/norms.h"
 #include "kernels/quantized_matmul.h"
 
 namespace etmlx::kernels {
@@ -32,6 +33,8 @@ struct KernelSet {
   AllowedMaskFn allowed_mask;
   DrawnOrNoneFn drawn_or_none;
   QuantizedMatmulFn quantized_matmul;
+  // RMSNorm (norms.h): mx::fast on devices with its kernel, one host loop on the CPU.
+  mlx::core::array (*rms_norm)(const mlx::core::array& x, const std::optional<mlx::core::array>& weight, float eps);
 };
 
 const KernelSet& cpu_kernels();
