@@ -46,6 +46,11 @@ class LoadedMethod:
             self._state = ProgramState(self.state_ids[0])
         return self._state
 
+    @property
+    def can_copy_rows(self) -> bool:
+        """Whether copy_rows works: the method has one stateful etmlx delegate (a decoder program)."""
+        return len(self.state_ids) == 1
+
     def copy_rows(self, src: int, dst: int, n: int) -> None:
         """Positions [0, n) of row `src`'s KV cache into row `dst` (decode_rows.py's cross-row reuse)."""
         self.state.copy(src, dst, n)
