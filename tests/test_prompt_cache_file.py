@@ -6,8 +6,10 @@ file is refused by another program, as is a non-cache file."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import etmlx
+from backends.mlx.llm.decoder import cache_file
 from backends.mlx.llm.decoder.export import export_decoder
 from backends.mlx.llm.sampler.config import SamplerConfig
 from serve_helpers import eager_model
@@ -69,6 +71,15 @@ def test_a_cache_loaded_from_a_file_gives_the_fresh_tokens_and_prefills_only_the
     assert responses[-1].cached_tokens == held
     prefill = max(calls[0])  # the row's first call: every token it was not given from the file
     assert prefill == len(PROMPT) + len(first) + len(MORE) - held
+
+    if program == "plain" and sampling:  # the file is plain safetensors: the library reads the same tensors
+        safetensors = pytest.importorskip("safetensors.torch")
+        entries = safetensors.load_file(str(path))
+        assert entries["tokens"].tolist() == PROMPT + first
+        ours, _ = cache_file._read_safetensors(path)
+        assert len(entries) == len(ours) == 1 + len(restored_model.method.state.buffers)
+        assert all(torch.equal(entries[name], ours[name]) for name in entries)
+        assert all(entries[f"kv.{k}"].shape[1] == held for k in range(len(ours) - 1))
 
     fresh_model = etmlx.load(pte)
     fresh = [r.token for r in etmlx.stream_generate(fresh_model, PROMPT + first + MORE, 8,
