@@ -135,3 +135,25 @@ def test_ring_programs_never_copy():
     meta = DecoderMeta.build(max_seq_len=64, vocab_size=50, batch=2, eos_token_ids=[0], seeded=True,
                              config=SamplerConfig(), dtype="float32", ring_cache=True)
     assert not Engine(_Echo(meta), meta).core.copies
+
+
+def test_the_server_worker_copies_rows_too(programs):
+    """`etmlx serve` runs the program in a worker process (serve/program_worker.py): copies go through it."""
+    from backends.mlx.serve.supervisor import SupervisedProgram
+
+    pte = programs[True]
+    meta = DecoderMeta.load(pte)
+    prompts = [PREFIX + [3 + i, 40 + i] for i in range(6)]
+
+    def sampling(i):
+        return {"logit_bias": {meta.eos_token_ids[0]: -100}, "temperature": 0.8, "seed": i}
+
+    worker = SupervisedProgram.for_pte(pte)
+    try:
+        assert worker.can_copy_rows
+        copied, prefilled = _serve(worker, meta, prompts, sampling)
+    finally:
+        worker.close()
+    alone, _ = _serve(load_method(pte), meta, prompts, sampling, prompt_cache=False)
+    assert copied == alone
+    assert prefilled <= 1.1 * _unique(prompts)

@@ -133,3 +133,24 @@ def test_a_program_without_state_has_no_kv_access(tmp_path):
     result.save(pte)
     with pytest.raises(StateError, match="0 stateful etmlx delegates"):
         load_method(pte).state
+
+
+def test_a_stateful_program_without_a_kv_cache_is_not_a_decoder_program(tmp_path):
+    from backends.mlx.exporter.export import export_to_pte
+
+    class Counter(torch.nn.Module):  # state, but no [rows, heads, positions, dim] buffer
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("count", torch.zeros(2, 3))
+
+        def forward(self, x):
+            self.count.add_(x)
+            return self.count.clone()
+
+    pte = tmp_path / "counter.pte"
+    export_to_pte(Counter(), (torch.ones(2, 3),), {}).save(pte)
+    method = load_method(pte)
+    assert len(method.state_ids) == 1
+    with pytest.raises(StateError, match="no KV cache .* not a decoder program"):
+        method.state
+    assert torch.equal(method.execute([torch.ones(2, 3)])[0], torch.ones(2, 3))  # the program still runs
