@@ -48,8 +48,13 @@ class LoadedMethod:
 
     @property
     def can_copy_rows(self) -> bool:
-        """Whether copy_rows works: the method has one stateful etmlx delegate (a decoder program)."""
-        return len(self.state_ids) == 1
+        """Whether copy_rows works: the method's one stateful etmlx delegate has a KV cache (a decoder program)."""
+        from backends.mlx.runtime.program_state import StateError
+
+        try:
+            return bool(self.state.buffers)
+        except StateError:
+            return False
 
     def copy_rows(self, src: int, dst: int, n: int) -> None:
         """Positions [0, n) of row `src`'s KV cache into row `dst` (decode_rows.py's cross-row reuse)."""
