@@ -98,7 +98,7 @@ def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, st
     return tensors, metadata
 
 
-def _check_no_rings(model, what: str) -> None:
+def check_no_rings(model, what: str) -> None:
     if model.meta.ring_cache is not False:
         ring = "keeps a sliding-window ring cache" if model.meta.ring_cache else "may keep a ring cache (exported " \
                                                                                   "before DecoderMeta.ring_cache)"
@@ -108,7 +108,7 @@ def _check_no_rings(model, what: str) -> None:
 def save(path, model, tokens: list[int], metadata: dict[str, str] | None = None) -> int:
     """Write the conversation `tokens` of `model` (a Decoder or SpeculativeDecoder) with the KV entries of the row
     that holds most of them; returns how many positions went into the file."""
-    _check_no_rings(model, "saved")
+    check_no_rings(model, "saved")
     rows = model.rows
     if rows.active:
         raise RuntimeError("a generation of this model is unfinished: exhaust or close() it before saving")
@@ -131,7 +131,7 @@ def load(path, model) -> tuple[list[int], int, dict[str, str]]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"prompt cache: no such file {path}")
-    _check_no_rings(model, "loaded")
+    check_no_rings(model, "loaded")
     tensors, meta = _read_safetensors(path)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or "tokens" not in tensors:
         raise ValueError(f"{path} is not an etmlx prompt cache ({FORMAT!r} expected)")
