@@ -20,6 +20,7 @@
 #include <cstring>
 #include <exception>
 #include <mutex>
+#include <new>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -134,7 +135,6 @@ void unregister_handle(Handle* h) {
 }  // namespace etmlx
 
 using etmlx::fail;
-using etmlx::g_handles;
 using etmlx::g_mu;
 using etmlx::Handle;
 namespace mx = mlx::core;
