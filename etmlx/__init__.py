@@ -20,11 +20,12 @@ try:
 except PackageNotFoundError:
     __version__ = "unknown"
 
-__all__ = ["__version__", "generate", "load", "make_prompt_cache", "stream_generate"]
+__all__ = ["__version__", "generate", "load", "load_prompt_cache", "make_prompt_cache", "save_prompt_cache",
+           "stream_generate"]
 
 
 def __getattr__(name: str):
-    if name in ("load", "generate", "stream_generate", "make_prompt_cache"):
+    if name in ("load", "generate", "stream_generate", "make_prompt_cache", "save_prompt_cache", "load_prompt_cache"):
         from etmlx import api
 
         return getattr(api, name)

@@ -27,7 +27,8 @@ from backends.mlx.llm.decoder.text_generation import Response, stream_text
 
 DEFAULT_MAX_TOKENS = 256  # as mlx-lm; capped by what the program's cache has room for
 
-__all__ = ["PromptCache", "Response", "generate", "load", "make_prompt_cache", "stream_generate"]
+__all__ = ["PromptCache", "Response", "generate", "load", "load_prompt_cache", "make_prompt_cache", "save_prompt_cache",
+           "stream_generate"]
 
 
 Model = Decoder | SpeculativeDecoder  # what load returns: the plain loop, or the loop of a --draft-tokens program
@@ -48,9 +49,9 @@ class PromptCache:
     stream_generate / generate of the conversation with only the new part as the prompt; it holds the
     tokens so far (prompts and replies), and each call prefills only what its row does not hold yet.
 
-    The keys and values themselves live in the program's state on the device (row_caches.py): the
-    runtime has no call that reads or writes them, so a cache cannot be saved to a file (mlx-lm's
-    save_prompt_cache) and lasts as long as the loaded model."""
+    The keys and values themselves live in the program's state on the device (row_caches.py);
+    save_prompt_cache writes them with the tokens to a file, and load_prompt_cache puts them back into a
+    row of the same program (llm/decoder/cache_file.py)."""
 
     def __init__(self, model: Model):
         _check_model(model)
@@ -64,6 +65,29 @@ class PromptCache:
 def make_prompt_cache(model: Model) -> PromptCache:
     """An empty conversation for `model` (mlx-lm's make_prompt_cache)."""
     return PromptCache(model)
+
+
+def save_prompt_cache(file_name: str | Path, cache: PromptCache, metadata: dict[str, str] | None = None) -> None:
+    """Write the conversation in `cache` to `file_name` (safetensors): its tokens, the KV entries its row holds,
+    and the program's identity; `metadata` (str -> str) goes along (mlx-lm's save_prompt_cache)."""
+    from backends.mlx.llm.decoder import cache_file
+
+    if not isinstance(cache, PromptCache):
+        raise TypeError(f"cache must be a PromptCache (make_prompt_cache), got {type(cache).__name__}")
+    cache_file.save(file_name, cache.model, cache.tokens, metadata)
+
+
+def load_prompt_cache(file_name: str | Path, model: Model, return_metadata: bool = False):
+    """The conversation saved in `file_name`, restored into a row of `model` (the program it was saved from; another
+    is a one-line ValueError): the next stream_generate with it prefills only the new prompt. With
+    `return_metadata`, (cache, metadata) as mlx-lm's load_prompt_cache."""
+    from backends.mlx.llm.decoder import cache_file
+
+    _check_model(model)
+    tokens, _, metadata = cache_file.load(file_name, model)
+    cache = PromptCache(model)
+    cache.tokens = tokens
+    return (cache, metadata) if return_metadata else cache
 
 
 def _prompt_ids(model: Model, prompt) -> list[int]:

@@ -169,6 +169,23 @@ def test_chat_two_turns_from_stdin(exported):
 
 
 @pytest.mark.subprocess
+def test_chat_resumes_a_conversation_kept_in_a_file(exported, tmp_path):
+    pte, _, _ = exported
+    store = tmp_path / "chat.safetensors"
+    first = _run("-m", "etmlx", "chat", str(pte), "-m", "5", "--prompt-cache", str(store), stdin="Hello\n")
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert store.is_file()
+    resumed = _run("-m", "etmlx", "chat", str(pte), "-m", "5", "--prompt-cache", str(store),
+                   stdin="Where does Mira live?\n")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "[resumed 2 messages from" in resumed.stderr
+    cached = int(resumed.stderr.split("messages from")[1].split(": ")[1].split(" tokens")[0])
+    assert cached > 10  # the first turn's prompt and reply came from the file, not a prefill
+    both = _run("-m", "etmlx", "chat", str(pte), "-m", "5", stdin="Hello\nWhere does Mira live?\n")
+    assert first.stdout + resumed.stdout == both.stdout  # the second turn as without a restart
+
+
+@pytest.mark.subprocess
 def test_chat_drops_the_oldest_exchange_when_full(exported):
     pte, _, _ = exported
     lines = "".join(f"Where does Mira live? Tell me about the mill {i}\n" for i in range(6))

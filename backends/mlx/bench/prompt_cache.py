@@ -5,9 +5,14 @@
 - shared prefix: 16 requests whose prompts share a 1,500-token prefix (the built-in corpus) and end in
   distinct questions, through the server's engine: prompt tokens prefilled vs unique prompt tokens (the
   prefix once plus each request's own part), and wall time. Once with requests arriving one after
-  another, once with all 16 submitted together (rows do not share KV entries: the engine's prefix
-  affinity decides between waiting for the row that holds the prefix and prefilling it on a free row),
-  and once together with step_cost_tokens=0 (always wait: the least computation).
+  another, once with all 16 submitted together (a request copies the prefix from the row that holds it:
+  cross-row reuse, decode_rows.py), once together with step_cost_tokens=0 (prefix affinity always
+  waits), and once together without copies (rows share no KV entries: the engine's prefix affinity
+  decides between waiting for the row that holds the prefix to end and prefilling it on a free row).
+
+- file: the 1,500-token prefix as a conversation saved with etmlx.save_prompt_cache and loaded into a freshly
+  loaded program: file size, save and load time, and the next turn's time to first token after loading vs the
+  whole conversation prefilled by another freshly loaded program (medians over the repetitions).
 
 The built-in checkpoint (trained once, cached in `cache_dir/builtin-llama`) was trained on 256-token
 windows with 512 positions; the program here has 2,048 (the RoPE positions are computed, not learned), so
@@ -72,7 +77,15 @@ def chat(decoder: Decoder, reuse: bool, max_tokens: int, tag: str) -> list[dict]
     return turns
 
 
-def shared_prefix(pte: Path, decoder: Decoder, together: bool, max_tokens: int, step_cost_tokens=None) -> dict:
+class _NoCopies:
+    """A loaded method without its state access: the engine's rows share no KV entries (no cross-row reuse)."""
+
+    def __init__(self, method):
+        self.execute = method.execute
+
+
+def shared_prefix(pte: Path, decoder: Decoder, together: bool, max_tokens: int, step_cost_tokens=None,
+                  copies: bool = True) -> dict:
     from backends.mlx.runtime.runner import load_method
     from backends.mlx.serve.engine import Engine, EngineRequest
 
@@ -82,7 +95,8 @@ def shared_prefix(pte: Path, decoder: Decoder, together: bool, max_tokens: int, 
                 for i, name in enumerate(["Mira", "the baker", "the fox", "the old man"] * (REQUESTS // 4))]
     prompts = [prefix + s for s in suffixes]
     options = {} if step_cost_tokens is None else {"step_cost_tokens": step_cost_tokens}
-    engine = Engine(load_method(pte), decoder.meta, **options).start()
+    method = load_method(pte)
+    engine = Engine(method if copies else _NoCopies(method), decoder.meta, **options).start()
     done = threading.Semaphore(0)
     requests = [EngineRequest(p, SamplingParams(), max_tokens,
                               lambda e: done.release() if e.finish_reason else None) for p in prompts]
@@ -104,9 +118,46 @@ def shared_prefix(pte: Path, decoder: Decoder, together: bool, max_tokens: int, 
     arrivals = "together" if together else "one after another"
     if step_cost_tokens is not None:
         arrivals += f", step_cost_tokens={step_cost_tokens}"
+    if not copies:
+        arrivals += ", no cross-row copies"
     return {"arrivals": arrivals, "requests": len(requests),
             "prompt_tokens": sum(len(p) for p in prompts), "prefilled": prefilled, "unique": unique,
             "prefilled_over_unique": prefilled / unique, "seconds": seconds}
+
+
+def saved_conversation(pte: Path, directory: Path, repeats: int) -> dict:
+    import etmlx
+
+    model = etmlx.load(pte)
+    prefix = encode_prompt(model.tokenizer, generate_corpus())[:PREFIX_TOKENS]
+    question = model.tokenizer.encode(" Question: who is Mira?", add_special_tokens=False)
+    cache = etmlx.make_prompt_cache(model)
+    etmlx.generate(model, prefix, 8, prompt_cache=cache)
+    path = directory / "bench-conversation.safetensors"
+    times = {"save_s": [], "load_s": [], "ttft_loaded_s": [], "ttft_fresh_s": []}
+    cached = 0
+    for _ in range(repeats + 1):  # the first round warms up each program's shapes; dropped
+        start = time.perf_counter()
+        etmlx.save_prompt_cache(path, cache)
+        save = time.perf_counter() - start
+        restored_model = etmlx.load(pte)
+        start = time.perf_counter()
+        restored = etmlx.load_prompt_cache(path, restored_model)
+        load = time.perf_counter() - start
+        start = time.perf_counter()
+        first = next(iter(etmlx.stream_generate(restored_model, question, 2, prompt_cache=restored)))
+        ttft_loaded = time.perf_counter() - start
+        cached = first.cached_tokens
+        fresh = etmlx.load(pte)  # as freshly loaded as restored_model: the whole conversation prefilled
+        start = time.perf_counter()
+        next(iter(etmlx.stream_generate(fresh, restored.tokens + question, 2)))
+        ttft_fresh = time.perf_counter() - start
+        for key, value in zip(times, (save, load, ttft_loaded, ttft_fresh)):
+            times[key].append(value)
+    result = {key: statistics.median(values[1:]) for key, values in times.items()}
+    result.update({"tokens": len(cache.tokens), "cached_after_load": cached, "file_bytes": path.stat().st_size})
+    path.unlink()
+    return result
 
 
 def _trie_size(prompts: list[list[int]]) -> int:
@@ -139,12 +190,16 @@ def main(cache_dir: str | Path, json_path: str | None = None, max_tokens: int = 
         print(f"  turn 6 / turn 1 TTFT: {turns[-1]['ttft_s'] / turns[0]['ttft_s']:.2f}x")
     decoder = Decoder(pte)
     # together, step_cost_tokens=0: every request waits for the row holding the prefix (compute-optimal)
-    for together, cost in ((False, None), (True, None), (True, 0)):
-        record = shared_prefix(pte, decoder, together, max_tokens, cost)
+    for together, cost, copies in ((False, None, True), (True, None, True), (True, 0, True), (True, None, False)):
+        record = shared_prefix(pte, decoder, together, max_tokens, cost, copies)
         result["shared_prefix"].append(record)
         print(f"shared {PREFIX_TOKENS}-token prefix, {record['requests']} requests, {record['arrivals']}: "
               f"prefilled {record['prefilled']} of {record['prompt_tokens']} prompt tokens, unique "
               f"{record['unique']}: {record['prefilled_over_unique']:.2f}x unique, {record['seconds']:.1f} s")
+    saved = result["file"] = saved_conversation(pte, cache_dir, repeats)
+    print(f"file: {saved['tokens']} tokens in {saved['file_bytes'] / 1e6:.2f} MB, save {saved['save_s'] * 1e3:.0f} ms, "
+          f"load {saved['load_s'] * 1e3:.0f} ms; next turn after loading: {saved['cached_after_load']} tokens reused, "
+          f"TTFT {saved['ttft_loaded_s'] * 1e3:.0f} ms vs {saved['ttft_fresh_s'] * 1e3:.0f} ms prefilled fresh")
     result["chat_turn6_over_turn1"] = {k: v[-1]["ttft_s"] / v[0]["ttft_s"] for k, v in result["chat"].items()}
     result["median_ttft_s"] = {k: statistics.median(t["ttft_s"] for t in v) for k, v in result["chat"].items()}
     if json_path:

@@ -7,11 +7,16 @@ part is prefilled. A --draft-tokens program decodes each reply speculatively (th
 default from prompt lookup over the conversation so far (cli/draft_flags.py), the cache reused the same way;
 the drafts accepted are summed up on stderr at the end. When it no longer fits the program's max_seq_len with room for a reply, the oldest
 exchanges are dropped, and said so (the next turn then prefills from the start).
+--prompt-cache FILE keeps the conversation in FILE (llm/decoder/cache_file.py: its messages, tokens and KV
+entries): saved after each reply and /reset, resumed from it at start when it exists (the same program), so
+the first turn after a restart prefills only itself.
 """
 
 from __future__ import annotations
 
+import json
 import sys
+from pathlib import Path
 
 HELP = "[etmlx chat: type a message; /reset clears the conversation, /exit or Ctrl-D ends]"
 
@@ -53,6 +58,26 @@ class Conversation:
     def answered(self, reply: str) -> None:
         self.turns.append({"role": "assistant", "content": reply})
 
+    def save(self, path, decoder, tokens: list[int]) -> None:
+        """The conversation (its messages; `tokens`: the last prompt and reply) and its KV entries into `path`."""
+        from backends.mlx.llm.decoder import cache_file
+
+        cache_file.save(path, decoder, tokens, {"etmlx.chat.turns": json.dumps(self.turns)})
+
+    def resume(self, path, decoder) -> int:
+        """The conversation saved in `path` (its KV entries back into the program); the tokens restored."""
+        from backends.mlx.llm.decoder import cache_file
+
+        _, held, metadata = cache_file.load(path, decoder)
+        try:
+            turns = json.loads(metadata["etmlx.chat.turns"])
+            if not all(isinstance(t, dict) and set(t) == {"role", "content"} for t in turns):
+                raise ValueError
+        except (KeyError, ValueError, TypeError):
+            raise ValueError(f"{path} holds no etmlx chat (saved by another tool?)") from None
+        self.turns = turns
+        return held
+
 
 def run_chat(args, params) -> int:
     from backends.mlx.cli.draft_flags import speculation_from_args
@@ -70,6 +95,14 @@ def run_chat(args, params) -> int:
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     chat = Conversation(tokenizer, decoder.meta.max_seq_len, args.max_tokens, args.system_prompt)
+    store = getattr(args, "prompt_cache", None)
+    if store:
+        from backends.mlx.llm.decoder.cache_file import check_no_rings
+
+        check_no_rings(decoder, "kept in a file")
+    if store and Path(store).is_file():
+        held = chat.resume(store, decoder)
+        _say(f"[resumed {len(chat.turns)} messages from {store}: {held} tokens cached]")
     proposed = accepted = 0
     interactive = sys.stdin.isatty()
     if interactive:
@@ -88,6 +121,8 @@ def run_chat(args, params) -> int:
             break
         if command == "/reset":
             chat.reset()
+            if store:
+                chat.save(store, decoder, [])
             _say("[conversation cleared]")
             continue
         if command.startswith("/") and command[1:].isalpha():
@@ -97,12 +132,15 @@ def run_chat(args, params) -> int:
         if prompt is None:
             continue
         budget = min(args.max_tokens, decoder.meta.max_seq_len - len(prompt))
-        reply, last = [], None
+        reply, last, ids = [], None, []
         for last in stream_text(decoder, prompt, budget, params, args.stop, tokenizer, reuse=True, speculation=drafts):
             reply.append(last.text)
+            ids.append(last.token)
             print(last.text, end="", flush=True)
         print(flush=True)
         chat.answered("".join(reply))
+        if store:
+            chat.save(store, decoder, prompt + ids)
         if last is not None:
             proposed, accepted = proposed + last.proposed_draft_tokens, accepted + last.accepted_draft_tokens
     if drafts is not None:

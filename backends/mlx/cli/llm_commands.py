@@ -205,4 +205,6 @@ def add_parsers(sub) -> None:
     _text_flags(chat, max_tokens=256)
     add_knob_arguments(chat)
     add_draft_flags(chat, prediction=False)
+    chat.add_argument("--prompt-cache", metavar="FILE", help="keep the conversation (messages and KV cache) in FILE: "
+                      "resumed from it when it exists, saved after each reply")
     chat.set_defaults(func=run_chat)

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <exception>
 #include <memory>
+#include <mutex>
 #include <new>
 #include <vector>
 
@@ -24,6 +25,7 @@
 
 #include "blob_header.h"
 #include "call_profile.h"
+#include "handle.h"
 #include "interpreter.h"
 #include "io.h"
 #include "lazy_check.h"
@@ -48,25 +50,6 @@ using executorch::runtime::Span;
 constexpr const char kBackendId[] = "EtmlxBackend";
 
 namespace {
-
-struct Handle {
-  Program program;
-  // Current value of each mutable buffer (parallel to program.mutable_slots). Possibly still being
-  // computed: a call waits for its outputs, not for its new state (see run()).
-  std::vector<mx::array> state;
-  // Set when evaluating a call's graph failed after the old state was handed to it: the state is
-  // then unknown (its buffers may have been updated in place), so later calls are refused.
-  bool state_lost = false;
-
-  ~Handle() {
-    // Work still running reads the program's weights (mapped named data) and state buffers:
-    // finish it before they go.
-    try {
-      mx::eval(state);
-    } catch (...) {
-    }
-  }
-};
 
 template <typename Specs>
 size_t count(const Specs* specs) {
@@ -280,6 +263,7 @@ class EtmlxBackend final : public BackendInterface {
       }
       // Everything needed later lives in the handle's private copy.
       processed->Free();
+      register_handle(h.get());
       return static_cast<DelegateHandle*>(h.release());
     } catch (const std::bad_alloc&) {
       ET_LOG(Error, "etmlx: out of memory while loading the graph");
@@ -301,7 +285,9 @@ class EtmlxBackend final : public BackendInterface {
       return Error::InvalidArgument;
     }
     try {
-      return run(*static_cast<Handle*>(handle), args);
+      Handle& h = *static_cast<Handle*>(handle);
+      std::lock_guard<std::mutex> lock(h.mu);  // the host may be reading or writing the state
+      return run(h, args);
     } catch (const std::bad_alloc&) {
       ET_LOG(Error, "etmlx: out of memory during execution");
       return Error::MemoryAllocationFailed;
@@ -315,7 +301,9 @@ class EtmlxBackend final : public BackendInterface {
   }
 
   void destroy(DelegateHandle* handle) const override {
-    delete static_cast<Handle*>(handle);
+    Handle* h = static_cast<Handle*>(handle);
+    if (h != nullptr) unregister_handle(h);
+    delete h;
   }
 };
 

@@ -27,10 +27,38 @@ class LoadedMethod:
     bytes of a program loaded from a buffer with them (as executorch.runtime does).
     """
 
-    def __init__(self, program, method, data: bytes | None = None):
+    def __init__(self, program, method, data: bytes | None = None, state_ids: list[int] | None = None):
         self.program = program
         self.method = method
         self.data = data
+        self.state_ids = list(state_ids or [])  # the runtime's ids of the method's stateful delegates
+        self._state = None
+
+    @property
+    def state(self):
+        """The method's KV cache (program_state.ProgramState); StateError when it has none."""
+        from backends.mlx.runtime.program_state import ProgramState, StateError
+
+        if self._state is None:
+            if len(self.state_ids) != 1:
+                raise StateError(f"the method has {len(self.state_ids)} stateful etmlx delegates, not one: "
+                                 "not a decoder program")
+            self._state = ProgramState(self.state_ids[0])
+        return self._state
+
+    @property
+    def can_copy_rows(self) -> bool:
+        """Whether copy_rows works: the method's one stateful etmlx delegate has a KV cache (a decoder program)."""
+        from backends.mlx.runtime.program_state import StateError
+
+        try:
+            return bool(self.state.buffers)
+        except StateError:
+            return False
+
+    def copy_rows(self, src: int, dst: int, n: int) -> None:
+        """Positions [0, n) of row `src`'s KV cache into row `dst` (decode_rows.py's cross-row reuse)."""
+        self.state.copy(src, dst, n)
 
     def execute(self, inputs: Sequence) -> list:
         return list(self.method(list(inputs)))
@@ -78,9 +106,12 @@ def load_method(pte: PteSource, method: str = "forward", weights: Union[str, Pat
     names = [program.get_method_name(i) for i in range(program.num_methods())]
     if method not in names:
         raise ValueError(f"method {method!r} not in the program (has {sorted(names)})")
+    from backends.mlx.runtime import program_state
+
+    program_state.claim()  # forget ids of loads that nobody claimed; the next claim is this load's
     with native_load(what):  # the delegate's init: where etmlx checks every weight
         loaded = program.load_method(method)
-    return LoadedMethod(program, loaded, data)
+    return LoadedMethod(program, loaded, data, program_state.claim())
 
 
 def run(pte: PteSource, inputs: Sequence, method: str = "forward", weights: Union[str, Path, None] = None) -> list:

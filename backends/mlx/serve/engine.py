@@ -15,9 +15,12 @@ Structured output is refused for them (the export refuses the mask).
 
 Prompt cache (llm/decoder/row_caches.py): a row's KV cache outlives its request; a new request takes
 the free row holding the longest prefix of its prompt (else the least recently used one) and
-prefills only the rest. `EngineRequest.cached_tokens` says how many prompt tokens it reused. Rows
-share no entries, so a request sharing a long prefix with a running row may wait for that row instead
-of prefilling the prefix again elsewhere (prefix affinity, in _admit).
+prefills only the rest. `EngineRequest.cached_tokens` says how many prompt tokens it reused. Where the
+program can copy KV entries between rows (a loaded method or worker with state access), the prefix may
+come from any row, busy or free: it is copied into the chosen row (cross-row reuse), and a request
+sharing a long prefix with a row that has not prefilled it yet waits that one call. Otherwise rows share
+no entries, so such a request may wait for that row to end instead of prefilling the prefix again
+elsewhere (prefix affinity, in _admit).
 
 Hand-off: other threads call `submit` / `cancel` (a queue.Queue into this thread); results go out
 through each request's `sink`, called on this thread (the server wraps it in
@@ -102,7 +105,9 @@ class Engine:
         self.meta = meta
         self.pte = pte
         self._vocabulary = None  # llguidance's view of the tokenizer, built on the first constrained request
-        self.core = DecodeRows(meta, prompt_cache=prompt_cache)
+        # cross-row reuse where the program can copy a row's KV entries into another (decode_rows.py)
+        copy_rows = program.copy_rows if getattr(program, "can_copy_rows", False) else None
+        self.core = DecodeRows(meta, prompt_cache=prompt_cache, copy_rows=copy_rows)
         self.prefix_affinity = prefix_affinity
         self.step_cost_tokens = step_cost_tokens
         self.usable = max_batch or meta.batch
@@ -310,7 +315,8 @@ class Engine:
                 saved = shared - cached
                 wait = steps + queued_for.get(busy, 0)
                 if busy is not None and saved >= AFFINITY_MIN_TOKENS and saved > self.step_cost_tokens * wait:
-                    queued_for[busy] = wait + request.max_tokens
+                    if not self.core.copies:  # it takes the row when it ends; with copies, only its prefix
+                        queued_for[busy] = wait + request.max_tokens
                     continue
             request.cached_tokens = self.core.start(slot, request).cached
             self._waiting.remove(request)

@@ -92,7 +92,7 @@ def _child_main(pte: str) -> int:
     except Exception as exc:
         _write(out, b"e", f"{type(exc).__name__}: {exc}".encode())
         return 1
-    _write(out, b"r", b"")
+    _write(out, b"r", b"c" if method.can_copy_rows else b"")  # "c": the state can be copied between rows
     while True:
         try:
             kind, payload = _read(inp)
@@ -101,6 +101,10 @@ def _child_main(pte: str) -> int:
         if kind == b"q":
             return 0
         try:
+            if kind == b"c":  # copy_rows(src, dst, n)
+                method.copy_rows(*pickle.loads(payload))
+                _write(out, b"o", _encode([]))
+                continue
             _write(out, b"o", _encode(method.execute(_decode(payload))))
         except Exception as exc:
             _write(out, b"e", f"{type(exc).__name__}: {exc}".encode())
@@ -127,6 +131,7 @@ class ProgramWorker:
             self.close()
             message = payload.decode()
             raise ValueError(message if message.startswith("cannot load ") else f"cannot load {pte}: {message}")
+        self.can_copy_rows = payload == b"c"
 
     @property
     def pid(self) -> int:
@@ -162,6 +167,16 @@ class ProgramWorker:
         if kind == b"e":
             raise RuntimeError(f"program call failed: {payload.decode()}")
         return _decode(payload)
+
+    def copy_rows(self, src: int, dst: int, n: int) -> None:
+        """Positions [0, n) of row src's KV cache into row dst, in the worker's program (LoadedMethod.copy_rows)."""
+        try:
+            _write(self._process.stdin, b"c", pickle.dumps((int(src), int(dst), int(n))))
+        except (BrokenPipeError, OSError, ValueError):
+            raise self._died("exited") from None
+        kind, payload = self._reply(self.step_timeout)
+        if kind == b"e":
+            raise RuntimeError(f"copying rows failed: {payload.decode()}")
 
     def kill(self) -> None:
         """End the worker now, whatever its state (SIGKILL ends a stopped process too)."""

@@ -44,6 +44,15 @@ class SupervisedProgram:
             raise RuntimeError("no program worker is running")
         return self.worker.execute(inputs)  # WorkerDied: the worker is already killed
 
+    @property
+    def can_copy_rows(self) -> bool:
+        return self.worker is not None and self.worker.can_copy_rows
+
+    def copy_rows(self, src: int, dst: int, n: int) -> None:
+        if self.worker is None:
+            raise RuntimeError("no program worker is running")
+        self.worker.copy_rows(src, dst, n)
+
     def recover(self) -> None:
         """Start a new worker if the current one is gone; SupervisorGaveUp when none would start."""
         if self.up:

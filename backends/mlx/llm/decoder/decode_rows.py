@@ -35,6 +35,7 @@ The rules:
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +49,7 @@ from backends.mlx.llm.sampler.knobs import mask_words
 from backends.mlx.llm.sampler.params import SamplingParams
 from backends.mlx.llm.sampler.processing import NO_ALLOWED_TOKEN
 
+log = logging.getLogger("etmlx.decode_rows")
 # Logit bias that forces a scored token; raw logprobs are unaffected by bias.
 FORCE_BIAS = 100.0
 NO_TOKEN_ERROR = "the grammar allows no token the model can produce here (every allowed token has probability 0)"
@@ -101,12 +103,35 @@ class Row:
 
 
 class DecodeRows:
-    def __init__(self, meta: DecoderMeta, prompt_cache: bool = True):
+    def __init__(self, meta: DecoderMeta, prompt_cache: bool = True, copy_rows=None):
+        """`copy_rows(src, dst, n)`: copies positions [0, n) of row src's KV cache into row dst inside the
+        program's state (LoadedMethod.copy_rows); with it, a request reuses the longest prefix any row holds,
+        busy or free (cross-row reuse), not only the one its own row holds. Never for ring programs."""
         self.meta = meta
         self.rows: list[Row | None] = [None] * meta.batch
         self.caches = RowCaches(meta.batch, meta.max_seq_len, ring=meta.ring_cache is not False,
                                 enabled=prompt_cache)
+        self.copy_rows = copy_rows if prompt_cache and not self.caches.ring else None
         self.active = 0
+
+    @property
+    def copies(self) -> bool:
+        """Whether a request can reuse a prefix another row holds (cross-row reuse)."""
+        return self.copy_rows is not None
+
+    def _copyable(self, slot: int, prompt: list[int]) -> tuple[int | None, int]:
+        """(row, n): the row other than `slot`, busy or free, whose cache holds the longest reusable prefix of
+        `prompt` (n tokens); (None, 0) without cross-row reuse. A busy row's positions before its next call's
+        never change while it runs, and a copy is ordered after every call before it (it builds on the state)."""
+        if not self.copies:
+            return None, 0
+        best = (None, 0)
+        for other in range(len(self.rows)):
+            if other != slot:
+                n = self.caches.reusable(other, prompt)
+                if n > best[1]:
+                    best = (other, n)
+        return best
 
     # ---- rows come and go ----
     def room(self) -> int:
@@ -122,11 +147,14 @@ class DecodeRows:
             return None, 0
         if not reuse:
             return min(free, key=lambda slot: self.caches.rows[slot].used), 0
-        return self.caches.choose(prompt, free)
+        slot, n = self.caches.choose(prompt, free)
+        return slot, max(n, self._copyable(slot, prompt)[1])
 
     def busy_prefix(self, prompt: list[int]) -> tuple[int | None, int, int]:
         """(slot, n, steps): the running row whose prompt shares the longest prefix (n tokens) with
         `prompt`, and the steps it has left at most; the row's cache will hold that prefix when it ends.
+        With cross-row reuse the prefix can be copied as soon as the row has prefilled it: steps is then 1
+        (its prefill call; a row that has prefilled it already is what choose() reuses).
         (None, 0, 0) with none, with caching off, or for ring programs (a ring row is reused only where
         positions continue, which depends on the tokens it has yet to write)."""
         if not self.caches.enabled or self.caches.ring:
@@ -137,7 +165,8 @@ class DecodeRows:
                 continue
             n = min(common_prefix(row.request.prompt, prompt), len(prompt) - 1)
             if n > best[1]:
-                best = (slot, n, row.request.max_tokens - row.produced + (1 if row.step == 0 else 0))
+                steps = 1 if self.copies else row.request.max_tokens - row.produced + (1 if row.step == 0 else 0)
+                best = (slot, n, steps)
         return best
 
     def start(self, slot: int, request, reuse: bool = True, budget: DraftBudget | None = None) -> Row:
@@ -146,6 +175,9 @@ class DecodeRows:
         the row (default: a DraftBudget of up to K)."""
         prompt = list(request.prompt)
         n = self.caches.reusable(slot, prompt) if reuse else 0
+        source, copyable = self._copyable(slot, prompt) if reuse else (None, 0)
+        if copyable > n:
+            n = self._copy(source, slot, prompt[:copyable])
         row = Row(request, feed=prompt[n:], pos=n, cached=n)
         if self.meta.draft_tokens:
             row.drafts, row.output = [], []
@@ -154,6 +186,19 @@ class DecodeRows:
         self.caches.taken(slot)
         self.active += 1
         return row
+
+    def _copy(self, source: int, slot: int, prefix: list[int]) -> int:
+        """Row `slot` takes `prefix` from row `source`'s cache; the tokens it now holds from the prompt (0 when
+        the copy failed: a state that lost it fails the next call, which forgets every row)."""
+        self.caches.rows[slot].tokens = []  # overwritten from here on, whatever happens
+        try:
+            self.copy_rows(source, slot, len(prefix))
+        except Exception as exc:  # noqa: BLE001 - the request still runs, prefilling its whole prompt
+            log.warning("copying %d cached positions from row %d to row %d failed: %s", len(prefix), source, slot,
+                        exc)
+            return 0
+        self.caches.wrote(slot, 0, prefix)
+        return len(prefix)
 
     def end(self, slot: int) -> Row:
         """Free the slot; its cache keeps what the row wrote."""

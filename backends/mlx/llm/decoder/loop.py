@@ -102,7 +102,8 @@ class Decoder(ProgramTokenizer):
         self.meta.check_program(self.pte, self.method.input_specs())
         self._tokenizer = None
         self._vocabulary = None
-        self.rows = DecodeRows(self.meta)  # the step rules; its row caches persist between generations
+        # the step rules; its row caches persist between generations
+        self.rows = DecodeRows(self.meta, copy_rows=self.method.copy_rows if self.method.can_copy_rows else None)
         self.last_cached = 0
 
     def matcher(self, constraint: Constraint) -> Matcher:

@@ -56,7 +56,9 @@ class SpeculativeDecoder(ProgramTokenizer):
             raise ValueError(f"{self.pte} does not verify drafts: export it with --draft-tokens K")
         self.method = method or load_method(self.pte)
         self.meta.check_program(self.pte, self.method.input_specs(), drafts=True)
-        self.rows = DecodeRows(self.meta)  # the step rules; its row caches persist between streams
+        # the step rules; its row caches persist between streams
+        copy_rows = self.method.copy_rows if getattr(self.method, "can_copy_rows", False) else None
+        self.rows = DecodeRows(self.meta, copy_rows=copy_rows)
         self.first_call = (0.0, 0)  # (time, tokens) when the last stream's first call returned
         self.last_cached = 0  # prompt tokens the last stream found in its row's cache (not prefilled)
         self._row: Row | None = None  # the last stream's row
