@@ -191,7 +191,7 @@ bool Interpreter::exec_rope(const fb::RopeNode& n) {
       return write(n.out(), kernels::rope_fast(*x, *offset, *freqs));
     }
   }
-  return write(n.out(), kernels::rope_from_tables(*x, *cos, *sin));
+  return write(n.out(), program_.kernels->rope_from_tables(*x, *cos, *sin));
 }
 
 }  // namespace etmlx

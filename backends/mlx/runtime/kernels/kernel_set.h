@@ -19,6 +19,7 @@
 #include "kernels/filter_threshold.h"
 #include "kernels/gumbel_max.h"
 #include "kernels/norms.h"
+#include "kernels/rope.h"
 #include "kernels/quantized_matmul.h"
 
 namespace etmlx::kernels {
@@ -35,6 +36,9 @@ struct KernelSet {
   QuantizedMatmulFn quantized_matmul;
   // RMSNorm (norms.h): mx::fast on devices with its kernel, one host loop on the CPU.
   mlx::core::array (*rms_norm)(const mlx::core::array& x, const std::optional<mlx::core::array>& weight, float eps);
+  // Rotate-half RoPE from cos/sin tables (rope.h): the graph's ops, or one host loop on the CPU.
+  mlx::core::array (*rope_from_tables)(const mlx::core::array& x, const mlx::core::array& cos,
+                                       const mlx::core::array& sin);
 };
 
 const KernelSet& cpu_kernels();

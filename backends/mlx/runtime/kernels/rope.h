@@ -17,6 +17,9 @@ namespace etmlx::kernels {
 mlx::core::array rope_from_tables(const mlx::core::array& x, const mlx::core::array& cos,
                                   const mlx::core::array& sin);
 
+// The CPU kernel set's rope_from_tables: one host loop for float32 x, the same bits (rope_cpu.cpp).
+mlx::core::array rope_tables_cpu(const mlx::core::array& x, const mlx::core::array& cos,
+                                 const mlx::core::array& sin);
 // x [B, H, L, D]; offset integer, 0-d or [B]; freqs [D / 2] float32 (the inverse frequencies).
 mlx::core::array rope_fast(const mlx::core::array& x, const mlx::core::array& offset, const mlx::core::array& freqs);
 
