@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <new>
 #include <vector>
 
 #include "kernels/quantized_rows_variants.h"
@@ -44,6 +45,7 @@ constexpr int64_t kBufferBytes = 1 << 19;
 int tiles_per_block(int k) {
   return static_cast<int>(std::clamp<int64_t>(kBufferBytes / (int64_t{kTileN} * (k + kRowPad) * 4), 2, 8));
 }
+
 struct AlignedFree {
   void operator()(float* p) const { std::free(p); }
 };
@@ -51,7 +53,9 @@ using Buffer = std::unique_ptr<float[], AlignedFree>;
 
 Buffer aligned_floats(size_t count) {
   const size_t bytes = (count * sizeof(float) + 63) / 64 * 64;
-  return Buffer(static_cast<float*>(std::aligned_alloc(64, std::max<size_t>(bytes, 64))));
+  float* p = static_cast<float*>(std::aligned_alloc(64, std::max<size_t>(bytes, 64)));
+  if (p == nullptr) throw std::bad_alloc();
+  return Buffer(p);
 }
 
 // buf[r * ld + i] = W[n0 + r, i]; rows past w.n are 0.
