@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -101,6 +102,24 @@ def test_one_row_linears_take_sgemv_and_batched_ones_do_not(rows, expect_gemv):
     (out,) = method.execute([x])
     assert (blas_route.gemv_calls() > before) == expect_gemv
     torch.testing.assert_close(out, linear(x), rtol=1e-5, atol=1e-5)
+
+
+@linux_only
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 if hasattr(os, "sched_getaffinity") else True,
+                    reason="OpenBLAS runs one thread here anyway")
+def test_small_products_run_on_one_openblas_thread():
+    """Products under 2^26 multiply-adds (attention's per-head ones) run on one OpenBLAS thread, so its
+    spinning workers do not take cores from the etmlx pool; larger ones keep OpenBLAS's threads. Both
+    still equal numpy's product."""
+    import mlx.core as mx
+
+    rng = np.random.default_rng(0)
+    for n, small in ((64, True), (512, False)):  # 2.6e5 and 1.3e8 multiply-adds
+        a, b = rng.standard_normal((n, n), dtype=np.float32), rng.standard_normal((n, n), dtype=np.float32)
+        before = blas_route.one_thread_calls()
+        out = np.array(mx.matmul(mx.array(a), mx.array(b), stream=mx.cpu))
+        assert (blas_route.one_thread_calls() > before) == small
+        np.testing.assert_allclose(out, a @ b, rtol=1e-4, atol=1e-3 * np.sqrt(n))
 
 
 @linux_only

@@ -1,8 +1,9 @@
 """The cpu kernel set's own quantized matmul (kernels/quantized_matmul_cpu.cpp), through exported
 QuantizedLinear programs, against mx.quantized_matmul: 1, 3 and 64 rows (the few-row pass and the
-dequantize-then-BLAS route), 64 to 4096 input features, 4 and 8 bits, groups 32/64/128, float32 and
-bfloat16 activations. Its inner loops, every instruction-set variant the CPU runs, are checked
-against a double reference by build/etmlx_quantized_rows_test."""
+many-row product: the tiled AVX-512 GEMM, or dequantize-then-BLAS on other CPUs), 64 to 4096 input
+features, 4 and 8 bits, groups 32/64/128, float32 and bfloat16 activations. Its inner loops, every
+instruction-set variant the CPU runs, are checked against a double reference by
+build/etmlx_quantized_rows_test, the many-row product by build/etmlx_quantized_gemm_test."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from backends.mlx.runtime.runner import load_method
 ROWS = (1, 3, 64)
 MX_DTYPES = {torch.float32: mx.float32, torch.bfloat16: mx.bfloat16}
 HARNESS = Path(__file__).resolve().parents[1] / "build" / "etmlx_quantized_rows_test"
+GEMM_HARNESS = HARNESS.with_name("etmlx_quantized_gemm_test")
 
 
 def _mx(t: torch.Tensor):
@@ -99,6 +101,15 @@ def test_every_instruction_set_variant_matches_a_double_reference():
     done = subprocess.run([str(HARNESS)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "variant scalar" in done.stdout and " 0 failed" in done.stdout, done.stdout
+
+
+def test_many_row_gemm_matches_a_double_reference():
+    """The prefill product (kernels/quantized_gemm.cpp, >= 16 rows on AVX-512 CPUs): partial tiles, every
+    bits/group/scale type, rows equal bit for bit alone and in a batch; 'skipped' without AVX-512."""
+    assert GEMM_HARNESS.is_file(), "build/etmlx_quantized_gemm_test missing: run `make setup`"
+    done = subprocess.run([str(GEMM_HARNESS)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "skipped" in done.stdout or " 0 failed" in done.stdout, done.stdout
 
 
 _RUN_ELSEWHERE = r"""

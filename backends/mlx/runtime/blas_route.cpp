@@ -28,6 +28,7 @@ namespace {
 // actually arrive here; one relaxed increment per GEMM is noise next to it.
 std::atomic<uint64_t> routed_calls{0};
 std::atomic<uint64_t> gemv_calls{0};  // of which went to sgemv
+std::atomic<uint64_t> small_calls{0};  // of which ran on one OpenBLAS thread (one_thread_macs)
 
 // ETMLX_BLAS=reference sends the calls on to the next definition in the process
 // (the BLAS bundled with mlx[cpu]), read once at the first call. Why one would:
@@ -103,6 +104,26 @@ bool sgemm_as_sgemv(const enum CBLAS_ORDER order, const enum CBLAS_TRANSPOSE tra
   return true;
 }
 
+// Products under this many multiply-adds run on the calling thread alone. OpenBLAS's workers spin
+// (sched_yield) for ~0.1 s after every threaded call; on a 2-core machine they then take a core from the
+// etmlx kernel pool for the quantized linears that follow. A quantized prefill's only float products are
+// attention's per-head ones (at 512 tokens: 512 x 64 x 512, 1.7e7), each too small to gain from a second
+// thread. Measured (qwen2.5-0.5b int4, 512-token prefill, 2 cores): OpenBLAS's spinning workers took ~50%
+// of the CPU samples. ETMLX_BLAS_ONE_THREAD_MACS=N moves the threshold (0: OpenBLAS decides, for A/B).
+double one_thread_macs() {
+  static const double limit = [] {
+    const char* env = std::getenv("ETMLX_BLAS_ONE_THREAD_MACS");
+    return env && *env ? std::atof(env) : static_cast<double>(1 << 26);
+  }();
+  return limit;
+}
+
+// OpenBLAS's own thread count, read before the first change.
+int openblas_threads() {
+  static const int n = scipy_openblas_get_num_threads();
+  return n;
+}
+
 }  // namespace
 
 ETMLX_EXPORT void cblas_sgemm(const enum CBLAS_ORDER order, const enum CBLAS_TRANSPOSE trans_a,
@@ -113,6 +134,16 @@ ETMLX_EXPORT void cblas_sgemm(const enum CBLAS_ORDER order, const enum CBLAS_TRA
   routed_calls.fetch_add(1, std::memory_order_relaxed);
   if (reference().on) return reference().sgemm(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   if (sgemm_as_sgemv(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)) return;
+  const int threads = openblas_threads();
+  if (threads > 1 && static_cast<double>(m) * n * k < one_thread_macs()) {
+    // A concurrent large product may run on one thread meanwhile: only its speed changes, never its bits
+    // beyond what OpenBLAS's own size-based choices already change.
+    small_calls.fetch_add(1, std::memory_order_relaxed);
+    scipy_openblas_set_num_threads(1);
+    scipy_cblas_sgemm(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    scipy_openblas_set_num_threads(threads);
+    return;
+  }
   scipy_cblas_sgemm(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
@@ -141,6 +172,8 @@ ETMLX_EXPORT uint64_t etmlx_blas_routed_calls() {
 }
 
 ETMLX_EXPORT uint64_t etmlx_blas_gemv_calls() { return gemv_calls.load(std::memory_order_relaxed); }
+
+ETMLX_EXPORT uint64_t etmlx_blas_one_thread_calls() { return small_calls.load(std::memory_order_relaxed); }
 
 ETMLX_EXPORT const char* etmlx_blas_library() {
   return reference().on ? "MLX's bundled reference BLAS (ETMLX_BLAS=reference)" : scipy_openblas_get_config();

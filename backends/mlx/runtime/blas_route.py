@@ -58,6 +58,7 @@ def load() -> ctypes.CDLL | None:
             raise ImportError(f"cannot load {path}: {exc} (run `make setup` to rebuild it)") from exc
         lib.etmlx_blas_routed_calls.restype = ctypes.c_uint64
         lib.etmlx_blas_gemv_calls.restype = ctypes.c_uint64
+        lib.etmlx_blas_one_thread_calls.restype = ctypes.c_uint64
         lib.etmlx_blas_library.restype = ctypes.c_char_p
         _lib = lib
         return lib
@@ -73,6 +74,12 @@ def gemv_calls() -> int:
     """Of routed_calls(), the one-output-column products sent to sgemv."""
     lib = load()
     return int(lib.etmlx_blas_gemv_calls()) if lib is not None else 0
+
+
+def one_thread_calls() -> int:
+    """Of routed_calls(), the sgemm calls small enough to run on one OpenBLAS thread (blas_route.cpp)."""
+    lib = load()
+    return int(lib.etmlx_blas_one_thread_calls()) if lib is not None else 0
 
 
 def status() -> BlasStatus:

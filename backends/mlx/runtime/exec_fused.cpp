@@ -9,6 +9,7 @@
 #include "dtypes.h"
 #include "interpreter.h"
 #include "kernels/attention.h"
+#include "kernels/attention_cpu.h"
 #include "kernels/kernel_set.h"
 #include "kernels/known_values.h"
 #include "kernels/norms.h"
@@ -105,6 +106,9 @@ bool Interpreter::exec_sdpa(const fb::SdpaNode& n) {
   const int keys = k->shape(2);
   int end = keys;
   if (!sdpa_window_end(n, q->shape(0), q->shape(2), keys, &end)) return false;
+  if (program_.kernels == &kernels::cpu_kernels()) {  // its own softmax (attention_cpu.h)
+    return write(n.out(), kernels::sdpa_cpu(*q, *k, *v, n.scale(), n.causal(), mask, end));
+  }
   return write(n.out(), kernels::sdpa(*q, *k, *v, n.scale(), n.causal(), mask, end));
 }
 

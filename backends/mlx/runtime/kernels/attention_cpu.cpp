@@ -1,0 +1,241 @@
+// attention_cpu.h: sigmoid and attention's softmax with an AVX-512 exp (functions with their own
+// target attribute; other CPUs take MLX's ops).
+#include "kernels/attention_cpu.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include <mlx/ops.h>
+
+#include "kernels/attention.h"
+#include "kernels/host_kernel.h"
+#include "kernels/thread_pool.h"
+
+namespace etmlx::kernels {
+
+namespace mx = mlx::core;
+
+namespace {
+
+// From this many query rows (a prefill) attention takes the host-loop softmax; fewer (a decode step)
+// keep MLX's fused kernel, as does a sigmoid under kMinSigmoid values, where a host node's scheduling
+// costs about what the loop saves.
+constexpr int kMinQueryRows = 16;
+constexpr size_t kMinSigmoid = 16 * 1024;
+
+}  // namespace
+
+}  // namespace etmlx::kernels
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12's AVX-512 headers (see quantized_rows_x86.cpp)
+#pragma GCC diagnostic ignored "-Wuninitialized"  // the same, in _mm512_reduce_*_ps
+#endif
+
+#include <immintrin.h>
+
+namespace etmlx::kernels {
+
+namespace {
+
+#define ETMLX_AVX512BW __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
+#define ETMLX_INLINE inline __attribute__((always_inline))
+
+bool avx512_ok() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma");
+  return ok;
+}
+
+// exp(x), 16 lanes: x = n ln2 + r (Cody-Waite, |r| <= ln2 / 2), e^r by Cephes expf's polynomial (within
+// 2 ulp), times 2^n by vscalefps. Below -103.9 (where expf is 0 or subnormal): exactly 0, -inf included;
+// above 88.72: inf.
+ETMLX_AVX512BW ETMLX_INLINE __m512 exp16(__m512 x) {
+  const __mmask16 zero = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-103.9f), _CMP_LT_OQ);
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.8f)), _mm512_set1_ps(-103.9f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~zero), _mm512_scalef_ps(p, n));
+}
+
+ETMLX_AVX512BW void sigmoid_range(const float* x, float* out, int64_t begin, int64_t end) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t i = begin; i < end; i += 16) {
+    const __mmask16 m = end - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (end - i)) - 1);
+    const __m512 v = _mm512_maskz_loadu_ps(m, x + i);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), v));
+    _mm512_mask_storeu_ps(out + i, m, _mm512_div_ps(one, _mm512_add_ps(one, e)));
+  }
+}
+
+// How a [B, H, L, S] score row finds its mask entries: the mask as given (up to 4-d, each dim 1 or the
+// scores'), its strides 0 where it broadcasts.
+struct MaskView {
+  const void* data = nullptr;
+  bool boolean = false;
+  int64_t sb = 0, sh = 0, sl = 0, ss = 0;
+};
+
+struct Softmax {
+  int heads, rows_l, keys, causal_offset;  // causal: row l sees keys j <= l + causal_offset; < 0: no causality
+  float scale;
+  MaskView mask;
+
+  // One score row [keys] to probabilities, in place: x = s * scale (+ mask), masked keys -inf, then
+  // exp(x - max) / sum. A row with every key masked gives zeros (MLX's op: NaN).
+  ETMLX_AVX512BW void row(float* s, int64_t r) const {
+    const int64_t b = r / (int64_t{heads} * rows_l), h = (r / rows_l) % heads, l = r % rows_l;
+    const int seen = causal_offset < 0 ? keys : static_cast<int>(std::clamp<int64_t>(l + causal_offset + 1, 0, keys));
+    const int64_t at = b * mask.sb + h * mask.sh + l * mask.sl;
+    const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    __m512 vmax = ninf;
+    for (int j = 0; j < seen; j += 16) {
+      const __mmask16 m = seen - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (seen - j)) - 1);
+      __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + j), vscale);
+      if (mask.data != nullptr) {
+        if (mask.ss == 0) {  // one mask value for the whole row
+          if (mask.boolean) {
+            if (!static_cast<const uint8_t*>(mask.data)[at]) x = ninf;
+          } else {
+            x = _mm512_add_ps(x, _mm512_set1_ps(static_cast<const float*>(mask.data)[at]));
+          }
+        } else if (mask.boolean) {
+          const __m128i bytes = _mm_maskz_loadu_epi8(m, static_cast<const uint8_t*>(mask.data) + at + j);
+          x = _mm512_mask_mov_ps(ninf, _mm_test_epi8_mask(bytes, bytes), x);
+        } else {
+          x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(m, static_cast<const float*>(mask.data) + at + j));
+        }
+      }
+      _mm512_mask_storeu_ps(s + j, m, x);
+      vmax = _mm512_mask_max_ps(vmax, m, vmax, x);
+    }
+    const float mx_ = _mm512_reduce_max_ps(vmax);
+    if (mx_ == -std::numeric_limits<float>::infinity()) {
+      std::fill(s, s + keys, 0.0f);
+      return;
+    }
+    const __m512 shift = _mm512_set1_ps(mx_);
+    __m512 vsum = _mm512_setzero_ps();
+    for (int j = 0; j < seen; j += 16) {
+      const __mmask16 m = seen - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (seen - j)) - 1);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), shift));
+      _mm512_mask_storeu_ps(s + j, m, e);
+      vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(m, e));
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(vsum));
+    for (int j = 0; j < seen; j += 16) {
+      const __mmask16 m = seen - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (seen - j)) - 1);
+      _mm512_mask_storeu_ps(s + j, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + j), inv));
+    }
+    std::fill(s + seen, s + keys, 0.0f);
+  }
+};
+
+MaskView mask_view(const mx::array& m) {
+  MaskView v;
+  v.boolean = m.dtype() == mx::bool_;
+  int dims[4] = {1, 1, 1, 1};
+  for (int i = 0; i < static_cast<int>(m.ndim()); ++i) dims[4 - m.ndim() + i] = m.shape(i);
+  const int64_t ss = 1, sl = dims[3], sh = sl * dims[2], sb = sh * dims[1];
+  v.ss = dims[3] == 1 ? 0 : ss;
+  v.sl = dims[2] == 1 ? 0 : sl;
+  v.sh = dims[1] == 1 ? 0 : sh;
+  v.sb = dims[0] == 1 ? 0 : sb;
+  return v;
+}
+
+}  // namespace
+
+mx::array sigmoid_cpu(const mx::array& x) {
+  if (x.dtype() != mx::float32 || x.size() < kMinSigmoid || !avx512_ok()) return mx::sigmoid(x);
+  auto loop = [](const std::vector<mx::array>& in, mx::array& out) {
+    const float* src = in[0].data<float>();
+    float* dst = out.data<float>();
+    const int64_t n = static_cast<int64_t>(in[0].size());
+    constexpr int64_t kBlock = 16 * 1024;  // values per task
+    auto range = [&](int b0, int b1) { sigmoid_range(src, dst, b0 * kBlock, std::min(n, b1 * kBlock)); };
+    parallel_for(static_cast<int>((n + kBlock - 1) / kBlock), 1, range);
+  };
+  return host_kernel("SigmoidCpu", x.shape(), mx::float32, {mx::contiguous(x)}, loop, /*may_reuse_input0=*/true);
+}
+
+mx::array sdpa_cpu(const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal,
+                   const std::optional<mx::array>& mask_in, int key_end) {
+  const int batch = q.shape(0), heads = q.shape(1), rows_l = q.shape(2), dim = q.shape(3);
+  const int kv_heads = k.shape(1), dim_v = v.shape(3);
+  if (q.dtype() != mx::float32 || rows_l < kMinQueryRows || !avx512_ok()) {
+    return sdpa(q, k, v, scale, causal, mask_in, key_end);
+  }
+  const int all_keys = k.shape(2), keys = std::min(key_end, all_keys);
+  mx::array kk = k, vv = v;
+  std::optional<mx::array> mask = mask_in;
+  if (keys < all_keys) {  // as sdpa(): only keys [0, key_end)
+    auto first = [keys](const mx::array& x, int axis) {
+      mx::Shape start(x.ndim(), 0), stop = x.shape();
+      stop[axis] = keys;
+      return mx::slice(x, start, stop);
+    };
+    kk = first(kk, 2);
+    vv = first(vv, 2);
+    if (mask && mask->ndim() >= 1 && mask->shape(-1) == all_keys) mask = first(*mask, mask->ndim() - 1);
+  }
+  const int group = heads / kv_heads;
+  // Each query head against its key/value head by broadcasting (no copy of k or v per query head); every
+  // product is [L, D] x [D, S] for one head, small enough for one OpenBLAS thread (blas_route.cpp).
+  const mx::array qg = mx::reshape(q, {batch, kv_heads, group, rows_l, dim});
+  const mx::array scores = mx::matmul(qg, mx::expand_dims(mx::swapaxes(kk, 2, 3), 2));  // [B, Hkv, G, L, S]
+  std::vector<mx::array> inputs{mx::contiguous(scores)};
+  if (mask) inputs.push_back(mx::contiguous(*mask));
+  Softmax sm{heads, rows_l, keys, causal ? keys - rows_l : -1, scale, {}};
+  if (mask) sm.mask = mask_view(*mask);
+  auto loop = [sm](const std::vector<mx::array>& in, mx::array& out) {
+    Softmax s = sm;
+    if (in.size() > 1) s.mask.data = in[1].data<void>();
+    const float* src = in[0].data<float>();
+    float* dst = out.data<float>();
+    const int64_t rows = static_cast<int64_t>(in[0].size()) / s.keys;
+    auto range = [&](int r0, int r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        float* row = dst + r * s.keys;
+        if (row != src + r * s.keys) std::copy(src + r * s.keys, src + (r + 1) * s.keys, row);
+        s.row(row, r);
+      }
+    };
+    parallel_for(static_cast<int>(rows), std::max<int>(1, 4096 / std::max(1, s.keys)), range);
+  };
+  const mx::array probs = host_kernel("AttentionSoftmaxCpu", scores.shape(), mx::float32, std::move(inputs), loop,
+                                      /*may_reuse_input0=*/true);
+  const mx::array out = mx::matmul(probs, mx::expand_dims(vv, 2));  // [B, Hkv, G, L, Dv]
+  return mx::reshape(out, {batch, heads, rows_l, dim_v});
+}
+
+}  // namespace etmlx::kernels
+
+#else  // not x86-64: MLX's ops
+
+namespace etmlx::kernels {
+
+mx::array sigmoid_cpu(const mx::array& x) { return mx::sigmoid(x); }
+
+mx::array sdpa_cpu(const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal,
+                   const std::optional<mx::array>& mask, int key_end) {
+  return sdpa(q, k, v, scale, causal, mask, key_end);
+}
+
+}  // namespace etmlx::kernels
+
+#endif

@@ -1,0 +1,22 @@
+// Many-row quantized products on the CPU (prefill): out [m, n] = x [m, k] . W^T, W in MLX's affine
+// layout (quantized_rows.h), without a float32 copy of the whole of W.
+//
+// Each pool thread takes a range of W's rows, dequantizes them a block of k at a time into a buffer
+// that stays in its own cache, and multiplies every activation row by that block with an AVX-512
+// register-tile kernel; the activations are packed once per call, 32 rows side by side. All float32,
+// each output summed in k order with one fused multiply-add per product: a row's result depends only
+// on that row and W (not on m, nor on the threads).
+#pragma once
+
+#include "kernels/quantized_rows.h"
+
+namespace etmlx::kernels {
+
+// True when this CPU runs the tiled kernel (AVX-512F) and nothing asked for the old path:
+// ETMLX_QMM_GEMM=blas (for A/B runs) or an ETMLX_QMM_ISA other than avx512 (the variant tests).
+bool quantized_gemm_available();
+
+// out [m, w.n] row-major = x [m, w.k] row-major . W^T; needs quantized_gemm_available().
+void quantized_gemm(const float* x, int m, const QuantizedMatrix& w, float* out);
+
+}  // namespace etmlx::kernels

@@ -1,0 +1,78 @@
+"""The cpu kernel set's own exponentials (kernels/attention_cpu.cpp): attention with >= 16 query rows
+(two MLX matmuls around a host-loop softmax that applies scale, mask and causality) and sigmoids of
+>= 16K values, against eager PyTorch; boolean, additive and causal masks, grouped-query heads, queries
+that start inside the cache. On CPUs without AVX-512 the same programs run MLX's ops (same checks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import export_fn
+from backends.mlx.exporter.export import export_to_pte
+from backends.mlx.runtime.runner import load_method
+
+F = torch.nn.functional
+
+
+@pytest.fixture(autouse=True)
+def _cpu_kernels(monkeypatch):
+    monkeypatch.setenv("ETMLX_KERNELS", "cpu")
+
+
+class _Cached(torch.nn.Module):
+    """Queries at positions start..start+L-1 against a fixed-size cache, masked to positions <= their own."""
+
+    def forward(self, q, k, v, start):
+        slots = torch.arange(k.shape[2])
+        positions = start + torch.arange(q.shape[2])
+        mask = slots.view(1, 1, 1, -1) <= positions.view(1, 1, -1, 1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])
+def test_boolean_mask_prefill_matches_eager(heads, kv_heads):
+    torch.manual_seed(0)
+    cache, dim = 80, 16
+    k, v = torch.randn(1, kv_heads, cache, dim), torch.randn(1, kv_heads, cache, dim)
+    length = torch.export.Dim("length", min=1, max=cache)
+    example = (torch.randn(1, heads, cache, dim), k, v, torch.tensor(0))
+    method = load_method(export_to_pte(_Cached(), example, dynamic_shapes=({2: length}, None, None, None)).pte)
+    for start, n in ((0, 20), (17, 40), (40, 40), (3, 1)):  # prefills from the start and mid-cache; a decode step
+        q = torch.randn(1, heads, n, dim) * 3  # sharper scores than randn: the softmax's exp is exercised
+        got = method.execute([q, k, v, torch.tensor(start)])[0]
+        torch.testing.assert_close(got, _Cached()(q, k, v, torch.tensor(start)), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 3)])
+def test_causal_prefill_matches_eager(heads, kv_heads):
+    torch.manual_seed(1)
+    fn = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=heads != kv_heads)
+    n, dim = 37, 32
+    args = (torch.randn(2, heads, n, dim) * 3, torch.randn(2, kv_heads, n, dim), torch.randn(2, kv_heads, n, dim))
+    got = load_method(export_fn(fn, args).pte).execute(list(args))[0]
+    torch.testing.assert_close(got, fn(*args), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_additive_mask_matches_eager(per_head):
+    torch.manual_seed(2)
+    heads, n, keys, dim = 4, 24, 50, 16
+    mask = torch.randn(1, heads if per_head else 1, n, keys)
+    mask[..., ::3] = float("-inf")  # masked keys, never a whole row
+    fn = lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=0.3)
+    args = (torch.randn(1, heads, n, dim), torch.randn(1, heads, keys, dim), torch.randn(1, heads, keys, dim), mask)
+    got = load_method(export_fn(fn, args).pte).execute(list(args))[0]
+    torch.testing.assert_close(got, fn(*args), atol=2e-5, rtol=2e-5)
+
+
+def test_large_sigmoid_matches_eager():
+    torch.manual_seed(3)
+    x = torch.randn(64, 1024) * 8
+    x[0, :6] = torch.tensor([0.0, -100.0, 100.0, 88.0, -88.0, float("-inf")])
+    method = load_method(export_fn(torch.sigmoid, [x]).pte)
+    got = method.execute([x])[0]
+    torch.testing.assert_close(got, torch.sigmoid(x), atol=1e-7, rtol=1e-6)
+    small = torch.randn(4, 8)  # under the host loop's threshold: MLX's op, the same values
+    torch.testing.assert_close(load_method(export_fn(torch.sigmoid, [small]).pte).execute([small])[0],
+                               torch.sigmoid(small), atol=1e-7, rtol=1e-6)
