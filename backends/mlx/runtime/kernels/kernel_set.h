@@ -20,6 +20,7 @@
 #include "kernels/gumbel_max.h"
 #include "kernels/norms.h"
 #include "kernels/quantized_matmul.h"
+#include "kernels/sigmoid.h"
 
 namespace etmlx::kernels {
 
@@ -35,6 +36,7 @@ struct KernelSet {
   QuantizedMatmulFn quantized_matmul;
   // RMSNorm (norms.h): mx::fast on devices with its kernel, one host loop on the CPU.
   mlx::core::array (*rms_norm)(const mlx::core::array& x, const std::optional<mlx::core::array>& weight, float eps);
+  SigmoidFn sigmoid;
 };
 
 const KernelSet& cpu_kernels();
