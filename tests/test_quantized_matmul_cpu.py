@@ -167,3 +167,31 @@ def test_thread_count_and_variant_can_be_forced(tmp_path, monkeypatch):
     bad, stderr = _run_with({"ETMLX_NUM_THREADS": "zero"}, pte, tmp_path / "x.pt")
     assert "ETMLX_NUM_THREADS=zero is not a thread count from 1 to 1024" in stderr
     assert bad["info"]["threads"] == kernels_info()["threads"] >= 1
+
+
+def test_activations_in_any_layout_and_rank(monkeypatch):
+    """The few-row pass reads x in place when it is row-contiguous and copies it in row-major order when
+    not: a transposed view and a 3-d input give the reference's values, and each other's bits (a row's
+    result depends only on that row and W)."""
+
+    class Twice(torch.nn.Module):
+        def __init__(self, lin):
+            super().__init__()
+            self.lin = lin
+
+        def forward(self, xt, x3):
+            return self.lin(xt.transpose(0, 1)), self.lin(x3)
+
+    monkeypatch.setenv("ETMLX_KERNELS", "cpu")
+    torch.manual_seed(11)
+    w, scales, biases = quantize_tensor(torch.randn(72, 128) * torch.logspace(-1, 1, 72).unsqueeze(1), 64, 4)
+    lin = QuantizedLinear(w, scales, biases, 64, 4)
+    x = torch.randn(5, 128)
+    model = Twice(lin)
+    result = export_to_pte(model, (x.T.contiguous(), x.reshape(1, 5, 128)))
+    assert result.ops_outside == 0
+    transposed, three_d = load_method(result.pte).execute([x.T.contiguous(), x.reshape(1, 5, 128)])
+    assert tuple(transposed.shape) == (5, 72) and tuple(three_d.shape) == (1, 5, 72)
+    ref = _reference(x, lin)
+    assert (np.abs(transposed.numpy() - ref) <= _bound(x, lin, ref, torch.float32)).all()
+    np.testing.assert_array_equal(three_d.numpy()[0], transposed.numpy())

@@ -246,9 +246,7 @@ bool Interpreter::exec_unary(const fb::UnaryNode& n) {
     case fb::UnaryOp::Rsqrt: r = mx::rsqrt(a); break;
     case fb::UnaryOp::Abs: r = mx::abs(a); break;
     case fb::UnaryOp::Tanh: r = mx::tanh(a); break;
-    case fb::UnaryOp::Sigmoid:  // the cpu kernel set's own exp (attention_cpu.h)
-      r = program_.kernels == &kernels::cpu_kernels() ? kernels::sigmoid_cpu(a) : mx::sigmoid(a);
-      break;
+    case fb::UnaryOp::Sigmoid: r = program_.kernels->sigmoid(a); break;
     case fb::UnaryOp::LogicalNot: r = mx::logical_not(a); break;
     case fb::UnaryOp::Sin: r = mx::sin(a); break;
     case fb::UnaryOp::Cos: r = mx::cos(a); break;

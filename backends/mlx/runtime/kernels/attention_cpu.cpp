@@ -1,4 +1,4 @@
-// attention_cpu.h: sigmoid and attention's softmax with an AVX-512 exp (functions with their own
+// attention_cpu.h: attention's softmax with an AVX-512 exp (functions with their own
 // target attribute; other CPUs take MLX's ops).
 #include "kernels/attention_cpu.h"
 
@@ -21,10 +21,8 @@ namespace mx = mlx::core;
 namespace {
 
 // From this many query rows (a prefill) attention takes the host-loop softmax; fewer (a decode step)
-// keep MLX's fused kernel, as does a sigmoid under kMinSigmoid values, where a host node's scheduling
-// costs about what the loop saves.
+// keep MLX's fused kernel.
 constexpr int kMinQueryRows = 16;
-constexpr size_t kMinSigmoid = 16 * 1024;
 
 }  // namespace
 
@@ -72,15 +70,6 @@ ETMLX_AVX512BW ETMLX_INLINE __m512 exp16(__m512 x) {
   return _mm512_maskz_mov_ps(static_cast<__mmask16>(~zero), _mm512_scalef_ps(p, n));
 }
 
-ETMLX_AVX512BW void sigmoid_range(const float* x, float* out, int64_t begin, int64_t end) {
-  const __m512 one = _mm512_set1_ps(1.0f);
-  for (int64_t i = begin; i < end; i += 16) {
-    const __mmask16 m = end - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (end - i)) - 1);
-    const __m512 v = _mm512_maskz_loadu_ps(m, x + i);
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), v));
-    _mm512_mask_storeu_ps(out + i, m, _mm512_div_ps(one, _mm512_add_ps(one, e)));
-  }
-}
 
 // How a [B, H, L, S] score row finds its mask entries: the mask as given (up to 4-d, each dim 1 or the
 // scores'), its strides 0 where it broadcasts.
@@ -160,18 +149,6 @@ MaskView mask_view(const mx::array& m) {
 
 }  // namespace
 
-mx::array sigmoid_cpu(const mx::array& x) {
-  if (x.dtype() != mx::float32 || x.size() < kMinSigmoid || !avx512_ok()) return mx::sigmoid(x);
-  auto loop = [](const std::vector<mx::array>& in, mx::array& out) {
-    const float* src = in[0].data<float>();
-    float* dst = out.data<float>();
-    const int64_t n = static_cast<int64_t>(in[0].size());
-    constexpr int64_t kBlock = 16 * 1024;  // values per task
-    auto range = [&](int b0, int b1) { sigmoid_range(src, dst, b0 * kBlock, std::min(n, b1 * kBlock)); };
-    parallel_for(static_cast<int>((n + kBlock - 1) / kBlock), 1, range);
-  };
-  return host_kernel("SigmoidCpu", x.shape(), mx::float32, {mx::contiguous(x)}, loop, /*may_reuse_input0=*/true);
-}
 
 mx::array sdpa_cpu(const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal,
                    const std::optional<mx::array>& mask_in, int key_end) {
@@ -228,8 +205,6 @@ mx::array sdpa_cpu(const mx::array& q, const mx::array& k, const mx::array& v, f
 #else  // not x86-64: MLX's ops
 
 namespace etmlx::kernels {
-
-mx::array sigmoid_cpu(const mx::array& x) { return mx::sigmoid(x); }
 
 mx::array sdpa_cpu(const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal,
                    const std::optional<mx::array>& mask, int key_end) {

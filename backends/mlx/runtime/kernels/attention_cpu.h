@@ -1,5 +1,5 @@
-// The cpu kernel set's exponentials: sigmoid (SiLU's) and attention's softmax as host loops with an
-// AVX-512 exp, on the thread pool.
+// The cpu kernel set's prefill attention: its softmax as a host loop with an AVX-512 exp, on the thread
+// pool (SiLU's sigmoid has its own loop with MLX's exact formula: sigmoid.h).
 //
 // Why: the mlx[cpu] wheel is built for baseline x86-64, so MLX's exp is a scalar loop whose polynomial
 // calls libm's fmaf per step. In a 512-token prefill of a 4-bit Qwen2.5-0.5B that was ~28% of the CPU
@@ -12,9 +12,6 @@
 #include <mlx/array.h>
 
 namespace etmlx::kernels {
-
-// mx::sigmoid(x); float32 on an AVX-512 CPU through a host loop (1 / (1 + exp(-x)), exp within 2 ulp).
-mlx::core::array sigmoid_cpu(const mlx::core::array& x);
 
 // sdpa() (attention.h) with the same arguments: float32 on an AVX-512 CPU as two MLX matmuls per
 // key/value head (OpenBLAS) around a host-loop softmax that applies scale, mask and causality itself.

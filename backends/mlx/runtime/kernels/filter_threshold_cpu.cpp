@@ -27,6 +27,16 @@ struct RowKnobs {
   const float* min_p = nullptr;
 };
 
+// Whether any knob filters row r. When none does, the threshold is min(-inf, m) = -inf whatever the
+// scores are, so the row needs no pass at all: with the knobs at their off values (a greedy or plain
+// sampled decode of a program exported with them) this skips a partial sort of the whole vocabulary.
+bool any_active(const RowKnobs& k, int r, int vocab) {
+  const bool k_active = k.top_k && k.top_k[r] > 0 && k.top_k[r] < vocab;
+  const bool p_active = k.top_p && k.top_p[r] < 1.0f;  // NaN compares false: off
+  const bool min_p_active = k.min_p && k.min_p[r] > 0.0f;
+  return k_active || p_active || min_p_active;
+}
+
 // Host path for one row; `z` holds the row's scores and is reordered.
 float row_threshold(std::vector<float>& z, const std::vector<float>& row, int r, const RowKnobs& k, int cap) {
   const int vocab = static_cast<int>(z.size());
@@ -103,8 +113,13 @@ mx::array filter_threshold_cpu(const mx::array& x, const mx::array& temperature,
     const float* xs = in[0].data<float>();
     const float* ts = in[1].data<float>();
     float* thresholds = out.data<float>();
-    std::vector<float> row(vocab), z(vocab);
+    std::vector<float> row, z;
     for (int r = 0; r < rows; ++r) {
+      if (!any_active(k, r, vocab)) {
+        thresholds[r] = kNegInf;
+        continue;
+      }
+      row.resize(vocab);
       const float* xr = xs + static_cast<size_t>(r) * vocab;
       const float tr = ts[r];
       for (int j = 0; j < vocab; ++j) {

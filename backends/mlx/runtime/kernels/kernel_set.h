@@ -21,6 +21,7 @@
 #include "kernels/norms.h"
 #include "kernels/rope.h"
 #include "kernels/quantized_matmul.h"
+#include "kernels/sigmoid.h"
 
 namespace etmlx::kernels {
 
@@ -39,6 +40,7 @@ struct KernelSet {
   // Rotate-half RoPE from cos/sin tables (rope.h): the graph's ops, or one host loop on the CPU.
   mlx::core::array (*rope_from_tables)(const mlx::core::array& x, const mlx::core::array& cos,
                                        const mlx::core::array& sin);
+  SigmoidFn sigmoid;
 };
 
 const KernelSet& cpu_kernels();

@@ -64,6 +64,32 @@ void dot_rows(const float* x, int m, const QuantizedMatrix& w, float* out) {
   parallel_for(w.n, grain_for(w.n, static_cast<int64_t>(w.k) * m), range);
 }
 
+// An operand as a row-contiguous array: itself when it is already materialised that way (the
+// weights: constants loaded at init), else through mx::contiguous. Each mx::contiguous is a graph
+// node even when it copies nothing, and a decode step of a 24-layer model has ~170 linears.
+mx::array materialised_contiguous(const mx::array& a) {
+  if (a.status() != mx::array::Status::unscheduled && a.flags().row_contiguous) return a;
+  return mx::contiguous(a);
+}
+
+// x's m rows of k float32 values: its own memory when row-contiguous (the usual case), else copied
+// in row-major order into `copy`. The activations stay lazy until the loop runs, so their layout is
+// known only here; reading them in place saves the reshape and contiguous nodes per call.
+const float* rows_of(const mx::array& x, std::vector<float>& copy) {
+  if (x.flags().row_contiguous) return x.data<float>();
+  copy.resize(x.size());
+  const float* base = x.data<float>();
+  const int nd = static_cast<int>(x.ndim());
+  std::vector<int> index(nd, 0);
+  for (size_t i = 0; i < x.size(); ++i) {
+    int64_t at = 0;
+    for (int d = 0; d < nd; ++d) at += static_cast<int64_t>(index[d]) * x.strides()[d];
+    copy[i] = base[at];
+    for (int d = nd - 1; d >= 0 && ++index[d] == x.shape(d); --d) index[d] = 0;
+  }
+  return copy.data();
+}
+
 }  // namespace
 
 mx::array quantized_matmul_cpu(const mx::array& x, const mx::array& w, const mx::array& scales,
@@ -74,17 +100,21 @@ mx::array quantized_matmul_cpu(const mx::array& x, const mx::array& w, const mx:
   mx::Shape out_shape = x.shape();
   out_shape.back() = n;
   if (m == 0 || k == 0) return mx::zeros(out_shape, dtype);
-  const mx::array x32 = mx::reshape(mx::astype(x, mx::float32), {m, k});
-  std::vector<mx::array> weights{mx::contiguous(w), mx::contiguous(scales), mx::contiguous(biases)};
-  mx::array out32 = x32;
+  std::vector<mx::array> weights{materialised_contiguous(w), materialised_contiguous(scales),
+                                 materialised_contiguous(biases)};
   if (m >= gemm_rows() && quantized_gemm_available()) {
+    // Prefill on AVX-512: W dequantized in tiles per pool thread (quantized_gemm.h).
+    const mx::array x32 = mx::reshape(mx::astype(x, mx::float32), {m, k});
     std::vector<mx::array> inputs{mx::contiguous(x32)};
     inputs.insert(inputs.end(), weights.begin(), weights.end());
     auto gemm = [m, group_size, bits](const std::vector<mx::array>& in, mx::array& out) {
       quantized_gemm(in[0].data<float>(), m, matrix_of(in, 1, group_size, bits), out.data<float>());
     };
-    out32 = host_kernel("QuantizedGemmCpu", {m, n}, mx::float32, std::move(inputs), gemm);
-  } else if (m >= gemm_rows()) {
+    const mx::array out32 = host_kernel("QuantizedGemmCpu", {m, n}, mx::float32, std::move(inputs), gemm);
+    return mx::astype(mx::reshape(out32, out_shape), dtype);
+  }
+  if (m >= gemm_rows()) {
+    const mx::array x32 = mx::reshape(mx::astype(x, mx::float32), {m, k});
     auto dequantize = [group_size, bits](const std::vector<mx::array>& in, mx::array& out) {
       const QuantizedMatrix wm = matrix_of(in, 0, group_size, bits);
       // On this thread alone: it is a small part of the product (1/10 of the GEMM's time at 64 rows),
@@ -94,16 +124,17 @@ mx::array quantized_matmul_cpu(const mx::array& x, const mx::array& w, const mx:
       dequantize_rows(wm, 0, wm.n, out.data<float>());
     };
     const mx::array wf = host_kernel("QuantizedDequantizeCpu", {n, k}, mx::float32, std::move(weights), dequantize);
-    out32 = mx::matmul(x32, mx::transpose(wf));  // float32: MLX sends it to BLAS (blas_route.cpp)
-  } else {
-    std::vector<mx::array> inputs{mx::contiguous(x32)};
-    inputs.insert(inputs.end(), weights.begin(), weights.end());
-    auto loop = [m, group_size, bits](const std::vector<mx::array>& in, mx::array& out) {
-      dot_rows(in[0].data<float>(), m, matrix_of(in, 1, group_size, bits), out.data<float>());
-    };
-    out32 = host_kernel("QuantizedMatmulCpu", {m, n}, mx::float32, std::move(inputs), loop);
+    const mx::array out32 = mx::matmul(x32, mx::transpose(wf));  // float32: MLX sends it to BLAS (blas_route.cpp)
+    return mx::astype(mx::reshape(out32, out_shape), dtype);
   }
-  return mx::astype(mx::reshape(out32, out_shape), dtype);
+  // Few rows (decode): x in any shape [..., k] and layout, the result made in its final shape.
+  std::vector<mx::array> inputs{mx::astype(x, mx::float32)};
+  inputs.insert(inputs.end(), weights.begin(), weights.end());
+  auto loop = [m, group_size, bits](const std::vector<mx::array>& in, mx::array& out) {
+    std::vector<float> copy;
+    dot_rows(rows_of(in[0], copy), m, matrix_of(in, 1, group_size, bits), out.data<float>());
+  };
+  return mx::astype(host_kernel("QuantizedMatmulCpu", out_shape, mx::float32, std::move(inputs), loop), dtype);
 }
 
 }  // namespace etmlx::kernels

@@ -1,0 +1,89 @@
+// sigmoid_cpu (sigmoid.h): MLX's CPU sigmoid, 16 lanes at a time, bit for bit.
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include <mlx/ops.h>
+
+#include "kernels/host_kernel.h"
+#include "kernels/sigmoid.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define ETMLX_SIGMOID_AVX512 1
+#endif
+
+namespace etmlx::kernels {
+
+namespace mx = mlx::core;
+
+namespace {
+
+#ifdef ETMLX_SIGMOID_AVX512
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // as in quantized_rows_x86.cpp
+#endif
+
+// MLX (unary_ops.h, simd/math.h), with t = |x|:
+//   y = t * 1.442695f; i = floor(double(y) + 0.5); f = y - i
+//   p = fma chain of the six constants below in f
+//   e = bits((int(i) + 127) << 23) * p; e = isnan(t) ? t : e; e = t > 88 ? inf : e
+//   s = 1 / (1 + e); out = x < 0 ? s : 1 - s
+// Every step is one IEEE-rounded float operation, the same here. floor(double(y) + 0.5), y >= 0, is
+// floor(y) plus one when y - floor(y) >= 0.5 (both exact in float).
+__attribute__((target("avx512f"), always_inline)) inline __m512 sigmoid16(__m512 v) {
+    const __m512 one = _mm512_set1_ps(1.0f), half = _mm512_set1_ps(0.5f);
+    const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+    const __m512i sign = _mm512_set1_epi32(0x7fffffff);
+    const __m512 t = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), sign));
+    const __m512 y = _mm512_mul_ps(t, _mm512_set1_ps(1.442695f));
+    __m512 i = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    i = _mm512_mask_add_ps(i, _mm512_cmp_ps_mask(_mm512_sub_ps(y, i), half, _CMP_GE_OQ), i, one);
+    const __m512 f = _mm512_sub_ps(y, i);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.000000000000000f));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(i), _mm512_set1_epi32(127)), 23);
+    __m512 e = _mm512_mul_ps(_mm512_castsi512_ps(bits), p);
+    e = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(t, t, _CMP_UNORD_Q), t);
+    e = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(t, _mm512_set1_ps(88.0f), _CMP_GT_OQ), inf);
+    const __m512 s = _mm512_div_ps(one, _mm512_add_ps(one, e));
+    return _mm512_mask_mov_ps(_mm512_sub_ps(one, s), _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LT_OQ), s);
+}
+
+__attribute__((target("avx512f"))) void sigmoid_avx512(const float* x, float* out, int64_t n) {
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) _mm512_storeu_ps(out + j, sigmoid16(_mm512_loadu_ps(x + j)));
+  if (j < n) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n - j)) - 1);
+    _mm512_mask_storeu_ps(out + j, tail, sigmoid16(_mm512_maskz_loadu_ps(tail, x + j)));
+  }
+}
+
+bool has_avx512() {
+  static const bool ok = __builtin_cpu_supports("avx512f");
+  return ok;
+}
+#endif
+
+}  // namespace
+
+mx::array sigmoid_device(const mx::array& x) { return mx::sigmoid(x); }
+
+mx::array sigmoid_cpu(const mx::array& x) {
+#ifdef ETMLX_SIGMOID_AVX512
+  if (x.dtype() == mx::float32 && x.size() > 0 && has_avx512()) {
+    auto loop = [](const std::vector<mx::array>& in, mx::array& out) {
+      sigmoid_avx512(in[0].data<float>(), out.data<float>(), static_cast<int64_t>(in[0].size()));
+    };
+    return host_kernel("SigmoidCpu", x.shape(), mx::float32, {mx::contiguous(x)}, loop, /*may_reuse_input0=*/true);
+  }
+#endif
+  return mx::sigmoid(x);
+}
+
+}  // namespace etmlx::kernels
