@@ -44,6 +44,8 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def median_ms(fn, repeats: int, warmup: int = 3) -> float:
+    # bench/timing.py's timer, repeated on purpose: this script imports nothing of etmlx (timing.py imports
+    # torch, which a GPU host may lack).
     for _ in range(warmup):
         fn()
     times = []

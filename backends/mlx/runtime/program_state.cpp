@@ -185,9 +185,11 @@ ETMLX_EXPORT int etmlx_state_kv_info(uint64_t id, int k, int64_t* shape, const c
   });
 }
 
-// Row `row`'s positions [0, n) of every KV buffer, in buffer order, each [heads, n, dim] row-major in
-// the state's dtype, into `out` (`size` bytes: exactly their total). Waits for pending calls.
-ETMLX_EXPORT int etmlx_state_read(uint64_t id, int64_t row, int64_t n, void* out, uint64_t size) {
+// What etmlx_state_read and _write share: under the locks, the handle `id`'s KV buffers, row `row`
+// checked against positions [0, n), and `size` checked to be exactly their bytes; then `body(h, kv)`
+// unless n is 0. Returns 0, or -1 after fail().
+template <typename Body>
+int with_row_bytes(uint64_t id, int64_t row, int64_t n, uint64_t size, Body body) {
   return etmlx::guarded([&] {
     std::lock_guard<std::mutex> lock(g_mu);
     Handle* h = etmlx::find(id);
@@ -200,7 +202,14 @@ ETMLX_EXPORT int etmlx_state_read(uint64_t id, int64_t row, int64_t n, void* out
     if (size != total) {
       return fail("the buffer holds " + std::to_string(size) + " bytes, " + std::to_string(total) + " expected");
     }
-    if (n == 0) return 0;
+    return n == 0 ? 0 : body(h, kv);
+  });
+}
+
+// Row `row`'s positions [0, n) of every KV buffer, in buffer order, each [heads, n, dim] row-major in
+// the state's dtype, into `out` (`size` bytes: exactly their total). Waits for pending calls.
+ETMLX_EXPORT int etmlx_state_read(uint64_t id, int64_t row, int64_t n, void* out, uint64_t size) {
+  return with_row_bytes(id, row, n, size, [&](Handle* h, const std::vector<size_t>& kv) {
     std::vector<mx::array> parts;
     for (size_t j : kv) {
       const mx::array& a = h->state[j];
@@ -220,19 +229,7 @@ ETMLX_EXPORT int etmlx_state_read(uint64_t id, int64_t row, int64_t n, void* out
 
 // The inverse of etmlx_state_read: `in` (as it lays out) becomes row `row`'s positions [0, n).
 ETMLX_EXPORT int etmlx_state_write(uint64_t id, int64_t row, int64_t n, const void* in, uint64_t size) {
-  return etmlx::guarded([&] {
-    std::lock_guard<std::mutex> lock(g_mu);
-    Handle* h = etmlx::find(id);
-    if (h == nullptr) return -1;
-    std::lock_guard<std::mutex> hold(h->mu);
-    std::vector<size_t> kv;
-    if (!etmlx::kv_buffers(*h, &kv) || !etmlx::check_row(*h, kv, row, n, "row")) return -1;
-    uint64_t total = 0;
-    for (size_t j : kv) total += etmlx::row_bytes(h->state[j], n);
-    if (size != total) {
-      return fail("the buffer holds " + std::to_string(size) + " bytes, " + std::to_string(total) + " expected");
-    }
-    if (n == 0) return 0;
+  return with_row_bytes(id, row, n, size, [&](Handle* h, const std::vector<size_t>& kv) {
     // Owned copies first: nothing is replaced until all of them exist.
     std::vector<mx::array> parts;
     const auto* src = static_cast<const uint8_t*>(in);
