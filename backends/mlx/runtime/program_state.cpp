@@ -153,20 +153,10 @@ ETMLX_EXPORT int etmlx_state_claim(uint64_t* ids, int cap) {
   return n;
 }
 
-// The number of KV buffers (-1: error).
-ETMLX_EXPORT int etmlx_state_kv_buffers(uint64_t id) {
-  return etmlx::guarded([&] {
-    std::lock_guard<std::mutex> lock(g_mu);
-    Handle* h = etmlx::find(id);
-    if (h == nullptr) return -1;
-    std::lock_guard<std::mutex> hold(h->mu);
-    std::vector<size_t> kv;
-    return etmlx::kv_buffers(*h, &kv) ? static_cast<int>(kv.size()) : -1;
-  });
-}
-
-// KV buffer k's shape (4 values) and dtype name (a static string) into `shape` / `*dtype`.
-ETMLX_EXPORT int etmlx_state_kv_info(uint64_t id, int k, int64_t* shape, const char** dtype) {
+// Every state access: under the registry's lock and the program's own (no call runs meanwhile), the
+// handle `id` and its KV buffers' indices, then `body(h, kv)`. Returns its result, or -1 after fail().
+template <typename Body>
+int with_kv(uint64_t id, Body body) {
   return etmlx::guarded([&] {
     std::lock_guard<std::mutex> lock(g_mu);
     Handle* h = etmlx::find(id);
@@ -174,6 +164,18 @@ ETMLX_EXPORT int etmlx_state_kv_info(uint64_t id, int k, int64_t* shape, const c
     std::lock_guard<std::mutex> hold(h->mu);
     std::vector<size_t> kv;
     if (!etmlx::kv_buffers(*h, &kv)) return -1;
+    return body(h, kv);
+  });
+}
+
+// The number of KV buffers (-1: error).
+ETMLX_EXPORT int etmlx_state_kv_buffers(uint64_t id) {
+  return with_kv(id, [](Handle*, const std::vector<size_t>& kv) { return static_cast<int>(kv.size()); });
+}
+
+// KV buffer k's shape (4 values) and dtype name (a static string) into `shape` / `*dtype`.
+ETMLX_EXPORT int etmlx_state_kv_info(uint64_t id, int k, int64_t* shape, const char** dtype) {
+  return with_kv(id, [&](Handle* h, const std::vector<size_t>& kv) {
     if (k < 0 || static_cast<size_t>(k) >= kv.size()) {
       return fail("KV buffer " + std::to_string(k) + " is out of range: the program has " +
                   std::to_string(kv.size()));
@@ -185,18 +187,12 @@ ETMLX_EXPORT int etmlx_state_kv_info(uint64_t id, int k, int64_t* shape, const c
   });
 }
 
-// What etmlx_state_read and _write share: under the locks, the handle `id`'s KV buffers, row `row`
-// checked against positions [0, n), and `size` checked to be exactly their bytes; then `body(h, kv)`
-// unless n is 0. Returns 0, or -1 after fail().
+// What etmlx_state_read and _write share (with_kv, then): row `row` checked against positions [0, n),
+// and `size` checked to be exactly their bytes; then `body(h, kv)` unless n is 0.
 template <typename Body>
 int with_row_bytes(uint64_t id, int64_t row, int64_t n, uint64_t size, Body body) {
-  return etmlx::guarded([&] {
-    std::lock_guard<std::mutex> lock(g_mu);
-    Handle* h = etmlx::find(id);
-    if (h == nullptr) return -1;
-    std::lock_guard<std::mutex> hold(h->mu);
-    std::vector<size_t> kv;
-    if (!etmlx::kv_buffers(*h, &kv) || !etmlx::check_row(*h, kv, row, n, "row")) return -1;
+  return with_kv(id, [&](Handle* h, const std::vector<size_t>& kv) {
+    if (!etmlx::check_row(*h, kv, row, n, "row")) return -1;
     uint64_t total = 0;
     for (size_t j : kv) total += etmlx::row_bytes(h->state[j], n);
     if (size != total) {
@@ -258,13 +254,8 @@ ETMLX_EXPORT int etmlx_state_write(uint64_t id, int64_t row, int64_t n, const vo
 
 // Row `dst`'s positions [0, n) become row `src`'s, inside the state (nothing leaves the device).
 ETMLX_EXPORT int etmlx_state_copy(uint64_t id, int64_t src, int64_t dst, int64_t n) {
-  return etmlx::guarded([&] {
-    std::lock_guard<std::mutex> lock(g_mu);
-    Handle* h = etmlx::find(id);
-    if (h == nullptr) return -1;
-    std::lock_guard<std::mutex> hold(h->mu);
-    std::vector<size_t> kv;
-    if (!etmlx::kv_buffers(*h, &kv) || !etmlx::check_row(*h, kv, src, n, "source row") ||
+  return with_kv(id, [&](Handle* h, const std::vector<size_t>& kv) {
+    if (!etmlx::check_row(*h, kv, src, n, "source row") ||
         !etmlx::check_row(*h, kv, dst, n, "target row")) {
       return -1;
     }
