@@ -2,6 +2,9 @@
 // target attribute; other CPUs take MLX's ops).
 #include "kernels/attention_cpu.h"
 
+#include <cstdlib>
+#include <cstring>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -23,6 +26,17 @@ namespace {
 // From this many query rows (a prefill) attention takes the host-loop softmax; fewer (a decode step)
 // keep MLX's fused kernel.
 constexpr int kMinQueryRows = 16;
+
+// ETMLX_BLAS=reference is the batch-invariant mode (docs/cpu-kernels.md): a request's bits must not depend on
+// the call it shares, but the call's width (set by the longest prompt in it) picks this path or MLX's, whose
+// softmaxes round differently. That mode keeps MLX's attention at every width.
+bool batch_invariant() {
+  static const bool on = [] {
+    const char* mode = std::getenv("ETMLX_BLAS");
+    return mode != nullptr && std::strcmp(mode, "reference") == 0;
+  }();
+  return on;
+}
 
 }  // namespace
 
@@ -154,7 +168,7 @@ mx::array sdpa_cpu(const mx::array& q, const mx::array& k, const mx::array& v, f
                    const std::optional<mx::array>& mask_in, int key_end) {
   const int batch = q.shape(0), heads = q.shape(1), rows_l = q.shape(2), dim = q.shape(3);
   const int kv_heads = k.shape(1), dim_v = v.shape(3);
-  if (q.dtype() != mx::float32 || rows_l < kMinQueryRows || !avx512_ok()) {
+  if (q.dtype() != mx::float32 || rows_l < kMinQueryRows || !avx512_ok() || batch_invariant()) {
     return sdpa(q, k, v, scale, causal, mask_in, key_end);
   }
   const int all_keys = k.shape(2), keys = std::min(key_end, all_keys);
