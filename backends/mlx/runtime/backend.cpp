@@ -200,7 +200,12 @@ Error run(Handle& h, Span<EValue*> args) {
   // write) can reuse its buffer instead of copying the whole cache.
   // ETMLX_DOT=FILE: the call's graph (outputs and new state) as Graphviz, overwritten by each call;
   // for counting what a decode step asks of MLX (docs/cpp-tools.md).
-  if (const char* dot = std::getenv("ETMLX_DOT"); dot != nullptr && *dot != '\0') {
+  // Read once: this is every call's path.
+  static const char* const dot = [] {
+    const char* v = std::getenv("ETMLX_DOT");
+    return v != nullptr && *v != '\0' ? v : nullptr;
+  }();
+  if (dot != nullptr) {
     std::vector<mx::array> roots(outputs);
     roots.insert(roots.end(), new_state.begin(), new_state.end());
     std::ofstream f(dot);

@@ -171,19 +171,10 @@ mx::array sdpa_cpu(const mx::array& q, const mx::array& k, const mx::array& v, f
   if (q.dtype() != mx::float32 || rows_l < kMinQueryRows || !avx512_ok() || batch_invariant()) {
     return sdpa(q, k, v, scale, causal, mask_in, key_end);
   }
-  const int all_keys = k.shape(2), keys = std::min(key_end, all_keys);
   mx::array kk = k, vv = v;
   std::optional<mx::array> mask = mask_in;
-  if (keys < all_keys) {  // as sdpa(): only keys [0, key_end)
-    auto first = [keys](const mx::array& x, int axis) {
-      mx::Shape start(x.ndim(), 0), stop = x.shape();
-      stop[axis] = keys;
-      return mx::slice(x, start, stop);
-    };
-    kk = first(kk, 2);
-    vv = first(vv, 2);
-    if (mask && mask->ndim() >= 1 && mask->shape(-1) == all_keys) mask = first(*mask, mask->ndim() - 1);
-  }
+  keep_first_keys(kk, vv, mask, key_end);  // as sdpa(): only keys [0, key_end)
+  const int keys = kk.shape(2);
   const int group = heads / kv_heads;
   // Each query head against its key/value head by broadcasting (no copy of k or v per query head); every
   // product is [L, D] x [D, S] for one head, small enough for one OpenBLAS thread (blas_route.cpp).
