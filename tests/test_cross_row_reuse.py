@@ -13,7 +13,7 @@ import torch
 
 from backends.mlx.llm.decoder.export import export_decoder
 from backends.mlx.llm.decoder.meta import DecoderMeta
-from backends.mlx.llm.decoder.row_caches import common_prefix
+from backends.mlx.llm.decoder.decode_rows import common_prefix
 from backends.mlx.llm.sampler.config import SamplerConfig
 from backends.mlx.llm.sampler.params import SamplingParams
 from backends.mlx.runtime.runner import load_method

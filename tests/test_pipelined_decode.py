@@ -118,7 +118,8 @@ def test_raw_protocol_returns_the_previous_call_and_feeds_back(programs):
     params = [PARAMS["greedy"]]
 
     def call(tokens, pos, step):
-        inputs = step_inputs(meta, torch.tensor([tokens]), [pos], [len(tokens)], params, [step], [step == 0])
+        inputs = step_inputs(meta, torch.tensor([tokens]), [pos], [len(tokens)], params, [params[0].seed + step],
+                             [step == 0])
         return int(method.execute(inputs)[0][0])
 
     expected = Decoder(programs[False]).generate(PROMPT, 3).tokens
@@ -140,7 +141,8 @@ def test_caller_may_reuse_input_memory_at_once(programs):
     for step in range(12):
         feed = PROMPT if step == 0 else [FED_BACK]
         pos = 0 if step == 0 else len(PROMPT) + step - 1
-        inputs = step_inputs(meta, torch.tensor([feed]), [pos], [len(feed)], params, [step], [step == 0])
+        inputs = step_inputs(meta, torch.tensor([feed]), [pos], [len(feed)], params, [params[0].seed + step],
+                             [step == 0])
         out = method.execute(inputs)
         for t in inputs:  # garbage where the call's inputs were
             t.fill_(7 if t.dtype != torch.float32 else float("nan"))

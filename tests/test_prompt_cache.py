@@ -1,4 +1,4 @@
-"""The prompt cache (llm/decoder/row_caches.py): a row's KV cache outlives its request, and a prompt that
+"""The prompt cache (runtime/decode_rows.h): a row's KV cache outlives its request, and a prompt that
 extends what a row holds prefills only the rest. Reuse must not change a token: greedy ids are the eager
 model's (full forward passes, no cache), seeded sampling with penalties equals a fresh program's, on
 pipelined and unpipelined programs, with other rows idling in between; the server reports

@@ -1,4 +1,4 @@
-"""`etmlx bench prompt-cache`: what the prompt cache (llm/decoder/row_caches.py) saves, on the built-in model.
+"""`etmlx bench prompt-cache`: what the prompt cache (runtime/decode_rows.h) saves, on the built-in model.
 
 - chat: a 6-turn conversation through the chat template, as `etmlx chat` runs it: time to first token of
   each turn with the cache (only the new turn is prefilled) and without (the whole conversation again).
@@ -31,7 +31,7 @@ from backends.mlx.llm.builtin.corpus import generate_corpus
 from backends.mlx.llm.builtin.model import STAMP, ensure_builtin_checkpoint
 from backends.mlx.llm.decoder.loop import Decoder
 from backends.mlx.llm.decoder.prompt import chat_prompt, encode_prompt
-from backends.mlx.llm.decoder.row_caches import common_prefix
+from backends.mlx.llm.decoder.decode_rows import common_prefix
 from backends.mlx.llm.decoder.text_generation import stream_text
 from backends.mlx.llm.sampler.params import SamplingParams
 

@@ -2,7 +2,7 @@
 turn, each reply streamed as it decodes. Lines from a pipe work too (no prompt is drawn then).
 
 /reset clears the conversation, /exit (or end of input) ends it. Each turn re-renders the whole
-conversation; the program's KV cache still holds the turns before (row_caches.py), so only the new
+conversation; the program's KV cache still holds the turns before (runtime/decode_rows.h), so only the new
 part is prefilled. A --draft-tokens program decodes each reply speculatively (the same tokens), its drafts by
 default from prompt lookup over the conversation so far (cli/draft_flags.py), the cache reused the same way;
 the drafts accepted are summed up on stderr at the end. When it no longer fits the program's max_seq_len with room for a reply, the oldest

@@ -12,7 +12,7 @@
 // program's state (rank <= 2) is reset or overwritten by a row's next prefill and is left alone.
 // A sliding-window layer's ring buffer has fewer slots than positions, and slot p holds the latest
 // position congruent to p: the functions move slots [0, n), which are positions [0, n) only while the
-// row never wrapped; the Python side refuses ring programs (row_caches.py's rules).
+// row never wrapped; the Python side refuses ring programs (runtime/decode_rows.h's rules).
 //
 // Every function returns 0 (or a count) on success and -1 on failure, with one line in
 // etmlx_state_error(); nothing here aborts or lets an exception out.

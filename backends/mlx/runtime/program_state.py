@@ -5,7 +5,7 @@ A decoder program's KV cache is the delegate's mutable state: one buffer per lay
 positions of every buffer into host tensors, writes them back, and copies them from one row to another
 inside the state. runner.load_method finds the state of the method it loads (`LoadedMethod.state`).
 
-Slots are positions only while a row never wrapped a sliding-window ring (row_caches.py): callers
+Slots are positions only while a row never wrapped a sliding-window ring (runtime/decode_rows.h): callers
 refuse ring programs (DecoderMeta.ring_cache).
 """
 

@@ -13,7 +13,7 @@ Draft-verifying programs (`etmlx export --draft-tokens K`): each row drafts from
 call may give a row several tokens (DecodeRows.draft / read); the tokens are still the plain program's.
 Structured output is refused for them (the export refuses the mask).
 
-Prompt cache (llm/decoder/row_caches.py): a row's KV cache outlives its request; a new request takes
+Prompt cache (runtime/decode_rows.h): a row's KV cache outlives its request; a new request takes
 the free row holding the longest prefix of its prompt (else the least recently used one) and
 prefills only the rest. `EngineRequest.cached_tokens` says how many prompt tokens it reused. Where the
 program can copy KV entries between rows (a loaded method or worker with state access), the prefix may
@@ -95,7 +95,7 @@ class Engine:
         SupervisedProgram). request_timeout: seconds a request may take from submission (None: no limit).
         max_queue: requests that may wait for a row (default 8 x the rows); beyond it submit raises QueueFull.
         pte: the program's file, where structured output reads the tokenizer from.
-        prompt_cache: reuse what a row's cache holds from earlier requests (row_caches.py).
+        prompt_cache: reuse what a row's cache holds from earlier requests (runtime/decode_rows.h).
         prefix_affinity: let a request wait for a running row that will hold a long prefix of its prompt.
         step_cost_tokens: prefill tokens one decode step is worth in that choice (0: always wait)."""
         if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int)

@@ -4,7 +4,7 @@ The file (safetensors, written and read here: the plain install has no safetenso
 conversation's row of the program's KV cache holds: the tokens of the conversation, the keys and values of
 its first n positions (n: how many of those tokens the row holds, runtime/program_state.py), and the
 program's identity (the SHA-256 of its .pte and .ptd). Loading writes the entries into a free row of the same program (a different program is refused: its keys and
-values would mean nothing there) and records the tokens in the row's cache (row_caches.py), so the next
+values would mean nothing there) and records the tokens in the row's cache (runtime/decode_rows.h), so the next
 generation of the conversation prefills only what follows them.
 
 Ring programs (a sliding-window layer keeping `window` slots, DecoderMeta.ring_cache) are refused: a ring
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from backends.mlx.llm.decoder.row_caches import common_prefix
+from backends.mlx.llm.decoder.decode_rows import common_prefix
 from backends.mlx.runtime.runner import weights_beside
 
 FORMAT = "etmlx-prompt-cache/1"
@@ -147,8 +147,8 @@ def load(path, model) -> tuple[list[int], int, dict[str, str]]:
     if rows.active:
         raise RuntimeError("a generation of this model is unfinished: exhaust or close() it before loading")
     slot, _ = rows.choose(tokens, model.meta.batch, reuse=False)  # the least recently used row
-    rows.caches.rows[slot].tokens = []  # what it held is gone whatever happens next
+    rows.caches.hold(slot, [])  # what it held is gone whatever happens next
     model.method.state.write(slot, held, entries)
-    rows.caches.wrote(slot, 0, tokens[:held])
+    rows.caches.hold(slot, tokens[:held])
     rows.caches.taken(slot)
     return tokens, held, {k[len(_USER):]: v for k, v in meta.items() if k.startswith(_USER)}

@@ -5,7 +5,7 @@ with the target's vocabulary proposes the next k tokens greedily.
     tokens = list(target.stream(prompt_ids, 64, params, draft=source))
 
 The draft program is driven by the plain loop (loop.py `Decoder.stream` with `reuse=True`), whose prompt cache
-(row_caches.py) records which token sits at each position of the row's KV cache. Each proposal hands it the
+(runtime/decode_rows.h) records which token sits at each position of the row's KV cache. Each proposal hands it the
 whole sequence so far (prompt + output); the row already holds the prefix it shares with what was drafted
 before, so only the tokens it has not seen are fed: those the target accepted beyond the last draft it fed,
 and the target's correction (or bonus) token, at their explicit positions. The entries of rejected drafts
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from backends.mlx.llm.decoder.draft_sources import DraftBudget
 from backends.mlx.llm.decoder.loop import Decoder
-from backends.mlx.llm.decoder.row_caches import common_prefix
+from backends.mlx.llm.decoder.decode_rows import common_prefix
 from backends.mlx.llm.sampler.params import SamplingParams
 
 GREEDY = SamplingParams()

@@ -11,7 +11,7 @@ device's own token and returns each step one call later (same tokens, one extra 
 program exported with --batch B > 1 runs too: the other rows idle.
 
 The rows' KV caches outlive a generation: `stream(..., reuse=True)` prefills only what the cache does
-not hold yet (row_caches.py), which `etmlx chat` and `etmlx.stream_generate(..., prompt_cache=...)` use.
+not hold yet (runtime/decode_rows.h), which `etmlx chat` and `etmlx.stream_generate(..., prompt_cache=...)` use.
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ class Decoder(ProgramTokenizer):
                stop_at_eos: bool = True, constraint: Constraint | None = None, reuse: bool = False) -> Iterator[Step]:
         """With a constraint the output matches it (ending with EOS once complete), or stops at max_tokens.
         `reuse`: start from the longest prefix of the prompt that a row's KV cache still holds from an
-        earlier generation (row_caches.py); `last_cached` then says how many prompt tokens were not prefilled."""
+        earlier generation (runtime/decode_rows.h); `last_cached` then says how many prompt tokens were not prefilled."""
         params = params or SamplingParams()
         params.check(self.meta.config, self.meta.vocab_size)
         prompt = check_prompt(self.meta, prompt_ids, max_tokens)
@@ -142,8 +142,8 @@ class Decoder(ProgramTokenizer):
         if self.meta.pipelined:
             raise ValueError("step_at needs an unpipelined program")
         rows = DecodeRows(self.meta, prompt_cache=False)
-        row = rows.start(0, Sequence(list(feed), params, 1, stop_at_eos=False, matcher=matcher), reuse=False)
-        row.pos, row.step = start, step
+        rows.start(0, Sequence(list(feed), params, 1, stop_at_eos=False, matcher=matcher), reuse=False)
+        rows.place(0, start, step)
         self.rows.forget()  # this call writes into row 0's cache behind the generations' back
         [(_, _, event)] = rows.read(self.method.execute(rows.call_inputs(masks=rows.masks())))
         if event.error:

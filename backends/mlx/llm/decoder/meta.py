@@ -77,7 +77,7 @@ class DecoderMeta:
     # Drafted tokens a call can verify (--draft-tokens K; 0: a plain program). Absent in older programs: 0.
     draft_tokens: int = 0
     # Some sliding-window layer keeps a ring of `window` slots (kv_cache.py), which a prompt cache may
-    # reuse only where positions continue (row_caches.py). None: exported before the field (unknown).
+    # reuse only where positions continue (runtime/decode_rows.h). None: exported before the field (unknown).
     ring_cache: bool | None = None
 
     @classmethod

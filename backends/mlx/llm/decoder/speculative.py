@@ -12,7 +12,7 @@ plain loop's schedule (output token j draws with params.seed + j), and the progr
 plain sampler's own (sampler/draft_verification.py): greedy and seeded sampled tokens are the plain loop's
 tokens, whatever the source proposes. A batched program decodes the sequence in one row; the other rows idle.
 
-The rows' KV caches outlive a stream, as the plain loop's do (row_caches.py): `stream(..., reuse=True)`
+The rows' KV caches outlive a stream, as the plain loop's do (runtime/decode_rows.h): `stream(..., reuse=True)`
 prefills only what a row does not hold yet (`etmlx chat`, the Python API's prompt_cache). A rejected draft's
 position is past the record's end, so the next call overwrites it before any reuse could count it. Draft
 programs keep full-length caches (no rings).

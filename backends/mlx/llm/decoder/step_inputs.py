@@ -25,12 +25,12 @@ def verify_input(tokens: torch.Tensor, lengths, drafts: list, draft_tokens: int)
 
 
 def step_inputs(meta: DecoderMeta, tokens: torch.Tensor, start_pos, lengths, params: list[SamplingParams],
-                steps: list[int], reset: list[bool], masks: list | None = None,
+                seeds: list[int], reset: list[bool], masks: list | None = None,
                 drafts: list | None = None) -> list[torch.Tensor]:
     """The input list, in the program's order, for one call over meta.batch rows.
 
-    steps[b] is row b's decode step (its seed is params[b].seed + steps[b]); reset[b] zeroes the
-    row's penalty counts before this call (the start of a sequence); masks[b], for a program with
+    seeds[b] is row b's seed for this call (the decode-step rules' schedule, runtime/decode_rows.h: its base
+    seed + its step); reset[b] zeroes the row's penalty counts before this call (the start of a sequence); masks[b], for a program with
     the allowed-mask input, is row b's packed bitmask (ceil(V/32) int32 words) or None (all allowed).
     drafts[b], for a draft-verifying program (meta.draft_tokens > 0): row b's drafted tokens, which are also
     its last real tokens (default none)."""
@@ -49,8 +49,8 @@ def step_inputs(meta: DecoderMeta, tokens: torch.Tensor, start_pos, lengths, par
         if not enabled(knob, config):
             continue
         dtype = getattr(torch, knob.dtype)
-        if knob.name == "seed":  # the seed schedule: step k draws with seed + k
-            values["seed"] = torch.tensor([p.seed + s for p, s in zip(params, steps)], dtype=torch.int64)
+        if knob.name == "seed":
+            values["seed"] = torch.tensor(list(seeds), dtype=torch.int64)
         elif knob.width:  # [rows, N]: the caller's pairs, or nothing (internal), padded with the off values
             n = width(knob, config, meta.vocab_size)
             tensors = [torch.full((batch, n), i.off, dtype=getattr(torch, i.dtype)) for i in knob.program_inputs]

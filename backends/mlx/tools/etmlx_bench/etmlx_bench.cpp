@@ -175,9 +175,11 @@ int bench_decoder(Module& module, const std::string& method, const etmlx::Progra
   double cold = 0;
   int64_t tokens_checksum = 0;
   HostTimes decode_host;  // the warm runs' decode calls
-  etmlx::DecodeLoop loop(module, method, *inputs, md.meta.pipelined);
+  etmlx::DecodeLoop loop(module, method, *inputs, md.meta.pipelined, max_seq);
   for (long run = 0; run < a.runs; ++run) {
-    loop.start(prompt, static_cast<float>(a.temperature), a.seed);
+    // Every step is timed: no stop id ends a run early.
+    if (!loop.start({prompt, static_cast<float>(a.temperature), a.seed, a.decode_steps + 1, {}}, &error))
+      return fail(error);
     for (long step = 0; step <= a.decode_steps; ++step) {
       int64_t token = 0;
       const HostTimes before = HostTimes::now();

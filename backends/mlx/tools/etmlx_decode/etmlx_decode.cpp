@@ -58,12 +58,6 @@ std::string error_name(Error e) {
   return buf;
 }
 
-bool is_eos(const std::vector<int64_t>& eos, int64_t token) {
-  for (int64_t e : eos)
-    if (e == token) return true;
-  return false;
-}
-
 std::string method_to_run(Module& module, std::string* error) {
   const auto names = module.method_names();
   if (!names.ok()) {
@@ -245,8 +239,9 @@ int run(const etmlx::DecodeArgs& args) {
   std::vector<int64_t> generated;
   std::string text;
   etmlx::Utf8Stream utf8;
-  etmlx::DecodeLoop loop(module, method, *inputs, sidecar.pipelined);
-  loop.start(prompt, temperature, seed);
+  etmlx::DecodeLoop loop(module, method, *inputs, sidecar.pipelined, max_seq_len);
+  // The decode-step rules (runtime/decode_rows.h) end the sequence at a stop id or at max_tokens.
+  if (!loop.start({prompt, temperature, seed, args.max_tokens, eos}, &error)) return fail(kBadInput, error);
   const char* finish = "length";
   for (int64_t step = 0; step < args.max_tokens; ++step) {
     // Token `step` (step 0: the prefill's; a pipelined program's comes back one call later, decode_loop.h).
@@ -256,11 +251,11 @@ int run(const etmlx::DecodeArgs& args) {
                            : step < static_cast<int64_t>(mask_rows.size()) ? &mask_rows[static_cast<size_t>(step)] : nullptr;
     int64_t token = 0;
     if (!loop.next(mask_row, &token, &error)) return fail(kRunFailed, error);
-    if (token == -1)  // the sampler's answer for a row whose mask allows no token it can draw
+    if (loop.failure() == etmlx::Failure::NoToken)  // the sampler's answer for a row whose mask allows no token
       return fail(kBadInput, "step " + std::to_string(step) + ": the mask allows no token the model can produce");
     if (step == 0) first_token_at = Clock::now();  // token 0 is on the host
     generated.push_back(token);
-    if (is_eos(eos, token)) {
+    if (loop.finish() == etmlx::Finish::Stop) {
       finish = "stop";
       break;
     }

@@ -149,35 +149,26 @@ std::optional<StepInputs> StepInputs::plan(const MethodMeta& meta,
   return plan;
 }
 
-namespace {
-
-// `count` values: the first `head` are `row0`, the rest `rest`.
-template <typename T>
-std::vector<T> rows(size_t count, size_t head, T row0, T rest) {
-  std::vector<T> out(count, rest);
-  std::fill(out.begin(), out.begin() + static_cast<std::ptrdiff_t>(std::min(head, count)), row0);
-  return out;
-}
-
-}  // namespace
-
-TensorPtr StepInputs::filled(const Slot& slot, const KnobValue& row0, const KnobValue& rest) const {
+TensorPtr StepInputs::filled(const Slot& slot, const std::vector<KnobValue>& values) const {
   int64_t numel = 1;
   for (int32_t s : slot.sizes) numel *= s;
-  const size_t count = static_cast<size_t>(numel);
-  const size_t head = count / static_cast<size_t>(batch_);  // row 0's elements (all of them at batch 1)
+  const auto count = static_cast<size_t>(numel);
+  const size_t per_row = count / static_cast<size_t>(batch_);  // a row's elements (all of them at batch 1)
   std::vector<int32_t> sizes(slot.sizes.begin(), slot.sizes.end());
+  const auto fill = [&](auto zero, auto get) {
+    std::vector<decltype(zero)> out(count);
+    for (size_t i = 0; i < count; ++i) out[i] = get(values[std::min(i / std::max<size_t>(per_row, 1), values.size() - 1)]);
+    return make_tensor_ptr(sizes, std::move(out));
+  };
   switch (slot.dtype) {
     case ScalarType::Long:
-      return make_tensor_ptr(sizes, rows<int64_t>(count, head, row0.i, rest.i));
+      return fill(int64_t{0}, [](const KnobValue& v) { return v.i; });
     case ScalarType::Int:
-      return make_tensor_ptr(sizes, rows<int32_t>(count, head, static_cast<int32_t>(row0.i),
-                                                  static_cast<int32_t>(rest.i)));
+      return fill(int32_t{0}, [](const KnobValue& v) { return static_cast<int32_t>(v.i); });
     case ScalarType::Double:
-      return make_tensor_ptr(sizes, rows<double>(count, head, row0.f, rest.f));
+      return fill(double{0}, [](const KnobValue& v) { return v.f; });
     default:  // Float; plan() admitted nothing else
-      return make_tensor_ptr(sizes, rows<float>(count, head, static_cast<float>(row0.f),
-                                                static_cast<float>(rest.f)));
+      return fill(float{0}, [](const KnobValue& v) { return static_cast<float>(v.f); });
   }
 }
 
@@ -189,41 +180,43 @@ int64_t StepInputs::mask_words() const {
   return 0;
 }
 
-std::vector<EValue> StepInputs::build(const std::vector<int64_t>& tokens, int64_t start_pos,
-                                      float temperature, int64_t seed, bool first,
-                                      const std::vector<int32_t>* mask_row) {
-  const auto length = static_cast<int32_t>(tokens.size());
+std::vector<EValue> StepInputs::build(const CallLayout& call, float temperature, const std::vector<int32_t>* mask_row) {
+  const auto batch = static_cast<size_t>(batch_);
+  const auto sequence = [&](size_t row) { return call.kinds[row] == RowKind::Request; };
   alive_.clear();
   std::vector<EValue> values;
   for (const Slot& slot : slots_) {
     TensorPtr t;
     switch (slot.role) {
-      case Role::Tokens: {
-        // Row 0 is the sequence; the idle rows are padding (their length is 1).
-        std::vector<int64_t> padded(static_cast<size_t>(batch_) * tokens.size(), 0);
-        std::copy(tokens.begin(), tokens.end(), padded.begin());
-        t = make_tensor_ptr({static_cast<int32_t>(batch_), length}, std::move(padded));
+      case Role::Tokens:
+        t = make_tensor_ptr({static_cast<int32_t>(batch_), static_cast<int32_t>(call.width)}, call.tokens);
         break;
-      }
       case Role::StartPos:
-        t = make_tensor_ptr(slot.sizes, rows<int64_t>(static_cast<size_t>(batch_), 1, start_pos, 0));
+        t = make_tensor_ptr(slot.sizes, call.start_pos);
         break;
       case Role::Lengths:
-        t = make_tensor_ptr(slot.sizes, rows<int64_t>(static_cast<size_t>(batch_), 1, length, 1));
+        t = make_tensor_ptr(slot.sizes, call.lengths);
         break;
-      case Role::Temperature:
-        t = make_tensor_ptr(slot.sizes, rows<float>(static_cast<size_t>(batch_), 1, temperature, 0.0f));
+      case Role::Temperature: {
+        std::vector<float> per_row(batch);
+        for (size_t b = 0; b < batch; ++b) per_row[b] = sequence(b) ? temperature : 0.0f;
+        t = make_tensor_ptr(slot.sizes, std::move(per_row));
         break;
+      }
       case Role::Seed:  // int64 all the way: 64-bit seeds stay exact
-        t = make_tensor_ptr(slot.sizes, rows<int64_t>(static_cast<size_t>(batch_), 1, seed, 0));
+        t = make_tensor_ptr(slot.sizes, call.seeds);
         break;
-      case Role::Knob:
-        t = filled(slot, first ? slot.first : slot.value, slot.idle);
+      case Role::Knob: {
+        std::vector<KnobValue> per_row(batch);
+        for (size_t b = 0; b < batch; ++b)
+          per_row[b] = !sequence(b) ? slot.idle : call.first[b] ? slot.first : slot.value;
+        t = filled(slot, per_row);
         if (mask_row != nullptr && slot.name == "allowed_mask" && slot.dtype == ScalarType::Int &&
             static_cast<int64_t>(mask_row->size()) == mask_words()) {
           std::copy(mask_row->begin(), mask_row->end(), t->mutable_data_ptr<int32_t>());  // row 0 comes first
         }
         break;
+      }
     }
     alive_.push_back(t);
     values.emplace_back(*t);

@@ -15,6 +15,7 @@
 #include <executorch/runtime/core/evalue.h>
 #include <executorch/runtime/executor/method_meta.h>
 
+#include "decode_rows.h"
 #include "knobs.h"
 
 namespace etmlx {
@@ -31,21 +32,17 @@ class StepInputs {
                                         const std::map<std::string, KnobValue>& values,
                                         std::string* error);
 
-  // Rows per call (the program's batch). The sequence is row 0; the others
-  // idle: one token at position 0, greedy, knobs at their first-call values,
-  // output ignored.
+  // Rows per call (the program's batch).
   int64_t batch() const { return batch_; }
 
   // Longest `tokens` one call accepts (the upper bound of its length axis).
   int64_t max_call_length() const { return max_call_length_; }
 
-  // The call's inputs: `tokens` at cache positions start_pos.., sampled with
-  // (temperature, seed); `first` marks the start of a sequence. The returned
-  // values borrow tensors held by this object until the next build().
-  // `mask_row` (optional): row 0's allowed_mask words for this call (the idle rows stay all ones).
-  std::vector<executorch::runtime::EValue> build(const std::vector<int64_t>& tokens,
-                                                 int64_t start_pos, float temperature,
-                                                 int64_t seed, bool first,
+  // The call's inputs for the rows the decode-step rules laid out (decode_rows.h): a row of kind Request
+  // samples with `temperature` and the command line's knobs (their "first" values on its step 0), the
+  // others greedy with every knob off. The returned values borrow tensors held by this object until the
+  // next build(). `mask_row` (optional): row 0's allowed_mask words (the other rows stay all ones).
+  std::vector<executorch::runtime::EValue> build(const CallLayout& call, float temperature,
                                                  const std::vector<int32_t>* mask_row = nullptr);
 
   // Words per row of the program's allowed_mask input, or 0 when it has none.
@@ -63,8 +60,8 @@ class StepInputs {
     KnobValue idle;              // Knob only: the idle rows' value (a fresh sequence, feature off)
   };
 
-  // `row0` in row 0's elements, `rest` in the idle rows'.
-  executorch::extension::TensorPtr filled(const Slot& slot, const KnobValue& row0, const KnobValue& rest) const;
+  // values[b] in row b's elements.
+  executorch::extension::TensorPtr filled(const Slot& slot, const std::vector<KnobValue>& values) const;
 
   std::vector<Slot> slots_;
   int64_t max_call_length_ = 0;

@@ -1,0 +1,207 @@
+"""The decode-step rules of decode_rows.cpp (one implementation, also etmlx_decode's), through ctypes.
+
+`RowsCore` is a thin typed wrapper: lists of ints in and out, a one-line `DecodeRowsError` for what the core
+refuses. The Python engine over it (what a row's request, matcher and draft source are) is
+llm/decoder/decode_rows.py.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+_i64 = ctypes.c_int64
+_P64 = ctypes.POINTER(_i64)
+COPY_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, _i64, _i64, _i64)
+ADVANCE_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, _i64, _i64)
+ROW_FIELDS = ("pos", "cached", "step", "produced", "calls", "proposed", "accepted", "feed_length")
+EVENT_FIELDS = ("slot", "token", "finish", "failure", "detail", "cached", "proposed", "accepted")
+LAYOUT_ARRAYS = ("start_pos", "lengths", "seeds", "steps", "first", "kinds", "forced")
+FEED, DRAFTS, OUTPUT, HELD, PROMPT = range(5)
+FINISH = (None, "stop", "length", "error")
+NO_FAILURE, FORCED_FAILURE, NO_TOKEN, GRAMMAR = range(4)  # Failure
+IDLE, REQUEST, FORCED, GREEDY = range(4)  # RowKind
+
+
+class DecodeRowsError(ValueError):
+    """A request the rules refuse (one line: a busy row, a bad slot, more drafts than room, ...)."""
+
+
+def _lib() -> ctypes.CDLL:
+    from backends.mlx import runtime
+
+    lib = runtime.load()
+    if not hasattr(lib, "etmlx_rows_new"):
+        raise DecodeRowsError(f"{runtime.library_path()} has no decode-step rules: rebuild it (`make setup`)")
+    if getattr(lib, "_etmlx_rows_typed", False):
+        return lib
+    vp = ctypes.c_void_p
+    lib.etmlx_rows_error.restype = ctypes.c_char_p
+    lib.etmlx_rows_new.restype = vp
+    lib.etmlx_rows_new.argtypes = [_i64, _i64, ctypes.c_int, ctypes.c_int, ctypes.c_int, _i64, _P64, _i64,
+                                   ctypes.c_int]
+    lib.etmlx_rows_free.argtypes = [vp]
+    lib.etmlx_rows_free.restype = None
+    signatures = {
+        "fields": [_i64], "active": [vp], "copies": [vp], "row": [vp, _i64, ctypes.c_int, _P64],
+        "tokens": [vp, _i64, _i64, ctypes.c_int, _P64, _i64], "reusable": [vp, _i64, _P64, _i64],
+        "set_held": [vp, _i64, _P64, _i64], "taken": [vp, _i64], "used": [vp, _i64], "forget": [vp],
+        "room": [vp], "choose": [vp, _P64, _i64, _i64, ctypes.c_int, _P64], "busy_prefix": [vp, _P64, _i64, _P64],
+        "start": [vp, _i64, _P64, _i64, _i64, ctypes.c_int, _P64, _i64, _i64, ctypes.c_int, ctypes.c_int, COPY_FN,
+                  vp],
+        "end": [vp, _i64], "place": [vp, _i64, _i64, _i64], "draft_room": [vp, _i64, _i64],
+        "set_drafts": [vp, _i64, _P64, _i64], "layout": [vp, _i64], "layout_copy": [vp, _P64, _P64],
+        "read": [vp, _P64, _P64, ADVANCE_FN, vp, _P64, _i64],
+        "failure_message": [_i64, _i64, ctypes.c_char_p, _i64],
+    }
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, f"etmlx_rows_{name}")
+        fn.argtypes, fn.restype = argtypes, _i64
+    if [lib.etmlx_rows_fields(i) for i in range(3)] != [len(ROW_FIELDS), len(EVENT_FIELDS), len(LAYOUT_ARRAYS)]:
+        raise DecodeRowsError(f"{runtime.library_path()} lays out rows differently: rebuild it (`make setup`)")
+    lib._etmlx_rows_typed = True
+    return lib
+
+
+def _ids(values) -> tuple[ctypes.Array, int]:
+    values = [int(v) for v in values]
+    return (_i64 * max(len(values), 1))(*values), len(values)
+
+
+class RowsCore:
+    """One DecodeRows of decode_rows.cpp (see decode_rows.h for the rules)."""
+
+    def __init__(self, batch: int, max_seq_len: int, *, ring: bool, prompt_cache: bool, pipelined: bool,
+                 draft_tokens: int, eos: list[int], copies: bool):
+        self._lib = _lib()
+        eos_ids, n = _ids(eos)
+        handle = self._lib.etmlx_rows_new(batch, max_seq_len, ring, prompt_cache, pipelined, draft_tokens, eos_ids,
+                                          n, copies)
+        if not handle:
+            raise DecodeRowsError(self._lib.etmlx_rows_error().decode())
+        self._h = ctypes.c_void_p(handle)
+        self.batch, self.draft_tokens = batch, draft_tokens
+        self.copies = bool(self._check(self._lib.etmlx_rows_copies(self._h)))
+        self.error: BaseException | None = None  # what a callback raised, re-raised by the call that made it
+
+    def __del__(self):
+        if getattr(self, "_h", None):
+            self._lib.etmlx_rows_free(self._h)
+            self._h = None
+
+    def _check(self, rc: int) -> int:
+        if rc >= 0:
+            self.error = None  # a callback's exception the core got past (a failed copy) is not this call's
+        else:
+            error, self.error = self.error, None
+            if error is not None:
+                raise error
+            raise DecodeRowsError(self._lib.etmlx_rows_error().decode())
+        return rc
+
+    def _call(self, name: str, *args) -> int:
+        return self._check(getattr(self._lib, f"etmlx_rows_{name}")(self._h, *args))
+
+    # ---- reading a row ----
+    def row(self, slot: int, ended: bool = False) -> dict | None:
+        """The row's state (`ended`: of the last row that ended in the slot), None when there is none."""
+        out = (_i64 * len(ROW_FIELDS))()
+        return dict(zip(ROW_FIELDS, out)) if self._call("row", slot, ended, out) else None
+
+    def tokens(self, slot: int, which: int, ended: bool = False) -> list[int]:
+        cap = 256
+        while True:
+            out = (_i64 * cap)()
+            n = self._call("tokens", slot, which, ended, out, cap)
+            if n <= cap:
+                return list(out[:n])
+            cap = n
+
+    @property
+    def active(self) -> int:
+        return self._call("active")
+
+    # ---- the row caches ----
+    def reusable(self, slot: int, prompt: list[int]) -> int:
+        return self._call("reusable", slot, *_ids(prompt))
+
+    def set_held(self, slot: int, tokens: list[int]) -> None:
+        self._call("set_held", slot, *_ids(tokens))
+
+    def taken(self, slot: int) -> None:
+        self._call("taken", slot)
+
+    def used(self, slot: int) -> int:
+        return self._call("used", slot)
+
+    def forget(self) -> None:
+        self._call("forget")
+
+    # ---- rows come and go ----
+    def room(self) -> int:
+        return self._call("room")
+
+    def choose(self, prompt: list[int], usable: int, reuse: bool) -> tuple[int | None, int]:
+        out = (_i64 * 2)()
+        self._call("choose", *_ids(prompt), usable, reuse, out)
+        return (None if out[0] < 0 else int(out[0])), int(out[1])
+
+    def busy_prefix(self, prompt: list[int]) -> tuple[int | None, int, int]:
+        out = (_i64 * 3)()
+        self._call("busy_prefix", *_ids(prompt), out)
+        return (None if out[0] < 0 else int(out[0])), int(out[1]), int(out[2])
+
+    def start(self, slot: int, prompt: list[int], max_tokens: int, stop_at_eos: bool, forced: list[int] | None,
+              seed: int, constrained: bool, reuse: bool, copy=None) -> int:
+        """copy(src, dst, n) -> bool; an exception in it fails the start and is re-raised."""
+        forced_ids, n_forced = _ids(forced or [])
+        callback = COPY_FN(self._callback(copy, lambda ok: 1 if ok else 0)) if copy else COPY_FN()
+        return self._call("start", slot, *_ids(prompt), max_tokens, stop_at_eos, forced_ids,
+                          n_forced if forced is not None else -1, seed, constrained, reuse, callback, None)
+
+    def end(self, slot: int) -> None:
+        self._call("end", slot)
+
+    def place(self, slot: int, pos: int, step: int) -> None:
+        self._call("place", slot, pos, step)
+
+    # ---- one call ----
+    def draft_room(self, slot: int, limit: int) -> int:
+        return self._call("draft_room", slot, limit)
+
+    def set_drafts(self, slot: int, drafts: list[int]) -> None:
+        self._call("set_drafts", slot, *_ids(drafts))
+
+    def layout(self, only: int | None = None) -> tuple[list[list[int]], dict[str, list[int]]]:
+        """(tokens [batch][width], {array name: [batch]}) of the next call."""
+        width = self._call("layout", -1 if only is None else only)
+        tokens, per_row = (_i64 * (self.batch * width))(), (_i64 * (self.batch * len(LAYOUT_ARRAYS)))()
+        self._call("layout_copy", tokens, per_row)
+        flat, b = list(tokens), self.batch
+        rows = [flat[i * width:(i + 1) * width] for i in range(b)]
+        return rows, {name: list(per_row[k * b:(k + 1) * b]) for k, name in enumerate(LAYOUT_ARRAYS)}
+
+    def read(self, tokens: list[int], accepted: list[int] | None, advance=None) -> list[dict]:
+        """advance(slot, token) -> bool (False: the grammar rejected it); an exception in it is re-raised."""
+        toks, _ = _ids(tokens)
+        acc = _ids(accepted)[0] if accepted is not None else None
+        cap = self.batch * (self.draft_tokens + 1)
+        events = (_i64 * (cap * len(EVENT_FIELDS)))()
+        callback = ADVANCE_FN(self._callback(advance, lambda ok: 1 if ok else 0)) if advance else ADVANCE_FN()
+        n = self._call("read", toks, acc, callback, None, events, cap)
+        w = len(EVENT_FIELDS)
+        return [dict(zip(EVENT_FIELDS, events[i * w:(i + 1) * w])) for i in range(n)]
+
+    def failure_message(self, failure: int, detail: int) -> str:
+        buf = ctypes.create_string_buffer(256)
+        self._check(self._lib.etmlx_rows_failure_message(failure, detail, buf, 256))
+        return buf.value.decode()
+
+    def _callback(self, fn, convert):
+        """A ctypes callback around fn: its exception is kept (and the core told to fail) instead of lost."""
+        def call(_ctx, *args):
+            try:
+                return convert(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - re-raised by _check once the core has returned
+                self.error = exc
+                return -1
+        return call
