@@ -75,8 +75,11 @@ def load() -> ctypes.CDLL:
                 else "a checkout: run `make setup` to build it; an installed package: reinstall the wheel"
             )
             raise ImportError(f"etmlx backend library not found: {path} ({hint})")
+        # Local symbol scope: with RTLD_GLOBAL, its dependencies' symbols (libmlx's GGUF reader exports
+        # gguf_* functions) would take over those of libraries loaded later, and llama.cpp's GGUF loader
+        # crashed inside MLX's gguf_find_key (tests/test_runtime_symbols.py).
         try:
-            lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+            lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_LOCAL)
         except OSError as exc:
             raise ImportError(f"cannot load etmlx backend library {path}: {exc} "
                               "(run `make setup` to rebuild it)") from exc
