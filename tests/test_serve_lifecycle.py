@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from backends.mlx.bench import serve as bench_serve
-from serve_helpers import tiny_pte
+from backends.mlx.llm.builtin.tiny_model import export_tiny
+from serve_helpers import BATCH, tiny_pte
 
 pytestmark = [pytest.mark.server, pytest.mark.subprocess]  # etmlx serve as a process
 
@@ -34,6 +35,18 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def pte(tmp_path_factory):
     return tiny_pte(tmp_path_factory)
+
+
+# Streams long enough that no row can finish before the signal reaches the server, even on a loaded machine
+# (the shared tiny program's 64 positions leave ~60 tokens: ~0.1 s; its model has 512 positions).
+LONG_TOKENS = 480
+
+
+@pytest.fixture(scope="module")
+def long_pte(tmp_path_factory):
+    path = tmp_path_factory.mktemp("long") / "tiny.pte"  # the server serves it as "tiny"
+    export_tiny(path, batch=BATCH, max_seq_len=LONG_TOKENS + 32)
+    return path
 
 
 def _start(pte, port):
@@ -53,7 +66,7 @@ def _start(pte, port):
 
 
 def _stream_head(port: int) -> socket.socket:
-    body = json.dumps({"model": "tiny", "prompt": "Hello there", "max_tokens": 60, "temperature": 1.0, "seed": 2,
+    body = json.dumps({"model": "tiny", "prompt": "Hello there", "max_tokens": LONG_TOKENS, "temperature": 1.0, "seed": 2,
                        "stream": True, "logit_bias": {"0": -100}}).encode()
     sock = socket.create_connection(("127.0.0.1", port), timeout=120)
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
@@ -71,9 +84,9 @@ def _until_data(sock) -> bytes:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_aborts_streams_and_exits_cleanly(pte, sig):
+def test_signal_aborts_streams_and_exits_cleanly(long_pte, sig):
     port = _free_port()
-    process, health = _start(pte, port)
+    process, health = _start(long_pte, port)
     try:
         assert health["status"] == "ok"
         socks = [_stream_head(port) for _ in range(3)]  # 2 rows: one request waits
