@@ -216,7 +216,7 @@ def _cli_json(capsys, *argv) -> dict:
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
-def test_cli_generate_on_a_draft_program_gives_the_plain_tokens(programs, capsys):
+def test_cli_generate_on_a_draft_program_gives_the_plain_tokens(programs, capsys, tmp_path):
     """`etmlx generate` decodes a --draft-tokens program speculatively: every draft source (prompt lookup by
     default, a predicted output, none) gives the plain program's tokens, greedy and seeded; --json reports the
     drafts, and an exact prediction is accepted in full."""
@@ -225,7 +225,9 @@ def test_cli_generate_on_a_draft_program_gives_the_plain_tokens(programs, capsys
         plain = _cli_json(capsys, str(programs["plain"]), "--prompt-ids", ids, "-m", "24", *seeded)
         assert "draft" not in plain
         prediction = ",".join(map(str, plain["tokens"]))
-        for flags in ([], ["--draft", "none"], ["--prediction", prediction], ["--num-draft-tokens", "2"]):
+        (tmp_path / "prediction.txt").write_text(prediction + "\n")
+        for flags in ([], ["--draft", "none"], ["--prediction", prediction], ["--num-draft-tokens", "2"],
+                      ["--prediction", f"@{tmp_path / 'prediction.txt'}"]):  # ids from a file too
             out = _cli_json(capsys, str(programs["draft"]), "--prompt-ids", ids, "-m", "24", *seeded, *flags)
             assert out["tokens"] == plain["tokens"], flags
             assert out["draft"]["accepted"] <= out["draft"]["proposed"]

@@ -40,13 +40,12 @@ def speculation_from_args(args, decoder, constraint=None):
 
     prediction = getattr(args, "prediction", None)
     if prediction is not None:
+        prediction = prediction_text(prediction)  # @FILE read first, whatever the prompt is
         if getattr(args, "prompt_ids", None) is not None:
             try:  # with token-id prompts, a prediction is token ids too
                 prediction = [int(t) for t in prediction.split(",") if t.strip()]
             except ValueError:
                 raise ValueError("--prediction with --prompt-ids must be comma-separated token ids") from None
-        else:
-            prediction = prediction_text(prediction)
     drafts = speculation(decoder, prediction, args.draft, args.num_draft_tokens, flags=True,
                          draft_model=args.draft_model)
     if drafts is not None and constraint is not None:
