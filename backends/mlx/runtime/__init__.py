@@ -114,3 +114,11 @@ def kernels_info() -> dict:
     lib.etmlx_quantized_rows_isa.restype = ctypes.c_char_p
     lib.etmlx_cpu_threads.restype = ctypes.c_int
     return {"isa": lib.etmlx_quantized_rows_isa().decode(), "threads": int(lib.etmlx_cpu_threads())}
+
+
+def grouped_linear_nodes() -> int:
+    """How many fused quantized-linear nodes (several linears over one input as one node:
+    runtime/linear_groups.h) this process has built so far; ETMLX_FUSE_LINEARS=0 at load turns them off."""
+    lib = load()
+    lib.etmlx_grouped_linear_nodes.restype = ctypes.c_longlong
+    return int(lib.etmlx_grouped_linear_nodes())

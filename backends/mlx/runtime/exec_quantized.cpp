@@ -2,7 +2,11 @@
 // packed weights, operands checked on every call (quantized_layout.h) since the kernels read the
 // packed words by the sizes the scales imply. The linear runs the kernel set's quantized matmul
 // (kernels/quantized_matmul.h), the embedding MLX's dequantize of the rows looked up.
+#include <algorithm>
+#include <array>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include <mlx/ops.h>
 
@@ -31,7 +35,75 @@ bool Interpreter::read_quantized_weights(const fb::Tid* w, const fb::Tid* scales
   return true;
 }
 
+const mx::array* Interpreter::peek(const fb::Tid* t) const {
+  if (t == nullptr || t->idx() >= tensors_.size() || !tensors_[t->idx()].has_value()) return nullptr;
+  return &*tensors_[t->idx()];
+}
+
+namespace {
+
+// The ids of a linear's operand arrays, to check at a later member that its slots still hold them.
+bool operand_ids(const mx::array* x, const mx::array* w, const mx::array* s, const mx::array* b,
+                 const mx::array* bias, std::uintptr_t* ids) {
+  ids[0] = x->id(), ids[1] = w->id(), ids[2] = s->id(), ids[3] = b->id(), ids[4] = bias ? bias->id() : 0;
+  return true;
+}
+
+}  // namespace
+
+bool Interpreter::grouped_quantized_linear(const fb::QuantizedLinearNode& n, int group) {
+  const std::vector<uint32_t>& members = program_.linear_groups[group];
+  if (pc_ != members.front()) {
+    auto it = grouped_.find(pc_);
+    if (it == grouped_.end()) return false;
+    GroupedResult r = std::move(it->second);
+    grouped_.erase(it);
+    const mx::array *x = peek(n.x()), *w = peek(n.w()), *s = peek(n.scales()), *b = peek(n.biases());
+    const mx::array* bias = n.bias() ? peek(n.bias()) : nullptr;
+    std::uintptr_t ids[5];
+    if (!x || !w || !s || !b || (n.bias() && !bias) || !operand_ids(x, w, s, b, bias, ids) ||
+        !std::equal(ids, ids + 5, r.ids)) {
+      return false;  // a slot changed since the group's first member: computed here on its own
+    }
+    return write(n.out(), std::move(r.out));
+  }
+  // The first member: every member's operands checked as exec_quantized_linear checks them, quietly
+  // (a member that fails runs on its own at its turn and reports there); then one node for all.
+  const auto* instrs = program_.graph->instructions();
+  const mx::array* x = peek(n.x());
+  if (x == nullptr || x->ndim() < 1) return false;
+  std::vector<kernels::QuantizedLinear> linears;
+  std::vector<std::array<std::uintptr_t, 5>> ids(members.size());
+  for (size_t i = 0; i < members.size(); ++i) {
+    const fb::QuantizedLinearNode* m = instrs->Get(members[i])->node_as_QuantizedLinearNode();
+    const mx::array *w = peek(m->w()), *s = peek(m->scales()), *b = peek(m->biases());
+    const mx::array* bias = m->bias() ? peek(m->bias()) : nullptr;
+    if (!w || !s || !b || (m->bias() && !bias)) return false;
+    int k = 0;
+    std::string error;
+    if (!check_quantized_layout(*w, *s, *b, m->group_size(), m->bits(), &k, &error, 2) || x->shape(-1) != k ||
+        b->dtype() != s->dtype() || mx::promote_types(x->dtype(), s->dtype()) != x->dtype()) {
+      return false;
+    }
+    if (bias && (bias->ndim() != 1 || bias->shape(0) != w->shape(0))) return false;
+    linears.push_back({*w, *s, *b, bias ? std::optional<mx::array>(*bias) : std::nullopt});
+    operand_ids(x, w, s, b, bias, ids[i].data());
+  }
+  std::vector<mx::array> outs = program_.kernels->quantized_matmul_group(*x, linears, n.group_size(), n.bits());
+  if (outs.size() != members.size()) return false;
+  for (size_t i = 1; i < members.size(); ++i) {
+    GroupedResult r{std::move(outs[i]), {}};
+    std::copy(ids[i].begin(), ids[i].end(), r.ids);
+    grouped_.insert_or_assign(members[i], std::move(r));
+  }
+  return write(n.out(), std::move(outs[0]));
+}
+
 bool Interpreter::exec_quantized_linear(const fb::QuantizedLinearNode& n) {
+  if (pc_ < program_.linear_group_of.size() && program_.linear_group_of[pc_] >= 0 &&
+      grouped_quantized_linear(n, program_.linear_group_of[pc_])) {
+    return true;
+  }
   const mx::array* x = read(n.x());
   if (!x) return false;
   const mx::array *w = nullptr, *scales = nullptr, *biases = nullptr;

@@ -87,6 +87,12 @@ class Interpreter {
   bool exec_pad(const fb::PadNode& n);  // exec_spatial.cpp
   bool exec_quantized_linear(const fb::QuantizedLinearNode& n);  // exec_quantized.cpp
   bool exec_quantized_embedding(const fb::QuantizedEmbeddingNode& n);  // exec_quantized.cpp
+  // A quantized linear of a load-time group (linear_groups.h), exec_quantized.cpp: the group's first
+  // member builds every member's result as one node, later members take theirs. False when this one
+  // is to run on its own (the caller then does, reporting its own errors).
+  bool grouped_quantized_linear(const fb::QuantizedLinearNode& n, int group);
+  // A slot's array, or nullptr when unset, without logging (checks made for another instruction).
+  const mlx::core::array* peek(const fb::Tid* t) const;
   // A quantized node's packed weights, scales and biases, read and their layout checked;
   // `columns` gets the unpacked row size (exec_quantized.cpp).
   bool read_quantized_weights(const fb::Tid* w, const fb::Tid* scales, const fb::Tid* biases, int group_size,
@@ -142,6 +148,13 @@ class Interpreter {
   const char* node_name_ = "";
   bool keep_written_ = false;
   std::vector<mlx::core::array> written_;
+  // Results of grouped quantized linears built by their group's first member, by instruction index,
+  // with the ids of the arrays they were built from (x, w, scales, biases, bias or 0).
+  struct GroupedResult {
+    mlx::core::array out;
+    std::uintptr_t ids[5];
+  };
+  std::map<size_t, GroupedResult> grouped_;
   // normalized_indices' results of this call, by (array id, axis size).
   std::map<std::pair<std::uintptr_t, int>, mlx::core::array> normalized_;
 };

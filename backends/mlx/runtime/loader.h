@@ -47,6 +47,11 @@ struct Program {
 
   // The kernel variants for the device the program was loaded on (kernels/kernel_set.h).
   const kernels::KernelSet* kernels = nullptr;
+
+  // Quantized linears over one input run as one node (linear_groups.h): each group's instruction
+  // indices in order, and per instruction its group's index or -1 (empty when there are no groups).
+  std::vector<std::vector<uint32_t>> linear_groups;
+  std::vector<int32_t> linear_group_of;
 };
 
 // `data`/`size` is the whole processed blob (16-byte header + flatbuffer).

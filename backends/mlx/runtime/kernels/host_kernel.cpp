@@ -58,7 +58,49 @@ class HostKernel : public mx::UnaryPrimitive {
   bool may_reuse_input0_;
 };
 
+class HostKernelMulti : public mx::Primitive {
+ public:
+  HostKernelMulti(mx::Stream stream, const char* name, HostLoopMulti loop)
+      : mx::Primitive(stream), name_(name), loop_(std::move(loop)) {}
+
+  // As HostKernel::eval_cpu, for every output.
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    std::vector<mx::array> in, out;
+    in.reserve(inputs.size());
+    out.reserve(outputs.size());
+    for (const auto& a : inputs) {
+      encoder.set_input_array(a);
+      in.push_back(mx::array::unsafe_weak_copy(a));
+    }
+    for (auto& o : outputs) {
+      o.set_data(mx::allocator::malloc(o.nbytes()));
+      encoder.set_output_array(o);
+      out.push_back(mx::array::unsafe_weak_copy(o));
+    }
+    encoder.dispatch([in = std::move(in), out = std::move(out), loop = loop_]() mutable { loop(in, out); });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error(std::string(name_) + ": a host loop of the cpu kernel set cannot run on a GPU stream");
+  }
+
+  const char* name() const override { return name_; }
+
+ private:
+  const char* name_;
+  HostLoopMulti loop_;
+};
+
 }  // namespace
+
+std::vector<mx::array> host_kernel_multi(const char* name, std::vector<mx::Shape> shapes, mx::Dtype dtype,
+                                         std::vector<mx::array> inputs, HostLoopMulti loop) {
+  const mx::Stream stream = mx::default_stream(mx::Device::cpu);
+  const std::vector<mx::Dtype> dtypes(shapes.size(), dtype);
+  return mx::array::make_arrays(std::move(shapes), dtypes,
+                                std::make_shared<HostKernelMulti>(stream, name, std::move(loop)), inputs);
+}
 
 mx::array host_kernel(const char* name, mx::Shape shape, mx::Dtype dtype, std::vector<mx::array> inputs,
                       HostLoop loop, bool may_reuse_input0) {

@@ -10,6 +10,9 @@
 //           only the order of the additions differs from mx::quantized_matmul.
 #pragma once
 
+#include <optional>
+#include <vector>
+
 #include <mlx/array.h>
 
 namespace etmlx::kernels {
@@ -23,5 +26,25 @@ using QuantizedMatmulFn = mlx::core::array (*)(const mlx::core::array& x, const 
 mlx::core::array quantized_matmul_cpu(const mlx::core::array& x, const mlx::core::array& w,
                                       const mlx::core::array& scales, const mlx::core::array& biases,
                                       int group_size, int bits);
+
+// One linear of a group that reads the same input: its packed weights, scales, biases (layout
+// checked by the caller) and an optional bias [N] added to each result row.
+struct QuantizedLinear {
+  mlx::core::array w, scales, biases;
+  std::optional<mlx::core::array> bias;
+};
+
+// x @ dequantize(W_i)^T (+ bias_i) for every linear of `group` as one graph node and one pass of the
+// thread pool (x prepared once), instead of one node, one pool wake-up and one bias add per linear.
+// Returns one result per linear, each [..., N_i] with the bits of quantized_matmul_cpu followed by
+// mx::add of the bias; or {} where it does not apply (x or a bias not float32, many rows: prefill
+// keeps its GEMM), and the caller then runs each linear on its own.
+using QuantizedMatmulGroupFn = std::vector<mlx::core::array> (*)(const mlx::core::array& x,
+                                                                 const std::vector<QuantizedLinear>& group,
+                                                                 int group_size, int bits);
+
+std::vector<mlx::core::array> quantized_matmul_group_cpu(const mlx::core::array& x,
+                                                         const std::vector<QuantizedLinear>& group, int group_size,
+                                                         int bits);
 
 }  // namespace etmlx::kernels

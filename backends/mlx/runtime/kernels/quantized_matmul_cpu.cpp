@@ -1,5 +1,6 @@
 // quantized_matmul_cpu (quantized_matmul.h): host loops as lazy graph nodes (host_kernel.h).
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <vector>
 
@@ -90,6 +91,9 @@ const float* rows_of(const mx::array& x, std::vector<float>& copy) {
   return copy.data();
 }
 
+// Fused nodes built (etmlx_grouped_linear_nodes: the tests check that fusion happened, or did not).
+std::atomic<long long> grouped_nodes{0};
+
 }  // namespace
 
 mx::array quantized_matmul_cpu(const mx::array& x, const mx::array& w, const mx::array& scales,
@@ -137,11 +141,76 @@ mx::array quantized_matmul_cpu(const mx::array& x, const mx::array& w, const mx:
   return mx::astype(host_kernel("QuantizedMatmulCpu", out_shape, mx::float32, std::move(inputs), loop), dtype);
 }
 
+std::vector<mx::array> quantized_matmul_group_cpu(const mx::array& x, const std::vector<QuantizedLinear>& group,
+                                                  int group_size, int bits) {
+  if (x.dtype() != mx::float32 || group.empty()) return {};
+  const int k = x.ndim() == 0 ? 0 : x.shape(-1);
+  const int m = k == 0 ? 0 : static_cast<int>(x.size() / k);
+  if (m == 0 || m >= gemm_rows()) return {};
+  // Operands: x, then per linear w, scales, biases and its bias when it has one.
+  std::vector<mx::array> inputs{x};
+  std::vector<mx::Shape> shapes;
+  std::vector<int> first, with_bias;  // per linear: its w's index in inputs; whether a bias follows
+  int total = 0;
+  for (const QuantizedLinear& l : group) {
+    if (l.bias && l.bias->dtype() != mx::float32) return {};
+    first.push_back(static_cast<int>(inputs.size()));
+    with_bias.push_back(l.bias.has_value());
+    inputs.push_back(materialised_contiguous(l.w));
+    inputs.push_back(materialised_contiguous(l.scales));
+    inputs.push_back(materialised_contiguous(l.biases));
+    if (l.bias) inputs.push_back(materialised_contiguous(*l.bias));
+    mx::Shape shape = x.shape();
+    shape.back() = l.w.shape(0);
+    shapes.push_back(std::move(shape));
+    total += l.w.shape(0);
+  }
+  auto loop = [m, k, total, group_size, bits, first, with_bias](const std::vector<mx::array>& in,
+                                                                std::vector<mx::array>& out) {
+    std::vector<QuantizedMatrix> ws;
+    for (int f : first) ws.push_back(matrix_of(in, f, group_size, bits));
+    std::vector<float> copy;
+    const float* xr = rows_of(in[0], copy);
+    // As dot_rows, x prepared once for every matrix; the pool splits the concatenated output rows.
+    const int groups = k / group_size;
+    std::vector<float> xp(static_cast<size_t>(m) * k), sums(static_cast<size_t>(m) * groups);
+    prepare_activations(xr, m, k, bits, group_size, xp.data(), sums.data());
+    auto range = [&](int begin, int end) {
+      for (size_t i = 0, offset = 0; i < ws.size() && static_cast<int>(offset) < end; offset += ws[i].n, ++i) {
+        const int lo = std::max(begin, static_cast<int>(offset)) - static_cast<int>(offset);
+        const int hi = std::min(end, static_cast<int>(offset) + ws[i].n) - static_cast<int>(offset);
+        if (lo >= hi) continue;
+        float* o = out[i].data<float>();
+        for (int r0 = 0; r0 < m; r0 += kMaxRows) {
+          const PreparedRows rows{xp.data() + static_cast<size_t>(r0) * k, sums.data() + static_cast<size_t>(r0) * groups,
+                                  std::min(kMaxRows, m - r0)};
+          quantized_dot_rows(ws[i], rows, lo, hi, o + static_cast<size_t>(r0) * ws[i].n + lo, ws[i].n);
+        }
+        if (with_bias[i]) {
+          // One float32 add per output, as mx::add of the [N] bias does after the product.
+          const float* b = in[first[i] + 3].data<float>();
+          for (int r = 0; r < m; ++r) {
+            float* row = o + static_cast<size_t>(r) * ws[i].n;
+            for (int j = lo; j < hi; ++j) row[j] = row[j] + b[j];
+          }
+        }
+      }
+    };
+    parallel_for(total, grain_for(total, static_cast<int64_t>(k) * m), range);
+  };
+  grouped_nodes.fetch_add(1, std::memory_order_relaxed);
+  return host_kernel_multi("QuantizedMatmulGroupCpu", std::move(shapes), mx::float32, std::move(inputs), loop);
+}
+
 }  // namespace etmlx::kernels
 
 // For `backends.mlx.runtime.kernels_info()` (benchmarks and tests say what they measured).
 extern "C" __attribute__((visibility("default"))) const char* etmlx_quantized_rows_isa() {
   return etmlx::kernels::quantized_rows_isa();
+}
+
+extern "C" __attribute__((visibility("default"))) long long etmlx_grouped_linear_nodes() {
+  return etmlx::kernels::grouped_nodes.load();
 }
 
 extern "C" __attribute__((visibility("default"))) int etmlx_cpu_threads() { return etmlx::kernels::pool_threads(); }

@@ -1,0 +1,104 @@
+"""Quantized linears over one input run as one node on the cpu kernel set (runtime/linear_groups.h,
+quantized_matmul_group_cpu): a layer's q/k/v and gate/up projections in a decode step. The fused node
+must give every output the bits the linears give one by one (ETMLX_FUSE_LINEARS=0), fuse only linears
+that read the same input, and leave prefill (many rows) and non-float32 activations to the per-linear path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import backends.mlx  # noqa: F401  (before mlx.core: routes MLX's CPU GEMMs)
+from backends.mlx.exporter.export import export_to_pte
+from backends.mlx.llm.quantize.affine import quantize_tensor
+from backends.mlx.llm.quantize.modules import QuantizedLinear
+from backends.mlx.runtime import grouped_linear_nodes
+from backends.mlx.runtime.runner import load_method
+
+K = 256
+GROUP, BITS = 64, 4
+
+
+def _linear(n: int, dtype, bias: bool) -> QuantizedLinear:
+    # Rows of very different scales, so a result taken from the wrong matrix or row shows.
+    weight = torch.randn(n, K) * torch.logspace(-1, 1, n).unsqueeze(1)
+    w, scales, biases = quantize_tensor(weight.to(dtype), GROUP, BITS)
+    return QuantizedLinear(w, scales, biases, GROUP, BITS, torch.randn(n).to(dtype) if bias else None)
+
+
+class _Block(torch.nn.Module):
+    """q over x alone (`other`, over y, comes between it and k), then k and v over x: one group; gate and
+    up over z: one group; `other` has x's shape, group size and bits but its own input."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.q, self.k, self.v = (_linear(n, dtype, bias=True) for n in (192, 72, 40))
+        self.other = _linear(72, dtype, bias=True)
+        self.gate, self.up = (_linear(n, dtype, bias=False) for n in (136, 136))
+
+    def forward(self, x, y, z):
+        q = self.q(x)
+        o = self.other(y)
+        k, v = self.k(x), self.v(x)
+        g, u = self.gate(z), self.up(z)
+        return q, o, k, v, g, u
+
+
+def _export(dtype):
+    torch.manual_seed(7)
+    model = _Block(dtype)
+    rows = torch.export.Dim("rows", min=1, max=64)
+    example = tuple(torch.randn(1, 3, K).to(dtype) for _ in range(3))
+    return export_to_pte(model, example, dynamic_shapes=tuple({1: rows} for _ in example))
+
+
+def _run(pte: bytes, xs, monkeypatch, fuse: bool) -> tuple[list[np.ndarray], int]:
+    """The outputs' raw bits and the fused nodes built; ETMLX_FUSE_LINEARS is read when the method loads."""
+    if fuse:
+        monkeypatch.delenv("ETMLX_FUSE_LINEARS", raising=False)
+    else:
+        monkeypatch.setenv("ETMLX_FUSE_LINEARS", "0")
+    method = load_method(pte)
+    before = grouped_linear_nodes()
+    outs = method.execute(list(xs))
+    built = grouped_linear_nodes() - before
+    return [o.contiguous().view(torch.int32 if o.dtype == torch.float32 else torch.int16).numpy() for o in outs], built
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_grouped_linears_give_the_bits_of_each_alone(rows, monkeypatch):
+    monkeypatch.setenv("ETMLX_KERNELS", "cpu")
+    result = _export(torch.float32)
+    assert result.ops_outside == 0
+    xs = [torch.randn(1, rows, K) for _ in range(3)]
+    fused, built = _run(result.pte, xs, monkeypatch, fuse=True)
+    alone, built_alone = _run(result.pte, xs, monkeypatch, fuse=False)
+    # Two groups per call (k+v, gate+up); q stays alone: `other`, over y, comes between q and k.
+    assert (built, built_alone) == (2, 0)
+    for i, (a, b) in enumerate(zip(fused, alone)):
+        assert a.shape == b.shape and np.array_equal(a, b), f"output {i} differs fused"
+
+
+def test_a_linear_over_another_input_is_not_fused_with_its_neighbours(monkeypatch):
+    """y == x in value but not in slot: `other` must still read y (here made different from x)."""
+    monkeypatch.setenv("ETMLX_KERNELS", "cpu")
+    result = _export(torch.float32)
+    x = torch.randn(1, 1, K)
+    fused, _ = _run(result.pte, [x, -x, x], monkeypatch, fuse=True)
+    alone, _ = _run(result.pte, [x, -x, x], monkeypatch, fuse=False)
+    assert np.array_equal(fused[1], alone[1])
+    same_input, _ = _run(result.pte, [x, x, x], monkeypatch, fuse=True)
+    assert not np.array_equal(fused[1], same_input[1]), "`other` ignored its own input"
+
+
+@pytest.mark.parametrize("dtype,rows", [(torch.float32, 64), (torch.bfloat16, 1)])
+def test_prefill_and_half_activations_keep_the_per_linear_path(dtype, rows, monkeypatch):
+    monkeypatch.setenv("ETMLX_KERNELS", "cpu")
+    result = _export(dtype)
+    xs = [torch.randn(1, rows, K).to(dtype) for _ in range(3)]
+    fused, built = _run(result.pte, xs, monkeypatch, fuse=True)
+    alone, _ = _run(result.pte, xs, monkeypatch, fuse=False)
+    assert built == 0
+    for a, b in zip(fused, alone):
+        assert np.array_equal(a, b)
