@@ -1,7 +1,8 @@
-"""Quantized linears over one input run as one node on the cpu kernel set (runtime/linear_groups.h,
-quantized_matmul_group_cpu): a layer's q/k/v and gate/up projections in a decode step. The fused node
-must give every output the bits the linears give one by one (ETMLX_FUSE_LINEARS=0), fuse only linears
-that read the same input, and leave prefill (many rows) and non-float32 activations to the per-linear path."""
+"""Instructions the cpu kernel set runs as one node (runtime/linear_groups.h): quantized linears over one
+input (a layer's q/k/v and gate/up projections in a decode step; quantized_matmul_group_cpu), a gated MLP's
+SiLU(gate) * up with them, and a residual add with the RMSNorm after it. Each fused result must have the
+bits of the instructions run one by one (ETMLX_FUSE_LINEARS=0); only linears that read the same input are
+fused; prefill (many rows) and non-float32 activations keep the per-linear path."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import backends.mlx  # noqa: F401  (before mlx.core: routes MLX's CPU GEMMs)
 from backends.mlx.exporter.export import export_to_pte
 from backends.mlx.llm.quantize.affine import quantize_tensor
 from backends.mlx.llm.quantize.modules import QuantizedLinear
-from backends.mlx.runtime import grouped_linear_nodes
+from backends.mlx.runtime import fused_node_counts
 from backends.mlx.runtime.runner import load_method
 
 K = 256
@@ -53,16 +54,16 @@ def _export(dtype):
     return export_to_pte(model, example, dynamic_shapes=tuple({1: rows} for _ in example))
 
 
-def _run(pte: bytes, xs, monkeypatch, fuse: bool) -> tuple[list[np.ndarray], int]:
-    """The outputs' raw bits and the fused nodes built; ETMLX_FUSE_LINEARS is read when the method loads."""
+def _run(pte: bytes, xs, monkeypatch, fuse: bool) -> tuple[list[np.ndarray], dict]:
+    """The outputs' raw bits and the fused nodes built by kind; ETMLX_FUSE_LINEARS is read when the method loads."""
     if fuse:
         monkeypatch.delenv("ETMLX_FUSE_LINEARS", raising=False)
     else:
         monkeypatch.setenv("ETMLX_FUSE_LINEARS", "0")
     method = load_method(pte)
-    before = grouped_linear_nodes()
+    before = fused_node_counts()
     outs = method.execute(list(xs))
-    built = grouped_linear_nodes() - before
+    built = {k: v - before[k] for k, v in fused_node_counts().items()}
     return [o.contiguous().view(torch.int32 if o.dtype == torch.float32 else torch.int16).numpy() for o in outs], built
 
 
@@ -75,7 +76,7 @@ def test_grouped_linears_give_the_bits_of_each_alone(rows, monkeypatch):
     fused, built = _run(result.pte, xs, monkeypatch, fuse=True)
     alone, built_alone = _run(result.pte, xs, monkeypatch, fuse=False)
     # Two groups per call (k+v, gate+up); q stays alone: `other`, over y, comes between q and k.
-    assert (built, built_alone) == (2, 0)
+    assert built["linear_groups"] == 2 and built["silu_epilogues"] == 0 and built_alone["linear_groups"] == 0
     for i, (a, b) in enumerate(zip(fused, alone)):
         assert a.shape == b.shape and np.array_equal(a, b), f"output {i} differs fused"
 
@@ -99,6 +100,46 @@ def test_prefill_and_half_activations_keep_the_per_linear_path(dtype, rows, monk
     xs = [torch.randn(1, rows, K).to(dtype) for _ in range(3)]
     fused, built = _run(result.pte, xs, monkeypatch, fuse=True)
     alone, _ = _run(result.pte, xs, monkeypatch, fuse=False)
-    assert built == 0
+    assert built["linear_groups"] == 0
     for a, b in zip(fused, alone):
         assert np.array_equal(a, b)
+
+
+class _GatedMlp(torch.nn.Module):
+    """A decoder layer's MLP half: residual add, RMSNorm, SiLU(gate) * up, down, residual add."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.up = (_linear(320, torch.float32, bias=False) for _ in range(2))
+        weight = torch.randn(K, 320) * 0.1
+        w, scales, biases = quantize_tensor(weight, GROUP, BITS)
+        self.down = QuantizedLinear(w, scales, biases, GROUP, BITS)
+        self.norm = torch.nn.Parameter(torch.rand(K) + 0.5)
+
+    def forward(self, x, r):
+        h = x + r
+        n = torch.nn.functional.rms_norm(h, (K,), self.norm, eps=1e-6)
+        y = self.down(torch.nn.functional.silu(self.gate(n)) * self.up(n))
+        return h + y, torch.nn.functional.rms_norm(h + y, (K,), self.norm, eps=1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_gated_mlp_and_residual_norms_fused_give_the_same_bits(rows, monkeypatch):
+    monkeypatch.setenv("ETMLX_KERNELS", "cpu")
+    torch.manual_seed(8)
+    model = _GatedMlp()
+    dim = torch.export.Dim("rows", min=1, max=64)
+    example = (torch.randn(1, 3, K), torch.randn(1, 3, K))
+    result = export_to_pte(model, example, dynamic_shapes=({1: dim}, {1: dim}))
+    assert result.ops_outside == 0
+    xs = [torch.randn(1, rows, K) * 4, torch.randn(1, rows, K)]
+    fused, built = _run(result.pte, xs, monkeypatch, fuse=True)
+    alone, built_alone = _run(result.pte, xs, monkeypatch, fuse=False)
+    assert built == {"linear_groups": 1, "silu_epilogues": 1, "add_rms_norms": 2}, built
+    assert not any(built_alone.values())
+    for i, (a, b) in enumerate(zip(fused, alone)):
+        assert a.shape == b.shape and np.array_equal(a, b), f"output {i} differs fused"
+    # And the unfused values are the model's (a wrong fusion could agree with itself, not with this).
+    want = model(*xs)
+    for got, ref in zip(alone, want):
+        torch.testing.assert_close(torch.from_numpy(got).view(torch.float32), ref, atol=1e-3, rtol=1e-3)

@@ -116,9 +116,16 @@ def kernels_info() -> dict:
     return {"isa": lib.etmlx_quantized_rows_isa().decode(), "threads": int(lib.etmlx_cpu_threads())}
 
 
-def grouped_linear_nodes() -> int:
-    """How many fused quantized-linear nodes (several linears over one input as one node:
-    runtime/linear_groups.h) this process has built so far; ETMLX_FUSE_LINEARS=0 at load turns them off."""
+def fused_node_counts() -> dict:
+    """How many nodes of each fused kind the cpu kernel set has built in this process (runtime/linear_groups.h;
+    ETMLX_FUSE_LINEARS=0 at load turns them off): "linear_groups" (several quantized linears over one input),
+    "silu_epilogues" (of those, the ones that also made a gated MLP's SiLU product), "add_rms_norms"."""
     lib = load()
-    lib.etmlx_grouped_linear_nodes.restype = ctypes.c_longlong
-    return int(lib.etmlx_grouped_linear_nodes())
+    names = {"linear_groups": "etmlx_grouped_linear_nodes", "silu_epilogues": "etmlx_silu_epilogues",
+             "add_rms_norms": "etmlx_add_rms_norm_nodes"}
+    counts = {}
+    for key, symbol in names.items():
+        fn = getattr(lib, symbol)
+        fn.restype = ctypes.c_longlong
+        counts[key] = int(fn())
+    return counts

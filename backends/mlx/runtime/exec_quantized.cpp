@@ -40,42 +40,40 @@ const mx::array* Interpreter::peek(const fb::Tid* t) const {
   return &*tensors_[t->idx()];
 }
 
+void Interpreter::stash(size_t pc, mx::array out, std::vector<std::pair<uint32_t, std::uintptr_t>> operands) {
+  stashed_.insert_or_assign(pc, Stashed{std::move(out), std::move(operands)});
+}
+
+bool Interpreter::take_stashed(const fb::Tid* out) {
+  if (stashed_.empty()) return false;
+  auto it = stashed_.find(pc_);
+  if (it == stashed_.end()) return false;
+  Stashed s = std::move(it->second);
+  stashed_.erase(it);
+  for (const auto& [slot, id] : s.operands) {
+    if (slot >= tensors_.size() || !tensors_[slot].has_value() || tensors_[slot]->id() != id) return false;
+  }
+  return write(out, std::move(s.out));
+}
+
 namespace {
 
-// The ids of a linear's operand arrays, to check at a later member that its slots still hold them.
-bool operand_ids(const mx::array* x, const mx::array* w, const mx::array* s, const mx::array* b,
-                 const mx::array* bias, std::uintptr_t* ids) {
-  ids[0] = x->id(), ids[1] = w->id(), ids[2] = s->id(), ids[3] = b->id(), ids[4] = bias ? bias->id() : 0;
-  return true;
-}
+uint32_t slot_of(const fb::Tid* t) { return t->idx(); }
 
 }  // namespace
 
 bool Interpreter::grouped_quantized_linear(const fb::QuantizedLinearNode& n, int group) {
-  const std::vector<uint32_t>& members = program_.linear_groups[group];
-  if (pc_ != members.front()) {
-    auto it = grouped_.find(pc_);
-    if (it == grouped_.end()) return false;
-    GroupedResult r = std::move(it->second);
-    grouped_.erase(it);
-    const mx::array *x = peek(n.x()), *w = peek(n.w()), *s = peek(n.scales()), *b = peek(n.biases());
-    const mx::array* bias = n.bias() ? peek(n.bias()) : nullptr;
-    std::uintptr_t ids[5];
-    if (!x || !w || !s || !b || (n.bias() && !bias) || !operand_ids(x, w, s, b, bias, ids) ||
-        !std::equal(ids, ids + 5, r.ids)) {
-      return false;  // a slot changed since the group's first member: computed here on its own
-    }
-    return write(n.out(), std::move(r.out));
-  }
-  // The first member: every member's operands checked as exec_quantized_linear checks them, quietly
-  // (a member that fails runs on its own at its turn and reports there); then one node for all.
+  const Program::LinearGroup& g = program_.linear_groups[group];
+  if (pc_ != g.members.front()) return false;
+  // Every member's operands checked as exec_quantized_linear checks them, quietly (a member that fails
+  // runs on its own at its turn and reports there); then one node for all.
   const auto* instrs = program_.graph->instructions();
   const mx::array* x = peek(n.x());
   if (x == nullptr || x->ndim() < 1) return false;
   std::vector<kernels::QuantizedLinear> linears;
-  std::vector<std::array<std::uintptr_t, 5>> ids(members.size());
-  for (size_t i = 0; i < members.size(); ++i) {
-    const fb::QuantizedLinearNode* m = instrs->Get(members[i])->node_as_QuantizedLinearNode();
+  std::vector<std::vector<std::pair<uint32_t, std::uintptr_t>>> operands(g.members.size());
+  for (size_t i = 0; i < g.members.size(); ++i) {
+    const fb::QuantizedLinearNode* m = instrs->Get(g.members[i])->node_as_QuantizedLinearNode();
     const mx::array *w = peek(m->w()), *s = peek(m->scales()), *b = peek(m->biases());
     const mx::array* bias = m->bias() ? peek(m->bias()) : nullptr;
     if (!w || !s || !b || (m->bias() && !bias)) return false;
@@ -87,19 +85,36 @@ bool Interpreter::grouped_quantized_linear(const fb::QuantizedLinearNode& n, int
     }
     if (bias && (bias->ndim() != 1 || bias->shape(0) != w->shape(0))) return false;
     linears.push_back({*w, *s, *b, bias ? std::optional<mx::array>(*bias) : std::nullopt});
-    operand_ids(x, w, s, b, bias, ids[i].data());
+    operands[i] = {{slot_of(m->x()), x->id()}, {slot_of(m->w()), w->id()}, {slot_of(m->scales()), s->id()},
+                   {slot_of(m->biases()), b->id()}};
+    if (bias) operands[i].push_back({slot_of(m->bias()), bias->id()});
   }
-  std::vector<mx::array> outs = program_.kernels->quantized_matmul_group(*x, linears, n.group_size(), n.bits());
-  if (outs.size() != members.size()) return false;
-  for (size_t i = 1; i < members.size(); ++i) {
-    GroupedResult r{std::move(outs[i]), {}};
-    std::copy(ids[i].begin(), ids[i].end(), r.ids);
-    grouped_.insert_or_assign(members[i], std::move(r));
+  std::vector<mx::array> outs =
+      program_.kernels->quantized_matmul_group(*x, linears, n.group_size(), n.bits(), g.up_mul >= 0);
+  if (outs.size() != g.members.size() && outs.size() != g.members.size() + 3) return false;
+  for (size_t i = 1; i < g.members.size(); ++i) stash(g.members[i], outs[i], std::move(operands[i]));
+  if (outs.size() == g.members.size() + 3) {
+    // SiLU(gate) * up: each instruction's operands are the slots the chain was matched on at load.
+    const fb::UnaryNode* sig = instrs->Get(g.sigmoid)->node_as_UnaryNode();
+    const fb::BinaryNode* gate_mul = instrs->Get(g.gate_mul)->node_as_BinaryNode();
+    const fb::BinaryNode* up_mul = instrs->Get(g.up_mul)->node_as_BinaryNode();
+    const mx::array &gate = outs[0], &up = outs[1], &s = outs[2], &gs = outs[3];
+    auto pair = [](const fb::BinaryNode* b, const mx::array& first, const mx::array& second, uint32_t first_slot) {
+      // Either operand order: a * b and b * a are the same float32 product.
+      const bool same = b->a()->idx() == first_slot;
+      return std::vector<std::pair<uint32_t, std::uintptr_t>>{{b->a()->idx(), same ? first.id() : second.id()},
+                                                              {b->b()->idx(), same ? second.id() : first.id()}};
+    };
+    stash(g.sigmoid, outs[2], {{sig->x()->idx(), gate.id()}});
+    stash(g.gate_mul, outs[3], pair(gate_mul, gate, s, n.out()->idx()));
+    const fb::QuantizedLinearNode* up_node = instrs->Get(g.members[1])->node_as_QuantizedLinearNode();
+    stash(g.up_mul, outs[4], pair(up_mul, up, gs, up_node->out()->idx()));
   }
   return write(n.out(), std::move(outs[0]));
 }
 
 bool Interpreter::exec_quantized_linear(const fb::QuantizedLinearNode& n) {
+  if (take_stashed(n.out())) return true;
   if (pc_ < program_.linear_group_of.size() && program_.linear_group_of[pc_] >= 0 &&
       grouped_quantized_linear(n, program_.linear_group_of[pc_])) {
     return true;

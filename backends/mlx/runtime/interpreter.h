@@ -13,6 +13,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <tuple>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -87,9 +88,9 @@ class Interpreter {
   bool exec_pad(const fb::PadNode& n);  // exec_spatial.cpp
   bool exec_quantized_linear(const fb::QuantizedLinearNode& n);  // exec_quantized.cpp
   bool exec_quantized_embedding(const fb::QuantizedEmbeddingNode& n);  // exec_quantized.cpp
-  // A quantized linear of a load-time group (linear_groups.h), exec_quantized.cpp: the group's first
-  // member builds every member's result as one node, later members take theirs. False when this one
-  // is to run on its own (the caller then does, reporting its own errors).
+  // The first quantized linear of a load-time group (linear_groups.h), exec_quantized.cpp: builds every
+  // member's result (and a gated MLP's SiLU product) as one node, stashing the later ones. False when
+  // the group runs as separate linears (each then reports its own errors).
   bool grouped_quantized_linear(const fb::QuantizedLinearNode& n, int group);
   // A slot's array, or nullptr when unset, without logging (checks made for another instruction).
   const mlx::core::array* peek(const fb::Tid* t) const;
@@ -148,15 +149,30 @@ class Interpreter {
   const char* node_name_ = "";
   bool keep_written_ = false;
   std::vector<mlx::core::array> written_;
-  // Results of grouped quantized linears built by their group's first member, by instruction index,
-  // with the ids of the arrays they were built from (x, w, scales, biases, bias or 0).
-  struct GroupedResult {
+  // Results a fused node made for later instructions (linear_groups.h), by instruction index, with the
+  // operand slots of that instruction and the ids of the arrays the node read in their place.
+  struct Stashed {
     mlx::core::array out;
-    std::uintptr_t ids[5];
+    std::vector<std::pair<uint32_t, std::uintptr_t>> operands;
   };
-  std::map<size_t, GroupedResult> grouped_;
+  std::map<size_t, Stashed> stashed_;
+  void stash(size_t pc, mlx::core::array out, std::vector<std::pair<uint32_t, std::uintptr_t>> operands);
+  // Instruction pc_'s result from an earlier fused node, written to `out`, when its operand slots still
+  // hold the arrays the node read; false otherwise (the instruction then runs on its own).
+  bool take_stashed(const fb::Tid* out);
+  // The residual Add at pc_ and the RMSNorm after it as one node (Program::norm_after_add); false when
+  // that does not apply here (the Add then runs as usual). exec_fused.cpp.
+  bool add_then_rms_norm(const fb::BinaryNode& add, const mlx::core::array& a, const mlx::core::array& b);
+  // A shape-only op's result (reshape, broadcast, expand_dims, transpose) of a small array: the one
+  // made earlier in this call for the same (op, input array, arguments), or made now by `make` and kept.
+  // The exporter repeats such ops per layer over the same array (RoPE's cos/sin tables, the KV-cache
+  // positions): each repeat would be another graph node, and a fresh id defeats normalized_indices.
+  mlx::core::array shared_view(int op, const mlx::core::array& x, std::vector<int> args,
+                               mlx::core::array (*make)(const mlx::core::array&, const std::vector<int>&));
+  std::map<std::tuple<int, std::uintptr_t, std::vector<int>>, mlx::core::array> views_;
   // normalized_indices' results of this call, by (array id, axis size).
-  std::map<std::pair<std::uintptr_t, int>, mlx::core::array> normalized_;
+  // The value keeps the indices array itself too, so that its id is not reused within the call.
+  std::map<std::pair<std::uintptr_t, int>, std::pair<mlx::core::array, mlx::core::array>> normalized_;
 };
 
 }  // namespace etmlx

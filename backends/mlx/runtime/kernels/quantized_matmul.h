@@ -38,13 +38,16 @@ struct QuantizedLinear {
 // thread pool (x prepared once), instead of one node, one pool wake-up and one bias add per linear.
 // Returns one result per linear, each [..., N_i] with the bits of quantized_matmul_cpu followed by
 // mx::add of the bias; or {} where it does not apply (x or a bias not float32, many rows: prefill
-// keeps its GEMM), and the caller then runs each linear on its own.
+// keeps its GEMM), and the caller then runs each linear on its own. With `silu_mul` and two linears
+// of one size (gate, up), three more results follow, computed after the products in the same node:
+// s = sigmoid(gate) (sigmoid_cpu's bits), gs = gate * s, h = gs * up; only when sigmoid_cpu's host
+// loop runs on this CPU (else just the products come back).
 using QuantizedMatmulGroupFn = std::vector<mlx::core::array> (*)(const mlx::core::array& x,
                                                                  const std::vector<QuantizedLinear>& group,
-                                                                 int group_size, int bits);
+                                                                 int group_size, int bits, bool silu_mul);
 
 std::vector<mlx::core::array> quantized_matmul_group_cpu(const mlx::core::array& x,
                                                          const std::vector<QuantizedLinear>& group, int group_size,
-                                                         int bits);
+                                                         int bits, bool silu_mul);
 
 }  // namespace etmlx::kernels

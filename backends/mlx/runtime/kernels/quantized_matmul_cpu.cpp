@@ -10,6 +10,7 @@
 #include "kernels/quantized_gemm.h"
 #include "kernels/quantized_matmul.h"
 #include "kernels/quantized_rows.h"
+#include "kernels/sigmoid.h"
 #include "kernels/thread_pool.h"
 
 namespace etmlx::kernels {
@@ -92,7 +93,7 @@ const float* rows_of(const mx::array& x, std::vector<float>& copy) {
 }
 
 // Fused nodes built (etmlx_grouped_linear_nodes: the tests check that fusion happened, or did not).
-std::atomic<long long> grouped_nodes{0};
+std::atomic<long long> grouped_nodes{0}, silu_epilogues{0};
 
 }  // namespace
 
@@ -142,7 +143,7 @@ mx::array quantized_matmul_cpu(const mx::array& x, const mx::array& w, const mx:
 }
 
 std::vector<mx::array> quantized_matmul_group_cpu(const mx::array& x, const std::vector<QuantizedLinear>& group,
-                                                  int group_size, int bits) {
+                                                  int group_size, int bits, bool silu_mul) {
   if (x.dtype() != mx::float32 || group.empty()) return {};
   const int k = x.ndim() == 0 ? 0 : x.shape(-1);
   const int m = k == 0 ? 0 : static_cast<int>(x.size() / k);
@@ -165,8 +166,13 @@ std::vector<mx::array> quantized_matmul_group_cpu(const mx::array& x, const std:
     shapes.push_back(std::move(shape));
     total += l.w.shape(0);
   }
-  auto loop = [m, k, total, group_size, bits, first, with_bias](const std::vector<mx::array>& in,
-                                                                std::vector<mx::array>& out) {
+  // The gated MLP's epilogue (see the header): only where sigmoid_cpu's own loop is what the Sigmoid
+  // node would run (the probe computes nothing).
+  const bool silu = silu_mul && group.size() == 2 && group[0].w.shape(0) == group[1].w.shape(0) &&
+                    sigmoid_f32_host(nullptr, nullptr, 0);
+  if (silu) shapes.insert(shapes.end(), 3, shapes[0]);
+  auto loop = [m, k, total, group_size, bits, first, with_bias, silu](const std::vector<mx::array>& in,
+                                                                      std::vector<mx::array>& out) {
     std::vector<QuantizedMatrix> ws;
     for (int f : first) ws.push_back(matrix_of(in, f, group_size, bits));
     std::vector<float> copy;
@@ -197,8 +203,18 @@ std::vector<mx::array> quantized_matmul_group_cpu(const mx::array& x, const std:
       }
     };
     parallel_for(total, grain_for(total, static_cast<int64_t>(k) * m), range);
+    if (silu) {
+      // After every product is done: gate and up rows were split among the threads independently.
+      const int64_t size = static_cast<int64_t>(out[0].size());
+      const float *g = out[0].data<float>(), *u = out[1].data<float>();
+      float *s = out[2].data<float>(), *gs = out[3].data<float>(), *h = out[4].data<float>();
+      sigmoid_f32_host(g, s, size);
+      for (int64_t i = 0; i < size; ++i) gs[i] = g[i] * s[i];  // one float32 multiply each, as mx::multiply
+      for (int64_t i = 0; i < size; ++i) h[i] = gs[i] * u[i];
+    }
   };
   grouped_nodes.fetch_add(1, std::memory_order_relaxed);
+  if (silu) silu_epilogues.fetch_add(1, std::memory_order_relaxed);
   return host_kernel_multi("QuantizedMatmulGroupCpu", std::move(shapes), mx::float32, std::move(inputs), loop);
 }
 
@@ -211,6 +227,10 @@ extern "C" __attribute__((visibility("default"))) const char* etmlx_quantized_ro
 
 extern "C" __attribute__((visibility("default"))) long long etmlx_grouped_linear_nodes() {
   return etmlx::kernels::grouped_nodes.load();
+}
+
+extern "C" __attribute__((visibility("default"))) long long etmlx_silu_epilogues() {
+  return etmlx::kernels::silu_epilogues.load();
 }
 
 extern "C" __attribute__((visibility("default"))) int etmlx_cpu_threads() { return etmlx::kernels::pool_threads(); }
