@@ -118,3 +118,27 @@ def test_causal_decode_and_transposed_keys_match_eager():
     args = (torch.randn(1, 4, 1, 32), torch.randn(1, 30, 4, 32), torch.randn(1, 30, 4, 32))
     got = load_method(export_fn(strided, args).pte).execute(list(args))[0]
     torch.testing.assert_close(got, strided(*args), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_decode_output_view_made_with_the_attention_gives_the_same_bits(rows, monkeypatch):
+    """A decode step's attention and the transpose + reshape after it (back to [B, L, H * D]) are one node
+    (runtime/exec_fused.cpp sdpa_with_view): the same bits as the three run apart (ETMLX_FUSE_LINEARS=0)."""
+    torch.manual_seed(7)
+
+    class Heads(torch.nn.Module):
+        def forward(self, q, k, v, start):
+            out = _Cached()(q, k, v, start)
+            return out.transpose(1, 2).contiguous().reshape(q.shape[0], q.shape[2], -1)
+
+    k, v = torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
+    length = torch.export.Dim("length", min=1, max=40)
+    example = (torch.randn(1, 6, 3, 16), k, v, torch.tensor(0))
+    pte = export_to_pte(Heads(), example, dynamic_shapes=({2: length}, None, None, None)).pte
+    q = torch.randn(1, 6, rows, 16) * 3
+    args = [q, k, v, torch.tensor(20)]
+    fused = load_method(pte).execute(args)[0]
+    monkeypatch.setenv("ETMLX_FUSE_LINEARS", "0")
+    alone = load_method(pte).execute(args)[0]
+    assert fused.shape == (1, rows, 96) and torch.equal(fused.view(torch.int32), alone.view(torch.int32))
+    torch.testing.assert_close(fused, Heads()(*args), atol=2e-5, rtol=2e-5)

@@ -39,9 +39,12 @@ class _Block(torch.nn.Module):
         self.gate, self.up = (_linear(n, dtype, bias=False) for n in (136, 136))
 
     def forward(self, x, y, z):
+        # k and v split into heads of 8 as attention does (reshape, transpose): made in the group's node.
+        heads = lambda t: t.reshape(t.shape[0], t.shape[1], -1, 8).transpose(1, 2)
         q = self.q(x)
         o = self.other(y)
-        k, v = self.k(x), self.v(x)
+        k = heads(self.k(x))
+        v = heads(self.v(x))
         g, u = self.gate(z), self.up(z)
         return q, o, k, v, g, u
 
@@ -75,6 +78,7 @@ def test_grouped_linears_give_the_bits_of_each_alone(rows, monkeypatch):
     xs = [torch.randn(1, rows, K) for _ in range(3)]
     fused, built = _run(result.pte, xs, monkeypatch, fuse=True)
     alone, built_alone = _run(result.pte, xs, monkeypatch, fuse=False)
+    assert fused[2].shape == (1, 9, rows, 8)
     # Two groups per call (k+v, gate+up); q stays alone: `other`, over y, comes between q and k.
     assert built["linear_groups"] == 2 and built["silu_epilogues"] == 0 and built_alone["linear_groups"] == 0
     for i, (a, b) in enumerate(zip(fused, alone)):

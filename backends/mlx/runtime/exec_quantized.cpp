@@ -13,6 +13,7 @@
 #include "dtypes.h"
 #include "interpreter.h"
 #include "quantized_layout.h"
+#include "size_limits.h"
 
 namespace etmlx {
 
@@ -40,8 +41,57 @@ const mx::array* Interpreter::peek(const fb::Tid* t) const {
   return &*tensors_[t->idx()];
 }
 
-void Interpreter::stash(size_t pc, mx::array out, std::vector<std::pair<uint32_t, std::uintptr_t>> operands) {
-  stashed_.insert_or_assign(pc, Stashed{std::move(out), std::move(operands)});
+void Interpreter::stash(size_t pc, mx::array out, std::vector<std::pair<uint32_t, std::uintptr_t>> operands,
+                        std::vector<std::pair<int64_t, int64_t>> values) {
+  stashed_.insert_or_assign(pc, Stashed{std::move(out), std::move(operands), std::move(values)});
+}
+
+bool Interpreter::quiet_shape(const fb::ReshapeNode& r, const mx::Shape& in, mx::Shape* shape,
+                              std::vector<std::pair<int64_t, int64_t>>* values) {
+  if (r.shape() == nullptr || r.shape()->size() > static_cast<flatbuffers::uoffset_t>(kMaxRank)) return false;
+  int64_t numel = 1, known = 1;
+  for (int d : in) numel *= d;
+  int inferred = -1;
+  shape->clear();
+  for (flatbuffers::uoffset_t i = 0; i < r.shape()->size(); ++i) {
+    const fb::IntOrVid* iv = r.shape()->Get(i);
+    if (iv == nullptr) return false;
+    int64_t d = iv->literal();
+    if (iv->vid() >= 0) {
+      if (static_cast<uint64_t>(iv->vid()) >= values_.size() || !values_[iv->vid()].has_value()) return false;
+      d = *values_[iv->vid()];
+      values->push_back({iv->vid(), d});
+    }
+    if (d == -1 && inferred < 0) {
+      inferred = static_cast<int>(i);
+    } else if (d < 0 || d > kMaxDim) {
+      return false;
+    } else {
+      known *= d;
+    }
+    shape->push_back(static_cast<int32_t>(d));
+  }
+  if (inferred >= 0) {
+    if (known == 0 || numel % known != 0) return false;
+    (*shape)[inferred] = static_cast<int32_t>(numel / known);
+  } else if (known != numel) {
+    return false;
+  }
+  return true;
+}
+
+bool Interpreter::quiet_perm(const fb::TransposeNode& t, int ndim, std::vector<int>* perm) {
+  if (t.perm() == nullptr || t.perm()->size() != static_cast<flatbuffers::uoffset_t>(ndim)) return false;
+  std::vector<bool> seen(ndim, false);
+  perm->clear();
+  for (flatbuffers::uoffset_t i = 0; i < t.perm()->size(); ++i) {
+    int a = t.perm()->Get(i);
+    if (a < 0) a += ndim;
+    if (a < 0 || a >= ndim || seen[a]) return false;
+    seen[a] = true;
+    perm->push_back(a);
+  }
+  return true;
 }
 
 bool Interpreter::take_stashed(const fb::Tid* out) {
@@ -52,6 +102,9 @@ bool Interpreter::take_stashed(const fb::Tid* out) {
   stashed_.erase(it);
   for (const auto& [slot, id] : s.operands) {
     if (slot >= tensors_.size() || !tensors_[slot].has_value() || tensors_[slot]->id() != id) return false;
+  }
+  for (const auto& [vid, value] : s.values) {
+    if (!values_[vid].has_value() || *values_[vid] != value) return false;
   }
   return write(out, std::move(s.out));
 }
@@ -72,6 +125,7 @@ bool Interpreter::grouped_quantized_linear(const fb::QuantizedLinearNode& n, int
   if (x == nullptr || x->ndim() < 1) return false;
   std::vector<kernels::QuantizedLinear> linears;
   std::vector<std::vector<std::pair<uint32_t, std::uintptr_t>>> operands(g.members.size());
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> view_values(g.members.size());
   for (size_t i = 0; i < g.members.size(); ++i) {
     const fb::QuantizedLinearNode* m = instrs->Get(g.members[i])->node_as_QuantizedLinearNode();
     const mx::array *w = peek(m->w()), *s = peek(m->scales()), *b = peek(m->biases());
@@ -88,12 +142,38 @@ bool Interpreter::grouped_quantized_linear(const fb::QuantizedLinearNode& n, int
     operands[i] = {{slot_of(m->x()), x->id()}, {slot_of(m->w()), w->id()}, {slot_of(m->scales()), s->id()},
                    {slot_of(m->biases()), b->id()}};
     if (bias) operands[i].push_back({slot_of(m->bias()), bias->id()});
+    if (i < g.views.size() && g.views[i].first >= 0) {
+      mx::Shape in = x->shape();
+      in.back() = w->shape(0);
+      mx::Shape shape;
+      std::vector<int> perm;
+      std::vector<std::pair<int64_t, int64_t>> used;
+      if (quiet_shape(*instrs->Get(g.views[i].first)->node_as_ReshapeNode(), in, &shape, &used) &&
+          quiet_perm(*instrs->Get(g.views[i].second)->node_as_TransposeNode(), static_cast<int>(shape.size()), &perm)) {
+        linears.back().view_shape = std::move(shape);
+        linears.back().view_perm = std::move(perm);
+        view_values[i] = std::move(used);
+      }
+    }
   }
   std::vector<mx::array> outs =
       program_.kernels->quantized_matmul_group(*x, linears, n.group_size(), n.bits(), g.up_mul >= 0);
-  if (outs.size() != g.members.size() && outs.size() != g.members.size() + 3) return false;
+  size_t views = 0;
+  for (const auto& l : linears) views += l.view_shape ? 2 : 0;
+  const bool silu = outs.size() == g.members.size() + 3 + views;
+  if (outs.size() != g.members.size() + views && !silu) return false;
+  // The views' copies (after the products and the SiLU results): the Reshape reads the member's result,
+  // the Transpose the Reshape's.
+  for (size_t i = 0, next = g.members.size() + (silu ? 3 : 0); i < linears.size(); ++i) {
+    if (!linears[i].view_shape) continue;
+    const auto [r, t] = g.views[i];
+    const fb::ReshapeNode* rn = instrs->Get(r)->node_as_ReshapeNode();
+    stash(r, outs[next], {{rn->x()->idx(), outs[i].id()}}, std::move(view_values[i]));
+    stash(t, outs[next + 1], {{rn->out()->idx(), outs[next].id()}});
+    next += 2;
+  }
   for (size_t i = 1; i < g.members.size(); ++i) stash(g.members[i], outs[i], std::move(operands[i]));
-  if (outs.size() == g.members.size() + 3) {
+  if (silu) {
     // SiLU(gate) * up: each instruction's operands are the slots the chain was matched on at load.
     const fb::UnaryNode* sig = instrs->Get(g.sigmoid)->node_as_UnaryNode();
     const fb::BinaryNode* gate_mul = instrs->Get(g.gate_mul)->node_as_BinaryNode();

@@ -580,6 +580,7 @@ bool Interpreter::exec_put_along_axis(const fb::PutAlongAxisNode& n) {
 // Shape
 
 bool Interpreter::exec_reshape(const fb::ReshapeNode& n) {
+  if (take_stashed(n.out())) return true;  // a projection's view, made with it (linear_groups.h)
   const mx::array* x = read(n.x());
   if (!x) return false;
   std::vector<int64_t> dims;
@@ -616,6 +617,7 @@ mx::array Interpreter::shared_view(int op, const mx::array& x, std::vector<int> 
 }
 
 bool Interpreter::exec_transpose(const fb::TransposeNode& n) {
+  if (take_stashed(n.out())) return true;  // a projection's view, made with it (linear_groups.h)
   const mx::array* x = read(n.x());
   if (!x) return false;
   const int ndim = static_cast<int>(x->ndim());

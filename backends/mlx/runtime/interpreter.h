@@ -80,6 +80,10 @@ class Interpreter {
   bool exec_allowed_mask(const fb::AllowedMaskNode& n);  // exec_sampling.cpp
   bool exec_drawn_or_none(const fb::DrawnOrNoneNode& n);  // exec_sampling.cpp
   bool exec_sdpa(const fb::SdpaNode& n);  // exec_fused.cpp
+  // A decode step's attention and the transpose and reshape right after it (back to [B, L, H * D]) as
+  // one node, the views stashed for those two instructions; false when that does not apply here.
+  bool sdpa_with_view(const fb::SdpaNode& n, const mlx::core::array& q, const mlx::core::array& k,
+                      const mlx::core::array& v, const std::optional<mlx::core::array>& mask, int end);
   bool sdpa_window_end(const fb::SdpaNode& n, int batch, int query_len, int keys, int* end);
   bool exec_rms_norm(const fb::RmsNormNode& n);  // exec_fused.cpp
   bool exec_layer_norm(const fb::LayerNormNode& n);  // exec_fused.cpp
@@ -151,12 +155,21 @@ class Interpreter {
   std::vector<mlx::core::array> written_;
   // Results a fused node made for later instructions (linear_groups.h), by instruction index, with the
   // operand slots of that instruction and the ids of the arrays the node read in their place.
+  // Also the value slots the instruction reads, with the values the node used.
   struct Stashed {
     mlx::core::array out;
     std::vector<std::pair<uint32_t, std::uintptr_t>> operands;
+    std::vector<std::pair<int64_t, int64_t>> values;
   };
   std::map<size_t, Stashed> stashed_;
-  void stash(size_t pc, mlx::core::array out, std::vector<std::pair<uint32_t, std::uintptr_t>> operands);
+  void stash(size_t pc, mlx::core::array out, std::vector<std::pair<uint32_t, std::uintptr_t>> operands,
+             std::vector<std::pair<int64_t, int64_t>> values = {});
+  // A reshape's target shape for an input of shape `in` (the value slots it read added to `values`), and
+  // a transpose's permutation, resolved without logging, for views a fused node makes in advance
+  // (exec_quantized.cpp): false when they do not resolve now (the instructions then run as usual).
+  bool quiet_shape(const fb::ReshapeNode& r, const mlx::core::Shape& in, mlx::core::Shape* shape,
+                   std::vector<std::pair<int64_t, int64_t>>* values);
+  bool quiet_perm(const fb::TransposeNode& t, int ndim, std::vector<int>* perm);
   // Instruction pc_'s result from an earlier fused node, written to `out`, when its operand slots still
   // hold the arrays the node read; false otherwise (the instruction then runs on its own).
   bool take_stashed(const fb::Tid* out);

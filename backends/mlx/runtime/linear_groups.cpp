@@ -45,17 +45,30 @@ void find_silu_mul(const flatbuffers::Vector<flatbuffers::Offset<fb::Instruction
   g.sigmoid = sig, g.gate_mul = gate_mul, g.up_mul = up_mul;
 }
 
+// A member's result reshaped, then transposed, by the two instructions right after it.
+std::pair<int32_t, int32_t> find_view(const flatbuffers::Vector<flatbuffers::Offset<fb::Instruction>>* instrs,
+                                      uint32_t member) {
+  if (member + 2 >= instrs->size() || !instrs->Get(member + 1) || !instrs->Get(member + 2)) return {-1, -1};
+  const uint32_t out = slot(instrs->Get(member)->node_as_QuantizedLinearNode()->out());
+  const fb::ReshapeNode* r = instrs->Get(member + 1)->node_as_ReshapeNode();
+  const fb::TransposeNode* t = instrs->Get(member + 2)->node_as_TransposeNode();
+  if (!r || !t || slot(r->x()) != out || !r->out() || slot(t->x()) != r->out()->idx()) return {-1, -1};
+  return {static_cast<int32_t>(member + 1), static_cast<int32_t>(member + 2)};
+}
+
 }  // namespace
 
 size_t plan_linear_groups(Program& p) {
   p.linear_groups.clear();
   p.linear_group_of.clear();
   p.norm_after_add.clear();
+  p.fuse_nodes = false;
   if (p.kernels == nullptr || p.kernels->quantized_matmul_group == nullptr) return 0;
   const char* env = std::getenv("ETMLX_FUSE_LINEARS");
   if (env != nullptr && std::strcmp(env, "0") == 0) return 0;
   const auto* instrs = p.graph->instructions();
   if (instrs == nullptr) return 0;
+  p.fuse_nodes = true;
   p.linear_group_of.assign(instrs->size(), -1);
   p.norm_after_add.assign(instrs->size(), -1);
   bool any_norm = false;
@@ -65,6 +78,7 @@ size_t plan_linear_groups(Program& p) {
     if (open.members.size() >= 2) {
       for (uint32_t i : open.members) p.linear_group_of[i] = static_cast<int32_t>(p.linear_groups.size());
       find_silu_mul(instrs, open);
+      for (uint32_t i : open.members) open.views.push_back(find_view(instrs, i));
       p.linear_groups.push_back(open);
     }
     open = {};

@@ -251,15 +251,29 @@ MaskView strided_mask_view(const mx::array& m) {
   return v;
 }
 
-mx::array sdpa_decode_cpu(const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal,
-                          const std::optional<mx::array>& mask, int key_end) {
+// The decode loop's node: the result, and with `view` its transposed (by view->first) and reshaped (to
+// view->second) copies as two more outputs.
+std::vector<mx::array> sdpa_decode_cpu(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
+                                       bool causal, const std::optional<mx::array>& mask, int key_end,
+                                       const std::pair<std::vector<int>, mx::Shape>* view) {
   const int batch = q.shape(0), heads = q.shape(1), rows_l = q.shape(2);
   const int keys = std::min(key_end, static_cast<int>(k.shape(2)));
   DecodeAttention att{heads, heads / static_cast<int>(k.shape(1)), rows_l, keys, static_cast<int>(q.shape(3)),
                       static_cast<int>(v.shape(3)), Softmax{heads, rows_l, keys, causal ? keys - rows_l : -1, scale, {}}};
   std::vector<mx::array> inputs{q, k, v};
   if (mask) inputs.push_back(*mask);
-  auto loop = [att](const std::vector<mx::array>& in, mx::array& out) {
+  const mx::Shape out_shape{batch, heads, rows_l, static_cast<int>(v.shape(3))};
+  std::vector<mx::Shape> shapes{out_shape};
+  std::vector<int> perm;
+  if (view) {
+    perm = view->first;
+    mx::Shape t;
+    for (int p : perm) t.push_back(out_shape[p]);
+    shapes.push_back(std::move(t));
+    shapes.push_back(view->second);
+  }
+  auto loop = [att, perm](const std::vector<mx::array>& in, std::vector<mx::array>& outs) {
+    mx::array& out = outs[0];
     DecodeAttention a = att;
     const View4 qv = view4(in[0]), kv = view4(in[1]), vv = view4(in[2]);
     std::vector<float> mask_row;
@@ -298,9 +312,20 @@ mx::array sdpa_decode_cpu(const mx::array& q, const mx::array& k, const mx::arra
     const int64_t work = int64_t{a.keys} * (a.dim + a.dim_v);
     parallel_for(static_cast<int>(rows), static_cast<int>(std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, work))),
                  range);
+    if (outs.size() == 3) {
+      transpose_copy(o, out.shape(), perm, outs[1].data<float>());
+      std::copy(outs[1].data<float>(), outs[1].data<float>() + outs[1].size(), outs[2].data<float>());
+    }
   };
-  return host_kernel("AttentionDecodeCpu", {batch, heads, rows_l, static_cast<int>(v.shape(3))}, mx::float32,
-                     std::move(inputs), loop);
+  return host_kernel_multi("AttentionDecodeCpu", std::move(shapes), mx::float32, std::move(inputs), loop);
+}
+
+// sdpa_cpu's decode loop applies (float32 throughout, an AVX-512 CPU, not the batch-invariant mode).
+bool decode_loop_applies(const mx::array& q, const mx::array& k, const mx::array& v,
+                         const std::optional<mx::array>& mask, int key_end) {
+  return q.dtype() == mx::float32 && avx512_ok() && !batch_invariant() && q.shape(2) < kMinQueryRows &&
+         k.dtype() == mx::float32 && v.dtype() == mx::float32 && key_end >= 1 &&
+         (!mask || mask->dtype() == mx::bool_ || mask->dtype() == mx::float32) && decode_attention_enabled();
 }
 
 }  // namespace
@@ -314,12 +339,9 @@ mx::array sdpa_cpu(const mx::array& q, const mx::array& k, const mx::array& v, f
     return sdpa(q, k, v, scale, causal, mask_in, key_end);
   }
   if (rows_l < kMinQueryRows) {
-    // A decode step: one host loop instead of MLX's ~19 nodes (float32 k, v and mask checked here; a
-    // mask in another dtype was already cast to q's by the caller).
-    const bool plain = k.dtype() == mx::float32 && v.dtype() == mx::float32 && key_end >= 1 &&
-                       (!mask_in || mask_in->dtype() == mx::bool_ || mask_in->dtype() == mx::float32) &&
-                       decode_attention_enabled();
-    if (plain) return sdpa_decode_cpu(q, k, v, scale, causal, mask_in, key_end);
+    // A decode step: one host loop instead of MLX's ~19 nodes (a mask in another dtype than bool was
+    // already cast to q's by the caller).
+    if (decode_loop_applies(q, k, v, mask_in, key_end)) return sdpa_decode_cpu(q, k, v, scale, causal, mask_in, key_end, nullptr)[0];
     return sdpa(q, k, v, scale, causal, mask_in, key_end);
   }
   mx::array kk = k, vv = v;
@@ -356,6 +378,14 @@ mx::array sdpa_cpu(const mx::array& q, const mx::array& k, const mx::array& v, f
   return mx::reshape(out, {batch, heads, rows_l, dim_v});
 }
 
+std::vector<mx::array> sdpa_decode_viewed_cpu(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
+                                              bool causal, const std::optional<mx::array>& mask, int key_end,
+                                              const std::vector<int>& perm, const mx::Shape& shape) {
+  if (q.ndim() != 4 || !decode_loop_applies(q, k, v, mask, key_end)) return {};
+  const std::pair<std::vector<int>, mx::Shape> view{perm, shape};
+  return sdpa_decode_cpu(q, k, v, scale, causal, mask, key_end, &view);
+}
+
 }  // namespace etmlx::kernels
 
 #else  // not x86-64: MLX's ops
@@ -365,6 +395,12 @@ namespace etmlx::kernels {
 mx::array sdpa_cpu(const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal,
                    const std::optional<mx::array>& mask, int key_end) {
   return sdpa(q, k, v, scale, causal, mask, key_end);
+}
+
+std::vector<mx::array> sdpa_decode_viewed_cpu(const mx::array&, const mx::array&, const mx::array&, float, bool,
+                                              const std::optional<mx::array>&, int, const std::vector<int>&,
+                                              const mx::Shape&) {
+  return {};
 }
 
 }  // namespace etmlx::kernels

@@ -1,5 +1,6 @@
 #include "kernels/host_kernel.h"
 
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -100,6 +101,21 @@ std::vector<mx::array> host_kernel_multi(const char* name, std::vector<mx::Shape
   const std::vector<mx::Dtype> dtypes(shapes.size(), dtype);
   return mx::array::make_arrays(std::move(shapes), dtypes,
                                 std::make_shared<HostKernelMulti>(stream, name, std::move(loop)), inputs);
+}
+
+void transpose_copy(const float* src, const mx::Shape& shape, const std::vector<int>& perm, float* dst) {
+  const int nd = static_cast<int>(shape.size());
+  std::vector<int64_t> stride(nd, 1);
+  for (int d = nd - 2; d >= 0; --d) stride[d] = stride[d + 1] * shape[d + 1];
+  std::vector<int> index(nd, 0);  // over dst's shape: dst dim j is src dim perm[j]
+  int64_t size = 1;
+  for (int s : shape) size *= s;
+  for (int64_t i = 0; i < size; ++i) {
+    int64_t at = 0;
+    for (int j = 0; j < nd; ++j) at += index[j] * stride[perm[j]];
+    dst[i] = src[at];
+    for (int j = nd - 1; j >= 0 && ++index[j] == shape[perm[j]]; --j) index[j] = 0;
+  }
 }
 
 mx::array host_kernel(const char* name, mx::Shape shape, mx::Dtype dtype, std::vector<mx::array> inputs,

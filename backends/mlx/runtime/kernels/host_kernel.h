@@ -34,4 +34,8 @@ std::vector<mlx::core::array> host_kernel_multi(const char* name, std::vector<ml
                                                 mlx::core::Dtype dtype, std::vector<mlx::core::array> inputs,
                                                 HostLoopMulti loop);
 
+// dst = the row-major float array `src` of `shape` transposed by `perm`, row-major: a view op's result
+// made by a fused node as its own copy (cheaper than the view's graph node for a decode step's sizes).
+void transpose_copy(const float* src, const mlx::core::Shape& shape, const std::vector<int>& perm, float* dst);
+
 }  // namespace etmlx::kernels

@@ -32,6 +32,11 @@ mlx::core::array quantized_matmul_cpu(const mlx::core::array& x, const mlx::core
 struct QuantizedLinear {
   mlx::core::array w, scales, biases;
   std::optional<mlx::core::array> bias;
+  // The reshape and transpose the program applies to this result next (q/k/v to [B, H, L, D]): when set,
+  // two more results, the result in `view_shape` and that transposed by `view_perm`, each its own
+  // row-contiguous copy (a reshape or transpose node per projection costs more than copying 1K values).
+  std::optional<mlx::core::Shape> view_shape;
+  std::vector<int> view_perm;
 };
 
 // x @ dequantize(W_i)^T (+ bias_i) for every linear of `group` as one graph node and one pass of the
@@ -41,7 +46,8 @@ struct QuantizedLinear {
 // keeps its GEMM), and the caller then runs each linear on its own. With `silu_mul` and two linears
 // of one size (gate, up), three more results follow, computed after the products in the same node:
 // s = sigmoid(gate) (sigmoid_cpu's bits), gs = gate * s, h = gs * up; only when sigmoid_cpu's host
-// loop runs on this CPU (else just the products come back).
+// loop runs on this CPU (else just the products come back). Then, for each linear with a view (in
+// order), its reshaped and transposed copies.
 using QuantizedMatmulGroupFn = std::vector<mlx::core::array> (*)(const mlx::core::array& x,
                                                                  const std::vector<QuantizedLinear>& group,
                                                                  int group_size, int bits, bool silu_mul);

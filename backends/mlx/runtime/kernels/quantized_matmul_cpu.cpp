@@ -171,8 +171,21 @@ std::vector<mx::array> quantized_matmul_group_cpu(const mx::array& x, const std:
   const bool silu = silu_mul && group.size() == 2 && group[0].w.shape(0) == group[1].w.shape(0) &&
                     sigmoid_f32_host(nullptr, nullptr, 0);
   if (silu) shapes.insert(shapes.end(), 3, shapes[0]);
-  auto loop = [m, k, total, group_size, bits, first, with_bias, silu](const std::vector<mx::array>& in,
-                                                                      std::vector<mx::array>& out) {
+  // The views' copies: for each, its reshaped shape, its perm and its transposed shape.
+  std::vector<int> viewed;  // linears with a view, in order
+  std::vector<std::vector<int>> perms;
+  for (size_t i = 0; i < group.size(); ++i) {
+    const QuantizedLinear& l = group[i];
+    if (!l.view_shape) continue;
+    mx::Shape t;
+    for (int p : l.view_perm) t.push_back((*l.view_shape)[p]);
+    viewed.push_back(static_cast<int>(i));
+    perms.push_back(l.view_perm);
+    shapes.push_back(*l.view_shape);
+    shapes.push_back(std::move(t));
+  }
+  auto loop = [m, k, total, group_size, bits, first, with_bias, silu, viewed, perms](const std::vector<mx::array>& in,
+                                                                                     std::vector<mx::array>& out) {
     std::vector<QuantizedMatrix> ws;
     for (int f : first) ws.push_back(matrix_of(in, f, group_size, bits));
     std::vector<float> copy;
@@ -211,6 +224,12 @@ std::vector<mx::array> quantized_matmul_group_cpu(const mx::array& x, const std:
       sigmoid_f32_host(g, s, size);
       for (int64_t i = 0; i < size; ++i) gs[i] = g[i] * s[i];  // one float32 multiply each, as mx::multiply
       for (int64_t i = 0; i < size; ++i) h[i] = gs[i] * u[i];
+    }
+    size_t next = ws.size() + (silu ? 3 : 0);
+    for (size_t v = 0; v < viewed.size(); ++v, next += 2) {
+      const mx::array& y = out[viewed[v]];
+      std::copy(y.data<float>(), y.data<float>() + y.size(), out[next].data<float>());
+      transpose_copy(y.data<float>(), out[next].shape(), perms[v], out[next + 1].data<float>());
     }
   };
   grouped_nodes.fetch_add(1, std::memory_order_relaxed);
