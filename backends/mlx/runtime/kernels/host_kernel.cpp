@@ -1,6 +1,7 @@
 #include "kernels/host_kernel.h"
 
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -105,6 +106,21 @@ std::vector<mx::array> host_kernel_multi(const char* name, std::vector<mx::Shape
 
 void transpose_copy(const float* src, const mx::Shape& shape, const std::vector<int>& perm, float* dst) {
   const int nd = static_cast<int>(shape.size());
+  // A permutation that keeps the order of the axes larger than 1 (a decode step's [B, 1, H, D] ->
+  // [B, H, 1, D]) leaves the row-major order of the values as it is: one memcpy.
+  int last = -1;
+  bool same_order = true;
+  for (int j = 0; j < nd && same_order; ++j) {
+    if (shape[perm[j]] == 1) continue;
+    same_order = perm[j] > last;
+    last = perm[j];
+  }
+  if (same_order) {
+    int64_t size = 1;
+    for (int s : shape) size *= s;
+    std::memcpy(dst, src, static_cast<size_t>(size) * sizeof(float));
+    return;
+  }
   std::vector<int64_t> stride(nd, 1);
   for (int d = nd - 2; d >= 0; --d) stride[d] = stride[d + 1] * shape[d + 1];
   std::vector<int> index(nd, 0);  // over dst's shape: dst dim j is src dim perm[j]
