@@ -1,7 +1,8 @@
 """Instructions the cpu kernel set runs as one node (runtime/linear_groups.h): quantized linears over one
 input (a layer's q/k/v and gate/up projections in a decode step; quantized_matmul_group_cpu), a gated MLP's
 SiLU(gate) * up with them, and a residual add with the RMSNorm after it. Each fused result must have the
-bits of the instructions run one by one (ETMLX_FUSE_LINEARS=0); only linears that read the same input are
+bits of the instructions run one by one (ETMLX_FUSE_LINEARS=0), as must an output projection made with the residual add
+and norm after it; only linears that read the same input are
 fused; prefill (many rows) and non-float32 activations keep the per-linear path."""
 
 from __future__ import annotations
@@ -124,7 +125,8 @@ class _GatedMlp(torch.nn.Module):
         h = x + r
         n = torch.nn.functional.rms_norm(h, (K,), self.norm, eps=1e-6)
         y = self.down(torch.nn.functional.silu(self.gate(n)) * self.up(n))
-        return h + y, torch.nn.functional.rms_norm(h + y, (K,), self.norm, eps=1e-6)
+        out = h + y
+        return out, torch.nn.functional.rms_norm(out, (K,), self.norm, eps=1e-6)
 
 
 @pytest.mark.parametrize("rows", [1, 2])
@@ -139,7 +141,8 @@ def test_gated_mlp_and_residual_norms_fused_give_the_same_bits(rows, monkeypatch
     xs = [torch.randn(1, rows, K) * 4, torch.randn(1, rows, K)]
     fused, built = _run(result.pte, xs, monkeypatch, fuse=True)
     alone, built_alone = _run(result.pte, xs, monkeypatch, fuse=False)
-    assert built == {"linear_groups": 1, "silu_epilogues": 1, "add_rms_norms": 2}, built
+    # x + r and its norm; gate/up with SiLU(gate) * up; down with h + y and its norm.
+    assert built == {"linear_groups": 1, "silu_epilogues": 1, "add_rms_norms": 1, "matmul_add_rms_norms": 1}, built
     assert not any(built_alone.values())
     for i, (a, b) in enumerate(zip(fused, alone)):
         assert a.shape == b.shape and np.array_equal(a, b), f"output {i} differs fused"

@@ -195,10 +195,50 @@ bool Interpreter::grouped_quantized_linear(const fb::QuantizedLinearNode& n, int
   return write(n.out(), std::move(outs[0]));
 }
 
+bool Interpreter::linear_add_rms_norm(const fb::QuantizedLinearNode& n) {
+  const auto* instrs = program_.graph->instructions();
+  const fb::BinaryNode* add = instrs->Get(pc_ + 1)->node_as_BinaryNode();
+  const fb::RmsNormNode* norm = instrs->Get(program_.norm_after_add[pc_ + 1])->node_as_RmsNormNode();
+  if (!add || !norm || !add->a() || !add->b() || !n.out() || n.bias() != nullptr) return false;
+  const uint32_t out = n.out()->idx();
+  if ((add->a()->idx() == out) == (add->b()->idx() == out)) return false;  // exactly one operand is this result
+  const fb::Tid* other = add->a()->idx() == out ? add->b() : add->a();
+  // The linear's checks as below, quietly (a failing one runs as usual and reports there).
+  const mx::array *x = peek(n.x()), *w = peek(n.w()), *s = peek(n.scales()), *b = peek(n.biases());
+  const mx::array* residual = peek(other);
+  if (!x || !w || !s || !b || !residual || x->ndim() < 1) return false;
+  int k = 0;
+  std::string error;
+  if (!check_quantized_layout(*w, *s, *b, n.group_size(), n.bits(), &k, &error, 2) || x->shape(-1) != k ||
+      b->dtype() != s->dtype() || mx::promote_types(x->dtype(), s->dtype()) != x->dtype()) {
+    return false;
+  }
+  std::optional<mx::array> weight;
+  std::vector<std::pair<uint32_t, std::uintptr_t>> norm_operands;
+  if (norm->weight() != nullptr) {
+    const mx::array* nw = peek(norm->weight());
+    if (!nw) return false;
+    weight = *nw;
+    norm_operands.push_back({norm->weight()->idx(), nw->id()});
+  }
+  std::vector<mx::array> outs = kernels::quantized_matmul_add_rms_norm_cpu(*x, *w, *s, *b, n.group_size(), n.bits(),
+                                                                          *residual, weight, norm->eps());
+  if (outs.size() != 3) return false;
+  stash(pc_ + 1, outs[1], {{out, outs[0].id()}, {other->idx(), residual->id()}});
+  norm_operands.push_back({add->out()->idx(), outs[1].id()});
+  stash(program_.norm_after_add[pc_ + 1], outs[2], std::move(norm_operands));
+  return write(n.out(), std::move(outs[0]));
+}
+
 bool Interpreter::exec_quantized_linear(const fb::QuantizedLinearNode& n) {
   if (take_stashed(n.out())) return true;
   if (pc_ < program_.linear_group_of.size() && program_.linear_group_of[pc_] >= 0 &&
       grouped_quantized_linear(n, program_.linear_group_of[pc_])) {
+    return true;
+  }
+  // An output projection followed by the residual add and the next norm (Program::norm_after_add).
+  if (program_.kernels == &kernels::cpu_kernels() && pc_ + 1 < program_.norm_after_add.size() &&
+      program_.norm_after_add[pc_ + 1] >= 0 && linear_add_rms_norm(n)) {
     return true;
   }
   const mx::array* x = read(n.x());

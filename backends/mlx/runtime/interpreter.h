@@ -96,6 +96,9 @@ class Interpreter {
   // member's result (and a gated MLP's SiLU product) as one node, stashing the later ones. False when
   // the group runs as separate linears (each then reports its own errors).
   bool grouped_quantized_linear(const fb::QuantizedLinearNode& n, int group);
+  // A quantized linear, the residual Add right after it and that Add's RMSNorm as one node (stashing the
+  // sum and the norm); false when that does not apply (the three then run as usual). exec_quantized.cpp.
+  bool linear_add_rms_norm(const fb::QuantizedLinearNode& n);
   // A slot's array, or nullptr when unset, without logging (checks made for another instruction).
   const mlx::core::array* peek(const fb::Tid* t) const;
   // A quantized node's packed weights, scales and biases, read and their layout checked;

@@ -56,4 +56,15 @@ std::vector<mlx::core::array> quantized_matmul_group_cpu(const mlx::core::array&
                                                          const std::vector<QuantizedLinear>& group, int group_size,
                                                          int bits, bool silu_mul);
 
+// A decode step's output projection, the residual add after it and the RMSNorm of the sum, as one node:
+// {x @ dequantize(w)^T, residual + that, rms_norm_cpu(sum)} with the bits of quantized_matmul_cpu, mx::add
+// and rms_norm_cpu; {} where that does not apply (not float32, many rows, a residual of another shape, a
+// weight not ready on the host), and the caller runs the three apart.
+std::vector<mlx::core::array> quantized_matmul_add_rms_norm_cpu(const mlx::core::array& x, const mlx::core::array& w,
+                                                                const mlx::core::array& scales,
+                                                                const mlx::core::array& biases, int group_size,
+                                                                int bits, const mlx::core::array& residual,
+                                                                const std::optional<mlx::core::array>& weight,
+                                                                float eps);
+
 }  // namespace etmlx::kernels

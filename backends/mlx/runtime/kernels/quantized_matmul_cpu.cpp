@@ -7,6 +7,7 @@
 #include <mlx/ops.h>
 
 #include "kernels/host_kernel.h"
+#include "kernels/norms.h"
 #include "kernels/quantized_gemm.h"
 #include "kernels/quantized_matmul.h"
 #include "kernels/quantized_rows.h"
@@ -93,7 +94,7 @@ const float* rows_of(const mx::array& x, std::vector<float>& copy) {
 }
 
 // Fused nodes built (etmlx_grouped_linear_nodes: the tests check that fusion happened, or did not).
-std::atomic<long long> grouped_nodes{0}, silu_epilogues{0};
+std::atomic<long long> grouped_nodes{0}, silu_epilogues{0}, matmul_add_norms{0};
 
 }  // namespace
 
@@ -140,6 +141,41 @@ mx::array quantized_matmul_cpu(const mx::array& x, const mx::array& w, const mx:
     dot_rows(rows_of(in[0], copy), m, matrix_of(in, 1, group_size, bits), out.data<float>());
   };
   return mx::astype(host_kernel("QuantizedMatmulCpu", out_shape, mx::float32, std::move(inputs), loop), dtype);
+}
+
+std::vector<mx::array> quantized_matmul_add_rms_norm_cpu(const mx::array& x, const mx::array& w, const mx::array& scales,
+                                                         const mx::array& biases, int group_size, int bits,
+                                                         const mx::array& residual, const std::optional<mx::array>& weight,
+                                                         float eps) {
+  if (x.dtype() != mx::float32 || residual.dtype() != mx::float32 || x.ndim() == 0) return {};
+  const int k = x.shape(-1), n = w.shape(0);
+  const int m = k == 0 ? 0 : static_cast<int>(x.size() / k);
+  mx::Shape out_shape = x.shape();
+  out_shape.back() = n;
+  if (m == 0 || m >= gemm_rows() || residual.shape() != out_shape) return {};
+  if (weight && (weight->dtype() != mx::float32 || weight->ndim() != 1 || weight->shape(0) != n ||
+                 weight->status() != mx::array::Status::available || !weight->flags().row_contiguous)) {
+    return {};
+  }
+  std::vector<mx::array> inputs{x, materialised_contiguous(w), materialised_contiguous(scales),
+                                materialised_contiguous(biases), residual};
+  if (weight) inputs.push_back(*weight);
+  auto loop = [m, n, group_size, bits, eps](const std::vector<mx::array>& in, std::vector<mx::array>& out) {
+    std::vector<float> copy, res_copy;
+    float* p = out[0].data<float>();
+    dot_rows(rows_of(in[0], copy), m, matrix_of(in, 1, group_size, bits), p);
+    // Then, on this thread, as the Add and RmsNorm nodes would: one float32 add each, the norm's row loop.
+    const float* r = rows_of(in[4], res_copy);
+    float* sum = out[1].data<float>();
+    const size_t size = static_cast<size_t>(m) * n;
+    for (size_t i = 0; i < size; ++i) sum[i] = r[i] + p[i];
+    const float* nw = in.size() > 5 ? in[5].data<float>() : nullptr;
+    for (int row = 0; row < m; ++row) rms_norm_row_f32(sum + static_cast<size_t>(row) * n, 1, n, nw, eps,
+                                                     out[2].data<float>() + static_cast<size_t>(row) * n);
+  };
+  matmul_add_norms.fetch_add(1, std::memory_order_relaxed);
+  return host_kernel_multi("QuantizedMatmulAddRmsNormCpu", {out_shape, out_shape, out_shape}, mx::float32,
+                           std::move(inputs), loop);
 }
 
 std::vector<mx::array> quantized_matmul_group_cpu(const mx::array& x, const std::vector<QuantizedLinear>& group,
@@ -250,6 +286,10 @@ extern "C" __attribute__((visibility("default"))) long long etmlx_grouped_linear
 
 extern "C" __attribute__((visibility("default"))) long long etmlx_silu_epilogues() {
   return etmlx::kernels::silu_epilogues.load();
+}
+
+extern "C" __attribute__((visibility("default"))) long long etmlx_matmul_add_rms_norm_nodes() {
+  return etmlx::kernels::matmul_add_norms.load();
 }
 
 extern "C" __attribute__((visibility("default"))) int etmlx_cpu_threads() { return etmlx::kernels::pool_threads(); }

@@ -30,27 +30,6 @@ size_t row_offset(const mx::array& x, size_t r) {
   return offset;
 }
 
-// One row: x * rsqrt(mean(x^2) + eps), then times the weight. Shared by both nodes below, so the
-// fused add-and-norm gives the bits of the norm alone.
-__attribute__((noinline)) void rms_norm_row(const float* xr, size_t step, int n, const float* w, float eps, float* orow) {
-  constexpr int kLanes = 16;  // independent partial sums: the compiler vectorizes them, as MLX's sum does
-  float partial[kLanes] = {};
-  int i = 0;
-  if (step == 1) {
-    for (; i + kLanes <= n; i += kLanes)
-      for (int l = 0; l < kLanes; ++l) partial[l] += xr[i + l] * xr[i + l];
-  }
-  float sum = 0;
-  for (; i < n; ++i) sum += xr[i * step] * xr[i * step];
-  for (float p : partial) sum += p;
-  // As MLX's reference: x * rsqrt(mean(x^2) + eps), then times the weight.
-  const float scale = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
-  for (int j = 0; j < n; ++j) {
-    const float v = xr[j * step] * scale;
-    orow[j] = w ? v * w[j] : v;
-  }
-}
-
 void rms_norm_rows(const std::vector<mx::array>& in, mx::array& out, float eps) {
   const mx::array& x = in[0];
   const int n = x.shape(-1);
@@ -60,7 +39,7 @@ void rms_norm_rows(const std::vector<mx::array>& in, mx::array& out, float eps) 
   const float* base = x.data<float>();
   float* o = out.data<float>();
   for (size_t r = 0; r < rows; ++r) {
-    rms_norm_row(base + (x.flags().row_contiguous ? r * n : row_offset(x, r)), step, n, w, eps, o + r * n);
+    rms_norm_row_f32(base + (x.flags().row_contiguous ? r * n : row_offset(x, r)), step, n, w, eps, o + r * n);
   }
 }
 
@@ -84,6 +63,28 @@ bool weight_ready(const std::optional<mx::array>& weight) {
 }
 
 }  // namespace
+
+// One row: x * rsqrt(mean(x^2) + eps), then times the weight. Shared by both nodes below, so the
+// fused add-and-norm gives the bits of the norm alone.
+__attribute__((noinline)) void rms_norm_row_f32(const float* xr, size_t step, int n, const float* w, float eps, float* orow) {
+  constexpr int kLanes = 16;  // independent partial sums: the compiler vectorizes them, as MLX's sum does
+  float partial[kLanes] = {};
+  int i = 0;
+  if (step == 1) {
+    for (; i + kLanes <= n; i += kLanes)
+      for (int l = 0; l < kLanes; ++l) partial[l] += xr[i + l] * xr[i + l];
+  }
+  float sum = 0;
+  for (; i < n; ++i) sum += xr[i * step] * xr[i * step];
+  for (float p : partial) sum += p;
+  // As MLX's reference: x * rsqrt(mean(x^2) + eps), then times the weight.
+  const float scale = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
+  for (int j = 0; j < n; ++j) {
+    const float v = xr[j * step] * scale;
+    orow[j] = w ? v * w[j] : v;
+  }
+}
+
 
 mx::array rms_norm_cpu(const mx::array& x, const std::optional<mx::array>& weight, float eps) {
   // Other dtypes, and a weight that is not a row-contiguous float32 array already on the host, keep
@@ -120,7 +121,7 @@ std::vector<mx::array> add_rms_norm_cpu(const mx::array& a, const mx::array& b, 
     }
     const float* w = in.size() > 2 ? in[2].data<float>() : nullptr;
     float* o = out[1].data<float>();
-    for (size_t r = 0; r < size / n; ++r) rms_norm_row(sum + r * n, 1, n, w, eps, o + r * n);
+    for (size_t r = 0; r < size / n; ++r) rms_norm_row_f32(sum + r * n, 1, n, w, eps, o + r * n);
   };
   add_norm_nodes.fetch_add(1, std::memory_order_relaxed);
   return host_kernel_multi("AddRmsNormCpu", {a.shape(), a.shape()}, mx::float32, std::move(inputs), loop);
