@@ -1,5 +1,6 @@
 """The cpu kernel set's own exponentials (kernels/attention_cpu.cpp): attention with >= 16 query rows
-(two MLX matmuls around a host-loop softmax that applies scale, mask and causality) and sigmoids of
+(two MLX matmuls around a host-loop softmax that applies scale, mask and causality), with fewer (a decode
+step) one host loop for the whole attention, and sigmoids of
 >= 16K values, against eager PyTorch; boolean, additive and causal masks, grouped-query heads, queries
 that start inside the cache. On CPUs without AVX-512 the same programs run MLX's ops (same checks)."""
 
@@ -76,3 +77,68 @@ def test_large_sigmoid_matches_eager():
     small = torch.randn(4, 8)  # under the host loop's threshold: MLX's op, the same values
     torch.testing.assert_close(load_method(export_fn(torch.sigmoid, [small]).pte).execute([small])[0],
                                torch.sigmoid(small), atol=1e-7, rtol=1e-6)
+
+
+# Decode steps (< 16 query rows): one host loop for the whole attention (sdpa_decode_cpu), the scores,
+# softmax and weighted sum in float32; the same tolerance as the prefill's against eager PyTorch.
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (14, 2)])
+def test_boolean_mask_decode_matches_eager(heads, kv_heads):
+    torch.manual_seed(4)
+    cache, dim = 80, 64
+    k, v = torch.randn(1, kv_heads, cache, dim), torch.randn(1, kv_heads, cache, dim)
+    length = torch.export.Dim("length", min=1, max=cache)
+    example = (torch.randn(1, heads, 3, dim), k, v, torch.tensor(0))
+    method = load_method(export_to_pte(_Cached(), example, dynamic_shapes=({2: length}, None, None, None)).pte)
+    for start, n in ((0, 1), (5, 1), (40, 3), (79, 1), (60, 15)):
+        q = torch.randn(1, heads, n, dim) * 3
+        got = method.execute([q, k, v, torch.tensor(start)])[0]
+        torch.testing.assert_close(got, _Cached()(q, k, v, torch.tensor(start)), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_additive_mask_decode_matches_eager(per_head):
+    torch.manual_seed(5)
+    heads, n, keys, dim = 4, 2, 50, 24  # a head size that is not a multiple of 16: partial vectors
+    mask = torch.randn(1, heads if per_head else 1, n, keys)
+    mask[..., ::3] = float("-inf")
+    fn = lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=0.3)
+    args = (torch.randn(1, heads, n, dim), torch.randn(1, heads, keys, dim), torch.randn(1, heads, keys, dim), mask)
+    got = load_method(export_fn(fn, args).pte).execute(list(args))[0]
+    torch.testing.assert_close(got, fn(*args), atol=2e-5, rtol=2e-5)
+
+
+def test_causal_decode_and_transposed_keys_match_eager():
+    """Causal with a few rows (L == S), and k / v that reach the loop as transposed views (strided reads)."""
+    torch.manual_seed(6)
+    fn = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    args = (torch.randn(2, 4, 5, 32) * 3, torch.randn(2, 4, 5, 32), torch.randn(2, 4, 5, 32))
+    got = load_method(export_fn(fn, args).pte).execute(list(args))[0]
+    torch.testing.assert_close(got, fn(*args), atol=2e-5, rtol=2e-5)
+    strided = lambda q, k, v: F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2))
+    args = (torch.randn(1, 4, 1, 32), torch.randn(1, 30, 4, 32), torch.randn(1, 30, 4, 32))
+    got = load_method(export_fn(strided, args).pte).execute(list(args))[0]
+    torch.testing.assert_close(got, strided(*args), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_decode_output_view_made_with_the_attention_gives_the_same_bits(rows, monkeypatch):
+    """A decode step's attention and the transpose + reshape after it (back to [B, L, H * D]) are one node
+    (runtime/exec_fused.cpp sdpa_with_view): the same bits as the three run apart (ETMLX_FUSE_LINEARS=0)."""
+    torch.manual_seed(7)
+
+    class Heads(torch.nn.Module):
+        def forward(self, q, k, v, start):
+            out = _Cached()(q, k, v, start)
+            return out.transpose(1, 2).contiguous().reshape(q.shape[0], q.shape[2], -1)
+
+    k, v = torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
+    length = torch.export.Dim("length", min=1, max=40)
+    example = (torch.randn(1, 6, 3, 16), k, v, torch.tensor(0))
+    pte = export_to_pte(Heads(), example, dynamic_shapes=({2: length}, None, None, None)).pte
+    q = torch.randn(1, 6, rows, 16) * 3
+    args = [q, k, v, torch.tensor(20)]
+    fused = load_method(pte).execute(args)[0]
+    monkeypatch.setenv("ETMLX_FUSE_LINEARS", "0")
+    alone = load_method(pte).execute(args)[0]
+    assert fused.shape == (1, rows, 96) and torch.equal(fused.view(torch.int32), alone.view(torch.int32))
+    torch.testing.assert_close(fused, Heads()(*args), atol=2e-5, rtol=2e-5)

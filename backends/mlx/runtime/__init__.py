@@ -114,3 +114,19 @@ def kernels_info() -> dict:
     lib.etmlx_quantized_rows_isa.restype = ctypes.c_char_p
     lib.etmlx_cpu_threads.restype = ctypes.c_int
     return {"isa": lib.etmlx_quantized_rows_isa().decode(), "threads": int(lib.etmlx_cpu_threads())}
+
+
+def fused_node_counts() -> dict:
+    """How many nodes of each fused kind the cpu kernel set has built in this process (runtime/linear_groups.h;
+    ETMLX_FUSE_LINEARS=0 at load turns them off): "linear_groups" (several quantized linears over one input),
+    "silu_epilogues" (of those, the ones that also made a gated MLP's SiLU product), "add_rms_norms" (a residual
+    add and its RMSNorm), "matmul_add_rms_norms" (an output projection with the add and norm after it)."""
+    lib = load()
+    names = {"linear_groups": "etmlx_grouped_linear_nodes", "silu_epilogues": "etmlx_silu_epilogues",
+             "add_rms_norms": "etmlx_add_rms_norm_nodes", "matmul_add_rms_norms": "etmlx_matmul_add_rms_norm_nodes"}
+    counts = {}
+    for key, symbol in names.items():
+        fn = getattr(lib, symbol)
+        fn.restype = ctypes.c_longlong
+        counts[key] = int(fn())
+    return counts

@@ -75,6 +75,37 @@ bool Interpreter::sdpa_window_end(const fb::SdpaNode& n, int batch, int query_le
   return true;
 }
 
+bool Interpreter::sdpa_with_view(const fb::SdpaNode& n, const mx::array& q, const mx::array& k, const mx::array& v,
+                                 const std::optional<mx::array>& mask, int end) {
+  const auto* instrs = program_.graph->instructions();
+  auto at = [&](size_t i) { return i < instrs->size() ? instrs->Get(i) : nullptr; };
+  const fb::TransposeNode* t = at(pc_ + 1) ? at(pc_ + 1)->node_as_TransposeNode() : nullptr;
+  if (!t || !t->x() || !t->out() || t->x()->idx() != n.out()->idx()) return false;
+  // The reshape reads the transpose's result, or a CopyNode's alias of it (`.contiguous()`: exec_copy
+  // writes the same array, so the id check below holds through it).
+  size_t reshape_at = pc_ + 2;
+  uint32_t reshaped = t->out()->idx();
+  if (const fb::CopyNode* c = at(reshape_at) ? at(reshape_at)->node_as_CopyNode() : nullptr;
+      c && c->x() && c->out() && c->x()->idx() == reshaped) {
+    reshaped = c->out()->idx();
+    ++reshape_at;
+  }
+  const fb::ReshapeNode* r = at(reshape_at) ? at(reshape_at)->node_as_ReshapeNode() : nullptr;
+  if (!r || !r->x() || r->x()->idx() != reshaped) return false;
+  const mx::Shape result{q.shape(0), q.shape(1), q.shape(2), v.shape(3)};
+  std::vector<int> perm;
+  if (!quiet_perm(*t, 4, &perm)) return false;
+  mx::Shape transposed, shape;
+  for (int p : perm) transposed.push_back(result[p]);
+  std::vector<std::pair<int64_t, int64_t>> values;
+  if (!quiet_shape(*r, transposed, &shape, &values)) return false;
+  std::vector<mx::array> outs = kernels::sdpa_decode_viewed_cpu(q, k, v, n.scale(), n.causal(), mask, end, perm, shape);
+  if (outs.size() != 3) return false;
+  stash(pc_ + 1, outs[1], {{t->x()->idx(), outs[0].id()}});
+  stash(reshape_at, outs[2], {{r->x()->idx(), outs[1].id()}}, std::move(values));
+  return write(n.out(), std::move(outs[0]));
+}
+
 bool Interpreter::exec_sdpa(const fb::SdpaNode& n) {
   const mx::array* q = read(n.q());
   if (!q) return false;
@@ -107,6 +138,7 @@ bool Interpreter::exec_sdpa(const fb::SdpaNode& n) {
   int end = keys;
   if (!sdpa_window_end(n, q->shape(0), q->shape(2), keys, &end)) return false;
   if (program_.kernels == &kernels::cpu_kernels()) {  // its own softmax (attention_cpu.h)
+    if (program_.fuse_nodes && sdpa_with_view(n, *q, *k, *v, mask, end)) return true;
     return write(n.out(), kernels::sdpa_cpu(*q, *k, *v, n.scale(), n.causal(), mask, end));
   }
   return write(n.out(), kernels::sdpa(*q, *k, *v, n.scale(), n.causal(), mask, end));
@@ -137,7 +169,28 @@ bool Interpreter::norm_input(const fb::Tid* t, const mx::array** x) {
   return true;
 }
 
+bool Interpreter::add_then_rms_norm(const fb::BinaryNode& add, const mx::array& a, const mx::array& b) {
+  if (program_.kernels != &kernels::cpu_kernels()) return false;
+  const size_t at = static_cast<size_t>(program_.norm_after_add[pc_]);
+  const fb::RmsNormNode* norm = program_.graph->instructions()->Get(at)->node_as_RmsNormNode();
+  std::optional<mx::array> weight;
+  std::vector<std::pair<uint32_t, std::uintptr_t>> operands;
+  if (norm->weight() != nullptr) {
+    const mx::array* w = peek(norm->weight());
+    if (w == nullptr) return false;  // the norm reports it at its turn
+    weight = *w;
+    operands.push_back({norm->weight()->idx(), w->id()});
+  }
+  // Checks as exec_rms_norm's (a float32 weight of x's last size), else the norm runs on its own.
+  std::vector<mx::array> outs = kernels::add_rms_norm_cpu(a, b, weight, norm->eps());
+  if (outs.size() != 2) return false;
+  operands.push_back({add.out()->idx(), outs[0].id()});
+  stash(at, outs[1], std::move(operands));
+  return write(add.out(), std::move(outs[0]));
+}
+
 bool Interpreter::exec_rms_norm(const fb::RmsNormNode& n) {
+  if (take_stashed(n.out())) return true;  // made with the residual add before it
   const mx::array* x = nullptr;
   if (!norm_input(n.x(), &x)) return false;
   std::optional<mx::array> weight;

@@ -13,6 +13,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <tuple>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -79,6 +80,10 @@ class Interpreter {
   bool exec_allowed_mask(const fb::AllowedMaskNode& n);  // exec_sampling.cpp
   bool exec_drawn_or_none(const fb::DrawnOrNoneNode& n);  // exec_sampling.cpp
   bool exec_sdpa(const fb::SdpaNode& n);  // exec_fused.cpp
+  // A decode step's attention and the transpose and reshape right after it (back to [B, L, H * D]) as
+  // one node, the views stashed for those two instructions; false when that does not apply here.
+  bool sdpa_with_view(const fb::SdpaNode& n, const mlx::core::array& q, const mlx::core::array& k,
+                      const mlx::core::array& v, const std::optional<mlx::core::array>& mask, int end);
   bool sdpa_window_end(const fb::SdpaNode& n, int batch, int query_len, int keys, int* end);
   bool exec_rms_norm(const fb::RmsNormNode& n);  // exec_fused.cpp
   bool exec_layer_norm(const fb::LayerNormNode& n);  // exec_fused.cpp
@@ -87,6 +92,15 @@ class Interpreter {
   bool exec_pad(const fb::PadNode& n);  // exec_spatial.cpp
   bool exec_quantized_linear(const fb::QuantizedLinearNode& n);  // exec_quantized.cpp
   bool exec_quantized_embedding(const fb::QuantizedEmbeddingNode& n);  // exec_quantized.cpp
+  // The first quantized linear of a load-time group (linear_groups.h), exec_quantized.cpp: builds every
+  // member's result (and a gated MLP's SiLU product) as one node, stashing the later ones. False when
+  // the group runs as separate linears (each then reports its own errors).
+  bool grouped_quantized_linear(const fb::QuantizedLinearNode& n, int group);
+  // A quantized linear, the residual Add right after it and that Add's RMSNorm as one node (stashing the
+  // sum and the norm); false when that does not apply (the three then run as usual). exec_quantized.cpp.
+  bool linear_add_rms_norm(const fb::QuantizedLinearNode& n);
+  // A slot's array, or nullptr when unset, without logging (checks made for another instruction).
+  const mlx::core::array* peek(const fb::Tid* t) const;
   // A quantized node's packed weights, scales and biases, read and their layout checked;
   // `columns` gets the unpacked row size (exec_quantized.cpp).
   bool read_quantized_weights(const fb::Tid* w, const fb::Tid* scales, const fb::Tid* biases, int group_size,
@@ -142,8 +156,39 @@ class Interpreter {
   const char* node_name_ = "";
   bool keep_written_ = false;
   std::vector<mlx::core::array> written_;
+  // Results a fused node made for later instructions (linear_groups.h), by instruction index, with the
+  // operand slots of that instruction and the ids of the arrays the node read in their place.
+  // Also the value slots the instruction reads, with the values the node used.
+  struct Stashed {
+    mlx::core::array out;
+    std::vector<std::pair<uint32_t, std::uintptr_t>> operands;
+    std::vector<std::pair<int64_t, int64_t>> values;
+  };
+  std::map<size_t, Stashed> stashed_;
+  void stash(size_t pc, mlx::core::array out, std::vector<std::pair<uint32_t, std::uintptr_t>> operands,
+             std::vector<std::pair<int64_t, int64_t>> values = {});
+  // A reshape's target shape for an input of shape `in` (the value slots it read added to `values`), and
+  // a transpose's permutation, resolved without logging, for views a fused node makes in advance
+  // (exec_quantized.cpp): false when they do not resolve now (the instructions then run as usual).
+  bool quiet_shape(const fb::ReshapeNode& r, const mlx::core::Shape& in, mlx::core::Shape* shape,
+                   std::vector<std::pair<int64_t, int64_t>>* values);
+  bool quiet_perm(const fb::TransposeNode& t, int ndim, std::vector<int>* perm);
+  // Instruction pc_'s result from an earlier fused node, written to `out`, when its operand slots still
+  // hold the arrays the node read; false otherwise (the instruction then runs on its own).
+  bool take_stashed(const fb::Tid* out);
+  // The residual Add at pc_ and the RMSNorm after it as one node (Program::norm_after_add); false when
+  // that does not apply here (the Add then runs as usual). exec_fused.cpp.
+  bool add_then_rms_norm(const fb::BinaryNode& add, const mlx::core::array& a, const mlx::core::array& b);
+  // A shape-only op's result (reshape, broadcast, expand_dims, transpose) of a small array: the one
+  // made earlier in this call for the same (op, input array, arguments), or made now by `make` and kept.
+  // The exporter repeats such ops per layer over the same array (RoPE's cos/sin tables, the KV-cache
+  // positions): each repeat would be another graph node, and a fresh id defeats normalized_indices.
+  mlx::core::array shared_view(int op, const mlx::core::array& x, std::vector<int> args,
+                               mlx::core::array (*make)(const mlx::core::array&, const std::vector<int>&));
+  std::map<std::tuple<int, std::uintptr_t, std::vector<int>>, mlx::core::array> views_;
   // normalized_indices' results of this call, by (array id, axis size).
-  std::map<std::pair<std::uintptr_t, int>, mlx::core::array> normalized_;
+  // The value keeps the indices array itself too, so that its id is not reused within the call.
+  std::map<std::pair<std::uintptr_t, int>, std::pair<mlx::core::array, mlx::core::array>> normalized_;
 };
 
 }  // namespace etmlx

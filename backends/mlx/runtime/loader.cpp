@@ -1,5 +1,6 @@
 #include "loader.h"
 #include "cpu_weights.h"
+#include "linear_groups.h"
 #include "device_choice.h"
 #include "named_constant.h"
 #include "quantized_layout.h"
@@ -497,6 +498,8 @@ Error load_program(const void* data, size_t size, const executorch::runtime::Nam
   if (const size_t widened = widen_cpu_matmul_weights(p); widened != 0 && std::getenv("ETMLX_CPU_WIDEN") != nullptr) {
     ET_LOG(Info, "etmlx: %zu half-precision linear weights widened to float32 at load", widened);
   }
+
+  plan_linear_groups(p);
 
   out = std::move(p);
   return Error::Ok;

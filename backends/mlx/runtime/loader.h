@@ -47,6 +47,25 @@ struct Program {
 
   // The kernel variants for the device the program was loaded on (kernels/kernel_set.h).
   const kernels::KernelSet* kernels = nullptr;
+
+  // Quantized linears over one input run as one node (linear_groups.h): each group, and per
+  // instruction its group's index or -1 (empty when there are no groups).
+  struct LinearGroup {
+    std::vector<uint32_t> members;  // QuantizedLinearNode instructions, in order
+    // A two-linear group followed by SiLU(first) * second (a gated MLP): the Sigmoid of the first's
+    // result, its product with that result, and that product times the second's; -1 when not.
+    int32_t sigmoid = -1, gate_mul = -1, up_mul = -1;
+    // Per member: the ReshapeNode and TransposeNode right after it that view its result (q/k/v to
+    // [B, H, L, D]), made in the same node; -1, -1 when not.
+    std::vector<std::pair<int32_t, int32_t>> views;
+  };
+  std::vector<LinearGroup> linear_groups;
+  std::vector<int32_t> linear_group_of;
+  // Per BinaryNode Add instruction, the RmsNormNode right after it that normalizes its result (the
+  // residual add and the next norm: one node on the CPU set), else -1; empty when there is none.
+  std::vector<int32_t> norm_after_add;
+  // Whether the kernel set fuses such instructions at all (plan_linear_groups; ETMLX_FUSE_LINEARS=0: not).
+  bool fuse_nodes = false;
 };
 
 // `data`/`size` is the whole processed blob (16-byte header + flatbuffer).

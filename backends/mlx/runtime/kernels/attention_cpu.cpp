@@ -23,8 +23,8 @@ namespace mx = mlx::core;
 
 namespace {
 
-// From this many query rows (a prefill) attention takes the host-loop softmax; fewer (a decode step)
-// keep MLX's fused kernel.
+// From this many query rows (a prefill) attention takes the host-loop softmax between two MLX matmuls;
+// fewer (a decode step) one host loop for the whole attention (sdpa_decode_cpu).
 constexpr int kMinQueryRows = 16;
 
 // ETMLX_BLAS=reference is the batch-invariant mode (docs/cpu-kernels.md): a request's bits must not depend on
@@ -34,6 +34,15 @@ bool batch_invariant() {
   static const bool on = [] {
     const char* mode = std::getenv("ETMLX_BLAS");
     return mode != nullptr && std::strcmp(mode, "reference") == 0;
+  }();
+  return on;
+}
+
+// ETMLX_DECODE_ATTENTION=0 keeps MLX's ops for decode steps (for A/B runs).
+bool decode_attention_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("ETMLX_DECODE_ATTENTION");
+    return v == nullptr || std::strcmp(v, "0") != 0;
   }();
   return on;
 }
@@ -161,6 +170,164 @@ MaskView mask_view(const mx::array& m) {
   return v;
 }
 
+// A [B, H, L, D]-style operand read in place, any strides (the loop gets it as MLX materialised it: a
+// Contiguous node per operand would cost more than the few strided reads of a decode step).
+struct View4 {
+  const float* data;
+  int64_t s[4];
+  const float* at(int64_t b, int64_t h, int64_t l) const { return data + b * s[0] + h * s[1] + l * s[2]; }
+};
+
+View4 view4(const mx::array& a) {
+  return View4{a.data<float>(), {a.strides()[0], a.strides()[1], a.strides()[2], a.strides()[3]}};
+}
+
+// Row `p` (n values, stride `stride`) as contiguous floats: itself, or copied into `tmp`.
+const float* dense(const float* p, int64_t stride, int n, float* tmp) {
+  if (stride == 1) return p;
+  for (int i = 0; i < n; ++i) tmp[i] = p[i * stride];
+  return tmp;
+}
+
+ETMLX_AVX512BW ETMLX_INLINE float dot(const float* a, const float* b, int n) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int d = 0; d < n; d += 16) {
+    const __mmask16 m = n - d >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - d)) - 1);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + d), _mm512_maskz_loadu_ps(m, b + d), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+// Attention for a few query rows (a decode step) as one host loop: per query row, its scores against
+// keys [0, keys) of its key/value head, the softmax above (scale, mask, causality), then the weighted sum
+// of the values, in float32 with fmas. Replaces ~19 MLX nodes per layer (the scale multiply, the
+// reshapes and broadcasts of q, k, v and the mask, two OpenBLAS products, select, softmax).
+struct DecodeAttention {
+  int heads, group, rows_l, keys, dim, dim_v;
+  Softmax softmax;
+
+  ETMLX_AVX512BW void row(const View4& q, const View4& k, const View4& v, float* out, int64_t r,
+                          std::vector<float>& scratch) const {
+    const int64_t b = r / (int64_t{heads} * rows_l), h = (r / rows_l) % heads, l = r % rows_l, kvh = h / group;
+    scratch.resize(static_cast<size_t>(keys) + 2 * std::max(dim, dim_v));
+    float* scores = scratch.data();
+    float* tmp = scores + keys;
+    const float* qr = dense(q.at(b, h, l), q.s[3], dim, tmp + std::max(dim, dim_v));
+    const float* k0 = k.at(b, kvh, 0);
+    for (int j = 0; j < keys; ++j) scores[j] = dot(qr, dense(k0 + j * k.s[2], k.s[3], dim, tmp), dim);
+    softmax.row(scores, r);
+    __m512 acc[8];
+    const float* v0 = v.at(b, kvh, 0);
+    for (int d0 = 0; d0 < dim_v; d0 += 128) {  // 8 accumulators of 16 lanes per pass over the keys
+      const int width = std::min(128, dim_v - d0);
+      for (int a = 0; a < 8; ++a) acc[a] = _mm512_setzero_ps();
+      for (int j = 0; j < keys; ++j) {
+        const float* vr = v.s[3] == 1 ? v0 + j * v.s[2] + d0 : dense(v0 + j * v.s[2] + d0 * v.s[3], v.s[3], width, tmp);
+        const __m512 p = _mm512_set1_ps(scores[j]);
+        for (int a = 0; a * 16 < width; ++a) {
+          const int n = std::min(16, width - a * 16);
+          const __mmask16 m = n == 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
+          acc[a] = _mm512_fmadd_ps(p, _mm512_maskz_loadu_ps(m, vr + a * 16), acc[a]);
+        }
+      }
+      for (int a = 0; a * 16 < width; ++a) {
+        const int n = std::min(16, width - a * 16);
+        const __mmask16 m = n == 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
+        _mm512_mask_storeu_ps(out + r * dim_v + d0 + a * 16, m, acc[a]);
+      }
+    }
+  }
+};
+
+// The mask's strides against [B, H, L, S] (0 where it broadcasts), from the array as materialised.
+MaskView strided_mask_view(const mx::array& m) {
+  MaskView v;
+  v.boolean = m.dtype() == mx::bool_;
+  int64_t st[4] = {0, 0, 0, 0};
+  const int lead = 4 - static_cast<int>(m.ndim());
+  for (int i = 0; i < static_cast<int>(m.ndim()); ++i) st[lead + i] = m.shape(i) == 1 ? 0 : m.strides()[i];
+  v.sb = st[0], v.sh = st[1], v.sl = st[2], v.ss = st[3];
+  v.data = v.boolean ? static_cast<const void*>(m.data<bool>()) : static_cast<const void*>(m.data<float>());
+  return v;
+}
+
+// The decode loop's node: the result, and with `view` its transposed (by view->first) and reshaped (to
+// view->second) copies as two more outputs.
+std::vector<mx::array> sdpa_decode_cpu(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
+                                       bool causal, const std::optional<mx::array>& mask, int key_end,
+                                       const std::pair<std::vector<int>, mx::Shape>* view) {
+  const int batch = q.shape(0), heads = q.shape(1), rows_l = q.shape(2);
+  const int keys = std::min(key_end, static_cast<int>(k.shape(2)));
+  DecodeAttention att{heads, heads / static_cast<int>(k.shape(1)), rows_l, keys, static_cast<int>(q.shape(3)),
+                      static_cast<int>(v.shape(3)), Softmax{heads, rows_l, keys, causal ? keys - rows_l : -1, scale, {}}};
+  std::vector<mx::array> inputs{q, k, v};
+  if (mask) inputs.push_back(*mask);
+  const mx::Shape out_shape{batch, heads, rows_l, static_cast<int>(v.shape(3))};
+  std::vector<mx::Shape> shapes{out_shape};
+  std::vector<int> perm;
+  if (view) {
+    perm = view->first;
+    mx::Shape t;
+    for (int p : perm) t.push_back(out_shape[p]);
+    shapes.push_back(std::move(t));
+    shapes.push_back(view->second);
+  }
+  auto loop = [att, perm](const std::vector<mx::array>& in, std::vector<mx::array>& outs) {
+    mx::array& out = outs[0];
+    DecodeAttention a = att;
+    const View4 qv = view4(in[0]), kv = view4(in[1]), vv = view4(in[2]);
+    std::vector<float> mask_row;
+    if (in.size() > 3) a.softmax.mask = strided_mask_view(in[3]);
+    // Softmax::row reads a mask row's values contiguously (or one value for the row): any other
+    // last-axis stride is gathered per row below.
+    const bool gather_mask = in.size() > 3 && a.softmax.mask.ss != 0 && a.softmax.mask.ss != 1;
+    float* o = out.data<float>();
+    const int64_t rows = int64_t{a.softmax.heads} * a.rows_l * in[0].shape(0);
+    auto range = [&](int r0, int r1) {
+      std::vector<float> scratch;
+      std::vector<uint8_t> mask_bytes;
+      std::vector<float> mask_vals;
+      for (int64_t r = r0; r < r1; ++r) {
+        if (!gather_mask) {
+          a.row(qv, kv, vv, o, r, scratch);
+          continue;
+        }
+        DecodeAttention g = a;
+        const MaskView& m = a.softmax.mask;
+        const int64_t b = r / (int64_t{a.heads} * a.rows_l), h = (r / a.rows_l) % a.heads, l = r % a.rows_l;
+        const int64_t at = b * m.sb + h * m.sh + l * m.sl;
+        if (m.boolean) {
+          mask_bytes.resize(a.keys);
+          for (int j = 0; j < a.keys; ++j) mask_bytes[j] = static_cast<const uint8_t*>(m.data)[at + j * m.ss];
+          g.softmax.mask.data = mask_bytes.data() - at;
+        } else {
+          mask_vals.resize(a.keys);
+          for (int j = 0; j < a.keys; ++j) mask_vals[j] = static_cast<const float*>(m.data)[at + j * m.ss];
+          g.softmax.mask.data = mask_vals.data() - at;
+        }
+        g.softmax.mask.ss = 1;
+        g.row(qv, kv, vv, o, r, scratch);
+      }
+    };
+    const int64_t work = int64_t{a.keys} * (a.dim + a.dim_v);
+    parallel_for(static_cast<int>(rows), static_cast<int>(std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, work))),
+                 range);
+    if (outs.size() == 3) {
+      transpose_copy(o, out.shape(), perm, outs[1].data<float>());
+      std::copy(outs[1].data<float>(), outs[1].data<float>() + outs[1].size(), outs[2].data<float>());
+    }
+  };
+  return host_kernel_multi("AttentionDecodeCpu", std::move(shapes), mx::float32, std::move(inputs), loop);
+}
+
+// sdpa_cpu's decode loop applies (float32 throughout, an AVX-512 CPU, not the batch-invariant mode).
+bool decode_loop_applies(const mx::array& q, const mx::array& k, const mx::array& v,
+                         const std::optional<mx::array>& mask, int key_end) {
+  return q.dtype() == mx::float32 && avx512_ok() && !batch_invariant() && q.shape(2) < kMinQueryRows &&
+         k.dtype() == mx::float32 && v.dtype() == mx::float32 && key_end >= 1 &&
+         (!mask || mask->dtype() == mx::bool_ || mask->dtype() == mx::float32) && decode_attention_enabled();
+}
+
 }  // namespace
 
 
@@ -168,7 +335,13 @@ mx::array sdpa_cpu(const mx::array& q, const mx::array& k, const mx::array& v, f
                    const std::optional<mx::array>& mask_in, int key_end) {
   const int batch = q.shape(0), heads = q.shape(1), rows_l = q.shape(2), dim = q.shape(3);
   const int kv_heads = k.shape(1), dim_v = v.shape(3);
-  if (q.dtype() != mx::float32 || rows_l < kMinQueryRows || !avx512_ok() || batch_invariant()) {
+  if (q.dtype() != mx::float32 || !avx512_ok() || batch_invariant()) {
+    return sdpa(q, k, v, scale, causal, mask_in, key_end);
+  }
+  if (rows_l < kMinQueryRows) {
+    // A decode step: one host loop instead of MLX's ~19 nodes (a mask in another dtype than bool was
+    // already cast to q's by the caller).
+    if (decode_loop_applies(q, k, v, mask_in, key_end)) return sdpa_decode_cpu(q, k, v, scale, causal, mask_in, key_end, nullptr)[0];
     return sdpa(q, k, v, scale, causal, mask_in, key_end);
   }
   mx::array kk = k, vv = v;
@@ -205,6 +378,14 @@ mx::array sdpa_cpu(const mx::array& q, const mx::array& k, const mx::array& v, f
   return mx::reshape(out, {batch, heads, rows_l, dim_v});
 }
 
+std::vector<mx::array> sdpa_decode_viewed_cpu(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
+                                              bool causal, const std::optional<mx::array>& mask, int key_end,
+                                              const std::vector<int>& perm, const mx::Shape& shape) {
+  if (q.ndim() != 4 || !decode_loop_applies(q, k, v, mask, key_end)) return {};
+  const std::pair<std::vector<int>, mx::Shape> view{perm, shape};
+  return sdpa_decode_cpu(q, k, v, scale, causal, mask, key_end, &view);
+}
+
 }  // namespace etmlx::kernels
 
 #else  // not x86-64: MLX's ops
@@ -214,6 +395,12 @@ namespace etmlx::kernels {
 mx::array sdpa_cpu(const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal,
                    const std::optional<mx::array>& mask, int key_end) {
   return sdpa(q, k, v, scale, causal, mask, key_end);
+}
+
+std::vector<mx::array> sdpa_decode_viewed_cpu(const mx::array&, const mx::array&, const mx::array&, float, bool,
+                                              const std::optional<mx::array>&, int, const std::vector<int>&,
+                                              const mx::Shape&) {
+  return {};
 }
 
 }  // namespace etmlx::kernels

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <optional>
+#include <vector>
 
 #include <mlx/array.h>
 
@@ -17,5 +18,14 @@ namespace etmlx::kernels {
 // key/value head (OpenBLAS) around a host-loop softmax that applies scale, mask and causality itself.
 mlx::core::array sdpa_cpu(const mlx::core::array& q, const mlx::core::array& k, const mlx::core::array& v, float scale,
                           bool causal, const std::optional<mlx::core::array>& mask, int key_end);
+
+// sdpa_cpu for a few query rows whose result the program transposes by `perm` and then reshapes to
+// `shape` (attention's output back to [B, L, H * D] for the output projection): {result, transposed,
+// reshaped} from one node, the views as row-contiguous copies; {} where sdpa_cpu would not take its
+// decode loop (the caller then runs the three ops as usual).
+std::vector<mlx::core::array> sdpa_decode_viewed_cpu(const mlx::core::array& q, const mlx::core::array& k,
+                                                     const mlx::core::array& v, float scale, bool causal,
+                                                     const std::optional<mlx::core::array>& mask, int key_end,
+                                                     const std::vector<int>& perm, const mlx::core::Shape& shape);
 
 }  // namespace etmlx::kernels

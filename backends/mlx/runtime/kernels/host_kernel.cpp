@@ -1,5 +1,7 @@
 #include "kernels/host_kernel.h"
 
+#include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -58,7 +60,79 @@ class HostKernel : public mx::UnaryPrimitive {
   bool may_reuse_input0_;
 };
 
+class HostKernelMulti : public mx::Primitive {
+ public:
+  HostKernelMulti(mx::Stream stream, const char* name, HostLoopMulti loop)
+      : mx::Primitive(stream), name_(name), loop_(std::move(loop)) {}
+
+  // As HostKernel::eval_cpu, for every output.
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    std::vector<mx::array> in, out;
+    in.reserve(inputs.size());
+    out.reserve(outputs.size());
+    for (const auto& a : inputs) {
+      encoder.set_input_array(a);
+      in.push_back(mx::array::unsafe_weak_copy(a));
+    }
+    for (auto& o : outputs) {
+      o.set_data(mx::allocator::malloc(o.nbytes()));
+      encoder.set_output_array(o);
+      out.push_back(mx::array::unsafe_weak_copy(o));
+    }
+    encoder.dispatch([in = std::move(in), out = std::move(out), loop = loop_]() mutable { loop(in, out); });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error(std::string(name_) + ": a host loop of the cpu kernel set cannot run on a GPU stream");
+  }
+
+  const char* name() const override { return name_; }
+
+ private:
+  const char* name_;
+  HostLoopMulti loop_;
+};
+
 }  // namespace
+
+std::vector<mx::array> host_kernel_multi(const char* name, std::vector<mx::Shape> shapes, mx::Dtype dtype,
+                                         std::vector<mx::array> inputs, HostLoopMulti loop) {
+  const mx::Stream stream = mx::default_stream(mx::Device::cpu);
+  const std::vector<mx::Dtype> dtypes(shapes.size(), dtype);
+  return mx::array::make_arrays(std::move(shapes), dtypes,
+                                std::make_shared<HostKernelMulti>(stream, name, std::move(loop)), inputs);
+}
+
+void transpose_copy(const float* src, const mx::Shape& shape, const std::vector<int>& perm, float* dst) {
+  const int nd = static_cast<int>(shape.size());
+  // A permutation that keeps the order of the axes larger than 1 (a decode step's [B, 1, H, D] ->
+  // [B, H, 1, D]) leaves the row-major order of the values as it is: one memcpy.
+  int last = -1;
+  bool same_order = true;
+  for (int j = 0; j < nd && same_order; ++j) {
+    if (shape[perm[j]] == 1) continue;
+    same_order = perm[j] > last;
+    last = perm[j];
+  }
+  if (same_order) {
+    int64_t size = 1;
+    for (int s : shape) size *= s;
+    std::memcpy(dst, src, static_cast<size_t>(size) * sizeof(float));
+    return;
+  }
+  std::vector<int64_t> stride(nd, 1);
+  for (int d = nd - 2; d >= 0; --d) stride[d] = stride[d + 1] * shape[d + 1];
+  std::vector<int> index(nd, 0);  // over dst's shape: dst dim j is src dim perm[j]
+  int64_t size = 1;
+  for (int s : shape) size *= s;
+  for (int64_t i = 0; i < size; ++i) {
+    int64_t at = 0;
+    for (int j = 0; j < nd; ++j) at += index[j] * stride[perm[j]];
+    dst[i] = src[at];
+    for (int j = nd - 1; j >= 0 && ++index[j] == shape[perm[j]]; --j) index[j] = 0;
+  }
+}
 
 mx::array host_kernel(const char* name, mx::Shape shape, mx::Dtype dtype, std::vector<mx::array> inputs,
                       HostLoop loop, bool may_reuse_input0) {

@@ -26,4 +26,16 @@ using HostLoop = std::function<void(const std::vector<mlx::core::array>& in, mlx
 mlx::core::array host_kernel(const char* name, mlx::core::Shape shape, mlx::core::Dtype dtype,
                              std::vector<mlx::core::array> inputs, HostLoop loop, bool may_reuse_input0 = false);
 
+// Several results of one host loop (one graph node, one dispatch): fused products of one input
+// (quantized_matmul_group_cpu). The loop gets every output allocated.
+using HostLoopMulti =
+    std::function<void(const std::vector<mlx::core::array>& in, std::vector<mlx::core::array>& out)>;
+std::vector<mlx::core::array> host_kernel_multi(const char* name, std::vector<mlx::core::Shape> shapes,
+                                                mlx::core::Dtype dtype, std::vector<mlx::core::array> inputs,
+                                                HostLoopMulti loop);
+
+// dst = the row-major float array `src` of `shape` transposed by `perm`, row-major: a view op's result
+// made by a fused node as its own copy (cheaper than the view's graph node for a decode step's sizes).
+void transpose_copy(const float* src, const mlx::core::Shape& shape, const std::vector<int>& perm, float* dst);
+
 }  // namespace etmlx::kernels

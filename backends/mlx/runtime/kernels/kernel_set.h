@@ -41,6 +41,8 @@ struct KernelSet {
   mlx::core::array (*rope_from_tables)(const mlx::core::array& x, const mlx::core::array& cos,
                                        const mlx::core::array& sin);
   SigmoidFn sigmoid;
+  // Several quantized linears over one input as one node (quantized_matmul.h); null: each on its own.
+  QuantizedMatmulGroupFn quantized_matmul_group;
 };
 
 const KernelSet& cpu_kernels();

@@ -1,14 +1,17 @@
 // quantized_matmul_cpu (quantized_matmul.h): host loops as lazy graph nodes (host_kernel.h).
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <vector>
 
 #include <mlx/ops.h>
 
 #include "kernels/host_kernel.h"
+#include "kernels/norms.h"
 #include "kernels/quantized_gemm.h"
 #include "kernels/quantized_matmul.h"
 #include "kernels/quantized_rows.h"
+#include "kernels/sigmoid.h"
 #include "kernels/thread_pool.h"
 
 namespace etmlx::kernels {
@@ -90,6 +93,9 @@ const float* rows_of(const mx::array& x, std::vector<float>& copy) {
   return copy.data();
 }
 
+// Fused nodes built (etmlx_grouped_linear_nodes: the tests check that fusion happened, or did not).
+std::atomic<long long> grouped_nodes{0}, silu_epilogues{0}, matmul_add_norms{0};
+
 }  // namespace
 
 mx::array quantized_matmul_cpu(const mx::array& x, const mx::array& w, const mx::array& scales,
@@ -137,11 +143,153 @@ mx::array quantized_matmul_cpu(const mx::array& x, const mx::array& w, const mx:
   return mx::astype(host_kernel("QuantizedMatmulCpu", out_shape, mx::float32, std::move(inputs), loop), dtype);
 }
 
+std::vector<mx::array> quantized_matmul_add_rms_norm_cpu(const mx::array& x, const mx::array& w, const mx::array& scales,
+                                                         const mx::array& biases, int group_size, int bits,
+                                                         const mx::array& residual, const std::optional<mx::array>& weight,
+                                                         float eps) {
+  if (x.dtype() != mx::float32 || residual.dtype() != mx::float32 || x.ndim() == 0) return {};
+  const int k = x.shape(-1), n = w.shape(0);
+  const int m = k == 0 ? 0 : static_cast<int>(x.size() / k);
+  mx::Shape out_shape = x.shape();
+  out_shape.back() = n;
+  if (m == 0 || m >= gemm_rows() || residual.shape() != out_shape) return {};
+  if (weight && (weight->dtype() != mx::float32 || weight->ndim() != 1 || weight->shape(0) != n ||
+                 weight->status() != mx::array::Status::available || !weight->flags().row_contiguous)) {
+    return {};
+  }
+  std::vector<mx::array> inputs{x, materialised_contiguous(w), materialised_contiguous(scales),
+                                materialised_contiguous(biases), residual};
+  if (weight) inputs.push_back(*weight);
+  auto loop = [m, n, group_size, bits, eps](const std::vector<mx::array>& in, std::vector<mx::array>& out) {
+    std::vector<float> copy, res_copy;
+    float* p = out[0].data<float>();
+    dot_rows(rows_of(in[0], copy), m, matrix_of(in, 1, group_size, bits), p);
+    // Then, on this thread, as the Add and RmsNorm nodes would: one float32 add each, the norm's row loop.
+    const float* r = rows_of(in[4], res_copy);
+    float* sum = out[1].data<float>();
+    const size_t size = static_cast<size_t>(m) * n;
+    for (size_t i = 0; i < size; ++i) sum[i] = r[i] + p[i];
+    const float* nw = in.size() > 5 ? in[5].data<float>() : nullptr;
+    for (int row = 0; row < m; ++row) rms_norm_row_f32(sum + static_cast<size_t>(row) * n, 1, n, nw, eps,
+                                                     out[2].data<float>() + static_cast<size_t>(row) * n);
+  };
+  matmul_add_norms.fetch_add(1, std::memory_order_relaxed);
+  return host_kernel_multi("QuantizedMatmulAddRmsNormCpu", {out_shape, out_shape, out_shape}, mx::float32,
+                           std::move(inputs), loop);
+}
+
+std::vector<mx::array> quantized_matmul_group_cpu(const mx::array& x, const std::vector<QuantizedLinear>& group,
+                                                  int group_size, int bits, bool silu_mul) {
+  if (x.dtype() != mx::float32 || group.empty()) return {};
+  const int k = x.ndim() == 0 ? 0 : x.shape(-1);
+  const int m = k == 0 ? 0 : static_cast<int>(x.size() / k);
+  if (m == 0 || m >= gemm_rows()) return {};
+  // Operands: x, then per linear w, scales, biases and its bias when it has one.
+  std::vector<mx::array> inputs{x};
+  std::vector<mx::Shape> shapes;
+  std::vector<int> first, with_bias;  // per linear: its w's index in inputs; whether a bias follows
+  int total = 0;
+  for (const QuantizedLinear& l : group) {
+    if (l.bias && l.bias->dtype() != mx::float32) return {};
+    first.push_back(static_cast<int>(inputs.size()));
+    with_bias.push_back(l.bias.has_value());
+    inputs.push_back(materialised_contiguous(l.w));
+    inputs.push_back(materialised_contiguous(l.scales));
+    inputs.push_back(materialised_contiguous(l.biases));
+    if (l.bias) inputs.push_back(materialised_contiguous(*l.bias));
+    mx::Shape shape = x.shape();
+    shape.back() = l.w.shape(0);
+    shapes.push_back(std::move(shape));
+    total += l.w.shape(0);
+  }
+  // The gated MLP's epilogue (see the header): only where sigmoid_cpu's own loop is what the Sigmoid
+  // node would run (the probe computes nothing).
+  const bool silu = silu_mul && group.size() == 2 && group[0].w.shape(0) == group[1].w.shape(0) &&
+                    sigmoid_f32_host(nullptr, nullptr, 0);
+  if (silu) shapes.insert(shapes.end(), 3, shapes[0]);
+  // The views' copies: for each, its reshaped shape, its perm and its transposed shape.
+  std::vector<int> viewed;  // linears with a view, in order
+  std::vector<std::vector<int>> perms;
+  for (size_t i = 0; i < group.size(); ++i) {
+    const QuantizedLinear& l = group[i];
+    if (!l.view_shape) continue;
+    mx::Shape t;
+    for (int p : l.view_perm) t.push_back((*l.view_shape)[p]);
+    viewed.push_back(static_cast<int>(i));
+    perms.push_back(l.view_perm);
+    shapes.push_back(*l.view_shape);
+    shapes.push_back(std::move(t));
+  }
+  auto loop = [m, k, total, group_size, bits, first, with_bias, silu, viewed, perms](const std::vector<mx::array>& in,
+                                                                                     std::vector<mx::array>& out) {
+    std::vector<QuantizedMatrix> ws;
+    for (int f : first) ws.push_back(matrix_of(in, f, group_size, bits));
+    std::vector<float> copy;
+    const float* xr = rows_of(in[0], copy);
+    // As dot_rows, x prepared once for every matrix; the pool splits the concatenated output rows.
+    const int groups = k / group_size;
+    std::vector<float> xp(static_cast<size_t>(m) * k), sums(static_cast<size_t>(m) * groups);
+    prepare_activations(xr, m, k, bits, group_size, xp.data(), sums.data());
+    auto range = [&](int begin, int end) {
+      for (size_t i = 0, offset = 0; i < ws.size() && static_cast<int>(offset) < end; offset += ws[i].n, ++i) {
+        const int lo = std::max(begin, static_cast<int>(offset)) - static_cast<int>(offset);
+        const int hi = std::min(end, static_cast<int>(offset) + ws[i].n) - static_cast<int>(offset);
+        if (lo >= hi) continue;
+        float* o = out[i].data<float>();
+        for (int r0 = 0; r0 < m; r0 += kMaxRows) {
+          const PreparedRows rows{xp.data() + static_cast<size_t>(r0) * k, sums.data() + static_cast<size_t>(r0) * groups,
+                                  std::min(kMaxRows, m - r0)};
+          quantized_dot_rows(ws[i], rows, lo, hi, o + static_cast<size_t>(r0) * ws[i].n + lo, ws[i].n);
+        }
+        if (with_bias[i]) {
+          // One float32 add per output, as mx::add of the [N] bias does after the product.
+          const float* b = in[first[i] + 3].data<float>();
+          for (int r = 0; r < m; ++r) {
+            float* row = o + static_cast<size_t>(r) * ws[i].n;
+            for (int j = lo; j < hi; ++j) row[j] = row[j] + b[j];
+          }
+        }
+      }
+    };
+    parallel_for(total, grain_for(total, static_cast<int64_t>(k) * m), range);
+    if (silu) {
+      // After every product is done: gate and up rows were split among the threads independently.
+      const int64_t size = static_cast<int64_t>(out[0].size());
+      const float *g = out[0].data<float>(), *u = out[1].data<float>();
+      float *s = out[2].data<float>(), *gs = out[3].data<float>(), *h = out[4].data<float>();
+      sigmoid_f32_host(g, s, size);
+      for (int64_t i = 0; i < size; ++i) gs[i] = g[i] * s[i];  // one float32 multiply each, as mx::multiply
+      for (int64_t i = 0; i < size; ++i) h[i] = gs[i] * u[i];
+    }
+    size_t next = ws.size() + (silu ? 3 : 0);
+    for (size_t v = 0; v < viewed.size(); ++v, next += 2) {
+      const mx::array& y = out[viewed[v]];
+      std::copy(y.data<float>(), y.data<float>() + y.size(), out[next].data<float>());
+      transpose_copy(y.data<float>(), out[next].shape(), perms[v], out[next + 1].data<float>());
+    }
+  };
+  grouped_nodes.fetch_add(1, std::memory_order_relaxed);
+  if (silu) silu_epilogues.fetch_add(1, std::memory_order_relaxed);
+  return host_kernel_multi("QuantizedMatmulGroupCpu", std::move(shapes), mx::float32, std::move(inputs), loop);
+}
+
 }  // namespace etmlx::kernels
 
 // For `backends.mlx.runtime.kernels_info()` (benchmarks and tests say what they measured).
 extern "C" __attribute__((visibility("default"))) const char* etmlx_quantized_rows_isa() {
   return etmlx::kernels::quantized_rows_isa();
+}
+
+extern "C" __attribute__((visibility("default"))) long long etmlx_grouped_linear_nodes() {
+  return etmlx::kernels::grouped_nodes.load();
+}
+
+extern "C" __attribute__((visibility("default"))) long long etmlx_silu_epilogues() {
+  return etmlx::kernels::silu_epilogues.load();
+}
+
+extern "C" __attribute__((visibility("default"))) long long etmlx_matmul_add_rms_norm_nodes() {
+  return etmlx::kernels::matmul_add_norms.load();
 }
 
 extern "C" __attribute__((visibility("default"))) int etmlx_cpu_threads() { return etmlx::kernels::pool_threads(); }

@@ -9,6 +9,8 @@
 //           (other dtypes, CPUs without AVX-512) goes to mx::sigmoid.
 #pragma once
 
+#include <cstdint>
+
 #include <mlx/array.h>
 
 namespace etmlx::kernels {
@@ -19,5 +21,9 @@ mlx::core::array sigmoid_device(const mlx::core::array& x);
 
 // Evaluates nothing: the loop runs in the call's evaluation (host_kernel.h).
 mlx::core::array sigmoid_cpu(const mlx::core::array& x);
+
+// sigmoid_cpu's loop on host memory (out may be x): the same bits. False, doing nothing, where
+// sigmoid_cpu would use mx::sigmoid instead (no AVX-512).
+bool sigmoid_f32_host(const float* x, float* out, int64_t n);
 
 }  // namespace etmlx::kernels

@@ -2,6 +2,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include <mlx/ops.h>
 
@@ -72,15 +73,44 @@ bool has_avx512() {
 
 }  // namespace
 
+bool sigmoid_f32_host(const float* x, float* out, int64_t n) {
+#ifdef ETMLX_SIGMOID_AVX512
+  if (has_avx512()) {
+    sigmoid_avx512(x, out, n);
+    return true;
+  }
+#endif
+  (void)x, (void)out, (void)n;
+  return false;
+}
+
 mx::array sigmoid_device(const mx::array& x) { return mx::sigmoid(x); }
 
 mx::array sigmoid_cpu(const mx::array& x) {
 #ifdef ETMLX_SIGMOID_AVX512
   if (x.dtype() == mx::float32 && x.size() > 0 && has_avx512()) {
+    // x as MLX materialised it (no Contiguous node: SiLU's gate is a fresh product, row-contiguous);
+    // another layout is copied in row-major order first.
     auto loop = [](const std::vector<mx::array>& in, mx::array& out) {
-      sigmoid_avx512(in[0].data<float>(), out.data<float>(), static_cast<int64_t>(in[0].size()));
+      const int64_t n = static_cast<int64_t>(in[0].size());
+      if (in[0].flags().row_contiguous) {
+        sigmoid_avx512(in[0].data<float>(), out.data<float>(), n);
+        return;
+      }
+      const mx::array& x = in[0];
+      const int nd = static_cast<int>(x.ndim());
+      std::vector<int> index(nd, 0);
+      float* o = out.data<float>();
+      const float* base = x.data<float>();
+      for (int64_t i = 0; i < n; ++i) {
+        int64_t at = 0;
+        for (int d = 0; d < nd; ++d) at += static_cast<int64_t>(index[d]) * x.strides()[d];
+        o[i] = base[at];
+        for (int d = nd - 1; d >= 0 && ++index[d] == x.shape(d); --d) index[d] = 0;
+      }
+      sigmoid_avx512(o, o, n);
     };
-    return host_kernel("SigmoidCpu", x.shape(), mx::float32, {mx::contiguous(x)}, loop, /*may_reuse_input0=*/true);
+    return host_kernel("SigmoidCpu", x.shape(), mx::float32, {x}, loop, /*may_reuse_input0=*/true);
   }
 #endif
   return mx::sigmoid(x);
