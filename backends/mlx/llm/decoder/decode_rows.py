@@ -201,9 +201,11 @@ class DecodeRows:
         self.core.start(slot, list(request.prompt), request.max_tokens, request.stop_at_eos, request.forced,
                         request.params.seed, request.matcher is not None, reuse,
                         copy=self._copy if self.copy_rows is not None else None)
-        if self.meta.draft_tokens:
-            budget = budget if budget is not None else DraftBudget(self.meta.draft_tokens)
-        row = Row(self.core, slot, request, budget if self.meta.draft_tokens else None)
+        if not self.meta.draft_tokens:
+            budget = None
+        elif budget is None:
+            budget = DraftBudget(self.meta.draft_tokens)
+        row = Row(self.core, slot, request, budget)
         self.rows[slot] = row
         return row
 

@@ -36,7 +36,7 @@ bool DecodeLoop::start(const Sequence& sequence, std::string* error) {
   request.max_tokens = sequence.max_tokens;
   request.seed = sequence.seed;
   request.stop_at_eos = !sequence.eos.empty();
-  DecodeRowsConfig config = config_for(inputs_.batch(), rows_.config().max_seq_len, pipelined_);
+  DecodeRowsConfig config = rows_.config();
   config.eos = sequence.eos;
   try {
     rows_ = DecodeRows(config);  // a fresh sequence: nothing of the last one carries over

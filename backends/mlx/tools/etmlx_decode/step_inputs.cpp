@@ -153,11 +153,12 @@ TensorPtr StepInputs::filled(const Slot& slot, const std::vector<KnobValue>& val
   int64_t numel = 1;
   for (int32_t s : slot.sizes) numel *= s;
   const auto count = static_cast<size_t>(numel);
-  const size_t per_row = count / static_cast<size_t>(batch_);  // a row's elements (all of them at batch 1)
+  // A row's elements (all of them at batch 1): plan() admitted only [B], [B, N] and a scalar at batch 1.
+  const size_t per_row = std::max<size_t>(count / static_cast<size_t>(batch_), 1);
   std::vector<int32_t> sizes(slot.sizes.begin(), slot.sizes.end());
   const auto fill = [&](auto zero, auto get) {
     std::vector<decltype(zero)> out(count);
-    for (size_t i = 0; i < count; ++i) out[i] = get(values[std::min(i / std::max<size_t>(per_row, 1), values.size() - 1)]);
+    for (size_t i = 0; i < count; ++i) out[i] = get(values[i / per_row]);
     return make_tensor_ptr(sizes, std::move(out));
   };
   switch (slot.dtype) {
