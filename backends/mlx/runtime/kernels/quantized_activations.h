@@ -1,0 +1,38 @@
+// How the activations enter the cpu kernel set's quantized products (quantized_rows.h, quantized_gemm.h).
+//
+//   float32  (default) each activation as it is: every product in float32, as mx::quantized_matmul.
+//   int16    each group of `group` activations (the weights' quantization group) rounded to 16-bit
+//            integers with one float32 step per group: x ~ step * q, |q| <= 32512 = 127 * 256, so that
+//            |x - step * q| <= step / 2 = max|x_g| / 65024. The products with the 4- or 8-bit weights are
+//            then exact integer sums (AVX-512 VNNI: q's high and low bytes, two vpdpbusd per 64 values),
+//            one float32 multiply-add per group: about 1e-5 of the group's largest value per activation.
+//   int8     the same with |q| <= 127 (one vpdpbusd per 64 values): max|x_g| / 254 per activation, the
+//            trade llama.cpp makes with its Q8_0 activations, for the most speed.
+//
+// The bias term of MLX's affine layout, bias_g * sum(x_g), always uses the float32 sum of x itself.
+// ETMLX_QMM_ACTIVATIONS=float32|int16|int8 picks one for the process; a kernel that has no integer variant
+// on this CPU (no AVX-512 VNNI, or a group size it does not handle) computes in float32, and
+// quantized_activations_in_use() says what the few-row kernel runs.
+#pragma once
+
+#include <cstdint>
+
+namespace etmlx::kernels {
+
+enum class ActivationPrecision : uint8_t { float32, int16, int8 };
+
+// From ETMLX_QMM_ACTIVATIONS, read once (unset or unknown: the default).
+ActivationPrecision activation_precision();
+const char* activation_precision_name(ActivationPrecision p);
+
+// The largest |q| of a precision's integers: 32512 (int16) or 127 (int8).
+constexpr int kInt16Max = 127 * 256;
+constexpr int kInt8Max = 127;
+
+// Rounds x[0..count) to integers q[i] = nearbyint(x[i] * (qmax / max|x|)), |q| <= qmax, and returns the
+// step (max|x| / qmax; 0 with every q 0 when x is all zeros). Non-finite x gives step NaN: the products are
+// then NaN, as the float32 ones would be. For int16 each q is split into bytes hi[i] in [-127, 127] and
+// lo[i] in [-128, 127] with q = 256 * hi + lo; for int8 hi[i] = q and lo is not written (may be null).
+float quantize_activation_group(const float* x, int count, ActivationPrecision p, int8_t* hi, int8_t* lo);
+
+}  // namespace etmlx::kernels
