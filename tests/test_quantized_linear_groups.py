@@ -146,7 +146,10 @@ def test_gated_mlp_and_residual_norms_fused_give_the_same_bits(rows, monkeypatch
     assert not any(built_alone.values())
     for i, (a, b) in enumerate(zip(fused, alone)):
         assert a.shape == b.shape and np.array_equal(a, b), f"output {i} differs fused"
-    # And the unfused values are the model's (a wrong fusion could agree with itself, not with this).
+    # And the unfused values are the model's (a wrong fusion could agree with itself, not with this), within
+    # 1e-3 of each output's range: with integer activations (the default on VNNI CPUs) the down projection's
+    # error scales with the largest value of each input group, and these gate/up rows span 100x.
     want = model(*xs)
     for got, ref in zip(alone, want):
-        torch.testing.assert_close(torch.from_numpy(got).view(torch.float32), ref, atol=1e-3, rtol=1e-3)
+        atol = 1e-3 * float(ref.abs().max())
+        torch.testing.assert_close(torch.from_numpy(got).view(torch.float32), ref, atol=atol, rtol=1e-3)

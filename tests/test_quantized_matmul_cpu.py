@@ -19,7 +19,9 @@ import mlx.core as mx
 from backends.mlx.llm.quantize.affine import quantize_tensor
 from backends.mlx.llm.quantize.modules import QuantizedLinear
 from backends.mlx.exporter.export import export_to_pte
+from backends.mlx.runtime import kernels_info
 from backends.mlx.runtime.runner import load_method
+from quantized_bounds import quantized_product_bound
 
 ROWS = (1, 3, 64)
 MX_DTYPES = {torch.float32: mx.float32, torch.bfloat16: mx.bfloat16}
@@ -60,19 +62,6 @@ def _reference(x: torch.Tensor, lin: QuantizedLinear) -> np.ndarray:
     return np.array(ref.astype(MX_DTYPES[x.dtype]).astype(mx.float32))
 
 
-def _bound(x: torch.Tensor, lin: QuantizedLinear, ref: np.ndarray, dtype) -> np.ndarray:
-    """The stated tolerance: both sides sum K float32 products in different orders, so they may differ
-    by up to K * 2^-24 of the sum of the products' magnitudes (4x margin); bfloat16 results may then
-    round to neighbouring values, one bfloat16 step (2^-8 relative) apart."""
-    w = np.array(mx.dequantize(mx.array(lin.weight.numpy()), _mx(lin.scales),
-                               _mx(lin.biases), group_size=lin.group_size, bits=lin.bits).astype(mx.float32))
-    magnitude = np.abs(x.float().numpy()) @ np.abs(w).T
-    bound = 4 * x.shape[-1] * 2.0 ** -24 * magnitude + 1e-30
-    if dtype == torch.bfloat16:
-        bound = bound + 2.0 ** -8 * np.abs(ref)
-    return bound
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bits,group", [(b, g) for b in (4, 8) for g in (32, 64, 128)])
 def test_cpu_quantized_matmul_matches_mlx(bits, group, dtype, monkeypatch):
@@ -91,7 +80,7 @@ def test_cpu_quantized_matmul_matches_mlx(bits, group, dtype, monkeypatch):
             ref = _reference(x, lin)
             assert out.dtype == dtype and tuple(out.shape) == ref.shape
             err = np.abs(out.float().numpy() - ref)
-            bound = _bound(x, lin, ref, dtype)
+            bound = quantized_product_bound(x, lin, ref, dtype)
             worst = float((err / bound).max())
             assert worst <= 1.0, f"rows {m}, in {x.shape[-1]}: error {worst:.3g} of the bound"
 
@@ -153,20 +142,52 @@ def test_thread_count_and_variant_can_be_forced(tmp_path, monkeypatch):
     here = load_method(pte.read_bytes()).execute([x])[0].numpy()
 
     forced, _ = _run_with({"ETMLX_NUM_THREADS": "3", "ETMLX_QMM_ISA": "scalar"}, pte, tmp_path / "x.pt")
-    assert forced["info"] == {"isa": "scalar", "threads": 3}
+    # The scalar loop has only float32 activations.
+    assert forced["info"] == {"isa": "scalar", "threads": 3, "activations": "float32"}
     ref = _reference(x, lin)
-    bound = _bound(x, lin, ref, torch.float32)
-    assert (np.abs(np.array(forced["out"], dtype=np.float32) - ref) <= bound).all()
-    assert (np.abs(here - ref) <= bound).all()
+    assert (np.abs(np.array(forced["out"], dtype=np.float32) - ref) <= quantized_product_bound(x, lin, ref, torch.float32, "float32")).all()
+    assert (np.abs(here - ref) <= quantized_product_bound(x, lin, ref, torch.float32)).all()
 
     # Each output is summed by one thread in one order: one thread gives this process's bits.
     alone, _ = _run_with({"ETMLX_NUM_THREADS": "1"}, pte, tmp_path / "x.pt")
-    assert alone["info"] == {"isa": kernels_info()["isa"], "threads": 1}
+    assert alone["info"] == {**kernels_info(), "threads": 1}
     np.testing.assert_array_equal(np.array(alone["out"], dtype=np.float32), here)
 
     bad, stderr = _run_with({"ETMLX_NUM_THREADS": "zero"}, pte, tmp_path / "x.pt")
     assert "ETMLX_NUM_THREADS=zero is not a thread count from 1 to 1024" in stderr
     assert bad["info"]["threads"] == kernels_info()["threads"] >= 1
+
+
+@pytest.mark.subprocess  # fresh interpreters loading torch
+def test_activation_precisions_keep_their_stated_bounds(tmp_path, monkeypatch):
+    """ETMLX_QMM_ACTIVATIONS: float32 keeps the float32 bound; int16 (the default on AVX-512 VNNI CPUs) and
+    int8 keep their own, wider ones (few rows and many). Controls: int16 and int8 are not float32's bits, and
+    int8 is NOT within int16's bound, so the bounds say something."""
+    monkeypatch.setenv("ETMLX_KERNELS", "cpu")
+    torch.manual_seed(21)
+    k, n = 896, 200
+    w, scales, biases = quantize_tensor(torch.randn(n, k) * torch.logspace(-1, 1, n).unsqueeze(1), 64, 4)
+    lin = QuantizedLinear(w, scales, biases, 64, 4)
+    rows = torch.export.Dim("rows", min=1, max=64)
+    pte = tmp_path / "q.pte"
+    pte.write_bytes(export_to_pte(lin, (torch.randn(3, k),), dynamic_shapes=({0: rows},)).pte)
+    ref_of = {}
+    outs = {}
+    for m in (1, 3, 40):
+        x = torch.randn(m, k)
+        torch.save(x, tmp_path / f"x{m}.pt")
+        ref_of[m] = (x, _reference(x, lin))
+        for mode in ("float32", "int16", "int8"):
+            got, _ = _run_with({"ETMLX_QMM_ACTIVATIONS": mode}, pte, tmp_path / f"x{m}.pt")
+            outs[m, mode] = (got["info"]["activations"], np.array(got["out"], dtype=np.float32))
+    for (m, mode), (used, out) in outs.items():
+        x, ref = ref_of[m]
+        assert used in (mode, "float32"), (mode, used)  # float32 where the CPU has no integer loop
+        assert (np.abs(out - ref) <= quantized_product_bound(x, lin, ref, torch.float32, used)).all(), (m, mode)
+        if used != "float32" and m < 16:  # the few-row loop (kernels_info's "activations" is its precision)
+            assert not np.array_equal(out, outs[m, "float32"][1]), (m, mode)
+        if used == "int8" and m < 16:
+            assert not (np.abs(out - ref) <= quantized_product_bound(x, lin, ref, torch.float32, "int16")).all(), m
 
 
 def test_activations_in_any_layout_and_rank(monkeypatch):
@@ -193,5 +214,5 @@ def test_activations_in_any_layout_and_rank(monkeypatch):
     transposed, three_d = load_method(result.pte).execute([x.T.contiguous(), x.reshape(1, 5, 128)])
     assert tuple(transposed.shape) == (5, 72) and tuple(three_d.shape) == (1, 5, 72)
     ref = _reference(x, lin)
-    assert (np.abs(transposed.numpy() - ref) <= _bound(x, lin, ref, torch.float32)).all()
+    assert (np.abs(transposed.numpy() - ref) <= quantized_product_bound(x, lin, ref, torch.float32)).all()
     np.testing.assert_array_equal(three_d.numpy()[0], transposed.numpy())

@@ -54,14 +54,12 @@ int grain_for(int n, int64_t work_per_row) {
 
 // out [m, N] float32 = x [m, K] float32 . W^T.
 void dot_rows(const float* x, int m, const QuantizedMatrix& w, float* out) {
-  const int groups = w.k / w.group;
-  std::vector<float> xp(static_cast<size_t>(m) * w.k), sums(static_cast<size_t>(m) * groups);
-  prepare_activations(x, m, w.k, w.bits, w.group, xp.data(), sums.data());
+  PreparedActivations prepared;
+  prepared.prepare(x, m, w.k, w.bits, w.group);
   auto range = [&](int begin, int end) {
     for (int r0 = 0; r0 < m; r0 += kMaxRows) {
-      const PreparedRows rows{xp.data() + static_cast<size_t>(r0) * w.k, sums.data() + static_cast<size_t>(r0) * groups,
-                              std::min(kMaxRows, m - r0)};
-      quantized_dot_rows(w, rows, begin, end, out + static_cast<size_t>(r0) * w.n + begin, w.n);
+      quantized_dot_rows(w, prepared.rows(r0, std::min(kMaxRows, m - r0)), begin, end,
+                         out + static_cast<size_t>(r0) * w.n + begin, w.n);
     }
   };
   parallel_for(w.n, grain_for(w.n, static_cast<int64_t>(w.k) * m), range);
@@ -227,9 +225,8 @@ std::vector<mx::array> quantized_matmul_group_cpu(const mx::array& x, const std:
     std::vector<float> copy;
     const float* xr = rows_of(in[0], copy);
     // As dot_rows, x prepared once for every matrix; the pool splits the concatenated output rows.
-    const int groups = k / group_size;
-    std::vector<float> xp(static_cast<size_t>(m) * k), sums(static_cast<size_t>(m) * groups);
-    prepare_activations(xr, m, k, bits, group_size, xp.data(), sums.data());
+    PreparedActivations prepared;
+    prepared.prepare(xr, m, k, bits, group_size);
     auto range = [&](int begin, int end) {
       for (size_t i = 0, offset = 0; i < ws.size() && static_cast<int>(offset) < end; offset += ws[i].n, ++i) {
         const int lo = std::max(begin, static_cast<int>(offset)) - static_cast<int>(offset);
@@ -237,9 +234,8 @@ std::vector<mx::array> quantized_matmul_group_cpu(const mx::array& x, const std:
         if (lo >= hi) continue;
         float* o = out[i].data<float>();
         for (int r0 = 0; r0 < m; r0 += kMaxRows) {
-          const PreparedRows rows{xp.data() + static_cast<size_t>(r0) * k, sums.data() + static_cast<size_t>(r0) * groups,
-                                  std::min(kMaxRows, m - r0)};
-          quantized_dot_rows(ws[i], rows, lo, hi, o + static_cast<size_t>(r0) * ws[i].n + lo, ws[i].n);
+          quantized_dot_rows(ws[i], prepared.rows(r0, std::min(kMaxRows, m - r0)), lo, hi,
+                             o + static_cast<size_t>(r0) * ws[i].n + lo, ws[i].n);
         }
         if (with_bias[i]) {
           // One float32 add per output, as mx::add of the [N] bias does after the product.
@@ -278,6 +274,11 @@ std::vector<mx::array> quantized_matmul_group_cpu(const mx::array& x, const std:
 // For `backends.mlx.runtime.kernels_info()` (benchmarks and tests say what they measured).
 extern "C" __attribute__((visibility("default"))) const char* etmlx_quantized_rows_isa() {
   return etmlx::kernels::quantized_rows_isa();
+}
+
+// The few-row loop's activation precision for the usual layout (4 bits, group 64) on this CPU.
+extern "C" __attribute__((visibility("default"))) const char* etmlx_quantized_activations() {
+  return etmlx::kernels::activation_precision_name(etmlx::kernels::rows_precision(4, 64));
 }
 
 extern "C" __attribute__((visibility("default"))) long long etmlx_grouped_linear_nodes() {

@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
+#include <vector>
 
 #include "kernels/quantized_rows_variants.h"
 
@@ -61,6 +62,82 @@ void prepare_activations(const float* x, int m, int k, int bits, int group, floa
       sums[static_cast<int64_t>(r) * groups + g] = s;
     }
   }
+}
+
+namespace {
+const RowsVariant& chosen();  // below: the variant in use
+}  // namespace
+
+ActivationPrecision rows_precision(int bits, int group) {
+  const ActivationPrecision wanted = activation_precision();
+  if (wanted == ActivationPrecision::float32 || (bits != 4 && bits != 8) || group % kIntBlock != 0) {
+    return ActivationPrecision::float32;
+  }
+  return chosen().integer_rows ? wanted : ActivationPrecision::float32;
+}
+
+void PreparedActivations::prepare(const float* x, int m, int k, int bits, int group) {
+  k_ = k, groups_ = k / group;
+  precision_ = rows_precision(bits, group);
+  sums_.resize(static_cast<size_t>(m) * groups_);
+  if (precision_ == ActivationPrecision::float32) {
+    xp_.resize(static_cast<size_t>(m) * k);
+    prepare_activations(x, m, k, bits, group, xp_.data(), sums_.data());
+    return;
+  }
+  hi_.resize(static_cast<size_t>(m) * k);
+  lo_.resize(precision_ == ActivationPrecision::int16 ? static_cast<size_t>(m) * k : 0);
+  steps_.resize(static_cast<size_t>(m) * groups_);
+  residuals_.resize(steps_.size());
+  prepare_integer_activations(x, m, k, bits, group, precision_, hi_.data(), lo_.empty() ? nullptr : lo_.data(),
+                              steps_.data(), residuals_.data(), sums_.data());
+}
+
+void prepare_integer_activations(const float* x, int m, int k, int bits, int group, ActivationPrecision precision,
+                                 int8_t* hi, int8_t* lo, float* steps, float* residuals, float* sums) {
+  const int groups = k / group;
+  const bool int16 = precision == ActivationPrecision::int16;
+  std::vector<int8_t> qh(group), ql(group);
+  for (int r = 0; r < m; ++r) {
+    for (int g = 0; g < groups; ++g) {
+      const int64_t at = static_cast<int64_t>(r) * groups + g;
+      const float* xg = x + static_cast<int64_t>(r) * k + static_cast<int64_t>(g) * group;
+      float sum = 0.0f;
+      for (int i = 0; i < group; ++i) sum += xg[i];  // as prepare_activations: the bias term stays float32
+      sums[at] = sum;
+      const float step = quantize_activation_group(xg, group, precision, qh.data(), int16 ? ql.data() : nullptr);
+      steps[at] = step;
+      float residual = 0.0f;  // small terms, each x - step * q within one rounding
+      for (int i = 0; i < group; ++i) {
+        const float q = int16 ? 256.0f * qh[i] + ql[i] : qh[i];
+        residual += std::fma(-step, q, xg[i]);
+      }
+      residuals[at] = residual;
+      const int64_t first = static_cast<int64_t>(r) * k + static_cast<int64_t>(g) * group;
+      for (int b = 0; b < group; b += kIntBlock) {
+        for (int i = 0; i < kIntBlock; ++i) {
+          // 4 bits: the block's packed byte j holds values 2j (low nibble) and 2j + 1 (high nibble); the loop
+          // reads all 32 low nibbles, then all 32 high ones.
+          const int src = bits == 4 ? (i < kIntBlock / 2 ? 2 * i : 2 * (i - kIntBlock / 2) + 1) : i;
+          hi[first + b + i] = qh[b + src];
+          if (int16) lo[first + b + i] = ql[b + src];
+        }
+      }
+    }
+  }
+}
+
+PreparedRows PreparedActivations::rows(int first, int count) const {
+  PreparedRows rows{nullptr, sums_.data() + static_cast<size_t>(first) * groups_, count};
+  if (precision_ == ActivationPrecision::float32) {
+    rows.x = xp_.data() + static_cast<size_t>(first) * k_;
+  } else {
+    rows.hi = hi_.data() + static_cast<size_t>(first) * k_;
+    rows.lo = lo_.empty() ? nullptr : lo_.data() + static_cast<size_t>(first) * k_;
+    rows.steps = steps_.data() + static_cast<size_t>(first) * groups_;
+    rows.residuals = residuals_.data() + static_cast<size_t>(first) * groups_;
+  }
+  return rows;
 }
 
 namespace {

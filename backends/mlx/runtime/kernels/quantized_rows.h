@@ -19,6 +19,9 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
+
+#include "kernels/quantized_activations.h"
 
 namespace etmlx::kernels {
 
@@ -34,9 +37,21 @@ struct QuantizedMatrix {
 
 // Activation rows in the order the kernels read them (see above).
 struct PreparedRows {
-  const float* x;           // [m, k]
+  const float* x;           // [m, k]; unused (may be null) when `hi` is set
   const float* group_sums;  // [m, k / group]: sum of each group of x's values
   int m;
+  // Integer activations (quantized_activations.h), when the call uses them: the AVX-512 VNNI loop then
+  // reads these instead of x. [m, k] bytes each, per 64 values in the order that loop reads W (4 bits:
+  // the 32 even values, then the 32 odd ones; 8 bits: as they are); `lo` only for int16; one step per
+  // group, [m, k / group].
+  const int8_t* hi = nullptr;
+  const int8_t* lo = nullptr;
+  const float* steps = nullptr;
+  // [m, k / group]: sum over the group of x_i - step * q_i, the rounding the integers left. The loop
+  // computes scale * step * (q_w . q_x) + bias * sum(x) + 2^(bits-1) * scale * residual, which is
+  // scale * ((q_w - 2^(bits-1)) . (x - rounding)) + (bias + 2^(bits-1) * scale) * sum(x): the rounding
+  // meets the centred weights (|q_w - 8| <= 8 at 4 bits), about half the error of meeting q_w (<= 15).
+  const float* residuals = nullptr;
 };
 
 // A float32 scale or bias from either stored type.
@@ -45,6 +60,30 @@ float f16_to_float(uint16_t h);
 
 // xp [m, k] and sums [m, k / group] from x [m, k] float32.
 void prepare_activations(const float* x, int m, int k, int bits, int group, float* xp, float* sums);
+
+// The integer rows of PreparedRows for m rows of x [m, k] at `precision` (int16 or int8; a group a multiple
+// of kIntBlock = 64): hi [m, k], lo [m, k] (int16 only; else may be null), steps and residuals [m, k / group],
+// and sums as prepare_activations makes them.
+void prepare_integer_activations(const float* x, int m, int k, int bits, int group, ActivationPrecision precision,
+                                 int8_t* hi, int8_t* lo, float* steps, float* residuals, float* sums);
+
+// The precision the few-row loop runs for W's bits and group on this CPU: activation_precision() where
+// the variant in use has integer loops for them (AVX-512 with VNNI, groups a multiple of 64), else float32.
+ActivationPrecision rows_precision(int bits, int group);
+
+// A call's activation rows, prepared once for every matrix of its shape that reads them.
+class PreparedActivations {
+ public:
+  void prepare(const float* x, int m, int k, int bits, int group);
+  // Rows [first, first + count) (count <= kMaxRows).
+  PreparedRows rows(int first, int count) const;
+
+ private:
+  std::vector<float> xp_, sums_, steps_, residuals_;
+  std::vector<int8_t> hi_, lo_;
+  int k_ = 0, groups_ = 0;
+  ActivationPrecision precision_ = ActivationPrecision::float32;
+};
 
 // out[r * ldo + j] = row r of the prepared activations . W[n_begin + j], for j < n_end - n_begin
 // and every row r < rows.m (at most kMaxRows: the caller splits larger batches). A row's result

@@ -16,6 +16,8 @@ struct RowsVariant {
   const char* name;
   void (*dot)(const QuantizedMatrix& w, const PreparedRows& rows, int n_begin, int n_end, float* out, int64_t ldo);
   void (*dequantize)(const QuantizedMatrix& w, int n_begin, int n_end, float* out);
+  // Whether `dot` also takes integer activation rows (PreparedRows::hi set) for groups a multiple of 64.
+  bool integer_rows = false;
 };
 
 const RowsVariant& scalar_rows();
@@ -23,6 +25,9 @@ const RowsVariant& scalar_rows();
 const RowsVariant* avx2_rows();
 const RowsVariant* avx512_rows();
 const RowsVariant* neon_rows();
+
+// Values per block of the integer (VNNI) loop: 32 packed bytes at 4 bits, 64 at 8; one vpdpbusd each.
+constexpr int kIntBlock = 64;
 
 // Activation values per chunk: every variant reads W 32 values at a time (16 bytes at 4 bits, 32 at
 // 8); group sizes 32, 64 and 128 are whole chunks.

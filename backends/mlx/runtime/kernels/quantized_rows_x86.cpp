@@ -283,6 +283,115 @@ ETMLX_AVX512 void dequantize_avx512(const QuantizedMatrix& w, int n_begin, int n
   }
 }
 
+// ---- AVX-512 VNNI: integer activations (quantized_activations.h), a block of 64 values per vpdpbusd ----
+
+#define ETMLX_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma")))
+
+// W's 64-value block as 64 unsigned bytes, in PreparedRows::hi's order: at 4 bits the 32 low nibbles
+// (even values) then the 32 high ones, with no zero-extension to 32 bits as the float32 loop needs.
+template <int BITS>
+ETMLX_AVX512_VNNI ETMLX_INLINE __m512i block_vnni(const uint8_t* p) {
+  if constexpr (BITS == 4) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(b), _mm256_srli_epi16(b, 4), 1);
+    return _mm512_and_si512(both, _mm512_set1_epi8(0x0f));
+  } else {
+    return _mm512_loadu_si512(p);
+  }
+}
+
+// As dot_block_avx512 (NB rows of W against M activation rows), on integer activations: per group the
+// integer sum q_w . q_x exactly in int32 lanes (int16: 256 * (q_w . hi) + q_w . lo), then one float32
+// multiply-add by scale * step. BL blocks per group (0: at run time). The order of every operation is the
+// same for any NB, M and range, so a row's bits depend only on that row and W.
+template <int BITS, int M, ScaleType T, bool INT16, int NB, int BL>
+ETMLX_AVX512_VNNI ETMLX_INLINE void dot_block_vnni(const QuantizedMatrix& w, const PreparedRows& rows, int n,
+                                                   float* out, int64_t ldo) {
+  constexpr int block_bytes = kIntBlock * BITS / 8;
+  const int groups = w.k / w.group, blocks = BL > 0 ? BL : w.group / kIntBlock;
+  const int64_t row_bytes = static_cast<int64_t>(w.k) * BITS / 8;
+  const uint8_t* wb[NB];
+  __m512 total[NB][M];
+  float bias_part[NB][M];
+  ETMLX_UNROLL
+  for (int j = 0; j < NB; ++j) {
+    wb[j] = reinterpret_cast<const uint8_t*>(w.w) + (n + j) * row_bytes;
+    ETMLX_UNROLL
+    for (int r = 0; r < M; ++r) total[j][r] = _mm512_setzero_ps(), bias_part[j][r] = 0.0f;
+  }
+  int64_t pos = 0;  // into each activation row's bytes
+  for (int g = 0; g < groups; ++g) {
+    ETMLX_UNROLL
+    for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(wb[j]) + kPrefetchBytes, _MM_HINT_T0);
+    __m512i acc_hi[NB][M], acc_lo[NB][M];
+    ETMLX_UNROLL
+    for (int j = 0; j < NB; ++j)
+      ETMLX_UNROLL
+      for (int r = 0; r < M; ++r) acc_hi[j][r] = acc_lo[j][r] = _mm512_setzero_si512();
+    for (int c = 0; c < blocks; ++c, pos += kIntBlock) {
+      __m512i vh[M], vl[M];
+      ETMLX_UNROLL
+      for (int r = 0; r < M; ++r) {
+        vh[r] = _mm512_loadu_si512(rows.hi + static_cast<int64_t>(r) * w.k + pos);
+        if constexpr (INT16) vl[r] = _mm512_loadu_si512(rows.lo + static_cast<int64_t>(r) * w.k + pos);
+      }
+      ETMLX_UNROLL
+      for (int j = 0; j < NB; ++j) {
+        const __m512i wv = block_vnni<BITS>(wb[j]);
+        wb[j] += block_bytes;
+        ETMLX_UNROLL
+        for (int r = 0; r < M; ++r) {
+          acc_hi[j][r] = _mm512_dpbusd_epi32(acc_hi[j][r], wv, vh[r]);
+          if constexpr (INT16) acc_lo[j][r] = _mm512_dpbusd_epi32(acc_lo[j][r], wv, vl[r]);
+        }
+      }
+    }
+    ETMLX_UNROLL
+    for (int j = 0; j < NB; ++j) {
+      const int64_t at = static_cast<int64_t>(n + j) * groups + g;
+      const float s = load_scale<T>(w.scales, at), b = load_scale<T>(w.biases, at);
+      const float centre = s * static_cast<float>(1 << (BITS - 1));  // see PreparedRows::residuals
+      ETMLX_UNROLL
+      for (int r = 0; r < M; ++r) {
+        // |256 * hi-sum + lo-sum| < 2^27 per lane even at 8 bits and group 128: no overflow.
+        const __m512i a = INT16 ? _mm512_add_epi32(_mm512_slli_epi32(acc_hi[j][r], 8), acc_lo[j][r]) : acc_hi[j][r];
+        const int64_t rg = static_cast<int64_t>(r) * groups + g;
+        total[j][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(s * rows.steps[rg]), total[j][r]);
+        bias_part[j][r] = __builtin_fmaf(b, rows.group_sums[rg], bias_part[j][r]);
+        bias_part[j][r] = __builtin_fmaf(centre, rows.residuals[rg], bias_part[j][r]);
+      }
+    }
+  }
+  ETMLX_UNROLL
+  for (int j = 0; j < NB; ++j)
+    ETMLX_UNROLL
+    for (int r = 0; r < M; ++r) out[r * ldo + j] = _mm512_reduce_add_ps(total[j][r]) + bias_part[j][r];
+}
+
+template <int BITS, int M, ScaleType T, bool INT16, int BL>
+ETMLX_AVX512_VNNI void dot_vnni_bl(const QuantizedMatrix& w, const PreparedRows& rows, int n_begin, int n_end,
+                                   float* out, int64_t ldo) {
+  int n = n_begin;
+  if constexpr (M == 1) {  // two rows of W per pass, as the float32 loop (each x block loaded once for both)
+    for (; n + 2 <= n_end; n += 2) dot_block_vnni<BITS, M, T, INT16, 2, BL>(w, rows, n, out + (n - n_begin), ldo);
+  }
+  for (; n < n_end; ++n) dot_block_vnni<BITS, M, T, INT16, 1, BL>(w, rows, n, out + (n - n_begin), ldo);
+}
+
+template <int BITS, int M, ScaleType T>
+void dot_vnni(const QuantizedMatrix& w, const PreparedRows& rows, int n_begin, int n_end, float* out, int64_t ldo) {
+  const bool int16 = rows.lo != nullptr;
+  const int blocks = w.group / kIntBlock;
+  if (int16) {
+    if (blocks == 1) return dot_vnni_bl<BITS, M, T, true, 1>(w, rows, n_begin, n_end, out, ldo);
+    if (blocks == 2) return dot_vnni_bl<BITS, M, T, true, 2>(w, rows, n_begin, n_end, out, ldo);
+    return dot_vnni_bl<BITS, M, T, true, 0>(w, rows, n_begin, n_end, out, ldo);
+  }
+  if (blocks == 1) return dot_vnni_bl<BITS, M, T, false, 1>(w, rows, n_begin, n_end, out, ldo);
+  if (blocks == 2) return dot_vnni_bl<BITS, M, T, false, 2>(w, rows, n_begin, n_end, out, ldo);
+  dot_vnni_bl<BITS, M, T, false, 0>(w, rows, n_begin, n_end, out, ldo);
+}
+
 // ---- dispatch (plain functions: the templates above carry the targets) ----
 
 void dot_avx2_any(const QuantizedMatrix& w, const PreparedRows& rows, int n_begin, int n_end, float* out,
@@ -299,7 +408,11 @@ void dequantize_avx2_any(const QuantizedMatrix& w, int n_begin, int n_end, float
 void dot_avx512_any(const QuantizedMatrix& w, const PreparedRows& rows, int n_begin, int n_end, float* out,
                     int64_t ldo) {
   dispatch_rows(w.bits, rows.m, w.scale_type, [&]<int B, int M, ScaleType T>() {
-    dot_avx512<B, M, T>(w, rows, n_begin, n_end, out, ldo);
+    if (rows.hi != nullptr) {
+      dot_vnni<B, M, T>(w, rows, n_begin, n_end, out, ldo);
+    } else {
+      dot_avx512<B, M, T>(w, rows, n_begin, n_end, out, ldo);
+    }
   });
 }
 
@@ -317,9 +430,11 @@ const RowsVariant* avx2_rows() {
 }
 
 const RowsVariant* avx512_rows() {
-  static const RowsVariant v{"avx512", dot_avx512_any, dequantize_avx512_any};
   static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") &&
                          __builtin_cpu_supports("fma");
+  // Integer activation rows where the CPU has VNNI (and BW, for the byte ops).
+  static const RowsVariant v{"avx512", dot_avx512_any, dequantize_avx512_any,
+                             ok && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni")};
   return ok ? &v : nullptr;
 }
 
