@@ -95,6 +95,9 @@ void PreparedActivations::prepare(const float* x, int m, int k, int bits, int gr
 
 void prepare_integer_activations(const float* x, int m, int k, int bits, int group, ActivationPrecision precision,
                                  int8_t* hi, int8_t* lo, float* steps, float* residuals, float* sums) {
+  if (chosen().prepare_integer != nullptr) {
+    return chosen().prepare_integer(x, m, k, bits, group, precision, hi, lo, steps, residuals, sums);
+  }
   const int groups = k / group;
   const bool int16 = precision == ActivationPrecision::int16;
   std::vector<int8_t> qh(group), ql(group);
@@ -107,10 +110,10 @@ void prepare_integer_activations(const float* x, int m, int k, int bits, int gro
       sums[at] = sum;
       const float step = quantize_activation_group(xg, group, precision, qh.data(), int16 ? ql.data() : nullptr);
       steps[at] = step;
-      float residual = 0.0f;  // small terms, each x - step * q within one rounding
+      float residual = 0.0f;  // small terms, each x - step * q exact in double (24 x 16 bits) and rounded once
       for (int i = 0; i < group; ++i) {
-        const float q = int16 ? 256.0f * qh[i] + ql[i] : qh[i];
-        residual += std::fma(-step, q, xg[i]);
+        const double q = int16 ? 256.0 * qh[i] + ql[i] : qh[i];
+        residual += static_cast<float>(static_cast<double>(xg[i]) - static_cast<double>(step) * q);
       }
       residuals[at] = residual;
       const int64_t first = static_cast<int64_t>(r) * k + static_cast<int64_t>(g) * group;

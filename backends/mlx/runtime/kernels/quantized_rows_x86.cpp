@@ -392,6 +392,77 @@ void dot_vnni(const QuantizedMatrix& w, const PreparedRows& rows, int n_begin, i
   dot_vnni_bl<BITS, M, T, false, 0>(w, rows, n_begin, n_end, out, ldo);
 }
 
+// prepare_integer_activations (quantized_rows.h) 16 lanes at a time: the portable loop's integers and steps
+// (round to nearest even, as nearbyint), its sums and residuals summed in another order. The reorder of a 4-bit
+// block (even values, then odd ones) is vpmovwb of the block's bytes seen as 16-bit words, and of them >> 8.
+// A block's 64 bytes from natural order into PreparedRows::hi's (see above).
+ETMLX_AVX512_VNNI ETMLX_INLINE void place_block(const int8_t* natural, int bits, int8_t* out) {
+  const __m512i z = _mm512_load_si512(natural);
+  if (bits == 4) {
+    const __m256i even = _mm512_cvtepi16_epi8(z), odd = _mm512_cvtepi16_epi8(_mm512_srli_epi16(z, 8));
+    _mm512_storeu_si512(out, _mm512_inserti64x4(_mm512_castsi256_si512(even), odd, 1));
+  } else {
+    _mm512_storeu_si512(out, z);
+  }
+}
+
+ETMLX_AVX512_VNNI void prepare_integer_avx512(const float* x, int m, int k, int bits, int group,
+                                              ActivationPrecision precision, int8_t* hi, int8_t* lo, float* steps,
+                                              float* residuals, float* sums) {
+  const int groups = k / group;
+  const bool int16 = precision == ActivationPrecision::int16;
+  const int qmax = int16 ? kInt16Max : kInt8Max;
+  for (int r = 0; r < m; ++r) {
+    for (int g = 0; g < groups; ++g) {
+      const int64_t at = static_cast<int64_t>(r) * groups + g, first = static_cast<int64_t>(r) * k + int64_t{g} * group;
+      const float* xg = x + first;
+      __m512 vmax = _mm512_setzero_ps(), vsum = _mm512_setzero_ps(), probe = _mm512_setzero_ps();
+      for (int i = 0; i < group; i += 16) {
+        const __m512 v = _mm512_loadu_ps(xg + i);
+        vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
+        vsum = _mm512_add_ps(vsum, v);
+        probe = _mm512_add_ps(probe, _mm512_sub_ps(v, v));  // NaN when any value is not finite
+      }
+      sums[at] = _mm512_reduce_add_ps(vsum);
+      const float largest = _mm512_reduce_max_ps(vmax);
+      const bool finite = _mm512_reduce_add_ps(probe) == 0.0f;
+      if (!finite || largest == 0.0f) {  // as quantize_activation_group
+        std::memset(hi + first, 0, group);
+        if (int16) std::memset(lo + first, 0, group);
+        steps[at] = finite ? 0.0f : __builtin_nanf("");
+        residuals[at] = finite ? 0.0f : __builtin_nanf("");
+        continue;
+      }
+      const float step = largest / static_cast<float>(qmax);
+      const __m512 inverse = _mm512_set1_ps(static_cast<float>(qmax) / largest), vstep = _mm512_set1_ps(step);
+      const __m512i top = _mm512_set1_epi32(qmax), bottom = _mm512_set1_epi32(-qmax);
+      __m512 residual = _mm512_setzero_ps();
+      for (int b = 0; b < group; b += kIntBlock) {
+        alignas(64) int8_t hb[kIntBlock], lb[kIntBlock];
+        for (int i = 0; i < kIntBlock; i += 16) {
+          const __m512 v = _mm512_loadu_ps(xg + b + i);
+          __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v, inverse));  // MXCSR's round to nearest even
+          q = _mm512_max_epi32(_mm512_min_epi32(q, top), bottom);
+          residual = _mm512_add_ps(residual, _mm512_fnmadd_ps(vstep, _mm512_cvtepi32_ps(q), v));
+          if (int16) {
+            const __m512i low = _mm512_sub_epi32(
+                _mm512_and_si512(_mm512_add_epi32(q, _mm512_set1_epi32(128)), _mm512_set1_epi32(255)),
+                _mm512_set1_epi32(128));
+            _mm_store_si128(reinterpret_cast<__m128i*>(lb + i), _mm512_cvtepi32_epi8(low));
+            _mm_store_si128(reinterpret_cast<__m128i*>(hb + i), _mm512_cvtepi32_epi8(_mm512_srai_epi32(_mm512_sub_epi32(q, low), 8)));
+          } else {
+            _mm_store_si128(reinterpret_cast<__m128i*>(hb + i), _mm512_cvtepi32_epi8(q));
+          }
+        }
+        place_block(hb, bits, hi + first + b);
+        if (int16) place_block(lb, bits, lo + first + b);
+      }
+      steps[at] = step;
+      residuals[at] = _mm512_reduce_add_ps(residual);
+    }
+  }
+}
+
 // ---- dispatch (plain functions: the templates above carry the targets) ----
 
 void dot_avx2_any(const QuantizedMatrix& w, const PreparedRows& rows, int n_begin, int n_end, float* out,
@@ -433,8 +504,9 @@ const RowsVariant* avx512_rows() {
   static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") &&
                          __builtin_cpu_supports("fma");
   // Integer activation rows where the CPU has VNNI (and BW, for the byte ops).
-  static const RowsVariant v{"avx512", dot_avx512_any, dequantize_avx512_any,
-                             ok && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni")};
+  static const bool vnni = ok && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+  static const RowsVariant v{"avx512", dot_avx512_any, dequantize_avx512_any, vnni,
+                             vnni ? prepare_integer_avx512 : nullptr};
   return ok ? &v : nullptr;
 }
 
