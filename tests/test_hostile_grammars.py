@@ -126,7 +126,7 @@ def _first_mask(vocabulary, constraint) -> np.ndarray:
 @pytest.mark.parametrize("constraint, limits, needle", [
     (Constraint("json_schema", ref_chain(CHAIN)), RAISED, "ran out of stack"),
     (Constraint("grammar", lark_chain(LARK_CHAIN)), RAISED, "ran out of stack"),
-    (Constraint("choice", [f"item{i}" for i in range(50_000)]), dict(RAISED, grammar_memory_mb=64),
+    (Constraint("choice", [f"item{i}" for i in range(200_000)]), dict(RAISED, grammar_memory_mb=128),
      "--grammar-memory-mb"),
     (Constraint("choice", [f"item{i}" for i in range(50_000)]), dict(RAISED, grammar_compile_timeout=0.5),
      "--grammar-compile-timeout"),
