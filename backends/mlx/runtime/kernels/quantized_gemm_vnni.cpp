@@ -1,0 +1,405 @@
+// quantized_gemm_vnni.h: the integer-activation GEMM on AVX-512 VNNI (functions with their own target
+// attribute, so the library stays baseline x86-64).
+#include "kernels/quantized_gemm_vnni.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <new>
+
+#include "kernels/quantized_rows_variants.h"
+#include "kernels/thread_pool.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12's AVX-512 headers (see quantized_rows_x86.cpp)
+#endif
+
+#include <immintrin.h>
+
+namespace etmlx::kernels {
+
+namespace {
+
+#define ETMLX_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma")))
+#define ETMLX_INLINE inline __attribute__((always_inline))
+#define ETMLX_UNROLL_ALL _Pragma("GCC unroll 16")
+
+// 4 bytes of one activation row read as the int32 that vpdpbusd broadcasts.
+typedef int32_t __attribute__((may_alias)) word_t;
+
+// Register tile: 2 vectors of 16 W rows times kTileX activation rows: 24 int32 accumulators, the two
+// weight vectors and the broadcasts (embedded in vpdpbusd) fit the 32 registers; per 4 k values 24
+// vpdpbusd against 2 vector loads and 12 broadcasts. The float32 sums of the group terms live in a
+// 12 x 32 tile in L1, updated once per group.
+constexpr int kTileW = 32;
+constexpr int kTileX = 12;
+constexpr int kStepBytesW = kTileW * 4;  // one k step (4 values) of a W tile
+constexpr int kStepBytesX = kTileX * 4;  // one k step of an activation panel
+
+// A thread's W block: about 512 KB of bytes and scales (in a 1-2 MB L2), 2 to 16 tiles, as the float GEMM.
+constexpr int64_t kBufferBytes = 1 << 19;
+int64_t tile_bytes(int k, int groups) { return int64_t{kTileW} * k + 2 * int64_t{groups} * kTileW * 4; }
+int tiles_per_block(int k, int groups) {
+  return static_cast<int>(std::clamp<int64_t>(kBufferBytes / tile_bytes(k, groups), 2, 16));
+}
+
+struct AlignedFree {
+  void operator()(void* p) const { std::free(p); }
+};
+using Buffer = std::unique_ptr<char[], AlignedFree>;
+
+// A buffer of at least `bytes`, kept in `buf` between calls (a fresh one per linear costs page faults).
+char* reserve(Buffer& buf, size_t& have, size_t bytes) {
+  if (have < bytes) {
+    const size_t size = std::max<size_t>((bytes + 63) / 64 * 64, 64);
+    char* p = static_cast<char*>(std::aligned_alloc(64, size));
+    if (p == nullptr) throw std::bad_alloc();
+    buf.reset(p);
+    have = size;
+  }
+  return buf.get();
+}
+
+// The order of a 32-value chunk in both operands: natural for 8 bits; for 4 bits the even values (the
+// low nibbles of the chunk's 16 bytes) then the odd ones, so that unpacking W needs no interleave.
+// Within a group the order of the products does not matter: their sum is exact.
+
+// Activations, per panel of kTileX rows: planes (int16: hi then lo; int8: one) of [k / 4][kTileX][4]
+// bytes, then per group and row the step and the float32 sum of x.
+struct Activations {
+  int8_t* bytes;  // [panels][planes][k * kTileX]
+  float* steps;   // [panels][groups][kTileX]
+  float* sums;    // [panels][groups][kTileX]
+  int planes, groups;
+  int64_t panel_bytes() const { return int64_t{planes} * plane_bytes; }
+  int64_t plane_bytes;
+};
+
+// Group g of row r of a panel from x (the group's `group` values; null: a padding row of zeros):
+// quantize_activation_group's integers (the same bits: a float32 multiply by qmax / max|x|, round to
+// nearest even, clamp), vectorized. The caller goes through a panel group by group, its rows in turn, so
+// the 4-byte stores stay within the group's few hundred bytes of the panel.
+template <int BITS, bool INT16>
+ETMLX_VNNI void prepare_group(const float* x, int group, int g, int8_t* panel, int64_t plane_bytes, float* steps,
+                              float* sums, int r) {
+  const int qmax = INT16 ? kInt16Max : kInt8Max;
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  const __m512i top = _mm512_set1_epi32(qmax), bottom = _mm512_set1_epi32(-qmax);
+  float largest = 0.0f, sum = 0.0f;
+  bool finite = true;
+  if (x != nullptr) {
+    __m512 mx = _mm512_setzero_ps(), s = _mm512_setzero_ps();
+    __mmask16 bad = 0;
+    for (int i = 0; i < group; i += 16) {
+      const __m512 v = _mm512_loadu_ps(x + i);
+      mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
+      s = _mm512_add_ps(s, v);
+      const __m512 d = _mm512_sub_ps(v, v);  // NaN for inf and NaN
+      bad |= _mm512_cmp_ps_mask(d, d, _CMP_UNORD_Q);
+    }
+    finite = bad == 0;
+    largest = _mm512_reduce_max_ps(mx);
+    sum = _mm512_reduce_add_ps(s);
+  }
+  const bool zero = x == nullptr || !finite || largest == 0.0f;
+  steps[g * kTileX + r] = x == nullptr ? 0.0f : !finite ? std::nanf("") : largest / static_cast<float>(qmax);
+  sums[g * kTileX + r] = sum;
+  const __m512 inverse = _mm512_set1_ps(zero ? 0.0f : static_cast<float>(qmax) / largest);
+  for (int c = 0; c < group; c += 32) {
+    __m512i q0 = _mm512_setzero_si512(), q1 = _mm512_setzero_si512();
+    if (!zero) {
+      q0 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + c), inverse));
+      q1 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + c + 16), inverse));
+      q0 = _mm512_min_epi32(_mm512_max_epi32(q0, bottom), top);
+      q1 = _mm512_min_epi32(_mm512_max_epi32(q1, bottom), top);
+    }
+    __m512i a = q0, b = q1;
+    if constexpr (BITS == 4) {
+      a = _mm512_permutex2var_epi32(q0, even, q1);
+      b = _mm512_permutex2var_epi32(q0, odd, q1);
+    }
+    const int64_t step0 = (static_cast<int64_t>(g) * group + c) / 4;  // the chunk's first k step
+    for (int plane = 0; plane < (INT16 ? 2 : 1); ++plane) {
+      __m512i pa = a, pb = b;
+      if constexpr (INT16) {  // q = 256 * hi + lo, lo the signed low byte
+        const __m512i la = _mm512_srai_epi32(_mm512_slli_epi32(a, 24), 24);
+        const __m512i lb = _mm512_srai_epi32(_mm512_slli_epi32(b, 24), 24);
+        pa = plane == 0 ? _mm512_srai_epi32(_mm512_sub_epi32(a, la), 8) : la;
+        pb = plane == 0 ? _mm512_srai_epi32(_mm512_sub_epi32(b, lb), 8) : lb;
+      }
+      alignas(16) int32_t words[8];
+      _mm_store_si128(reinterpret_cast<__m128i*>(words), _mm512_cvtepi32_epi8(pa));
+      _mm_store_si128(reinterpret_cast<__m128i*>(words + 4), _mm512_cvtepi32_epi8(pb));
+      int8_t* out = panel + plane * plane_bytes + (step0 * kTileX + r) * 4;
+      for (int j = 0; j < 8; ++j) std::memcpy(out + j * kStepBytesX, &words[j], 4);
+    }
+  }
+}
+
+// Unpacks W rows n0 .. n0 + 31 (rows past w.n: 0) into wt [k / 4][32][4] bytes and their scales and
+// biases into sc, bi [groups][32]; 32 k values at a time for all 32 rows, so that the 4-byte stores stay
+// within 1 KB of wt.
+template <int BITS, ScaleType T>
+ETMLX_VNNI void unpack_tile(const QuantizedMatrix& w, int n0, uint8_t* wt, float* sc, float* bi) {
+  const int groups = w.k / w.group;
+  const int64_t row_bytes = static_cast<int64_t>(w.k) * BITS / 8;
+  const int rows = std::min(kTileW, w.n - n0);
+  const __m128i mask = _mm_set1_epi8(0x0f);
+  const uint8_t* w0 = reinterpret_cast<const uint8_t*>(w.w) + n0 * row_bytes;
+  for (int c = 0; c < w.k; c += 32) {
+    uint8_t* out = wt + static_cast<int64_t>(c / 4) * kStepBytesW;
+    for (int rr = 0; rr < kTileW; ++rr) {
+      alignas(16) uint8_t chunk[32] = {};
+      const uint8_t* wb = w0 + rr * row_bytes;
+      if (rr >= rows) {
+        // zeros
+      } else if constexpr (BITS == 4) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + c / 2));
+        _mm_store_si128(reinterpret_cast<__m128i*>(chunk), _mm_and_si128(bytes, mask));
+        _mm_store_si128(reinterpret_cast<__m128i*>(chunk + 16), _mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
+      } else {
+        std::memcpy(chunk, wb + c, 32);
+      }
+      for (int j = 0; j < 8; ++j) std::memcpy(out + j * kStepBytesW + rr * 4, chunk + 4 * j, 4);
+    }
+  }
+  for (int rr = 0; rr < kTileW; ++rr) {
+    for (int g = 0; g < groups; ++g) {
+      const int64_t at = static_cast<int64_t>(n0 + rr) * groups + g;
+      sc[g * kTileW + rr] = rr < rows ? load_scale<T>(w.scales, at) : 0.0f;
+      bi[g * kTileW + rr] = rr < rows ? load_scale<T>(w.biases, at) : 0.0f;
+    }
+  }
+}
+
+// acc + the 4-byte dot products of w's unsigned and x's signed bytes, per int32 lane. As inline assembly:
+// GCC 12 copies the accumulator of _mm512_dpbusd_epi32 into a fresh register and back, which with 24 of
+// them spills a register per instruction (measured 1.3x slower).
+ETMLX_VNNI ETMLX_INLINE __m512i dpbusd(__m512i acc, __m512i w, __m512i x) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x));
+  return acc;
+}
+
+// The tile's 24 accumulators are named variables, one macro expansion per activation row: GCC 12 keeps
+// an array of them on the stack (a store per vpdpbusd), even fully unrolled.
+#define ETMLX_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+static_assert(kTileX == 12, "ETMLX_ROWS names kTileX rows");
+
+// Groups whose integer sums a tile keeps before turning them into float32: 8 x 1.5 KB, in L1.
+constexpr int kChunkGroups = 8;
+
+// isum[g][r][16 v + j] = the integer sum over group g0 + g of activation row r times W tile row 16 v + j,
+// for g < count.
+template <bool INT16>
+ETMLX_VNNI void tile_sums(const uint8_t* wt, const int8_t* panel, int64_t plane_bytes, int group, int g0, int count,
+                          int32_t (*isum)[kTileX][kTileW]) {
+  const int per_group = group / 4;
+  for (int g = 0; g < count; ++g) {
+#define ETMLX_DECLARE(r) __m512i acc##r##_0 = _mm512_setzero_si512(), acc##r##_1 = _mm512_setzero_si512();
+    ETMLX_ROWS(ETMLX_DECLARE)
+    const uint8_t* wg = wt + static_cast<int64_t>(g0 + g) * per_group * kStepBytesW;
+    const int8_t* ag = panel + static_cast<int64_t>(g0 + g) * per_group * kStepBytesX;
+#define ETMLX_DOT(r)                                                                   \
+  {                                                                                    \
+    const __m512i x = _mm512_set1_epi32(*reinterpret_cast<const word_t*>(a + 4 * (r))); \
+    acc##r##_0 = dpbusd(acc##r##_0, w0, x);                                            \
+    acc##r##_1 = dpbusd(acc##r##_1, w1, x);                                            \
+  }
+    for (int plane = 0; plane < (INT16 ? 2 : 1); ++plane) {
+      if (plane == 1) {  // int16: 256 * (qw . hi) + qw . lo
+#define ETMLX_SHIFT(r) acc##r##_0 = _mm512_slli_epi32(acc##r##_0, 8), acc##r##_1 = _mm512_slli_epi32(acc##r##_1, 8);
+        ETMLX_ROWS(ETMLX_SHIFT)
+      }
+      const uint8_t* w = wg;
+      const int8_t* a = ag + plane * plane_bytes;
+      for (int s = 0; s < per_group; ++s, w += kStepBytesW, a += kStepBytesX) {
+        const __m512i w0 = _mm512_load_si512(w), w1 = _mm512_load_si512(w + 64);
+        ETMLX_ROWS(ETMLX_DOT)
+      }
+    }
+#define ETMLX_STORE(r) _mm512_store_si512(isum[g][r], acc##r##_0), _mm512_store_si512(isum[g][r] + 16, acc##r##_1);
+    ETMLX_ROWS(ETMLX_STORE)
+#undef ETMLX_DECLARE
+#undef ETMLX_DOT
+#undef ETMLX_SHIFT
+#undef ETMLX_STORE
+  }
+}
+
+// c[r][16 v + j] += over the chunk's groups g: scale * step * isum + bias * sum, rows r0 .. r0 + 5: the
+// float32 side, with its 12 accumulators in registers (apart from the integer ones, which would not fit).
+#define ETMLX_HALF(X) X(0) X(1) X(2) X(3) X(4) X(5)
+ETMLX_VNNI ETMLX_INLINE void tile_scale(const int32_t (*isum)[kTileX][kTileW], int count, int r0, const float* sc,
+                                        const float* bi, const float* steps, const float* sums,
+                                        float (&c)[kTileX][kTileW]) {
+#define ETMLX_LOAD(r) __m512 c##r##_0 = _mm512_load_ps(c[r0 + r]), c##r##_1 = _mm512_load_ps(c[r0 + r] + 16);
+  ETMLX_HALF(ETMLX_LOAD)
+  for (int g = 0; g < count; ++g) {
+    const __m512 s0 = _mm512_load_ps(sc + g * kTileW), s1 = _mm512_load_ps(sc + g * kTileW + 16);
+    const __m512 b0 = _mm512_load_ps(bi + g * kTileW), b1 = _mm512_load_ps(bi + g * kTileW + 16);
+    const float* st = steps + g * kTileX + r0;
+    const float* su = sums + g * kTileX + r0;
+    const int32_t(*is)[kTileW] = isum[g] + r0;
+#define ETMLX_TERM(r)                                                                                          \
+  {                                                                                                            \
+    const __m512 step = _mm512_set1_ps(st[r]), sum = _mm512_set1_ps(su[r]);                                    \
+    c##r##_0 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(is[r])), s0), step, c##r##_0); \
+    c##r##_1 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(is[r] + 16)), s1), step, c##r##_1); \
+    c##r##_0 = _mm512_fmadd_ps(b0, sum, c##r##_0);                                                             \
+    c##r##_1 = _mm512_fmadd_ps(b1, sum, c##r##_1);                                                             \
+  }
+    ETMLX_HALF(ETMLX_TERM)
+  }
+#define ETMLX_SAVE(r) _mm512_store_ps(c[r0 + r], c##r##_0), _mm512_store_ps(c[r0 + r] + 16, c##r##_1);
+  ETMLX_HALF(ETMLX_SAVE)
+#undef ETMLX_LOAD
+#undef ETMLX_TERM
+#undef ETMLX_SAVE
+}
+
+// c[r][j] = activation row r of the panel . W tile row j, summed group by group in k order: per group the
+// integer sums (tile_sums), then one float32 multiply and two multiply-adds each (tile_scale).
+template <bool INT16>
+ETMLX_VNNI void tile_kernel(const uint8_t* wt, const float* sc, const float* bi, const int8_t* panel,
+                            int64_t plane_bytes, const float* steps, const float* sums, int k, int group,
+                            float (&c)[kTileX][kTileW]) {
+  ETMLX_UNROLL_ALL
+  for (int r = 0; r < kTileX; ++r) {
+    _mm512_store_ps(c[r], _mm512_setzero_ps());
+    _mm512_store_ps(c[r] + 16, _mm512_setzero_ps());
+  }
+  alignas(64) int32_t isum[kChunkGroups][kTileX][kTileW];
+  const int groups = k / group;
+  for (int g0 = 0; g0 < groups; g0 += kChunkGroups) {
+    const int count = std::min(kChunkGroups, groups - g0);
+    tile_sums<INT16>(wt, panel, plane_bytes, group, g0, count, isum);
+    for (int r0 = 0; r0 < kTileX; r0 += kTileX / 2) {
+      tile_scale(isum, count, r0, sc + g0 * kTileW, bi + g0 * kTileW, steps + g0 * kTileX, sums + g0 * kTileX, c);
+    }
+  }
+}
+
+struct Gemm {
+  const QuantizedMatrix& w;
+  const Activations& a;
+  int m;
+  float* out;
+
+  // W tiles [t0, t1) (tile t = rows 32 t .. 32 t + 31), for every activation row.
+  template <int BITS, ScaleType T, bool INT16>
+  ETMLX_VNNI void tiles(int t0, int t1, char* buf) const {
+    const int groups = w.k / w.group;
+    const int64_t per_tile = tile_bytes(w.k, groups);
+    for (int t = t0; t < t1; ++t) {
+      uint8_t* wt = reinterpret_cast<uint8_t*>(buf + (t - t0) * per_tile);
+      float* sc = reinterpret_cast<float*>(wt + int64_t{kTileW} * w.k);
+      unpack_tile<BITS, T>(w, t * kTileW, wt, sc, sc + groups * kTileW);
+    }
+    for (int m0 = 0, p = 0; m0 < m; m0 += kTileX, ++p) {
+      const int8_t* panel = a.bytes + p * a.panel_bytes();
+      const float* steps = a.steps + static_cast<int64_t>(p) * groups * kTileX;
+      const float* sums = a.sums + static_cast<int64_t>(p) * groups * kTileX;
+      const int rows_x = std::min(kTileX, m - m0);
+      for (int t = t0; t < t1; ++t) {
+        const uint8_t* wt = reinterpret_cast<const uint8_t*>(buf + (t - t0) * per_tile);
+        const float* sc = reinterpret_cast<const float*>(wt + int64_t{kTileW} * w.k);
+        alignas(64) float c[kTileX][kTileW];
+        tile_kernel<INT16>(wt, sc, sc + groups * kTileW, panel, a.plane_bytes, steps, sums, w.k, w.group, c);
+        const int n0 = t * kTileW, rows_w = std::min(kTileW, w.n - n0);
+        const __mmask16 m0_mask = static_cast<__mmask16>(rows_w >= 16 ? 0xffff : (1u << rows_w) - 1);
+        const __mmask16 m1_mask = static_cast<__mmask16>(rows_w >= 32 ? 0xffff : rows_w <= 16 ? 0 : (1u << (rows_w - 16)) - 1);
+        for (int r = 0; r < rows_x; ++r) {
+          float* o = out + static_cast<int64_t>(m0 + r) * w.n + n0;
+          _mm512_mask_storeu_ps(o, m0_mask, _mm512_load_ps(c[r]));
+          _mm512_mask_storeu_ps(o + 16, m1_mask, _mm512_load_ps(c[r] + 16));
+        }
+      }
+    }
+  }
+};
+
+template <int BITS, bool INT16>
+ETMLX_VNNI void run(const float* x, int m, const QuantizedMatrix& w, float* out) {
+  const int groups = w.k / w.group, panels = (m + kTileX - 1) / kTileX;
+  // Kept between calls, on the thread that makes them (MLX's CPU thread), as the float GEMM's panels.
+  thread_local Buffer act_buf, scalar_buf;
+  thread_local size_t act_have = 0, scalar_have = 0;
+  Activations a{};
+  a.planes = INT16 ? 2 : 1;
+  a.groups = groups;
+  a.plane_bytes = static_cast<int64_t>(w.k) * kTileX;
+  a.bytes = reinterpret_cast<int8_t*>(reserve(act_buf, act_have, static_cast<size_t>(panels) * a.panel_bytes()));
+  float* scalars = reinterpret_cast<float*>(
+      reserve(scalar_buf, scalar_have, sizeof(float) * 2 * static_cast<size_t>(panels) * groups * kTileX));
+  a.steps = scalars;
+  a.sums = scalars + static_cast<size_t>(panels) * groups * kTileX;
+  auto prepare = [&](int p0, int p1) {
+    for (int p = p0; p < p1; ++p) {
+      for (int g = 0; g < groups; ++g) {
+        for (int r = 0; r < kTileX; ++r) {
+          const int row = p * kTileX + r;
+          prepare_group<BITS, INT16>(row < m ? x + static_cast<int64_t>(row) * w.k + static_cast<int64_t>(g) * w.group
+                                             : nullptr,
+                                     w.group, g, a.bytes + p * a.panel_bytes(), a.plane_bytes,
+                                     a.steps + static_cast<int64_t>(p) * groups * kTileX,
+                                     a.sums + static_cast<int64_t>(p) * groups * kTileX, r);
+        }
+      }
+    }
+  };
+  parallel_for(panels, 1, prepare);
+  const Gemm gemm{w, a, m, out};
+  const int tiles = (w.n + kTileW - 1) / kTileW;
+  const int per_block = tiles_per_block(w.k, groups);
+  // At least two ranges per thread, so that a thread the shared machine slows does not hold up the rest.
+  const int grain = std::clamp(tiles / (2 * pool_threads()), 1, per_block);
+  auto range = [&](int t0, int t1) {
+    thread_local Buffer buf;
+    thread_local size_t have = 0;
+    char* b = reserve(buf, have, static_cast<size_t>(per_block * tile_bytes(w.k, groups)));
+    for (int t = t0; t < t1; t += per_block) {
+      const int t_end = std::min(t1, t + per_block);
+      dispatch_dequantize(BITS, w.scale_type, [&]<int B, ScaleType T>() {
+        if constexpr (B == BITS) gemm.tiles<BITS, T, INT16>(t, t_end, b);
+      });
+    }
+  };
+  parallel_for(tiles, grain, range);
+}
+
+}  // namespace
+
+bool quantized_gemm_vnni_available(int bits, int group) {
+  static const bool cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx2") &&
+                          __builtin_cpu_supports("fma");
+  return cpu && (bits == 4 || bits == 8) && (group == 32 || group == 64 || group == 128);
+}
+
+void quantized_gemm_vnni(const float* x, int m, const QuantizedMatrix& w, ActivationPrecision p, float* out) {
+  const bool int16 = p == ActivationPrecision::int16;
+  if (w.bits == 4) {
+    int16 ? run<4, true>(x, m, w, out) : run<4, false>(x, m, w, out);
+  } else if (w.bits == 8) {
+    int16 ? run<8, true>(x, m, w, out) : run<8, false>(x, m, w, out);
+  } else {
+    std::abort();  // quantized_gemm() sends only 4 and 8 bits here
+  }
+}
+
+}  // namespace etmlx::kernels
+
+#else  // not x86-64: no VNNI; quantized_gemm() keeps float32
+
+namespace etmlx::kernels {
+bool quantized_gemm_vnni_available(int, int) { return false; }
+void quantized_gemm_vnni(const float*, int, const QuantizedMatrix&, ActivationPrecision, float*) { std::abort(); }
+}  // namespace etmlx::kernels
+
+#endif
