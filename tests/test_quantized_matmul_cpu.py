@@ -228,8 +228,8 @@ def test_many_row_product_with_integer_activations(tmp_path, monkeypatch):
     """ETMLX_QMM_ACTIVATIONS=int16|int8 sends a 64-row product through the VNNI kernel
     (kernels/quantized_gemm_vnni.h) where the CPU has it: a result other than float32's, within the
     activations' rounding bound of the exact product (each activation within step / 2 of x, step =
-    max|x_g| / qmax per row and group); int8's result is outside int16's bound, so the bound says something.
-    Without VNNI (or AVX-512) the same bits as float32."""
+    max|x_g| / qmax per row and group); int8's result is outside int16's bound, so the bound says something;
+    one pool thread gives the same bits. Without VNNI (or AVX-512) the same bits as float32."""
     from backends.mlx.runtime import kernels_info
 
     monkeypatch.setenv("ETMLX_KERNELS", "cpu")
@@ -268,3 +268,7 @@ def test_many_row_product_with_integer_activations(tmp_path, monkeypatch):
         assert (np.abs(out - exact) <= rounding_bound(qmax)).all(), mode
     if fast:
         assert (np.abs(results["int8"] - exact) > rounding_bound(127 * 256)).any()
+        # Each output is one thread's, in one order: one thread gives the same bits.
+        alone, _ = _run_with({"ETMLX_QMM_ACTIVATIONS": "int8", "ETMLX_NUM_THREADS": "1"}, pte, tmp_path / "x.pt")
+        assert alone["info"]["threads"] == 1
+        np.testing.assert_array_equal(np.array(alone["out"], dtype=np.float32), results["int8"])
