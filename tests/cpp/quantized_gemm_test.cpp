@@ -1,6 +1,6 @@
 // The many-row quantized product (kernels/quantized_gemm.h) against a double-precision reference from
 // the packed layout, over shapes that leave partial register tiles in both directions (rows not a
-// multiple of 32 or 12, outputs not a multiple of 14 or 32), 4 and 8 bits, groups 32/64/128, every scale
+// multiple of 32 or 12, outputs not a multiple of 14 or 16), 4 and 8 bits, groups 32/64/128, every scale
 // type; and each row equal bit for bit to the same row multiplied alone. Then the same for the integer
 // activations (kernels/quantized_gemm_vnni.h, int16 and int8): within float32 rounding of a double
 // reference of the same integer formula, and within the rounding bound of the activations of the exact
@@ -244,6 +244,27 @@ void check_int_identity(int bits, int group, ActivationPrecision p, std::mt19937
   report(wrong == 0, "identity", m, wt, ScaleType::f32, detail);
 }
 
+// The largest integer sums: 8-bit weights all 255, group 128, every activation of a group at its group's
+// largest magnitude (q = +-32512 for int16: 256 * 255 * 127 * 128 per group, near 2^30), signs alternating
+// by group; within the same bounds as random values (an int32 overflow would be off by 2^32).
+void check_int_extreme(std::mt19937& rng) {
+  const int m = 13, n = 20, k = 512;
+  Weights wt(n, k, 8, 128, ScaleType::f32, rng);
+  std::fill(wt.bytes.begin(), wt.bytes.end(), 0xff);
+  std::memcpy(wt.words.data(), wt.bytes.data(), wt.bytes.size());
+  std::vector<float> x(static_cast<size_t>(m) * k);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = ((i % k) / 128 % 2 ? -1.0f : 1.0f) * (1.0f + static_cast<float>(i / k));
+  for (ActivationPrecision p : {ActivationPrecision::int16, ActivationPrecision::int8}) {
+    std::vector<float> out(static_cast<size_t>(m) * n, NAN);
+    quantized_gemm_vnni(x.data(), m, wt.w, p, out.data());
+    const IntErrors e = int_errors(x, m, wt, out, p, p);
+    char detail[128];
+    std::snprintf(detail, sizeof detail, "%s: error %.3g of the same-formula bound, %.3g of the exact one",
+                  activation_precision_name(p), e.same_formula, e.exact);
+    report(e.same_formula <= 1.0 && e.exact <= 1.0, "extreme", m, wt, ScaleType::f32, detail);
+  }
+}
+
 // Non-finite activations: the group's step is NaN, so every output of that row is NaN, as in float32;
 // the other rows are untouched.
 void check_int_non_finite(std::mt19937& rng) {
@@ -321,6 +342,7 @@ int main(int argc, char** argv) {
     check_int(64, 300, 1024, 4, 64, ScaleType::bf16, rng);
     check_int(13, 70, 2048, 8, 128, ScaleType::f32, rng);  // large integer sums (int16: near 2^30 per group)
     check_int_non_finite(rng);
+    check_int_extreme(rng);
     for (int bits : {4, 8})
       for (int group : {32, 64, 128})
         for (ActivationPrecision p : {ActivationPrecision::int16, ActivationPrecision::int8})
