@@ -3,8 +3,8 @@
 // multiple of 32 or 12, outputs not a multiple of 14 or 16), 4 and 8 bits, groups 32/64/128, every scale
 // type; and each row equal bit for bit to the same row multiplied alone. Then the same for the integer
 // activations (kernels/quantized_gemm_vnni.h, int16 and int8): within float32 rounding of a double
-// reference of the same integer formula, and within the rounding bound of the activations of the exact
-// product; with a control that the int8 results break the int16 bound (so the bound says something).
+// reference of the same integer formula, and within the rounding bound of the activations (meeting the
+// centred weights) of the exact product; with a control that the int8 results break the int16 bound (so the bound says something).
 // Prints "skipped" where the CPU lacks AVX-512 (the library then keeps dequantize-then-BLAS) and
 // "int skipped" without VNNI, else "N passed, N failed"; exit status 1 on any failure.
 //
@@ -148,42 +148,49 @@ IntErrors int_errors(const std::vector<float>& x, int m, const Weights& wt, cons
   IntErrors e;
   std::vector<int> q(static_cast<size_t>(k));
   std::vector<float> step(groups), bound_step(groups);
-  std::vector<double> xsum(groups), xabs(groups);
+  std::vector<double> xsum(groups), xabs(groups), res(groups), res_abs(groups);
   std::vector<int8_t> hi(group), lo(group);
   for (int r = 0; r < m; ++r) {
     const float* xr = x.data() + static_cast<size_t>(r) * k;
     for (int g = 0; g < groups; ++g) {
       step[g] = quantize_activation_group(xr + g * group, group, p, hi.data(), lo.data());
       float largest = 0.0f;
-      xsum[g] = xabs[g] = 0.0;
+      xsum[g] = xabs[g] = res[g] = res_abs[g] = 0.0;
       for (int i = 0; i < group; ++i) {
         q[g * group + i] = p == ActivationPrecision::int16 ? 256 * hi[i] + lo[i] : hi[i];
         largest = std::max(largest, std::fabs(xr[g * group + i]));
         xsum[g] += xr[g * group + i];
         xabs[g] += std::fabs(xr[g * group + i]);
+        const double left = double(xr[g * group + i]) - double(step[g]) * q[g * group + i];  // exact
+        res[g] += left;
+        res_abs[g] += std::fabs(left);
       }
       bound_step[g] = largest / static_cast<float>(bound_qmax);
     }
     for (int c = 0; c < n; ++c) {
       double formula = 0.0, exact = 0.0, mag = 0.0, rounding = 0.0;
+      const double centre = 1 << (wt.bits - 1);
       for (int g = 0; g < groups; ++g) {
-        int64_t isum = 0, wsum = 0;
-        double dot = 0.0;
+        int64_t isum = 0;
+        double dot = 0.0, centred = 0.0;
         for (int i = g * group; i < (g + 1) * group; ++i) {
           isum += int64_t{wt.q(c, i)} * q[i];
-          wsum += wt.q(c, i);
+          centred += std::fabs(wt.q(c, i) - centre);
           dot += double(wt.q(c, i)) * xr[i];
         }
         const double s = wt.scale(c, g * group), b = wt.bias(c, g * group);
-        formula += s * step[g] * double(isum) + b * xsum[g];
+        // quantized_gemm_vnni.h: scale * step * (q_w . q) + bias * sum(x) + centre * scale * residual.
+        formula += s * step[g] * double(isum) + b * xsum[g] + centre * s * res[g];
         exact += s * dot + b * xsum[g];
-        // Float32: per group int-to-float, two multiplies and two accumulating multiply-adds, the sums of
-        // x in float32 (group additions): within (2 groups + group + 3) * 2^-24 of these magnitudes.
-        mag += std::fabs(s * step[g] * double(isum)) + std::fabs(b) * xabs[g];
-        // |x - step * q| <= step / 2, plus step and qmax / max|x| each rounded to float32 once.
-        rounding += std::fabs(s) * bound_step[g] * (0.5 + bound_qmax * 2.4e-7) * double(wsum);
+        // Float32: per group int-to-float, two multiplies and three accumulating multiply-adds, the sums of x
+        // and of the residuals in float32 (group additions): within (3 groups + group + 4) * 2^-24 of these
+        // magnitudes.
+        mag += std::fabs(s * step[g] * double(isum)) + std::fabs(b) * xabs[g] + centre * std::fabs(s) * res_abs[g];
+        // The rounding meets the centred weights: |x - step * q| <= step / 2, plus step and qmax / max|x|
+        // each rounded to float32 once.
+        rounding += std::fabs(s) * bound_step[g] * (0.5 + bound_qmax * 2.4e-7) * centred;
       }
-      const double tol = mag * (2.0 * groups + group + 3) * 6e-8 + 1e-30;
+      const double tol = mag * (3.0 * groups + group + 4) * 6e-8 + 1e-30;
       const double got = out[static_cast<size_t>(r) * n + c];
       const double e1 = std::fabs(got - formula) / tol, e2 = std::fabs(got - exact) / (rounding + tol);
       e.same_formula = std::isnan(e1) ? INFINITY : std::max(e.same_formula, e1);
@@ -215,7 +222,8 @@ double check_int(int m, int n, int k, int bits, int group, ScaleType type, std::
 
 // The activations' integers themselves, bit for bit those of quantize_activation_group (a one-unit
 // difference in an int16 value is below the float32 bounds above): with W the identity (weight 1 on the
-// diagonal, scale 1, bias 0) each output is one integer times its group's step, rounded once.
+// diagonal, scale 1, bias 0) output j is step * q_j + centre * (the row's residuals, every group's), within
+// a float32 rounding of those few hundred steps: far less than the step a wrong integer would add.
 void check_int_identity(int bits, int group, ActivationPrecision p, std::mt19937& rng) {
   const int k = 256, m = 13;
   Weights wt(k, k, bits, group, ScaleType::f32, rng);
@@ -228,15 +236,22 @@ void check_int_identity(int bits, int group, ActivationPrecision p, std::mt19937
   std::vector<float> out(static_cast<size_t>(m) * k);
   quantized_gemm_vnni(x.data(), m, wt.w, p, out.data());
   std::vector<int8_t> hi(group), lo(group);
+  std::vector<int> q(k);
+  std::vector<float> step(k / group);
   int wrong = 0;
   for (int r = 0; r < m; ++r) {
+    double residuals = 0.0;  // every group's: the other groups' weights are 0, centred -centre
     for (int g = 0; g < k / group; ++g) {
-      const float step = quantize_activation_group(x.data() + static_cast<size_t>(r) * k + g * group, group, p,
-                                                   hi.data(), lo.data());
+      const float* xg = x.data() + static_cast<size_t>(r) * k + g * group;
+      step[g] = quantize_activation_group(xg, group, p, hi.data(), lo.data());
       for (int i = 0; i < group; ++i) {
-        const int q = p == ActivationPrecision::int16 ? 256 * hi[i] + lo[i] : hi[i];
-        wrong += out[static_cast<size_t>(r) * k + g * group + i] != static_cast<float>(double(step) * q);
+        q[g * group + i] = p == ActivationPrecision::int16 ? 256 * hi[i] + lo[i] : hi[i];
+        residuals += double(xg[i]) - double(step[g]) * q[g * group + i];
       }
+    }
+    for (int j = 0; j < k; ++j) {
+      const double expected = double(step[j / group]) * q[j] + (1 << (bits - 1)) * residuals;
+      wrong += std::fabs(out[static_cast<size_t>(r) * k + j] - expected) > 0.25 * step[j / group];
     }
   }
   char detail[64];
@@ -313,8 +328,9 @@ int bench(int m, int k, int n, int runs, int group) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // The float32 checks call quantized_gemm(), which reads ETMLX_QMM_ACTIVATIONS once: always float32 here.
-  unsetenv("ETMLX_QMM_ACTIVATIONS");
+  // The float32 checks (and --bench's float32 column) call quantized_gemm(), which reads
+  // ETMLX_QMM_ACTIVATIONS once (default int16): float32 here; the integer kernel is called directly.
+  setenv("ETMLX_QMM_ACTIVATIONS", "float32", 1);
   if (!quantized_gemm_available()) {
     std::printf("skipped: no AVX-512 (or ETMLX_QMM_GEMM=blas / ETMLX_QMM_ISA set)\n");
     return 0;

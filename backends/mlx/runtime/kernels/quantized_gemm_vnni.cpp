@@ -72,11 +72,13 @@ char* reserve(Buffer& buf, size_t& have, size_t bytes) {
 // Within a group the order of the products does not matter: their sum is exact.
 
 // Activations, per panel of kTileX rows: planes (int16: hi then lo; int8: one) of [k / 4][kTileX][4]
-// bytes, then per group and row the step and the float32 sum of x.
+// bytes, then per group and row three float32 values: the step, the sum of x, and the residual
+// sum_i (x_i - step * q_i), the rounding the integers left (quantized_gemm_vnni.h: it meets the centred
+// weights).
+constexpr int kScalars = 3 * kTileX;  // per panel and group: steps [kTileX], sums [kTileX], residuals [kTileX]
 struct Activations {
-  int8_t* bytes;  // [panels][planes][k * kTileX]
-  float* steps;   // [panels][groups][kTileX]
-  float* sums;    // [panels][groups][kTileX]
+  int8_t* bytes;    // [panels][planes][k * kTileX]
+  float* scalars;   // [panels][groups][kScalars]
   int planes, groups;
   int64_t panel_bytes() const { return int64_t{planes} * plane_bytes; }
   int64_t plane_bytes;
@@ -87,8 +89,8 @@ struct Activations {
 // nearest even, clamp), vectorized. The caller goes through a panel group by group, its rows in turn, so
 // the 4-byte stores stay within the group's few hundred bytes of the panel.
 template <int BITS, bool INT16>
-ETMLX_VNNI void prepare_group(const float* x, int group, int g, int8_t* panel, int64_t plane_bytes, float* steps,
-                              float* sums, int r) {
+ETMLX_VNNI void prepare_group(const float* x, int group, int g, int8_t* panel, int64_t plane_bytes, float* scalars,
+                              int r) {
   const int qmax = INT16 ? kInt16Max : kInt8Max;
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
@@ -110,9 +112,13 @@ ETMLX_VNNI void prepare_group(const float* x, int group, int g, int8_t* panel, i
     sum = _mm512_reduce_add_ps(s);
   }
   const bool zero = x == nullptr || !finite || largest == 0.0f;
-  steps[g * kTileX + r] = x == nullptr ? 0.0f : !finite ? std::nanf("") : largest / static_cast<float>(qmax);
-  sums[g * kTileX + r] = sum;
+  const float step = x == nullptr ? 0.0f : !finite ? std::nanf("") : largest / static_cast<float>(qmax);
+  float* out_scalars = scalars + g * kScalars + r;
+  out_scalars[0] = step;
+  out_scalars[kTileX] = sum;
   const __m512 inverse = _mm512_set1_ps(zero ? 0.0f : static_cast<float>(qmax) / largest);
+  const __m512 vstep = _mm512_set1_ps(zero ? 0.0f : step);
+  __m512 residual = _mm512_setzero_ps();  // x - step * q, each rounded once
   for (int c = 0; c < group; c += 32) {
     __m512i q0 = _mm512_setzero_si512(), q1 = _mm512_setzero_si512();
     if (!zero) {
@@ -120,6 +126,8 @@ ETMLX_VNNI void prepare_group(const float* x, int group, int g, int8_t* panel, i
       q1 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + c + 16), inverse));
       q0 = _mm512_min_epi32(_mm512_max_epi32(q0, bottom), top);
       q1 = _mm512_min_epi32(_mm512_max_epi32(q1, bottom), top);
+      residual = _mm512_add_ps(residual, _mm512_fnmadd_ps(vstep, _mm512_cvtepi32_ps(q0), _mm512_loadu_ps(x + c)));
+      residual = _mm512_add_ps(residual, _mm512_fnmadd_ps(vstep, _mm512_cvtepi32_ps(q1), _mm512_loadu_ps(x + c + 16)));
     }
     __m512i a = q0, b = q1;
     if constexpr (BITS == 4) {
@@ -142,6 +150,8 @@ ETMLX_VNNI void prepare_group(const float* x, int group, int g, int8_t* panel, i
       for (int j = 0; j < 8; ++j) std::memcpy(out + j * kStepBytesX, &words[j], 4);
     }
   }
+  // Non-finite x: NaN, as the step. A zero group: 0.
+  out_scalars[2 * kTileX] = !finite ? std::nanf("") : _mm512_reduce_add_ps(residual);
 }
 
 // Unpacks W rows n0 .. n0 + 15 (rows past w.n: 0) into wt [k / 4][16][4] bytes and their scales and
@@ -198,10 +208,11 @@ ETMLX_VNNI ETMLX_INLINE __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_
 static_assert(kTileX == 12, "ETMLX_ROWS names kTileX rows");
 
 // c[r][j] = activation row r of the panel . W tile row j: per group, the integer sums acc[r] (lane j: W
-// row j), then one float32 multiply and two multiply-adds: c += (acc * scale) * step + bias * sum(x).
+// row j), then one float32 multiply and three multiply-adds:
+// c += (acc * scale) * step + bias * sum(x) + (centre * scale) * residual, centre = 2^(bits-1).
 template <bool INT16>
 ETMLX_VNNI void tile_kernel(const uint8_t* wt, const float* sc, const float* bi, const int8_t* panel,
-                            int64_t plane_bytes, const float* steps, const float* sums, int k, int group,
+                            int64_t plane_bytes, const float* scalars, float centre, int k, int group,
                             float (&c)[kTileX][kTileW]) {
 #define ETMLX_CDECL(r) __m512 c##r = _mm512_setzero_ps();
   ETMLX_ROWS(ETMLX_CDECL)
@@ -225,11 +236,14 @@ ETMLX_VNNI void tile_kernel(const uint8_t* wt, const float* sc, const float* bi,
       }
     }
     const __m512 s0 = _mm512_load_ps(sc + g * kTileW), b0 = _mm512_load_ps(bi + g * kTileW);
-    const float* st = steps + g * kTileX;
-    const float* su = sums + g * kTileX;
+    const __m512 cs0 = _mm512_mul_ps(s0, _mm512_set1_ps(centre));  // exact: a power of 2
+    const float* st = scalars + g * kScalars;
+    const float* su = st + kTileX;
+    const float* re = st + 2 * kTileX;
 #define ETMLX_TERM(r) \
     c##r = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc##r), s0), _mm512_set1_ps(st[r]), c##r); \
-    c##r = _mm512_fmadd_ps(b0, _mm512_set1_ps(su[r]), c##r);
+    c##r = _mm512_fmadd_ps(b0, _mm512_set1_ps(su[r]), c##r); \
+    c##r = _mm512_fmadd_ps(cs0, _mm512_set1_ps(re[r]), c##r);
     ETMLX_ROWS(ETMLX_TERM)
   }
 #define ETMLX_SAVE(r) _mm512_store_ps(c[r], c##r);
@@ -260,14 +274,14 @@ struct Gemm {
     }
     for (int m0 = 0, p = 0; m0 < m; m0 += kTileX, ++p) {
       const int8_t* panel = a.bytes + p * a.panel_bytes();
-      const float* steps = a.steps + static_cast<int64_t>(p) * groups * kTileX;
-      const float* sums = a.sums + static_cast<int64_t>(p) * groups * kTileX;
+      const float* scalars = a.scalars + static_cast<int64_t>(p) * groups * kScalars;
       const int rows_x = std::min(kTileX, m - m0);
       for (int t = t0; t < t1; ++t) {
         const uint8_t* wt = reinterpret_cast<const uint8_t*>(buf + (t - t0) * per_tile);
         const float* sc = reinterpret_cast<const float*>(wt + int64_t{kTileW} * w.k);
         alignas(64) float c[kTileX][kTileW];
-        tile_kernel<INT16>(wt, sc, sc + groups * kTileW, panel, a.plane_bytes, steps, sums, w.k, w.group, c);
+        tile_kernel<INT16>(wt, sc, sc + groups * kTileW, panel, a.plane_bytes, scalars, 1 << (BITS - 1), w.k,
+                          w.group, c);
         const int n0 = t * kTileW, rows_w = std::min(kTileW, w.n - n0);
         const __mmask16 mask = static_cast<__mmask16>(rows_w >= 16 ? 0xffff : (1u << rows_w) - 1);
         for (int r = 0; r < rows_x; ++r) {
@@ -289,10 +303,8 @@ ETMLX_VNNI void run(const float* x, int m, const QuantizedMatrix& w, float* out)
   a.groups = groups;
   a.plane_bytes = static_cast<int64_t>(w.k) * kTileX;
   a.bytes = reinterpret_cast<int8_t*>(reserve(act_buf, act_have, static_cast<size_t>(panels) * a.panel_bytes()));
-  float* scalars = reinterpret_cast<float*>(
-      reserve(scalar_buf, scalar_have, sizeof(float) * 2 * static_cast<size_t>(panels) * groups * kTileX));
-  a.steps = scalars;
-  a.sums = scalars + static_cast<size_t>(panels) * groups * kTileX;
+  a.scalars = reinterpret_cast<float*>(
+      reserve(scalar_buf, scalar_have, sizeof(float) * static_cast<size_t>(panels) * groups * kScalars));
   auto prepare = [&](int p0, int p1) {
     for (int p = p0; p < p1; ++p) {
       for (int g = 0; g < groups; ++g) {
@@ -306,8 +318,7 @@ ETMLX_VNNI void run(const float* x, int m, const QuantizedMatrix& w, float* out)
           prepare_group<BITS, INT16>(row < m ? x + static_cast<int64_t>(row) * w.k + static_cast<int64_t>(g) * w.group
                                              : nullptr,
                                      w.group, g, a.bytes + p * a.panel_bytes(), a.plane_bytes,
-                                     a.steps + static_cast<int64_t>(p) * groups * kTileX,
-                                     a.sums + static_cast<int64_t>(p) * groups * kTileX, r);
+                                     a.scalars + static_cast<int64_t>(p) * groups * kScalars, r);
         }
       }
     }
