@@ -3,14 +3,20 @@
 //
 //   out[m, n] = sum over groups g of scale[n, g] * step[m, g] * (sum_i qw[n, i] * q[m, i])
 //                                    + bias[n, g] * (sum_i x[m, i])
+//                                    + 2^(bits-1) * scale[n, g] * (sum_i x[m, i] - step[m, g] * q[m, i])
 //
 // qw the weights' stored integers (0..15 or 0..255), q[m, i] the activations rounded per group by
 // quantize_activation_group (int16: q = 256 * hi + lo, two byte passes), the integer sum exact in int32
-// (8-bit weights, group 128, int16: |sum| <= 256 * 255 * 127 * 128 + 255 * 128 * 128 < 2^31), the bias
-// term from the float32 sum of the activations themselves. Each pool thread unpacks a block of W's rows to
-// bytes (exact, 4x smaller than float32) laid out for vpdpbusd with the weights' unsigned bytes in the
-// vector lanes (16 W rows) and 4 bytes of one activation row broadcast. A row's result depends only on
-// that row and W (not on m, its place among the rows, or the threads).
+// (8-bit weights, group 128, int16: |sum| <= 256 * 255 * 127 * 128 + 255 * 128 * 128 < 2^31), the other
+// sums in float32 from the activations themselves. The last term (the rounding the integers left, the
+// few-row loop's residual: quantized_rows.h) makes the whole scale * ((qw - 2^(bits-1)) . step q) +
+// (bias + 2^(bits-1) scale) * sum(x): the rounding meets the centred weights, |qw - 8| <= 8 at 4 bits
+// instead of qw <= 15, so the error bound is the few-row loop's (tests/quantized_bounds.py).
+//
+// Each pool thread unpacks a block of W's rows to bytes (exact, 4x smaller than float32) laid out for
+// vpdpbusd with the weights' unsigned bytes in the vector lanes (16 W rows) and 4 bytes of one activation
+// row broadcast. A row's result depends only on that row and W (not on m, its place among the rows, or
+// the threads).
 #pragma once
 
 #include "kernels/quantized_activations.h"
