@@ -27,7 +27,6 @@ namespace {
 
 #define ETMLX_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma")))
 #define ETMLX_INLINE inline __attribute__((always_inline))
-#define ETMLX_UNROLL_ALL _Pragma("GCC unroll 16")
 
 // 4 bytes of one activation row read as the int32 that vpdpbusd broadcasts.
 typedef int32_t __attribute__((may_alias)) word_t;
