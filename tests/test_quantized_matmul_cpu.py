@@ -216,3 +216,40 @@ def test_activations_in_any_layout_and_rank(monkeypatch):
     ref = _reference(x, lin)
     assert (np.abs(transposed.numpy() - ref) <= quantized_product_bound(x, lin, ref, torch.float32)).all()
     np.testing.assert_array_equal(three_d.numpy()[0], transposed.numpy())
+
+
+@pytest.mark.subprocess  # fresh interpreters: ETMLX_QMM_ACTIVATIONS is read once per process
+def test_many_row_product_with_integer_activations(tmp_path, monkeypatch):
+    """ETMLX_QMM_ACTIVATIONS=int16|int8 sends a 64-row product through the VNNI GEMM
+    (kernels/quantized_gemm_vnni.h) where the CPU has it: not float32's bits, within the precision's stated
+    bound (tests/quantized_bounds.py: the activations' rounding meets the centred weights), with activation
+    groups of very different sizes; int8's result is outside int16's bound, so the bound says something; one
+    pool thread gives the same bits. Where the CPU has no integer loop, float32's bits."""
+    monkeypatch.setenv("ETMLX_KERNELS", "cpu")
+    torch.manual_seed(13)
+    k, n, group = 896, 136, 64
+    w, scales, biases = quantize_tensor(torch.randn(n, k) * torch.logspace(-1, 1, n).unsqueeze(1), group, 4)
+    lin = QuantizedLinear(w, scales, biases, group, 4)
+    x = torch.randn(64, k) * torch.logspace(-2, 1, k)
+    pte = tmp_path / "q.pte"
+    pte.write_bytes(export_to_pte(lin, (x,)).pte)
+    torch.save(x, tmp_path / "x.pt")
+    ref = _reference(x, lin)
+    outs = {}
+    for mode in ("float32", "int16", "int8"):
+        got, _ = _run_with({"ETMLX_QMM_ACTIVATIONS": mode}, pte, tmp_path / "x.pt")
+        outs[mode] = (got["info"]["activations"], np.array(got["out"], dtype=np.float32))
+    for mode in ("int16", "int8"):
+        used, out = outs[mode]
+        if used == "float32":  # no AVX-512 VNNI
+            np.testing.assert_array_equal(out, outs["float32"][1])
+            continue
+        assert not np.array_equal(out, outs["float32"][1]), f"{mode}: float32's bits: the integer GEMM did not run"
+        assert (np.abs(out - ref) <= quantized_product_bound(x, lin, ref, torch.float32, mode)).all(), mode
+    if outs["int8"][0] == "int8":
+        int8 = outs["int8"][1]
+        assert not (np.abs(int8 - ref) <= quantized_product_bound(x, lin, ref, torch.float32, "int16")).all()
+        # Each output is one thread's, in one order: one thread gives the same bits.
+        alone, _ = _run_with({"ETMLX_QMM_ACTIVATIONS": "int8", "ETMLX_NUM_THREADS": "1"}, pte, tmp_path / "x.pt")
+        assert alone["info"]["threads"] == 1
+        np.testing.assert_array_equal(np.array(alone["out"], dtype=np.float32), int8)

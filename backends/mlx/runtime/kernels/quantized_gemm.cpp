@@ -10,6 +10,7 @@
 #include <new>
 #include <vector>
 
+#include "kernels/quantized_gemm_vnni.h"
 #include "kernels/quantized_rows_variants.h"
 #include "kernels/thread_pool.h"
 
@@ -169,6 +170,11 @@ bool quantized_gemm_available() {
 }
 
 void quantized_gemm(const float* x, int m, const QuantizedMatrix& w, float* out) {
+  const ActivationPrecision p = activation_precision();
+  if (p != ActivationPrecision::float32 && quantized_gemm_vnni_available(w.bits, w.group)) {
+    quantized_gemm_vnni(x, m, w, p, out);  // integer activations (quantized_gemm_vnni.h)
+    return;
+  }
   const int blocks = (m + kTileM - 1) / kTileM;
   // Kept between calls (on MLX's CPU thread, which makes them): a fresh 10 MB buffer per linear cost page
   // faults and zeroing, ~7% of a prefill's samples.

@@ -16,7 +16,9 @@ namespace etmlx::kernels {
 // ETMLX_QMM_GEMM=blas (for A/B runs) or an ETMLX_QMM_ISA other than avx512 (the variant tests).
 bool quantized_gemm_available();
 
-// out [m, w.n] row-major = x [m, w.k] row-major . W^T; needs quantized_gemm_available().
+// out [m, w.n] row-major = x [m, w.k] row-major . W^T; needs quantized_gemm_available(). With
+// ETMLX_QMM_ACTIVATIONS=int16|int8 on a CPU with AVX-512 VNNI, the integer-activation kernel
+// (quantized_gemm_vnni.h) where it handles the layout; else the float32 tiles above.
 void quantized_gemm(const float* x, int m, const QuantizedMatrix& w, float* out);
 
 }  // namespace etmlx::kernels

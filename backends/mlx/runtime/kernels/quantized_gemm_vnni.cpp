@@ -1,0 +1,374 @@
+// quantized_gemm_vnni.h: the integer-activation GEMM on AVX-512 VNNI (functions with their own target
+// attribute, so the library stays baseline x86-64).
+#include "kernels/quantized_gemm_vnni.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <new>
+
+#include "kernels/quantized_rows_variants.h"
+#include "kernels/thread_pool.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12's AVX-512 headers (see quantized_rows_x86.cpp)
+#endif
+
+#include <immintrin.h>
+
+namespace etmlx::kernels {
+
+namespace {
+
+#define ETMLX_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma")))
+#define ETMLX_INLINE inline __attribute__((always_inline))
+
+// 4 bytes of one activation row read as the int32 that vpdpbusd broadcasts.
+typedef int32_t __attribute__((may_alias)) word_t;
+
+// Register tile: one vector of 16 W rows times kTileX = 12 activation rows: 12 int32 accumulators for a
+// group's integer sums and 12 float32 ones for the output, the weight vector and the group's scales and
+// biases fit the 32 registers; per 4 k values 12 vpdpbusd, each with its activation bytes broadcast from
+// memory by the instruction. Measured on one thread (Zen 5, int8, 512 x 896 x 4864 and 512 x 4864 x 896):
+// ~10% faster than 2 vectors of W rows x 12 activation rows (24 int32 accumulators, whose per-group float32
+// terms then had to go through L1); 10 or 14 activation rows: the same within the noise.
+constexpr int kTileW = 16;
+constexpr int kTileX = 12;
+constexpr int kStepBytesW = kTileW * 4;  // one k step (4 values) of a W tile
+constexpr int kStepBytesX = kTileX * 4;  // one k step of an activation panel
+
+// A thread's W block: about 512 KB of bytes and scales (in a 1-2 MB L2), 2 to 32 tiles of 16 rows.
+constexpr int64_t kBufferBytes = 1 << 19;
+int64_t tile_bytes(int k, int groups) { return int64_t{kTileW} * k + 2 * int64_t{groups} * kTileW * 4; }
+int tiles_per_block(int k, int groups) {
+  return static_cast<int>(std::clamp<int64_t>(kBufferBytes / tile_bytes(k, groups), 2, 32));
+}
+
+struct AlignedFree {
+  void operator()(void* p) const { std::free(p); }
+};
+using Buffer = std::unique_ptr<char[], AlignedFree>;
+
+// A buffer of at least `bytes`, kept in `buf` between calls (a fresh one per linear costs page faults).
+char* reserve(Buffer& buf, size_t& have, size_t bytes) {
+  if (have < bytes) {
+    const size_t size = std::max<size_t>((bytes + 63) / 64 * 64, 64);
+    char* p = static_cast<char*>(std::aligned_alloc(64, size));
+    if (p == nullptr) throw std::bad_alloc();
+    buf.reset(p);
+    have = size;
+  }
+  return buf.get();
+}
+
+// The order of a 32-value chunk in both operands: natural for 8 bits; for 4 bits the even values (the
+// low nibbles of the chunk's 16 bytes) then the odd ones, so that unpacking W needs no interleave.
+// Within a group the order of the products does not matter: their sum is exact.
+
+// Activations, per panel of kTileX rows: planes (int16: hi then lo; int8: one) of [k / 4][kTileX][4]
+// bytes, then per group and row three float32 values: the step, the sum of x, and the residual
+// sum_i (x_i - step * q_i), the rounding the integers left (quantized_gemm_vnni.h: it meets the centred
+// weights).
+constexpr int kScalars = 3 * kTileX;  // per panel and group: steps [kTileX], sums [kTileX], residuals [kTileX]
+struct Activations {
+  int8_t* bytes;    // [panels][planes][k * kTileX]
+  float* scalars;   // [panels][groups][kScalars]
+  int planes, groups;
+  int64_t panel_bytes() const { return int64_t{planes} * plane_bytes; }
+  int64_t plane_bytes;
+};
+
+// Group g of row r of a panel from x (the group's `group` values; null: a padding row of zeros):
+// quantize_activation_group's integers (the same bits: a float32 multiply by qmax / max|x|, round to
+// nearest even, clamp), vectorized. The caller goes through a panel group by group, its rows in turn, so
+// the 4-byte stores stay within the group's few hundred bytes of the panel.
+template <int BITS, bool INT16>
+ETMLX_VNNI void prepare_group(const float* x, int group, int g, int8_t* panel, int64_t plane_bytes, float* scalars,
+                              int r) {
+  const int qmax = INT16 ? kInt16Max : kInt8Max;
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  const __m512i top = _mm512_set1_epi32(qmax), bottom = _mm512_set1_epi32(-qmax);
+  float largest = 0.0f, sum = 0.0f;
+  bool finite = true;
+  if (x != nullptr) {
+    __m512 mx = _mm512_setzero_ps(), s = _mm512_setzero_ps();
+    __mmask16 bad = 0;
+    for (int i = 0; i < group; i += 16) {
+      const __m512 v = _mm512_loadu_ps(x + i);
+      mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
+      s = _mm512_add_ps(s, v);
+      const __m512 d = _mm512_sub_ps(v, v);  // NaN for inf and NaN
+      bad |= _mm512_cmp_ps_mask(d, d, _CMP_UNORD_Q);
+    }
+    finite = bad == 0;
+    largest = _mm512_reduce_max_ps(mx);
+    sum = _mm512_reduce_add_ps(s);
+  }
+  const bool zero = x == nullptr || !finite || largest == 0.0f;
+  const float step = x == nullptr ? 0.0f : !finite ? std::nanf("") : largest / static_cast<float>(qmax);
+  float* out_scalars = scalars + g * kScalars + r;
+  out_scalars[0] = step;
+  out_scalars[kTileX] = sum;
+  const __m512 inverse = _mm512_set1_ps(zero ? 0.0f : static_cast<float>(qmax) / largest);
+  const __m512 vstep = _mm512_set1_ps(zero ? 0.0f : step);
+  __m512 residual = _mm512_setzero_ps();  // x - step * q, each rounded once
+  for (int c = 0; c < group; c += 32) {
+    __m512i q0 = _mm512_setzero_si512(), q1 = _mm512_setzero_si512();
+    if (!zero) {
+      q0 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + c), inverse));
+      q1 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + c + 16), inverse));
+      q0 = _mm512_min_epi32(_mm512_max_epi32(q0, bottom), top);
+      q1 = _mm512_min_epi32(_mm512_max_epi32(q1, bottom), top);
+      residual = _mm512_add_ps(residual, _mm512_fnmadd_ps(vstep, _mm512_cvtepi32_ps(q0), _mm512_loadu_ps(x + c)));
+      residual = _mm512_add_ps(residual, _mm512_fnmadd_ps(vstep, _mm512_cvtepi32_ps(q1), _mm512_loadu_ps(x + c + 16)));
+    }
+    __m512i a = q0, b = q1;
+    if constexpr (BITS == 4) {
+      a = _mm512_permutex2var_epi32(q0, even, q1);
+      b = _mm512_permutex2var_epi32(q0, odd, q1);
+    }
+    const int64_t step0 = (static_cast<int64_t>(g) * group + c) / 4;  // the chunk's first k step
+    for (int plane = 0; plane < (INT16 ? 2 : 1); ++plane) {
+      __m512i pa = a, pb = b;
+      if constexpr (INT16) {  // q = 256 * hi + lo, lo the signed low byte
+        const __m512i la = _mm512_srai_epi32(_mm512_slli_epi32(a, 24), 24);
+        const __m512i lb = _mm512_srai_epi32(_mm512_slli_epi32(b, 24), 24);
+        pa = plane == 0 ? _mm512_srai_epi32(_mm512_sub_epi32(a, la), 8) : la;
+        pb = plane == 0 ? _mm512_srai_epi32(_mm512_sub_epi32(b, lb), 8) : lb;
+      }
+      alignas(16) int32_t words[8];
+      _mm_store_si128(reinterpret_cast<__m128i*>(words), _mm512_cvtepi32_epi8(pa));
+      _mm_store_si128(reinterpret_cast<__m128i*>(words + 4), _mm512_cvtepi32_epi8(pb));
+      int8_t* out = panel + plane * plane_bytes + (step0 * kTileX + r) * 4;
+      for (int j = 0; j < 8; ++j) std::memcpy(out + j * kStepBytesX, &words[j], 4);
+    }
+  }
+  // Non-finite x: NaN, as the step. A zero group: 0.
+  out_scalars[2 * kTileX] = !finite ? std::nanf("") : _mm512_reduce_add_ps(residual);
+}
+
+// Unpacks W rows n0 .. n0 + 15 (rows past w.n: 0) into wt [k / 4][16][4] bytes and their scales and
+// biases into sc, bi [groups][16]; 32 k values at a time for all 16 rows, so that the 4-byte stores stay
+// within 512 bytes of wt.
+template <int BITS, ScaleType T>
+ETMLX_VNNI void unpack_tile(const QuantizedMatrix& w, int n0, uint8_t* wt, float* sc, float* bi) {
+  const int groups = w.k / w.group;
+  const int64_t row_bytes = static_cast<int64_t>(w.k) * BITS / 8;
+  const int rows = std::min(kTileW, w.n - n0);
+  const __m128i mask = _mm_set1_epi8(0x0f);
+  const uint8_t* w0 = reinterpret_cast<const uint8_t*>(w.w) + n0 * row_bytes;
+  for (int c = 0; c < w.k; c += 32) {
+    uint8_t* out = wt + static_cast<int64_t>(c / 4) * kStepBytesW;
+    for (int rr = 0; rr < kTileW; ++rr) {
+      alignas(16) uint8_t chunk[32] = {};
+      const uint8_t* wb = w0 + rr * row_bytes;
+      // 16 rows read side by side, W straight from memory in a prefill (each weight read once per call):
+      // fetched 512 bytes ahead, which the hardware prefetcher does not do for that many streams.
+      if (rr < rows) _mm_prefetch(reinterpret_cast<const char*>(wb + c * BITS / 8 + 512), _MM_HINT_T0);
+      if (rr >= rows) {
+        // zeros
+      } else if constexpr (BITS == 4) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + c / 2));
+        _mm_store_si128(reinterpret_cast<__m128i*>(chunk), _mm_and_si128(bytes, mask));
+        _mm_store_si128(reinterpret_cast<__m128i*>(chunk + 16), _mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
+      } else {
+        std::memcpy(chunk, wb + c, 32);
+      }
+      for (int j = 0; j < 8; ++j) std::memcpy(out + j * kStepBytesW + rr * 4, chunk + 4 * j, 4);
+    }
+  }
+  for (int rr = 0; rr < kTileW; ++rr) {
+    for (int g = 0; g < groups; ++g) {
+      const int64_t at = static_cast<int64_t>(n0 + rr) * groups + g;
+      sc[g * kTileW + rr] = rr < rows ? load_scale<T>(w.scales, at) : 0.0f;
+      bi[g * kTileW + rr] = rr < rows ? load_scale<T>(w.biases, at) : 0.0f;
+    }
+  }
+}
+
+// acc + the 4-byte dot products of w's unsigned bytes and the signed bytes at p (broadcast to every int32
+// lane, {1to16}). As inline assembly: GCC 12 copies the accumulator of _mm512_dpbusd_epi32 into a fresh
+// register and back, which with this many accumulators spilled a register per instruction (measured 1.3x
+// slower), and does not fold the broadcast into the instruction.
+ETMLX_VNNI ETMLX_INLINE __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* p) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const word_t*>(p)));
+  return acc;
+}
+
+// The tile's accumulators are named variables, one macro expansion per activation row: GCC 12 kept an
+// array of them on the stack (a store per vpdpbusd), even fully unrolled.
+#define ETMLX_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+static_assert(kTileX == 12, "ETMLX_ROWS names kTileX rows");
+
+// c[r][j] = activation row r of the panel . W tile row j: per group, the integer sums acc[r] (lane j: W
+// row j), then one float32 multiply and three multiply-adds:
+// c += (acc * scale) * step + bias * sum(x) + (centre * scale) * residual, centre = 2^(bits-1).
+template <bool INT16>
+ETMLX_VNNI void tile_kernel(const uint8_t* wt, const float* sc, const float* bi, const int8_t* panel,
+                            int64_t plane_bytes, const float* scalars, float centre, int k, int group,
+                            float (&c)[kTileX][kTileW]) {
+#define ETMLX_CDECL(r) __m512 c##r = _mm512_setzero_ps();
+  ETMLX_ROWS(ETMLX_CDECL)
+  const int per_group = group / 4, groups = k / group;
+  for (int g = 0; g < groups; ++g) {
+#define ETMLX_DECLARE(r) __m512i acc##r = _mm512_setzero_si512();
+    ETMLX_ROWS(ETMLX_DECLARE)
+    const uint8_t* wg = wt + static_cast<int64_t>(g) * per_group * kStepBytesW;
+    const int8_t* ag = panel + static_cast<int64_t>(g) * per_group * kStepBytesX;
+#define ETMLX_DOT(r) acc##r = dpbusd_bcast(acc##r, w0, a + 4 * (r));
+    for (int plane = 0; plane < (INT16 ? 2 : 1); ++plane) {
+      if (plane == 1) {  // int16: 256 * (qw . hi) + qw . lo
+#define ETMLX_SHIFT(r) acc##r = _mm512_slli_epi32(acc##r, 8);
+        ETMLX_ROWS(ETMLX_SHIFT)
+      }
+      const uint8_t* w = wg;
+      const int8_t* a = ag + plane * plane_bytes;
+      for (int s = 0; s < per_group; ++s, w += kStepBytesW, a += kStepBytesX) {
+        const __m512i w0 = _mm512_load_si512(w);
+        ETMLX_ROWS(ETMLX_DOT)
+      }
+    }
+    const __m512 s0 = _mm512_load_ps(sc + g * kTileW), b0 = _mm512_load_ps(bi + g * kTileW);
+    const __m512 cs0 = _mm512_mul_ps(s0, _mm512_set1_ps(centre));  // exact: a power of 2
+    const float* st = scalars + g * kScalars;
+    const float* su = st + kTileX;
+    const float* re = st + 2 * kTileX;
+#define ETMLX_TERM(r) \
+    c##r = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc##r), s0), _mm512_set1_ps(st[r]), c##r); \
+    c##r = _mm512_fmadd_ps(b0, _mm512_set1_ps(su[r]), c##r); \
+    c##r = _mm512_fmadd_ps(cs0, _mm512_set1_ps(re[r]), c##r);
+    ETMLX_ROWS(ETMLX_TERM)
+  }
+#define ETMLX_SAVE(r) _mm512_store_ps(c[r], c##r);
+  ETMLX_ROWS(ETMLX_SAVE)
+#undef ETMLX_CDECL
+#undef ETMLX_DECLARE
+#undef ETMLX_DOT
+#undef ETMLX_SHIFT
+#undef ETMLX_TERM
+#undef ETMLX_SAVE
+}
+
+struct Gemm {
+  const QuantizedMatrix& w;
+  const Activations& a;
+  int m;
+  float* out;
+
+  // W tiles [t0, t1) (tile t = rows 16 t .. 16 t + 15), for every activation row.
+  template <int BITS, ScaleType T, bool INT16>
+  ETMLX_VNNI void tiles(int t0, int t1, char* buf) const {
+    const int groups = w.k / w.group;
+    const int64_t per_tile = tile_bytes(w.k, groups);
+    for (int t = t0; t < t1; ++t) {
+      uint8_t* wt = reinterpret_cast<uint8_t*>(buf + (t - t0) * per_tile);
+      float* sc = reinterpret_cast<float*>(wt + int64_t{kTileW} * w.k);
+      unpack_tile<BITS, T>(w, t * kTileW, wt, sc, sc + groups * kTileW);
+    }
+    for (int m0 = 0, p = 0; m0 < m; m0 += kTileX, ++p) {
+      const int8_t* panel = a.bytes + p * a.panel_bytes();
+      const float* scalars = a.scalars + static_cast<int64_t>(p) * groups * kScalars;
+      const int rows_x = std::min(kTileX, m - m0);
+      for (int t = t0; t < t1; ++t) {
+        const uint8_t* wt = reinterpret_cast<const uint8_t*>(buf + (t - t0) * per_tile);
+        const float* sc = reinterpret_cast<const float*>(wt + int64_t{kTileW} * w.k);
+        alignas(64) float c[kTileX][kTileW];
+        tile_kernel<INT16>(wt, sc, sc + groups * kTileW, panel, a.plane_bytes, scalars, 1 << (BITS - 1), w.k,
+                          w.group, c);
+        const int n0 = t * kTileW, rows_w = std::min(kTileW, w.n - n0);
+        const __mmask16 mask = static_cast<__mmask16>(rows_w >= 16 ? 0xffff : (1u << rows_w) - 1);
+        for (int r = 0; r < rows_x; ++r) {
+          _mm512_mask_storeu_ps(out + static_cast<int64_t>(m0 + r) * w.n + n0, mask, _mm512_load_ps(c[r]));
+        }
+      }
+    }
+  }
+};
+
+template <int BITS, bool INT16>
+ETMLX_VNNI void run(const float* x, int m, const QuantizedMatrix& w, float* out) {
+  const int groups = w.k / w.group, panels = (m + kTileX - 1) / kTileX;
+  // Kept between calls, on the thread that makes them (MLX's CPU thread), as the float GEMM's panels.
+  thread_local Buffer act_buf, scalar_buf;
+  thread_local size_t act_have = 0, scalar_have = 0;
+  Activations a{};
+  a.planes = INT16 ? 2 : 1;
+  a.groups = groups;
+  a.plane_bytes = static_cast<int64_t>(w.k) * kTileX;
+  a.bytes = reinterpret_cast<int8_t*>(reserve(act_buf, act_have, static_cast<size_t>(panels) * a.panel_bytes()));
+  a.scalars = reinterpret_cast<float*>(
+      reserve(scalar_buf, scalar_have, sizeof(float) * static_cast<size_t>(panels) * groups * kScalars));
+  auto prepare = [&](int p0, int p1) {
+    for (int p = p0; p < p1; ++p) {
+      for (int g = 0; g < groups; ++g) {
+        for (int r = 0; r < kTileX; ++r) {
+          const int row = p * kTileX + r;
+          if (row < m && g + 4 < groups) {  // 12 rows of x read side by side: fetched 4 groups ahead (halved this
+            // loop's time at k = 4864, where x is 10 MB)
+            const float* ahead = x + static_cast<int64_t>(row) * w.k + static_cast<int64_t>(g + 4) * w.group;
+            for (int i = 0; i < w.group; i += 16) _mm_prefetch(reinterpret_cast<const char*>(ahead + i), _MM_HINT_T0);
+          }
+          prepare_group<BITS, INT16>(row < m ? x + static_cast<int64_t>(row) * w.k + static_cast<int64_t>(g) * w.group
+                                             : nullptr,
+                                     w.group, g, a.bytes + p * a.panel_bytes(), a.plane_bytes,
+                                     a.scalars + static_cast<int64_t>(p) * groups * kScalars, r);
+        }
+      }
+    }
+  };
+  parallel_for(panels, 1, prepare);
+  const Gemm gemm{w, a, m, out};
+  const int tiles = (w.n + kTileW - 1) / kTileW;
+  const int per_block = tiles_per_block(w.k, groups);
+  // At least two ranges per thread, so that a thread the shared machine slows does not hold up the rest.
+  const int grain = std::clamp(tiles / (2 * pool_threads()), 1, per_block);
+  auto range = [&](int t0, int t1) {
+    thread_local Buffer buf;
+    thread_local size_t have = 0;
+    char* b = reserve(buf, have, static_cast<size_t>(per_block * tile_bytes(w.k, groups)));
+    for (int t = t0; t < t1; t += per_block) {
+      const int t_end = std::min(t1, t + per_block);
+      dispatch_dequantize(BITS, w.scale_type, [&]<int B, ScaleType T>() {
+        if constexpr (B == BITS) gemm.tiles<BITS, T, INT16>(t, t_end, b);
+      });
+    }
+  };
+  parallel_for(tiles, grain, range);
+}
+
+}  // namespace
+
+bool quantized_gemm_vnni_available(int bits, int group) {
+  static const bool cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx2") &&
+                          __builtin_cpu_supports("fma");
+  return cpu && (bits == 4 || bits == 8) && (group == 32 || group == 64 || group == 128);
+}
+
+void quantized_gemm_vnni(const float* x, int m, const QuantizedMatrix& w, ActivationPrecision p, float* out) {
+  const bool int16 = p == ActivationPrecision::int16;
+  if (w.bits == 4) {
+    int16 ? run<4, true>(x, m, w, out) : run<4, false>(x, m, w, out);
+  } else if (w.bits == 8) {
+    int16 ? run<8, true>(x, m, w, out) : run<8, false>(x, m, w, out);
+  } else {
+    std::abort();  // quantized_gemm() sends only 4 and 8 bits here
+  }
+}
+
+}  // namespace etmlx::kernels
+
+#else  // not x86-64: no VNNI; quantized_gemm() keeps float32
+
+namespace etmlx::kernels {
+bool quantized_gemm_vnni_available(int, int) { return false; }
+void quantized_gemm_vnni(const float*, int, const QuantizedMatrix&, ActivationPrecision, float*) { std::abort(); }
+}  // namespace etmlx::kernels
+
+#endif
