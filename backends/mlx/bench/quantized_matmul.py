@@ -77,7 +77,8 @@ def main(json_path: str | None = None, repeats: int | None = None) -> int:
     info = kernels_info()
     threads = info["threads"]
     floor1, floor_n = read_bandwidth_gbs(1), read_bandwidth_gbs(threads)
-    print(f"quantized rows variant {info['isa']}, {threads} threads; read bandwidth (numpy sum, 512 MB): "
+    print(f"quantized rows variant {info['isa']}, {info['activations']} activations, {threads} threads; "
+          f"read bandwidth (numpy sum, 512 MB): "
           f"{floor1:.1f} GB/s on 1 thread, {floor_n:.1f} GB/s on {threads}")
     print(f"{'rows':>4} {'layers':>6} {'weights MB':>10} {'mlx ms':>8} {'etmlx ms':>9} {'speedup':>8} {'etmlx GB/s':>10}")
     records = []
@@ -102,6 +103,7 @@ def main(json_path: str | None = None, repeats: int | None = None) -> int:
         from pathlib import Path
 
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps({"isa": info["isa"], "threads": threads, "read_gbs_1": floor1,
+        Path(json_path).write_text(json.dumps({"isa": info["isa"], "activations": info["activations"],
+                                               "threads": threads, "read_gbs_1": floor1,
                                                "read_gbs_n": floor_n, "records": records}, indent=1))
     return 0
