@@ -38,28 +38,45 @@ uint16_t to_half_bits(float f, ScaleType t) {
   return static_cast<uint16_t>(((u >> 16) & 0x8000) | (e << 10) | ((u >> 13) & 0x3ff));
 }
 
-void check(const RowsVariant& v, const Case& c, std::mt19937& rng) {
-  const int groups = c.k / c.group;
-  std::vector<uint8_t> bytes(static_cast<size_t>(c.n) * c.k * c.bits / 8);
-  for (auto& b : bytes) b = static_cast<uint8_t>(rng());
-  std::vector<uint32_t> words(bytes.size() / 4);
-  std::memcpy(words.data(), bytes.data(), bytes.size());
-  std::uniform_int_distribution<int> steps(-255, 255);  // k / 256: exact in bf16 and f16
-  std::vector<float> s(static_cast<size_t>(c.n) * groups), b(s.size());
-  for (size_t i = 0; i < s.size(); ++i) s[i] = steps(rng) / 256.0f, b[i] = steps(rng) / 256.0f;
-  std::vector<uint16_t> s16(s.size()), b16(s.size());
-  for (size_t i = 0; i < s.size(); ++i) s16[i] = to_half_bits(s[i], c.type), b16[i] = to_half_bits(b[i], c.type);
-  const bool f32 = c.type == ScaleType::f32;
-  const QuantizedMatrix w{words.data(), f32 ? static_cast<const void*>(s.data()) : s16.data(),
-                          f32 ? static_cast<const void*>(b.data()) : b16.data(), c.type, c.n, c.k, c.bits, c.group};
-  std::normal_distribution<float> normal;
-  std::vector<float> x(static_cast<size_t>(c.m) * c.k);
-  for (auto& e : x) e = normal(rng);
+// A random case: packed W with scales and biases exact in every scale type, and x [m, k] from a normal.
+struct Problem {
+  int groups;
+  std::vector<uint8_t> bytes;
+  std::vector<uint32_t> words;
+  std::vector<float> s, b, x;
+  std::vector<uint16_t> s16, b16;
+  QuantizedMatrix w;
 
-  auto q_at = [&](int n, int j) {
+  Problem(const Case& c, std::mt19937& rng) : groups(c.k / c.group) {
+    bytes.resize(static_cast<size_t>(c.n) * c.k * c.bits / 8);
+    for (auto& e : bytes) e = static_cast<uint8_t>(rng());
+    words.resize(bytes.size() / 4);
+    std::memcpy(words.data(), bytes.data(), bytes.size());
+    std::uniform_int_distribution<int> steps(-255, 255);  // k / 256: exact in bf16 and f16
+    s.resize(static_cast<size_t>(c.n) * groups), b.resize(s.size());
+    for (size_t i = 0; i < s.size(); ++i) s[i] = steps(rng) / 256.0f, b[i] = steps(rng) / 256.0f;
+    s16.resize(s.size()), b16.resize(s.size());
+    for (size_t i = 0; i < s.size(); ++i) s16[i] = to_half_bits(s[i], c.type), b16[i] = to_half_bits(b[i], c.type);
+    const bool f32 = c.type == ScaleType::f32;
+    w = QuantizedMatrix{words.data(), f32 ? static_cast<const void*>(s.data()) : s16.data(),
+                        f32 ? static_cast<const void*>(b.data()) : b16.data(), c.type, c.n, c.k, c.bits, c.group};
+    std::normal_distribution<float> normal;
+    x.resize(static_cast<size_t>(c.m) * c.k);
+    for (auto& e : x) e = normal(rng);
+  }
+  // Value j of W's row n.
+  int q_at(const Case& c, int n, int j) const {
     const uint8_t byte = bytes[static_cast<size_t>(n) * c.k * c.bits / 8 + j * c.bits / 8];
     return c.bits == 8 ? byte : (byte >> (4 * (j & 1))) & 0xf;
-  };
+  }
+};
+
+void check(const RowsVariant& v, const Case& c, std::mt19937& rng) {
+  Problem pb(c, rng);
+  const int groups = pb.groups;
+  const std::vector<float>&s = pb.s, &b = pb.b, &x = pb.x;
+  const QuantizedMatrix& w = pb.w;
+  auto q_at = [&](int n, int j) { return pb.q_at(c, n, j); };
   std::vector<float> xp(x.size()), sums(static_cast<size_t>(c.m) * groups), out(static_cast<size_t>(c.m) * c.n);
   prepare_activations(x.data(), c.m, c.k, c.bits, c.group, xp.data(), sums.data());
   for (int r0 = 0; r0 < c.m; r0 += kMaxRows) {
@@ -115,27 +132,12 @@ void check(const RowsVariant& v, const Case& c, std::mt19937& rng) {
 // precision's stated bound sum_g |s_g| * step_g / 2 * sum_i |q_i - 2^(bits-1)|; rows alone = rows in a batch.
 // Returns whether the result was within int16's bound too (for the control in main).
 bool check_integer(const RowsVariant& v, const Case& c, ActivationPrecision p, std::mt19937& rng) {
-  const int groups = c.k / c.group;
-  std::vector<uint8_t> bytes(static_cast<size_t>(c.n) * c.k * c.bits / 8);
-  for (auto& b : bytes) b = static_cast<uint8_t>(rng());
-  std::vector<uint32_t> words(bytes.size() / 4);
-  std::memcpy(words.data(), bytes.data(), bytes.size());
-  std::uniform_int_distribution<int> step_dist(-255, 255);
-  std::vector<float> s(static_cast<size_t>(c.n) * groups), b(s.size());
-  for (size_t i = 0; i < s.size(); ++i) s[i] = step_dist(rng) / 256.0f, b[i] = step_dist(rng) / 256.0f;
-  std::vector<uint16_t> s16(s.size()), b16(s.size());
-  for (size_t i = 0; i < s.size(); ++i) s16[i] = to_half_bits(s[i], c.type), b16[i] = to_half_bits(b[i], c.type);
-  const bool f32 = c.type == ScaleType::f32;
-  const QuantizedMatrix w{words.data(), f32 ? static_cast<const void*>(s.data()) : s16.data(),
-                          f32 ? static_cast<const void*>(b.data()) : b16.data(), c.type, c.n, c.k, c.bits, c.group};
-  std::normal_distribution<float> normal;
-  std::vector<float> x(static_cast<size_t>(c.m) * c.k);
-  for (auto& e : x) e = normal(rng);
-  x[3] = 40.0f;  // an outlier: its group's step is coarse, the others' are not
-  auto q_at = [&](int n, int j) {
-    const uint8_t byte = bytes[static_cast<size_t>(n) * c.k * c.bits / 8 + j * c.bits / 8];
-    return c.bits == 8 ? byte : (byte >> (4 * (j & 1))) & 0xf;
-  };
+  Problem pb(c, rng);
+  pb.x[3] = 40.0f;  // an outlier: its group's step is coarse, the others' are not
+  const int groups = pb.groups;
+  const std::vector<float>&s = pb.s, &b = pb.b, &x = pb.x;
+  const QuantizedMatrix& w = pb.w;
+  auto q_at = [&](int n, int j) { return pb.q_at(c, n, j); };
   const bool int16 = p == ActivationPrecision::int16;
   std::vector<int8_t> hi(x.size()), lo(int16 ? x.size() : 0);
   std::vector<float> steps(static_cast<size_t>(c.m) * groups), residuals(steps.size()), sums(steps.size()),
