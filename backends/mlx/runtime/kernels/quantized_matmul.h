@@ -5,9 +5,11 @@
 //           Qwen2.5-0.5B decoded at ~2 tok/s), so the cpu set runs its own: for a few rows
 //           (decode), a vectorised, multi-threaded pass over the packed weights
 //           (quantized_rows.h, thread_pool.h), which reads each weight once for all rows;
-//           for many rows (prefill), the weights dequantized to float32 by the same code and
-//           multiplied by BLAS. Both compute in float32 and round once to x's dtype, as MLX does;
-//           only the order of the additions differs from mx::quantized_matmul.
+//           for many rows (prefill), a tiled GEMM of its own (quantized_gemm.h; elsewhere the weights
+//           dequantized to float32 and multiplied by BLAS). Results round once to x's dtype, as MLX does.
+//           With float32 activations only the order of the additions differs from mx::quantized_matmul;
+//           with integer ones (quantized_activations.h, the default on AVX-512 VNNI CPUs) each product
+//           is within the bound stated there.
 #pragma once
 
 #include <optional>

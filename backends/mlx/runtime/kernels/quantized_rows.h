@@ -10,12 +10,14 @@
 //   scale[g] * (x_g . q_g) + bias[g] * sum(x_g)
 // with the activation row converted to float32 once per call and, for 4 bits, reordered so that
 // the low nibbles of 16 packed bytes meet x's even values and the high nibbles its odd ones
-// (prepare_activations): a variant then never has to interleave nibbles. All arithmetic is in
-// float32, as MLX's own CPU kernel does it; only the order of the additions differs.
+// (prepare_activations): a variant then never has to interleave nibbles. With float32 activations
+// all arithmetic is in float32, as MLX's own CPU kernel does it; only the order of the additions
+// differs. With integer activations (quantized_activations.h: int16 by default where the CPU has
+// AVX-512 VNNI) x_g . q_g is an exact integer sum of the rounded activations (PreparedRows::hi/lo).
 //
-// Variants, picked once at run time from the CPU's features: AVX-512 (F+BW), AVX2+FMA (x86-64,
-// each in functions with their own target attribute so the binary runs on any x86-64), NEON
-// (arm64), and a portable scalar loop.
+// Variants, picked once at run time from the CPU's features: AVX-512 (F+BW; with VNNI, integer
+// rows too), AVX2+FMA (x86-64, each in functions with their own target attribute so the binary
+// runs on any x86-64), NEON (arm64), and a portable scalar loop.
 #pragma once
 
 #include <cstdint>
