@@ -170,6 +170,19 @@ bool check_integer(const RowsVariant& v, const Case& c, ActivationPrecision p, s
     const size_t idx = static_cast<size_t>(r) * c.k + block + at;
     return int16 ? 256 * hi[idx] + lo[idx] : hi[idx];
   };
+  // The variant's integers and steps are quantize_activation_group's (its definition), bit for bit.
+  bool same_rounding = true;
+  std::vector<int8_t> qh(c.group), ql(c.group);
+  for (int r = 0; r < c.m; ++r) {
+    for (int g = 0; g < groups; ++g) {
+      const float step = quantize_activation_group(x.data() + static_cast<size_t>(r) * c.k + g * c.group, c.group, p,
+                                                   qh.data(), int16 ? ql.data() : nullptr);
+      same_rounding = same_rounding && std::memcmp(&step, &steps[r * groups + g], sizeof step) == 0;
+      for (int i = 0; i < c.group; ++i) {
+        same_rounding = same_rounding && qx(r, g * c.group + i) == (int16 ? 256 * qh[i] + ql[i] : qh[i]);
+      }
+    }
+  }
   double worst_formula = 0.0, worst_bound = 0.0, worst_int16 = 0.0;
   for (int r = 0; r < c.m; ++r) {
     for (int n = 0; n < c.n; ++n) {
@@ -199,12 +212,13 @@ bool check_integer(const RowsVariant& v, const Case& c, ActivationPrecision p, s
       worst_int16 = std::max(worst_int16, std::fabs(got - exact) / (slack16 + 2 * rounding + c.k * 1.2e-7 * mag));
     }
   }
-  const bool ok = worst_formula <= 1.0 && worst_bound <= 1.0 && invariant;
+  const bool ok = worst_formula <= 1.0 && worst_bound <= 1.0 && invariant && same_rounding;
   (ok ? passed : failed)++;
   if (!ok) {
     std::printf("FAIL %s %s m=%d n=%d k=%d bits=%d group=%d type=%d: formula error %.3g, stated bound %.3g, "
-                "rows alone %s\n", v.name, activation_precision_name(p), c.m, c.n, c.k, c.bits, c.group,
-                static_cast<int>(c.type), worst_formula, worst_bound, invariant ? "equal" : "DIFFER");
+                "rows alone %s, rounding %s\n", v.name, activation_precision_name(p), c.m, c.n, c.k, c.bits, c.group,
+                static_cast<int>(c.type), worst_formula, worst_bound, invariant ? "equal" : "DIFFER",
+                same_rounding ? "quantize_activation_group's" : "DIFFERS from quantize_activation_group");
   }
   return worst_int16 <= 1.0;
 }

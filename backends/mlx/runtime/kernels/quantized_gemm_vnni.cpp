@@ -21,6 +21,8 @@
 
 #include <immintrin.h>
 
+#include "kernels/quantized_activations_avx512.h"
+
 namespace etmlx::kernels {
 
 namespace {
@@ -84,49 +86,23 @@ struct Activations {
 };
 
 // Group g of row r of a panel from x (the group's `group` values; null: a padding row of zeros):
-// quantize_activation_group's integers (the same bits: a float32 multiply by qmax / max|x|, round to
-// nearest even, clamp), vectorized. The caller goes through a panel group by group, its rows in turn, so
-// the 4-byte stores stay within the group's few hundred bytes of the panel.
+// quantize_activation_group's integers (quantized_activations_avx512.h). The caller goes through a panel
+// group by group, its rows in turn, so the 4-byte stores stay within the group's few hundred bytes of it.
 template <int BITS, bool INT16>
 ETMLX_VNNI void prepare_group(const float* x, int group, int g, int8_t* panel, int64_t plane_bytes, float* scalars,
                               int r) {
-  const int qmax = INT16 ? kInt16Max : kInt8Max;
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-  const __m512i top = _mm512_set1_epi32(qmax), bottom = _mm512_set1_epi32(-qmax);
-  float largest = 0.0f, sum = 0.0f;
-  bool finite = true;
-  if (x != nullptr) {
-    __m512 mx = _mm512_setzero_ps(), s = _mm512_setzero_ps();
-    __mmask16 bad = 0;
-    for (int i = 0; i < group; i += 16) {
-      const __m512 v = _mm512_loadu_ps(x + i);
-      mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
-      s = _mm512_add_ps(s, v);
-      const __m512 d = _mm512_sub_ps(v, v);  // NaN for inf and NaN
-      bad |= _mm512_cmp_ps_mask(d, d, _CMP_UNORD_Q);
-    }
-    finite = bad == 0;
-    largest = _mm512_reduce_max_ps(mx);
-    sum = _mm512_reduce_add_ps(s);
-  }
-  const bool zero = x == nullptr || !finite || largest == 0.0f;
-  const float step = x == nullptr ? 0.0f : !finite ? std::nanf("") : largest / static_cast<float>(qmax);
+  const avx512::GroupRounding rounding = avx512::group_rounding(x, group, INT16 ? kInt16Max : kInt8Max);
   float* out_scalars = scalars + g * kScalars + r;
-  out_scalars[0] = step;
-  out_scalars[kTileX] = sum;
-  const __m512 inverse = _mm512_set1_ps(zero ? 0.0f : static_cast<float>(qmax) / largest);
-  const __m512 vstep = _mm512_set1_ps(zero ? 0.0f : step);
+  out_scalars[0] = rounding.step;
+  out_scalars[kTileX] = rounding.sum;
   __m512 residual = _mm512_setzero_ps();  // x - step * q, each rounded once
   for (int c = 0; c < group; c += 32) {
     __m512i q0 = _mm512_setzero_si512(), q1 = _mm512_setzero_si512();
-    if (!zero) {
-      q0 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + c), inverse));
-      q1 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + c + 16), inverse));
-      q0 = _mm512_min_epi32(_mm512_max_epi32(q0, bottom), top);
-      q1 = _mm512_min_epi32(_mm512_max_epi32(q1, bottom), top);
-      residual = _mm512_add_ps(residual, _mm512_fnmadd_ps(vstep, _mm512_cvtepi32_ps(q0), _mm512_loadu_ps(x + c)));
-      residual = _mm512_add_ps(residual, _mm512_fnmadd_ps(vstep, _mm512_cvtepi32_ps(q1), _mm512_loadu_ps(x + c + 16)));
+    if (!rounding.zero) {
+      q0 = rounding.round(_mm512_loadu_ps(x + c), residual);
+      q1 = rounding.round(_mm512_loadu_ps(x + c + 16), residual);
     }
     __m512i a = q0, b = q1;
     if constexpr (BITS == 4) {
@@ -134,23 +110,21 @@ ETMLX_VNNI void prepare_group(const float* x, int group, int g, int8_t* panel, i
       b = _mm512_permutex2var_epi32(q0, odd, q1);
     }
     const int64_t step0 = (static_cast<int64_t>(g) * group + c) / 4;  // the chunk's first k step
+    __m512i planes[2][2] = {{a, b}, {a, b}};  // int16: hi then lo; int8: q
+    if constexpr (INT16) {
+      avx512::split_int16(a, planes[0][0], planes[1][0]);
+      avx512::split_int16(b, planes[0][1], planes[1][1]);
+    }
     for (int plane = 0; plane < (INT16 ? 2 : 1); ++plane) {
-      __m512i pa = a, pb = b;
-      if constexpr (INT16) {  // q = 256 * hi + lo, lo the signed low byte
-        const __m512i la = _mm512_srai_epi32(_mm512_slli_epi32(a, 24), 24);
-        const __m512i lb = _mm512_srai_epi32(_mm512_slli_epi32(b, 24), 24);
-        pa = plane == 0 ? _mm512_srai_epi32(_mm512_sub_epi32(a, la), 8) : la;
-        pb = plane == 0 ? _mm512_srai_epi32(_mm512_sub_epi32(b, lb), 8) : lb;
-      }
       alignas(16) int32_t words[8];
-      _mm_store_si128(reinterpret_cast<__m128i*>(words), _mm512_cvtepi32_epi8(pa));
-      _mm_store_si128(reinterpret_cast<__m128i*>(words + 4), _mm512_cvtepi32_epi8(pb));
+      _mm_store_si128(reinterpret_cast<__m128i*>(words), _mm512_cvtepi32_epi8(planes[plane][0]));
+      _mm_store_si128(reinterpret_cast<__m128i*>(words + 4), _mm512_cvtepi32_epi8(planes[plane][1]));
       int8_t* out = panel + plane * plane_bytes + (step0 * kTileX + r) * 4;
       for (int j = 0; j < 8; ++j) std::memcpy(out + j * kStepBytesX, &words[j], 4);
     }
   }
-  // Non-finite x: NaN, as the step. A zero group: 0.
-  out_scalars[2 * kTileX] = !finite ? std::nanf("") : _mm512_reduce_add_ps(residual);
+  // Non-finite x: NaN, as the step. A zero or padding group: 0.
+  out_scalars[2 * kTileX] = avx512::group_residual(rounding, residual);
 }
 
 // Unpacks W rows n0 .. n0 + 15 (rows past w.n: 0) into wt [k / 4][16][4] bytes and their scales and

@@ -5,7 +5,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
-#include <vector>
 
 #include "kernels/quantized_rows_variants.h"
 
@@ -95,39 +94,8 @@ void PreparedActivations::prepare(const float* x, int m, int k, int bits, int gr
 
 void prepare_integer_activations(const float* x, int m, int k, int bits, int group, ActivationPrecision precision,
                                  int8_t* hi, int8_t* lo, float* steps, float* residuals, float* sums) {
-  if (chosen().prepare_integer != nullptr) {
-    return chosen().prepare_integer(x, m, k, bits, group, precision, hi, lo, steps, residuals, sums);
-  }
-  const int groups = k / group;
-  const bool int16 = precision == ActivationPrecision::int16;
-  std::vector<int8_t> qh(group), ql(group);
-  for (int r = 0; r < m; ++r) {
-    for (int g = 0; g < groups; ++g) {
-      const int64_t at = static_cast<int64_t>(r) * groups + g;
-      const float* xg = x + static_cast<int64_t>(r) * k + static_cast<int64_t>(g) * group;
-      float sum = 0.0f;
-      for (int i = 0; i < group; ++i) sum += xg[i];  // as prepare_activations: the bias term stays float32
-      sums[at] = sum;
-      const float step = quantize_activation_group(xg, group, precision, qh.data(), int16 ? ql.data() : nullptr);
-      steps[at] = step;
-      float residual = 0.0f;  // small terms, each x - step * q exact in double (24 x 16 bits) and rounded once
-      for (int i = 0; i < group; ++i) {
-        const double q = int16 ? 256.0 * qh[i] + ql[i] : qh[i];
-        residual += static_cast<float>(static_cast<double>(xg[i]) - static_cast<double>(step) * q);
-      }
-      residuals[at] = residual;
-      const int64_t first = static_cast<int64_t>(r) * k + static_cast<int64_t>(g) * group;
-      for (int b = 0; b < group; b += kIntBlock) {
-        for (int i = 0; i < kIntBlock; ++i) {
-          // 4 bits: the block's packed byte j holds values 2j (low nibble) and 2j + 1 (high nibble); the loop
-          // reads all 32 low nibbles, then all 32 high ones.
-          const int src = bits == 4 ? (i < kIntBlock / 2 ? 2 * i : 2 * (i - kIntBlock / 2) + 1) : i;
-          hi[first + b + i] = qh[b + src];
-          if (int16) lo[first + b + i] = ql[b + src];
-        }
-      }
-    }
-  }
+  // Only a variant with integer rows makes them, and each such variant prepares them in its own instructions.
+  chosen().prepare_integer(x, m, k, bits, group, precision, hi, lo, steps, residuals, sums);
 }
 
 PreparedRows PreparedActivations::rows(int first, int count) const {

@@ -64,8 +64,9 @@ float f16_to_float(uint16_t h);
 void prepare_activations(const float* x, int m, int k, int bits, int group, float* xp, float* sums);
 
 // The integer rows of PreparedRows for m rows of x [m, k] at `precision` (int16 or int8; a group a multiple
-// of kIntBlock = 64): hi [m, k], lo [m, k] (int16 only; else may be null), steps and residuals [m, k / group],
-// and sums as prepare_activations makes them.
+// of kIntBlock = 64): hi [m, k], lo [m, k] (int16 only; else may be null), steps and residuals [m, k / group]
+// (quantize_activation_group's integers and steps), and each group's sum of x. Only where
+// rows_precision() is not float32 (the variant in use has integer rows).
 void prepare_integer_activations(const float* x, int m, int k, int bits, int group, ActivationPrecision precision,
                                  int8_t* hi, int8_t* lo, float* steps, float* residuals, float* sums);
 

@@ -18,7 +18,7 @@ struct RowsVariant {
   void (*dequantize)(const QuantizedMatrix& w, int n_begin, int n_end, float* out);
   // Whether `dot` also takes integer activation rows (PreparedRows::hi set) for groups a multiple of 64.
   bool integer_rows = false;
-  // prepare_integer_activations in this variant's instructions (nullptr: the portable loop).
+  // prepare_integer_activations in this variant's instructions; set exactly when integer_rows is.
   void (*prepare_integer)(const float* x, int m, int k, int bits, int group, ActivationPrecision precision,
                           int8_t* hi, int8_t* lo, float* steps, float* residuals, float* sums) = nullptr;
 };

@@ -13,6 +13,8 @@
 
 #include <immintrin.h>
 
+#include "kernels/quantized_activations_avx512.h"
+
 namespace etmlx::kernels {
 
 namespace {
@@ -392,10 +394,8 @@ void dot_vnni(const QuantizedMatrix& w, const PreparedRows& rows, int n_begin, i
   dot_vnni_bl<BITS, M, T, false, 0>(w, rows, n_begin, n_end, out, ldo);
 }
 
-// prepare_integer_activations (quantized_rows.h) 16 lanes at a time: the portable loop's integers and steps
-// (round to nearest even, as nearbyint), its sums and residuals summed in another order. The reorder of a 4-bit
-// block (even values, then odd ones) is vpmovwb of the block's bytes seen as 16-bit words, and of them >> 8.
-// A block's 64 bytes from natural order into PreparedRows::hi's (see above).
+// A block's 64 bytes from natural order into PreparedRows::hi's: at 4 bits the even values, then the odd
+// ones, which is vpmovwb of the block's bytes seen as 16-bit words, and of them >> 8.
 ETMLX_AVX512_VNNI ETMLX_INLINE void place_block(const int8_t* natural, int bits, int8_t* out) {
   const __m512i z = _mm512_load_si512(natural);
   if (bits == 4) {
@@ -406,6 +406,8 @@ ETMLX_AVX512_VNNI ETMLX_INLINE void place_block(const int8_t* natural, int bits,
   }
 }
 
+// prepare_integer_activations (quantized_rows.h): quantize_activation_group's integers and steps, 16 lanes at a
+// time (quantized_activations_avx512.h).
 ETMLX_AVX512_VNNI void prepare_integer_avx512(const float* x, int m, int k, int bits, int group,
                                               ActivationPrecision precision, int8_t* hi, int8_t* lo, float* steps,
                                               float* residuals, float* sums) {
@@ -416,40 +418,25 @@ ETMLX_AVX512_VNNI void prepare_integer_avx512(const float* x, int m, int k, int 
     for (int g = 0; g < groups; ++g) {
       const int64_t at = static_cast<int64_t>(r) * groups + g, first = static_cast<int64_t>(r) * k + int64_t{g} * group;
       const float* xg = x + first;
-      __m512 vmax = _mm512_setzero_ps(), vsum = _mm512_setzero_ps(), probe = _mm512_setzero_ps();
-      for (int i = 0; i < group; i += 16) {
-        const __m512 v = _mm512_loadu_ps(xg + i);
-        vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
-        vsum = _mm512_add_ps(vsum, v);
-        probe = _mm512_add_ps(probe, _mm512_sub_ps(v, v));  // NaN when any value is not finite
-      }
-      sums[at] = _mm512_reduce_add_ps(vsum);
-      const float largest = _mm512_reduce_max_ps(vmax);
-      const bool finite = _mm512_reduce_add_ps(probe) == 0.0f;
-      if (!finite || largest == 0.0f) {  // as quantize_activation_group
+      const avx512::GroupRounding rounding = avx512::group_rounding(xg, group, qmax);
+      sums[at] = rounding.sum;
+      steps[at] = rounding.step;
+      if (rounding.zero) {  // as quantize_activation_group
         std::memset(hi + first, 0, group);
         if (int16) std::memset(lo + first, 0, group);
-        steps[at] = finite ? 0.0f : __builtin_nanf("");
-        residuals[at] = finite ? 0.0f : __builtin_nanf("");
+        residuals[at] = avx512::group_residual(rounding, _mm512_setzero_ps());
         continue;
       }
-      const float step = largest / static_cast<float>(qmax);
-      const __m512 inverse = _mm512_set1_ps(static_cast<float>(qmax) / largest), vstep = _mm512_set1_ps(step);
-      const __m512i top = _mm512_set1_epi32(qmax), bottom = _mm512_set1_epi32(-qmax);
       __m512 residual = _mm512_setzero_ps();
       for (int b = 0; b < group; b += kIntBlock) {
         alignas(64) int8_t hb[kIntBlock], lb[kIntBlock];
         for (int i = 0; i < kIntBlock; i += 16) {
-          const __m512 v = _mm512_loadu_ps(xg + b + i);
-          __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v, inverse));  // MXCSR's round to nearest even
-          q = _mm512_max_epi32(_mm512_min_epi32(q, top), bottom);
-          residual = _mm512_add_ps(residual, _mm512_fnmadd_ps(vstep, _mm512_cvtepi32_ps(q), v));
+          const __m512i q = rounding.round(_mm512_loadu_ps(xg + b + i), residual);
           if (int16) {
-            const __m512i low = _mm512_sub_epi32(
-                _mm512_and_si512(_mm512_add_epi32(q, _mm512_set1_epi32(128)), _mm512_set1_epi32(255)),
-                _mm512_set1_epi32(128));
+            __m512i high, low;
+            avx512::split_int16(q, high, low);
             _mm_store_si128(reinterpret_cast<__m128i*>(lb + i), _mm512_cvtepi32_epi8(low));
-            _mm_store_si128(reinterpret_cast<__m128i*>(hb + i), _mm512_cvtepi32_epi8(_mm512_srai_epi32(_mm512_sub_epi32(q, low), 8)));
+            _mm_store_si128(reinterpret_cast<__m128i*>(hb + i), _mm512_cvtepi32_epi8(high));
           } else {
             _mm_store_si128(reinterpret_cast<__m128i*>(hb + i), _mm512_cvtepi32_epi8(q));
           }
@@ -457,8 +444,7 @@ ETMLX_AVX512_VNNI void prepare_integer_avx512(const float* x, int m, int k, int 
         place_block(hb, bits, hi + first + b);
         if (int16) place_block(lb, bits, lo + first + b);
       }
-      steps[at] = step;
-      residuals[at] = _mm512_reduce_add_ps(residual);
+      residuals[at] = avx512::group_residual(rounding, residual);
     }
   }
 }
