@@ -31,15 +31,21 @@ class _Cached(torch.nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])
-def test_boolean_mask_prefill_matches_eager(heads, kv_heads):
-    torch.manual_seed(0)
-    cache, dim = 80, 16
+# Prefill spans (the prefill's loop, one decode step among them) from the start and mid-cache, and decode steps
+# (< 16 query rows: one host loop for the whole attention, sdpa_decode_cpu, the scores, softmax and weighted sum
+# in float32): the same tolerance against eager PyTorch. `example` is the query length the program is exported at.
+@pytest.mark.parametrize("seed,dim,example,spans,heads,kv_heads", [
+    *[(0, 16, 80, ((0, 20), (17, 40), (40, 40), (3, 1)), h, kv) for h, kv in ((4, 4), (6, 2))],
+    *[(4, 64, 3, ((0, 1), (5, 1), (40, 3), (79, 1), (60, 15)), h, kv) for h, kv in ((4, 4), (14, 2))],
+])
+def test_boolean_mask_matches_eager(seed, dim, example, spans, heads, kv_heads):
+    torch.manual_seed(seed)
+    cache = 80
     k, v = torch.randn(1, kv_heads, cache, dim), torch.randn(1, kv_heads, cache, dim)
     length = torch.export.Dim("length", min=1, max=cache)
-    example = (torch.randn(1, heads, cache, dim), k, v, torch.tensor(0))
-    method = load_method(export_to_pte(_Cached(), example, dynamic_shapes=({2: length}, None, None, None)).pte)
-    for start, n in ((0, 20), (17, 40), (40, 40), (3, 1)):  # prefills from the start and mid-cache; a decode step
+    args = (torch.randn(1, heads, example, dim), k, v, torch.tensor(0))
+    method = load_method(export_to_pte(_Cached(), args, dynamic_shapes=({2: length}, None, None, None)).pte)
+    for start, n in spans:
         q = torch.randn(1, heads, n, dim) * 3  # sharper scores than randn: the softmax's exp is exercised
         got = method.execute([q, k, v, torch.tensor(start)])[0]
         torch.testing.assert_close(got, _Cached()(q, k, v, torch.tensor(start)), atol=2e-5, rtol=2e-5)
@@ -80,22 +86,6 @@ def test_large_sigmoid_matches_eager():
     small = torch.randn(4, 8)  # under the host loop's threshold: MLX's op, the same values
     torch.testing.assert_close(load_method(export_fn(torch.sigmoid, [small]).pte).execute([small])[0],
                                torch.sigmoid(small), atol=1e-7, rtol=1e-6)
-
-
-# Decode steps (< 16 query rows): one host loop for the whole attention (sdpa_decode_cpu), the scores,
-# softmax and weighted sum in float32; the same tolerance as the prefill's against eager PyTorch.
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (14, 2)])
-def test_boolean_mask_decode_matches_eager(heads, kv_heads):
-    torch.manual_seed(4)
-    cache, dim = 80, 64
-    k, v = torch.randn(1, kv_heads, cache, dim), torch.randn(1, kv_heads, cache, dim)
-    length = torch.export.Dim("length", min=1, max=cache)
-    example = (torch.randn(1, heads, 3, dim), k, v, torch.tensor(0))
-    method = load_method(export_to_pte(_Cached(), example, dynamic_shapes=({2: length}, None, None, None)).pte)
-    for start, n in ((0, 1), (5, 1), (40, 3), (79, 1), (60, 15)):
-        q = torch.randn(1, heads, n, dim) * 3
-        got = method.execute([q, k, v, torch.tensor(start)])[0]
-        torch.testing.assert_close(got, _Cached()(q, k, v, torch.tensor(start)), atol=2e-5, rtol=2e-5)
 
 
 def test_causal_decode_and_transposed_keys_match_eager():
