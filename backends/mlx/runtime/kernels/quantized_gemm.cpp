@@ -169,10 +169,14 @@ bool quantized_gemm_available() {
   return ok;
 }
 
+bool quantized_gemm_integer(int bits, int group) {
+  return quantized_gemm_available() && activation_precision() != ActivationPrecision::float32 &&
+         quantized_gemm_vnni_available(bits, group);
+}
+
 void quantized_gemm(const float* x, int m, const QuantizedMatrix& w, float* out) {
-  const ActivationPrecision p = activation_precision();
-  if (p != ActivationPrecision::float32 && quantized_gemm_vnni_available(w.bits, w.group)) {
-    quantized_gemm_vnni(x, m, w, p, out);  // integer activations (quantized_gemm_vnni.h)
+  if (quantized_gemm_integer(w.bits, w.group)) {
+    quantized_gemm_vnni(x, m, w, activation_precision(), out);  // integer activations (quantized_gemm_vnni.h)
     return;
   }
   const int blocks = (m + kTileM - 1) / kTileM;
@@ -208,6 +212,7 @@ void quantized_gemm(const float* x, int m, const QuantizedMatrix& w, float* out)
 
 namespace etmlx::kernels {
 bool quantized_gemm_available() { return false; }
+bool quantized_gemm_integer(int, int) { return false; }
 void quantized_gemm(const float*, int, const QuantizedMatrix&, float*) { std::abort(); }
 }  // namespace etmlx::kernels
 

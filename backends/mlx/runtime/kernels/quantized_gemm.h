@@ -16,6 +16,10 @@ namespace etmlx::kernels {
 // ETMLX_QMM_GEMM=blas (for A/B runs) or an ETMLX_QMM_ISA other than avx512 (the variant tests).
 bool quantized_gemm_available();
 
+// True when the integer-activation GEMM (quantized_gemm_vnni.h) computes quantized_gemm() for W's bits
+// and group at the activation precision in use.
+bool quantized_gemm_integer(int bits, int group);
+
 // out [m, w.n] row-major = x [m, w.k] row-major . W^T; needs quantized_gemm_available(). With
 // ETMLX_QMM_ACTIVATIONS=int16|int8 on a CPU with AVX-512 VNNI, the integer-activation kernel
 // (quantized_gemm_vnni.h) where it handles the layout; else the float32 tiles above.

@@ -3,12 +3,14 @@
 #include "kernels/quantized_gemm_vnni.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <new>
+#include <utility>
 
 #include "kernels/quantized_rows_variants.h"
 #include "kernels/thread_pool.h"
@@ -128,33 +130,73 @@ ETMLX_VNNI void prepare_group(const float* x, int group, int g, int8_t* panel, i
 }
 
 // Unpacks W rows n0 .. n0 + 15 (rows past w.n: 0) into wt [k / 4][16][4] bytes and their scales and
-// biases into sc, bi [groups][16]; 32 k values at a time for all 16 rows, so that the 4-byte stores stay
-// within 512 bytes of wt.
+// biases into sc, bi [groups][16]. Per 32 k values: each row's 32 bytes in chunk order (8 words: one k step
+// each), then a 16 x 8 transpose of those words in registers, 8 stores of 64 bytes. A store per row and
+// word (128 per chunk) made this unpack as slow as a 12-row product of the tile, which is what a verify
+// call of 9 rows pays per W row.
+// Two rows' chunks (32 values each, in chunk order; see above; a and b point at the chunks' first bytes) as
+// [a's 8 words | b's 8 words].
+template <int BITS>
+ETMLX_VNNI ETMLX_INLINE __m512i chunk_pair(const uint8_t* a, const uint8_t* b) {
+  if constexpr (BITS == 4) {
+    const __m256i bytes =
+        _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+                                _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1);
+    // [a a b b] in 128-bit quarters, then the low nibbles of the even quarters, the high ones of the odd.
+    const __m512i twice = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3),
+                                                   _mm512_castsi256_si512(bytes));
+    constexpr long long four = 0x0004000400040004LL;  // a shift of 4 in each 16-bit lane
+    const __m512i shifts = _mm512_setr_epi64(0, 0, four, four, 0, 0, four, four);
+    return _mm512_and_si512(_mm512_srlv_epi16(twice, shifts), _mm512_set1_epi8(0x0f));
+  } else {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
+                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
+  }
+}
+
 template <int BITS, ScaleType T>
 ETMLX_VNNI void unpack_tile(const QuantizedMatrix& w, int n0, uint8_t* wt, float* sc, float* bi) {
   const int groups = w.k / w.group;
   const int64_t row_bytes = static_cast<int64_t>(w.k) * BITS / 8;
   const int rows = std::min(kTileW, w.n - n0);
-  const __m128i mask = _mm_set1_epi8(0x0f);
   const uint8_t* w0 = reinterpret_cast<const uint8_t*>(w.w) + n0 * row_bytes;
+  alignas(64) static const uint8_t zeros[32] = {};  // a chunk of the rows past w.n
+  // Output word j of the chunk gathers 128-bit quarters of the transposed pairs (see below).
+  const __m512i take_low = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
+  const __m512i take_high = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
   for (int c = 0; c < w.k; c += 32) {
-    uint8_t* out = wt + static_cast<int64_t>(c / 4) * kStepBytesW;
-    for (int rr = 0; rr < kTileW; ++rr) {
-      alignas(16) uint8_t chunk[32] = {};
-      const uint8_t* wb = w0 + rr * row_bytes;
+    const int64_t at = int64_t{c} * BITS / 8;  // the chunk's first byte in a row
+    if (at % 64 == 0) {
       // 16 rows read side by side, W straight from memory in a prefill (each weight read once per call):
       // fetched 512 bytes ahead, which the hardware prefetcher does not do for that many streams.
-      if (rr < rows) _mm_prefetch(reinterpret_cast<const char*>(wb + c * BITS / 8 + 512), _MM_HINT_T0);
-      if (rr >= rows) {
-        // zeros
-      } else if constexpr (BITS == 4) {
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + c / 2));
-        _mm_store_si128(reinterpret_cast<__m128i*>(chunk), _mm_and_si128(bytes, mask));
-        _mm_store_si128(reinterpret_cast<__m128i*>(chunk + 16), _mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
-      } else {
-        std::memcpy(chunk, wb + c, 32);
-      }
-      for (int j = 0; j < 8; ++j) std::memcpy(out + j * kStepBytesW + rr * 4, chunk + 4 * j, 4);
+      for (int rr = 0; rr < rows; ++rr) _mm_prefetch(reinterpret_cast<const char*>(w0 + rr * row_bytes + at + 512), _MM_HINT_T0);
+    }
+    // z[r] = [row r's 8 words | row r + 8's 8 words], r < 8.
+    __m512i z[8];
+    for (int r = 0; r < 8; ++r) {
+      const uint8_t* a = r < rows ? w0 + r * row_bytes + at : zeros;
+      const uint8_t* b = r + 8 < rows ? w0 + (r + 8) * row_bytes + at : zeros;
+      z[r] = chunk_pair<BITS>(a, b);
+    }
+    // The 8 x 8 word transpose of each 256-bit half at once (unpacks work within 128-bit quarters):
+    // u[j] holds rows 0-3 (or 4-7 for u[4 + j]) of words j and j + 4 in its quarters 0 and 1, rows 8-11
+    // (12-15) in quarters 2 and 3.
+    __m512i t[8], u[8];
+    for (int p = 0; p < 4; ++p) {
+      t[2 * p] = _mm512_unpacklo_epi32(z[2 * p], z[2 * p + 1]);
+      t[2 * p + 1] = _mm512_unpackhi_epi32(z[2 * p], z[2 * p + 1]);
+    }
+    for (int half = 0; half < 2; ++half) {  // rows 0-3 (8-11), then rows 4-7 (12-15)
+      const __m512i* tt = t + 4 * half;
+      u[4 * half + 0] = _mm512_unpacklo_epi64(tt[0], tt[2]);
+      u[4 * half + 1] = _mm512_unpackhi_epi64(tt[0], tt[2]);
+      u[4 * half + 2] = _mm512_unpacklo_epi64(tt[1], tt[3]);
+      u[4 * half + 3] = _mm512_unpackhi_epi64(tt[1], tt[3]);
+    }
+    uint8_t* out = wt + static_cast<int64_t>(c / 4) * kStepBytesW;
+    for (int j = 0; j < 4; ++j) {
+      _mm512_store_si512(out + j * kStepBytesW, _mm512_permutex2var_epi64(u[j], take_low, u[4 + j]));
+      _mm512_store_si512(out + (j + 4) * kStepBytesW, _mm512_permutex2var_epi64(u[j], take_high, u[4 + j]));
     }
   }
   for (int rr = 0; rr < kTileW; ++rr) {
@@ -180,10 +222,11 @@ ETMLX_VNNI ETMLX_INLINE __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_
 #define ETMLX_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
 static_assert(kTileX == 12, "ETMLX_ROWS names kTileX rows");
 
-// c[r][j] = activation row r of the panel . W tile row j: per group, the integer sums acc[r] (lane j: W
-// row j), then one float32 multiply and three multiply-adds:
+// c[r][j] = activation row r of the panel . W tile row j for r < ROWS (1..kTileX: a panel's real rows, so a
+// verify call of 9 rows does not pay for 12): per group, the integer sums acc[r] (lane j: W row j), then one
+// float32 multiply and three multiply-adds:
 // c += (acc * scale) * step + bias * sum(x) + (centre * scale) * residual, centre = 2^(bits-1).
-template <bool INT16>
+template <bool INT16, int ROWS>
 ETMLX_VNNI void tile_kernel(const uint8_t* wt, const float* sc, const float* bi, const int8_t* panel,
                             int64_t plane_bytes, const float* scalars, float centre, int k, int group,
                             float (&c)[kTileX][kTileW]) {
@@ -195,10 +238,10 @@ ETMLX_VNNI void tile_kernel(const uint8_t* wt, const float* sc, const float* bi,
     ETMLX_ROWS(ETMLX_DECLARE)
     const uint8_t* wg = wt + static_cast<int64_t>(g) * per_group * kStepBytesW;
     const int8_t* ag = panel + static_cast<int64_t>(g) * per_group * kStepBytesX;
-#define ETMLX_DOT(r) acc##r = dpbusd_bcast(acc##r, w0, a + 4 * (r));
+#define ETMLX_DOT(r) if constexpr ((r) < ROWS) acc##r = dpbusd_bcast(acc##r, w0, a + 4 * (r));
     for (int plane = 0; plane < (INT16 ? 2 : 1); ++plane) {
       if (plane == 1) {  // int16: 256 * (qw . hi) + qw . lo
-#define ETMLX_SHIFT(r) acc##r = _mm512_slli_epi32(acc##r, 8);
+#define ETMLX_SHIFT(r) if constexpr ((r) < ROWS) acc##r = _mm512_slli_epi32(acc##r, 8);
         ETMLX_ROWS(ETMLX_SHIFT)
       }
       const uint8_t* w = wg;
@@ -214,12 +257,14 @@ ETMLX_VNNI void tile_kernel(const uint8_t* wt, const float* sc, const float* bi,
     const float* su = st + kTileX;
     const float* re = st + 2 * kTileX;
 #define ETMLX_TERM(r) \
+    if constexpr ((r) < ROWS) { \
     c##r = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc##r), s0), _mm512_set1_ps(st[r]), c##r); \
     c##r = _mm512_fmadd_ps(b0, _mm512_set1_ps(su[r]), c##r); \
-    c##r = _mm512_fmadd_ps(cs0, _mm512_set1_ps(re[r]), c##r);
+    c##r = _mm512_fmadd_ps(cs0, _mm512_set1_ps(re[r]), c##r); \
+    }
     ETMLX_ROWS(ETMLX_TERM)
   }
-#define ETMLX_SAVE(r) _mm512_store_ps(c[r], c##r);
+#define ETMLX_SAVE(r) if constexpr ((r) < ROWS) _mm512_store_ps(c[r], c##r);
   ETMLX_ROWS(ETMLX_SAVE)
 #undef ETMLX_CDECL
 #undef ETMLX_DECLARE
@@ -227,6 +272,16 @@ ETMLX_VNNI void tile_kernel(const uint8_t* wt, const float* sc, const float* bi,
 #undef ETMLX_SHIFT
 #undef ETMLX_TERM
 #undef ETMLX_SAVE
+}
+
+template <bool INT16>
+using TileKernel = void (*)(const uint8_t*, const float*, const float*, const int8_t*, int64_t, const float*, float,
+                            int, int, float (&)[kTileX][kTileW]);
+
+// tile_kernel<INT16, rows> at index rows - 1.
+template <bool INT16, int... R>
+constexpr std::array<TileKernel<INT16>, sizeof...(R)> tile_kernels(std::integer_sequence<int, R...>) {
+  return {&tile_kernel<INT16, R + 1>...};
 }
 
 struct Gemm {
@@ -249,12 +304,13 @@ struct Gemm {
       const int8_t* panel = a.bytes + p * a.panel_bytes();
       const float* scalars = a.scalars + static_cast<int64_t>(p) * groups * kScalars;
       const int rows_x = std::min(kTileX, m - m0);
+      static constexpr auto kernels = tile_kernels<INT16>(std::make_integer_sequence<int, kTileX>());
+      const TileKernel<INT16> kernel = kernels[rows_x - 1];
       for (int t = t0; t < t1; ++t) {
         const uint8_t* wt = reinterpret_cast<const uint8_t*>(buf + (t - t0) * per_tile);
         const float* sc = reinterpret_cast<const float*>(wt + int64_t{kTileW} * w.k);
         alignas(64) float c[kTileX][kTileW];
-        tile_kernel<INT16>(wt, sc, sc + groups * kTileW, panel, a.plane_bytes, scalars, 1 << (BITS - 1), w.k,
-                          w.group, c);
+        kernel(wt, sc, sc + groups * kTileW, panel, a.plane_bytes, scalars, 1 << (BITS - 1), w.k, w.group, c);
         const int n0 = t * kTileW, rows_w = std::min(kTileW, w.n - n0);
         const __mmask16 mask = static_cast<__mmask16>(rows_w >= 16 ? 0xffff : (1u << rows_w) - 1);
         for (int r = 0; r < rows_x; ++r) {

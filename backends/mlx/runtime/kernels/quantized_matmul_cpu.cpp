@@ -20,15 +20,23 @@ namespace mx = mlx::core;
 
 namespace {
 
-// From this many rows on, the weights are dequantized and multiplied by BLAS: a dot pass reads
-// the packed weights once per kMaxRows rows and does a few integer-to-float steps per weight,
-// while BLAS's blocked GEMM reuses each float weight across all rows.
-int gemm_rows() {
-  static const int rows = [] {
-    const char* env = std::getenv("ETMLX_QMM_GEMM_ROWS");  // for measuring the crossover
-    return env && *env ? std::max(1, std::atoi(env)) : 16;
+// Whether a product of m rows goes to a GEMM rather than the few-row dot loop (quantized_rows.h), which
+// reads the packed weights once per kMaxRows rows and, per group of 64 values, spends as many
+// instructions on each row's float32 terms as on its integer dot product:
+// - with integer activations (quantized_gemm_vnni.h) from 7 rows: its 12-row tile costs about the same
+//   from 5 to 12 rows. Per 896 x 4864 4-bit linear in a program, 2 threads (ms, GEMM vs dot loop):
+//   5 rows 0.27 vs 0.22, 6 rows 0.27 vs 0.27, 7 rows 0.35 vs 0.44, 8 rows 0.33 vs 0.51, 9 rows (a
+//   --draft-tokens 8 verify call) 0.33 vs 0.52;
+// - else from 16: W dequantized to float32 tiles (or for BLAS), whose cost pays off only over many rows.
+// ETMLX_QMM_GEMM_ROWS=N moves both crossovers to N (for measuring them).
+constexpr int kIntegerGemmRows = 7, kFloatGemmRows = 16;
+bool many_rows(int m, int bits, int group) {
+  static const int forced = [] {
+    const char* env = std::getenv("ETMLX_QMM_GEMM_ROWS");
+    return env && *env ? std::max(1, std::atoi(env)) : 0;
   }();
-  return rows;
+  if (forced) return m >= forced;
+  return m >= (quantized_gemm_integer(bits, group) ? kIntegerGemmRows : kFloatGemmRows);
 }
 
 ScaleType scale_type(mx::Dtype t) {
@@ -106,7 +114,7 @@ mx::array quantized_matmul_cpu(const mx::array& x, const mx::array& w, const mx:
   if (m == 0 || k == 0) return mx::zeros(out_shape, dtype);
   std::vector<mx::array> weights{materialised_contiguous(w), materialised_contiguous(scales),
                                  materialised_contiguous(biases)};
-  if (m >= gemm_rows() && quantized_gemm_available()) {
+  if (many_rows(m, bits, group_size) && quantized_gemm_available()) {
     // Prefill on AVX-512: W dequantized in tiles per pool thread (quantized_gemm.h).
     const mx::array x32 = mx::reshape(mx::astype(x, mx::float32), {m, k});
     std::vector<mx::array> inputs{mx::contiguous(x32)};
@@ -117,7 +125,7 @@ mx::array quantized_matmul_cpu(const mx::array& x, const mx::array& w, const mx:
     const mx::array out32 = host_kernel("QuantizedGemmCpu", {m, n}, mx::float32, std::move(inputs), gemm);
     return mx::astype(mx::reshape(out32, out_shape), dtype);
   }
-  if (m >= gemm_rows()) {
+  if (many_rows(m, bits, group_size)) {
     const mx::array x32 = mx::reshape(mx::astype(x, mx::float32), {m, k});
     auto dequantize = [group_size, bits](const std::vector<mx::array>& in, mx::array& out) {
       const QuantizedMatrix wm = matrix_of(in, 0, group_size, bits);
@@ -150,7 +158,7 @@ std::vector<mx::array> quantized_matmul_add_rms_norm_cpu(const mx::array& x, con
   const int m = k == 0 ? 0 : static_cast<int>(x.size() / k);
   mx::Shape out_shape = x.shape();
   out_shape.back() = n;
-  if (m == 0 || m >= gemm_rows() || residual.shape() != out_shape) return {};
+  if (m == 0 || many_rows(m, bits, group_size) || residual.shape() != out_shape) return {};
   if (weight && (weight->dtype() != mx::float32 || weight->ndim() != 1 || weight->shape(0) != n ||
                  weight->status() != mx::array::Status::available || !weight->flags().row_contiguous)) {
     return {};
@@ -181,7 +189,7 @@ std::vector<mx::array> quantized_matmul_group_cpu(const mx::array& x, const std:
   if (x.dtype() != mx::float32 || group.empty()) return {};
   const int k = x.ndim() == 0 ? 0 : x.shape(-1);
   const int m = k == 0 ? 0 : static_cast<int>(x.size() / k);
-  if (m == 0 || m >= gemm_rows()) return {};
+  if (m == 0 || many_rows(m, bits, group_size)) return {};
   // Operands: x, then per linear w, scales, biases and its bias when it has one.
   std::vector<mx::array> inputs{x};
   std::vector<mx::Shape> shapes;
