@@ -148,6 +148,27 @@ def test_sliding_window_model_keeps_full_caches(tmp_path):
     assert 0 < decoder.stats.accepted < decoder.stats.proposed
 
 
+def test_a_call_without_drafts_carries_one_column(programs, llama):
+    """A one-row program's call without drafts sends only the last token (G = 1: the head and sampler of a
+    plain step), and answers as a call padded to 2 columns does (how programs exported before
+    verify_min_width were called)."""
+    meta = DecoderMeta.load(programs["draft"])
+    assert meta.verify_min_width == 1
+    method = load_method(programs["draft"])
+    seq = list(PROMPT) + eager_greedy(llama, PROMPT, 3)
+    answers = {}
+    for min_width in (1, 2):
+        meta.verify_min_width = min_width
+        for pos in range(len(PROMPT), len(seq)):  # one decode call per token, no drafts
+            tokens = torch.tensor([seq[:pos] if pos == len(PROMPT) else [seq[pos - 1]]])
+            inputs = step_inputs(meta, tokens, [0 if pos == len(PROMPT) else pos - 1], [tokens.shape[1]],
+                                 [SamplingParams()], [0], [pos == len(PROMPT)], drafts=[[]])
+            assert inputs[3].shape == (1, min_width)
+            accepted, token = method.execute(inputs)
+            answers.setdefault(min_width, []).append((int(accepted), int(token)))
+    assert answers[1] == answers[2] == [(0, t) for t in seq[len(PROMPT):]]
+
+
 def test_metadata_and_loaders(programs):
     assert DecoderMeta.load(programs["draft"]).draft_tokens == K
     assert DecoderMeta.load(programs["plain"]).draft_tokens == 0

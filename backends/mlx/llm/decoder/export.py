@@ -88,9 +88,9 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
     dynamic = {"args": ({1: length}, None, None), **{name: None for name in kwargs}}
     if draft_tokens:  # DraftVerifyingHead names its inputs (SamplingHead takes *args)
         example = example + (torch.zeros(batch, draft_tokens + 1, dtype=torch.int64),)
-        # One row: G is dynamic (2..K+1; 1 would be specialised), a call pays for the drafts it carries. More
-        # rows: B * G would be an expression of it, which the delegate does not take, so G is K + 1.
-        width = torch.export.Dim("verify", min=2, max=draft_tokens + 1) if batch == 1 else None
+        # One row: G is dynamic (1..K+1), a call pays for the drafts it carries (none: one column, as a plain
+        # step). More rows: B * G would be an expression of it, which the delegate does not take, so G is K + 1.
+        width = torch.export.Dim("verify", min=1, max=draft_tokens + 1) if batch == 1 else None
         dynamic = {"tokens": {1: length}, "start_pos": None, "lengths": None,
                    "verify": {1: width} if width is not None else None,
                    **{name: None for name in kwargs}}

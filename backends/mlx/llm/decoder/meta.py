@@ -19,8 +19,8 @@ from backends.mlx.runtime.pte_metadata import named_data
 
 FORMAT = "etmlx-decoder/1"
 MODEL_INPUTS = ["tokens", "start_pos", "lengths"]
-# Programs exported with --draft-tokens K take this after the model inputs: [B, G] (G dynamic, 2..K+1, for one
-# row; K+1 for more), per row
+# Programs exported with --draft-tokens K take this after the model inputs: [B, G] (G dynamic, 1..K+1, for one
+# row: DecoderMeta.verify_min_width..K+1; K+1 for more), per row
 # its last accepted token, then its drafts (the last real tokens of `tokens`), -1 padding
 # (decoder/speculative_head.py); they return (accepted, token).
 DRAFT_INPUT = "verify"
@@ -79,11 +79,15 @@ class DecoderMeta:
     # Some sliding-window layer keeps a ring of `window` slots (kv_cache.py), which a prompt cache may
     # reuse only where positions continue (runtime/decode_rows.h). None: exported before the field (unknown).
     ring_cache: bool | None = None
+    # The fewest columns a one-row draft-verifying program's verify input takes: 1, a call without drafts
+    # carrying only the last token (as cheap as a plain step's head and sampler); programs exported before
+    # the field take at least 2 (their G was declared 2..K+1).
+    verify_min_width: int = 2
 
     @classmethod
     def build(cls, *, max_seq_len, vocab_size, batch, eos_token_ids, seeded, config: SamplerConfig, dtype,
               model_type="", tokenizer=None, prompt_affixes=([], []), pipelined=False,
-              draft_tokens=0, ring_cache=None) -> "DecoderMeta":
+              draft_tokens=0, ring_cache=None, verify_min_width=1) -> "DecoderMeta":
         model_inputs = MODEL_INPUTS + ([DRAFT_INPUT] if draft_tokens else [])
         inputs = model_inputs + ["temperature"] + (["seed"] if seeded else []) + config.knob_names()
         outputs = ["token"] + (["logprob", "top_ids", "top_logprobs"] if config.logprobs else [])
@@ -95,7 +99,8 @@ class DecoderMeta:
                    seeded=seeded, sampler=asdict(config), dtype=dtype, model_type=model_type, tokenizer=tokenizer,
                    inputs=inputs, outputs=outputs, knobs=knob_metadata(),
                    prompt_prefix_ids=list(prompt_affixes[0]), prompt_suffix_ids=list(prompt_affixes[1]),
-                   pipelined=pipelined, draft_tokens=draft_tokens, ring_cache=ring_cache)
+                   pipelined=pipelined, draft_tokens=draft_tokens, ring_cache=ring_cache,
+                   verify_min_width=verify_min_width)
 
     @property
     def config(self) -> SamplerConfig:
@@ -136,6 +141,8 @@ class DecoderMeta:
                 raise ValueError(f"{path}: {name} must be a positive int, got {value!r}")
         if isinstance(meta.draft_tokens, bool) or not isinstance(meta.draft_tokens, int) or meta.draft_tokens < 0:
             raise ValueError(f"{path}: draft_tokens must be an int >= 0, got {meta.draft_tokens!r}")
+        if meta.verify_min_width not in (1, 2):
+            raise ValueError(f"{path}: verify_min_width must be 1 or 2, got {meta.verify_min_width!r}")
         return meta
 
     def check_program(self, pte, inputs: list[tuple[tuple[int, ...], int]], drafts: bool = False) -> None:

@@ -1,7 +1,7 @@
 """DraftVerifyingHead: the decoder program of `etmlx export --draft-tokens K`.
 
 Inputs: tokens [B, L], start_pos [B], lengths [B] (as every decoder program: row b's real tokens are
-tokens[b, :lengths[b]] at cache positions start_pos[b]..), then verify [B, G] (G dynamic, 2..K+1): per row
+tokens[b, :lengths[b]] at cache positions start_pos[b]..), then verify [B, G] (G dynamic, 1..K+1): per row
 its last accepted token, then its n drafts (0..K; they are the row's last n real tokens), then -1 padding.
 Then temperature, seed and the sampler's knobs, as the plain program takes them.
 Outputs: accepted [B] (drafts accepted, 0..n) and token [B] (the next token after them).
@@ -9,7 +9,7 @@ Outputs: accepted [B] (drafts accepted, 0..n) and token [B] (the next token afte
 One pass runs all L tokens through the model (a prefill is a call without drafts, and may carry drafts too);
 the logits of the last accepted token and the G - 1 positions after it go to the verification
 (sampler/draft_verification.py): the head and the sampler cost what the call's drafts need, so a call
-without drafts costs about a plain step (G = 2). That is for one-row programs: with a batch > 1, sizes B * G
+without drafts costs about a plain step (G = 1: only the last token). That is for one-row programs: with a batch > 1, sizes B * G
 would be expressions of a dynamic G, which the delegate does not take, so G is always K + 1 there.
 The KV entries written for rejected drafts stay in the cache: the next call starts at the row's next
 position and overwrites them before anything attends to them, and until then the mask (key position <= query position) hides them. That is why this program keeps full-length caches for
@@ -42,7 +42,7 @@ class DraftVerifyingHead(SamplingHead):
                 min_p=None, bias_ids=None, bias_values=None, presence_penalty=None, frequency_penalty=None,
                 repetition_penalty=None, penalty_reset=None, penalty_add=None):
         last = lengths - 1
-        # verify [B, G]: the row's last accepted token, its drafts, -1 padding. G (dynamic, 2..K+1) is the call's
+        # verify [B, G]: the row's last accepted token, its drafts, -1 padding. G (dynamic, 1..K+1) is the call's
         # widest row: the head and the sampler run over G positions, not K + 1, so a call without drafts costs
         # about what a plain step does.
         drafted = torch.minimum((verify >= 0).to(torch.int64).sum(dim=1) - 1, last).clamp(min=0)

@@ -13,10 +13,11 @@ from backends.mlx.llm.sampler.knobs import KNOBS, enabled, width
 from backends.mlx.llm.sampler.params import SamplingParams
 
 
-def verify_input(tokens: torch.Tensor, lengths, drafts: list, draft_tokens: int) -> torch.Tensor:
+def verify_input(tokens: torch.Tensor, lengths, drafts: list, draft_tokens: int, min_width: int = 1) -> torch.Tensor:
     """[B, G]: per row its last accepted token (the one before its drafts), its drafts, -1 padding. A one-row
-    program's G is dynamic: one more than the row's drafts, at least 2; a batched program's is K + 1."""
-    width = max(2, 1 + max(len(d) for d in drafts)) if tokens.shape[0] == 1 else draft_tokens + 1
+    program's G is dynamic: one more than the row's drafts, at least `min_width` (DecoderMeta.verify_min_width);
+    a batched program's is K + 1."""
+    width = max(min_width, 1 + max(len(d) for d in drafts)) if tokens.shape[0] == 1 else draft_tokens + 1
     verify = torch.full((tokens.shape[0], width), -1, dtype=torch.int64)
     for b, (n, d) in enumerate(zip(lengths, drafts)):
         verify[b, 0] = tokens[b, int(n) - 1 - len(d)]
@@ -44,7 +45,8 @@ def step_inputs(meta: DecoderMeta, tokens: torch.Tensor, start_pos, lengths, par
         "lengths": torch.as_tensor(lengths, dtype=torch.int64),
     }
     if meta.draft_tokens:
-        values[DRAFT_INPUT] = verify_input(tokens, lengths, drafts or [[] for _ in range(batch)], meta.draft_tokens)
+        values[DRAFT_INPUT] = verify_input(tokens, lengths, drafts or [[] for _ in range(batch)], meta.draft_tokens,
+                                            meta.verify_min_width)
     for knob in KNOBS:
         if not enabled(knob, config):
             continue
