@@ -5,6 +5,7 @@ included), and the metadata tells loaders the calling convention."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -167,6 +168,20 @@ def test_a_call_without_drafts_carries_one_column(programs, llama):
             accepted, token = method.execute(inputs)
             answers.setdefault(min_width, []).append((int(accepted), int(token)))
     assert answers[1] == answers[2] == [(0, t) for t in seq[len(PROMPT):]]
+
+
+def test_generate_measures_from_the_first_call_that_accepted_drafts(programs):
+    """The decode rate counts from when the first call returned, even when that call (the prefill) accepted
+    drafts and so delivered several tokens at once (it once kept a zero start time then: a rate near 0)."""
+    reference = _plain(programs["plain"], SamplingParams(), 20)
+    spec = SpeculativeDecoder(programs["draft"])
+    before = time.perf_counter()
+    tokens, rate = spec.generate(PROMPT, 20, draft=PredictionDraft(reference), stop_at_eos=False)
+    after = time.perf_counter()
+    first_time, first_tokens = spec.first_call
+    assert tokens == reference
+    assert before < first_time < after and first_tokens == 1 + K  # the prefill accepted all K drafts
+    assert rate >= (len(tokens) - first_tokens) / (after - first_time)
 
 
 def test_metadata_and_loaders(programs):

@@ -81,12 +81,15 @@ class SpeculativeDecoder(ProgramTokenizer):
         params.check(self.meta.config, self.meta.vocab_size)
         prompt = check_prompt(self.meta, prompt_ids, max_tokens)
         request = Sequence(prompt, params, max_tokens, stop_at_eos, draft=draft)
+        first_time = None
         with closing(decode_alone(self.rows, self.method.execute, request, reuse, self._started,
                                   owner="SpeculativeDecoder", budget=budget)) as events:
             for event in events:
                 if self._row.calls == 1:  # a token of the first call (the prefill): its time, its tokens so far
-                    self.first_call = (self.first_call[0] if self._row.produced > 1 else time.perf_counter(),
-                                       self._row.produced)
+                    # (the core applies a whole call before its first token comes out: with accepted drafts,
+                    # `produced` is already past 1 at the first one)
+                    first_time = first_time or time.perf_counter()
+                    self.first_call = (first_time, self._row.produced)
                 yield event.token
 
     def generate(self, prompt_ids, max_tokens: int, params: SamplingParams | None = None, draft=None,
