@@ -222,6 +222,22 @@ ETMLX_VNNI ETMLX_INLINE __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_
 #define ETMLX_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
 static_assert(kTileX == 12, "ETMLX_ROWS names kTileX rows");
 
+// The packed W rows of the tile a single-panel product multiplies next, fetched into cache group by group
+// while the kernel multiplies the current tile: a verify call (one panel) unpacks each tile right before its
+// product, so without this every tile's unpack waits on memory while the cores have nothing to multiply.
+struct NextTile {
+  const uint8_t* w;   // its first row's bytes
+  int64_t row_bytes;  // between its rows
+  int rows;           // its rows (<= kTileW)
+  int group_bytes;    // one group's bytes in a row
+  ETMLX_VNNI ETMLX_INLINE void fetch(int g) const {
+    for (int r = 0; r < rows; ++r) {
+      const uint8_t* p = w + r * row_bytes + int64_t{g} * group_bytes;
+      for (int at = 0; at < group_bytes; at += 32) _mm_prefetch(reinterpret_cast<const char*>(p + at), _MM_HINT_T0);
+    }
+  }
+};
+
 // c[r][j] = activation row r of the panel . W tile row j for r < ROWS (1..kTileX: a panel's real rows, so a
 // verify call of 9 rows does not pay for 12): per group, the integer sums acc[r] (lane j: W row j), then one
 // float32 multiply and three multiply-adds:
@@ -229,11 +245,12 @@ static_assert(kTileX == 12, "ETMLX_ROWS names kTileX rows");
 template <bool INT16, int ROWS>
 ETMLX_VNNI void tile_kernel(const uint8_t* wt, const float* sc, const float* bi, const int8_t* panel,
                             int64_t plane_bytes, const float* scalars, float centre, int k, int group,
-                            float (&c)[kTileX][kTileW]) {
+                            const NextTile* next, float (&c)[kTileX][kTileW]) {
 #define ETMLX_CDECL(r) __m512 c##r = _mm512_setzero_ps();
   ETMLX_ROWS(ETMLX_CDECL)
   const int per_group = group / 4, groups = k / group;
   for (int g = 0; g < groups; ++g) {
+    if (next != nullptr) next->fetch(g);
 #define ETMLX_DECLARE(r) __m512i acc##r = _mm512_setzero_si512();
     ETMLX_ROWS(ETMLX_DECLARE)
     const uint8_t* wg = wt + static_cast<int64_t>(g) * per_group * kStepBytesW;
@@ -276,7 +293,7 @@ ETMLX_VNNI void tile_kernel(const uint8_t* wt, const float* sc, const float* bi,
 
 template <bool INT16>
 using TileKernel = void (*)(const uint8_t*, const float*, const float*, const int8_t*, int64_t, const float*, float,
-                            int, int, float (&)[kTileX][kTileW]);
+                            int, int, const NextTile*, float (&)[kTileX][kTileW]);
 
 // tile_kernel<INT16, rows> at index rows - 1.
 template <bool INT16, int... R>
@@ -290,11 +307,40 @@ struct Gemm {
   int m;
   float* out;
 
-  // W tiles [t0, t1) (tile t = rows 16 t .. 16 t + 15), for every activation row.
+  // c's rows m0 .. m0 + rows_x - 1 of W tile t into out.
+  ETMLX_VNNI void store(int t, int m0, int rows_x, const float (&c)[kTileX][kTileW]) const {
+    const int n0 = t * kTileW, rows_w = std::min(kTileW, w.n - n0);
+    const __mmask16 mask = static_cast<__mmask16>(rows_w >= 16 ? 0xffff : (1u << rows_w) - 1);
+    for (int r = 0; r < rows_x; ++r) {
+      _mm512_mask_storeu_ps(out + static_cast<int64_t>(m0 + r) * w.n + n0, mask, _mm512_load_ps(c[r]));
+    }
+  }
+
+  // W tiles [t0, t1) (tile t = rows 16 t .. 16 t + 15), for every activation row: the block's tiles unpacked
+  // once, then multiplied by each panel; a single panel (a verify call, a short prompt) unpacks each tile
+  // right before its product instead, with the next tile's bytes fetched during it (NextTile).
   template <int BITS, ScaleType T, bool INT16>
   ETMLX_VNNI void tiles(int t0, int t1, char* buf) const {
     const int groups = w.k / w.group;
-    const int64_t per_tile = tile_bytes(w.k, groups);
+    const int64_t per_tile = tile_bytes(w.k, groups), row_bytes = static_cast<int64_t>(w.k) * BITS / 8;
+    static constexpr auto kernels = tile_kernels<INT16>(std::make_integer_sequence<int, kTileX>());
+    const float centre = 1 << (BITS - 1);
+    if (m <= kTileX) {
+      const TileKernel<INT16> kernel = kernels[m - 1];
+      uint8_t* wt = reinterpret_cast<uint8_t*>(buf);
+      float* sc = reinterpret_cast<float*>(wt + int64_t{kTileW} * w.k);
+      for (int t = t0; t < t1; ++t) {
+        unpack_tile<BITS, T>(w, t * kTileW, wt, sc, sc + groups * kTileW);
+        const int n1 = (t + 1) * kTileW;
+        const NextTile next{reinterpret_cast<const uint8_t*>(w.w) + n1 * row_bytes, row_bytes,
+                            std::min(kTileW, w.n - n1), w.group * BITS / 8};
+        alignas(64) float c[kTileX][kTileW];
+        kernel(wt, sc, sc + groups * kTileW, a.bytes, a.plane_bytes, a.scalars, centre, w.k, w.group,
+               t + 1 < t1 ? &next : nullptr, c);
+        store(t, 0, m, c);
+      }
+      return;
+    }
     for (int t = t0; t < t1; ++t) {
       uint8_t* wt = reinterpret_cast<uint8_t*>(buf + (t - t0) * per_tile);
       float* sc = reinterpret_cast<float*>(wt + int64_t{kTileW} * w.k);
@@ -304,18 +350,13 @@ struct Gemm {
       const int8_t* panel = a.bytes + p * a.panel_bytes();
       const float* scalars = a.scalars + static_cast<int64_t>(p) * groups * kScalars;
       const int rows_x = std::min(kTileX, m - m0);
-      static constexpr auto kernels = tile_kernels<INT16>(std::make_integer_sequence<int, kTileX>());
       const TileKernel<INT16> kernel = kernels[rows_x - 1];
       for (int t = t0; t < t1; ++t) {
         const uint8_t* wt = reinterpret_cast<const uint8_t*>(buf + (t - t0) * per_tile);
         const float* sc = reinterpret_cast<const float*>(wt + int64_t{kTileW} * w.k);
         alignas(64) float c[kTileX][kTileW];
-        kernel(wt, sc, sc + groups * kTileW, panel, a.plane_bytes, scalars, 1 << (BITS - 1), w.k, w.group, c);
-        const int n0 = t * kTileW, rows_w = std::min(kTileW, w.n - n0);
-        const __mmask16 mask = static_cast<__mmask16>(rows_w >= 16 ? 0xffff : (1u << rows_w) - 1);
-        for (int r = 0; r < rows_x; ++r) {
-          _mm512_mask_storeu_ps(out + static_cast<int64_t>(m0 + r) * w.n + n0, mask, _mm512_load_ps(c[r]));
-        }
+        kernel(wt, sc, sc + groups * kTileW, panel, a.plane_bytes, scalars, centre, w.k, w.group, nullptr, c);
+        store(t, m0, rows_x, c);
       }
     }
   }
