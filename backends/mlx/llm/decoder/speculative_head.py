@@ -46,10 +46,11 @@ class DraftVerifyingHead(SamplingHead):
         # widest row: the head and the sampler run over G positions, not K + 1, so a call without drafts costs
         # about what a plain step does.
         drafted = torch.minimum((verify >= 0).to(torch.int64).sum(dim=1) - 1, last).clamp(min=0)
-        index = torch.minimum((last - drafted).unsqueeze(1) + counting(verify), last.unsqueeze(1))
+        positions = counting(verify)  # [B, G]: 0, 1, .. (once: each counting is a few graph nodes)
+        index = torch.minimum((last - drafted).unsqueeze(1) + positions, last.unsqueeze(1))
         logits = self.model(tokens, start_pos, lengths, gather=index)  # [B, G, V]
         # Position i's draw is checked against draft i + 1 (the last column wraps around: never a real draft).
-        following = counting(verify) + 1
+        following = positions + 1
         width = torch.ones_like(verify).sum(dim=1, keepdim=True)  # G as a tensor: sizes stay out of arithmetic
         following = torch.where(following < width, following, torch.zeros_like(following))
         drafts = torch.where(verify >= 0, verify, torch.zeros_like(verify)).gather(1, following)
@@ -59,4 +60,4 @@ class DraftVerifyingHead(SamplingHead):
         check_knobs(self.config, logits[:, 0], {**knobs, "allowed_mask": None})
         knobs = {name: value for name, value in knobs.items() if value is not None}
         state = self.penalty_counts if self.penalty_counts is not None else self.penalty_window
-        return verify_drafts(self.config, logits, drafts, drafted, temperature, seed, knobs, state)
+        return verify_drafts(self.config, logits, drafts, drafted, temperature, seed, knobs, state, positions)

@@ -62,42 +62,43 @@ def _row_owner(positions: torch.Tensor) -> torch.Tensor:
     return (torch.cumsum(torch.ones_like(positions), dim=0) - 1).reshape(-1)
 
 
-def _spread(t: torch.Tensor, batch: int, positions: torch.Tensor) -> torch.Tensor:
-    """[B, ...] -> [B*G, ...]: row b's value for each of its G positions (`positions` [B, G]; scalars broadcast
-    as they are). An index_select, not expand + reshape: reshaping an expanded tensor of dynamic size makes
-    torch.export guard on its strides."""
+def _spread(t: torch.Tensor, batch: int, owner: torch.Tensor) -> torch.Tensor:
+    """[B, ...] -> [B*G, ...]: row b's value for each of its G positions (`owner`: _row_owner of the positions;
+    scalars broadcast as they are). An index_select, not expand + reshape: reshaping an expanded tensor of
+    dynamic size makes torch.export guard on its strides."""
     if t.dim() == 0:
         return t
     if t.shape[0] != batch:
         raise ValueError(f"per-row knob tensors must have {batch} rows, got shape {tuple(t.shape)}")
-    return t.index_select(0, _row_owner(positions))
+    return t.index_select(0, owner)
 
 
-def draft_prefixes(drafts: torch.Tensor) -> torch.Tensor:
+def draft_prefixes(drafts: torch.Tensor, positions: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
     """[B, G] -> [B*G, G]: the drafts position (b, i) has seen (drafts[b, :i]), left-aligned, -1 after
-    (penalty_add's layout)."""
-    positions = counting(drafts)
-    rows = drafts.index_select(0, _row_owner(positions))  # [B*G, G]
-    seen = counting(rows) < positions.reshape(-1, 1)  # j < i
+    (penalty_add's layout); `positions` counting(drafts), `owner` its _row_owner."""
+    rows = drafts.index_select(0, owner)  # [B*G, G]
+    seen = positions.index_select(0, owner) < positions.reshape(-1, 1)  # j < i
     return torch.where(seen, rows, torch.full_like(rows, -1))
 
 
 def position_tokens(config: SamplerConfig, logits: torch.Tensor, drafts: torch.Tensor, temperature, seed,
-                    knobs: dict, state: torch.Tensor | None = None):
+                    knobs: dict, state: torch.Tensor | None = None, positions: torch.Tensor | None = None):
     """The plain sampler's token at every position ([B, K+1]) and the penalty state after each ([B, K+1, ...],
-    None without penalties), position i assuming drafts 1..i were accepted."""
+    None without penalties), position i assuming drafts 1..i were accepted. `positions`: counting(drafts), when
+    the caller has it (each counting is a few graph nodes, and a small program's call time is its nodes')."""
     check_draft_config(config)
     batch, vocab = logits.shape[0], logits.shape[2]
     if drafts.dim() != 2 or drafts.shape[0] != batch or logits.dim() != 3:
         raise ValueError(f"drafts must be [{batch}, G] for logits [{batch}, G, V], got {tuple(drafts.shape)} "
                          f"and {tuple(logits.shape)}")
-    positions = counting(logits[:, :, 0])  # [B, G]: i
+    positions = counting(drafts) if positions is None else positions  # [B, G]: i
+    owner = _row_owner(positions)
     temperature = temperature.reshape(-1).expand(batch)
-    t_rows = _spread(temperature, batch, positions)
+    t_rows = _spread(temperature, batch, owner)
     seed_rows = None
     if seed is not None:  # position i draws as the plain loop's step i later would: seed + i
         seed_rows = (seed.reshape(-1).expand(batch).unsqueeze(1) + positions).reshape(-1)
-    knobs_rows = {name: (None if value is None else _spread(value, batch, positions)) for name, value in knobs.items()
+    knobs_rows = {name: (None if value is None else _spread(value, batch, owner)) for name, value in knobs.items()
                   if name not in _STATE_KNOBS}
     state_rows = None
     if config.penalties:
@@ -105,26 +106,29 @@ def position_tokens(config: SamplerConfig, logits: torch.Tensor, drafts: torch.T
             raise ValueError("penalties need the penalty state")
         step = window_for_step if config.penalty_window else counts_for_step
         before = step(state, knobs["penalty_reset"], knobs.get("penalty_add"))  # the call's reset and prompt ids
-        state_rows = _spread(before, batch, positions).clone()
+        state_rows = _spread(before, batch, owner).clone()
         knobs_rows["penalty_reset"] = torch.zeros_like(positions).reshape(-1)
-        knobs_rows["penalty_add"] = draft_prefixes(drafts)
+        knobs_rows["penalty_add"] = draft_prefixes(drafts, positions, owner)
     tokens = process_and_sample(config, logits.reshape(-1, vocab), t_rows, seed_rows, knobs_rows, state_rows)
     after = state_rows.view(batch, -1, *state_rows.shape[1:]) if state_rows is not None else None
     return tokens.view(batch, -1), after
 
 
-def accepted_run(tokens: torch.Tensor, drafts: torch.Tensor, draft_len: torch.Tensor) -> torch.Tensor:
+def accepted_run(tokens: torch.Tensor, drafts: torch.Tensor, draft_len: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """[B]: how many leading drafts equal the sampler's token at their position (and are real drafts); tokens
-    and drafts [B, G]."""
-    hit = (tokens == drafts) & (counting(drafts) < draft_len.unsqueeze(1))
+    and drafts [B, G], positions counting(drafts)."""
+    hit = (tokens == drafts) & (positions < draft_len.unsqueeze(1))
     return (torch.cumsum((~hit).to(torch.int64), dim=1) == 0).to(torch.int64).sum(dim=1)
 
 
 def verify_drafts(config: SamplerConfig, logits: torch.Tensor, drafts: torch.Tensor, draft_len: torch.Tensor,
-                  temperature, seed, knobs: dict, state: torch.Tensor | None = None):
-    """(accepted [B] int64, next token [B] int64); `state` (penalty counts or window) is updated in place."""
-    tokens, after = position_tokens(config, logits, drafts, temperature, seed, knobs, state)
-    accepted = accepted_run(tokens, drafts, draft_len)
+                  temperature, seed, knobs: dict, state: torch.Tensor | None = None,
+                  positions: torch.Tensor | None = None):
+    """(accepted [B] int64, next token [B] int64); `state` (penalty counts or window) is updated in place.
+    `positions`: counting(drafts), when the caller has it."""
+    positions = counting(drafts) if positions is None else positions
+    tokens, after = position_tokens(config, logits, drafts, temperature, seed, knobs, state, positions)
+    accepted = accepted_run(tokens, drafts, draft_len, positions)
     token = tokens.gather(1, accepted.unsqueeze(1)).squeeze(1)
     if after is not None:
         batch, width = state.shape
