@@ -75,16 +75,19 @@ def llama_cpp_available() -> bool:
     return True
 
 
-def export_in_child(checkpoint: Path, pte: Path, max_seq_len: int, log) -> dict:
-    """`etmlx export --model checkpoint` in a fresh process: its wall time and peak RSS (wait4's ru_maxrss)."""
+def export_in_child(checkpoint: Path, pte: Path, max_seq_len: int, log, extra: list[str] = ()) -> dict:
+    """`etmlx export --model checkpoint [extra flags]` in a fresh process: its wall time and peak RSS (wait4's
+    ru_maxrss). `pte` is a decode_programs.cached_pte path: older exports of the same engine name (other sources,
+    other lengths) are removed first."""
     info_path = Path(str(pte) + ".export.json")
     if pte.is_file() and info_path.is_file():
         log(f"  etmlx: cached {pte} (export figures from when it was made)")
         return json.loads(info_path.read_text())
-    for stale in pte.parent.glob("etmlx-*.pte*"):
+    engine = pte.name.split("-s")[0]  # cached_pte's "{engine}-s{max_seq_len}-{fingerprint}.pte"
+    for stale in pte.parent.glob(f"{engine}-s*.pte*"):
         stale.unlink()
     command = [str(Path(sys.executable).parent / "etmlx"), "export", "--model", str(checkpoint), "--out", str(pte),
-               "--max-seq-len", str(max_seq_len)]
+               "--max-seq-len", str(max_seq_len), *extra]
     log(f"  etmlx: {' '.join(command[1:])}")
     start = time.perf_counter()
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -91,6 +91,10 @@ def _bench(args) -> int:
 
         return pipeline.main(args.json, quick=args.quick, repeats=args.repeats)
     if args.what == "speculative":
+        if args.shape:
+            from backends.mlx.bench import speculative_shape
+
+            return speculative_shape.main(args.shape, args.json, args.cache_dir, repeats=args.repeats)
         from backends.mlx.bench import speculative
 
         return speculative.main(args.json, args.cache_dir, repeats=args.repeats)
@@ -148,9 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="decode, pipeline: a tiny model and short runs (CI smoke)")
     bench.add_argument("--shape", help="decode: qwen2.5-0.5b, qwen2.5-1.5b or llama-3.2-1b, a published model's shape at real size "
                        "(random weights, mlx_lm.convert -q), against mlx-lm and llama.cpp (make bench-deps), with the "
-                       "memory-bandwidth floor; --dtypes int4 (default), int8 or both")
+                       "memory-bandwidth floor; --dtypes int4 (default), int8 or both. speculative: that shape's 4-bit "
+                       "program with --draft-tokens 8 against the plain one (Predicted Outputs, no drafts, a prediction "
+                       "that never matches)")
     bench.add_argument("--dtypes", default=DEFAULT_DECODE_DTYPES, help="decode: comma-separated weight dtypes: float32, bfloat16, int4, int8 (mlx_lm.convert -q of the float32 checkpoint)")
-    bench.add_argument("--cache-dir", default="out/bench", help="decode, prompt-cache: where checkpoints and programs are cached")
+    bench.add_argument("--cache-dir", default="out/bench", help="decode, prompt-cache, speculative: where checkpoints and programs are cached")
     bench.add_argument("--vocabs", help="comma-separated vocabulary sizes (default 32000,128256,262144)")
     bench.add_argument("--batches", help="comma-separated batch sizes (default 1,8)")
     serve_cli.add_bench_arguments(bench)
