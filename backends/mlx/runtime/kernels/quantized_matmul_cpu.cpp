@@ -23,13 +23,14 @@ namespace {
 // Whether a product of m rows goes to a GEMM rather than the few-row dot loop (quantized_rows.h), which
 // reads the packed weights once per kMaxRows rows and, per group of 64 values, spends as many
 // instructions on each row's float32 terms as on its integer dot product:
-// - with integer activations (quantized_gemm_vnni.h) from 7 rows: its 12-row tile costs about the same
-//   from 5 to 12 rows. Per 896 x 4864 4-bit linear in a program, 2 threads (ms, GEMM vs dot loop):
-//   5 rows 0.27 vs 0.22, 6 rows 0.27 vs 0.27, 7 rows 0.35 vs 0.44, 8 rows 0.33 vs 0.51, 9 rows (a
-//   --draft-tokens 8 verify call) 0.33 vs 0.52;
+// - with integer activations (quantized_gemm_vnni.h) from kMaxRows + 1 rows, where the loop would need a
+//   second pass: a Qwen2.5-0.5B-shaped 4-bit model's call over L positions (`etmlx_bench --prompt-len L`,
+//   two rounds, ms, GEMM vs loop) 5: 19.0-19.2 vs 22.0-26.0, 6: 19.4-22.3 vs 27.9-30.3, 9 (a --draft-tokens 8
+//   verify call): ~24 vs ~34; at 3 and 4 positions the two are within the noise. (One 896 x 4864 linear whose
+//   weights stay in cache put the crossover at 6: in a model the weights come from memory);
 // - else from 16: W dequantized to float32 tiles (or for BLAS), whose cost pays off only over many rows.
 // ETMLX_QMM_GEMM_ROWS=N moves both crossovers to N (for measuring them).
-constexpr int kIntegerGemmRows = 7, kFloatGemmRows = 16;
+constexpr int kIntegerGemmRows = kMaxRows + 1, kFloatGemmRows = 16;
 bool many_rows(int m, int bits, int group) {
   static const int forced = [] {
     const char* env = std::getenv("ETMLX_QMM_GEMM_ROWS");
