@@ -49,6 +49,17 @@ constexpr int kStepBytesX = kTileX * 4;  // one k step of an activation panel
 // A thread's W block: about 512 KB of bytes and scales (in a 1-2 MB L2), 2 to 32 tiles of 16 rows.
 constexpr int64_t kBufferBytes = 1 << 19;
 int64_t tile_bytes(int k, int groups) { return int64_t{kTileW} * k + 2 * int64_t{groups} * kTileW * 4; }
+
+// Unpacked tile i of a thread's buffer: its bytes [k / 4][16][4], then its scales and biases [groups][16] (float32).
+struct TileSlot {
+  uint8_t* bytes;
+  float* scales;
+  float* biases;
+  TileSlot(char* buf, int i, int k, int groups)
+      : bytes(reinterpret_cast<uint8_t*>(buf + i * tile_bytes(k, groups))),
+        scales(reinterpret_cast<float*>(bytes + int64_t{kTileW} * k)),
+        biases(scales + int64_t{groups} * kTileW) {}
+};
 int tiles_per_block(int k, int groups) {
   return static_cast<int>(std::clamp<int64_t>(kBufferBytes / tile_bytes(k, groups), 2, 32));
 }
@@ -322,29 +333,27 @@ struct Gemm {
   template <int BITS, ScaleType T, bool INT16>
   ETMLX_VNNI void tiles(int t0, int t1, char* buf) const {
     const int groups = w.k / w.group;
-    const int64_t per_tile = tile_bytes(w.k, groups), row_bytes = static_cast<int64_t>(w.k) * BITS / 8;
+    const int64_t row_bytes = static_cast<int64_t>(w.k) * BITS / 8;
     static constexpr auto kernels = tile_kernels<INT16>(std::make_integer_sequence<int, kTileX>());
     const float centre = 1 << (BITS - 1);
     if (m <= kTileX) {
       const TileKernel<INT16> kernel = kernels[m - 1];
-      uint8_t* wt = reinterpret_cast<uint8_t*>(buf);
-      float* sc = reinterpret_cast<float*>(wt + int64_t{kTileW} * w.k);
+      const TileSlot tile(buf, 0, w.k, groups);
       for (int t = t0; t < t1; ++t) {
-        unpack_tile<BITS, T>(w, t * kTileW, wt, sc, sc + groups * kTileW);
+        unpack_tile<BITS, T>(w, t * kTileW, tile.bytes, tile.scales, tile.biases);
         const int n1 = (t + 1) * kTileW;
         const NextTile next{reinterpret_cast<const uint8_t*>(w.w) + n1 * row_bytes, row_bytes,
                             std::min(kTileW, w.n - n1), w.group * BITS / 8};
         alignas(64) float c[kTileX][kTileW];
-        kernel(wt, sc, sc + groups * kTileW, a.bytes, a.plane_bytes, a.scalars, centre, w.k, w.group,
+        kernel(tile.bytes, tile.scales, tile.biases, a.bytes, a.plane_bytes, a.scalars, centre, w.k, w.group,
                t + 1 < t1 ? &next : nullptr, c);
         store(t, 0, m, c);
       }
       return;
     }
     for (int t = t0; t < t1; ++t) {
-      uint8_t* wt = reinterpret_cast<uint8_t*>(buf + (t - t0) * per_tile);
-      float* sc = reinterpret_cast<float*>(wt + int64_t{kTileW} * w.k);
-      unpack_tile<BITS, T>(w, t * kTileW, wt, sc, sc + groups * kTileW);
+      const TileSlot tile(buf, t - t0, w.k, groups);
+      unpack_tile<BITS, T>(w, t * kTileW, tile.bytes, tile.scales, tile.biases);
     }
     for (int m0 = 0, p = 0; m0 < m; m0 += kTileX, ++p) {
       const int8_t* panel = a.bytes + p * a.panel_bytes();
@@ -352,10 +361,9 @@ struct Gemm {
       const int rows_x = std::min(kTileX, m - m0);
       const TileKernel<INT16> kernel = kernels[rows_x - 1];
       for (int t = t0; t < t1; ++t) {
-        const uint8_t* wt = reinterpret_cast<const uint8_t*>(buf + (t - t0) * per_tile);
-        const float* sc = reinterpret_cast<const float*>(wt + int64_t{kTileW} * w.k);
+        const TileSlot tile(buf, t - t0, w.k, groups);
         alignas(64) float c[kTileX][kTileW];
-        kernel(wt, sc, sc + groups * kTileW, panel, a.plane_bytes, scalars, centre, w.k, w.group, nullptr, c);
+        kernel(tile.bytes, tile.scales, tile.biases, panel, a.plane_bytes, scalars, centre, w.k, w.group, nullptr, c);
         store(t, m0, rows_x, c);
       }
     }
