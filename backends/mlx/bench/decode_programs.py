@@ -41,6 +41,13 @@ def cached_pte(checkpoint: Path, engine: str, max_seq_len: int) -> Path:
     return Path(checkpoint) / f"{engine}-s{max_seq_len}-{source_fingerprint()}.pte"
 
 
+def cached_versions(pte: Path) -> list[Path]:
+    """Every file beside `pte` (a cached_pte path) that an export of the same engine wrote: its .pte of any length
+    or sources, and the files named after it."""
+    engine = pte.name.rsplit("-", 2)[0]  # "{engine}-s{max_seq_len}-{fingerprint}.pte"
+    return sorted(pte.parent.glob(f"{engine}-s*-*.pte*"))
+
+
 def export_xnnpack(model: torch.nn.Module, out: Path, max_seq_len: int) -> tuple[int, dict]:
     """Lower (tokens [1, L], start_pos [1], lengths [1]) -> logits [1, V] with XNNPACK.
 

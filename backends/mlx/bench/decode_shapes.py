@@ -83,8 +83,7 @@ def export_in_child(checkpoint: Path, pte: Path, max_seq_len: int, log, extra: l
     if pte.is_file() and info_path.is_file():
         log(f"  etmlx: cached {pte} (export figures from when it was made)")
         return json.loads(info_path.read_text())
-    engine = pte.name.split("-s")[0]  # cached_pte's "{engine}-s{max_seq_len}-{fingerprint}.pte"
-    for stale in pte.parent.glob(f"{engine}-s*.pte*"):
+    for stale in programs.cached_versions(pte):
         stale.unlink()
     command = [str(Path(sys.executable).parent / "etmlx"), "export", "--model", str(checkpoint), "--out", str(pte),
                "--max-seq-len", str(max_seq_len), *extra]

@@ -24,7 +24,6 @@ from backends.mlx.llm.builtin import bench_checkpoint as ckpt
 
 SCHEME = "int4"
 MAX_SEQ_LEN = 576  # as bench decode --shape: its programs are shared
-RUNS = ("prediction", "none", "miss")
 
 
 def _programs(shape: str, cache_dir: Path, draft_tokens: int, log) -> tuple[Path, Path]:
@@ -71,8 +70,8 @@ def run(shape: str, cache_dir: Path, draft_tokens: int = 8, prompt_len: int = 64
         if repeat:
             rounds.append(measured)
             log(f"  round {repeat}/{repeats}: " + ", ".join(f"{name} {rate:.1f}" for name, rate in measured.items()))
-    medians = {name: statistics.median(r[name] for r in rounds) for name in ("plain", *RUNS)}
-    ratios = {name: statistics.median(r[name] / r["plain"] for r in rounds) for name in RUNS}
+    medians = {name: statistics.median(r[name] for r in rounds) for name in ("plain", *sources)}
+    ratios = {name: statistics.median(r[name] / r["plain"] for r in rounds) for name in sources}
     return {"shape": shape, "scheme": SCHEME, "draft_tokens": draft_tokens, "prompt_tokens": prompt_len,
             "tokens": len(reference), "repeats": repeats, "programs": {"plain": str(plain_pte), "draft": str(spec_pte)},
             "decode_tok_s": medians, "vs_plain": ratios, "drafts": drafts, "rounds": rounds}
