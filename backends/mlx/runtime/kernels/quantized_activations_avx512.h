@@ -15,7 +15,10 @@
 
 #include "kernels/quantized_activations.h"
 
-#define ETMLX_ROUNDING inline __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma"), always_inline))
+// The instruction set of every AVX-512 VNNI loop (the few-row loop, the GEMM) and of these helpers, in one
+// place: an always_inline function only inlines into callers compiled for the same target.
+#define ETMLX_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma")))
+#define ETMLX_ROUNDING inline ETMLX_VNNI_TARGET __attribute__((always_inline))
 
 namespace etmlx::kernels::avx512 {
 

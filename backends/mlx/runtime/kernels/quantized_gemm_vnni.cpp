@@ -29,7 +29,6 @@ namespace etmlx::kernels {
 
 namespace {
 
-#define ETMLX_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma")))
 #define ETMLX_INLINE inline __attribute__((always_inline))
 
 // 4 bytes of one activation row read as the int32 that vpdpbusd broadcasts.
@@ -102,7 +101,7 @@ struct Activations {
 // quantize_activation_group's integers (quantized_activations_avx512.h). The caller goes through a panel
 // group by group, its rows in turn, so the 4-byte stores stay within the group's few hundred bytes of it.
 template <int BITS, bool INT16>
-ETMLX_VNNI void prepare_group(const float* x, int group, int g, int8_t* panel, int64_t plane_bytes, float* scalars,
+ETMLX_VNNI_TARGET void prepare_group(const float* x, int group, int g, int8_t* panel, int64_t plane_bytes, float* scalars,
                               int r) {
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
@@ -148,7 +147,7 @@ ETMLX_VNNI void prepare_group(const float* x, int group, int g, int8_t* panel, i
 // Two rows' chunks (32 values each, in chunk order; see above; a and b point at the chunks' first bytes) as
 // [a's 8 words | b's 8 words].
 template <int BITS>
-ETMLX_VNNI ETMLX_INLINE __m512i chunk_pair(const uint8_t* a, const uint8_t* b) {
+ETMLX_VNNI_TARGET ETMLX_INLINE __m512i chunk_pair(const uint8_t* a, const uint8_t* b) {
   if constexpr (BITS == 4) {
     const __m256i bytes =
         _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
@@ -166,7 +165,7 @@ ETMLX_VNNI ETMLX_INLINE __m512i chunk_pair(const uint8_t* a, const uint8_t* b) {
 }
 
 template <int BITS, ScaleType T>
-ETMLX_VNNI void unpack_tile(const QuantizedMatrix& w, int n0, uint8_t* wt, float* sc, float* bi) {
+ETMLX_VNNI_TARGET void unpack_tile(const QuantizedMatrix& w, int n0, uint8_t* wt, float* sc, float* bi) {
   const int groups = w.k / w.group;
   const int64_t row_bytes = static_cast<int64_t>(w.k) * BITS / 8;
   const int rows = std::min(kTileW, w.n - n0);
@@ -223,7 +222,7 @@ ETMLX_VNNI void unpack_tile(const QuantizedMatrix& w, int n0, uint8_t* wt, float
 // lane, {1to16}). As inline assembly: GCC 12 copies the accumulator of _mm512_dpbusd_epi32 into a fresh
 // register and back, which with this many accumulators spilled a register per instruction (measured 1.3x
 // slower), and does not fold the broadcast into the instruction.
-ETMLX_VNNI ETMLX_INLINE __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* p) {
+ETMLX_VNNI_TARGET ETMLX_INLINE __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* p) {
   asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const word_t*>(p)));
   return acc;
 }
@@ -241,7 +240,7 @@ struct NextTile {
   int64_t row_bytes;  // between its rows
   int rows;           // its rows (<= kTileW)
   int group_bytes;    // one group's bytes in a row
-  ETMLX_VNNI ETMLX_INLINE void fetch(int g) const {
+  ETMLX_VNNI_TARGET ETMLX_INLINE void fetch(int g) const {
     for (int r = 0; r < rows; ++r) {
       const uint8_t* p = w + r * row_bytes + int64_t{g} * group_bytes;
       for (int at = 0; at < group_bytes; at += 32) _mm_prefetch(reinterpret_cast<const char*>(p + at), _MM_HINT_T0);
@@ -254,7 +253,7 @@ struct NextTile {
 // float32 multiply and three multiply-adds:
 // c += (acc * scale) * step + bias * sum(x) + (centre * scale) * residual, centre = 2^(bits-1).
 template <bool INT16, int ROWS>
-ETMLX_VNNI void tile_kernel(const uint8_t* wt, const float* sc, const float* bi, const int8_t* panel,
+ETMLX_VNNI_TARGET void tile_kernel(const uint8_t* wt, const float* sc, const float* bi, const int8_t* panel,
                             int64_t plane_bytes, const float* scalars, float centre, int k, int group,
                             const NextTile* next, float (&c)[kTileX][kTileW]) {
 #define ETMLX_CDECL(r) __m512 c##r = _mm512_setzero_ps();
@@ -319,7 +318,7 @@ struct Gemm {
   float* out;
 
   // c's rows m0 .. m0 + rows_x - 1 of W tile t into out.
-  ETMLX_VNNI void store(int t, int m0, int rows_x, const float (&c)[kTileX][kTileW]) const {
+  ETMLX_VNNI_TARGET void store(int t, int m0, int rows_x, const float (&c)[kTileX][kTileW]) const {
     const int n0 = t * kTileW, rows_w = std::min(kTileW, w.n - n0);
     const __mmask16 mask = static_cast<__mmask16>(rows_w >= 16 ? 0xffff : (1u << rows_w) - 1);
     for (int r = 0; r < rows_x; ++r) {
@@ -331,7 +330,7 @@ struct Gemm {
   // once, then multiplied by each panel; a single panel (a verify call, a short prompt) unpacks each tile
   // right before its product instead, with the next tile's bytes fetched during it (NextTile).
   template <int BITS, ScaleType T, bool INT16>
-  ETMLX_VNNI void tiles(int t0, int t1, char* buf) const {
+  ETMLX_VNNI_TARGET void tiles(int t0, int t1, char* buf) const {
     const int groups = w.k / w.group;
     const int64_t row_bytes = static_cast<int64_t>(w.k) * BITS / 8;
     static constexpr auto kernels = tile_kernels<INT16>(std::make_integer_sequence<int, kTileX>());
@@ -371,7 +370,7 @@ struct Gemm {
 };
 
 template <int BITS, bool INT16>
-ETMLX_VNNI void run(const float* x, int m, const QuantizedMatrix& w, float* out) {
+ETMLX_VNNI_TARGET void run(const float* x, int m, const QuantizedMatrix& w, float* out) {
   const int groups = w.k / w.group, panels = (m + kTileX - 1) / kTileX;
   // Kept between calls, on the thread that makes them (MLX's CPU thread), as the float GEMM's panels.
   thread_local Buffer act_buf, scalar_buf;

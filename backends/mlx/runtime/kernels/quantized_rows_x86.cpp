@@ -287,12 +287,10 @@ ETMLX_AVX512 void dequantize_avx512(const QuantizedMatrix& w, int n_begin, int n
 
 // ---- AVX-512 VNNI: integer activations (quantized_activations.h), a block of 64 values per vpdpbusd ----
 
-#define ETMLX_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma")))
-
 // W's 64-value block as 64 unsigned bytes, in PreparedRows::hi's order: at 4 bits the 32 low nibbles
 // (even values) then the 32 high ones, with no zero-extension to 32 bits as the float32 loop needs.
 template <int BITS>
-ETMLX_AVX512_VNNI ETMLX_INLINE __m512i block_vnni(const uint8_t* p) {
+ETMLX_VNNI_TARGET ETMLX_INLINE __m512i block_vnni(const uint8_t* p) {
   if constexpr (BITS == 4) {
     const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(b), _mm256_srli_epi16(b, 4), 1);
@@ -307,7 +305,7 @@ ETMLX_AVX512_VNNI ETMLX_INLINE __m512i block_vnni(const uint8_t* p) {
 // multiply-add by scale * step. BL blocks per group (0: at run time). The order of every operation is the
 // same for any NB, M and range, so a row's bits depend only on that row and W.
 template <int BITS, int M, ScaleType T, bool INT16, int NB, int BL>
-ETMLX_AVX512_VNNI ETMLX_INLINE void dot_block_vnni(const QuantizedMatrix& w, const PreparedRows& rows, int n,
+ETMLX_VNNI_TARGET ETMLX_INLINE void dot_block_vnni(const QuantizedMatrix& w, const PreparedRows& rows, int n,
                                                    float* out, int64_t ldo) {
   constexpr int block_bytes = kIntBlock * BITS / 8;
   const int groups = w.k / w.group, blocks = BL > 0 ? BL : w.group / kIntBlock;
@@ -371,7 +369,7 @@ ETMLX_AVX512_VNNI ETMLX_INLINE void dot_block_vnni(const QuantizedMatrix& w, con
 }
 
 template <int BITS, int M, ScaleType T, bool INT16, int BL>
-ETMLX_AVX512_VNNI void dot_vnni_bl(const QuantizedMatrix& w, const PreparedRows& rows, int n_begin, int n_end,
+ETMLX_VNNI_TARGET void dot_vnni_bl(const QuantizedMatrix& w, const PreparedRows& rows, int n_begin, int n_end,
                                    float* out, int64_t ldo) {
   int n = n_begin;
   if constexpr (M == 1) {  // two rows of W per pass, as the float32 loop (each x block loaded once for both)
@@ -396,7 +394,7 @@ void dot_vnni(const QuantizedMatrix& w, const PreparedRows& rows, int n_begin, i
 
 // A block's 64 bytes from natural order into PreparedRows::hi's: at 4 bits the even values, then the odd
 // ones, which is vpmovwb of the block's bytes seen as 16-bit words, and of them >> 8.
-ETMLX_AVX512_VNNI ETMLX_INLINE void place_block(const int8_t* natural, int bits, int8_t* out) {
+ETMLX_VNNI_TARGET ETMLX_INLINE void place_block(const int8_t* natural, int bits, int8_t* out) {
   const __m512i z = _mm512_load_si512(natural);
   if (bits == 4) {
     const __m256i even = _mm512_cvtepi16_epi8(z), odd = _mm512_cvtepi16_epi8(_mm512_srli_epi16(z, 8));
@@ -408,7 +406,7 @@ ETMLX_AVX512_VNNI ETMLX_INLINE void place_block(const int8_t* natural, int bits,
 
 // prepare_integer_activations (quantized_rows.h): quantize_activation_group's integers and steps, 16 lanes at a
 // time (quantized_activations_avx512.h).
-ETMLX_AVX512_VNNI void prepare_integer_avx512(const float* x, int m, int k, int bits, int group,
+ETMLX_VNNI_TARGET void prepare_integer_avx512(const float* x, int m, int k, int bits, int group,
                                               ActivationPrecision precision, int8_t* hi, int8_t* lo, float* steps,
                                               float* residuals, float* sums) {
   const int groups = k / group;
