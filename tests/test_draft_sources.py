@@ -52,7 +52,9 @@ def test_budget_gives_a_hitting_source_the_full_budget_and_a_missing_one_probes_
         calls += 1
     # After the optimistic start, one drafted token per PROBE_EVERY calls: a few percent of a call's work.
     late = DraftBudget(8)
-    late.hits, late.trials = 0.0, 10.0
+    while late.size() != 1 or late.rate > 0.01:  # misses until the estimate is near 0, up to a probe
+        late.update(late.size(), 0)
+    late.update(1, 0)
     sizes = []
     for _ in range(64):
         k = late.size()

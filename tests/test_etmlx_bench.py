@@ -87,6 +87,33 @@ def test_pipelined_and_unpipelined_decode_the_same_tokens(tmp_path):
     assert piped["cold_first_token_s"] > 0 and piped["warm_first_token_s"] > 0
 
 
+def test_draft_program_runs_with_every_draft_source(tmp_path):
+    """A --draft-tokens program: every --drafts source decodes the plain program's tokens (the bench refuses a run
+    that differs); its own greedy continuation as the prediction is accepted in full, K + 1 tokens a call; none
+    makes a call per token. The JSON says which source ran and what it drafted."""
+    model = _tiny()
+    plain, draft = tmp_path / "plain.pte", tmp_path / "draft.pte"
+    export_decoder(model, plain, 40)
+    export_decoder(model, draft, 40, draft_tokens=4)
+    steps, runs = 14, 3
+    reference = json.loads(_bench(plain, "--prompt-len", 6, "--decode-steps", steps, "--runs", runs).stdout)
+    results = {}
+    for source in ("prediction", "ngram", "none"):
+        done = _bench(draft, "--prompt-len", 6, "--decode-steps", steps, "--runs", runs, "--drafts", source)
+        assert done.returncode == 0, done.stderr
+        results[source] = r = json.loads(done.stdout)
+        assert r["token_sum"] == reference["token_sum"], source
+        assert r["draft"]["source"] == source and r["draft"]["draft_tokens"] == 4
+        assert r["decode_tokens_per_s"] > 0 and r["decode"]["n"] == (runs - 1) * (r["draft"]["calls"] - 1)
+    prediction = results["prediction"]["draft"]
+    assert prediction["accepted"] == prediction["proposed"] == steps + 1 - prediction["calls"]
+    assert prediction["calls"] == -(-(steps + 1) // 5)
+    assert results["none"]["draft"] == {"draft_tokens": 4, "source": "none", "proposed": 0, "accepted": 0,
+                                        "calls": steps + 1}
+    bad = _bench(draft, "--drafts", "eagle")
+    assert bad.returncode == 2 and "--drafts must be prediction, ngram or none" in bad.stderr
+
+
 def test_sampler_only_json(tmp_path):
     from backends.mlx.llm.sampler.export import LogitsInput, export_sampling_head
     pte = tmp_path / "head.pte"

@@ -1,5 +1,6 @@
-// The decode-step rules (decode_rows.h) as C functions, called through ctypes by the Python engine
-// (backends/mlx/runtime/decode_rows_lib.py, driven by llm/decoder/decode_rows.py).
+// The decode-step rules (decode_rows.h) and the draft sources and budget (draft_sources.h) as C functions,
+// called through ctypes by the Python engine (backends/mlx/runtime/decode_rows_lib.py, driven by
+// llm/decoder/decode_rows.py and llm/decoder/draft_sources.py).
 //
 // A handle is a DecodeRows plus the layout of its last call. Every function returns >= 0 on success and
 // -1 on failure, with one line in etmlx_rows_error(); nothing lets an exception out. A callback that
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "decode_rows.h"
+#include "draft_sources.h"
 
 namespace etmlx {
 namespace {
@@ -303,4 +305,89 @@ ETMLX_EXPORT int64_t etmlx_rows_failure_message(int64_t failure, int64_t detail,
     }
     return static_cast<int64_t>(text.size());
   });
+}
+
+// ---- draft sources and the draft budget (draft_sources.h) ----
+
+ETMLX_EXPORT void* etmlx_draft_ngram_new(int64_t max_ngram, int64_t min_ngram) {
+  void* out = nullptr;
+  guarded([&]() -> int64_t {
+    out = static_cast<etmlx::DraftSource*>(new etmlx::NgramDraft(max_ngram, min_ngram));
+    return 0;
+  });
+  return out;
+}
+
+ETMLX_EXPORT void* etmlx_draft_prediction_new(const int64_t* prediction, int64_t n) {
+  void* out = nullptr;
+  guarded([&]() -> int64_t {
+    out = static_cast<etmlx::DraftSource*>(new etmlx::PredictionDraft(ids(prediction, n)));
+    return 0;
+  });
+  return out;
+}
+
+ETMLX_EXPORT void etmlx_draft_free(void* source) { delete static_cast<etmlx::DraftSource*>(source); }
+
+// Up to k drafts after prompt + output into out[cap]; returns how many.
+ETMLX_EXPORT int64_t etmlx_draft_propose(void* source, const int64_t* prompt, int64_t n_prompt, const int64_t* output,
+                                         int64_t n_output, int64_t k, int64_t* out, int64_t cap) {
+  return guarded([&]() -> int64_t {
+    if (!source) throw std::invalid_argument("no draft source (a null handle)");
+    const auto drafts = static_cast<etmlx::DraftSource*>(source)->propose(ids(prompt, n_prompt), ids(output, n_output),
+                                                                          std::min(k, cap));
+    std::copy(drafts.begin(), drafts.end(), out);
+    return static_cast<int64_t>(drafts.size());
+  });
+}
+
+ETMLX_EXPORT void* etmlx_budget_new(int64_t max_drafts, double draft_cost) {
+  void* out = nullptr;
+  guarded([&]() -> int64_t {
+    out = new etmlx::DraftBudget(max_drafts, draft_cost);
+    return 0;
+  });
+  return out;
+}
+
+ETMLX_EXPORT void etmlx_budget_free(void* budget) { delete static_cast<etmlx::DraftBudget*>(budget); }
+
+namespace {
+etmlx::DraftBudget& budget_of(void* b) {
+  if (!b) throw std::invalid_argument("no draft budget (a null handle)");
+  return *static_cast<etmlx::DraftBudget*>(b);
+}
+}  // namespace
+
+ETMLX_EXPORT int64_t etmlx_budget_size(void* b) {
+  return guarded([&] { return budget_of(b).size(); });
+}
+
+ETMLX_EXPORT int64_t etmlx_budget_update(void* b, int64_t proposed, int64_t accepted) {
+  return guarded([&]() -> int64_t {
+    budget_of(b).update(proposed, accepted);
+    return 0;
+  });
+}
+
+// out[2]: the acceptance estimate and the cost per draft.
+ETMLX_EXPORT int64_t etmlx_budget_get(void* b, double* out) {
+  return guarded([&]() -> int64_t {
+    out[0] = budget_of(b).rate();
+    out[1] = budget_of(b).draft_cost();
+    return 0;
+  });
+}
+
+ETMLX_EXPORT int64_t etmlx_budget_set_cost(void* b, double cost) {
+  return guarded([&]() -> int64_t {
+    budget_of(b).set_draft_cost(cost);
+    return 0;
+  });
+}
+
+// The budget's constants: 0 the default cost per draft, 1 the decay, 2 the calls between probes.
+ETMLX_EXPORT double etmlx_budget_constant(int64_t which) {
+  using B = etmlx::DraftBudget;
+  return which == 0 ? B::kDraftCost : which == 1 ? B::kDecay : static_cast<double>(B::kProbeEvery);
 }

@@ -1,8 +1,9 @@
-"""The decode-step rules of decode_rows.cpp (one implementation, also etmlx_decode's), through ctypes.
+"""The decode-step rules of decode_rows.cpp and the draft sources of draft_sources.cpp (one implementation,
+also etmlx_decode's), through ctypes.
 
-`RowsCore` is a thin typed wrapper: lists of ints in and out, a one-line `DecodeRowsError` for what the core
-refuses. The Python engine over it (what a row's request, matcher and draft source are) is
-llm/decoder/decode_rows.py.
+`RowsCore`, `DraftSourceCore` and `BudgetCore` are thin typed wrappers: lists of ints in and out, a one-line
+`DecodeRowsError` for what the core refuses. The Python engine over them (what a row's request, matcher and
+draft source are) is llm/decoder/decode_rows.py; the draft sources' Python API is llm/decoder/draft_sources.py.
 """
 
 from __future__ import annotations
@@ -58,6 +59,15 @@ def _lib() -> ctypes.CDLL:
         fn.argtypes, fn.restype = argtypes, _i64
     if [lib.etmlx_rows_fields(i) for i in range(3)] != [len(ROW_FIELDS), len(EVENT_FIELDS), len(LAYOUT_ARRAYS)]:
         raise DecodeRowsError(f"{runtime.library_path()} lays out rows differently: rebuild it (`make setup`)")
+    vd = ctypes.c_double
+    for name, restype, argtypes in (
+            ("etmlx_draft_ngram_new", vp, [_i64, _i64]), ("etmlx_draft_prediction_new", vp, [_P64, _i64]),
+            ("etmlx_draft_free", None, [vp]), ("etmlx_draft_propose", _i64, [vp, _P64, _i64, _P64, _i64, _i64, _P64, _i64]),
+            ("etmlx_budget_new", vp, [_i64, vd]), ("etmlx_budget_free", None, [vp]), ("etmlx_budget_size", _i64, [vp]),
+            ("etmlx_budget_update", _i64, [vp, _i64, _i64]), ("etmlx_budget_get", _i64, [vp, ctypes.POINTER(vd)]),
+            ("etmlx_budget_set_cost", _i64, [vp, vd]), ("etmlx_budget_constant", vd, [_i64])):
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
     lib._etmlx_rows_typed = True
     return lib
 
@@ -205,3 +215,89 @@ class RowsCore:
                 self.error = exc
                 return -1
         return call
+
+
+def _made(lib, handle) -> ctypes.c_void_p:
+    if not handle:
+        raise DecodeRowsError(lib.etmlx_rows_error().decode())
+    return ctypes.c_void_p(handle)
+
+
+def _checked(lib, rc: int) -> int:
+    if rc < 0:
+        raise DecodeRowsError(lib.etmlx_rows_error().decode())
+    return rc
+
+
+class DraftSourceCore:
+    """A draft source of draft_sources.cpp: `ngram(max_ngram, min_ngram)` or `prediction(ids)`."""
+
+    def __init__(self, handle, lib):
+        self._lib, self._h = lib, handle
+
+    @classmethod
+    def ngram(cls, max_ngram: int, min_ngram: int) -> "DraftSourceCore":
+        lib = _lib()
+        return cls(_made(lib, lib.etmlx_draft_ngram_new(max_ngram, min_ngram)), lib)
+
+    @classmethod
+    def prediction(cls, prediction: list[int]) -> "DraftSourceCore":
+        lib = _lib()
+        ids, n = _ids(prediction)
+        return cls(_made(lib, lib.etmlx_draft_prediction_new(ids, n)), lib)
+
+    def __del__(self):
+        if getattr(self, "_h", None):
+            self._lib.etmlx_draft_free(self._h)
+            self._h = None
+
+    def propose(self, prompt: list[int], output: list[int], k: int) -> list[int]:
+        if k < 1:
+            return []
+        p, np_ = _ids(prompt)
+        o, no = _ids(output)
+        out = (_i64 * k)()
+        n = _checked(self._lib, self._lib.etmlx_draft_propose(self._h, p, np_, o, no, k, out, k))
+        return list(out[:n])
+
+
+class BudgetCore:
+    """The DraftBudget of draft_sources.cpp."""
+
+    def __init__(self, max_drafts: int, draft_cost: float | None = None):
+        self._lib = lib = _lib()
+        cost = self.constant(0) if draft_cost is None else float(draft_cost)
+        self._h = _made(lib, lib.etmlx_budget_new(max_drafts, cost))
+
+    @staticmethod
+    def constant(which: int) -> float:
+        """0: the default cost per draft, 1: the decay, 2: the calls between probes."""
+        return _lib().etmlx_budget_constant(which)
+
+    def __del__(self):
+        if getattr(self, "_h", None):
+            self._lib.etmlx_budget_free(self._h)
+            self._h = None
+
+    def size(self) -> int:
+        return _checked(self._lib, self._lib.etmlx_budget_size(self._h))
+
+    def update(self, proposed: int, accepted: int) -> None:
+        _checked(self._lib, self._lib.etmlx_budget_update(self._h, proposed, accepted))
+
+    def _get(self) -> tuple[float, float]:
+        out = (ctypes.c_double * 2)()
+        _checked(self._lib, self._lib.etmlx_budget_get(self._h, out))
+        return out[0], out[1]
+
+    @property
+    def rate(self) -> float:
+        return self._get()[0]
+
+    @property
+    def draft_cost(self) -> float:
+        return self._get()[1]
+
+    @draft_cost.setter
+    def draft_cost(self, cost: float) -> None:
+        _checked(self._lib, self._lib.etmlx_budget_set_cost(self._h, float(cost)))

@@ -50,7 +50,7 @@ class DraftModel:
         self.cost = cost
         self.budget = DraftBudget(target.meta.draft_tokens if target is not None else 16)
         if cost is not None:
-            self.budget.DRAFT_COST = DraftBudget.DRAFT_COST + cost
+            self.budget.draft_cost = DraftBudget.DRAFT_COST + cost
         self.calls = 0  # draft program calls, all proposals together
         self.seconds = 0.0  # their time
         self._draft_s = self._target_s = None  # running averages: one draft call, the time between proposals
@@ -87,7 +87,7 @@ class DraftModel:
         self._target_s = _average(self._target_s, now - when)
         if self.cost is None and self._draft_s is not None:
             # A draft costs its draft call, and its share of the verifying call (the default budget's cost).
-            self.budget.DRAFT_COST = DraftBudget.DRAFT_COST + self._draft_s / max(self._target_s, 1e-9)
+            self.budget.draft_cost = DraftBudget.DRAFT_COST + self._draft_s / max(self._target_s, 1e-9)
 
 
 def _average(mean: float | None, value: float) -> float:

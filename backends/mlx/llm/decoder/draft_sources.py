@@ -1,7 +1,9 @@
 """Where drafted tokens come from, for speculative decoding (speculative.py).
 
 A source proposes up to k tokens that it expects to follow `prompt + output`; the program then verifies them
-(sampler/draft_verification.py), so a wrong guess costs speed, never correctness.
+(sampler/draft_verification.py), so a wrong guess costs speed, never correctness. The sources and the budget are
+implemented once, in the C++ core (runtime/draft_sources.h), which etmlx_decode and etmlx_bench run too; these
+classes are their Python API.
 
 - NgramDraft: prompt lookup (llama.cpp's lookup decoding, vLLM's n-gram proposer): find the last n tokens of
   the sequence earlier in it (n from max_ngram down to min_ngram, the most recent match) and propose what
@@ -13,126 +15,87 @@ A source proposes up to k tokens that it expects to follow `prompt + output`; th
 
 from __future__ import annotations
 
-
-def _check_ngram(max_ngram: int, min_ngram: int) -> None:
-    for name, value in (("max_ngram", max_ngram), ("min_ngram", min_ngram)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    if min_ngram > max_ngram:
-        raise ValueError(f"min_ngram {min_ngram} exceeds max_ngram {max_ngram}")
+from backends.mlx.runtime.decode_rows_lib import BudgetCore, DecodeRowsError, DraftSourceCore
 
 
-def _last_match(haystack: list[int], needle: list[int], end: int) -> int | None:
-    """The largest j <= end - len(needle) where haystack[j:j+len(needle)] == needle, or None."""
-    n = len(needle)
-    for j in range(end - n, -1, -1):
-        if haystack[j:j + n] == needle:
-            return j
-    return None
+def _check_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def _native(make):
+    try:
+        return make()
+    except DecodeRowsError as exc:  # the core's one-line refusal (a bad n-gram range, a negative id)
+        raise ValueError(str(exc)) from None
 
 
 class NgramDraft:
     name = "ngram"
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
-        _check_ngram(max_ngram, min_ngram)
+        _check_int("max_ngram", max_ngram)
+        _check_int("min_ngram", min_ngram)
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self._core = _native(lambda: DraftSourceCore.ngram(max_ngram, min_ngram))
 
     def propose(self, prompt: list[int], output: list[int], k: int) -> list[int]:
-        if k < 1:
-            return []
-        seq = prompt + output
-        for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
-            # An earlier occurrence of the last n tokens (not the suffix itself), with something after it.
-            j = _last_match(seq, seq[-n:], len(seq) - 1)
-            if j is not None:
-                return seq[j + n:j + n + k]
-        return []
+        return self._core.propose(prompt, output, k)
 
 
 class PredictionDraft:
     name = "prediction"
-    ALIGN = 3  # output tokens matched to re-align after a divergence (fewer where the output is shorter)
 
     def __init__(self, prediction: list[int]):
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in prediction):
             raise ValueError("the prediction must be token ids (ints >= 0)")
         self.prediction = list(prediction)
-        self.cursor: int | None = 0  # where the next output token should be in the prediction (None: lost)
-        self.anchor = 0  # the last place the cursor was aligned: re-alignment looks after it first
-        self.seen = 0  # output tokens the cursor has accounted for
-
-    def _advance(self, output: list[int]) -> None:
-        pred = self.prediction
-        for token in output[self.seen:]:
-            if self.cursor is not None and self.cursor < len(pred) and pred[self.cursor] == token:
-                self.cursor += 1
-                self.anchor = self.cursor
-            else:
-                self.cursor = None
-        self.seen = len(output)
-        if self.cursor is None and output:
-            for n in range(min(self.ALIGN, len(output)), 0, -1):
-                j = self._next_match(output[-n:])
-                if j is not None:
-                    self.cursor = j + n
-                    break
-
-    def _next_match(self, needle: list[int]) -> int | None:
-        """The prediction's first occurrence of `needle` at or after the anchor, else its first anywhere."""
-        pred, n = self.prediction, len(needle)
-        for start in (self.anchor, 0):
-            for j in range(start, len(pred) - n + 1):
-                if pred[j:j + n] == needle:
-                    return j
-        return None
+        self._core = _native(lambda: DraftSourceCore.prediction(self.prediction))
 
     def propose(self, prompt: list[int], output: list[int], k: int) -> list[int]:
-        self._advance(output)
-        if k < 1 or self.cursor is None:
-            return []
-        return self.prediction[self.cursor:self.cursor + k]
+        """Follows the output so far through the prediction (a source keeps its cursor: one per sequence)."""
+        return self._core.propose(prompt, output, k)
+
+
+class _Constant:
+    """A DraftBudget constant, read from the core (draft_sources.h) when first asked for."""
+
+    def __init__(self, which: int, kind):
+        self.which, self.kind = which, kind
+
+    def __get__(self, obj, owner):
+        return self.kind(BudgetCore.constant(self.which))
 
 
 class DraftBudget:
-    """How many drafts to ask for next, from the acceptance seen so far.
+    """How many drafts to ask for next, from the acceptance seen so far (draft_sources.h says how).
 
-    Drafts are Bernoulli trials until the first rejection: a call accepting n of k drafts saw n successes and,
-    when n < k, one failure. With a (decayed) acceptance estimate a, k drafts yield 1 + a + ... + a^k tokens
-    per call at a cost of about 1 + DRAFT_COST * k calls' time; the budget takes the k <= K that maximises
-    their ratio. When that is 0 (a source that does not hit), it still probes one draft every PROBE_EVERY calls,
-    so a source that starts hitting is noticed, at a cost well under 5% of the calls' time.
-    """
+    A call accepting n of k drafts is n successes and, when n < k, one failure, in a decayed acceptance
+    estimate a; the budget takes the k <= K that maximises (1 + a + ... + a^k) / (1 + draft_cost * k). When
+    that is 0 (a source that does not hit), it still probes one draft every PROBE_EVERY calls."""
 
-    DRAFT_COST = 0.1  # one more drafted token's share of a decode call's time (the per-call overhead dominates)
-    DECAY = 0.8
-    PROBE_EVERY = 16
+    DRAFT_COST = _Constant(0, float)  # the default cost of one more drafted token, in decode calls
+    DECAY = _Constant(1, float)
+    PROBE_EVERY = _Constant(2, int)
 
-    def __init__(self, max_drafts: int):
+    def __init__(self, max_drafts: int, draft_cost: float | None = None):
         self.max_drafts = max_drafts
-        self.hits, self.trials = 2.0, 2.0  # optimistic start: a fresh source gets the full budget at once
-        self.calls_without = 0
+        self._core = _native(lambda: BudgetCore(max_drafts, draft_cost))
 
     @property
     def rate(self) -> float:
-        return self.hits / self.trials if self.trials else 0.0
+        return self._core.rate
+
+    @property
+    def draft_cost(self) -> float:
+        return self._core.draft_cost
+
+    @draft_cost.setter
+    def draft_cost(self, cost: float) -> None:
+        _native(lambda: setattr(self._core, "draft_cost", cost))
 
     def size(self) -> int:
-        a, best, best_value = self.rate, 0, 1.0
-        expected = 1.0
-        for k in range(1, self.max_drafts + 1):
-            expected += a ** k
-            value = expected / (1 + self.DRAFT_COST * k)
-            if value > best_value:
-                best, best_value = k, value
-        if best == 0 and self.calls_without + 1 >= self.PROBE_EVERY:
-            return 1
-        return best
+        return self._core.size()
 
     def update(self, proposed: int, accepted: int) -> None:
-        if proposed == 0:
-            self.calls_without += 1
-            return
-        self.calls_without = 0
-        self.hits = self.DECAY * self.hits + accepted
-        self.trials = self.DECAY * self.trials + accepted + (1 if accepted < proposed else 0)
+        self._core.update(proposed, accepted)

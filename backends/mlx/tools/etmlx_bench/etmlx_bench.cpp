@@ -9,6 +9,12 @@
 // figure. Any other program (a sampler-only head, ...) is called --calls times with zero-filled
 // inputs of its static shapes, or with the bytes of DIR/input_<i>.bin (--inputs DIR): zeros are a
 // poor timing input for a sampler (every logit ties). Times are per call, wall clock, outputs copied to the host.
+//
+// A draft-verifying program (`etmlx export --draft-tokens K`) runs the same sequences with drafts from --drafts:
+// "prediction" (default: Predicted Outputs whose prediction is the program's own greedy continuation, taken
+// from the first, cold run, which drafts nothing), "ngram" (prompt lookup) or "none". A call then brings
+// several tokens: "decode" times the decode calls, and decode_tokens_per_s counts every token after the first
+// call's over the time after it (the median of the warm runs), as `etmlx bench speculative` does.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -16,6 +22,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <string>
 #include <system_error>
 #include <vector>
@@ -42,11 +49,12 @@ using Clock = std::chrono::steady_clock;
 
 constexpr const char kUsage[] =
     "usage: etmlx_bench FILE.pte [--prompt-len N] [--decode-steps N] [--runs N] [--calls N] [--warmup N]\n"
-    "                   [--temperature T] [--seed S] [--inputs DIR]\n"
+    "                   [--temperature T] [--seed S] [--inputs DIR] [--drafts prediction|ngram|none]\n"
     "Times FILE.pte on the etmlx backend and prints JSON (milliseconds per call: median, p90).\n"
     "  decoder programs: --runs sequences (default 3; the first is the cold one, the others warm) of a --prompt-len prefill (default 16)\n"
     "                    and --decode-steps decode calls (default 32), sampling at --temperature\n"
-    "                    (default 0, greedy) with --seed (default 0)\n"
+    "                    (default 0, greedy) with --seed (default 0); a --draft-tokens program takes\n"
+    "                    --drafts (default prediction: its own greedy continuation, from the cold run)\n"
     "  other programs:   --warmup calls (default 2), then --calls timed calls (default 20) on\n"
     "                    zero-filled inputs, or the raw bytes of DIR/input_<i>.bin (--inputs DIR; each file\n"
     "                    exactly input i's size); prints the integer values of output 0's last call\n";
@@ -109,7 +117,7 @@ std::string json_stats(const Stats& s) {
 }
 
 struct Args {
-  std::string pte, inputs_dir;
+  std::string pte, inputs_dir, drafts = "prediction";
   long prompt_len = 16, decode_steps = 32, runs = 3, calls = 20, warmup = 2, seed = 0;
   double temperature = 0;
 };
@@ -131,6 +139,12 @@ bool parse(int argc, char** argv, Args* a, std::string* error, bool* help) {
     char* end = nullptr;
     if (flag == "--inputs") {
       a->inputs_dir = value;
+      continue;
+    }
+    if (flag == "--drafts") {
+      if (value != "prediction" && value != "ngram" && value != "none")
+        return *error = "--drafts must be prediction, ngram or none", false;
+      a->drafts = value;
       continue;
     }
     if (flag == "--temperature") {
@@ -162,6 +176,10 @@ int bench_decoder(Module& module, const std::string& method, const etmlx::Progra
   auto inputs = etmlx::StepInputs::plan(module.method_meta(method).get(), md.meta.inputs, specs, knobs, &error);
   if (!inputs) return fail(a.pte + ": " + error);
   const int64_t max_seq = md.meta.max_seq_len.value_or(inputs->max_call_length());
+  const int64_t draft_tokens = md.meta.draft_tokens;
+  if (inputs->verifies() != (draft_tokens > 0))
+    return fail(a.pte + ": its metadata's draft_tokens and its 'verify' input disagree (different exports)");
+  inputs->set_verify(draft_tokens, md.meta.verify_min_width);
   if (a.prompt_len > inputs->max_call_length() || a.prompt_len + a.decode_steps > max_seq)
     return fail("--prompt-len + --decode-steps must fit the program's " + std::to_string(max_seq) + " positions");
   const int64_t vocab = md.meta.vocab_size.value_or(2);
@@ -175,11 +193,20 @@ int bench_decoder(Module& module, const std::string& method, const etmlx::Progra
   double cold = 0;
   int64_t tokens_checksum = 0;
   HostTimes decode_host;  // the warm runs' decode calls
-  etmlx::DecodeLoop loop(module, method, *inputs, md.meta.pipelined, max_seq);
+  etmlx::DecodeLoop loop(module, method, *inputs, md.meta.pipelined, max_seq, draft_tokens);
+  std::vector<int64_t> reference;  // the cold run's tokens: a draft program's prediction, and every run's tokens
+  std::vector<double> run_rates;   // draft programs: tokens after the first call's per second, warm runs
+  etmlx::DecodeLoop::DraftStats drafted;  // the last run's
   for (long run = 0; run < a.runs; ++run) {
+    std::shared_ptr<etmlx::DraftSource> source;
+    if (draft_tokens > 0 && run > 0 && a.drafts == "prediction") source = std::make_shared<etmlx::PredictionDraft>(reference);
+    if (draft_tokens > 0 && run > 0 && a.drafts == "ngram") source = std::make_shared<etmlx::NgramDraft>(3, 1);
     // Every step is timed: no stop id ends a run early.
-    if (!loop.start({prompt, static_cast<float>(a.temperature), a.seed, a.decode_steps + 1, {}}, &error))
+    if (!loop.start({prompt, static_cast<float>(a.temperature), a.seed, a.decode_steps + 1, {}, source}, &error))
       return fail(error);
+    std::vector<int64_t> tokens;
+    double after_first = 0;
+    int64_t first_call_tokens = 1;
     for (long step = 0; step <= a.decode_steps; ++step) {
       int64_t token = 0;
       const HostTimes before = HostTimes::now();
@@ -191,24 +218,44 @@ int bench_decoder(Module& module, const std::string& method, const etmlx::Progra
         // The first run's first token is the cold figure, the others warm.
         if (run == 0) cold = s;
         else prefill.push_back(s);
-      } else {
-        decode.push_back(s);
+        first_call_tokens = 1 + loop.pending();
+      } else if (!loop.calls().empty()) {  // a token an earlier call brought costs no call
+        if (run > 0 || draft_tokens == 0) decode.push_back(s);  // a draft program's cold run drafts nothing
+        after_first += s;
         if (run > 0) decode_host.add_since(before, HostTimes::now());
       }
+      tokens.push_back(token);
       tokens_checksum += token;
     }
+    if (run == 0) reference = tokens;
+    else if (draft_tokens > 0 && tokens != reference)
+      return fail("run " + std::to_string(run) + " decoded other tokens than the cold run (drafts must not change them)");
+    if (run > 0 && after_first > 0)
+      run_rates.push_back(static_cast<double>(static_cast<int64_t>(tokens.size()) - first_call_tokens) / after_first);
+    drafted = loop.draft_stats();
   }
   const Stats p = stats_of(prefill), d = stats_of(decode);
+  std::sort(run_rates.begin(), run_rates.end());
+  const double rate = draft_tokens == 0 ? (d.median_ms > 0 ? 1e3 / d.median_ms : 0.0)
+                      : run_rates.empty() ? 0.0 : run_rates[run_rates.size() / 2];
+  std::string draft_json;
+  if (draft_tokens > 0) {
+    char buf[200];
+    std::snprintf(buf, sizeof(buf), ", \"draft\": {\"draft_tokens\": %lld, \"source\": \"%s\", \"proposed\": %lld, "
+                  "\"accepted\": %lld, \"calls\": %lld}", static_cast<long long>(draft_tokens), a.drafts.c_str(),
+                  static_cast<long long>(drafted.proposed), static_cast<long long>(drafted.accepted),
+                  static_cast<long long>(drafted.calls));
+    draft_json = buf;
+  }
   std::printf("{\"program\": \"%s\", \"kind\": \"decoder\", \"method\": \"%s\", \"pipelined\": %s, "
               "\"load_s\": %.6f, \"prompt_len\": %ld, \"decode_steps\": %ld, \"runs\": %ld, \"temperature\": %g, "
               "\"cold_first_token_s\": %.6f, \"warm_first_token_s\": %.6f, \"prefill\": %s, \"decode\": %s, "
-              "\"prefill_tokens_per_s\": %.3f, \"decode_tokens_per_s\": %.3f, \"token_sum\": %lld, \"decode_host\": %s}\n",
+              "\"prefill_tokens_per_s\": %.3f, \"decode_tokens_per_s\": %.3f, \"token_sum\": %lld, \"decode_host\": %s%s}\n",
               a.pte.c_str(), method.c_str(), md.meta.pipelined ? "true" : "false", load_s, a.prompt_len,
               a.decode_steps, a.runs, a.temperature, cold,
               p.median_ms / 1e3, json_stats(p).c_str(), json_stats(d).c_str(),
               p.median_ms > 0 ? 1e3 * static_cast<double>(a.prompt_len) / p.median_ms : 0.0,
-              d.median_ms > 0 ? 1e3 / d.median_ms : 0.0, static_cast<long long>(tokens_checksum),
-              decode_host.json().c_str());
+              rate, static_cast<long long>(tokens_checksum), decode_host.json().c_str(), draft_json.c_str());
   return 0;
 }
 

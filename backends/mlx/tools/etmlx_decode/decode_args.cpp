@@ -10,7 +10,8 @@ const char kDecodeUsage[] =
     "usage: etmlx_decode FILE.pte (--prompt TEXT | --prompt-ids 1,2,3) [--max-tokens N]\n"
     "                    [--temperature T] [--seed S] [--KNOB VALUE ...] [--eos ID[,ID...]]\n"
     "                    [--vocab-size V] [--mask-file FILE | --choice-ids 1,2;3] [--weights FILE.ptd]\n"
-    "                    [--json]\n"
+    "                    [--draft ngram | --prediction TEXT|@FILE | --prediction-ids 1,2,3]\n"
+    "                    [--num-draft-tokens K] [--json]\n"
     "\n"
     "Runs the decode loop of a .pte written by `etmlx export` on the etmlx (MLX)\n"
     "backend: one prefill call, then one call per token with seed S + step.\n"
@@ -32,7 +33,12 @@ const char kDecodeUsage[] =
     "                 ';'), then a stop id; masked on the device (a program with the mask input)\n"
     "  --weights      the .ptd of a program exported with --external-weights (default:\n"
     "                 FILE.ptd beside FILE.pte, if there is one)\n"
-    "  --json         print {\"tokens\", \"finish_reason\", timings} instead of streaming ids\n";
+    "  --draft        programs exported with --draft-tokens K: ngram (prompt lookup over the\n"
+    "                 prompt and output proposes drafts; the default) or none\n"
+    "  --prediction   the expected output (Predicted Outputs), as text (@FILE: a file's text),\n"
+    "                 tokenized like the prompt without its special tokens; --prediction-ids: as ids\n"
+    "  --num-draft-tokens  most drafts per call (default the program's K)\n"
+    "  --json         print {\"tokens\", \"finish_reason\", timings, \"draft\"} instead of streaming ids\n";
 
 namespace {
 
@@ -126,6 +132,30 @@ bool parse_decode_args(int argc, char** argv, DecodeArgs* out, std::string* erro
           return false;
         }
         out->weights = value;
+      } else if (name == "--draft") {
+        if (value != "ngram" && value != "none") {
+          *error = "--draft must be ngram or none, got '" + value + "'";
+          return false;
+        }
+        out->draft = value;
+      } else if (name == "--prediction") {
+        out->prediction_text = value;
+      } else if (name == "--prediction-ids") {
+        out->prediction_ids.emplace();
+        if (!parse_id_list(value, "--prediction-ids", &*out->prediction_ids, error)) return false;
+        for (int64_t id : *out->prediction_ids) {
+          if (id < 0) {
+            *error = "--prediction-ids must be token ids >= 0, got " + std::to_string(id);
+            return false;
+          }
+        }
+      } else if (name == "--num-draft-tokens") {
+        int64_t k = 0;
+        if (!parse_int(value, &k) || k < 0) {
+          *error = "--num-draft-tokens must be an integer >= 0, got '" + value + "'";
+          return false;
+        }
+        out->num_draft_tokens = k;
       } else if (name == "--vocab-size") {
         int64_t v = 0;
         if (!parse_int(value, &v) || v < 1) {
@@ -154,6 +184,11 @@ bool parse_decode_args(int argc, char** argv, DecodeArgs* out, std::string* erro
   }
   if (have_prompt && out->prompt_ids.empty()) {
     *error = "--prompt-ids is empty";
+    return false;
+  }
+  const int sources = !out->draft.empty() + out->prediction_text.has_value() + out->prediction_ids.has_value();
+  if (sources > 1) {
+    *error = "give one draft source: --draft ngram, --prediction or --prediction-ids";
     return false;
   }
   return true;

@@ -23,6 +23,11 @@ struct DecodeArgs {
   std::optional<std::string> mask_file;  // per-step allowed-token masks (mask_file.h)
   std::optional<std::string> choice_ids;  // one of these id sequences (choice_mask.h)
   std::optional<std::string> weights;           // --weights FILE.ptd (external weights)
+  // Draft-verifying programs (`etmlx export --draft-tokens K`), as `etmlx generate` takes them:
+  std::string draft;  // --draft ngram (prompt lookup, the default on such programs) or none
+  std::optional<std::string> prediction_text;          // --prediction TEXT|@FILE (Predicted Outputs)
+  std::optional<std::vector<int64_t>> prediction_ids;  // --prediction-ids 1,2,3
+  std::optional<int64_t> num_draft_tokens;             // --num-draft-tokens: most per call (default K)
   bool json = false;
   bool help = false;
 };

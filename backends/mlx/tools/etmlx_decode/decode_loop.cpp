@@ -11,11 +11,13 @@ const char kPipelinedMaskHint[] =
 
 namespace {
 
-DecodeRowsConfig config_for(int64_t batch, int64_t max_seq_len, bool pipelined) {
+DecodeRowsConfig config_for(int64_t batch, int64_t max_seq_len, bool pipelined, int64_t draft_tokens) {
   DecodeRowsConfig config;
   config.batch = batch;
   config.max_seq_len = max_seq_len;
   config.pipelined = pipelined;
+  config.draft_tokens = draft_tokens;
+  config.ring = draft_tokens == 0;  // draft-verifying programs keep full-length caches
   config.prompt_cache = false;  // one sequence per start(): the idle rows write at position 0
   return config;
 }
@@ -23,12 +25,13 @@ DecodeRowsConfig config_for(int64_t batch, int64_t max_seq_len, bool pipelined) 
 }  // namespace
 
 DecodeLoop::DecodeLoop(executorch::extension::module::Module& module, std::string method, StepInputs& inputs,
-                       bool pipelined, int64_t max_seq_len)
+                       bool pipelined, int64_t max_seq_len, int64_t draft_tokens)
     : module_(module),
       method_(std::move(method)),
       inputs_(inputs),
       pipelined_(pipelined),
-      rows_(config_for(inputs.batch(), max_seq_len, pipelined)) {}
+      draft_tokens_(draft_tokens),
+      rows_(config_for(inputs.batch(), max_seq_len, pipelined, draft_tokens)) {}
 
 bool DecodeLoop::start(const Sequence& sequence, std::string* error) {
   RowRequest request;
@@ -45,6 +48,21 @@ bool DecodeLoop::start(const Sequence& sequence, std::string* error) {
     *error = e.what();
     return false;
   }
+  if (sequence.draft && draft_tokens_ == 0) {
+    *error = "drafts need a draft-verifying program (etmlx export --draft-tokens K)";
+    return false;
+  }
+  if (sequence.max_drafts > draft_tokens_) {
+    *error = "at most " + std::to_string(draft_tokens_) + " drafts per call (the program's K), not " +
+             std::to_string(sequence.max_drafts);
+    return false;
+  }
+  source_ = sequence.draft;
+  budget_.reset();
+  if (draft_tokens_ > 0)
+    budget_.emplace(sequence.max_drafts >= 0 ? sequence.max_drafts : draft_tokens_);
+  pending_.clear();
+  stats_ = {};
   temperature_ = sequence.temperature;
   finish_ = Finish::None;
   failure_ = Failure::None;
@@ -70,9 +88,22 @@ bool DecodeLoop::call(const std::vector<int32_t>* mask_row, std::string* error) 
   return true;
 }
 
+const int64_t* DecodeLoop::output_ids(size_t index, const char* what, std::string* error) const {
+  if (outputs_.size() <= index || !outputs_[index].isTensor()) {
+    *error = std::string("the program's output ") + std::to_string(index) + " is not a tensor of " + what;
+    return nullptr;
+  }
+  const auto& ids = outputs_[index].toTensor();
+  if (ids.scalar_type() != executorch::aten::ScalarType::Long || ids.numel() < inputs_.batch()) {
+    *error = std::string("the program's output ") + std::to_string(index) + " is not int64 " + what + ", one per row";
+    return nullptr;
+  }
+  return ids.const_data_ptr<int64_t>();
+}
+
 bool DecodeLoop::next(const std::vector<int32_t>* mask_row, int64_t* token, std::string* error) {
   calls_.clear();
-  if (!rows_.row(0)) {
+  if (pending_.empty() && !rows_.row(0)) {
     *error = "the sequence has ended";
     return false;
   }
@@ -80,25 +111,39 @@ bool DecodeLoop::next(const std::vector<int32_t>* mask_row, int64_t* token, std:
     *error = kPipelinedMaskHint;
     return false;
   }
-  for (;;) {  // a pipelined program's prefill returns no token of its own: one more call
+  while (pending_.empty()) {  // a pipelined program's prefill returns no token of its own: one more call
+    std::vector<int64_t> drafts;
+    try {
+      if (source_ && budget_) {
+        const RowState& row = *rows_.row(0);
+        const int64_t k = rows_.draft_room(0, budget_->size());
+        if (k > 0) drafts = source_->propose(row.request.prompt, row.output, k);
+        if (static_cast<int64_t>(drafts.size()) > k) drafts.resize(static_cast<size_t>(k));
+      }
+      if (draft_tokens_ > 0) rows_.set_drafts(0, drafts);
+    } catch (const std::exception& e) {
+      *error = std::string("drafting failed: ") + e.what();
+      return false;
+    }
     if (!call(mask_row, error)) return false;
-    if (outputs_.empty() || !outputs_[0].isTensor()) {
-      *error = "the program's first output is not a tensor of token ids";
-      return false;
+    ++stats_.calls;
+    const int64_t* accepted = nullptr;
+    if (draft_tokens_ > 0 && !(accepted = output_ids(0, "accepted draft counts", error))) return false;
+    const int64_t* ids = output_ids(draft_tokens_ > 0 ? 1 : 0, "token ids", error);
+    if (!ids) return false;
+    if (budget_) budget_->update(static_cast<int64_t>(drafts.size()), accepted[0]);
+    for (const RowEvent& event : rows_.read(ids, accepted, nullptr)) {
+      pending_.push_back(event);  // row 0 is the only request
+      stats_.proposed = event.proposed;
+      stats_.accepted = event.accepted;
     }
-    const auto& ids = outputs_[0].toTensor();
-    if (ids.scalar_type() != executorch::aten::ScalarType::Long || ids.numel() < inputs_.batch()) {
-      *error = "the program's first output is not int64 token ids, one per row";
-      return false;
-    }
-    const auto events = rows_.read(ids.const_data_ptr<int64_t>(), nullptr, nullptr);
-    if (events.empty()) continue;
-    const RowEvent& event = events.front();  // row 0 is the only request
-    *token = event.token;
-    finish_ = event.finish;
-    failure_ = event.failure;
-    return true;
   }
+  const RowEvent event = pending_.front();
+  pending_.pop_front();
+  *token = event.token;
+  finish_ = event.finish;
+  failure_ = event.failure;
+  return true;
 }
 
 }  // namespace etmlx

@@ -10,9 +10,18 @@
 // previous call, kept on the device. The prefill returns nothing meaningful; token k comes from call
 // k + 1. Step k samples with seed S + k either way, so both programs give the same tokens; the runtime
 // waits only for a call's outputs, so the device computes step k + 1 while the host handles token k.
+//
+// Draft-verifying program (metadata "draft_tokens": K; llm/decoder/speculative_head.py): before each
+// call the sequence's draft source (runtime/draft_sources.h) proposes as many drafts as its budget asks
+// for and the call has room for; the call returns how many it accepted (output 0) and the next token
+// (output 1), so it brings n + 1 tokens, which next() hands out one at a time. The tokens are the plain
+// program's, whatever the source proposes.
 #pragma once
 
 #include <cstdint>
+#include <deque>
+#include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -20,6 +29,7 @@
 #include <executorch/runtime/core/evalue.h>
 
 #include "decode_rows.h"
+#include "draft_sources.h"
 #include "step_inputs.h"
 
 namespace etmlx {
@@ -36,10 +46,20 @@ class DecodeLoop {
     int64_t seed = 0;          // step k samples with seed + k
     int64_t max_tokens = 1;    // the token that reaches it ends the sequence ("length")
     std::vector<int64_t> eos;  // a token among them ends it ("stop"); empty: none does
+    // A draft-verifying program: where drafts come from (none: calls without drafts), and at most how
+    // many per call (-1: the program's K).
+    std::shared_ptr<DraftSource> draft;
+    int64_t max_drafts = -1;
+  };
+  struct DraftStats {
+    int64_t calls = 0;     // program calls, the prefill included
+    int64_t proposed = 0;  // drafts sent for verification
+    int64_t accepted = 0;  // of those, accepted
   };
 
+  // `draft_tokens`: K of a draft-verifying program (0 for a plain one).
   DecodeLoop(executorch::extension::module::Module& module, std::string method, StepInputs& inputs,
-             bool pipelined, int64_t max_seq_len);
+             bool pipelined, int64_t max_seq_len, int64_t draft_tokens = 0);
 
   bool pipelined() const { return pipelined_; }
 
@@ -59,17 +79,27 @@ class DecodeLoop {
 
   // The outputs of the call that returned the last token.
   const std::vector<executorch::runtime::EValue>& outputs() const { return outputs_; }
-  // The calls the last next() made, in order.
+  // The calls the last next() made, in order (none when it handed out a token an earlier call brought).
   const std::vector<Call>& calls() const { return calls_; }
+  // Tokens the calls so far brought that next() has not handed out yet (accepted drafts).
+  int64_t pending() const { return static_cast<int64_t>(pending_.size()); }
+  DraftStats draft_stats() const { return stats_; }
 
  private:
   bool call(const std::vector<int32_t>* mask_row, std::string* error);
+  // The token ids (and accepted counts) of the last call's outputs, checked; nullptr with `error` set.
+  const int64_t* output_ids(size_t index, const char* what, std::string* error) const;
 
   executorch::extension::module::Module& module_;
   std::string method_;
   StepInputs& inputs_;
   bool pipelined_;
+  int64_t draft_tokens_;
   DecodeRows rows_;
+  std::shared_ptr<DraftSource> source_;
+  std::optional<DraftBudget> budget_;
+  std::deque<RowEvent> pending_;
+  DraftStats stats_;
   float temperature_ = 0;
   Finish finish_ = Finish::None;
   Failure failure_ = Failure::None;

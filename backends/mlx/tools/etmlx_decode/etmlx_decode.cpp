@@ -18,7 +18,11 @@
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <map>
+#include <memory>
+#include <optional>
+#include <sstream>
 #include <string>
 #include <system_error>
 #include <vector>
@@ -93,8 +97,58 @@ std::string json_string(const std::string& text) {
   return out + "\"";
 }
 
+// The draft source the flags ask for on a program with draft_tokens K (nullptr: calls without drafts).
+// A plain program refuses every draft flag.
+bool draft_source(const etmlx::DecodeArgs& args, int64_t draft_tokens, const etmlx::TextTokenizer* tokenizer,
+                  std::optional<int64_t> vocab, std::shared_ptr<etmlx::DraftSource>* out, std::string* error) {
+  const bool asked =
+      !args.draft.empty() || args.prediction_text || args.prediction_ids || args.num_draft_tokens.has_value();
+  if (draft_tokens == 0) {
+    if (asked) *error = args.pte + " does not verify drafts: export it with --draft-tokens K";
+    return !asked;
+  }
+  if (args.num_draft_tokens && *args.num_draft_tokens > draft_tokens) {
+    *error = "--num-draft-tokens must be 0.." + std::to_string(draft_tokens) + " (the program's K), got " +
+             std::to_string(*args.num_draft_tokens);
+    return false;
+  }
+  std::vector<int64_t> prediction;
+  if (args.prediction_ids) {
+    prediction = *args.prediction_ids;
+  } else if (args.prediction_text) {
+    std::string text = *args.prediction_text;
+    if (!text.empty() && text[0] == '@') {
+      std::ifstream in(text.substr(1), std::ios::binary);
+      if (!in) {
+        *error = "--prediction: cannot read " + text.substr(1);
+        return false;
+      }
+      std::stringstream buf;
+      buf << in.rdbuf();
+      text = buf.str();
+    }
+    if (!tokenizer) {
+      *error = "--prediction TEXT needs the program's tokenizer: give --prediction-ids";
+      return false;
+    }
+    if (!tokenizer->encode(text, &prediction, error)) return false;  // no special tokens: it is output
+  }
+  if (args.prediction_ids || args.prediction_text) {
+    for (int64_t id : prediction) {
+      if (vocab && id >= *vocab) {
+        *error = "prediction token ids must be in [0, " + std::to_string(*vocab) + "), got " + std::to_string(id);
+        return false;
+      }
+    }
+    *out = std::make_shared<etmlx::PredictionDraft>(std::move(prediction));
+  } else if (args.draft != "none") {
+    *out = std::make_shared<etmlx::NgramDraft>(3, 1);  // llm/decoder/draft_sources.py NgramDraft's defaults
+  }
+  return true;
+}
+
 void print_json(const std::vector<int64_t>& prompt, const std::vector<int64_t>& tokens, const std::string* text,
-                const char* finish, const Timings& t) {
+                const char* finish, const Timings& t, const etmlx::DecodeLoop::DraftStats* drafts) {
   const auto ids = [](const std::vector<int64_t>& list) {
     std::string out = "[";
     for (size_t i = 0; i < list.size(); ++i) out += (i ? ", " : "") + std::to_string(list[i]);
@@ -102,8 +156,13 @@ void print_json(const std::vector<int64_t>& prompt, const std::vector<int64_t>& 
   };
   std::printf("{\"prompt_ids\": %s, \"tokens\": %s, ", ids(prompt).c_str(), ids(tokens).c_str());
   if (text) std::printf("\"text\": %s, ", json_string(*text).c_str());
-  std::printf("\"finish_reason\": \"%s\", \"time_to_first_token_s\": %.6f, \"decode_tokens_per_s\": %.3f}\n",
+  std::printf("\"finish_reason\": \"%s\", \"time_to_first_token_s\": %.6f, \"decode_tokens_per_s\": %.3f",
               finish, t.first_token_s, t.decode_tokens_per_s);
+  if (drafts)
+    std::printf(", \"draft\": {\"proposed\": %lld, \"accepted\": %lld, \"calls\": %lld}",
+                static_cast<long long>(drafts->proposed), static_cast<long long>(drafts->accepted),
+                static_cast<long long>(drafts->calls));
+  std::printf("}\n");
 }
 
 int run(const etmlx::DecodeArgs& args) {
@@ -230,6 +289,16 @@ int run(const etmlx::DecodeArgs& args) {
     if (!etmlx::read_mask_file(*args.mask_file, inputs->mask_words(), &mask_rows, &error))
       return fail(kBadInput, error);
   }
+  if (inputs->verifies() != (sidecar.draft_tokens > 0))
+    return fail(kBadInput, metadata->origin + (sidecar.draft_tokens > 0 ? " says draft_tokens " +
+                std::to_string(sidecar.draft_tokens) + " but the program has no 'verify' input"
+                : " says nothing of draft_tokens but the program has a 'verify' input") + ": they come from different exports");
+  inputs->set_verify(sidecar.draft_tokens, sidecar.verify_min_width);
+  std::shared_ptr<etmlx::DraftSource> drafts;
+  if (!draft_source(args, sidecar.draft_tokens, tokenizer.get(), vocab, &drafts, &error)) return fail(kBadInput, error);
+  if (sidecar.draft_tokens > 0 && structured)
+    return fail(kBadInput, std::string(structured) + ": etmlx_decode does not constrain draft-verifying programs "
+                "(use `etmlx generate`, or a program exported without --draft-tokens)");
   if (const Error e = module.load_method(method); e != Error::Ok)
     return fail(kRunFailed, "could not load method " + method + " (error " + error_name(e) + ")");
 
@@ -239,9 +308,11 @@ int run(const etmlx::DecodeArgs& args) {
   std::vector<int64_t> generated;
   std::string text;
   etmlx::Utf8Stream utf8;
-  etmlx::DecodeLoop loop(module, method, *inputs, sidecar.pipelined, max_seq_len);
+  etmlx::DecodeLoop loop(module, method, *inputs, sidecar.pipelined, max_seq_len, sidecar.draft_tokens);
   // The decode-step rules (runtime/decode_rows.h) end the sequence at a stop id or at max_tokens.
-  if (!loop.start({prompt, temperature, seed, args.max_tokens, eos}, &error)) return fail(kBadInput, error);
+  if (!loop.start({prompt, temperature, seed, args.max_tokens, eos, drafts, args.num_draft_tokens.value_or(-1)}, &error))
+    return fail(kBadInput, error);
+  int64_t first_call_tokens = 1;  // tokens the first call brought (accepted drafts too): the rate counts the rest
   const char* finish = "length";
   for (int64_t step = 0; step < args.max_tokens; ++step) {
     // Token `step` (step 0: the prefill's; a pipelined program's comes back one call later, decode_loop.h).
@@ -253,7 +324,10 @@ int run(const etmlx::DecodeArgs& args) {
     if (!loop.next(mask_row, &token, &error)) return fail(kRunFailed, error);
     if (loop.failure() == etmlx::Failure::NoToken)  // the sampler's answer for a row whose mask allows no token
       return fail(kBadInput, "step " + std::to_string(step) + ": the mask allows no token the model can produce");
-    if (step == 0) first_token_at = Clock::now();  // token 0 is on the host
+    if (step == 0) {
+      first_token_at = Clock::now();  // token 0 is on the host
+      first_call_tokens = 1 + loop.pending();
+    }
     generated.push_back(token);
     if (loop.finish() == etmlx::Finish::Stop) {
       finish = "stop";
@@ -279,12 +353,13 @@ int run(const etmlx::DecodeArgs& args) {
   Timings t;
   t.first_token_s = std::chrono::duration<double>(first_token_at - start).count();
   const double decode_s = std::chrono::duration<double>(end - first_token_at).count();
-  if (generated.size() > 1 && decode_s > 0)
-    t.decode_tokens_per_s = static_cast<double>(generated.size() - 1) / decode_s;
+  const auto later = static_cast<int64_t>(generated.size()) - first_call_tokens;
+  if (later > 0 && decode_s > 0) t.decode_tokens_per_s = static_cast<double>(later) / decode_s;
   const std::string tail = utf8.flush();
   text += tail;
   if (args.json) {
-    print_json(prompt, generated, tokenizer ? &text : nullptr, finish, t);
+    const auto stats = loop.draft_stats();
+    print_json(prompt, generated, tokenizer ? &text : nullptr, finish, t, sidecar.draft_tokens > 0 ? &stats : nullptr);
   } else {
     std::printf("%s\n", tail.c_str());
   }

@@ -29,6 +29,10 @@ struct Sidecar {
   // Each call returns the previous call's outputs; a token input < 0 is the row's last sampled token
   // (decode_loop.h). Absent in programs exported before pipelining: false.
   bool pipelined = false;
+  // A draft-verifying program (`etmlx export --draft-tokens K`): K, and the fewest verify columns a call
+  // carries (absent in programs exported before one-column calls: 2). 0 for a plain program.
+  int64_t draft_tokens = 0;
+  int64_t verify_min_width = 2;
 };
 
 // Parses the metadata JSON `text`; `where` names its origin in errors.

@@ -98,6 +98,13 @@ std::optional<StepInputs> StepInputs::plan(const MethodMeta& meta,
         return std::nullopt;
       }
       plan.max_call_length_ = slot.sizes[1];
+    } else if (name == "verify") {  // meta.py DRAFT_INPUT: [B, G], G up to K + 1
+      slot.role = Role::Verify;
+      if (!expect(ScalarType::Long, "int64")) return std::nullopt;
+      if (slot.sizes.size() != 2 || slot.sizes[0] != plan.batch_) {
+        *error = "input 'verify' must be [" + std::to_string(plan.batch_) + ", G]";
+        return std::nullopt;
+      }
     } else if (name == "start_pos" || name == "lengths") {
       slot.role = name == "start_pos" ? Role::StartPos : Role::Lengths;
       if (!expect(ScalarType::Long, "int64") || !per_row()) return std::nullopt;
@@ -173,6 +180,12 @@ TensorPtr StepInputs::filled(const Slot& slot, const std::vector<KnobValue>& val
   }
 }
 
+bool StepInputs::verifies() const {
+  for (const Slot& slot : slots_)
+    if (slot.role == Role::Verify) return true;
+  return false;
+}
+
 int64_t StepInputs::mask_words() const {
   for (const Slot& slot : slots_) {
     if (slot.role == Role::Knob && slot.name == "allowed_mask" && slot.dtype == ScalarType::Int && slot.sizes.size() == 2)
@@ -198,6 +211,22 @@ std::vector<EValue> StepInputs::build(const CallLayout& call, float temperature,
       case Role::Lengths:
         t = make_tensor_ptr(slot.sizes, call.lengths);
         break;
+      case Role::Verify: {
+        // Per row: its last accepted token (the one before its drafts), its drafts, -1 padding. A one-row
+        // program's G is one more than the row's drafts (at least the program's fewest); a batched one's K + 1.
+        int64_t width = draft_tokens_ + 1;
+        if (batch_ == 1) width = std::max<int64_t>(verify_min_width_, 1 + static_cast<int64_t>(call.drafts[0].size()));
+        std::vector<int64_t> verify(batch * static_cast<size_t>(width), -1);
+        for (size_t b = 0; b < batch; ++b) {
+          const auto& drafts = call.drafts[b];
+          const int64_t before = call.lengths[b] - 1 - static_cast<int64_t>(drafts.size());
+          int64_t* row = verify.data() + b * static_cast<size_t>(width);
+          row[0] = before >= 0 ? call.tokens[b * static_cast<size_t>(call.width) + static_cast<size_t>(before)] : 0;
+          std::copy(drafts.begin(), drafts.end(), row + 1);
+        }
+        t = make_tensor_ptr({static_cast<int32_t>(batch_), static_cast<int32_t>(width)}, std::move(verify));
+        break;
+      }
       case Role::Temperature: {
         std::vector<float> per_row(batch);
         for (size_t b = 0; b < batch; ++b) per_row[b] = sequence(b) ? temperature : 0.0f;

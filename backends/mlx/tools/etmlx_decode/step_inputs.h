@@ -48,8 +48,17 @@ class StepInputs {
   // Words per row of the program's allowed_mask input, or 0 when it has none.
   int64_t mask_words() const;
 
+  // Whether the program verifies drafts (it has the "verify" input). Its calls then need set_verify().
+  bool verifies() const;
+  // A draft-verifying program's K and the fewest verify columns a call carries (Sidecar's draft_tokens and
+  // verify_min_width; llm/decoder/step_inputs.py verify_input lays the input out the same way).
+  void set_verify(int64_t draft_tokens, int64_t min_width) {
+    draft_tokens_ = draft_tokens;
+    verify_min_width_ = min_width;
+  }
+
  private:
-  enum class Role { Tokens, StartPos, Lengths, Temperature, Seed, Knob };
+  enum class Role { Tokens, StartPos, Lengths, Verify, Temperature, Seed, Knob };
   struct Slot {
     std::string name;
     Role role;
@@ -66,6 +75,7 @@ class StepInputs {
   std::vector<Slot> slots_;
   int64_t max_call_length_ = 0;
   int64_t batch_ = 1;
+  int64_t draft_tokens_ = 0, verify_min_width_ = 2;
   std::vector<executorch::extension::TensorPtr> alive_;
 };
 

@@ -1,0 +1,131 @@
+#include "draft_sources.h"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+namespace etmlx {
+
+namespace {
+
+// The largest j <= end - n where haystack[j, j + n) equals haystack's last n tokens; -1: none.
+int64_t last_match(const std::vector<int64_t>& haystack, int64_t n, int64_t end) {
+  const auto needle = haystack.end() - n;
+  for (int64_t j = end - n; j >= 0; --j) {
+    if (std::equal(needle, haystack.end(), haystack.begin() + j)) return j;
+  }
+  return -1;
+}
+
+}  // namespace
+
+NgramDraft::NgramDraft(int64_t max_ngram, int64_t min_ngram) : max_ngram_(max_ngram), min_ngram_(min_ngram) {
+  if (max_ngram < 1) throw std::invalid_argument("max_ngram must be an int >= 1, got " + std::to_string(max_ngram));
+  if (min_ngram < 1) throw std::invalid_argument("min_ngram must be an int >= 1, got " + std::to_string(min_ngram));
+  if (min_ngram > max_ngram)
+    throw std::invalid_argument("min_ngram " + std::to_string(min_ngram) + " exceeds max_ngram " +
+                                std::to_string(max_ngram));
+}
+
+std::vector<int64_t> NgramDraft::propose(const std::vector<int64_t>& prompt, const std::vector<int64_t>& output,
+                                         int64_t k) {
+  if (k < 1) return {};
+  std::vector<int64_t> seq(prompt);
+  seq.insert(seq.end(), output.begin(), output.end());
+  const auto size = static_cast<int64_t>(seq.size());
+  for (int64_t n = std::min(max_ngram_, size - 1); n >= min_ngram_; --n) {
+    // An earlier occurrence of the last n tokens (not the suffix itself), with something after it.
+    const int64_t j = last_match(seq, n, size - 1);
+    if (j >= 0) return {seq.begin() + j + n, seq.begin() + std::min(j + n + k, size)};
+  }
+  return {};
+}
+
+PredictionDraft::PredictionDraft(std::vector<int64_t> prediction) : prediction_(std::move(prediction)) {
+  for (int64_t t : prediction_)
+    if (t < 0) throw std::invalid_argument("the prediction must be token ids (ints >= 0)");
+}
+
+int64_t PredictionDraft::next_match(const std::vector<int64_t>& output, size_t from, size_t to) const {
+  const auto n = static_cast<int64_t>(to - from);
+  const auto size = static_cast<int64_t>(prediction_.size());
+  for (int64_t start : {anchor_, int64_t{0}}) {
+    for (int64_t j = start; j + n <= size; ++j) {
+      if (std::equal(output.begin() + static_cast<std::ptrdiff_t>(from), output.begin() + static_cast<std::ptrdiff_t>(to),
+                     prediction_.begin() + j))
+        return j;
+    }
+  }
+  return -1;
+}
+
+void PredictionDraft::advance(const std::vector<int64_t>& output) {
+  const auto size = static_cast<int64_t>(prediction_.size());
+  for (size_t i = seen_; i < output.size(); ++i) {
+    if (cursor_ >= 0 && cursor_ < size && prediction_[static_cast<size_t>(cursor_)] == output[i]) {
+      anchor_ = ++cursor_;
+    } else {
+      cursor_ = -1;
+    }
+  }
+  seen_ = output.size();
+  if (cursor_ < 0 && !output.empty()) {
+    for (auto n = std::min<size_t>(kAlign, output.size()); n > 0; --n) {
+      const int64_t j = next_match(output, output.size() - n, output.size());
+      if (j >= 0) {
+        cursor_ = j + static_cast<int64_t>(n);
+        break;
+      }
+    }
+  }
+}
+
+std::vector<int64_t> PredictionDraft::propose(const std::vector<int64_t>& prompt, const std::vector<int64_t>& output,
+                                              int64_t k) {
+  (void)prompt;
+  advance(output);
+  if (k < 1 || cursor_ < 0) return {};
+  const auto begin = std::min(static_cast<size_t>(cursor_), prediction_.size());
+  const auto end = std::min(begin + static_cast<size_t>(k), prediction_.size());
+  return {prediction_.begin() + static_cast<std::ptrdiff_t>(begin), prediction_.begin() + static_cast<std::ptrdiff_t>(end)};
+}
+
+DraftBudget::DraftBudget(int64_t max_drafts, double draft_cost) : max_drafts_(max_drafts), draft_cost_(kDraftCost) {
+  if (max_drafts < 0) throw std::invalid_argument("max_drafts must be >= 0, got " + std::to_string(max_drafts));
+  set_draft_cost(draft_cost);
+}
+
+void DraftBudget::set_draft_cost(double cost) {
+  if (!(cost >= 0.0) || std::isinf(cost)) throw std::invalid_argument("a draft's cost must be a finite number >= 0");
+  draft_cost_ = cost;
+}
+
+int64_t DraftBudget::size() const {
+  const double a = rate();
+  int64_t best = 0;
+  double best_value = 1.0, expected = 1.0;
+  for (int64_t k = 1; k <= max_drafts_; ++k) {
+    expected += std::pow(a, static_cast<double>(k));
+    const double value = expected / (1.0 + draft_cost_ * static_cast<double>(k));
+    if (value > best_value) {
+      best = k;
+      best_value = value;
+    }
+  }
+  if (best == 0 && calls_without_ + 1 >= kProbeEvery) return std::min<int64_t>(1, max_drafts_);
+  return best;
+}
+
+void DraftBudget::update(int64_t proposed, int64_t accepted) {
+  if (proposed <= 0) {
+    ++calls_without_;
+    return;
+  }
+  accepted = std::clamp<int64_t>(accepted, 0, proposed);
+  calls_without_ = 0;
+  hits_ = kDecay * hits_ + static_cast<double>(accepted);
+  trials_ = kDecay * trials_ + static_cast<double>(accepted) + (accepted < proposed ? 1.0 : 0.0);
+}
+
+}  // namespace etmlx

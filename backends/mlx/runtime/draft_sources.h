@@ -1,0 +1,90 @@
+// Where drafted tokens come from, for draft-verifying programs (`etmlx export --draft-tokens K`), and how
+// many to ask for: one implementation for every decode loop. The C++ etmlx_decode / etmlx_bench use it
+// directly, the Python engine through ctypes (draft_sources_api.cpp, llm/decoder/draft_sources.py).
+// A source proposes up to k tokens that it expects to follow prompt + output; the program verifies them
+// (sampler/draft_verification.py), so a wrong guess costs speed, never correctness.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace etmlx {
+
+class DraftSource {
+ public:
+  virtual ~DraftSource() = default;
+  // Up to k tokens expected after prompt + output (none for k < 1).
+  virtual std::vector<int64_t> propose(const std::vector<int64_t>& prompt, const std::vector<int64_t>& output,
+                                       int64_t k) = 0;
+};
+
+// Prompt lookup (llama.cpp's lookup decoding, vLLM's n-gram proposer): the last n tokens of the sequence
+// found earlier in it (n from max_ngram down to min_ngram, the most recent match), and what followed them
+// there. Hits on text that repeats its context: code edits, quotes, extraction, summaries.
+class NgramDraft final : public DraftSource {
+ public:
+  // Throws std::invalid_argument unless 1 <= min_ngram <= max_ngram.
+  NgramDraft(int64_t max_ngram, int64_t min_ngram);
+  std::vector<int64_t> propose(const std::vector<int64_t>& prompt, const std::vector<int64_t>& output,
+                               int64_t k) override;
+
+ private:
+  int64_t max_ngram_, min_ngram_;
+};
+
+// Predicted Outputs (OpenAI's `prediction`): the caller's expected output. A cursor follows the output
+// through the prediction; where they diverge, it re-aligns on the prediction's next match of the output's
+// last tokens (an edited line in an otherwise unchanged file), or waits until one appears.
+class PredictionDraft final : public DraftSource {
+ public:
+  static constexpr int64_t kAlign = 3;  // output tokens matched to re-align (fewer where the output is shorter)
+  // Throws std::invalid_argument for a negative token id.
+  explicit PredictionDraft(std::vector<int64_t> prediction);
+  std::vector<int64_t> propose(const std::vector<int64_t>& prompt, const std::vector<int64_t>& output,
+                               int64_t k) override;
+
+ private:
+  void advance(const std::vector<int64_t>& output);
+  // The prediction's first occurrence of output[from, to) at or after the anchor, else its first anywhere; -1: none.
+  int64_t next_match(const std::vector<int64_t>& output, size_t from, size_t to) const;
+
+  std::vector<int64_t> prediction_;
+  int64_t cursor_ = 0;  // where the next output token should be in the prediction; -1: lost
+  int64_t anchor_ = 0;  // the last place the cursor was aligned: re-alignment looks after it first
+  size_t seen_ = 0;     // output tokens the cursor has accounted for
+};
+
+// How many drafts to ask for next, from the acceptance seen so far.
+//
+// Drafts are Bernoulli trials until the first rejection: a call accepting n of k drafts saw n successes and,
+// when n < k, one failure. With a (decayed) acceptance estimate a, k drafts yield 1 + a + ... + a^k tokens
+// per call at a cost of about 1 + draft_cost * k calls' time; the budget takes the k <= K that maximises
+// their ratio. When that is 0 (a source that does not hit), it still probes one draft every kProbeEvery
+// calls, so a source that starts hitting is noticed, at a cost well under 5% of the calls' time.
+class DraftBudget {
+ public:
+  // One more drafted token's share of a decode call's time (the per-call overhead dominates).
+  static constexpr double kDraftCost = 0.1;
+  static constexpr double kDecay = 0.8;
+  static constexpr int64_t kProbeEvery = 16;
+
+  // Throws std::invalid_argument for max_drafts < 0 or a negative (or NaN) draft_cost.
+  explicit DraftBudget(int64_t max_drafts, double draft_cost = kDraftCost);
+
+  double rate() const { return trials_ > 0 ? hits_ / trials_ : 0.0; }
+  int64_t max_drafts() const { return max_drafts_; }
+  double draft_cost() const { return draft_cost_; }
+  void set_draft_cost(double cost);  // a draft model's measured cost per draft (llm/decoder/draft_model.py)
+  int64_t size() const;
+  // A call carried `proposed` drafts and `accepted` of them were taken (clamped into [0, proposed]).
+  void update(int64_t proposed, int64_t accepted);
+
+ private:
+  int64_t max_drafts_;
+  double draft_cost_;
+  double hits_ = 2.0, trials_ = 2.0;  // optimistic start: a fresh source gets the full budget at once
+  int64_t calls_without_ = 0;
+};
+
+}  // namespace etmlx
