@@ -219,3 +219,10 @@ def test_gpu_kit_runs_with_the_device_script(tmp_path):
     assert decoder["mlx_lm_agree_with_etmlx"] == steps  # mlx-lm on the same integers, greedy
     assert all(r["tokens_cpu_gpu_equal"] and len(r["tokens_cpu"]) == 2 for r in results[1:])
     assert "decoder-int4" in done.stdout and "sampler-topp-v500-b2" in done.stdout
+    # The draft-verifying export of the same weights: its own continuation accepted in full, the plain tokens
+    # (gpu_device checks their sum), and no drafts without a source.
+    for device in ("cpu",):
+        spec = decoder[f"speculative_{device}"]
+        assert spec["prediction"]["draft"]["accepted"] == spec["prediction"]["draft"]["proposed"] > 0
+        assert spec["none"]["draft"]["proposed"] == 0 and spec["prediction"]["tokens_per_s"] > 0
+    assert "speculative decoding, K = 8" in done.stdout

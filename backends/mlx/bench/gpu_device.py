@@ -115,6 +115,9 @@ def run_decoder(kit: Path, bin_dir: Path, item: dict, runs: int, devices: list[s
         out[f"sampled_{device}"] = tool(bin_dir, "etmlx_decode", [
             pte, "--prompt-ids", ids, "--max-tokens", str(steps + 1), "--json", "--temperature", str(s["temperature"]),
             "--seed", str(s["seed"])], device)["tokens"]
+        if "speculative" in item:  # the --draft-tokens export of the same weights: the plain tokens, faster
+            out[f"speculative_{device}"] = speculative(kit / item["speculative"], len(prompt), steps, runs, device,
+                                                       bin_dir, out[f"bench_{device}"])
     first, last = devices[0], devices[-1]
     out["greedy_cpu_gpu_agree"] = common_prefix(out[f"greedy_{first}"], out[f"greedy_{last}"])
     out["sampled_cpu_gpu_agree"] = common_prefix(out[f"sampled_{first}"], out[f"sampled_{last}"])
@@ -123,6 +126,21 @@ def run_decoder(kit: Path, bin_dir: Path, item: dict, runs: int, devices: list[s
                                    runs, first)
     out["mlx_lm_agree_with_etmlx"] = common_prefix(out[f"greedy_{first}"], out["mlx_lm"]["tokens"]) \
         if same_weights else None
+    return out
+
+
+def speculative(pte: Path, prompt_len: int, steps: int, runs: int, device: str, bin_dir: Path, plain: dict) -> dict:
+    """Decode tok/s of a draft-verifying program with its own greedy continuation as the prediction and without
+    drafts, and each over the plain program's (`plain`: its etmlx_bench result on this device). etmlx_bench
+    checks every run against its cold run's tokens; their sum must equal the plain program's too."""
+    out = {"plain_tokens_per_s": plain["decode_tokens_per_s"]}
+    for source in ("prediction", "none"):
+        r = tool(bin_dir, "etmlx_bench", [str(pte), "--prompt-len", str(prompt_len), "--decode-steps", str(steps),
+                                          "--runs", str(runs + 1), "--drafts", source], device)
+        if r["token_sum"] != plain["token_sum"]:
+            raise RuntimeError(f"{pte.name} with {source} drafts decoded other tokens than the plain program on {device}")
+        out[source] = {"tokens_per_s": r["decode_tokens_per_s"], "draft": r["draft"],
+                       "vs_plain": r["decode_tokens_per_s"] / plain["decode_tokens_per_s"]}
     return out
 
 
@@ -170,6 +188,15 @@ def table(results: list[dict], devices: list[str]) -> str:
             f"{r['greedy_cpu_gpu_agree']:>10}/{n:<3}{r['sampled_cpu_gpu_agree']:>10}/{n:<3}"
             + (f"{r['mlx_lm_agree_with_etmlx']:>10}/{n:<3}" if r["mlx_lm_agree_with_etmlx"] is not None
                else f"{'(own weights)':>14}"))
+    lines.append(f"speculative decoding, K = 8, greedy (decode tok/s; prediction = the program's own continuation)")
+    for r in results:
+        for d in devices:
+            s = r.get(f"speculative_{d}")
+            if s:
+                lines.append(f"{r['name']:<15}{d:>5}  plain {s['plain_tokens_per_s']:>8.1f}  prediction "
+                             f"{s['prediction']['tokens_per_s']:>8.1f} (x{s['prediction']['vs_plain']:.2f}, "
+                             f"{s['prediction']['draft']['accepted']}/{s['prediction']['draft']['proposed']} accepted)"
+                             f"  none {s['none']['tokens_per_s']:>8.1f} (x{s['none']['vs_plain']:.2f})")
     lines += [f"samplers (median ms per call, T=0.8; mlx-lm and ratios on {first}; tokens equal {first} vs {last})",
               f"{'program':<30}" + "".join(f"{'etmlx ' + d:>11}{'read ' + d:>10}" for d in devices)
               + f"{'mlx-lm':>9}{'/mlx-lm':>8}{'/read':>7}{'tokens':>8}{'mlx read':>9}{'+upload':>8}"]

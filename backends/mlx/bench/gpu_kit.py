@@ -7,7 +7,9 @@ exporter: this writes the programs, their inputs and a manifest into DIR, and `b
 
   decoder   the ~100M Llama of `etmlx bench decode` (llm/builtin/bench_checkpoint.py BENCH_SIZE), 4-bit by
             `mlx_lm.convert -q` (group 64): the etmlx .pte (its mlx-lm import, the same integers) and the
-            mlx-lm directory itself, so greedy tokens can be compared across engines and devices
+            mlx-lm directory itself, so greedy tokens can be compared across engines and devices; and the
+            same weights exported with --draft-tokens 8, which `etmlx_bench --drafts` times as Predicted
+            Outputs (its own greedy continuation) and without drafts, against the plain program
   sampler   sampler-only programs (temperature; top-k 50 + top-p 0.9; top-p 0.9) at T=0.8 over LM-shaped
             logits (bench/sampler_features.py), with each input's bytes (`etmlx_bench --inputs`), and the
             one-read-of-the-logits program as the floor
@@ -33,6 +35,7 @@ from backends.mlx.llm.builtin import bench_checkpoint as ckpt
 MAX_SEQ_LEN = 256
 PROMPT_LEN = 64
 DECODE_STEPS = 64
+DRAFT_TOKENS = 8  # the speculative program's K (issue 21's Predicted Outputs target is at K = 8)
 SAMPLER_SHAPES = ((151936, 1), (32000, 8))  # (vocabulary, batch): Qwen2.5's vocabulary; a batch of rows
 
 
@@ -43,6 +46,9 @@ def _decoder_items(out: Path, cache_dir: Path, size: dict, log) -> list[dict]:
     pte = programs.cached_pte(mlx_dir, "etmlx", MAX_SEQ_LEN)
     export_in_child(mlx_dir, pte, MAX_SEQ_LEN, log)
     shutil.copyfile(pte, out / "decoder-int4.pte")
+    spec_pte = programs.cached_pte(mlx_dir, f"spec-k{DRAFT_TOKENS}", MAX_SEQ_LEN)
+    export_in_child(mlx_dir, spec_pte, MAX_SEQ_LEN, log, extra=["--draft-tokens", str(DRAFT_TOKENS)])
+    shutil.copyfile(spec_pte, out / f"decoder-int4-spec-k{DRAFT_TOKENS}.pte")
     target = out / "decoder-int4-mlx"
     if target.exists():
         shutil.rmtree(target)
@@ -50,7 +56,8 @@ def _decoder_items(out: Path, cache_dir: Path, size: dict, log) -> list[dict]:
     prompt = torch.randint(0, spec.vocab_size, (PROMPT_LEN,), generator=torch.Generator().manual_seed(1)).tolist()
     return [{"kind": "decoder", "name": "decoder-int4", "pte": "decoder-int4.pte", "mlx_lm_dir": "decoder-int4-mlx",
              "parameters": spec.parameters, "prompt_ids": prompt, "decode_steps": DECODE_STEPS,
-             "sampled": {"temperature": 0.8, "seed": 7}}]
+             "sampled": {"temperature": 0.8, "seed": 7}, "speculative": f"decoder-int4-spec-k{DRAFT_TOKENS}.pte",
+             "draft_tokens": DRAFT_TOKENS}]
 
 
 def _shape_item(shape: str, out: Path, cache_dir: Path, log) -> dict:
