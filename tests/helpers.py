@@ -76,3 +76,19 @@ def eager_greedy(model, prompt, n):
         for _ in range(n):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
     return ids[len(prompt):]
+
+
+def tiny_llama(vocab: int, seed: int, head_scale: float, hidden: int = 32, layers: int = 2, max_positions: int = 128,
+               eos=None):
+    """A random Llama of a few layers (4 heads, 2 KV heads) for decoder exports; `head_scale` multiplies the LM head:
+    below 1 flattens the logits, so that sampled runs differ from greedy."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=max_positions, eos_token_id=eos,
+                                         bos_token_id=None)).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(head_scale)
+    return model

@@ -11,8 +11,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from backends.mlx.llm.decoder.draft_sources import NgramDraft, PredictionDraft
 from backends.mlx.llm.decoder.export import export_decoder
@@ -20,6 +18,7 @@ from backends.mlx.llm.decoder.loop import Decoder
 from backends.mlx.llm.decoder.speculative import SpeculativeDecoder
 from backends.mlx.llm.sampler.config import SamplerConfig
 from backends.mlx.llm.sampler.params import SamplingParams
+from helpers import tiny_llama
 
 pytestmark = pytest.mark.slow  # whole decoder exports
 
@@ -35,12 +34,7 @@ SEEDED = (SamplingParams(temperature=0.8, seed=3, top_k=20, top_p=0.9),
 
 @pytest.fixture(scope="module")
 def programs(tmp_path_factory) -> dict:
-    torch.manual_seed(7)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                         eos_token_id=None, bos_token_id=None)).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(0.3)  # flat enough that sampled runs differ from greedy
+    model = tiny_llama(VOCAB, seed=7, head_scale=0.3)
     out = tmp_path_factory.mktemp("cpp_speculative")
     paths = {"plain": out / "plain.pte", "draft": out / "draft.pte"}
     export_decoder(model, paths["plain"], 64, config=CONFIG)

@@ -11,8 +11,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from backends.mlx import runtime
 from backends.mlx.llm.decoder.export import export_decoder
@@ -20,6 +18,7 @@ from backends.mlx.llm.decoder.loop import Decoder
 from backends.mlx.llm.decoder.meta import DecoderMeta
 from backends.mlx.llm.sampler.config import SamplerConfig
 from backends.mlx.llm.sampler.params import SamplingParams
+from helpers import tiny_llama
 
 pytestmark = pytest.mark.slow  # decoder exports run on both kernel sets
 
@@ -41,13 +40,8 @@ PARAMS = {
 
 @pytest.fixture(scope="module")
 def pte(tmp_path_factory) -> Path:
-    torch.manual_seed(5)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                         eos_token_id=None, bos_token_id=None)).eval()
     # Flatter logits, so top-p needs more than CANDIDATES tokens and the sampled runs differ from greedy.
-    with torch.no_grad():
-        model.lm_head.weight.mul_(0.05)
+    model = tiny_llama(VOCAB, seed=5, head_scale=0.05)
     out = tmp_path_factory.mktemp("device_kernels") / "tiny.pte"
     export_decoder(model, out, 48, config=CONFIG)
     return out

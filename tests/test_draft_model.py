@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from backends.mlx.llm.decoder.draft_model import DraftModel
 from backends.mlx.llm.decoder.draft_sources import DraftBudget
@@ -18,7 +16,7 @@ from backends.mlx.llm.decoder.loop import Decoder
 from backends.mlx.llm.decoder.speculative import SpeculativeDecoder
 from backends.mlx.llm.sampler.config import SamplerConfig
 from backends.mlx.llm.sampler.params import SamplingParams
-from helpers import eager_greedy
+from helpers import eager_greedy, tiny_llama
 
 pytestmark = pytest.mark.slow  # whole decoder exports
 
@@ -30,13 +28,7 @@ SEEDED = SamplingParams(temperature=0.8, seed=3)
 
 
 def _llama(seed: int, hidden: int, layers: int, vocab: int = VOCAB):
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-                                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                                         max_position_embeddings=128, eos_token_id=None, bos_token_id=None)).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(0.3)  # flat enough that sampled runs differ from greedy
-    return model
+    return tiny_llama(vocab, seed, head_scale=0.3, hidden=hidden, layers=layers)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from backends.mlx.llm.decoder.constraints import Constraint, ConstraintError
 from backends.mlx.llm.decoder.export import export_decoder
@@ -18,6 +17,7 @@ from backends.mlx.llm.decoder.step_inputs import step_inputs
 from backends.mlx.llm.sampler.config import SamplerConfig
 from backends.mlx.llm.sampler.params import SamplingParams
 from backends.mlx.runtime.runner import load_method
+from helpers import tiny_llama
 
 # Whole decoder exports: the slow tier (make test), not make test-fast.
 pytestmark = pytest.mark.slow
@@ -34,13 +34,7 @@ PARAMS = {
 
 
 def _model(eos=None):
-    torch.manual_seed(3)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                         eos_token_id=eos, bos_token_id=None)).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(0.1)  # flatter logits: sampled runs differ from greedy
-    return model
+    return tiny_llama(VOCAB, seed=3, head_scale=0.1, max_positions=64, eos=eos)
 
 
 @pytest.fixture(scope="module")

@@ -6,11 +6,10 @@ included), and the metadata tells loaders the calling convention."""
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import MistralConfig, MistralForCausalLM
 
 from backends.mlx.llm.decoder.draft_sources import NgramDraft, PredictionDraft
 from backends.mlx.llm.decoder.export import export_decoder
@@ -21,7 +20,7 @@ from backends.mlx.llm.decoder.step_inputs import step_inputs
 from backends.mlx.llm.sampler.config import SamplerConfig
 from backends.mlx.llm.sampler.params import SamplingParams
 from backends.mlx.runtime.runner import load_method
-from helpers import eager_greedy
+from helpers import eager_greedy, tiny_llama
 
 pytestmark = pytest.mark.slow  # whole decoder exports
 
@@ -38,13 +37,7 @@ PARAMS = {
 
 
 def _llama():
-    torch.manual_seed(3)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                         eos_token_id=None, bos_token_id=None)).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(0.3)  # flat enough that sampled runs differ from greedy
-    return model
+    return tiny_llama(VOCAB, seed=3, head_scale=0.3)
 
 
 @pytest.fixture(scope="module")
