@@ -15,6 +15,7 @@ def test_ngram_proposes_what_followed_the_most_recent_earlier_match():
     assert NgramDraft(max_ngram=3).propose([1, 2, 3, 4, 5, 1, 2, 3], [], 2) == [4, 5]
     assert source.propose([1, 2, 3], [4], 3) == []  # 4 never occurred before
     assert source.propose(prompt, [1, 2, 3], 0) == []
+    assert source.propose(prompt, [1, 2, 3], 10**12) == [4, 5, 9, 2, 3, 7, 8, 1, 2, 3]  # k past the sequence: all of it
 
 
 def test_ngram_checks_its_sizes():
@@ -33,6 +34,7 @@ def test_prediction_follows_the_output_and_realigns_after_an_edit():
     assert source.propose([1], [10, 11, 99], 3) == []
     assert source.propose([1], [10, 11, 99, 13], 3) == [14, 15, 16]
     assert source.propose([1], [10, 11, 99, 13, 14, 15, 16, 17], 3) == []  # the prediction is used up
+    assert PredictionDraft(prediction).propose([1], [10], 10**12) == prediction[1:]
     with pytest.raises(ValueError, match="token ids"):
         PredictionDraft([1, -2])
 

@@ -40,7 +40,8 @@ class NgramDraft:
         self._core = _native(lambda: DraftSourceCore.ngram(max_ngram, min_ngram))
 
     def propose(self, prompt: list[int], output: list[int], k: int) -> list[int]:
-        return self._core.propose(prompt, output, k)
+        # Never more than the sequence holds: the room for the answer is allocated up front.
+        return self._core.propose(prompt, output, min(k, len(prompt) + len(output)))
 
 
 class PredictionDraft:
@@ -54,7 +55,7 @@ class PredictionDraft:
 
     def propose(self, prompt: list[int], output: list[int], k: int) -> list[int]:
         """Follows the output so far through the prediction (a source keeps its cursor: one per sequence)."""
-        return self._core.propose(prompt, output, k)
+        return self._core.propose(prompt, output, min(k, len(self.prediction)))
 
 
 class _Constant:
