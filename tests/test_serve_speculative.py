@@ -8,6 +8,7 @@ drafts (counts 0), as OpenAI accepts the field."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -248,12 +249,56 @@ def test_bad_prediction_shapes_are_400s_naming_it(server, prediction):
     ("response_format", {"type": "json_object"}),
     ("structured_outputs", {"regex": "[ab]+"}),
 ])
-def test_structured_output_on_a_draft_program_is_a_400(server, field, value):
+def test_structured_output_on_a_draft_program_without_the_mask_is_a_400(server, field, value):
     with pytest.raises(openai.BadRequestError) as info:
         _client(server).chat.completions.create(model="draft", messages=[{"role": "user", "content": "Hi"}],
                                                 max_tokens=2, extra_body={field: value})
     error = info.value.body
-    assert error["param"] == field and "--draft-tokens" in error["message"] and "\n" not in error["message"]
+    assert error["param"] == field and "--sampler ...,mask" in error["message"] and "\n" not in error["message"]
+
+
+@pytest.fixture(scope="module")
+def masked_server(tmp_path_factory, tokenizer):
+    """A batched draft-verifying program with the mask input (structured output), and its plain twin."""
+    out = tmp_path_factory.mktemp("serve_speculative_masked")
+    model = tiny_llama(len(tokenizer), tokenizer.eos_token_id)
+    config = SamplerConfig(top_k=True, top_p=True, allowed_mask=True)
+    paths = {"plain": out / "plain.pte", "draft": out / "draft.pte"}
+    export_decoder(model, paths["plain"], MAX_SEQ_LEN, config=config, tokenizer=tokenizer)
+    export_decoder(model, paths["draft"], MAX_SEQ_LEN, config=config, batch=BATCH, tokenizer=tokenizer,
+                   draft_tokens=K)
+    with bit_exact_batching():
+        srv = ServerThread(paths["draft"], model_name="draft").start()
+    yield srv, paths
+    srv.stop()
+
+
+def test_structured_output_with_a_prediction_is_the_plain_mask_programs(masked_server, tokenizer):
+    """A regex-constrained completion on a draft program: the plain mask program's text, its prediction (that
+    text) accepted, reported in usage; two concurrent requests, one constrained and one not, both exact."""
+    from backends.mlx.llm.decoder.constraints import Constraint
+
+    srv, paths = masked_server
+    prompt_ids = prompt_rules.encode_prompt(tokenizer, PROMPTS[0])
+    regex = "[a-c]{3,8}-[0-9]{2,5}"
+    with bit_exact_batching():
+        plain = Decoder(paths["plain"]).generate(prompt_ids, TOKENS, constraint=Constraint("regex", regex)).tokens
+    text = tokenizer.decode(plain, skip_special_tokens=True)
+    assert re.fullmatch(regex, text), text
+    client = _client(srv)
+    body = {"structured_outputs": {"regex": regex}, "prediction": {"type": "content", "content": text}}
+    with ThreadPoolExecutor(2) as pool:
+        constrained = pool.submit(client.completions.create, model="draft", prompt=PROMPTS[0], max_tokens=TOKENS,
+                                  temperature=0, extra_body=body)
+        free = pool.submit(client.completions.create, model="draft", prompt=PROMPTS[1], max_tokens=8,
+                           temperature=0)
+        r, other = constrained.result(), free.result()
+    assert r.choices[0].text == text
+    accepted, rejected = _counts(r.usage)
+    assert accepted > 0
+    with bit_exact_batching():
+        alone = Decoder(paths["plain"]).generate(prompt_rules.encode_prompt(tokenizer, PROMPTS[1]), 8).tokens
+    assert other.choices[0].text == tokenizer.decode(alone, skip_special_tokens=True)
 
 
 def test_each_choice_follows_its_own_prediction_cursor(server, programs, tokenizer):

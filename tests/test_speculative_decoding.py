@@ -194,8 +194,6 @@ def test_export_refuses_what_a_verifying_program_cannot_do(tmp_path, llama):
         export_decoder(llama, tmp_path / "x.pte", 32, draft_tokens=2, pipelined=True)
     with pytest.raises(ValueError, match="logprobs"):
         export_decoder(llama, tmp_path / "x.pte", 32, config=SamplerConfig(logprobs=2), draft_tokens=2)
-    with pytest.raises(ValueError, match="mask"):
-        export_decoder(llama, tmp_path / "x.pte", 32, config=SamplerConfig(allowed_mask=True), draft_tokens=2)
     with pytest.raises(ValueError, match="below max_seq_len"):
         export_decoder(llama, tmp_path / "x.pte", 8, draft_tokens=8)
     with pytest.raises(ValueError, match="draft_tokens must be an int >= 0"):

@@ -34,9 +34,9 @@ def prediction_text(value: str) -> str:
         raise ValueError(f"--prediction: cannot read {value[1:]}: {exc.strerror}") from None
 
 
-def speculation_from_args(args, decoder, constraint=None):
+def speculation_from_args(args, decoder):
     """The Speculation the flags ask for on `decoder` (None: a plain program, decoded by the plain loop)."""
-    from backends.mlx.llm.decoder.speculation import STRUCTURED_HINT, speculation
+    from backends.mlx.llm.decoder.speculation import speculation
 
     prediction = getattr(args, "prediction", None)
     if prediction is not None:
@@ -48,6 +48,4 @@ def speculation_from_args(args, decoder, constraint=None):
                 raise ValueError("--prediction with --prompt-ids must be comma-separated token ids") from None
     drafts = speculation(decoder, prediction, args.draft, args.num_draft_tokens, flags=True,
                          draft_model=args.draft_model)
-    if drafts is not None and constraint is not None:
-        raise ValueError(f"{decoder.pte} {STRUCTURED_HINT} (--json-schema/--regex/--choice/--grammar)")
     return drafts

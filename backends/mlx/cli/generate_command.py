@@ -31,7 +31,7 @@ def run_generate(args, params) -> int:
 
     constraint = constraint_from_args(args)
     decoder = load_decoder(pte)  # a --draft-tokens program decodes speculatively: the same tokens
-    drafts = speculation_from_args(args, decoder, constraint)
+    drafts = speculation_from_args(args, decoder)
     if constraint is not None:
         decoder.matcher(constraint)  # a bad schema / regex / grammar, or no mask input: one line, before decoding
     prompt = prompt_ids(args, decoder)

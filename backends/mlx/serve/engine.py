@@ -48,7 +48,7 @@ from backends.mlx.llm.decoder.constraints import EXPORT_HINT, Constraint, Constr
 from backends.mlx.llm.decoder.decode_rows import FORCE_BIAS, DecodeRows, TokenEvent  # noqa: F401 (re-exported)
 from backends.mlx.llm.decoder.draft_sources import NgramDraft
 from backends.mlx.llm.decoder.loop import check_prompt
-from backends.mlx.llm.decoder.meta import DRAFTS_HINT, PIPELINED_HINT, DecoderMeta
+from backends.mlx.llm.decoder.meta import PIPELINED_HINT, DecoderMeta
 from backends.mlx.llm.sampler.params import SamplingParams
 
 log = logging.getLogger("etmlx.serve")
@@ -152,8 +152,6 @@ class Engine:
             if len(request.forced) != request.max_tokens:
                 raise ValueError("forced tokens and max_tokens disagree")
         if self.meta.draft_tokens:
-            if request.constraint is not None:
-                raise ConstraintError(DRAFTS_HINT)
             if request.draft is None:
                 request.draft = NgramDraft()
         if request.constraint is not None and request.matcher is None:

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from backends.mlx.llm.decoder.constraints import EXPORT_HINT, Constraint, ConstraintError, Matcher, vocabulary_for
 from backends.mlx.llm.decoder.grammar_limits import GrammarLimits
-from backends.mlx.llm.decoder.meta import DRAFTS_HINT, PIPELINED_HINT, DecoderMeta
+from backends.mlx.llm.decoder.meta import PIPELINED_HINT, DecoderMeta
 
 
 class GrammarCompiler:
@@ -28,8 +28,6 @@ class GrammarCompiler:
                                            thread_name_prefix="etmlx-grammar")
 
     def _matchers(self, constraint: Constraint, count: int) -> list[Matcher]:
-        if self.meta.draft_tokens:
-            raise ConstraintError(DRAFTS_HINT)
         if not self.meta.config.allowed_mask or self.pte is None:
             raise ConstraintError(EXPORT_HINT)
         if self.meta.pipelined:  # the next call's mask would need the token the device has not returned

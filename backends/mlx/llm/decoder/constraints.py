@@ -174,6 +174,22 @@ class Matcher:
         if not self._m.consume_token(int(token)):
             raise ConstraintError(f"the grammar rejected token {token}: {_one_line(self._m.get_error())}")
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many leading tokens of `tokens` the grammar accepts from here (the state is unchanged)."""
+        return int(self._m.validate_tokens([int(t) for t in tokens])) if tokens else 0
+
+    def masks_along(self, tokens: list[int]) -> np.ndarray:
+        """[len(tokens) + 1, words]: the mask now and after each of `tokens` (all accepted: valid_prefix),
+        a draft-verifying call's per-position masks; the state is left as it was (the drafts go through a copy:
+        llguidance's rollback does not restore a matcher that a drafted end-of-sequence token stopped)."""
+        out = np.empty((len(tokens) + 1, self.words), dtype=np.int32)
+        self.mask(out[0])
+        ahead = self.copy() if tokens else self
+        for i, token in enumerate(tokens):
+            ahead.advance(token)
+            ahead.mask(out[i + 1])
+        return out
+
     @property
     def accepting(self) -> bool:
         """The output so far is complete (EOS would be allowed)."""
@@ -215,3 +231,24 @@ def vocabulary_for(pte, meta, limits: GrammarLimits | None = None) -> GrammarVoc
     if text is None:
         raise ConstraintError("structured output needs the program's tokenizer (a tokenizer.json), and it has none")
     return GrammarVocabulary(text, meta.vocab_size, meta.eos_token_ids, limits)
+
+
+class ProgramGrammar:
+    """Grammar states for the sequences of a decode loop's program (the loop holds `pte` and `meta`)."""
+
+    pte: object
+    meta: object
+    _vocabulary: GrammarVocabulary | None = None
+
+    def matcher(self, constraint: Constraint) -> Matcher:
+        """A fresh grammar state for one sequence; ConstraintError names a bad constraint, or a program
+        exported without the mask input (or pipelined), before anything is decoded."""
+        from backends.mlx.llm.decoder.meta import PIPELINED_HINT
+
+        if not self.meta.config.allowed_mask:
+            raise ConstraintError(EXPORT_HINT)
+        if self.meta.pipelined:
+            raise ConstraintError(PIPELINED_HINT)
+        if self._vocabulary is None:
+            self._vocabulary = vocabulary_for(self.pte, self.meta)
+        return self._vocabulary.matcher(constraint)

@@ -248,15 +248,20 @@ class DecodeRows:
                 k = self.core.draft_room(slot, row.budget.size())
                 if k > 0:
                     drafts = [int(t) for t in source.propose(list(row.request.prompt), row.output, k)][:k]
+                if drafts and row.request.matcher is not None:  # no mask exists past a draft the grammar rejects
+                    drafts = drafts[:row.request.matcher.valid_prefix(drafts)]
             self.core.set_drafts(slot, drafts)
             row.last_drafts = drafts
 
     def masks(self):
         """The allowed-token masks of the next call, or None when no row is constrained; raises
-        ConstraintError when a grammar is in an error state."""
+        ConstraintError when a grammar is in an error state. A draft-verifying program's: per row, one mask per
+        verified position (call draft() first)."""
         matchers = [row.request.matcher if row is not None else None for row in self.rows]
         if all(m is None for m in matchers):
             return None
+        if self.meta.draft_tokens:  # a mask per verified position: before the row's drafts, and after each
+            return [m.masks_along(row.last_drafts) if m is not None else None for m, row in zip(matchers, self.rows)]
         return fill_masks(matchers, mask_words(self.meta.vocab_size))
 
     def constrained(self) -> list[int]:

@@ -94,6 +94,9 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
         dynamic = {"tokens": {1: length}, "start_pos": None, "lengths": None,
                    "verify": {1: width} if width is not None else None,
                    **{name: None for name in kwargs}}
+        if config.allowed_mask:  # a mask per verified position: [B, G, words], G the verify input's
+            kwargs["allowed_mask"] = kwargs["allowed_mask"].unsqueeze(1).expand(-1, draft_tokens + 1, -1).contiguous()
+            dynamic["allowed_mask"] = {1: width} if width is not None else None
     tokenizer = as_tokenizer(tokenizer) if tokenizer is not None else None
     blobs = tokenizer_blobs(tokenizer) if tokenizer is not None else {}
     dtype = str(float_dtype(model)).replace("torch.", "")

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from backends.mlx.llm.decoder.constraints import EXPORT_HINT, Constraint, ConstraintError, Matcher, vocabulary_for
+from backends.mlx.llm.decoder.constraints import Constraint, ConstraintError, Matcher, ProgramGrammar
 from backends.mlx.llm.decoder.decode_rows import DecodeRows, Row, Sequence, TokenEvent
 from backends.mlx.llm.decoder.draft_sources import DraftBudget
-from backends.mlx.llm.decoder.meta import PIPELINED_HINT, DecoderMeta
+from backends.mlx.llm.decoder.meta import DecoderMeta
 from backends.mlx.llm.decoder.tokenizer_files import ProgramTokenizer
 from backends.mlx.llm.sampler.params import SamplingParams
 from backends.mlx.runtime.runner import load_method
@@ -92,7 +92,7 @@ def decode_alone(rows: DecodeRows, execute, request: Sequence, reuse: bool, star
             rows.end(slot)
 
 
-class Decoder(ProgramTokenizer):
+class Decoder(ProgramTokenizer, ProgramGrammar):
     def __init__(self, pte: Path):
         self.pte = Path(pte)
         if not self.pte.is_file():
@@ -105,17 +105,6 @@ class Decoder(ProgramTokenizer):
         # the step rules; its row caches persist between generations
         self.rows = DecodeRows(self.meta, copy_rows=self.method.copy_rows if self.method.can_copy_rows else None)
         self.last_cached = 0
-
-    def matcher(self, constraint: Constraint) -> Matcher:
-        """A fresh grammar state for one sequence; ConstraintError names a bad constraint, or a program
-        exported without the mask input, before anything is decoded."""
-        if not self.meta.config.allowed_mask:
-            raise ConstraintError(EXPORT_HINT)
-        if self.meta.pipelined:
-            raise ConstraintError(PIPELINED_HINT)
-        if self._vocabulary is None:
-            self._vocabulary = vocabulary_for(self.pte, self.meta)
-        return self._vocabulary.matcher(constraint)
 
     def stream(self, prompt_ids, max_tokens: int, params: SamplingParams | None = None,
                stop_at_eos: bool = True, constraint: Constraint | None = None, reuse: bool = False) -> Iterator[Step]:

@@ -34,8 +34,6 @@ _INT32_INPUTS = {"allowed_mask"}
 _LONG, _FLOAT, _INT = 4, 6, 3
 # Pipelined programs (pipelined.py): a token input that means "the token this row sampled last".
 FED_BACK = -1
-DRAFTS_HINT = ("structured output is not available with a draft-verifying program (exported with --draft-tokens; "
-               "the export refuses the allowed-token mask): export without --draft-tokens")
 PIPELINED_HINT = ("structured output needs an unpipelined program (each step's mask depends on the token before "
                   "it): export with --sampler ...,mask (unpipelined by default) or --no-pipeline")
 
@@ -161,6 +159,8 @@ class DecoderMeta:
                   "allowed_mask": mask_words(self.vocab_size), DRAFT_INPUT: self.draft_tokens + 1}
         for name, (sizes, dtype) in zip(self.inputs, inputs):
             expected = (self.batch, widths[name]) if name in widths else (self.batch,)
+            if name == "allowed_mask" and self.draft_tokens:  # a mask per verified position: [B, G, words]
+                expected = (self.batch, self.draft_tokens + 1, widths[name])
             if tuple(sizes) != expected:
                 raise ValueError(f"{pte}: input {name!r} is {list(sizes)} in the program but the metadata implies "
                                  f"{list(expected)} (batch {self.batch}, max_seq_len {self.max_seq_len}): metadata "

@@ -24,8 +24,6 @@ from backends.mlx.llm.decoder.speculative import SpeculativeDecoder
 
 DRAFTS = ("ngram", "none")  # `draft=` / --draft: prompt lookup, or no drafts
 PLAIN_HINT = "needs a program exported with --draft-tokens K"
-STRUCTURED_HINT = ("verifies drafts, which structured output does not support yet: export without --draft-tokens "
-                   "for a schema, regex, choice or grammar")
 
 
 def load_decoder(pte: Path) -> Decoder | SpeculativeDecoder:
@@ -44,11 +42,9 @@ class Speculation:
     def steps(self, decoder, prompt_ids, max_tokens: int, params=None, constraint=None,
               reuse: bool = False) -> Iterator[Step]:
         """`decoder` (a SpeculativeDecoder)'s tokens as Decoder.stream yields them."""
-        if constraint is not None:
-            raise ValueError(f"{decoder.pte} {STRUCTURED_HINT}")
         source = self.source if self.max_drafts else None
         with closing(decoder.stream(prompt_ids, max_tokens, params, source, budget=DraftBudget(max(self.max_drafts, 1)),
-                                    reuse=reuse)) as tokens:
+                                    reuse=reuse, constraint=constraint)) as tokens:
             for token in tokens:
                 yield Step(token)
 

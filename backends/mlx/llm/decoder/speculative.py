@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from backends.mlx.llm.decoder.constraints import Constraint, ProgramGrammar
 from backends.mlx.llm.decoder.decode_rows import DecodeRows, Row, Sequence
 from backends.mlx.llm.decoder.draft_sources import DraftBudget
 from backends.mlx.llm.decoder.loop import check_prompt, decode_alone
@@ -46,7 +47,7 @@ class DraftStats:
         return self.accepted / self.proposed if self.proposed else 0.0
 
 
-class SpeculativeDecoder(ProgramTokenizer):
+class SpeculativeDecoder(ProgramTokenizer, ProgramGrammar):
     def __init__(self, pte: Path, meta: DecoderMeta | None = None, method=None):
         self.pte = Path(pte)
         if not self.pte.is_file():
@@ -62,6 +63,7 @@ class SpeculativeDecoder(ProgramTokenizer):
         self.first_call = (0.0, 0)  # (time, tokens) when the last stream's first call returned
         self.last_cached = 0  # prompt tokens the last stream found in its row's cache (not prefilled)
         self._row: Row | None = None  # the last stream's row
+        self._vocabulary = None  # structured output's, built on the first constrained stream
 
     @property
     def stats(self) -> DraftStats:
@@ -73,14 +75,18 @@ class SpeculativeDecoder(ProgramTokenizer):
         self._row, self.last_cached = row, row.cached
 
     def stream(self, prompt_ids, max_tokens: int, params: SamplingParams | None = None, draft=None,
-               stop_at_eos: bool = True, budget: DraftBudget | None = None, reuse: bool = False) -> Iterator[int]:
+               stop_at_eos: bool = True, budget: DraftBudget | None = None, reuse: bool = False,
+               constraint: Constraint | None = None) -> Iterator[int]:
         """Token ids, as the plain loop (loop.py) would yield them; `draft`: a source (draft_sources.py) or None;
         `budget`: how many drafts per call (default: a DraftBudget of up to K).
-        `reuse`: start from the longest prefix of the prompt that a row's cache still holds (`last_cached`)."""
+        `reuse`: start from the longest prefix of the prompt that a row's cache still holds (`last_cached`).
+        `constraint`: structured output (a program exported with the mask input), drafts cut where the grammar
+        rejects one, each verified position under its own mask: the plain mask program's tokens."""
         params = params or SamplingParams()
         params.check(self.meta.config, self.meta.vocab_size)
         prompt = check_prompt(self.meta, prompt_ids, max_tokens)
-        request = Sequence(prompt, params, max_tokens, stop_at_eos, draft=draft)
+        matcher = self.matcher(constraint) if constraint is not None else None
+        request = Sequence(prompt, params, max_tokens, stop_at_eos, draft=draft, matcher=matcher)
         first_time = None
         with closing(decode_alone(self.rows, self.method.execute, request, reuse, self._started,
                                   owner="SpeculativeDecoder", budget=budget)) as events:

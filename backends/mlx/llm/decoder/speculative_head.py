@@ -3,7 +3,8 @@
 Inputs: tokens [B, L], start_pos [B], lengths [B] (as every decoder program: row b's real tokens are
 tokens[b, :lengths[b]] at cache positions start_pos[b]..), then verify [B, G] (G dynamic, 1..K+1): per row
 its last accepted token, then its n drafts (0..K; they are the row's last n real tokens), then -1 padding.
-Then temperature, seed and the sampler's knobs, as the plain program takes them.
+Then temperature, seed and the sampler's knobs, as the plain program takes them; the allowed mask (structured
+output) is per verified position, [B, G, words]: position i's is the grammar's after drafts 1..i.
 Outputs: accepted [B] (drafts accepted, 0..n) and token [B] (the next token after them).
 
 One pass runs all L tokens through the model (a prefill is a call without drafts, and may carry drafts too);
@@ -40,7 +41,7 @@ class DraftVerifyingHead(SamplingHead):
 
     def forward(self, tokens, start_pos, lengths, verify, *, temperature, seed=None, top_k=None, top_p=None,
                 min_p=None, bias_ids=None, bias_values=None, presence_penalty=None, frequency_penalty=None,
-                repetition_penalty=None, penalty_reset=None, penalty_add=None):
+                repetition_penalty=None, penalty_reset=None, penalty_add=None, allowed_mask=None):
         last = lengths - 1
         # verify [B, G]: the row's last accepted token, its drafts, -1 padding. G (dynamic, 1..K+1) is the call's
         # widest row: the head and the sampler run over G positions, not K + 1, so a call without drafts costs
@@ -57,7 +58,12 @@ class DraftVerifyingHead(SamplingHead):
         knobs = dict(top_k=top_k, top_p=top_p, min_p=min_p, bias_ids=bias_ids, bias_values=bias_values,
                      presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                      repetition_penalty=repetition_penalty, penalty_reset=penalty_reset, penalty_add=penalty_add)
-        check_knobs(self.config, logits[:, 0], {**knobs, "allowed_mask": None})
+        if allowed_mask is not None and (allowed_mask.dim() != 3 or allowed_mask.shape[1] != verify.shape[1]):
+            raise ValueError(f"allowed_mask must be [B, G, words] (a mask per verified position, G = "
+                             f"{verify.shape[1]}), got {tuple(allowed_mask.shape)}")
+        check_knobs(self.config, logits[:, 0], {**knobs, "allowed_mask": None if allowed_mask is None else allowed_mask[:, 0]})
         knobs = {name: value for name, value in knobs.items() if value is not None}
+        if allowed_mask is not None:
+            knobs["allowed_mask"] = allowed_mask
         state = self.penalty_counts if self.penalty_counts is not None else self.penalty_window
         return verify_drafts(self.config, logits, drafts, drafted, temperature, seed, knobs, state, positions)

@@ -34,7 +34,8 @@ def step_inputs(meta: DecoderMeta, tokens: torch.Tensor, start_pos, lengths, par
     seed + its step); reset[b] zeroes the row's penalty counts before this call (the start of a sequence); masks[b], for a program with
     the allowed-mask input, is row b's packed bitmask (ceil(V/32) int32 words) or None (all allowed).
     drafts[b], for a draft-verifying program (meta.draft_tokens > 0): row b's drafted tokens, which are also
-    its last real tokens (default none)."""
+    its last real tokens (default none); its masks[b] then holds one mask per verified position ([n + 1, words]:
+    the grammar before the row's drafts, and after each), positions past them allowing every token."""
     batch = meta.batch
     if tokens.shape[0] != batch or len(params) != batch:
         raise ValueError(f"the program decodes {batch} row(s) per call, got {tokens.shape[0]}")
@@ -55,11 +56,19 @@ def step_inputs(meta: DecoderMeta, tokens: torch.Tensor, start_pos, lengths, par
             values["seed"] = torch.tensor(list(seeds), dtype=torch.int64)
         elif knob.width:  # [rows, N]: the caller's pairs, or nothing (internal), padded with the off values
             n = width(knob, config, meta.vocab_size)
-            tensors = [torch.full((batch, n), i.off, dtype=getattr(torch, i.dtype)) for i in knob.program_inputs]
+            # A draft-verifying program's mask is per verified position: [B, G, words].
+            rows = (batch, values[DRAFT_INPUT].shape[1]) if knob.words and meta.draft_tokens else (batch,)
+            tensors = [torch.full((*rows, n), i.off, dtype=getattr(torch, i.dtype)) for i in knob.program_inputs]
             if knob.words:
                 for row, m in enumerate(masks if masks is not None else ()):
-                    if m is not None:
-                        tensors[0][row] = torch.as_tensor(m, dtype=torch.int32).reshape(-1)
+                    if m is None:
+                        continue
+                    m = torch.as_tensor(m, dtype=torch.int32)
+                    if meta.draft_tokens:  # [positions, words]: the row's first positions; the rest allow all
+                        m = m.reshape(-1, n)
+                        tensors[0][row, :m.shape[0]] = m
+                    else:
+                        tensors[0][row] = m.reshape(-1)
             elif knob.api:
                 ids, vals = tensors
                 for row, p in enumerate(params):

@@ -18,6 +18,10 @@ with probability p(x); given y != x, y is distributed as p restricted to the oth
 residual. So the output distribution is exactly the plain sampler's, and, for the same seeds, the tokens are
 the plain loop's tokens. At T = 0 the sampler's draw is the argmax after every knob: greedy acceptance.
 
+Structured output: the allowed mask is per position ([B, G, W]): position i's is the grammar's after drafts
+1..i, so position i draws as the plain sampler would under that step's mask (the host cuts the drafts at the
+first one the grammar rejects). A draw no token can satisfy is -1, which no draft equals.
+
 Penalty state: position i sees the row's counts (or window) plus drafts 1..i; the state written back is the
 one of the last accepted position, plus the next token: rejected drafts are never counted.
 
@@ -40,9 +44,6 @@ def check_draft_config(config: SamplerConfig) -> None:
     if config.logprobs:
         raise ValueError("--draft-tokens: logprobs are not returned by a draft-verifying program yet; export "
                          "without --logprobs")
-    if config.allowed_mask:
-        raise ValueError("--draft-tokens: the allowed mask (structured output) needs one mask per drafted "
-                         "position, which a draft-verifying program does not take yet; export without mask")
     if config.expose_counts:
         raise ValueError("expose_counts is for sampler tests, not draft-verifying programs")
 
@@ -99,7 +100,10 @@ def position_tokens(config: SamplerConfig, logits: torch.Tensor, drafts: torch.T
     if seed is not None:  # position i draws as the plain loop's step i later would: seed + i
         seed_rows = (seed.reshape(-1).expand(batch).unsqueeze(1) + positions).reshape(-1)
     knobs_rows = {name: (None if value is None else _spread(value, batch, owner)) for name, value in knobs.items()
-                  if name not in _STATE_KNOBS}
+                  if name not in _STATE_KNOBS and name != "allowed_mask"}
+    if knobs.get("allowed_mask") is not None:  # [B, G, W]: position i's mask, the grammar after drafts 1..i
+        mask = knobs["allowed_mask"]
+        knobs_rows["allowed_mask"] = mask.reshape(-1, mask.shape[-1])
     state_rows = None
     if config.penalties:
         if state is None:

@@ -188,8 +188,10 @@ bool StepInputs::verifies() const {
 
 int64_t StepInputs::mask_words() const {
   for (const Slot& slot : slots_) {
-    if (slot.role == Role::Knob && slot.name == "allowed_mask" && slot.dtype == ScalarType::Int && slot.sizes.size() == 2)
-      return slot.sizes[1];
+    // [B, words], or [B, G, words] in a draft-verifying program (a mask per verified position)
+    if (slot.role == Role::Knob && slot.name == "allowed_mask" && slot.dtype == ScalarType::Int &&
+        (slot.sizes.size() == 2 || slot.sizes.size() == 3))
+      return slot.sizes.back();
   }
   return 0;
 }
@@ -199,6 +201,10 @@ std::vector<EValue> StepInputs::build(const CallLayout& call, float temperature,
   const auto sequence = [&](size_t row) { return call.kinds[row] == RowKind::Request; };
   alive_.clear();
   std::vector<EValue> values;
+  // The verify input's width G: one more than row 0's drafts (at least the program's fewest) at batch 1, else K + 1.
+  int64_t width = draft_tokens_ + 1;
+  if (batch_ == 1 && !call.drafts.empty())
+    width = std::max<int64_t>(verify_min_width_, 1 + static_cast<int64_t>(call.drafts[0].size()));
   for (const Slot& slot : slots_) {
     TensorPtr t;
     switch (slot.role) {
@@ -214,8 +220,6 @@ std::vector<EValue> StepInputs::build(const CallLayout& call, float temperature,
       case Role::Verify: {
         // Per row: its last accepted token (the one before its drafts), its drafts, -1 padding. A one-row
         // program's G is one more than the row's drafts (at least the program's fewest); a batched one's K + 1.
-        int64_t width = draft_tokens_ + 1;
-        if (batch_ == 1) width = std::max<int64_t>(verify_min_width_, 1 + static_cast<int64_t>(call.drafts[0].size()));
         std::vector<int64_t> verify(batch * static_cast<size_t>(width), -1);
         for (size_t b = 0; b < batch; ++b) {
           const auto& drafts = call.drafts[b];
@@ -240,7 +244,13 @@ std::vector<EValue> StepInputs::build(const CallLayout& call, float temperature,
         std::vector<KnobValue> per_row(batch);
         for (size_t b = 0; b < batch; ++b)
           per_row[b] = !sequence(b) ? slot.idle : call.first[b] ? slot.first : slot.value;
-        t = filled(slot, per_row);
+        if (slot.sizes.size() == 3 && draft_tokens_ > 0) {  // a mask per verified position: [B, G, words]
+          Slot wide = slot;
+          wide.sizes[1] = static_cast<int32_t>(width);
+          t = filled(wide, per_row);
+        } else {
+          t = filled(slot, per_row);
+        }
         if (mask_row != nullptr && slot.name == "allowed_mask" && slot.dtype == ScalarType::Int &&
             static_cast<int64_t>(mask_row->size()) == mask_words()) {
           std::copy(mask_row->begin(), mask_row->end(), t->mutable_data_ptr<int32_t>());  // row 0 comes first
