@@ -46,6 +46,5 @@ def speculation_from_args(args, decoder):
                 prediction = [int(t) for t in prediction.split(",") if t.strip()]
             except ValueError:
                 raise ValueError("--prediction with --prompt-ids must be comma-separated token ids") from None
-    drafts = speculation(decoder, prediction, args.draft, args.num_draft_tokens, flags=True,
-                         draft_model=args.draft_model)
-    return drafts
+    return speculation(decoder, prediction, args.draft, args.num_draft_tokens, flags=True,
+                       draft_model=args.draft_model)

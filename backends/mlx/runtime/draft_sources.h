@@ -24,8 +24,9 @@ class DraftSource {
 // there. Hits on text that repeats its context: code edits, quotes, extraction, summaries.
 class NgramDraft final : public DraftSource {
  public:
-  // Throws std::invalid_argument unless 1 <= min_ngram <= max_ngram.
-  NgramDraft(int64_t max_ngram, int64_t min_ngram);
+  // Throws std::invalid_argument unless 1 <= min_ngram <= max_ngram. The defaults are also the Python
+  // NgramDraft's (llm/decoder/draft_sources.py) and so `etmlx generate --draft ngram`'s.
+  explicit NgramDraft(int64_t max_ngram = 3, int64_t min_ngram = 1);
   std::vector<int64_t> propose(const std::vector<int64_t>& prompt, const std::vector<int64_t>& output,
                                int64_t k) override;
 

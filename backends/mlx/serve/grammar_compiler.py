@@ -13,12 +13,12 @@ import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from backends.mlx.llm.decoder.constraints import EXPORT_HINT, Constraint, ConstraintError, Matcher, vocabulary_for
+from backends.mlx.llm.decoder.constraints import Constraint, Matcher, ProgramGrammar
 from backends.mlx.llm.decoder.grammar_limits import GrammarLimits
-from backends.mlx.llm.decoder.meta import PIPELINED_HINT, DecoderMeta
+from backends.mlx.llm.decoder.meta import DecoderMeta
 
 
-class GrammarCompiler:
+class GrammarCompiler(ProgramGrammar):
     def __init__(self, pte, meta: DecoderMeta, limits: GrammarLimits | None = None):
         self.pte, self.meta = pte, meta
         self.limits = limits or GrammarLimits()
@@ -28,14 +28,9 @@ class GrammarCompiler:
                                            thread_name_prefix="etmlx-grammar")
 
     def _matchers(self, constraint: Constraint, count: int) -> list[Matcher]:
-        if not self.meta.config.allowed_mask or self.pte is None:
-            raise ConstraintError(EXPORT_HINT)
-        if self.meta.pipelined:  # the next call's mask would need the token the device has not returned
-            raise ConstraintError(PIPELINED_HINT)
-        with self._lock:
-            if self._vocabulary is None:
-                self._vocabulary = vocabulary_for(self.pte, self.meta, self.limits)
-        return self._vocabulary.matchers(constraint, count)
+        with self._lock:  # one build of the vocabulary, whichever request comes first
+            vocabulary = self.vocabulary(self.limits)
+        return vocabulary.matchers(constraint, count)
 
     async def matchers(self, constraint: Constraint, count: int) -> list[Matcher]:
         """`count` matchers for `constraint`; ConstraintError (one line) for a grammar that is refused."""

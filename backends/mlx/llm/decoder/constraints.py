@@ -234,21 +234,27 @@ def vocabulary_for(pte, meta, limits: GrammarLimits | None = None) -> GrammarVoc
 
 
 class ProgramGrammar:
-    """Grammar states for the sequences of a decode loop's program (the loop holds `pte` and `meta`)."""
+    """Grammar states for the sequences of a program (its holder has `pte` and `meta`): the decode loops,
+    and the server's GrammarCompiler."""
 
     pte: object
     meta: object
     _vocabulary: GrammarVocabulary | None = None
 
-    def matcher(self, constraint: Constraint) -> Matcher:
-        """A fresh grammar state for one sequence; ConstraintError names a bad constraint, or a program
-        exported without the mask input (or pipelined), before anything is decoded."""
+    def vocabulary(self, limits: GrammarLimits | None = None) -> GrammarVocabulary:
+        """The program's GrammarVocabulary, built on first use; ConstraintError for a program exported without
+        the mask input, or pipelined (the next call's mask would need the token the device has not returned)."""
         from backends.mlx.llm.decoder.meta import PIPELINED_HINT
 
-        if not self.meta.config.allowed_mask:
+        if not self.meta.config.allowed_mask or self.pte is None:
             raise ConstraintError(EXPORT_HINT)
         if self.meta.pipelined:
             raise ConstraintError(PIPELINED_HINT)
         if self._vocabulary is None:
-            self._vocabulary = vocabulary_for(self.pte, self.meta)
-        return self._vocabulary.matcher(constraint)
+            self._vocabulary = vocabulary_for(self.pte, self.meta, limits)
+        return self._vocabulary
+
+    def matcher(self, constraint: Constraint) -> Matcher:
+        """A fresh grammar state for one sequence; ConstraintError names a bad constraint, or a program that
+        cannot constrain (vocabulary()), before anything is decoded."""
+        return self.vocabulary().matcher(constraint)

@@ -294,7 +294,7 @@ class DecodeRows:
             accepted, tokens = [int(n) for n in outputs[0].tolist()], outputs[1].tolist()
             for slot, row in enumerate(self.rows):
                 if row is not None:
-                    row.budget.update(len(row.last_drafts), min(max(accepted[slot], 0), len(row.last_drafts)))
+                    row.budget.update(len(row.last_drafts), accepted[slot])  # clamped into [0, drafts] there
         else:
             results = _Results(outputs, meta.config.logprobs)
             tokens = results.tokens

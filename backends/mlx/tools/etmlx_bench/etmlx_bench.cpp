@@ -200,7 +200,7 @@ int bench_decoder(Module& module, const std::string& method, const etmlx::Progra
   for (long run = 0; run < a.runs; ++run) {
     std::shared_ptr<etmlx::DraftSource> source;
     if (draft_tokens > 0 && run > 0 && a.drafts == "prediction") source = std::make_shared<etmlx::PredictionDraft>(reference);
-    if (draft_tokens > 0 && run > 0 && a.drafts == "ngram") source = std::make_shared<etmlx::NgramDraft>(3, 1);
+    if (draft_tokens > 0 && run > 0 && a.drafts == "ngram") source = std::make_shared<etmlx::NgramDraft>();
     // Every step is timed: no stop id ends a run early.
     if (!loop.start({prompt, static_cast<float>(a.temperature), a.seed, a.decode_steps + 1, {}, source}, &error))
       return fail(error);

@@ -142,7 +142,7 @@ bool draft_source(const etmlx::DecodeArgs& args, int64_t draft_tokens, const etm
     }
     *out = std::make_shared<etmlx::PredictionDraft>(std::move(prediction));
   } else if (args.draft != "none") {
-    *out = std::make_shared<etmlx::NgramDraft>(3, 1);  // llm/decoder/draft_sources.py NgramDraft's defaults
+    *out = std::make_shared<etmlx::NgramDraft>();
   }
   return true;
 }
