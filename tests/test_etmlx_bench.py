@@ -226,3 +226,6 @@ def test_gpu_kit_runs_with_the_device_script(tmp_path):
         assert spec["prediction"]["draft"]["accepted"] == spec["prediction"]["draft"]["proposed"] > 0
         assert spec["none"]["draft"]["proposed"] == 0 and spec["prediction"]["tokens_per_s"] > 0
     assert "speculative decoding, K = 8" in done.stdout
+    assert spec["prediction"]["decode_host"]["calls"] > 0  # where a verify call's time goes, on each device
+    # The mlx-lm directory carries the checkpoint alone: the cached programs beside it would double what travels.
+    assert not list((kit / "decoder-int4-mlx").glob("*.pte"))

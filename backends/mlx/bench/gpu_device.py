@@ -140,7 +140,8 @@ def speculative(pte: Path, prompt_len: int, steps: int, runs: int, device: str, 
         if r["token_sum"] != plain["token_sum"]:
             raise RuntimeError(f"{pte.name} with {source} drafts decoded other tokens than the plain program on {device}")
         out[source] = {"tokens_per_s": r["decode_tokens_per_s"], "draft": r["draft"],
-                       "vs_plain": r["decode_tokens_per_s"] / plain["decode_tokens_per_s"]}
+                       "vs_plain": r["decode_tokens_per_s"] / plain["decode_tokens_per_s"],
+                       "decode_ms": r["decode"], "decode_host": r.get("decode_host")}  # where a call's time goes
     return out
 
 

@@ -52,7 +52,7 @@ def _decoder_items(out: Path, cache_dir: Path, size: dict, log) -> list[dict]:
     target = out / "decoder-int4-mlx"
     if target.exists():
         shutil.rmtree(target)
-    shutil.copytree(mlx_dir, target, ignore=shutil.ignore_patterns("bench_*.json", "etmlx-*"))
+    shutil.copytree(mlx_dir, target, ignore=shutil.ignore_patterns("bench_*.json", "*.pte", "*.export.json"))
     prompt = torch.randint(0, spec.vocab_size, (PROMPT_LEN,), generator=torch.Generator().manual_seed(1)).tolist()
     return [{"kind": "decoder", "name": "decoder-int4", "pte": "decoder-int4.pte", "mlx_lm_dir": "decoder-int4-mlx",
              "parameters": spec.parameters, "prompt_ids": prompt, "decode_steps": DECODE_STEPS,
