@@ -208,7 +208,7 @@ def test_gpu_kit_runs_with_the_device_script(tmp_path):
     gpu_kit.build(kit, tmp_path / "cache", log=lambda *_: None, size=ckpt.QUICK_SIZE, sampler_shapes=((500, 2),))
     script = ROOT / "backends" / "mlx" / "bench" / "gpu_device.py"
     done = subprocess.run([sys.executable, str(script), str(kit), "--bin", str(BENCH.parent), "--devices", "cpu,cpu",
-                           "--runs", "1", "--calls", "3", "--json", str(tmp_path / "r.json")],
+                           "--runs", "1", "--calls", "3", "--json", str(tmp_path / "r.json"), "--dot", str(tmp_path / "dots")],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     results = json.loads((tmp_path / "r.json").read_text())
@@ -229,3 +229,8 @@ def test_gpu_kit_runs_with_the_device_script(tmp_path):
     assert spec["prediction"]["decode_host"]["calls"] > 0  # where a verify call's time goes, on each device
     # The mlx-lm directory carries the checkpoint alone: the cached programs beside it would double what travels.
     assert not list((kit / "decoder-int4-mlx").glob("*.pte"))
+    # One decode step's graph of each engine, counted by node kind: both run the model's quantized linears.
+    graph = decoder["step_graph"]
+    for engine in ("etmlx", "mlx_lm"):
+        assert graph[engine]["nodes"] == sum(graph[engine]["kinds"].values()) > 0
+    assert graph["mlx_lm"]["kinds"]["QuantizedMatmul"] > 0 and "one decode step on cpu" in done.stdout

@@ -151,3 +151,47 @@ def test_window_base_that_is_not_an_integer_vector_is_an_error(monkeypatch, capf
     with pytest.raises(RuntimeError):
         method.execute([q, k, v, torch.tensor([0, 1])])
     assert "window_base must be a non-empty 1-d integer tensor" in capfd.readouterr().err
+
+
+_DEVICE_CALL = """
+import sys, torch
+from backends.mlx.runtime.runner import load_method
+pte, start, length, batch, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+torch.manual_seed(0)
+q, k, v = torch.randn(batch, %d, length, %d), torch.randn(batch, %d, %d, %d), torch.randn(batch, %d, %d, %d)
+starts = start + 5 * torch.arange(batch)
+got = load_method(open(pte, "rb").read()).execute([q, k, v, starts])[0]
+torch.save((q, k, v, starts, got), out)
+""" % (HEADS, DIM, KV_HEADS, SLOTS, DIM, KV_HEADS, SLOTS, DIM)
+
+
+@pytest.mark.parametrize("batch, start, length, dropped", [
+    (1, 7, 1, True),       # a decode step: every kept key is visible, no mask at all
+    (1, 0, 1, True),       # the first step: one key
+    (1, SLOTS - 1, 1, True),  # the window ends at the last slot
+    (1, 26, 6, False),     # several queries (prefill, verify): the mask stays
+    (1, -2, 1, False),     # the query sees no key: only the mask says so
+    (2, 4, 1, False),      # several rows: every key, with the mask
+], ids=["decode", "first-step", "last-slot", "several-queries", "negative-start", "two-rows"])
+def test_device_kernels_drop_a_mask_the_window_makes_redundant(tmp_path, batch, start, length, dropped):
+    """With a proven window, one row and one query that sees a key, the device kernel set (what CUDA and Metal
+    builds run) calls MLX's attention without the array mask, so a GPU runs its fused decode kernel: the graph
+    then has no trace of the mask's comparison, and the result is still the masked attention."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pte = tmp_path / "rows.pte"
+    pte.write_bytes(_export_rows(batch=batch).pte)
+    dot, saved = tmp_path / "call.dot", tmp_path / "call.pt"
+    env = {"ETMLX_KERNELS": "device", "ETMLX_DOT": str(dot), "PATH": "/usr/bin:/bin"}
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", _DEVICE_CALL, str(pte), str(start), str(length), str(batch),
+                           str(saved)], capture_output=True, text=True, timeout=300, env=env, cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    q, k, v, starts, got = torch.load(saved)
+    if start >= 0:  # a query that sees no key: eager gives NaN, MLX's composed softmax a uniform mix
+        torch.testing.assert_close(got, _RowsAttention()(q, k, v, starts), atol=1e-5, rtol=1e-5)
+    graph = dot.read_text()
+    assert ('label ="LessEqual"' not in graph) == dropped, "the exported mask's comparison in the call's graph"
+    assert ('label ="Select"' not in graph) == dropped

@@ -99,7 +99,54 @@ def mlx_lm_decoder(source, prompt: list[int], steps: int, runs: int, device: str
             "tokens": tokens}
 
 
-def run_decoder(kit: Path, bin_dir: Path, item: dict, runs: int, devices: list[str]) -> dict:
+def node_kinds(dot: Path) -> dict[str, int]:
+    """How many nodes of each MLX primitive a Graphviz file of one step holds (MLX's export_to_dot and the
+    runtime's ETMLX_DOT both label a node with its primitive's name first): on a GPU, roughly the kernels a
+    step launches, which is what bounds a host-bound decode step."""
+    import re
+
+    kinds: dict[str, int] = {}
+    for name in re.findall(r'label ="([A-Za-z]+)', dot.read_text()):
+        kinds[name] = kinds.get(name, 0) + 1
+    return dict(sorted(kinds.items(), key=lambda kv: -kv[1]))
+
+
+def mlx_lm_step_dot(source, prompt: list[int], device: str, path: Path) -> None:
+    """One greedy decode step of mlx-lm (after the prompt's prefill) as Graphviz: its logits' argmax and the
+    cache it writes, unevaluated, on `device`."""
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lm.models.cache import make_prompt_cache
+
+    mx.set_default_device(getattr(mx, device))
+    model = random_mlx_lm_model(source) if isinstance(source, dict) else mlx_lm.load(str(source))[0]
+    cache = make_prompt_cache(model)
+    token = mx.argmax(model(mx.array([prompt]), cache=cache)[:, -1, :], axis=-1)
+    arrays = lambda: [a for c in cache for a in c.state if isinstance(a, mx.array)]  # noqa: E731 (state ends in ints)
+    mx.eval(token, *arrays())
+    token = mx.argmax(model(token[:, None], cache=cache)[:, -1, :], axis=-1)
+    mx.export_to_dot(str(path), token, *arrays())
+    mx.eval(token)
+
+
+def step_graphs(kit: Path, bin_dir: Path, item: dict, device: str, dot_dir: Path) -> dict:
+    """Node kinds of one decode step: etmlx's (ETMLX_DOT of etmlx_bench's last call, a decode step) and
+    mlx-lm's, on `device`."""
+    pte = str(kit / item["pte"])
+    etmlx_dot, mlx_lm_dot = dot_dir / f"{item['name']}-etmlx-{device}.dot", dot_dir / f"{item['name']}-mlx_lm-{device}.dot"
+    env = dict(os.environ, ETMLX_DEVICE=device, ETMLX_DOT=str(etmlx_dot))
+    subprocess.run([str(bin_dir / "etmlx_bench"), pte, "--prompt-len", str(len(item["prompt_ids"])),
+                    "--decode-steps", "4", "--runs", "1"], env=env, capture_output=True, check=True, timeout=600)
+    source = kit / item["mlx_lm_dir"] if "mlx_lm_dir" in item else item["mlx_lm_config"]
+    mlx_lm_step_dot(source, item["prompt_ids"], device, mlx_lm_dot)
+    out = {}
+    for engine, path in (("etmlx", etmlx_dot), ("mlx_lm", mlx_lm_dot)):
+        kinds = node_kinds(path)
+        out[engine] = {"nodes": sum(kinds.values()), "kinds": kinds}
+    return out
+
+
+def run_decoder(kit: Path, bin_dir: Path, item: dict, runs: int, devices: list[str], dot_dir: Path | None = None) -> dict:
     pte = str(kit / item["pte"])
     prompt = item["prompt_ids"]
     steps = item["decode_steps"]
@@ -126,6 +173,8 @@ def run_decoder(kit: Path, bin_dir: Path, item: dict, runs: int, devices: list[s
                                    runs, first)
     out["mlx_lm_agree_with_etmlx"] = common_prefix(out[f"greedy_{first}"], out["mlx_lm"]["tokens"]) \
         if same_weights else None
+    if dot_dir is not None:
+        out["step_graph"] = step_graphs(kit, bin_dir, item, first, dot_dir)
     return out
 
 
@@ -189,6 +238,12 @@ def table(results: list[dict], devices: list[str]) -> str:
             f"{r['greedy_cpu_gpu_agree']:>10}/{n:<3}{r['sampled_cpu_gpu_agree']:>10}/{n:<3}"
             + (f"{r['mlx_lm_agree_with_etmlx']:>10}/{n:<3}" if r["mlx_lm_agree_with_etmlx"] is not None
                else f"{'(own weights)':>14}"))
+    for r in results:
+        g = r.get("step_graph")
+        if g:
+            top = lambda kinds: ", ".join(f"{k} {n}" for k, n in list(kinds.items())[:8])  # noqa: E731
+            lines.append(f"{r['name']:<15}one decode step on {first}: etmlx {g['etmlx']['nodes']} nodes ({top(g['etmlx']['kinds'])}); "
+                         f"mlx-lm {g['mlx_lm']['nodes']} ({top(g['mlx_lm']['kinds'])})")
     lines.append(f"speculative decoding, K = 8, greedy (decode tok/s; prediction = the program's own continuation)")
     for r in results:
         for d in devices:
@@ -222,8 +277,12 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=50, help="timed sampler calls")
     p.add_argument("--only", choices=["decoder", "sampler"], help="one kind of item")
     p.add_argument("--devices", default="gpu,cpu", help="comma-separated ETMLX_DEVICE values; mlx-lm runs on the first")
+    p.add_argument("--dot", type=Path, help="write one decode step's graph of etmlx and of mlx-lm (first device) here "
+                   "and count its nodes by kind")
     a = p.parse_args(argv)
     devices = a.devices.split(",")
+    if a.dot:
+        a.dot.mkdir(parents=True, exist_ok=True)
     items = json.loads((a.kit / "manifest.json").read_text())["items"]
     results = []
     for item in items:
@@ -231,7 +290,7 @@ def main(argv=None) -> int:
             continue
         t0 = time.perf_counter()
         try:
-            r = run_decoder(a.kit, a.bin, item, a.runs, devices) if item["kind"] == "decoder" else \
+            r = run_decoder(a.kit, a.bin, item, a.runs, devices, a.dot) if item["kind"] == "decoder" else \
                 run_sampler(a.kit, a.bin, item, a.calls, devices)
         except Exception as e:  # one broken item must not lose the others' figures
             r = {"name": item["name"], "kind": "error", "error": f"{type(e).__name__}: {e}"}

@@ -48,8 +48,10 @@ bool broadcasts_to(const mx::array& t, const mx::array& x) {
 }  // namespace
 
 // Keys [0, end) when the node's proven window leaves fewer than S of them, else S.
-bool Interpreter::sdpa_window_end(const fb::SdpaNode& n, int batch, int query_len, int keys, int* end) {
+bool Interpreter::sdpa_window_end(const fb::SdpaNode& n, int batch, int query_len, int keys, int* end,
+                                  bool* all_visible) {
   *end = keys;
+  *all_visible = false;
   // (A causal node has L == S by definition; a window is only ever proven from a mask.)
   if (!n.window() || n.causal() || !key_window_enabled()) return true;
   const mx::array* base = nullptr;
@@ -68,10 +70,14 @@ bool Interpreter::sdpa_window_end(const fb::SdpaNode& n, int batch, int query_le
   // before the call's one evaluation).
   std::optional<int64_t> start = base ? kernels::known_max(*base) : std::optional<int64_t>(0);
   if (!start) return true;
-  int64_t e = *start;
+  // The proof (fusion/key_window.py) is that mask[l, s] = s <= first + l (per query) or s <= first, with
+  // first = start + shift: for a single query that is every key of [0, end), provided it sees a key
+  // (first >= 0) and none was cut off past S.
+  int64_t first = *start, e = 0;
   const int64_t extra = n.window_per_query() ? query_len : 1;
-  if (__builtin_add_overflow(e, n.window_shift(), &e) || __builtin_add_overflow(e, extra, &e)) return true;
+  if (__builtin_add_overflow(first, n.window_shift(), &first) || __builtin_add_overflow(first, extra, &e)) return true;
   if (e >= 1 && e < keys) *end = static_cast<int>(e);
+  *all_visible = query_len == 1 && first >= 0 && e <= keys;
   return true;
 }
 
@@ -136,11 +142,17 @@ bool Interpreter::exec_sdpa(const fb::SdpaNode& n) {
   if (n.causal() && q->shape(2) != k->shape(2)) return fail("causal attention needs L == S");
   const int keys = k->shape(2);
   int end = keys;
-  if (!sdpa_window_end(n, q->shape(0), q->shape(2), keys, &end)) return false;
+  bool all_visible = false;
+  if (!sdpa_window_end(n, q->shape(0), q->shape(2), keys, &end, &all_visible)) return false;
   if (program_.kernels == &kernels::cpu_kernels()) {  // its own softmax (attention_cpu.h)
     if (program_.fuse_nodes && sdpa_with_view(n, *q, *k, *v, mask, end)) return true;
     return write(n.out(), kernels::sdpa_cpu(*q, *k, *v, n.scale(), n.causal(), mask, end));
   }
+  // A decode step without its array mask runs MLX's fused decode kernel on CUDA instead of matmul, where
+  // and softmax composed (~10 graph nodes per layer, which a host-bound GPU step pays for: an H200's decode
+  // step went from 565 to 417 nodes). Several queries keep the mask: MLX's causal mode would send them to
+  // cuDNN, whose plan per key count made an H200's 9-query verify calls slower (3.4-3.9 -> 4.7-4.8 ms).
+  if (all_visible) return write(n.out(), kernels::sdpa(*q, *k, *v, n.scale(), false, std::nullopt, end));
   return write(n.out(), kernels::sdpa(*q, *k, *v, n.scale(), n.causal(), mask, end));
 }
 
@@ -245,7 +257,13 @@ bool Interpreter::exec_rope(const fb::RopeNode& n) {
       return fail("needs float32 freqs of %d elements", half);
     }
     if (kernels::use_fast_rope(program_.kernels->fast_rope)) {
-      return write(n.out(), kernels::rope_fast(*x, *offset, *freqs));
+      // mx::fast::rope casts a 64-bit offset to int32 itself, once per call of it: every layer's q and k
+      // would each add that cast to the graph (a GPU kernel each). The cast is made once per call here.
+      const mx::array off = offset->dtype().size() == 4 ? *offset
+          : shared_view(4, *offset, {}, [](const mx::array& a, const std::vector<int>&) {
+              return mx::astype(a, mx::int32);
+            });
+      return write(n.out(), kernels::rope_fast(*x, off, *freqs));
     }
   }
   return write(n.out(), program_.kernels->rope_from_tables(*x, *cos, *sin));

@@ -84,7 +84,9 @@ class Interpreter {
   // one node, the views stashed for those two instructions; false when that does not apply here.
   bool sdpa_with_view(const fb::SdpaNode& n, const mlx::core::array& q, const mlx::core::array& k,
                       const mlx::core::array& v, const std::optional<mlx::core::array>& mask, int end);
-  bool sdpa_window_end(const fb::SdpaNode& n, int batch, int query_len, int keys, int* end);
+  // *all_visible: the node's proven key window shows that over keys [0, end) its mask hides nothing (one
+  // row, one query), so attention may run without it.
+  bool sdpa_window_end(const fb::SdpaNode& n, int batch, int query_len, int keys, int* end, bool* all_visible);
   bool exec_rms_norm(const fb::RmsNormNode& n);  // exec_fused.cpp
   bool exec_layer_norm(const fb::LayerNormNode& n);  // exec_fused.cpp
   bool exec_rope(const fb::RopeNode& n);  // exec_fused.cpp
@@ -179,7 +181,8 @@ class Interpreter {
   // The residual Add at pc_ and the RMSNorm after it as one node (Program::norm_after_add); false when
   // that does not apply here (the Add then runs as usual). exec_fused.cpp.
   bool add_then_rms_norm(const fb::BinaryNode& add, const mlx::core::array& a, const mlx::core::array& b);
-  // A shape-only op's result (reshape, broadcast, expand_dims, transpose) of a small array: the one
+  // A shape-only op's result (reshape, broadcast, expand_dims, transpose; op 4: RoPE's offset as int32) of a
+  // small array: the one
   // made earlier in this call for the same (op, input array, arguments), or made now by `make` and kept.
   // The exporter repeats such ops per layer over the same array (RoPE's cos/sin tables, the KV-cache
   // positions): each repeat would be another graph node, and a fresh id defeats normalized_indices.
