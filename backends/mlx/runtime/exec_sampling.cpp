@@ -3,6 +3,7 @@
 #include <mlx/ops.h>
 
 #include "interpreter.h"
+#include "kernels/known_values.h"
 #include "kernels/random_bits.h"
 
 namespace etmlx {
@@ -97,6 +98,13 @@ bool Interpreter::exec_gumbel_max(const fb::GumbelMaxNode& n) {
       return fail("threshold must be [%d, 1] float32", rows);
     }
     threshold = mx::reshape(*thr, {rows});
+  }
+  // Every row's temperature held by the host and none > 0: the pick is the argmax, so the device set builds
+  // neither noise nor threshold (on an H200 a greedy step's sampler was ~60 of its ~420 graph nodes). Only
+  // with a seed input: without one, the draw would also advance MLX's global key, which this must not skip.
+  // The CPU set's one-pass kernel already skips what cannot win.
+  if (seed && program_.kernels != &kernels::cpu_kernels() && kernels::known_none_positive(*temperature)) {
+    return write(n.out(), kernels::greedy_pick(*scores));
   }
   return write(n.out(), program_.kernels->gumbel_max(*scores, temperature_rows(*temperature, rows), seed, threshold));
 }

@@ -34,6 +34,10 @@ mlx::core::array gumbel_max_device(const mlx::core::array& x, const mlx::core::a
                                    const std::optional<mlx::core::array>& seed,
                                    const std::optional<mlx::core::array>& threshold);
 
+// Every row greedy: first argmax(x) with NaN -> -inf, the T <= 0 branch of the definition above, without
+// the noise, the division or the threshold (a graph a GPU's host walks on every greedy step).
+mlx::core::array greedy_pick(const mlx::core::array& x);
+
 // Evaluates nothing: the loop runs in the call's evaluation, the unseeded global key one of its operands.
 mlx::core::array gumbel_max_cpu(const mlx::core::array& x, const mlx::core::array& temperature,
                                 const std::optional<mlx::core::array>& seed,

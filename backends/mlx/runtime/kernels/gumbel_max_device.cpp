@@ -32,4 +32,9 @@ mx::array gumbel_max_device(const mx::array& scores, const mx::array& temperatur
   return mx::astype(pick, mx::int64);
 }
 
+mx::array greedy_pick(const mx::array& scores) {
+  const mx::array x = mx::where(mx::isnan(scores), mx::array(-std::numeric_limits<float>::infinity()), scores);
+  return mx::astype(mx::argmax(x, 1), mx::int64);
+}
+
 }  // namespace etmlx::kernels

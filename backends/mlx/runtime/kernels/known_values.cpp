@@ -1,6 +1,9 @@
 #include "kernels/known_values.h"
 
 #include <algorithm>
+#include <string>
+
+#include <mlx/primitives.h>
 
 namespace etmlx::kernels {
 
@@ -30,6 +33,22 @@ std::optional<int64_t> known_max(const mx::array& a) {
   const auto v = known_ints(a);
   if (!v) return std::nullopt;
   return *std::max_element(v->begin(), v->end());
+}
+
+bool known_none_positive(const mx::array& a) {
+  if (a.dtype() != mx::float32 || a.size() == 0) return false;
+  // Views that only repeat or regroup elements (the exporter broadcasts a [B] temperature input to its
+  // rows) have no element their input lacks: look through them to the input the host holds.
+  if (a.status() != mx::array::Status::available && a.has_primitive() && a.inputs().size() == 1) {
+    const std::string kind = a.primitive().name();
+    if (kind == "Broadcast" || kind == "Reshape" || kind == "ExpandDims" || kind == "Squeeze") {
+      return known_none_positive(a.inputs()[0]);
+    }
+    return false;
+  }
+  if (a.status() != mx::array::Status::available || !a.flags().row_contiguous) return false;
+  const float* p = a.data<float>();
+  return std::none_of(p, p + a.size(), [](float t) { return t > 0.0f; });
 }
 
 }  // namespace etmlx::kernels

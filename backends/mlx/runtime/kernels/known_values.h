@@ -22,4 +22,8 @@ std::optional<std::vector<int64_t>> known_ints(const mlx::core::array& a);
 // Their maximum (same conditions).
 std::optional<int64_t> known_max(const mlx::core::array& a);
 
+// True when `a` is a materialised, row-contiguous, non-empty float32 array none of whose elements is > 0
+// (NaN included): every row's temperature says greedy. False when it is lazy or not such an array.
+bool known_none_positive(const mlx::core::array& a);
+
 }  // namespace etmlx::kernels
