@@ -318,6 +318,11 @@ ETMLX_EXPORT void* etmlx_draft_ngram_new(int64_t max_ngram, int64_t min_ngram) {
   return out;
 }
 
+// NgramDraft's default max_ngram (which 0) or min_ngram (1).
+ETMLX_EXPORT int64_t etmlx_draft_ngram_default(int64_t which) {
+  return which == 0 ? etmlx::NgramDraft::kMaxNgram : etmlx::NgramDraft::kMinNgram;
+}
+
 ETMLX_EXPORT void* etmlx_draft_prediction_new(const int64_t* prediction, int64_t n) {
   void* out = nullptr;
   guarded([&]() -> int64_t {

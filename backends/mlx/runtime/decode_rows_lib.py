@@ -61,7 +61,8 @@ def _lib() -> ctypes.CDLL:
         raise DecodeRowsError(f"{runtime.library_path()} lays out rows differently: rebuild it (`make setup`)")
     vd = ctypes.c_double
     for name, restype, argtypes in (
-            ("etmlx_draft_ngram_new", vp, [_i64, _i64]), ("etmlx_draft_prediction_new", vp, [_P64, _i64]),
+            ("etmlx_draft_ngram_new", vp, [_i64, _i64]), ("etmlx_draft_ngram_default", _i64, [_i64]),
+            ("etmlx_draft_prediction_new", vp, [_P64, _i64]),
             ("etmlx_draft_free", None, [vp]), ("etmlx_draft_propose", _i64, [vp, _P64, _i64, _P64, _i64, _i64, _P64, _i64]),
             ("etmlx_budget_new", vp, [_i64, vd]), ("etmlx_budget_free", None, [vp]), ("etmlx_budget_size", _i64, [vp]),
             ("etmlx_budget_update", _i64, [vp, _i64, _i64]), ("etmlx_budget_get", _i64, [vp, ctypes.POINTER(vd)]),
@@ -239,6 +240,12 @@ class DraftSourceCore:
     def ngram(cls, max_ngram: int, min_ngram: int) -> "DraftSourceCore":
         lib = _lib()
         return cls(_made(lib, lib.etmlx_draft_ngram_new(max_ngram, min_ngram)), lib)
+
+    @staticmethod
+    def ngram_defaults() -> tuple[int, int]:
+        """NgramDraft's default (max_ngram, min_ngram), as the core defines them."""
+        lib = _lib()
+        return int(lib.etmlx_draft_ngram_default(0)), int(lib.etmlx_draft_ngram_default(1))
 
     @classmethod
     def prediction(cls, prediction: list[int]) -> "DraftSourceCore":

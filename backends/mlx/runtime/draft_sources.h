@@ -24,9 +24,11 @@ class DraftSource {
 // there. Hits on text that repeats its context: code edits, quotes, extraction, summaries.
 class NgramDraft final : public DraftSource {
  public:
-  // Throws std::invalid_argument unless 1 <= min_ngram <= max_ngram. The defaults are also the Python
-  // NgramDraft's (llm/decoder/draft_sources.py) and so `etmlx generate --draft ngram`'s.
-  explicit NgramDraft(int64_t max_ngram = 3, int64_t min_ngram = 1);
+  // The defaults, read by the Python NgramDraft (llm/decoder/draft_sources.py) through the C API, so
+  // `etmlx generate --draft ngram` and `etmlx_decode --draft ngram` look up the same n-grams.
+  static constexpr int64_t kMaxNgram = 3, kMinNgram = 1;
+  // Throws std::invalid_argument unless 1 <= min_ngram <= max_ngram.
+  explicit NgramDraft(int64_t max_ngram = kMaxNgram, int64_t min_ngram = kMinNgram);
   std::vector<int64_t> propose(const std::vector<int64_t>& prompt, const std::vector<int64_t>& output,
                                int64_t k) override;
 

@@ -33,7 +33,11 @@ def _native(make):
 class NgramDraft:
     name = "ngram"
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, max_ngram: int | None = None, min_ngram: int | None = None):
+        """None: the core's default (draft_sources.h NgramDraft::kMaxNgram, kMinNgram)."""
+        default_max, default_min = DraftSourceCore.ngram_defaults()
+        max_ngram = default_max if max_ngram is None else max_ngram
+        min_ngram = default_min if min_ngram is None else min_ngram
         _check_int("max_ngram", max_ngram)
         _check_int("min_ngram", min_ngram)
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
