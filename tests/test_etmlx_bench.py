@@ -4,6 +4,7 @@ JSON; `make -n setup MLX=cuda13` installs the CUDA build of mlx instead of mlx[c
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -205,11 +206,23 @@ def test_gpu_kit_runs_with_the_device_script(tmp_path):
     from backends.mlx.llm.builtin import bench_checkpoint as ckpt
 
     kit = tmp_path / "kit"
-    gpu_kit.build(kit, tmp_path / "cache", log=lambda *_: None, size=ckpt.QUICK_SIZE, sampler_shapes=((500, 2),))
-    script = ROOT / "backends" / "mlx" / "bench" / "gpu_device.py"
-    done = subprocess.run([sys.executable, str(script), str(kit), "--bin", str(BENCH.parent), "--devices", "cpu,cpu",
-                           "--runs", "1", "--calls", "3", "--json", str(tmp_path / "r.json"), "--dot", str(tmp_path / "dots")],
-                          capture_output=True, text=True, timeout=600)
+    gpu_kit.build(kit, tmp_path / "cache", log=lambda *_: None, size=ckpt.QUICK_SIZE, sampler_shapes=((500, 2),),
+                  binaries=True)
+    # The kit carries its tools: with its bin/ first on the search path, every library they load is either
+    # there, the system's, or MLX's (which the GPU host's own wheel provides).
+    import mlx.core
+
+    mlx_lib = Path(mlx.core.__file__).parent / "lib"
+    env = dict(os.environ, LD_LIBRARY_PATH=f"{kit / 'bin'}:{mlx_lib}")
+    for tool in ("etmlx_bench", "etmlx_decode"):
+        ldd = subprocess.run(["ldd", str(kit / "bin" / tool)], capture_output=True, text=True, env=env, check=True)
+        for line in ldd.stdout.splitlines():
+            if " => /" in line:
+                path = line.split(" => ")[1].split(" (")[0]
+                assert path.startswith((str(kit / "bin"), "/lib", "/usr/lib")) or "mlx" in path, line
+    done = subprocess.run([sys.executable, str(kit / "gpu_device.py"), str(kit), "--bin", str(kit / "bin"), "--devices",
+                           "cpu,cpu", "--runs", "1", "--calls", "3", "--json", str(tmp_path / "r.json"), "--dot",
+                           str(tmp_path / "dots")], capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr
     results = json.loads((tmp_path / "r.json").read_text())
     assert [r["kind"] for r in results] == ["decoder"] + ["sampler"] * 3, done.stderr
@@ -234,3 +247,16 @@ def test_gpu_kit_runs_with_the_device_script(tmp_path):
     for engine in ("etmlx", "mlx_lm"):
         assert graph[engine]["nodes"] == sum(graph[engine]["kinds"].values()) > 0
     assert graph["mlx_lm"]["kinds"]["QuantizedMatmul"] > 0 and "one decode step on cpu" in done.stdout
+
+
+def test_gpu_kit_binaries_need_a_build(tmp_path):
+    """Without the C++ build the kit's binaries are refused with one line saying how to make them."""
+    from backends.mlx.bench.gpu_binaries import MissingBinary, carried, copy_binaries
+
+    with pytest.raises(MissingBinary, match="make setup"):
+        copy_binaries(tmp_path / "bin", root=tmp_path)
+    # What travels: ExecuTorch's and OpenBLAS's libraries, not the system's or MLX's (the GPU's own wheel has it).
+    assert carried("libexecutorch.so", Path("/x/site-packages/executorch/lib/libexecutorch.so"))
+    assert not carried("libc.so.6", Path("/lib/x86_64-linux-gnu/libc.so.6"))
+    assert not carried("libmlx.so", Path("/x/site-packages/mlx/lib/libmlx.so"))
+    assert not carried("libblas-bd8a282c.so.3", Path("/x/site-packages/mlx_cpu.libs/libblas-bd8a282c.so.3"))

@@ -28,6 +28,7 @@ import torch
 
 from backends.mlx.bench import decode_programs as programs
 from backends.mlx.bench.decode_shapes import export_in_child
+from backends.mlx.bench.gpu_binaries import copy_binaries
 from backends.mlx.bench.sampler_features import CONFIGS, TEMPERATURE, make_logits
 from backends.mlx.bench.timing import ReadOnce
 from backends.mlx.llm.builtin import bench_checkpoint as ckpt
@@ -113,15 +114,24 @@ def _sampler_items(out: Path, shapes) -> list[dict]:
 
 
 def build(out: Path, cache_dir: Path = Path("out/bench"), log=print, size: dict = ckpt.BENCH_SIZE,
-          sampler_shapes=SAMPLER_SHAPES, shapes=()) -> Path:
+          sampler_shapes=SAMPLER_SHAPES, shapes=(), binaries: bool = False) -> Path:
     """size, sampler_shapes: smaller ones make a kit in seconds (the tests); shapes: names of
-    bench_checkpoint.SHAPES to add as real-size decoders."""
+    bench_checkpoint.SHAPES to add as real-size decoders; binaries: the C++ tools, their libraries and
+    gpu_device.py go into the kit too (bench/gpu_binaries.py), so the GPU host needs only it and MLX's wheel."""
     out.mkdir(parents=True, exist_ok=True)
+    if binaries:  # first: a missing build fails before minutes of exports
+        copied = copy_binaries(out / "bin")
+        shutil.copy2(Path(__file__).with_name("gpu_device.py"), out / "gpu_device.py")
+        log(f"gpu kit: {len(copied)} binaries and libraries in {out / 'bin'}")
     items = _decoder_items(out, cache_dir, size, log) + [_shape_item(s, out, cache_dir, log) for s in shapes] \
         + _sampler_items(out, sampler_shapes)
     manifest = out / "manifest.json"
     manifest.write_text(json.dumps({"items": items}, indent=1))
     total = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-    log(f"gpu kit: {len(items)} items, {total / 1e6:.1f} MB in {out}; run there: "
-        f"python3 backends/mlx/bench/gpu_device.py {out} --bin DIR_WITH_etmlx_bench")
+    if binaries:
+        how = (f"LD_LIBRARY_PATH={out}/bin:<site-packages>/mlx/lib python3 {out}/gpu_device.py {out} --bin {out}/bin "
+               "(after `pip install` of the GPU's mlx wheel and mlx-lm)")
+    else:
+        how = f"python3 backends/mlx/bench/gpu_device.py {out} --bin DIR_WITH_etmlx_bench"
+    log(f"gpu kit: {len(items)} items, {total / 1e6:.1f} MB in {out}; run there: {how}")
     return manifest

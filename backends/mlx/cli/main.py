@@ -116,7 +116,7 @@ def _bench(args) -> int:
         from backends.mlx.bench import gpu_kit
 
         gpu_kit.build(Path(args.out or "out/gpu-kit"), Path(args.cache_dir),
-                      shapes=[args.shape] if args.shape else ())
+                      shapes=[args.shape] if args.shape else (), binaries=args.with_binaries)
         return 0
     raise ValueError(f"unknown benchmark {args.what!r}")
 
@@ -145,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--rows", type=int, default=2000, help="agreement: rows per dtype")
     bench.add_argument("--json", help="also write the records to this path")
     bench.add_argument("--out", help="gpu-kit: the directory to write (default out/gpu-kit)")
+    bench.add_argument("--with-binaries", action="store_true",
+                       help="gpu-kit: also copy etmlx_bench, etmlx_decode, their libraries (not MLX's) and "
+                       "gpu_device.py into the kit, so a GPU host needs only it and MLX's wheel")
     bench.add_argument("--repeats", type=int, help="timed calls per measurement, median (default: sampler 30, "
                        "decode 3 generations, pipeline 5)")
     bench.add_argument("--builtin", action="store_true", help="structured: also the built-in model (demo checkpoint, "
