@@ -220,8 +220,7 @@ def test_gpu_kit_runs_with_the_device_script(tmp_path):
             if " => /" in line:
                 path = line.split(" => ")[1].split(" (")[0]
                 assert path.startswith((str(kit / "bin"), "/lib", "/usr/lib")) or "mlx" in path, line
-    done = subprocess.run([sys.executable, str(kit / "gpu_device.py"), str(kit), "--bin", str(kit / "bin"), "--devices",
-                           "cpu,cpu", "--runs", "1", "--calls", "3", "--json", str(tmp_path / "r.json"), "--dot",
+    done = subprocess.run([sys.executable, str(kit / "gpu_device.py"), str(kit), "--devices", "cpu,cpu", "--runs", "1", "--calls", "3", "--json", str(tmp_path / "r.json"), "--dot",
                            str(tmp_path / "dots")], capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr
     results = json.loads((tmp_path / "r.json").read_text())

@@ -6,7 +6,7 @@ it runs where the exporter cannot (no torch 2.13, no ExecuTorch Python). `--bin 
 and `etmlx_decode`; their libraries come from LD_LIBRARY_PATH (docs/cpp-tools.md, "Carrying binaries to a
 GPU host").
 
-    python3 backends/mlx/bench/gpu_device.py KIT --bin BIN [--json OUT.json]
+    python3 backends/mlx/bench/gpu_device.py KIT [--bin BIN] [--json OUT.json] [--dot DIR]   (BIN: KIT/bin by default)
 
 For each decoder: etmlx_bench (prefill and decode tok/s) with ETMLX_DEVICE=gpu and =cpu; greedy and seeded
 tokens from etmlx_decode on both devices (equal tokens, or the first step where they part); mlx-lm's
@@ -271,7 +271,8 @@ def table(results: list[dict], devices: list[str]) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("kit", type=Path)
-    p.add_argument("--bin", type=Path, required=True, help="directory with etmlx_bench and etmlx_decode")
+    p.add_argument("--bin", type=Path, help="directory with etmlx_bench and etmlx_decode (default: KIT/bin, where "
+                   "`etmlx bench gpu-kit --with-binaries` puts them)")
     p.add_argument("--json", type=Path, help="write every figure here")
     p.add_argument("--runs", type=int, default=4, help="timed decoder runs (after one warm-up)")
     p.add_argument("--calls", type=int, default=50, help="timed sampler calls")
@@ -281,6 +282,9 @@ def main(argv=None) -> int:
                    "and count its nodes by kind")
     a = p.parse_args(argv)
     devices = a.devices.split(",")
+    a.bin = a.bin or a.kit / "bin"
+    if not (a.bin / "etmlx_bench").is_file():
+        p.error(f"no etmlx_bench in {a.bin}: pass --bin, or make the kit with `etmlx bench gpu-kit --with-binaries`")
     if a.dot:
         a.dot.mkdir(parents=True, exist_ok=True)
     items = json.loads((a.kit / "manifest.json").read_text())["items"]
