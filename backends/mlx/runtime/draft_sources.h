@@ -1,6 +1,6 @@
 // Where drafted tokens come from, for draft-verifying programs (`etmlx export --draft-tokens K`), and how
 // many to ask for: one implementation for every decode loop. The C++ etmlx_decode / etmlx_bench use it
-// directly, the Python engine through ctypes (draft_sources_api.cpp, llm/decoder/draft_sources.py).
+// directly, the Python engine through ctypes (decode_rows_api.cpp, llm/decoder/draft_sources.py).
 // A source proposes up to k tokens that it expects to follow prompt + output; the program verifies them
 // (sampler/draft_verification.py), so a wrong guess costs speed, never correctness.
 #pragma once

@@ -177,9 +177,8 @@ int bench_decoder(Module& module, const std::string& method, const etmlx::Progra
   if (!inputs) return fail(a.pte + ": " + error);
   const int64_t max_seq = md.meta.max_seq_len.value_or(inputs->max_call_length());
   const int64_t draft_tokens = md.meta.draft_tokens;
-  if (inputs->verifies() != (draft_tokens > 0))
-    return fail(a.pte + ": its metadata's draft_tokens and its 'verify' input disagree (different exports)");
-  inputs->set_verify(draft_tokens, md.meta.verify_min_width);
+  if (!inputs->set_verify(draft_tokens, md.meta.verify_min_width, &error))
+    return fail(a.pte + ": its metadata " + error);
   if (a.prompt_len > inputs->max_call_length() || a.prompt_len + a.decode_steps > max_seq)
     return fail("--prompt-len + --decode-steps must fit the program's " + std::to_string(max_seq) + " positions");
   const int64_t vocab = md.meta.vocab_size.value_or(2);

@@ -289,11 +289,8 @@ int run(const etmlx::DecodeArgs& args) {
     if (!etmlx::read_mask_file(*args.mask_file, inputs->mask_words(), &mask_rows, &error))
       return fail(kBadInput, error);
   }
-  if (inputs->verifies() != (sidecar.draft_tokens > 0))
-    return fail(kBadInput, metadata->origin + (sidecar.draft_tokens > 0 ? " says draft_tokens " +
-                std::to_string(sidecar.draft_tokens) + " but the program has no 'verify' input"
-                : " says nothing of draft_tokens but the program has a 'verify' input") + ": they come from different exports");
-  inputs->set_verify(sidecar.draft_tokens, sidecar.verify_min_width);
+  if (!inputs->set_verify(sidecar.draft_tokens, sidecar.verify_min_width, &error))
+    return fail(kBadInput, metadata->origin + " " + error);
   std::shared_ptr<etmlx::DraftSource> drafts;
   if (!draft_source(args, sidecar.draft_tokens, tokenizer.get(), vocab, &drafts, &error)) return fail(kBadInput, error);
   if (sidecar.draft_tokens > 0 && structured)

@@ -186,6 +186,19 @@ bool StepInputs::verifies() const {
   return false;
 }
 
+bool StepInputs::set_verify(int64_t draft_tokens, int64_t min_width, std::string* error) {
+  if (verifies() != (draft_tokens > 0)) {
+    *error = (draft_tokens > 0 ? "says draft_tokens " + std::to_string(draft_tokens) +
+                                     " but the program has no 'verify' input"
+                               : std::string("says nothing of draft_tokens but the program has a 'verify' input")) +
+             ": they come from different exports";
+    return false;
+  }
+  draft_tokens_ = draft_tokens;
+  verify_min_width_ = min_width;
+  return true;
+}
+
 int64_t StepInputs::mask_words() const {
   for (const Slot& slot : slots_) {
     // [B, words], or [B, G, words] in a draft-verifying program (a mask per verified position)

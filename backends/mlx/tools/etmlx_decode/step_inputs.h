@@ -48,14 +48,11 @@ class StepInputs {
   // Words per row of the program's allowed_mask input, or 0 when it has none.
   int64_t mask_words() const;
 
-  // Whether the program verifies drafts (it has the "verify" input). Its calls then need set_verify().
-  bool verifies() const;
-  // A draft-verifying program's K and the fewest verify columns a call carries (Sidecar's draft_tokens and
-  // verify_min_width; llm/decoder/step_inputs.py verify_input lays the input out the same way).
-  void set_verify(int64_t draft_tokens, int64_t min_width) {
-    draft_tokens_ = draft_tokens;
-    verify_min_width_ = min_width;
-  }
+  // The metadata's draft_tokens K (0: a plain program) and the fewest verify columns a call carries
+  // (Sidecar's draft_tokens and verify_min_width; llm/decoder/step_inputs.py verify_input lays the input out
+  // the same way). False, with `error` saying what the metadata says, when the program's "verify" input
+  // disagrees with K: program and metadata come from different exports.
+  bool set_verify(int64_t draft_tokens, int64_t min_width, std::string* error);
 
  private:
   enum class Role { Tokens, StartPos, Lengths, Verify, Temperature, Seed, Knob };
@@ -71,6 +68,8 @@ class StepInputs {
 
   // values[b] in row b's elements.
   executorch::extension::TensorPtr filled(const Slot& slot, const std::vector<KnobValue>& values) const;
+
+  bool verifies() const;  // the program has the "verify" input
 
   std::vector<Slot> slots_;
   int64_t max_call_length_ = 0;
