@@ -71,15 +71,20 @@ def random_mlx_lm_model(config: dict):
     return model
 
 
-def mlx_lm_decoder(source, prompt: list[int], steps: int, runs: int, device: str) -> dict:
-    """source: an mlx-lm directory, or a config dict (random weights: timings only)."""
+def mlx_lm_model(source, device: str):
+    """mlx-lm's model on `device`; source: an mlx-lm directory, or a config dict (random weights: timings only)."""
     import mlx.core as mx
     import mlx_lm
+
+    mx.set_default_device(getattr(mx, device))
+    return random_mlx_lm_model(source) if isinstance(source, dict) else mlx_lm.load(str(source))[0]
+
+
+def mlx_lm_decoder(model, prompt: list[int], steps: int, runs: int) -> dict:
+    import mlx.core as mx
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_sampler
 
-    mx.set_default_device(getattr(mx, device))
-    model = random_mlx_lm_model(source) if isinstance(source, dict) else mlx_lm.load(str(source))[0]
     sampler = make_sampler(temp=0.0)
     prefill, decode, tokens = [], [], None
     for run in range(runs + 1):  # the first run warms up (kernel compilation)
@@ -111,15 +116,12 @@ def node_kinds(dot: Path) -> dict[str, int]:
     return dict(sorted(kinds.items(), key=lambda kv: -kv[1]))
 
 
-def mlx_lm_step_dot(source, prompt: list[int], device: str, path: Path) -> None:
+def mlx_lm_step_dot(model, prompt: list[int], path: Path) -> None:
     """One greedy decode step of mlx-lm (after the prompt's prefill) as Graphviz: its logits' argmax and the
-    cache it writes, unevaluated, on `device`."""
+    cache it writes, unevaluated."""
     import mlx.core as mx
-    import mlx_lm
     from mlx_lm.models.cache import make_prompt_cache
 
-    mx.set_default_device(getattr(mx, device))
-    model = random_mlx_lm_model(source) if isinstance(source, dict) else mlx_lm.load(str(source))[0]
     cache = make_prompt_cache(model)
     token = mx.argmax(model(mx.array([prompt]), cache=cache)[:, -1, :], axis=-1)
     arrays = lambda: [a for c in cache for a in c.state if isinstance(a, mx.array)]  # noqa: E731 (state ends in ints)
@@ -129,16 +131,15 @@ def mlx_lm_step_dot(source, prompt: list[int], device: str, path: Path) -> None:
     mx.eval(token)
 
 
-def step_graphs(kit: Path, bin_dir: Path, item: dict, device: str, dot_dir: Path) -> dict:
+def step_graphs(kit: Path, bin_dir: Path, item: dict, device: str, dot_dir: Path, model) -> dict:
     """Node kinds of one decode step: etmlx's (ETMLX_DOT of etmlx_bench's last call, a decode step) and
-    mlx-lm's, on `device`."""
+    mlx-lm's (`model`, on `device`)."""
     pte = str(kit / item["pte"])
     etmlx_dot, mlx_lm_dot = dot_dir / f"{item['name']}-etmlx-{device}.dot", dot_dir / f"{item['name']}-mlx_lm-{device}.dot"
     env = dict(os.environ, ETMLX_DEVICE=device, ETMLX_DOT=str(etmlx_dot))
     subprocess.run([str(bin_dir / "etmlx_bench"), pte, "--prompt-len", str(len(item["prompt_ids"])),
                     "--decode-steps", "4", "--runs", "1"], env=env, capture_output=True, check=True, timeout=600)
-    source = kit / item["mlx_lm_dir"] if "mlx_lm_dir" in item else item["mlx_lm_config"]
-    mlx_lm_step_dot(source, item["prompt_ids"], device, mlx_lm_dot)
+    mlx_lm_step_dot(model, item["prompt_ids"], mlx_lm_dot)
     out = {}
     for engine, path in (("etmlx", etmlx_dot), ("mlx_lm", mlx_lm_dot)):
         kinds = node_kinds(path)
@@ -169,12 +170,12 @@ def run_decoder(kit: Path, bin_dir: Path, item: dict, runs: int, devices: list[s
     out["greedy_cpu_gpu_agree"] = common_prefix(out[f"greedy_{first}"], out[f"greedy_{last}"])
     out["sampled_cpu_gpu_agree"] = common_prefix(out[f"sampled_{first}"], out[f"sampled_{last}"])
     same_weights = "mlx_lm_dir" in item
-    out["mlx_lm"] = mlx_lm_decoder(kit / item["mlx_lm_dir"] if same_weights else item["mlx_lm_config"], prompt, steps,
-                                   runs, first)
+    model = mlx_lm_model(kit / item["mlx_lm_dir"] if same_weights else item["mlx_lm_config"], first)
+    out["mlx_lm"] = mlx_lm_decoder(model, prompt, steps, runs)
     out["mlx_lm_agree_with_etmlx"] = common_prefix(out[f"greedy_{first}"], out["mlx_lm"]["tokens"]) \
         if same_weights else None
     if dot_dir is not None:
-        out["step_graph"] = step_graphs(kit, bin_dir, item, first, dot_dir)
+        out["step_graph"] = step_graphs(kit, bin_dir, item, first, dot_dir, model)
     return out
 
 
