@@ -44,11 +44,11 @@ from typing import Callable
 
 import torch
 
-from backends.mlx.llm.decoder.constraints import EXPORT_HINT, Constraint, ConstraintError, Matcher, vocabulary_for
+from backends.mlx.llm.decoder.constraints import Constraint, ConstraintError, Matcher, ProgramGrammar
 from backends.mlx.llm.decoder.decode_rows import FORCE_BIAS, DecodeRows, TokenEvent  # noqa: F401 (re-exported)
 from backends.mlx.llm.decoder.draft_sources import NgramDraft
 from backends.mlx.llm.decoder.loop import check_prompt
-from backends.mlx.llm.decoder.meta import PIPELINED_HINT, DecoderMeta
+from backends.mlx.llm.decoder.meta import DecoderMeta
 from backends.mlx.llm.sampler.params import SamplingParams
 
 log = logging.getLogger("etmlx.serve")
@@ -86,7 +86,7 @@ class EngineRequest:
     draft: object | None = None
 
 
-class Engine:
+class Engine(ProgramGrammar):
     def __init__(self, program, meta: DecoderMeta, max_batch: int | None = None,
                  request_timeout: float | None = None, max_queue: int | None = None, pte=None,
                  prompt_cache: bool = True, prefix_affinity: bool = True,
@@ -155,14 +155,9 @@ class Engine:
             if request.draft is None:
                 request.draft = NgramDraft()
         if request.constraint is not None and request.matcher is None:
-            # ConstraintError (a ValueError) names a bad schema/regex/grammar or a program without the mask
-            if not self.meta.config.allowed_mask or self.pte is None:
-                raise ConstraintError(EXPORT_HINT)
-            if self.meta.pipelined:  # the next call's mask would need the token the device has not returned
-                raise ConstraintError(PIPELINED_HINT)
-            if self._vocabulary is None:
-                self._vocabulary = vocabulary_for(self.pte, self.meta)
-            request.matcher = self._vocabulary.matcher(request.constraint)
+            # ConstraintError (a ValueError) names a bad schema/regex/grammar, a program without the mask or a
+            # pipelined one (ProgramGrammar.vocabulary)
+            request.matcher = self.matcher(request.constraint)
 
     def submit(self, request: EngineRequest) -> int:
         self.submit_all([request])
