@@ -154,3 +154,76 @@ def test_bad_requests_get_one_line_errors():
     assert core.layout(only=1)[1]["kinds"] == [lib.IDLE, lib.IDLE]  # the other rows still lay out
     with pytest.raises(DecodeRowsError, match="max_seq_len"):
         _core(max_seq_len=0)
+
+
+class _VerifyingDevice:
+    """A pipelined draft-verifying program over a fixed continuation (pipelined_verify.py's contract): the
+    model's next token after `prompt + ref[:j]` is ref[j]; drafts are accepted while they match it."""
+
+    def __init__(self, prompt_len: int, ref: list[int]):
+        self.prompt_len, self.ref, self.last = prompt_len, ref, 0
+        self.delivered = self.calls = 0
+
+    def __call__(self, core) -> tuple[list[int], list[int], list[int]]:
+        tokens, per_row = core.layout()
+        deliver, start, length = per_row["deliver"][0], per_row["start_pos"][0], per_row["lengths"][0]
+        row = [self.last if t < 0 else t for t in tokens[0][:length]]
+        n_drafts = len(core.tokens(0, lib.DRAFTS))
+        fed_end = start + length - n_drafts  # positions start .. fed_end - 1 are fed tokens
+        accepted = 0
+        while accepted < n_drafts and row[length - n_drafts + accepted] == self.ref[fed_end + accepted - self.prompt_len]:
+            accepted += 1
+        token = self.ref[fed_end + accepted - self.prompt_len]
+        fed, self.last = self.last, token
+        self.calls += 1
+        self.delivered += deliver
+        return ([token], [accepted], [fed]) if deliver else ([fed], [0], [fed])
+
+
+@pytest.mark.parametrize("source", ["exact", "dry", "wrong"])
+def test_pipelined_drafts_deliver_only_when_a_source_needs_the_token(source):
+    """A pipelined draft program (the `deliver` input): calls without drafts do not deliver, the row's token
+    comes back as the next call's `fed`, and the tokens are the plain continuation whatever the source does.
+    A source that never proposes is asked again after 1, 2, 4 .. 16 undelivered calls: few calls deliver."""
+    prompt, n, k = [1, 2, 3, 4], 100, 4
+    ref = [(7 * i + 5) % 50 + 10 for i in range(n + k + 2)]
+    core = _core(batch=1, max_seq_len=n + 16, pipelined=True, draft_tokens=k, eos=())
+    _start(core, 0, prompt, max_tokens=n)
+    device, out = _VerifyingDevice(len(prompt), ref), []
+    while core.active:
+        want = core.ask(0, k)
+        seen = len(core.tokens(0, lib.OUTPUT))
+        if source == "exact":
+            drafts = ref[seen:seen + want]
+        elif source == "wrong":
+            drafts = [t + 1 for t in ref[seen:seen + want]]
+        else:
+            drafts = []
+        core.set_drafts(0, drafts)
+        tokens, accepted, fed = device(core)
+        out += [e["token"] for e in core.read(tokens, accepted, None, fed=fed)]
+    assert out == ref[:n]
+    assert core.tokens(0, lib.HELD)[:len(prompt) + n - 1] == prompt + ref[:n - 1]
+    if source == "dry":
+        assert 3 <= device.delivered <= 12, device.delivered  # probes, backing off to one call in 17
+        assert device.calls == n + 1
+    if source == "exact":  # every call carries drafts after the first: each delivers K + 1 tokens
+        assert device.delivered == device.calls <= -(-n // (k + 1)) + 1
+
+
+def test_a_pending_row_takes_no_drafts():
+    core = _core(batch=1, pipelined=True, draft_tokens=2, eos=())
+    _start(core, 0, [1, 2], max_tokens=8)
+    assert core.ask(0, 2) == 2
+    core.set_drafts(0, [])  # nothing proposed: the prefill does not deliver
+    _, per_row = core.layout()
+    assert per_row["deliver"][0] == 0
+    assert core.read([0], [0], None, fed=[0]) == []  # the slot's previous call's: skipped
+    assert core.ask(0, 2) == 0  # its token is in flight: the source is not asked
+    with pytest.raises(DecodeRowsError, match="in flight"):
+        core.set_drafts(0, [5])
+    tokens, per_row = core.layout()
+    assert tokens[0] == [-1] and per_row["deliver"][0] == 1  # one empty answer: the next ask comes at once
+    [e1, e2] = core.read([6], [0], None, fed=[5])  # the prefill's token, then this call's own
+    assert (e1["token"], e2["token"]) == (5, 6) and core.tokens(0, lib.HELD) == [1, 2, 5]
+    assert core.ask(0, 2) == 2

@@ -126,7 +126,8 @@ def test_cli_generate_with_a_draft_model(programs, capsys):
             report = json.loads(out.strip().splitlines()[-1])
             assert report["tokens"] == plain["tokens"], (seeded, k)
             draft = report["draft"]
-            assert draft["accepted"] <= draft["proposed"] and draft["calls"] <= len(plain["tokens"])
+            # at most a call per token, and one more: a pipelined program's first token comes with its second call
+            assert draft["accepted"] <= draft["proposed"] and draft["calls"] <= len(plain["tokens"]) + 1
             if not seeded:  # the same weights: every greedy draft is accepted
                 assert 0 < draft["accepted"] == draft["proposed"]
 

@@ -60,7 +60,8 @@ def test_api_gives_the_plain_tokens_with_every_draft_source(programs, sampling):
         assert got_last.finish_reason == last.finish_reason, name
         assert 0 <= got_last.accepted_draft_tokens <= got_last.proposed_draft_tokens, name
         if options == {"draft": "none"}:
-            assert got_last.proposed_draft_tokens == 0 and draft.stats.calls == len(tokens)
+            # a pipelined program (the default) returns its first token with its second call
+            assert got_last.proposed_draft_tokens == 0 and draft.stats.calls == len(tokens) + draft.meta.pipelined
         if "prediction" in options and isinstance(options["prediction"], list):  # exact: every draft accepted
             assert got_last.accepted_draft_tokens == got_last.proposed_draft_tokens == len(tokens) - draft.stats.calls
             assert draft.stats.calls <= -(-len(tokens) // (K + 1)) + 1
@@ -76,9 +77,9 @@ def test_prompt_cache_on_a_draft_program(programs):
         got = {name: _run(cache.model, turn, 12, prompt_cache=cache) for name, cache in caches.items()}
         assert got["draft"][:2] == got["plain"][:2], f"turn {i}"
         assert caches["draft"].tokens == caches["plain"].tokens
-        # all but the last reply token, which was sampled, never fed (the plain program here is pipelined: it
-        # feeds that one too)
-        assert got["draft"][2].cached_tokens == max(before - 1, 0)
+        # all but the last reply token when a delivering call sampled it (never fed); all of them when an
+        # undelivered call's token came back with one more call, which fed it (as the pipelined plain program)
+        assert max(before - 1, 0) <= got["draft"][2].cached_tokens <= before
     assert got["draft"][2].proposed_draft_tokens > 0
 
 

@@ -1,7 +1,9 @@
 """Draft-verifying programs (`--draft-tokens K`) and the speculative driver: the tokens are plain decoding's
 with every draft source (greedy; seeded sampling with filters and penalties too), per-row drafts in a batch
 match the eager model, stale KV entries of rejected drafts are never attended (a sliding-window model
-included), and the metadata tells loaders the calling convention."""
+included), and the metadata tells loaders the calling convention. Draft programs are pipelined by default
+(their calls without drafts need not wait: pipelined_verify.py); the unpipelined ones (--no-pipeline) are
+checked beside them."""
 
 from __future__ import annotations
 
@@ -48,9 +50,10 @@ def llama():
 @pytest.fixture(scope="module")
 def programs(tmp_path_factory, llama) -> dict:
     out = tmp_path_factory.mktemp("speculative")
-    paths = {"plain": out / "plain.pte", "draft": out / "draft.pte"}
+    paths = {"plain": out / "plain.pte", "draft": out / "draft.pte", "unpipelined": out / "unpipelined.pte"}
     export_decoder(llama, paths["plain"], 64, config=CONFIG)
     export_decoder(llama, paths["draft"], 64, config=CONFIG, draft_tokens=K)  # verified on export too
+    export_decoder(llama, paths["unpipelined"], 64, config=CONFIG, draft_tokens=K, pipelined=False)
     return paths
 
 
@@ -66,13 +69,15 @@ def _sources(reference):
             "edited prediction": PredictionDraft(wrong)}
 
 
+@pytest.mark.parametrize("program", ["draft", "unpipelined"])
 @pytest.mark.parametrize("params", list(PARAMS))
-def test_tokens_are_plain_decodings_with_every_draft_source(programs, llama, params):
+def test_tokens_are_plain_decodings_with_every_draft_source(programs, llama, params, program):
     n = 40
     reference = _plain(programs["plain"], PARAMS[params], n)
     if params == "greedy":
         assert reference == eager_greedy(llama, PROMPT, n)
-    decoder = SpeculativeDecoder(programs["draft"])
+    decoder = SpeculativeDecoder(programs[program])
+    pipelined = program == "draft"
     for name, source in _sources(reference).items():
         tokens = list(decoder.stream(PROMPT, n, PARAMS[params], draft=source, stop_at_eos=False))
         assert tokens == reference, f"{params}, {name} drafts"
@@ -81,8 +86,8 @@ def test_tokens_are_plain_decodings_with_every_draft_source(programs, llama, par
             assert stats.accepted == stats.proposed > 0 and stats.calls <= -(-n // (K + 1)) + 1
         if name == "edited prediction":
             assert 0 < stats.accepted < stats.proposed
-        if name == "none":
-            assert stats.proposed == 0 and stats.calls == n
+        if name == "none":  # a pipelined program's first token comes with its second call
+            assert stats.proposed == 0 and stats.calls == n + pipelined
 
 
 def test_per_row_drafts_in_a_batch_match_the_eager_model(tmp_path, llama):
@@ -102,7 +107,7 @@ def test_per_row_drafts_in_a_batch_match_the_eager_model(tmp_path, llama):
             tokens[b, :len(r)] = torch.tensor(r)
         inputs = step_inputs(meta, tokens, starts, [len(r) for r in rows], [SamplingParams()] * 3, [0] * 3,
                              [True] * 3, drafts=drafts_per_row)
-        accepted, token = method.execute(inputs)
+        accepted, token, *_ = method.execute(inputs)  # (and `fed`: a pipelined program, every call delivered)
         return accepted.tolist(), token.tolist()
 
     accepted, token = call(prompts, [0, 0, 0], [[], [], []])
@@ -146,9 +151,9 @@ def test_a_call_without_drafts_carries_one_column(programs, llama):
     """A one-row program's call without drafts sends only the last token (G = 1: the head and sampler of a
     plain step), and answers as a call padded to 2 columns does (how programs exported before
     verify_min_width were called)."""
-    meta = DecoderMeta.load(programs["draft"])
+    meta = DecoderMeta.load(programs["unpipelined"])
     assert meta.verify_min_width == 1
-    method = load_method(programs["draft"])
+    method = load_method(programs["unpipelined"])
     seq = list(PROMPT) + eager_greedy(llama, PROMPT, 3)
     answers = {}
     for min_width in (1, 2):
@@ -181,7 +186,10 @@ def test_metadata_and_loaders(programs):
     assert DecoderMeta.load(programs["draft"]).draft_tokens == K
     assert DecoderMeta.load(programs["plain"]).draft_tokens == 0
     meta = DecoderMeta.load(programs["draft"])
-    assert meta.inputs[:4] == ["tokens", "start_pos", "lengths", "verify"]
+    assert meta.pipelined and meta.inputs[:5] == ["tokens", "start_pos", "lengths", "verify", "deliver"]
+    assert meta.outputs == ["accepted", "token", "fed"]
+    meta = DecoderMeta.load(programs["unpipelined"])
+    assert not meta.pipelined and meta.inputs[:5] == ["tokens", "start_pos", "lengths", "verify", "temperature"]
     assert meta.outputs == ["accepted", "token"]
     with pytest.raises(ValueError, match="exported with --draft-tokens 4.*cannot drive it"):
         Decoder(programs["draft"])
@@ -190,8 +198,9 @@ def test_metadata_and_loaders(programs):
 
 
 def test_export_refuses_what_a_verifying_program_cannot_do(tmp_path, llama):
-    with pytest.raises(ValueError, match="cannot be pipelined"):
-        export_decoder(llama, tmp_path / "x.pte", 32, draft_tokens=2, pipelined=True)
+    with pytest.raises(ValueError, match="cannot take a mask"):
+        export_decoder(llama, tmp_path / "x.pte", 32, config=SamplerConfig(allowed_mask=True), draft_tokens=2,
+                       pipelined=True)
     with pytest.raises(ValueError, match="logprobs"):
         export_decoder(llama, tmp_path / "x.pte", 32, config=SamplerConfig(logprobs=2), draft_tokens=2)
     with pytest.raises(ValueError, match="below max_seq_len"):

@@ -179,7 +179,8 @@ def add_parsers(sub) -> None:
                         help="raw: the model's distribution (default); processed: after bias, temperature, filters")
     export.add_argument("--draft-tokens", type=int, default=0, metavar="K",
                         help="a program that verifies up to K drafted tokens per call (speculative decoding: "
-                             "greedy acceptance, rejection sampling at T > 0); default 0: a plain program")
+                             "greedy acceptance, rejection sampling at T > 0; pipelined, its calls without drafts "
+                             "do not wait for their token); default 0: a plain program")
     export.set_defaults(func=run_export)
 
     generate = sub.add_parser("generate", help="decode on the device from an exported .pte, streaming text")

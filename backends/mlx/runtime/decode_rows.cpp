@@ -229,11 +229,32 @@ int64_t DecodeRows::draft_room(int64_t slot, int64_t limit) const {
   return std::max<int64_t>(k, 0);
 }
 
+int64_t DecodeRows::ask(int64_t slot, int64_t limit) {
+  RowState* r = row(slot);
+  if (!r) return 0;
+  const int64_t k = draft_room(slot, limit);
+  r->asked = k > 0 && !r->pending;
+  if (!pipelined_drafts() || k == 0 || !r->pending) return r->asked ? k : 0;
+  // The row's token is in flight: its source could only continue the tokens before it. After `dry` empty
+  // answers the row waits 2^(dry - 1) calls (at most kMaxQuiet) before a call delivers to ask again.
+  const int64_t wait = r->dry == 0 ? 0 : std::min<int64_t>(int64_t{1} << std::min<int64_t>(r->dry - 1, 30), kMaxQuiet);
+  if (r->quiet >= wait) r->deliver = true;
+  return 0;
+}
+
 void DecodeRows::set_drafts(int64_t slot, std::vector<int64_t> drafts) {
   RowState* r = row(slot);
   if (!r) throw std::invalid_argument("row " + std::to_string(slot) + " has no request");
   if (static_cast<int64_t>(drafts.size()) > draft_room(slot, config_.draft_tokens))
     throw std::invalid_argument("row " + std::to_string(slot) + ": more drafts than the call has room for");
+  if (!drafts.empty() && r->pending)
+    throw std::invalid_argument("row " + std::to_string(slot) +
+                                ": drafts must follow a token the host has seen (its last one is in flight)");
+  if (r->asked) {
+    r->dry = drafts.empty() ? r->dry + 1 : 0;
+    r->quiet = 0;
+    r->asked = false;
+  }
   r->drafts = std::move(drafts);
 }
 
@@ -256,6 +277,11 @@ CallLayout DecodeRows::layout(int64_t only) {
   call.kinds.resize(batch);
   call.forced.assign(batch, 0);
   call.drafts.resize(batch);
+  // A pipelined draft program's call delivers when a row carries drafts or wants its token in flight.
+  call.deliver = !pipelined_drafts();
+  for (size_t slot = 0; slot < batch; ++slot)
+    if (const RowState* r = fed(slot)) call.deliver = call.deliver || !r->drafts.empty() || r->deliver;
+  delivered_ = call.deliver;
   for (size_t slot = 0; slot < batch; ++slot) {
     const RowState* r = fed(slot);
     if (!r) {  // a throwaway token, greedy, where it overwrites nothing cached
@@ -322,9 +348,36 @@ bool DecodeRows::check(RowState& row, int64_t slot, RowEvent& event, const Advan
   return event.finish == Finish::None;
 }
 
-std::vector<RowEvent> DecodeRows::read(const int64_t* tokens, const int64_t* accepted, const Advance& advance) {
+bool DecodeRows::take_verified(RowState& row, int64_t slot, int64_t accepted, int64_t token, const Advance& advance,
+                               std::vector<RowEvent>& events) {
+  const int64_t n = std::clamp<int64_t>(accepted, 0, static_cast<int64_t>(row.drafts.size()));
+  std::vector<int64_t> fresh(row.drafts.begin(), row.drafts.begin() + n);
+  std::vector<int64_t> written = row.feed;  // not the rejected drafts: stale entries
+  written.insert(written.end(), fresh.begin(), fresh.end());
+  wrote(slot, row.pos, written);
+  fresh.push_back(token);
+  row.proposed += static_cast<int64_t>(row.drafts.size());
+  row.accepted += n;
+  for (int64_t t : fresh) {
+    RowEvent event{slot, t, Finish::None, Failure::None, 0, row.cached, row.proposed, row.accepted};
+    const bool goes_on = check(row, slot, event, advance);
+    events.push_back(event);
+    if (!goes_on) return false;
+  }
+  row.pos += static_cast<int64_t>(row.feed.size()) + n;
+  row.output.insert(row.output.end(), fresh.begin(), fresh.end());
+  row.feed = {fresh.back()};
+  row.drafts.clear();
+  row.step += static_cast<int64_t>(fresh.size());  // output token j draws with seed + j, as in the plain loop
+  return true;
+}
+
+std::vector<RowEvent> DecodeRows::read(const int64_t* tokens, const int64_t* accepted, const Advance& advance,
+                                       const int64_t* fed) {
   if (config_.draft_tokens && !accepted)
     throw std::invalid_argument("a draft-verifying program's outputs start with the accepted counts");
+  if (pipelined_drafts() && !fed)
+    throw std::invalid_argument("a pipelined draft-verifying program also returns the token each row was fed");
   for (auto& r : rows_)
     if (r) ++r->calls;
   std::vector<RowEvent> events;
@@ -333,31 +386,41 @@ std::vector<RowEvent> DecodeRows::read(const int64_t* tokens, const int64_t* acc
     if (!opt) continue;
     RowState& row = *opt;
     const int64_t token = tokens[slot];
-    if (config_.draft_tokens) {
-      const int64_t n = std::clamp<int64_t>(accepted[slot], 0, static_cast<int64_t>(row.drafts.size()));
-      std::vector<int64_t> fresh(row.drafts.begin(), row.drafts.begin() + n);
-      std::vector<int64_t> written = row.feed;  // not the rejected drafts: stale entries
-      written.insert(written.end(), fresh.begin(), fresh.end());
-      wrote(slot, row.pos, written);
-      fresh.push_back(token);
-      row.proposed += static_cast<int64_t>(row.drafts.size());
-      row.accepted += n;
-      bool goes_on = true;
-      for (int64_t t : fresh) {
+    if (pipelined_drafts()) {
+      ++row.quiet;
+      if (row.pending) {  // the row's last call's token: this call fed it at row.pos
+        row.pending = false;
+        const int64_t t = fed[slot];
+        wrote(slot, row.pos, {t});
         RowEvent event{slot, t, Finish::None, Failure::None, 0, row.cached, row.proposed, row.accepted};
-        goes_on = check(row, slot, event, advance);
+        const bool goes_on = check(row, slot, event, advance);
         events.push_back(event);
-        if (!goes_on) break;
+        if (!goes_on) {
+          end(slot);
+          continue;
+        }
+        row.output.push_back(t);
+        row.feed = {t};
       }
-      if (!goes_on) {
-        end(slot);
+      // A row takes a delivered call's outputs only when it asked for them (drafts, or its source wanting
+      // the token): a row decodes as it would alone, whatever the rows beside it draft.
+      const bool own = delivered_ && (!row.drafts.empty() || row.deliver);
+      row.deliver = false;
+      if (own) {
+        if (!take_verified(row, slot, accepted[slot], token, advance, events)) end(slot);
         continue;
       }
-      row.pos += static_cast<int64_t>(row.feed.size()) + n;
-      row.output.insert(row.output.end(), fresh.begin(), fresh.end());
-      row.feed = {fresh.back()};
-      row.drafts.clear();
-      row.step += static_cast<int64_t>(fresh.size());  // output token j draws with seed + j, as in the plain loop
+      // Not its delivery: a call without drafts, whose token the next call returns (as `fed`). Its feed is
+      // known here (the prompt, or a token the host has seen).
+      wrote(slot, row.pos, row.feed);
+      row.pos += static_cast<int64_t>(row.feed.size());
+      row.feed = {kFedBack};
+      row.step += 1;
+      row.pending = true;
+      continue;
+    }
+    if (config_.draft_tokens) {
+      if (!take_verified(row, slot, accepted[slot], token, advance, events)) end(slot);
       continue;
     }
     // A pipelined row's prefill returns nothing of its own (the outputs are the slot's previous call's);

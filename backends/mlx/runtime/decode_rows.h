@@ -20,6 +20,17 @@
 //   checked for eos / max_tokens), advances n + 1 steps (seed + step stays the plain schedule) and n + 1
 //   positions past its fed tokens. A rejected draft's KV entry is overwritten by the next call before
 //   anything attends to it.
+// - Pipelined draft-verifying programs (the `deliver` input, llm/decoder/pipelined_verify.py): a call
+//   either delivers (returns its own accepted count and token, and the host waits for them) or not
+//   (returns the row's previous call's token, so the host never waits for the step it has just started).
+//   A call delivers when some row carries drafts or must learn its last token (deliver); a call without
+//   drafts after an undelivered one feeds kFedBack, one position on. A row takes a delivered call's own
+//   outputs only when it asked for them, so it decodes as it would alone. Every call also returns `fed`, the
+//   token its column 0 used in place of kFedBack: that is a pending row's token, whichever way the call
+//   went. A row's source can only continue the tokens the host has seen, so a pending row whose budget
+//   wants drafts asks for one delivered call without drafts first (ask()); a source that answered with
+//   none is asked again only after 1, 2, 4 .. 16 undelivered calls (kMaxQuiet), so a source that never
+//   hits delivers about one call in 17.
 //
 // The prompt cache (the row caches): a row's KV cache keeps what its requests wrote; a new prompt that
 // starts with tokens a row holds (the longest common prefix, at least its last token fed again) starts
@@ -95,6 +106,7 @@ struct CallLayout {
   std::vector<RowKind> kinds;
   std::vector<int64_t> forced;   // RowKind::Forced: the token to push up
   std::vector<std::vector<int64_t>> drafts;
+  bool deliver = true;           // the call returns its own outputs (always, except pipelined draft programs)
 };
 
 struct RowState {
@@ -107,6 +119,12 @@ struct RowState {
   int64_t calls = 0;          // program calls that fed the row, the prefill included
   std::vector<int64_t> drafts, output;  // draft-verifying programs: next call's drafts; tokens so far
   int64_t proposed = 0, accepted = 0;
+  // Pipelined draft-verifying programs:
+  bool pending = false;  // the row's last call did not deliver: its token comes with the next call
+  bool deliver = false;  // the next call must deliver: the row's source wants the token in flight
+  bool asked = false;    // the source was asked for this call's drafts (ask())
+  int64_t dry = 0;       // the source's answers in a row that held no draft
+  int64_t quiet = 0;     // calls since the source was last asked
 };
 
 class DecodeRows {
@@ -153,12 +171,22 @@ class DecodeRows {
   // Draft-verifying programs: how many drafts row `slot` may carry next call (at most `limit`, K, its
   // tokens left minus one and the call's room); set_drafts() gives them.
   int64_t draft_room(int64_t slot, int64_t limit) const;
+  // How many drafts to ask row `slot`'s source for now: draft_room(), except in a pipelined draft program,
+  // where a row whose token is still in flight is not asked (0) and may instead have its next call deliver
+  // (see the rules above). Call it before set_drafts(), which records the source's answer.
+  int64_t ask(int64_t slot, int64_t limit);
   void set_drafts(int64_t slot, std::vector<int64_t> drafts);
+  // Undelivered calls a pending row waits before its source is asked again, after `dry` empty answers.
+  static constexpr int64_t kMaxQuiet = 16;
   // The next call's rows (`only` >= 0: that row alone, the others idle).
   CallLayout layout(int64_t only = -1);
   // Applies a call's outputs: tokens [batch] (output 0 of a plain program; output 1 of a draft-verifying
-  // one, whose output 0 is `accepted`). Events in slot order; a row whose event has a finish has ended.
-  std::vector<RowEvent> read(const int64_t* tokens, const int64_t* accepted, const Advance& advance);
+  // one, whose output 0 is `accepted`; a pipelined draft program's output 2 is `fed`). The call is the last
+  // one layout() laid out. Events in slot order; a row whose event has a finish has ended.
+  std::vector<RowEvent> read(const int64_t* tokens, const int64_t* accepted, const Advance& advance,
+                             const int64_t* fed = nullptr);
+  // Whether the program is a pipelined draft-verifying one (its calls take `deliver` and return `fed`).
+  bool pipelined_drafts() const { return config_.pipelined && config_.draft_tokens > 0; }
 
  private:
   struct RowCache {
@@ -170,6 +198,9 @@ class DecodeRows {
   std::pair<int64_t, int64_t> copyable(int64_t slot, const std::vector<int64_t>& prompt) const;
   // Checks a row's token; sets the event's finish (and failure). Returns whether the row goes on.
   bool check(RowState& row, int64_t slot, RowEvent& event, const Advance& advance);
+  // A draft-verifying row's result of one call (accepted drafts, then `token`). False: the row has ended.
+  bool take_verified(RowState& row, int64_t slot, int64_t accepted, int64_t token, const Advance& advance,
+                     std::vector<RowEvent>& events);
 
   DecodeRowsConfig config_;
   std::vector<std::optional<RowState>> rows_;
@@ -177,6 +208,7 @@ class DecodeRows {
   std::vector<RowCache> caches_;
   uint64_t clock_ = 0;
   int64_t active_ = 0;
+  bool delivered_ = true;  // whether the last laid-out call delivers
 };
 
 int64_t common_prefix(const std::vector<int64_t>& a, const std::vector<int64_t>& b);

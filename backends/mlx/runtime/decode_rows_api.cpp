@@ -32,7 +32,7 @@ constexpr int kRowFields = 8;
 // Fields of one event of etmlx_rows_read, in order (RowEvent).
 constexpr int kEventFields = 8;
 // Per-row arrays of etmlx_rows_layout_copy, in order.
-constexpr int kLayoutArrays = 7;
+constexpr int kLayoutArrays = 8;
 
 template <typename F>
 int64_t guarded(F&& f) {
@@ -236,6 +236,10 @@ ETMLX_EXPORT int64_t etmlx_rows_draft_room(void* h, int64_t slot, int64_t limit)
   return guarded([&] { return handle(h).rows.draft_room(slot, limit); });
 }
 
+ETMLX_EXPORT int64_t etmlx_rows_ask(void* h, int64_t slot, int64_t limit) {
+  return guarded([&] { return handle(h).rows.ask(slot, limit); });
+}
+
 ETMLX_EXPORT int64_t etmlx_rows_set_drafts(void* h, int64_t slot, const int64_t* drafts, int64_t n) {
   return guarded([&]() -> int64_t {
     handle(h).rows.set_drafts(slot, ids(drafts, n));
@@ -254,7 +258,7 @@ ETMLX_EXPORT int64_t etmlx_rows_layout(void* h, int64_t only) {
 }
 
 // The kept layout: tokens [batch * width]; per_row [kLayoutArrays * batch]: start_pos, lengths, seeds, steps,
-// first, kinds, forced.
+// first, kinds, forced, deliver (the call's, in every row).
 ETMLX_EXPORT int64_t etmlx_rows_layout_copy(void* h, int64_t* tokens, int64_t* per_row) {
   return guarded([&]() -> int64_t {
     const auto& call = handle(h).call;
@@ -268,18 +272,20 @@ ETMLX_EXPORT int64_t etmlx_rows_layout_copy(void* h, int64_t* tokens, int64_t* p
       per_row[4 * b + i] = call.first[i];
       per_row[5 * b + i] = static_cast<int64_t>(call.kinds[i]);
       per_row[6 * b + i] = call.forced[i];
+      per_row[7 * b + i] = call.deliver ? 1 : 0;
     }
     return 0;
   });
 }
 
-// tokens [batch]; accepted [batch] or null (plain programs). events [cap * kEventFields]. Returns the count.
-ETMLX_EXPORT int64_t etmlx_rows_read(void* h, const int64_t* tokens, const int64_t* accepted,
+// tokens [batch]; accepted [batch] or null (plain programs); fed [batch] or null (all but pipelined draft
+// programs). events [cap * kEventFields]. Returns the count.
+ETMLX_EXPORT int64_t etmlx_rows_read(void* h, const int64_t* tokens, const int64_t* accepted, const int64_t* fed,
                                      etmlx_rows_advance_fn advance, void* ctx, int64_t* events, int64_t cap) {
   return guarded([&]() -> int64_t {
     etmlx::DecodeRows::Advance step;
     if (advance) step = [&](int64_t slot, int64_t token) { return advance(ctx, slot, token); };
-    const auto out = handle(h).rows.read(tokens, accepted, step);
+    const auto out = handle(h).rows.read(tokens, accepted, step, fed);
     if (static_cast<int64_t>(out.size()) > cap) throw std::length_error("more events than room for them");
     int64_t* e = events;
     for (const auto& event : out) {

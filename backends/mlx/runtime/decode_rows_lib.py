@@ -16,7 +16,7 @@ COPY_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, _i64, _i64, _i64)
 ADVANCE_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, _i64, _i64)
 ROW_FIELDS = ("pos", "cached", "step", "produced", "calls", "proposed", "accepted", "feed_length")
 EVENT_FIELDS = ("slot", "token", "finish", "failure", "detail", "cached", "proposed", "accepted")
-LAYOUT_ARRAYS = ("start_pos", "lengths", "seeds", "steps", "first", "kinds", "forced")
+LAYOUT_ARRAYS = ("start_pos", "lengths", "seeds", "steps", "first", "kinds", "forced", "deliver")
 FEED, DRAFTS, OUTPUT, HELD, PROMPT = range(5)
 FINISH = (None, "stop", "length", "error")
 NO_FAILURE, FORCED_FAILURE, NO_TOKEN, GRAMMAR = range(4)  # Failure
@@ -49,9 +49,9 @@ def _lib() -> ctypes.CDLL:
         "room": [vp], "choose": [vp, _P64, _i64, _i64, ctypes.c_int, _P64], "busy_prefix": [vp, _P64, _i64, _P64],
         "start": [vp, _i64, _P64, _i64, _i64, ctypes.c_int, _P64, _i64, _i64, ctypes.c_int, ctypes.c_int, COPY_FN,
                   vp],
-        "end": [vp, _i64], "place": [vp, _i64, _i64, _i64], "draft_room": [vp, _i64, _i64],
+        "end": [vp, _i64], "place": [vp, _i64, _i64, _i64], "draft_room": [vp, _i64, _i64], "ask": [vp, _i64, _i64],
         "set_drafts": [vp, _i64, _P64, _i64], "layout": [vp, _i64], "layout_copy": [vp, _P64, _P64],
-        "read": [vp, _P64, _P64, ADVANCE_FN, vp, _P64, _i64],
+        "read": [vp, _P64, _P64, _P64, ADVANCE_FN, vp, _P64, _i64],
         "failure_message": [_i64, _i64, ctypes.c_char_p, _i64],
     }
     for name, argtypes in signatures.items():
@@ -179,6 +179,10 @@ class RowsCore:
     def draft_room(self, slot: int, limit: int) -> int:
         return self._call("draft_room", slot, limit)
 
+    def ask(self, slot: int, limit: int) -> int:
+        """Drafts to ask row `slot`'s source for now (decode_rows.h DecodeRows::ask)."""
+        return self._call("ask", slot, limit)
+
     def set_drafts(self, slot: int, drafts: list[int]) -> None:
         self._call("set_drafts", slot, *_ids(drafts))
 
@@ -191,14 +195,16 @@ class RowsCore:
         rows = [flat[i * width:(i + 1) * width] for i in range(b)]
         return rows, {name: list(per_row[k * b:(k + 1) * b]) for k, name in enumerate(LAYOUT_ARRAYS)}
 
-    def read(self, tokens: list[int], accepted: list[int] | None, advance=None) -> list[dict]:
-        """advance(slot, token) -> bool (False: the grammar rejected it); an exception in it is re-raised."""
+    def read(self, tokens: list[int], accepted: list[int] | None, advance=None, fed: list[int] | None = None) -> list[dict]:
+        """advance(slot, token) -> bool (False: the grammar rejected it); an exception in it is re-raised.
+        `fed`: a pipelined draft program's third output."""
         toks, _ = _ids(tokens)
         acc = _ids(accepted)[0] if accepted is not None else None
-        cap = self.batch * (self.draft_tokens + 1)
+        fed_ids = _ids(fed)[0] if fed is not None else None
+        cap = self.batch * (self.draft_tokens + 2)  # a pending token, then up to K drafts and the next token
         events = (_i64 * (cap * len(EVENT_FIELDS)))()
         callback = ADVANCE_FN(self._callback(advance, lambda ok: 1 if ok else 0)) if advance else ADVANCE_FN()
-        n = self._call("read", toks, acc, callback, None, events, cap)
+        n = self._call("read", toks, acc, fed_ids, callback, None, events, cap)
         w = len(EVENT_FIELDS)
         return [dict(zip(EVENT_FIELDS, events[i * w:(i + 1) * w])) for i in range(n)]
 

@@ -3,6 +3,7 @@
 #include "size_limits.h"
 #include "kernels/attention_cpu.h"
 #include "kernels/kernel_set.h"
+#include "kernels/known_values.h"
 
 #include <algorithm>
 #include <cmath>
@@ -336,6 +337,16 @@ bool Interpreter::exec_where(const fb::WhereNode& n) {
   if (!x) return false;
   const mx::array* y = read(n.y());
   if (!y) return false;
+  if (const auto known = kernels::known_uniform_bool(*c)) {
+    // A condition the host holds picks a side now: the result does not depend on the other one, so the call
+    // need not wait for it (a pipelined draft program's undelivered call returns state already computed).
+    mx::array r = *known ? *x : *y;
+    const auto dtype = mx::promote_types(x->dtype(), y->dtype());
+    const auto shape = mx::broadcast_shapes(mx::broadcast_shapes(c->shape(), x->shape()), y->shape());
+    if (r.dtype() != dtype) r = mx::astype(r, dtype);
+    if (r.shape() != shape) r = mx::broadcast_to(r, shape);
+    return write(n.out(), std::move(r));
+  }
   return write(n.out(), mx::where(*c, *x, *y));
 }
 

@@ -245,7 +245,8 @@ class DecodeRows:
                 continue
             drafts, source = [], row.request.draft
             if source is not None:
-                k = self.core.draft_room(slot, row.budget.size())
+                # 0 while the row's last token is in flight (a pipelined draft program; decode_rows.h).
+                k = self.core.ask(slot, row.budget.size())
                 if k > 0:
                     drafts = [int(t) for t in source.propose(list(row.request.prompt), row.output, k)][:k]
                 if drafts and row.request.matcher is not None:  # no mask exists past a draft the grammar rejects
@@ -283,15 +284,18 @@ class DecodeRows:
             drafts.append(row.last_drafts if kind != lib.IDLE and row is not None else [])
         return step_inputs(self.meta, torch.tensor(tokens, dtype=torch.int64), per_row["start_pos"],
                            per_row["lengths"], params, per_row["seeds"], [bool(f) for f in per_row["first"]],
-                           masks=masks, drafts=drafts if self.meta.draft_tokens else None)
+                           masks=masks, drafts=drafts if self.meta.draft_tokens else None,
+                           deliver=bool(per_row["deliver"][0]))
 
     def read(self, outputs) -> list[tuple[int, object, TokenEvent]]:
         """Apply a call's outputs: (slot, request, event) for each row that got a token or failed, in
         slot order. A row whose event has a finish_reason has ended and freed its slot."""
         meta = self.meta
         results = accepted = None
-        if meta.draft_tokens:  # outputs (accepted [B], token [B])
+        fed = None
+        if meta.draft_tokens:  # outputs (accepted [B], token [B]), and fed [B] when pipelined
             accepted, tokens = [int(n) for n in outputs[0].tolist()], outputs[1].tolist()
+            fed = outputs[2].tolist() if meta.pipelined else None
             for slot, row in enumerate(self.rows):
                 if row is not None:
                     row.budget.update(len(row.last_drafts), accepted[slot])  # clamped into [0, drafts] there
@@ -299,7 +303,7 @@ class DecodeRows:
             results = _Results(outputs, meta.config.logprobs)
             tokens = results.tokens
         constrained = any(row is not None and row.request.matcher is not None for row in self.rows)
-        raw = self.core.read(tokens, accepted, self._advance if constrained else None)
+        raw = self.core.read(tokens, accepted, self._advance if constrained else None, fed=fed)
         events = []
         for e in raw:
             slot, row = e["slot"], self.rows[e["slot"]]

@@ -8,7 +8,9 @@ The program's inputs (names and order recorded in the metadata the .pte embeds, 
 Outputs: token ids [B] (and logprobs when exported with them); a pipelined program returns the
 previous call's and takes -1 for "the token you sampled last" (pipelined.py).
 With draft_tokens=K (`--draft-tokens K`) the program verifies drafts instead (speculative_head.py): a
-verify [B, G] input follows lengths (the last accepted token and the drafts per row), and it returns (accepted [B], token [B]).
+verify [B, G] input follows lengths (the last accepted token and the drafts per row), and it returns (accepted [B], token [B]);
+pipelined (the default without the allowed mask), it also takes deliver [B] bool after verify and returns fed [B]
+(pipelined_verify.py).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from backends.mlx.llm.sampler.export import knob_examples
 from backends.mlx.llm.decoder.kv_cache import StaticCacheLM
 from backends.mlx.llm.decoder.model_support import float_dtype
 from backends.mlx.llm.decoder.pipelined import FedBackSteps
+from backends.mlx.llm.decoder.pipelined_verify import DeliveredOrFedBack
 from backends.mlx.llm.decoder.speculative_head import DraftVerifyingHead
 from backends.mlx.llm.decoder.speculative_verify import verify_draft_program
 from backends.mlx.llm.decoder.verify import VerificationError, VerificationReport, verify_decoder
@@ -53,29 +56,29 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
     the previous call's outputs, so a loop overlaps its host work with the device's step.
     `verify`: run the written program in the runtime and check it decodes as `model` does (verify.py);
     on a mismatch the file is removed and VerificationError names the first divergent step.
-    `draft_tokens` K > 0: a program that verifies up to K drafted tokens per call (speculative_head.py;
-    never pipelined: the next call's drafts depend on how many this one accepts)."""
+    `draft_tokens` K > 0: a program that verifies up to K drafted tokens per call (speculative_head.py);
+    pipelined, its calls without drafts need not wait for their outputs (pipelined_verify.py)."""
     config = config or SamplerConfig()
     if config.expose_counts:
         raise ValueError("expose_counts is for sampler tests, not decoder programs")
     if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or draft_tokens < 0:
         raise ValueError(f"draft_tokens must be an int >= 0, got {draft_tokens!r}")
-    if draft_tokens and pipelined:
-        raise ValueError("--draft-tokens: a draft-verifying program cannot be pipelined (each call's drafts "
-                         "depend on how many the previous call accepted); drop --pipeline")
+    if draft_tokens and pipelined and config.allowed_mask:
+        raise ValueError("--draft-tokens with the allowed mask: a pipelined draft-verifying program cannot take "
+                         "a mask (each step's mask depends on the token before it); drop --pipeline")
     if draft_tokens >= max_seq_len:
         raise ValueError(f"--draft-tokens {draft_tokens} must be below max_seq_len {max_seq_len}")
     model = model.eval()
     lm = StaticCacheLM(model, max_seq_len=max_seq_len, batch=batch, rings=not draft_tokens)
     vocab = model.config.vocab_size
-    if draft_tokens:
-        head = DraftVerifyingHead(lm, config, batch=batch, vocab=vocab, draft_tokens=draft_tokens)
-        pipelined = False
-    else:
-        head = SamplingHead(lm, config, batch=batch, vocab=vocab)
     if pipelined is None:
         pipelined = not config.allowed_mask
-    program = FedBackSteps(head, config, batch) if pipelined else head
+    if draft_tokens:
+        head = DraftVerifyingHead(lm, config, batch=batch, vocab=vocab, draft_tokens=draft_tokens)
+        program = DeliveredOrFedBack(head, batch) if pipelined else head
+    else:
+        head = SamplingHead(lm, config, batch=batch, vocab=vocab)
+        program = FedBackSteps(head, config, batch) if pipelined else head
     length = torch.export.Dim("length", min=1, max=max_seq_len)
     # The example is as long as the cache: ExecuTorch sizes a dynamic input's buffer from it.
     example = (torch.ones(batch, max_seq_len, dtype=torch.int64), torch.zeros(batch, dtype=torch.int64),
@@ -94,6 +97,9 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
         dynamic = {"tokens": {1: length}, "start_pos": None, "lengths": None,
                    "verify": {1: width} if width is not None else None,
                    **{name: None for name in kwargs}}
+        if pipelined:  # DeliveredOrFedBack: deliver [B] bool after verify
+            example = example + (torch.ones(batch, dtype=torch.bool),)
+            dynamic = {**dict(list(dynamic.items())[:4]), "deliver": None, **dict(list(dynamic.items())[4:])}
         if config.allowed_mask:  # a mask per verified position: [B, G, words], G the verify input's
             kwargs["allowed_mask"] = kwargs["allowed_mask"].unsqueeze(1).expand(-1, draft_tokens + 1, -1).contiguous()
             dynamic["allowed_mask"] = {1: width} if width is not None else None

@@ -25,13 +25,19 @@ MODEL_INPUTS = ["tokens", "start_pos", "lengths"]
 # (decoder/speculative_head.py); they return (accepted, token).
 DRAFT_INPUT = "verify"
 DRAFT_OUTPUTS = ["accepted", "token"]
+# A pipelined draft-verifying program (pipelined_verify.py) also takes `deliver` [B] bool after `verify`
+# (true: the call returns its own outputs; false: the previous call's token, without waiting for this one)
+# and returns `fed` [B], the token each row's column 0 used in place of FED_BACK.
+DELIVER_INPUT = "deliver"
+FED_OUTPUT = "fed"
 # Named-data keys; tools/etmlx_decode/program_metadata.cpp reads the same ones.
 META_KEY = "etmlx/decoder_meta.json"
 TOKENIZER_PREFIX = "etmlx/tokenizer/"  # + a file name save_pretrained wrote (tokenizer.json, ...)
 # Inputs that are int64 (ExecuTorch ScalarType 4); the rest are float32 (6).
 _INT_INPUTS = {"tokens", "start_pos", "lengths", DRAFT_INPUT, "seed", "top_k", "penalty_reset", "penalty_add", "bias_ids"}
 _INT32_INPUTS = {"allowed_mask"}
-_LONG, _FLOAT, _INT = 4, 6, 3
+_BOOL_INPUTS = {DELIVER_INPUT}
+_LONG, _FLOAT, _INT, _BOOL = 4, 6, 3, 11
 # Pipelined programs (pipelined.py): a token input that means "the token this row sampled last".
 FED_BACK = -1
 PIPELINED_HINT = ("structured output needs an unpipelined program (each step's mask depends on the token before "
@@ -87,10 +93,12 @@ class DecoderMeta:
               model_type="", tokenizer=None, prompt_affixes=([], []), pipelined=False,
               draft_tokens=0, ring_cache=None, verify_min_width=1) -> "DecoderMeta":
         model_inputs = MODEL_INPUTS + ([DRAFT_INPUT] if draft_tokens else [])
+        if draft_tokens and pipelined:
+            model_inputs.append(DELIVER_INPUT)
         inputs = model_inputs + ["temperature"] + (["seed"] if seeded else []) + config.knob_names()
         outputs = ["token"] + (["logprob", "top_ids", "top_logprobs"] if config.logprobs else [])
         if draft_tokens:
-            outputs = list(DRAFT_OUTPUTS)
+            outputs = list(DRAFT_OUTPUTS) + ([FED_OUTPUT] if pipelined else [])
         if config.expose_counts:
             outputs.append("penalty_state")
         return cls(max_seq_len=max_seq_len, vocab_size=vocab_size, batch=batch, eos_token_ids=list(eos_token_ids),
@@ -165,7 +173,8 @@ class DecoderMeta:
                 raise ValueError(f"{pte}: input {name!r} is {list(sizes)} in the program but the metadata implies "
                                  f"{list(expected)} (batch {self.batch}, max_seq_len {self.max_seq_len}): metadata "
                                  "and program come from different exports")
-            want = _LONG if name in _INT_INPUTS else _INT if name in _INT32_INPUTS else _FLOAT
+            want = (_LONG if name in _INT_INPUTS else _INT if name in _INT32_INPUTS else
+                    _BOOL if name in _BOOL_INPUTS else _FLOAT)
             if dtype != want:
                 raise ValueError(f"{pte}: input {name!r} has dtype code {dtype} in the program, {want} expected from "
                                  "the metadata's input order: metadata and program come from different exports")

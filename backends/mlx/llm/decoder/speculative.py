@@ -91,10 +91,10 @@ class SpeculativeDecoder(ProgramTokenizer, ProgramGrammar):
         with closing(decode_alone(self.rows, self.method.execute, request, reuse, self._started,
                                   owner="SpeculativeDecoder", budget=budget)) as events:
             for event in events:
-                if self._row.calls == 1:  # a token of the first call (the prefill): its time, its tokens so far
-                    # (the core applies a whole call before its first token comes out: with accepted drafts,
-                    # `produced` is already past 1 at the first one)
-                    first_time = first_time or time.perf_counter()
+                if first_time is None:  # the first call that gave tokens (the prefill; a pipelined program's
+                    # next call): its time, its tokens (the core applies a whole call before its first token
+                    # comes out: with accepted drafts, `produced` is already past 1 at the first one)
+                    first_time = time.perf_counter()
                     self.first_call = (first_time, self._row.produced)
                 yield event.token
 

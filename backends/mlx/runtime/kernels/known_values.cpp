@@ -35,17 +35,35 @@ std::optional<int64_t> known_max(const mx::array& a) {
   return *std::max_element(v->begin(), v->end());
 }
 
+namespace {
+
+// A view that only repeats or regroups its input's elements.
+bool is_view(const mx::array& a) {
+  if (a.status() == mx::array::Status::available || !a.has_primitive() || a.inputs().size() != 1) return false;
+  const std::string kind = a.primitive().name();
+  return kind == "Broadcast" || kind == "Reshape" || kind == "ExpandDims" || kind == "Squeeze";
+}
+
+}  // namespace
+
+std::optional<bool> known_uniform_bool(const mx::array& a) {
+  if (a.dtype() != mx::bool_ || a.size() == 0) return std::nullopt;
+  if (is_view(a)) return known_uniform_bool(a.inputs()[0]);
+  // Small arrays only: a materialised mask of a sequence's positions is not worth reading every call.
+  constexpr size_t kMostElements = 4096;
+  if (a.status() != mx::array::Status::available || !a.flags().row_contiguous || a.size() > kMostElements)
+    return std::nullopt;
+  const bool* p = a.data<bool>();
+  if (!std::all_of(p, p + a.size(), [&](bool v) { return v == p[0]; })) return std::nullopt;
+  return p[0];
+}
+
 bool known_none_positive(const mx::array& a) {
   if (a.dtype() != mx::float32 || a.size() == 0) return false;
   // Views that only repeat or regroup elements (the exporter broadcasts a [B] temperature input to its
   // rows) have no element their input lacks: look through them to the input the host holds.
-  if (a.status() != mx::array::Status::available && a.has_primitive() && a.inputs().size() == 1) {
-    const std::string kind = a.primitive().name();
-    if (kind == "Broadcast" || kind == "Reshape" || kind == "ExpandDims" || kind == "Squeeze") {
-      return known_none_positive(a.inputs()[0]);
-    }
-    return false;
-  }
+  if (is_view(a)) return known_none_positive(a.inputs()[0]);
+  if (a.status() != mx::array::Status::available && a.has_primitive() && a.inputs().size() == 1) return false;
   if (a.status() != mx::array::Status::available || !a.flags().row_contiguous) return false;
   const float* p = a.data<float>();
   return std::none_of(p, p + a.size(), [](float t) { return t > 0.0f; });

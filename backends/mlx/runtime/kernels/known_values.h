@@ -26,4 +26,9 @@ std::optional<int64_t> known_max(const mlx::core::array& a);
 // (NaN included): every row's temperature says greedy. False when it is lazy or not such an array.
 bool known_none_positive(const mlx::core::array& a);
 
+// The one value of a materialised bool array whose elements are all equal (read through the views
+// known_none_positive looks through); nullopt when it is lazy, mixed, large or not bool. A `where` on it
+// is then a choice made at build time: a pipelined draft program's `deliver` (llm/decoder/pipelined_verify.py).
+std::optional<bool> known_uniform_bool(const mlx::core::array& a);
+
 }  // namespace etmlx::kernels

@@ -116,7 +116,7 @@ bool DecodeLoop::next(const std::vector<int32_t>* mask_row, int64_t* token, std:
     try {
       if (source_ && budget_) {
         const RowState& row = *rows_.row(0);
-        const int64_t k = rows_.draft_room(0, budget_->size());
+        const int64_t k = rows_.ask(0, budget_->size());  // 0 while the row's token is in flight
         if (k > 0) drafts = source_->propose(row.request.prompt, row.output, k);
         if (static_cast<int64_t>(drafts.size()) > k) drafts.resize(static_cast<size_t>(k));
       }
@@ -131,8 +131,10 @@ bool DecodeLoop::next(const std::vector<int32_t>* mask_row, int64_t* token, std:
     if (draft_tokens_ > 0 && !(accepted = output_ids(0, "accepted draft counts", error))) return false;
     const int64_t* ids = output_ids(draft_tokens_ > 0 ? 1 : 0, "token ids", error);
     if (!ids) return false;
+    const int64_t* fed = nullptr;  // a pipelined draft program's third output
+    if (rows_.pipelined_drafts() && !(fed = output_ids(2, "fed tokens", error))) return false;
     if (budget_) budget_->update(static_cast<int64_t>(drafts.size()), accepted[0]);
-    for (const RowEvent& event : rows_.read(ids, accepted, nullptr)) {
+    for (const RowEvent& event : rows_.read(ids, accepted, nullptr, fed)) {
       pending_.push_back(event);  // row 0 is the only request
       stats_.proposed = event.proposed;
       stats_.accepted = event.accepted;

@@ -105,6 +105,9 @@ std::optional<StepInputs> StepInputs::plan(const MethodMeta& meta,
         *error = "input 'verify' must be [" + std::to_string(plan.batch_) + ", G]";
         return std::nullopt;
       }
+    } else if (name == "deliver") {  // meta.py DELIVER_INPUT: a pipelined draft program's, [B] bool
+      slot.role = Role::Deliver;
+      if (!expect(ScalarType::Bool, "bool") || !per_row()) return std::nullopt;
     } else if (name == "start_pos" || name == "lengths") {
       slot.role = name == "start_pos" ? Role::StartPos : Role::Lengths;
       if (!expect(ScalarType::Long, "int64") || !per_row()) return std::nullopt;
@@ -244,6 +247,9 @@ std::vector<EValue> StepInputs::build(const CallLayout& call, float temperature,
         t = make_tensor_ptr({static_cast<int32_t>(batch_), static_cast<int32_t>(width)}, std::move(verify));
         break;
       }
+      case Role::Deliver:  // the call returns its own outputs (decode_rows.h), in every row
+        t = make_tensor_ptr(slot.sizes, std::vector<uint8_t>(batch, call.deliver ? 1 : 0), ScalarType::Bool);
+        break;
       case Role::Temperature: {
         std::vector<float> per_row(batch);
         for (size_t b = 0; b < batch; ++b) per_row[b] = sequence(b) ? temperature : 0.0f;

@@ -55,7 +55,7 @@ class StepInputs {
   bool set_verify(int64_t draft_tokens, int64_t min_width, std::string* error);
 
  private:
-  enum class Role { Tokens, StartPos, Lengths, Verify, Temperature, Seed, Knob };
+  enum class Role { Tokens, StartPos, Lengths, Verify, Deliver, Temperature, Seed, Knob };
   struct Slot {
     std::string name;
     Role role;
