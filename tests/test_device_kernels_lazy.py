@@ -121,3 +121,26 @@ def test_a_greedy_step_builds_no_noise_on_the_device_kernels(pte, tmp_path, args
     graph = dot.read_text()
     assert ('label ="RandomBits"' in graph) == drawn
     assert ('label ="Sort"' in graph) == drawn  # the top-p threshold's sort (CONFIG has top_p)
+
+
+@pytest.fixture(scope="module")
+def draft_pte(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("device_kernels_draft") / "draft.pte"
+    export_decoder(tiny_llama(VOCAB, seed=5, head_scale=0.05), out, 48, config=CONFIG, draft_tokens=4)
+    return out
+
+
+@pytest.mark.parametrize("args, drawn", [(["--draft", "none"], False),
+                                         (["--draft", "none", "--temperature", "1.2", "--seed", "5"], True)],
+                         ids=["greedy", "sampled"])
+def test_a_greedy_draft_program_step_builds_no_noise_either(draft_pte, tmp_path, args, drawn):
+    """A draft-verifying program spreads each row's temperature over its positions with a gather: the device
+    set still sees that the host's temperatures are all greedy, and its step walks no random bits or sort."""
+    dot = tmp_path / "step.dot"
+    done = subprocess.run([str(BINARY), str(draft_pte), "--prompt-ids", "7,1,33,20", "--max-tokens", "3", *args],
+                          capture_output=True, text=True, timeout=120,
+                          env={"ETMLX_KERNELS": "device", "ETMLX_DOT": str(dot)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    graph = dot.read_text()
+    assert ('label ="RandomBits"' in graph) == drawn
+    assert ('label ="Sort"' in graph) == drawn

@@ -58,8 +58,22 @@ std::optional<bool> known_uniform_bool(const mx::array& a) {
   return p[0];
 }
 
+namespace {
+
+// A selection of its first input's elements (a gather by indices, a slice, a copy): none it lacks.
+bool selects(const mx::array& a) {
+  if (a.status() == mx::array::Status::available || !a.has_primitive() || a.inputs().empty()) return false;
+  const std::string kind = a.primitive().name();
+  return kind == "Gather" || kind == "GatherAxis" || kind == "Slice" || kind == "Copy" || kind == "Contiguous";
+}
+
+}  // namespace
+
 bool known_none_positive(const mx::array& a) {
   if (a.dtype() != mx::float32 || a.size() == 0) return false;
+  // A draft-verifying program spreads each row's temperature over its verified positions with a gather
+  // (sampler/draft_verification.py _spread): every element it yields is one of the input's.
+  if (selects(a)) return known_none_positive(a.inputs()[0]);
   // Views that only repeat or regroup elements (the exporter broadcasts a [B] temperature input to its
   // rows) have no element their input lacks: look through them to the input the host holds.
   if (is_view(a)) return known_none_positive(a.inputs()[0]);
