@@ -45,7 +45,8 @@ def test_every_run_is_reported_with_its_drafts(runs):
     assert drafts["prediction"]["proposed"] > 0
     assert drafts["prediction"]["accepted"] == drafts["prediction"]["proposed"]
     assert drafts["prediction"]["calls"] < report["tokens"]
-    assert drafts["none"] == {"proposed": 0, "accepted": 0, "calls": report["tokens"]}
+    # a call per token, and one more: the program is pipelined, its first token comes with its second call
+    assert drafts["none"] == {"proposed": 0, "accepted": 0, "calls": report["tokens"] + 1}
     assert drafts["miss"]["accepted"] == 0
 
 

@@ -189,6 +189,7 @@ Error run(Handle& h, Span<EValue*> args) {
     std::vector<mx::array> seeded(wrappers);
     seeded.insert(seeded.end(), prog.constants.begin(), prog.constants.end());
     seeded.insert(seeded.end(), h.state.begin(), h.state.end());
+    seeded.insert(seeded.end(), interp.host_made().begin(), interp.host_made().end());
     record_premature(interp.written(), seeded);
   }
 

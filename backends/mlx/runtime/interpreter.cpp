@@ -1,4 +1,5 @@
 #include "interpreter.h"
+#include "host_fold.h"
 #include "lazy_check.h"
 #include "size_limits.h"
 #include "kernels/attention_cpu.h"
@@ -24,7 +25,8 @@ Interpreter::Interpreter(const Program& program)
     : program_(program),
       tensors_(program.num_tensors),
       values_(program.num_values),
-      keep_written_(lazy_check_enabled()) {}
+      keep_written_(lazy_check_enabled()),
+      fold_on_(HostFold::enabled()) {}
 
 bool Interpreter::fail(const char* fmt, ...) {
   char msg[512];
@@ -47,6 +49,7 @@ bool Interpreter::run() {
     if (instr == nullptr || instr->node() == nullptr) return fail("has no node");
     if (!run_node(*instr)) return false;
   }
+  fold_.clear();  // its references must not outlive the build: they would keep the old state's buffers
   return true;
 }
 
@@ -95,6 +98,17 @@ bool Interpreter::write(const fb::Tid* t, mx::array a) {
                 static_cast<unsigned long long>(nbytes),
                 static_cast<unsigned long long>(max_array_bytes()));
   }
+  // Small arithmetic on what the host already holds becomes a constant here (host_fold.h).
+  bool folded_here = false;
+  if (fold_on_ && a.status() != mx::array::Status::available && a.size() <= HostFold::kMostElements) {
+    if (auto folded = fold_.fold(a)) {
+      a = std::move(*folded);
+      folded_here = true;
+    }
+  }
+  // A folded array is the host's constant, made without evaluating anything: not a premature evaluation,
+  // nor is an op that passes it through unchanged (the lazy check seeds its id, as an input's).
+  if (keep_written_ && folded_here) host_made_.push_back(a);
   if (keep_written_) written_.push_back(a);
   tensors_[idx] = std::move(a);
   return true;

@@ -10,6 +10,8 @@
 // device, the variant is the one the program got at load (Program::kernels).
 #pragma once
 
+#include "host_fold.h"
+
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -42,6 +44,8 @@ class Interpreter {
   // Every node output of the call, kept only under ETMLX_CHECK_LAZY (lazy_check.h): holding
   // them all would stop mlx from reusing intermediate buffers.
   const std::vector<mlx::core::array>& written() const { return written_; }
+  // ETMLX_CHECK_LAZY=1: the arrays host folding made (host_fold.h), materialised without any evaluation.
+  const std::vector<mlx::core::array>& host_made() const { return host_made_; }
 
  private:
   bool run_node(const fb::Instruction& instr);
@@ -158,6 +162,9 @@ class Interpreter {
   const char* node_name_ = "";
   bool keep_written_ = false;
   std::vector<mlx::core::array> written_;
+  std::vector<mlx::core::array> host_made_;
+  bool fold_on_ = true;  // ETMLX_HOST_FOLD
+  HostFold fold_;
   // Results a fused node made for later instructions (linear_groups.h), by instruction index, with the
   // operand slots of that instruction and the ids of the arrays the node read in their place.
   // Also the value slots the instruction reads, with the values the node used.

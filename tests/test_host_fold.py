@@ -1,0 +1,106 @@
+"""Small arithmetic on what the host already holds is computed while the graph is built (runtime/host_fold.h).
+
+Checked: a program of index arithmetic over its inputs (what a decode step does with start_pos, lengths and a
+draft program's verify input) returns eager torch's values with folding on and off; with folding on, its
+graph has none of that arithmetic left (the control, ETMLX_HOST_FOLD=0, keeps all of it); arithmetic on a
+value the device computes is left to MLX; and a draft program's step without drafts asks MLX for fewer nodes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from backends.mlx.exporter.export import export_to_pte
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class _IndexArithmetic(torch.nn.Module):
+    """verify [1, G] and lengths [1] as a draft program reads them, and a float input's exact operations."""
+
+    def forward(self, verify, lengths, temperature, x):
+        last = lengths - 1
+        drafted = torch.minimum((verify >= 0).to(torch.int64).sum(dim=1) - 1, last).clamp(min=0)
+        positions = torch.cumsum(torch.ones_like(verify), dim=1) - 1
+        index = torch.minimum((last - drafted).unsqueeze(1) + positions, last.unsqueeze(1))
+        following = torch.where(positions + 1 < verify.shape[1], positions + 1, torch.zeros_like(positions))
+        drafts = torch.where(verify >= 0, verify, torch.zeros_like(verify)).gather(1, following)
+        hits = ((drafts == verify) & (positions < drafted.unsqueeze(1))).logical_not().to(torch.int32)
+        run = (torch.cumsum(hits, dim=1) == 0).to(torch.int64).sum(dim=1)
+        scaled = torch.where(temperature > 0, temperature * 2.0 - 1.0, torch.ones_like(temperature))
+        device = (x * 3.0).exp().sum()  # needs the device: left to MLX, and what depends on it too
+        return index, drafts, run, scaled, index.sum() + device.to(torch.int64)
+
+
+_CALL = """
+import sys, torch
+from backends.mlx.runtime.runner import load_method
+pte, out = sys.argv[1], sys.argv[2]
+inputs = [torch.tensor([[5, 9, 7, -1, -1]]), torch.tensor([4]), torch.tensor([0.7]), torch.tensor([0.1, 0.2])]
+got = load_method(open(pte, "rb").read()).execute(inputs)
+torch.save((inputs, [g.clone() for g in got]), out)
+"""
+
+_FOLDED = ["CumSum", "Minimum", "Maximum", "GreaterEqual", "GatherAxis", "Select", "Equal", "Less", "LogicalNot"]
+
+
+def _kinds(dot: Path) -> Counter:
+    return Counter(re.findall(r'label ="([A-Za-z_]+)"', dot.read_text()))
+
+
+def _run(pte: Path, tmp_path: Path, fold: str) -> tuple[list, list, Counter]:
+    dot, saved = tmp_path / f"call-{fold}.dot", tmp_path / f"call-{fold}.pt"
+    env = {"ETMLX_DOT": str(dot), "ETMLX_HOST_FOLD": fold, "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, "-c", _CALL, str(pte), str(saved)], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    inputs, got = torch.load(saved)
+    return inputs, got, _kinds(dot)
+
+
+def test_index_arithmetic_on_the_hosts_inputs_leaves_the_graph(tmp_path):
+    pte = tmp_path / "index.pte"
+    example = (torch.tensor([[5, 9, 7, -1, -1]]), torch.tensor([4]), torch.tensor([0.7]), torch.tensor([0.1, 0.2]))
+    export_to_pte(_IndexArithmetic().eval(), example).save(pte)
+    results = {fold: _run(pte, tmp_path, fold) for fold in ("1", "0")}
+    for fold, (inputs, got, _) in results.items():
+        expected = _IndexArithmetic()(*inputs)
+        for g, e in zip(got, expected):
+            assert torch.equal(g, e), (fold, g, e)
+    on, off = results["1"][2], results["0"][2]
+    for kind in _FOLDED:
+        assert off[kind] > 0, f"the control has no {kind}: the program no longer tests it"
+        assert on[kind] == 0, f"{kind} left in the graph with folding on"
+    # What depends on the device's value stays: the exp, its sum and the add after it.
+    assert on["Exp"] == off["Exp"] == 1
+    assert sum(on.values()) < sum(off.values()) // 2
+
+
+@pytest.mark.slow  # a decoder export
+def test_a_draft_program_step_without_drafts_asks_for_fewer_nodes(tmp_path):
+    from backends.mlx.llm.decoder.export import export_decoder
+    from helpers import tiny_llama
+
+    pte = tmp_path / "draft.pte"
+    export_decoder(tiny_llama(96, seed=3, head_scale=0.3), pte, 48, draft_tokens=4)
+    binary = ROOT / "build" / "etmlx_decode"
+    nodes, tokens = {}, {}
+    for fold in ("1", "0"):
+        dot = tmp_path / f"step-{fold}.dot"
+        done = subprocess.run([str(binary), str(pte), "--prompt-ids", "7,1,33,20", "--max-tokens", "12", "--draft",
+                               "ngram", "--json"], capture_output=True, text=True, timeout=120,
+                              env={"ETMLX_DOT": str(dot), "ETMLX_HOST_FOLD": fold})
+        assert done.returncode == 0, done.stderr[-2000:]
+        tokens[fold] = json.loads(done.stdout.strip().splitlines()[-1])["tokens"]
+        nodes[fold] = sum(_kinds(dot).values())
+    assert tokens["1"] == tokens["0"] and len(tokens["1"]) == 12
+    assert nodes["1"] < nodes["0"] - 20, nodes
+    print(nodes)
