@@ -107,18 +107,23 @@ def test_cpp_decode_loop_device_kernels_match(pte, args):
     assert len(cpu) == 12 and run("device") == cpu
 
 
+def _device_step_graph(pte, tmp_path, args) -> str:
+    """The last decode call's MLX graph (ETMLX_DOT) of etmlx_decode on the device kernel set."""
+    dot = tmp_path / "step.dot"
+    done = subprocess.run([str(BINARY), str(pte), "--prompt-ids", "7,1,33,20", "--max-tokens", "3", *args],
+                          capture_output=True, text=True, timeout=120,
+                          env={"ETMLX_KERNELS": "device", "ETMLX_DOT": str(dot)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    return dot.read_text()
+
+
 @pytest.mark.parametrize("args, drawn", [([], False), (["--temperature", "1.2", "--seed", "5"], True),
                                          (["--temperature", "0"], False)], ids=["greedy", "sampled", "zero"])
 def test_a_greedy_step_builds_no_noise_on_the_device_kernels(pte, tmp_path, args, drawn):
     """Every row greedy, with a temperature the host holds: the device set's pick is the argmax alone, so a
     GPU's host walks no random bits, sort or threshold on a greedy step (the tokens are checked equal to the
     CPU set's above). A sampled step still draws its noise."""
-    dot = tmp_path / "step.dot"
-    done = subprocess.run([str(BINARY), str(pte), "--prompt-ids", "7,1,33,20", "--max-tokens", "3", *args],
-                          capture_output=True, text=True, timeout=120,
-                          env={"ETMLX_KERNELS": "device", "ETMLX_DOT": str(dot)})
-    assert done.returncode == 0, done.stderr[-2000:]
-    graph = dot.read_text()
+    graph = _device_step_graph(pte, tmp_path, args)
     assert ('label ="RandomBits"' in graph) == drawn
     assert ('label ="Sort"' in graph) == drawn  # the top-p threshold's sort (CONFIG has top_p)
 
@@ -136,11 +141,6 @@ def draft_pte(tmp_path_factory) -> Path:
 def test_a_greedy_draft_program_step_builds_no_noise_either(draft_pte, tmp_path, args, drawn):
     """A draft-verifying program spreads each row's temperature over its positions with a gather: the device
     set still sees that the host's temperatures are all greedy, and its step walks no random bits or sort."""
-    dot = tmp_path / "step.dot"
-    done = subprocess.run([str(BINARY), str(draft_pte), "--prompt-ids", "7,1,33,20", "--max-tokens", "3", *args],
-                          capture_output=True, text=True, timeout=120,
-                          env={"ETMLX_KERNELS": "device", "ETMLX_DOT": str(dot)})
-    assert done.returncode == 0, done.stderr[-2000:]
-    graph = dot.read_text()
+    graph = _device_step_graph(draft_pte, tmp_path, args)
     assert ('label ="RandomBits"' in graph) == drawn
     assert ('label ="Sort"' in graph) == drawn
