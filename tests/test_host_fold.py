@@ -36,8 +36,11 @@ class _IndexArithmetic(torch.nn.Module):
         hits = ((drafts == verify) & (positions < drafted.unsqueeze(1))).logical_not().to(torch.int32)
         run = (torch.cumsum(hits, dim=1) == 0).to(torch.int64).sum(dim=1)
         scaled = torch.where(temperature > 0, temperature * 2.0 - 1.0, torch.ones_like(temperature))
+        spread = temperature.index_select(0, (positions - positions).reshape(-1))  # a row's knob per position
         device = (x * 3.0).exp().sum()  # needs the device: left to MLX, and what depends on it too
-        return index, drafts, run, scaled, index.sum() + device.to(torch.int64)
+        # Decided whatever the device's value: no position is before a draft when there are none (x and false).
+        never = ((device > 0) & (positions < 0)).to(torch.int64).sum()
+        return index, drafts, run, scaled, index.sum() + device.to(torch.int64), spread, never
 
 
 _CALL = """
@@ -49,7 +52,8 @@ got = load_method(open(pte, "rb").read()).execute(inputs)
 torch.save((inputs, [g.clone() for g in got]), out)
 """
 
-_FOLDED = ["CumSum", "Minimum", "Maximum", "GreaterEqual", "GatherAxis", "Select", "Equal", "Less", "LogicalNot"]
+_FOLDED = ["CumSum", "Minimum", "Maximum", "GreaterEqual", "GatherAxis", "Gather", "Select", "Equal", "Less",
+           "LogicalNot"]
 
 
 def _kinds(dot: Path) -> Counter:
@@ -79,8 +83,11 @@ def test_index_arithmetic_on_the_hosts_inputs_leaves_the_graph(tmp_path):
     for kind in _FOLDED:
         assert off[kind] > 0, f"the control has no {kind}: the program no longer tests it"
         assert on[kind] == 0, f"{kind} left in the graph with folding on"
-    # What depends on the device's value stays: the exp, its sum and the add after it.
+    # What depends on the device's value stays: the exp, its sum and the add after it; an `and` it cannot change
+    # does not.
     assert on["Exp"] == off["Exp"] == 1
+    ands = lambda kinds: kinds["BitwiseAnd"] + kinds["LogicalAnd"]  # noqa: E731
+    assert ands(off) == 2 and ands(on) == 0, (ands(off), ands(on))
     assert sum(on.values()) < sum(off.values()) // 2
 
 

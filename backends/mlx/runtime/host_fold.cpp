@@ -1,5 +1,6 @@
 #include "host_fold.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -326,6 +327,64 @@ std::optional<HostValue> gather_axis(int axis, const HostValue& src, const HostV
   return out;
 }
 
+// MLX's Gather: out[i..., s...] = src[s + idx(i) on the gathered axes]; out's shape is the indices' shape and then
+// slice_sizes (the interpreter normalises indices before it gathers; one out of range is left to the device).
+std::optional<HostValue> gather(const std::vector<int>& axes, const mx::Shape& slice_sizes, const HostValue& src,
+                                const std::vector<const HostValue*>& indices) {
+  const size_t rank = src.shape.size();
+  if (axes.size() != indices.size() || slice_sizes.size() != rank || indices.empty()) return std::nullopt;
+  for (const HostValue* idx : indices)
+    if (is_float(*idx) || idx->shape != indices[0]->shape) return std::nullopt;
+  std::vector<int> slot(rank, -1);  // which index array moves axis d
+  for (size_t k = 0; k < axes.size(); ++k) {
+    if (axes[k] < 0 || static_cast<size_t>(axes[k]) >= rank) return std::nullopt;
+    slot[static_cast<size_t>(axes[k])] = static_cast<int>(k);
+  }
+  std::vector<int32_t> slice(slice_sizes.begin(), slice_sizes.end());
+  HostValue out;
+  out.shape = indices[0]->shape;
+  out.shape.insert(out.shape.end(), slice.begin(), slice.end());
+  out.dtype = src.dtype;
+  const size_t n_idx = indices[0]->ints.size(), n_slice = count(slice);
+  std::vector<int32_t> at(rank, 0);
+  for (size_t i = 0; i < n_idx; ++i) {
+    std::fill(at.begin(), at.end(), 0);
+    for (size_t k = 0; k < n_slice; ++k) {
+      size_t flat = 0;
+      for (size_t d = 0; d < rank; ++d) {
+        const int64_t coord = at[d] + (slot[d] >= 0 ? indices[static_cast<size_t>(slot[d])]->ints[i] : 0);
+        if (coord < 0 || coord >= src.shape[d]) return std::nullopt;
+        flat = flat * static_cast<size_t>(src.shape[d]) + static_cast<size_t>(coord);
+      }
+      if (is_float(src)) out.floats.push_back(src.floats[flat]);
+      else out.ints.push_back(src.ints[flat]);
+      for (size_t d = rank; d-- > 0;) {
+        if (++at[d] < slice[d]) break;
+        at[d] = 0;
+      }
+    }
+  }
+  return out;
+}
+
+// The result of an operation one of whose operands decides it whatever the other holds (x and false, x or true,
+// x * 0 for integers), when that operand is known and already of the result's shape; else nullopt.
+std::optional<HostValue> absorbed(const std::string& kind, const std::vector<const HostValue*>& in,
+                                  const std::vector<int32_t>& shape, mx::Dtype out_type) {
+  if (in.size() != 2 || out_type == mx::float32) return std::nullopt;
+  const bool logical = out_type == mx::bool_;
+  int64_t absorbing = 0;
+  if ((kind == "LogicalAnd" || kind == "BitwiseAnd") && logical) absorbing = 0;
+  else if ((kind == "LogicalOr" || kind == "BitwiseOr") && logical) absorbing = 1;
+  else if (kind == "Multiply" && !logical) absorbing = 0;
+  else return std::nullopt;
+  for (const HostValue* v : in) {
+    if (v == nullptr || is_float(*v) || v->shape != shape || v->dtype != out_type) continue;
+    if (std::all_of(v->ints.begin(), v->ints.end(), [&](int64_t x) { return x == absorbing; })) return *v;
+  }
+  return std::nullopt;
+}
+
 mx::array to_array(const HostValue& v) {
   const mx::Shape shape(v.shape.begin(), v.shape.end());
   if (v.dtype == mx::float32) return mx::array(v.floats.begin(), shape, mx::float32);
@@ -363,13 +422,19 @@ const HostValue* HostFold::value(const mx::array& a, int depth) {
   }
   if (!a.has_primitive() || depth >= kMostDepth || a.siblings().size() > 0) return nullptr;
   std::vector<const HostValue*> in;
+  bool all_known = true;
   for (const auto& x : a.inputs()) {
-    const HostValue* v = value(x, depth + 1);
-    if (!v) return nullptr;
-    in.push_back(v);
+    in.push_back(value(x, depth + 1));
+    all_known = all_known && in.back() != nullptr;
   }
   const std::vector<int32_t> shape(a.shape().begin(), a.shape().end());
   const std::string kind = a.primitive().name();
+  if (!all_known) {  // a draft program's call without drafts: "is draft i a hit" is false whatever was sampled
+    auto r = absorbed(kind, in, shape, a.dtype());
+    if (!r) return nullptr;
+    slot = std::move(r);
+    return &*slot;
+  }
   std::optional<HostValue> r;
   if (in.size() == 1 && (kind == "Reshape" || kind == "ExpandDims" || kind == "Squeeze" || kind == "Copy" ||
                          kind == "Contiguous" || kind == "Flatten" || kind == "Unflatten")) {
@@ -408,6 +473,10 @@ const HostValue* HostFold::value(const mx::array& a, int depth) {
       r = reduce(static_cast<const mx::Reduce&>(a.primitive()), *in[0], shape);
     else if (kind == "CumSum" || kind == "CumProd" || kind == "CumMin" || kind == "CumMax")
       r = scan(static_cast<const mx::Scan&>(a.primitive()), *in[0]);
+  }
+  if (!r && in.size() >= 2 && kind == "Gather") {
+    const auto [axes, slice_sizes] = static_cast<const mx::Gather&>(a.primitive()).state();
+    r = gather(axes, slice_sizes, *in[0], std::vector<const HostValue*>(in.begin() + 1, in.end()));
   }
   if (!r && in.size() == 2 && kind == "GatherAxis")
     r = gather_axis(static_cast<const mx::GatherAxis&>(a.primitive()).state(), *in[0], *in[1]);
