@@ -223,6 +223,15 @@ mx::array Interpreter::normalized_indices(const mx::array& idx, int dim_size) {
   // every layer's cache write, and its pushed-through reshape and broadcast are made once per call.
   const auto key = std::make_pair(static_cast<std::uintptr_t>(idx.id()), dim_size);
   if (const auto it = normalized_.find(key); it != normalized_.end()) return it->second.second;
+  // Indices the host holds (an input, or positions host folding computed) that are already in range need
+  // nothing: reading a few of them costs less than the five nodes that would clamp them.
+  if (idx.status() == mx::array::Status::available && idx.size() <= HostFold::kMostElements) {
+    const auto known = kernels::known_ints(idx);
+    if (known && std::all_of(known->begin(), known->end(), [&](int64_t x) { return x >= 0 && x < dim_size; })) {
+      normalized_.emplace(key, std::make_pair(idx, idx));
+      return idx;
+    }
+  }
   if (idx.has_primitive() && idx.inputs().size() == 1) {
     const std::string kind = idx.primitive().name();
     if (kind == "Broadcast" || kind == "ExpandDims" || kind == "Reshape") {
