@@ -234,11 +234,11 @@ int64_t DecodeRows::ask(int64_t slot, int64_t limit) {
   if (!r) return 0;
   const int64_t k = draft_room(slot, limit);
   r->asked = k > 0 && !r->pending;
-  if (!pipelined_drafts() || k == 0 || !r->pending) return r->asked ? k : 0;
+  if (!r->pending) return k;  // (a row is only ever pending in a pipelined draft program)
   // The row's token is in flight: its source could only continue the tokens before it. After `dry` empty
   // answers the row waits 2^(dry - 1) calls (at most kMaxQuiet) before a call delivers to ask again.
   const int64_t wait = r->dry == 0 ? 0 : std::min<int64_t>(int64_t{1} << std::min<int64_t>(r->dry - 1, 30), kMaxQuiet);
-  if (r->quiet >= wait) r->deliver = true;
+  if (k > 0 && r->quiet >= wait) r->deliver = true;
   return 0;
 }
 

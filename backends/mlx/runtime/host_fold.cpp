@@ -6,8 +6,11 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <string_view>
 
 #include <mlx/primitives.h>
+
+#include "kernels/known_values.h"
 
 namespace etmlx {
 
@@ -35,6 +38,30 @@ int64_t wrap(int64_t x, mx::Dtype t) {
   return x;
 }
 
+// Steps `idx` to the next row-major position of `shape` (the last axis fastest).
+template <typename I, typename S>
+void next_position(std::vector<I>& idx, const S& shape) {
+  for (size_t d = idx.size(); d-- > 0;) {
+    if (++idx[d] < shape[d]) return;
+    idx[d] = 0;
+  }
+}
+
+// The accumulations of MLX's Reduce and Scan that are exact on integers (their own enums differ).
+enum class Combine { Sum, Prod, Min, Max, And, Or };
+
+int64_t combine(Combine op, int64_t acc, int64_t v) {
+  switch (op) {
+    case Combine::Sum: return static_cast<int64_t>(static_cast<uint64_t>(acc) + static_cast<uint64_t>(v));
+    case Combine::Prod: return static_cast<int64_t>(static_cast<uint64_t>(acc) * static_cast<uint64_t>(v));
+    case Combine::Min: return std::min(acc, v);
+    case Combine::Max: return std::max(acc, v);
+    case Combine::And: return acc && v;
+    case Combine::Or: return acc || v;
+  }
+  return acc;
+}
+
 template <typename T>
 void read_elements(const mx::array& a, HostValue& out) {
   // A materialised array may be a strided view: walk its logical row-major order through its strides.
@@ -53,10 +80,7 @@ void read_elements(const mx::array& a, HostValue& out) {
     } else {
       out.ints.push_back(static_cast<int64_t>(x));
     }
-    for (size_t d = rank; d-- > 0;) {
-      if (++idx[d] < shape[d]) break;
-      idx[d] = 0;
-    }
+    next_position(idx, shape);
   }
 }
 
@@ -93,10 +117,7 @@ std::optional<HostValue> broadcast(const HostValue& x, const std::vector<int32_t
     for (size_t d = 0; d < x.shape.size(); ++d) at += idx[lead + d] * in_strides[d];
     if (is_float(x)) out.floats.push_back(x.floats[static_cast<size_t>(at)]);
     else out.ints.push_back(x.ints[static_cast<size_t>(at)]);
-    for (size_t d = shape.size(); d-- > 0;) {
-      if (++idx[d] < shape[d]) break;
-      idx[d] = 0;
-    }
+    next_position(idx, shape);
   }
   return out;
 }
@@ -154,7 +175,7 @@ using MaybeInt = std::optional<int64_t>;
 using MaybeFloat = std::optional<double>;
 const auto kNoFloat = [](float, float) -> MaybeFloat { return std::nullopt; };
 
-std::optional<HostValue> binary_named(const std::string& kind, const HostValue& a, const HostValue& b,
+std::optional<HostValue> binary_named(std::string_view kind, const HostValue& a, const HostValue& b,
                                       mx::Dtype out_type) {
   const auto cmp = [&](auto op) {
     return binary(a, b, out_type, [&](int64_t x, int64_t y) -> MaybeInt { return op(x, y) ? 1 : 0; },
@@ -197,6 +218,15 @@ std::optional<HostValue> binary_named(const std::string& kind, const HostValue& 
 std::optional<HostValue> reduce(const mx::Reduce& p, const HostValue& x, const std::vector<int32_t>& out_shape) {
   if (is_float(x)) return std::nullopt;  // float sums depend on the device's order
   const auto [type, axes] = p.state();
+  Combine op = Combine::Sum;
+  switch (type) {
+    case mx::Reduce::Sum: op = Combine::Sum; break;
+    case mx::Reduce::Prod: op = Combine::Prod; break;
+    case mx::Reduce::Min: op = Combine::Min; break;
+    case mx::Reduce::Max: op = Combine::Max; break;
+    case mx::Reduce::And: op = Combine::And; break;
+    case mx::Reduce::Or: op = Combine::Or; break;
+  }
   const size_t rank = x.shape.size();
   if (out_shape.size() != rank) return std::nullopt;  // MLX's Reduce keeps the reduced axes as 1
   std::vector<bool> reduced(rank, false);
@@ -220,25 +250,15 @@ std::optional<HostValue> reduce(const mx::Reduce& p, const HostValue& x, const s
       acc = v;
       seen[at] = true;
     } else {
-      switch (type) {
-        case mx::Reduce::Sum: acc = static_cast<int64_t>(static_cast<uint64_t>(acc) + static_cast<uint64_t>(v)); break;
-        case mx::Reduce::Prod: acc = static_cast<int64_t>(static_cast<uint64_t>(acc) * static_cast<uint64_t>(v)); break;
-        case mx::Reduce::Min: acc = std::min(acc, v); break;
-        case mx::Reduce::Max: acc = std::max(acc, v); break;
-        case mx::Reduce::And: acc = acc && v; break;
-        case mx::Reduce::Or: acc = acc || v; break;
-      }
+      acc = combine(op, acc, v);
     }
-    for (size_t d = rank; d-- > 0;) {
-      if (++idx[d] < x.shape[d]) break;
-      idx[d] = 0;
-    }
+    next_position(idx, x.shape);
   }
   for (size_t k = 0; k < n_out; ++k) {
     if (!seen[k]) {  // an empty reduction: its identity
-      switch (type) {
-        case mx::Reduce::Prod: case mx::Reduce::And: out.ints[k] = 1; break;
-        case mx::Reduce::Sum: case mx::Reduce::Or: out.ints[k] = 0; break;
+      switch (op) {
+        case Combine::Prod: case Combine::And: out.ints[k] = 1; break;
+        case Combine::Sum: case Combine::Or: out.ints[k] = 0; break;
         default: return std::nullopt;
       }
     }
@@ -252,8 +272,14 @@ std::optional<HostValue> scan(const mx::Scan& p, const HostValue& x) {
   const auto [type, axis, reverse, inclusive] = p.state();
   const int rank = static_cast<int>(x.shape.size());
   if (axis < 0 || axis >= rank) return std::nullopt;
-  if (type != mx::Scan::Sum && type != mx::Scan::Max && type != mx::Scan::Min && type != mx::Scan::Prod)
-    return std::nullopt;
+  Combine op = Combine::Sum;
+  switch (type) {
+    case mx::Scan::Sum: op = Combine::Sum; break;
+    case mx::Scan::Prod: op = Combine::Prod; break;
+    case mx::Scan::Min: op = Combine::Min; break;
+    case mx::Scan::Max: op = Combine::Max; break;
+    default: return std::nullopt;  // LogAddExp: floating point
+  }
   HostValue out = x;
   const int64_t len = x.shape[static_cast<size_t>(axis)];
   int64_t inner = 1;
@@ -272,21 +298,15 @@ std::optional<HostValue> scan(const mx::Scan& p, const HostValue& x) {
           acc = v;
           started = true;
         } else {
-          switch (type) {
-            case mx::Scan::Sum: acc = static_cast<int64_t>(static_cast<uint64_t>(acc) + static_cast<uint64_t>(v)); break;
-            case mx::Scan::Prod: acc = static_cast<int64_t>(static_cast<uint64_t>(acc) * static_cast<uint64_t>(v)); break;
-            case mx::Scan::Min: acc = std::min(acc, v); break;
-            case mx::Scan::Max: acc = std::max(acc, v); break;
-            default: return std::nullopt;
-          }
+          acc = combine(op, acc, v);
         }
         acc = wrap(acc, x.dtype);
         if (inclusive) {
           out.ints[at] = acc;
         } else {
           if (step == 0) {  // the exclusive scan's first element is the identity
-            if (type == mx::Scan::Sum) out.ints[at] = 0;
-            else if (type == mx::Scan::Prod) out.ints[at] = 1;
+            if (op == Combine::Sum) out.ints[at] = 0;
+            else if (op == Combine::Prod) out.ints[at] = 1;
             else return std::nullopt;
           } else {
             out.ints[at] = before;
@@ -319,10 +339,7 @@ std::optional<HostValue> gather_axis(int axis, const HostValue& src, const HostV
     }
     if (is_float(src)) out.floats.push_back(src.floats[flat]);
     else out.ints.push_back(src.ints[flat]);
-    for (size_t d = rank; d-- > 0;) {
-      if (++at[d] < idx.shape[d]) break;
-      at[d] = 0;
-    }
+    next_position(at, idx.shape);
   }
   return out;
 }
@@ -358,10 +375,7 @@ std::optional<HostValue> gather(const std::vector<int>& axes, const mx::Shape& s
       }
       if (is_float(src)) out.floats.push_back(src.floats[flat]);
       else out.ints.push_back(src.ints[flat]);
-      for (size_t d = rank; d-- > 0;) {
-        if (++at[d] < slice[d]) break;
-        at[d] = 0;
-      }
+      next_position(at, slice);
     }
   }
   return out;
@@ -369,7 +383,7 @@ std::optional<HostValue> gather(const std::vector<int>& axes, const mx::Shape& s
 
 // The result of an operation one of whose operands decides it whatever the other holds (x and false, x or true,
 // x * 0 for integers), when that operand is known and already of the result's shape; else nullopt.
-std::optional<HostValue> absorbed(const std::string& kind, const std::vector<const HostValue*>& in,
+std::optional<HostValue> absorbed(std::string_view kind, const std::vector<const HostValue*>& in,
                                   const std::vector<int32_t>& shape, mx::Dtype out_type) {
   if (in.size() != 2 || out_type == mx::float32) return std::nullopt;
   const bool logical = out_type == mx::bool_;
@@ -428,7 +442,8 @@ const HostValue* HostFold::value(const mx::array& a, int depth) {
     all_known = all_known && in.back() != nullptr;
   }
   const std::vector<int32_t> shape(a.shape().begin(), a.shape().end());
-  const std::string kind = a.primitive().name();
+  // A view of the primitive's own name: no allocation per node (this runs for every small array of a build).
+  const std::string_view kind = a.primitive().name();
   if (!all_known) {  // a draft program's call without drafts: "is draft i a hit" is false whatever was sampled
     auto r = absorbed(kind, in, shape, a.dtype());
     if (!r) return nullptr;
@@ -491,10 +506,7 @@ std::optional<mx::array> HostFold::fold(const mx::array& a) {
     return std::nullopt;
   // A view of what the host already holds is left as it is: the interpreter shares such views between layers
   // (one array per call: shared_view, normalized_indices), which a fresh array per layer would undo.
-  if (a.inputs().size() == 1 && a.inputs()[0].status() == mx::array::Status::available) {
-    const std::string kind = a.primitive().name();
-    if (kind == "Reshape" || kind == "ExpandDims" || kind == "Squeeze" || kind == "Broadcast") return std::nullopt;
-  }
+  if (kernels::is_view(a) && a.inputs()[0].status() == mx::array::Status::available) return std::nullopt;
   const HostValue* v = value(a, 0);
   if (!v) return std::nullopt;
   return to_array(*v);

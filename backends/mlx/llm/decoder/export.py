@@ -99,7 +99,7 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
                    **{name: None for name in kwargs}}
         if pipelined:  # DeliveredOrFedBack: deliver [B] bool after verify
             example = example + (torch.ones(batch, dtype=torch.bool),)
-            dynamic = {**dict(list(dynamic.items())[:4]), "deliver": None, **dict(list(dynamic.items())[4:])}
+            dynamic["deliver"] = None  # torch.export matches dynamic shapes to inputs by name
         if config.allowed_mask:  # a mask per verified position: [B, G, words], G the verify input's
             kwargs["allowed_mask"] = kwargs["allowed_mask"].unsqueeze(1).expand(-1, draft_tokens + 1, -1).contiguous()
             dynamic["allowed_mask"] = {1: width} if width is not None else None

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <string>
+#include <string_view>
 
 #include <mlx/primitives.h>
 
@@ -35,16 +36,11 @@ std::optional<int64_t> known_max(const mx::array& a) {
   return *std::max_element(v->begin(), v->end());
 }
 
-namespace {
-
-// A view that only repeats or regroups its input's elements.
 bool is_view(const mx::array& a) {
   if (a.status() == mx::array::Status::available || !a.has_primitive() || a.inputs().size() != 1) return false;
-  const std::string kind = a.primitive().name();
+  const std::string_view kind = a.primitive().name();
   return kind == "Broadcast" || kind == "Reshape" || kind == "ExpandDims" || kind == "Squeeze";
 }
-
-}  // namespace
 
 std::optional<bool> known_uniform_bool(const mx::array& a) {
   if (a.dtype() != mx::bool_ || a.size() == 0) return std::nullopt;
@@ -63,7 +59,7 @@ namespace {
 // A selection of its first input's elements (a gather by indices, a slice, a copy): none it lacks.
 bool selects(const mx::array& a) {
   if (a.status() == mx::array::Status::available || !a.has_primitive() || a.inputs().empty()) return false;
-  const std::string kind = a.primitive().name();
+  const std::string_view kind = a.primitive().name();
   return kind == "Gather" || kind == "GatherAxis" || kind == "Slice" || kind == "Copy" || kind == "Contiguous";
 }
 

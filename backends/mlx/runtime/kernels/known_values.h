@@ -31,4 +31,9 @@ bool known_none_positive(const mlx::core::array& a);
 // is then a choice made at build time: a pipelined draft program's `deliver` (llm/decoder/pipelined_verify.py).
 std::optional<bool> known_uniform_bool(const mlx::core::array& a);
 
+// Whether `a` is a lazy view that only repeats or regroups its one input's elements (Broadcast, Reshape,
+// ExpandDims, Squeeze): the reads above look through it, and host folding leaves such a view of an input to the
+// interpreter, which shares it between layers.
+bool is_view(const mlx::core::array& a);
+
 }  // namespace etmlx::kernels
