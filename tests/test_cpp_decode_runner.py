@@ -372,3 +372,7 @@ def test_pipelined_flag_in_a_sidecar(pte, plain_pte, decoder, tmp_path):
     Path(str(tmp_path / "piped.pte") + ".json").write_text(json.dumps(meta))
     bad = _run(tmp_path / "piped.pte", "--prompt-ids", "1")
     assert bad.returncode == 2 and '"pipelined" must be true or false' in bad.stderr
+    meta["pipelined"], meta["ring_cache"] = True, 0  # read for a draft model's row cache (model_draft.h)
+    Path(str(tmp_path / "piped.pte") + ".json").write_text(json.dumps(meta))
+    bad = _run(tmp_path / "piped.pte", "--prompt-ids", "1")
+    assert bad.returncode == 2 and '"ring_cache" must be true or false' in bad.stderr

@@ -121,6 +121,44 @@ def test_draft_program_runs_with_every_draft_source(tmp_path):
     assert bad.returncode == 2 and "--drafts must be prediction, ngram or none" in bad.stderr
 
 
+def test_draft_model_and_prompt_ids(tmp_path):
+    """--draft-model: a plain program of the same weights drafts for the draft-verifying one (every greedy draft
+    right, the plain tokens), its own calls reported; --prompt-ids runs that prompt; sequence_tokens_per_s is
+    reported for both kinds of program. The C++ half of `etmlx bench speculative` (bench/speculative_cpp.py)
+    runs the same way and checks the tokens."""
+    from backends.mlx.bench import speculative_cpp
+
+    model = _tiny()
+    plain, draft = tmp_path / "plain.pte", tmp_path / "draft.pte"
+    export_decoder(model, plain, 40)
+    export_decoder(model, draft, 40, draft_tokens=4)
+    prompt = "3,9,27,17,51,25"
+    reference = json.loads(_bench(plain, "--prompt-ids", prompt, "--decode-steps", 14, "--runs", 3).stdout)
+    assert reference["prompt_len"] == 6 and reference["sequence_tokens_per_s"] > 0
+    synthetic = json.loads(_bench(plain, "--prompt-len", 6, "--decode-steps", 14, "--runs", 3).stdout)
+    assert synthetic["token_sum"] != reference["token_sum"]  # the control: another prompt, other tokens
+    done = _bench(draft, "--prompt-ids", prompt, "--decode-steps", 14, "--runs", 3, "--draft-model", plain,
+                  "--draft-model-cost", 0)
+    assert done.returncode == 0, done.stderr
+    r = json.loads(done.stdout)
+    assert r["token_sum"] == reference["token_sum"] and r["draft"]["source"] == "draft-model"
+    assert 0 < r["draft"]["accepted"] == r["draft"]["proposed"]
+    assert r["draft_model"]["calls"] > 0 and r["draft_model"]["ms_per_call"] > 0
+    assert r["sequence_tokens_per_s"] == r["decode_tokens_per_s"] > 0
+    for flags, message in ((["--draft-model-cost", "1"], "--draft-model-cost needs --draft-model"),
+                           (["--prompt-ids", "1,x"], "--prompt-ids must be token ids"),
+                           (["--prompt-ids", "1,64"], "--prompt-ids must be below the vocabulary size 64")):
+        bad = _bench(draft, *flags)
+        assert bad.returncode == 2 and message in bad.stderr, bad.stderr
+    bad = _bench(plain, "--draft-model", plain)
+    assert bad.returncode == 2 and "does not verify drafts" in bad.stderr
+    result = speculative_cpp.run(plain, draft, plain, [3, 9, 27, 17, 51, 25], 12, repeats=1)
+    assert result["drafts"]["prediction"]["accepted"] == result["drafts"]["prediction"]["proposed"] > 0
+    assert result["drafts"]["draft-model"]["accepted"] == result["drafts"]["draft-model"]["proposed"] > 0
+    assert result["drafts"]["none"]["proposed"] == 0
+    assert all(v > 0 for v in result["speedup"].values())
+
+
 def test_sampler_only_json(tmp_path):
     from backends.mlx.llm.sampler.export import LogitsInput, export_sampling_head
     pte = tmp_path / "head.pte"

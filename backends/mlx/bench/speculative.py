@@ -15,7 +15,8 @@ after it), greedy, `max_tokens` tokens after the demo prompt (EOS does not stop 
   draft-model all    the same with cost=0: the drafts prompt lookup's budget would ask for (up to K; the
                      acceptance rate of longer drafts)
 Every speculative run must yield the plain run's tokens (a RuntimeError otherwise). Each figure is the median
-of `repeats` runs, the variants taking turns within each repeat (the machine may be shared).
+of `repeats` runs, the variants taking turns within each repeat (the machine may be shared). Then the same
+programs and prompt through the C++ decode loop (speculative_cpp.py: etmlx_bench, no Python per call).
 """
 
 from __future__ import annotations
@@ -95,11 +96,14 @@ def run(cache_dir: Path, draft_tokens: int = 8, max_tokens: int = 200, repeats: 
             acceptance[name] = {"proposed": spec.stats.proposed, "accepted": spec.stats.accepted,
                                 "calls": spec.stats.calls}
     draft_calls = {"calls": draft_model.calls, "ms_per_call": 1000 * draft_model.seconds / max(draft_model.calls, 1)}
+    from backends.mlx.bench import speculative_cpp
+
+    cpp = speculative_cpp.run(cache_dir / "spec-plain.pte", spec.pte, draft_pte, prompt, max_tokens, repeats)
     medians = {name: statistics.median(values[1:]) for name, values in rates.items()}
     return {"machine": platform.machine(), "model": "builtin", "draft_tokens": draft_tokens, "tokens": len(reference),
             "repeats": repeats, "decode_tok_s": medians,
             "speedup": {name: medians[name] / medians["plain"] for name in sources}, "drafts": acceptance,
-            "draft_model_calls": draft_calls}
+            "draft_model_calls": draft_calls, "cpp_loop": cpp}
 
 
 def main(json_path: str | None, cache_dir: str, repeats: int | None = None, draft_tokens: int = 8) -> int:
@@ -114,6 +118,9 @@ def main(json_path: str | None, cache_dir: str, repeats: int | None = None, draf
                      f"({rate_text}), {d['calls']} calls")
         print(line)
     print(f"  draft model: {result['draft_model_calls']['ms_per_call']:.2f} ms per draft program call")
+    from backends.mlx.bench import speculative_cpp
+
+    speculative_cpp.report(result["cpp_loop"])
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=1) + "\n")
     return 0

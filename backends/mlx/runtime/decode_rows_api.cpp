@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <exception>
 #include <new>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -401,4 +402,50 @@ ETMLX_EXPORT int64_t etmlx_budget_set_cost(void* b, double cost) {
 ETMLX_EXPORT double etmlx_budget_constant(int64_t which) {
   using B = etmlx::DraftBudget;
   return which == 0 ? B::kDraftCost : which == 1 ? B::kDecay : static_cast<double>(B::kProbeEvery);
+}
+
+// ---- a draft model's pacing (draft_sources.h DraftModelPacing) ----
+
+// `cost` < 0: measured as it runs.
+ETMLX_EXPORT void* etmlx_pacing_new(int64_t max_drafts, double cost) {
+  void* out = nullptr;
+  guarded([&]() -> int64_t {
+    out = new etmlx::DraftModelPacing(max_drafts, cost < 0 ? std::nullopt : std::optional<double>(cost));
+    return 0;
+  });
+  return out;
+}
+
+ETMLX_EXPORT void etmlx_pacing_free(void* pacing) { delete static_cast<etmlx::DraftModelPacing*>(pacing); }
+
+namespace {
+etmlx::DraftModelPacing& pacing_of(void* p) {
+  if (!p) throw std::invalid_argument("no draft model pacing (a null handle)");
+  return *static_cast<etmlx::DraftModelPacing*>(p);
+}
+}  // namespace
+
+// The most drafts to make after seq[n] at time `now`.
+ETMLX_EXPORT int64_t etmlx_pacing_begin(void* p, const int64_t* seq, int64_t n, double now) {
+  return guarded([&] { return pacing_of(p).begin(ids(seq, n), now); });
+}
+
+ETMLX_EXPORT int64_t etmlx_pacing_end(void* p, const int64_t* seq, int64_t n, int has_output, const int64_t* drafts,
+                                      int64_t n_drafts, int64_t calls, double seconds, double now) {
+  return guarded([&]() -> int64_t {
+    pacing_of(p).end(ids(seq, n), has_output != 0, ids(drafts, n_drafts), calls, seconds, now);
+    return 0;
+  });
+}
+
+// out[4]: draft program calls, their seconds, the budget's acceptance estimate and cost per draft.
+ETMLX_EXPORT int64_t etmlx_pacing_get(void* p, double* out) {
+  return guarded([&]() -> int64_t {
+    const etmlx::DraftModelPacing& pacing = pacing_of(p);
+    out[0] = static_cast<double>(pacing.calls());
+    out[1] = pacing.seconds();
+    out[2] = pacing.budget().rate();
+    out[3] = pacing.budget().draft_cost();
+    return 0;
+  });
 }

@@ -1,7 +1,7 @@
 """The decode-step rules of decode_rows.cpp and the draft sources of draft_sources.cpp (one implementation,
 also etmlx_decode's), through ctypes.
 
-`RowsCore`, `DraftSourceCore` and `BudgetCore` are thin typed wrappers: lists of ints in and out, a one-line
+`RowsCore`, `DraftSourceCore`, `BudgetCore` and `PacingCore` are thin typed wrappers: lists of ints in and out, a one-line
 `DecodeRowsError` for what the core refuses. The Python engine over them (what a row's request, matcher and
 draft source are) is llm/decoder/decode_rows.py; the draft sources' Python API is llm/decoder/draft_sources.py.
 """
@@ -66,7 +66,11 @@ def _lib() -> ctypes.CDLL:
             ("etmlx_draft_free", None, [vp]), ("etmlx_draft_propose", _i64, [vp, _P64, _i64, _P64, _i64, _i64, _P64, _i64]),
             ("etmlx_budget_new", vp, [_i64, vd]), ("etmlx_budget_free", None, [vp]), ("etmlx_budget_size", _i64, [vp]),
             ("etmlx_budget_update", _i64, [vp, _i64, _i64]), ("etmlx_budget_get", _i64, [vp, ctypes.POINTER(vd)]),
-            ("etmlx_budget_set_cost", _i64, [vp, vd]), ("etmlx_budget_constant", vd, [_i64])):
+            ("etmlx_budget_set_cost", _i64, [vp, vd]), ("etmlx_budget_constant", vd, [_i64]),
+            ("etmlx_pacing_new", vp, [_i64, vd]), ("etmlx_pacing_free", None, [vp]),
+            ("etmlx_pacing_begin", _i64, [vp, _P64, _i64, vd]),
+            ("etmlx_pacing_end", _i64, [vp, _P64, _i64, ctypes.c_int, _P64, _i64, _i64, vd, vd]),
+            ("etmlx_pacing_get", _i64, [vp, ctypes.POINTER(vd)])):
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = restype, argtypes
     lib._etmlx_rows_typed = True
@@ -314,3 +318,31 @@ class BudgetCore:
     @draft_cost.setter
     def draft_cost(self, cost: float) -> None:
         _checked(self._lib, self._lib.etmlx_budget_set_cost(self._h, float(cost)))
+
+
+class PacingCore:
+    """The DraftModelPacing of draft_sources.cpp: a draft model's budget, learned from its proposals."""
+
+    def __init__(self, max_drafts: int, cost: float | None = None):
+        self._lib = lib = _lib()
+        self._h = _made(lib, lib.etmlx_pacing_new(max_drafts, -1.0 if cost is None else float(cost)))
+
+    def __del__(self):
+        if getattr(self, "_h", None):
+            self._lib.etmlx_pacing_free(self._h)
+            self._h = None
+
+    def begin(self, seq: list[int], now: float) -> int:
+        ids, n = _ids(seq)
+        return _checked(self._lib, self._lib.etmlx_pacing_begin(self._h, ids, n, now))
+
+    def end(self, seq: list[int], has_output: bool, drafts: list[int], calls: int, seconds: float, now: float) -> None:
+        ids, n = _ids(seq)
+        d, nd = _ids(drafts)
+        _checked(self._lib, self._lib.etmlx_pacing_end(self._h, ids, n, int(has_output), d, nd, calls, seconds, now))
+
+    def get(self) -> tuple[int, float, float, float]:
+        """(draft program calls, their seconds, the acceptance estimate, the cost per draft)."""
+        out = (ctypes.c_double * 4)()
+        _checked(self._lib, self._lib.etmlx_pacing_get(self._h, out))
+        return int(out[0]), out[1], out[2], out[3]

@@ -128,4 +128,42 @@ void DraftBudget::update(int64_t proposed, int64_t accepted) {
   trials_ = kDecay * trials_ + static_cast<double>(accepted) + (accepted < proposed ? 1.0 : 0.0);
 }
 
+
+namespace {
+double averaged(const std::optional<double>& mean, double value) {
+  return mean ? DraftModelPacing::kSmoothing * *mean + (1 - DraftModelPacing::kSmoothing) * value : value;
+}
+}  // namespace
+
+DraftModelPacing::DraftModelPacing(int64_t max_drafts, std::optional<double> cost)
+    : budget_(max_drafts), cost_(cost) {
+  if (cost_) budget_.set_draft_cost(DraftBudget::kDraftCost + *cost_);  // throws for a negative cost
+}
+
+int64_t DraftModelPacing::begin(const std::vector<int64_t>& seq, double now) {
+  if (has_last_ && seq.size() > last_seq_.size() && std::equal(last_seq_.begin(), last_seq_.end(), seq.begin())) {
+    // The drafts the target accepted: how far the sequence went on along them.
+    size_t accepted = 0;
+    while (accepted < last_drafts_.size() && last_seq_.size() + accepted < seq.size() &&
+           seq[last_seq_.size() + accepted] == last_drafts_[accepted])
+      ++accepted;
+    budget_.update(static_cast<int64_t>(last_drafts_.size()), static_cast<int64_t>(accepted));
+    target_s_ = averaged(target_s_, now - last_at_);
+    // A draft costs its draft call, and its share of the verifying call (the default budget's cost).
+    if (!cost_ && draft_s_) budget_.set_draft_cost(DraftBudget::kDraftCost + *draft_s_ / std::max(*target_s_, 1e-9));
+  }
+  return budget_.size();
+}
+
+void DraftModelPacing::end(const std::vector<int64_t>& seq, bool has_output, const std::vector<int64_t>& drafts,
+                           int64_t calls, double seconds, double now) {
+  calls_ += calls;
+  seconds_ += seconds;
+  if (has_output && calls > 0) draft_s_ = averaged(draft_s_, seconds / static_cast<double>(calls));
+  last_seq_ = seq;
+  last_drafts_ = drafts;
+  last_at_ = now;
+  has_last_ = true;
+}
+
 }  // namespace etmlx

@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 namespace etmlx {
@@ -88,6 +89,43 @@ class DraftBudget {
   double draft_cost_;
   double hits_ = 2.0, trials_ = 2.0;  // optimistic start: a fresh source gets the full budget at once
   int64_t calls_without_ = 0;
+};
+
+
+// A draft model's proposals (a small decoder program with the target's vocabulary, run greedily: the Python
+// llm/decoder/draft_model.py, the C++ tools/etmlx_decode/model_draft.h): how many drafts to make, learned from
+// what became of the last proposal. A draft costs its draft program call besides its share of the verifying
+// call, so the budget's cost per draft is DraftBudget::kDraftCost plus a draft call's time over the time between
+// two proposals (running averages), or plus a fixed `cost` given up front. The acceptance it feeds the budget
+// is read off the sequence: how many of the last drafts the next proposal's sequence continues with.
+class DraftModelPacing {
+ public:
+  static constexpr double kSmoothing = 0.8;  // weight of the earlier calls in the running averages
+
+  // `cost`: a draft call's time over a target call's, fixed (>= 0); nullopt: measured as it runs.
+  DraftModelPacing(int64_t max_drafts, std::optional<double> cost);
+
+  // Before proposing after `seq` (the whole sequence so far) at time `now` (seconds, any steady clock):
+  // learns from the last proposal when `seq` continues its sequence; returns the most drafts to make.
+  int64_t begin(const std::vector<int64_t>& seq, double now);
+  // After: the proposal's drafts, the draft program calls and seconds they took (`has_output`: false for a
+  // sequence's first proposal, whose calls prefill its prompt and are not timed as draft calls).
+  void end(const std::vector<int64_t>& seq, bool has_output, const std::vector<int64_t>& drafts, int64_t calls,
+           double seconds, double now);
+
+  const DraftBudget& budget() const { return budget_; }
+  int64_t calls() const { return calls_; }      // draft program calls, every proposal together
+  double seconds() const { return seconds_; }   // their time
+
+ private:
+  DraftBudget budget_;
+  std::optional<double> cost_;
+  std::optional<double> draft_s_, target_s_;  // one draft call; the time between two proposals
+  std::vector<int64_t> last_seq_, last_drafts_;
+  double last_at_ = 0;
+  bool has_last_ = false;
+  int64_t calls_ = 0;
+  double seconds_ = 0;
 };
 
 }  // namespace etmlx

@@ -14,10 +14,12 @@ guess: whatever the draft model proposes, the target's tokens are its plain prog
 
 Cost: k drafts take k calls of the draft program (k + 1 for a pipelined one, whose calls return the call
 before's token), so a draft model pays only where its calls are much cheaper than the target's. It therefore
-sizes its own proposals with a DraftBudget (draft_sources.py) whose cost per draft adds the measured ratio of
+sizes its own proposals with a DraftBudget whose cost per draft adds the measured ratio of
 a draft call's time to a target call's (the time between two proposals: the verifying call and whatever the
 caller does per call). The acceptance it feeds that budget it reads off the output: how many of its last
 drafts the next proposal's output starts with. `cost=` fixes the ratio instead (0: sized as prompt lookup's).
+That bookkeeping is the C++ core's (runtime/draft_sources.h DraftModelPacing), which `etmlx_decode --draft-model`
+runs too (tools/etmlx_decode/model_draft.h), so both size their proposals alike.
 """
 
 from __future__ import annotations
@@ -25,13 +27,12 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from backends.mlx.llm.decoder.draft_sources import DraftBudget
 from backends.mlx.llm.decoder.loop import Decoder
-from backends.mlx.llm.decoder.decode_rows import common_prefix
 from backends.mlx.llm.sampler.params import SamplingParams
+from backends.mlx.runtime.decode_rows_lib import DecodeRowsError, PacingCore
 
 GREEDY = SamplingParams()
-SMOOTHING = 0.8  # weight of the earlier calls in the running time averages
+UNSIZED_MAX_DRAFTS = 16  # without a target, the most drafts a proposal makes
 
 
 class DraftModel:
@@ -48,50 +49,34 @@ class DraftModel:
         if target is not None:
             check_vocabulary(self.decoder.meta.vocab_size, self.pte, target.meta.vocab_size, target.pte)
         self.cost = cost
-        self.budget = DraftBudget(target.meta.draft_tokens if target is not None else 16)
-        if cost is not None:
-            self.budget.draft_cost = DraftBudget.DRAFT_COST + cost
-        self.calls = 0  # draft program calls, all proposals together
-        self.seconds = 0.0  # their time
-        self._draft_s = self._target_s = None  # running averages: one draft call, the time between proposals
-        self._last: tuple[list[int], list[int], float] | None = None  # (sequence, drafts, when) of the last proposal
+        max_drafts = target.meta.draft_tokens if target is not None else UNSIZED_MAX_DRAFTS
+        try:  # the budget and its bookkeeping: the core's, which etmlx_decode --draft-model runs too
+            self._pacing = PacingCore(max_drafts, cost)
+        except DecodeRowsError as exc:
+            raise ValueError(str(exc)) from None
 
     @property
     def meta(self):
         return self.decoder.meta
 
+    @property
+    def calls(self) -> int:
+        """Draft program calls, every proposal together."""
+        return self._pacing.get()[0]
+
+    @property
+    def seconds(self) -> float:
+        """Their time."""
+        return self._pacing.get()[1]
+
     def propose(self, prompt: list[int], output: list[int], k: int) -> list[int]:
         started = time.perf_counter()
         seq = list(prompt) + list(output)
-        self._observe(seq, started)
-        k = min(k, self.budget.size(), self.meta.max_seq_len - len(seq))  # the draft cache has room for no more
+        k = min(k, self._pacing.begin(seq, started), self.meta.max_seq_len - len(seq))  # the cache holds no more
         drafts = [step.token for step in self.decoder.stream(seq, k, GREEDY, reuse=True)] if k > 0 else []
-        seconds = time.perf_counter() - started
         calls = len(drafts) + (1 if drafts and self.meta.pipelined else 0)
-        self.calls += calls
-        self.seconds += seconds
-        if output and calls:  # a prompt's prefill is not a draft call
-            self._draft_s = _average(self._draft_s, seconds / calls)
-        self._last = (seq, drafts, time.perf_counter())
+        self._pacing.end(seq, bool(output), drafts, calls, time.perf_counter() - started, time.perf_counter())
         return drafts
-
-    def _observe(self, seq: list[int], now: float) -> None:
-        """What became of the last proposal, when `seq` continues its sequence: the drafts accepted, the time
-        the target took; then the budget's cost per draft."""
-        if self._last is None:
-            return
-        last, drafts, when = self._last
-        if len(seq) <= len(last) or seq[:len(last)] != last:  # another sequence: nothing to learn
-            return
-        self.budget.update(len(drafts), min(common_prefix(seq[len(last):], drafts), len(drafts)))
-        self._target_s = _average(self._target_s, now - when)
-        if self.cost is None and self._draft_s is not None:
-            # A draft costs its draft call, and its share of the verifying call (the default budget's cost).
-            self.budget.draft_cost = DraftBudget.DRAFT_COST + self._draft_s / max(self._target_s, 1e-9)
-
-
-def _average(mean: float | None, value: float) -> float:
-    return value if mean is None else SMOOTHING * mean + (1 - SMOOTHING) * value
 
 
 def check_vocabulary(draft_vocab: int, draft_pte, target_vocab: int, target_pte) -> None:

@@ -12,7 +12,9 @@
 //
 // A draft-verifying program (`etmlx export --draft-tokens K`) runs the same sequences with drafts from --drafts:
 // "prediction" (default: Predicted Outputs whose prediction is the program's own greedy continuation, taken
-// from the first, cold run, which drafts nothing), "ngram" (prompt lookup) or "none". A call then brings
+// from the first, cold run, which drafts nothing), "ngram" (prompt lookup), "none", or with --draft-model SMALL.pte
+// a draft model (model_draft.h: one for every warm run, its row cache carried over; --draft-model-cost fixes its
+// cost instead of measuring it; its own calls are reported, and counted in decode_host). A call then brings
 // several tokens: "decode" times the decode calls, and decode_tokens_per_s counts every token after the first
 // call's over the time after it (the median of the warm runs), as `etmlx bench speculative` does.
 #include <algorithm>
@@ -33,6 +35,7 @@
 #include <executorch/runtime/platform/runtime.h>
 
 #include "decode_loop.h"
+#include "model_draft.h"
 #include "knobs.h"
 #include "program_metadata.h"
 #include "step_inputs.h"
@@ -50,11 +53,14 @@ using Clock = std::chrono::steady_clock;
 constexpr const char kUsage[] =
     "usage: etmlx_bench FILE.pte [--prompt-len N] [--decode-steps N] [--runs N] [--calls N] [--warmup N]\n"
     "                   [--temperature T] [--seed S] [--inputs DIR] [--drafts prediction|ngram|none]\n"
+    "                   [--draft-model SMALL.pte [--draft-model-cost C]] [--prompt-ids 1,2,3]\n"
     "Times FILE.pte on the etmlx backend and prints JSON (milliseconds per call: median, p90).\n"
-    "  decoder programs: --runs sequences (default 3; the first is the cold one, the others warm) of a --prompt-len prefill (default 16)\n"
+    "  decoder programs: --runs sequences (default 3; the first is the cold one, the others warm) of a --prompt-len prefill (default 16;\n"
+    "                    synthetic ids, or the --prompt-ids given)\n"
     "                    and --decode-steps decode calls (default 32), sampling at --temperature\n"
     "                    (default 0, greedy) with --seed (default 0); a --draft-tokens program takes\n"
-    "                    --drafts (default prediction: its own greedy continuation, from the cold run)\n"
+    "                    --drafts (default prediction: its own greedy continuation, from the cold run),\n"
+    "                    or --draft-model (a small plain program with its vocabulary drafts greedily)\n"
     "  other programs:   --warmup calls (default 2), then --calls timed calls (default 20) on\n"
     "                    zero-filled inputs, or the raw bytes of DIR/input_<i>.bin (--inputs DIR; each file\n"
     "                    exactly input i's size); prints the integer values of output 0's last call\n";
@@ -117,7 +123,9 @@ std::string json_stats(const Stats& s) {
 }
 
 struct Args {
-  std::string pte, inputs_dir, drafts = "prediction";
+  std::string pte, inputs_dir, drafts = "prediction", draft_model;
+  double draft_model_cost = -1;  // < 0: measured
+  std::vector<int64_t> prompt_ids;  // --prompt-ids: this prompt instead of --prompt-len synthetic ids
   long prompt_len = 16, decode_steps = 32, runs = 3, calls = 20, warmup = 2, seed = 0;
   double temperature = 0;
 };
@@ -147,6 +155,33 @@ bool parse(int argc, char** argv, Args* a, std::string* error, bool* help) {
       a->drafts = value;
       continue;
     }
+    if (flag == "--prompt-ids") {
+      std::string item;
+      a->prompt_ids.clear();
+      for (size_t at = 0; at <= value.size(); ++at) {
+        if (at < value.size() && value[at] != ',') {
+          item += value[at];
+          continue;
+        }
+        char* stop = nullptr;
+        const long long id = std::strtoll(item.c_str(), &stop, 10);
+        if (item.empty() || *stop || id < 0) return *error = "--prompt-ids must be token ids >= 0, comma-separated", false;
+        a->prompt_ids.push_back(static_cast<int64_t>(id));
+        item.clear();
+      }
+      a->prompt_len = static_cast<long>(a->prompt_ids.size());
+      continue;
+    }
+    if (flag == "--draft-model") {
+      a->draft_model = value;
+      continue;
+    }
+    if (flag == "--draft-model-cost") {
+      a->draft_model_cost = std::strtod(value.c_str(), &end);
+      if (end == value.c_str() || *end || !(a->draft_model_cost >= 0))
+        return *error = "--draft-model-cost must be a number >= 0", false;
+      continue;
+    }
     if (flag == "--temperature") {
       a->temperature = std::strtod(value.c_str(), &end);
       if (end == value.c_str() || *end || !(a->temperature >= 0))
@@ -164,6 +199,8 @@ bool parse(int argc, char** argv, Args* a, std::string* error, bool* help) {
     *slot = v;
   }
   if (a->pte.empty()) return *error = "no program given", false;
+  if (a->draft_model_cost >= 0 && a->draft_model.empty()) return *error = "--draft-model-cost needs --draft-model", false;
+  if (!a->draft_model.empty()) a->drafts = "draft-model";  // the source, whatever --drafts said
   return true;
 }
 
@@ -179,11 +216,21 @@ int bench_decoder(Module& module, const std::string& method, const etmlx::Progra
   const int64_t draft_tokens = md.meta.draft_tokens;
   if (!inputs->set_verify(draft_tokens, md.meta.verify_min_width, &error))
     return fail(a.pte + ": its metadata " + error);
+  std::shared_ptr<etmlx::ModelDraft> draft_model;
+  if (!a.draft_model.empty()) {
+    if (draft_tokens == 0) return fail(a.pte + " does not verify drafts: --draft-model needs a --draft-tokens program");
+    const auto cost = a.draft_model_cost >= 0 ? std::optional<double>(a.draft_model_cost) : std::nullopt;
+    draft_model = etmlx::ModelDraft::load(a.draft_model, md.meta.vocab_size, draft_tokens, cost, &error);
+    if (!draft_model) return fail(error);
+  }
   if (a.prompt_len > inputs->max_call_length() || a.prompt_len + a.decode_steps > max_seq)
     return fail("--prompt-len + --decode-steps must fit the program's " + std::to_string(max_seq) + " positions");
   const int64_t vocab = md.meta.vocab_size.value_or(2);
   std::vector<int64_t> prompt(static_cast<size_t>(a.prompt_len));
   for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int64_t>((7 * i + 1) % vocab);
+  if (!a.prompt_ids.empty()) prompt = a.prompt_ids;
+  for (int64_t id : prompt)
+    if (id >= vocab && md.meta.vocab_size) return fail("--prompt-ids must be below the vocabulary size " + std::to_string(vocab));
 
   // "prefill": the time until token 0 is on the host (a pipelined program's prefill call returns
   // nothing, so that is the prefill call plus the first decode call); "decode": the calls that
@@ -194,12 +241,13 @@ int bench_decoder(Module& module, const std::string& method, const etmlx::Progra
   HostTimes decode_host;  // the warm runs' decode calls
   etmlx::DecodeLoop loop(module, method, *inputs, md.meta.pipelined, max_seq, draft_tokens);
   std::vector<int64_t> reference;  // the cold run's tokens: a draft program's prediction, and every run's tokens
-  std::vector<double> run_rates;   // draft programs: tokens after the first call's per second, warm runs
+  std::vector<double> run_rates;   // tokens after the first call's per second, warm runs
   etmlx::DecodeLoop::DraftStats drafted;  // the last run's
   for (long run = 0; run < a.runs; ++run) {
     std::shared_ptr<etmlx::DraftSource> source;
     if (draft_tokens > 0 && run > 0 && a.drafts == "prediction") source = std::make_shared<etmlx::PredictionDraft>(reference);
     if (draft_tokens > 0 && run > 0 && a.drafts == "ngram") source = std::make_shared<etmlx::NgramDraft>();
+    if (draft_tokens > 0 && run > 0 && draft_model) source = draft_model;
     // Every step is timed: no stop id ends a run early.
     if (!loop.start({prompt, static_cast<float>(a.temperature), a.seed, a.decode_steps + 1, {}, source}, &error))
       return fail(error);
@@ -235,8 +283,10 @@ int bench_decoder(Module& module, const std::string& method, const etmlx::Progra
   }
   const Stats p = stats_of(prefill), d = stats_of(decode);
   std::sort(run_rates.begin(), run_rates.end());
-  const double rate = draft_tokens == 0 ? (d.median_ms > 0 ? 1e3 / d.median_ms : 0.0)
-                      : run_rates.empty() ? 0.0 : run_rates[run_rates.size() / 2];
+  // A plain program's rate is per call (the median call); a draft program's calls bring several tokens, so its
+  // rate is per sequence. sequence_tokens_per_s is the per-sequence rate of either kind: compare programs by it.
+  const double sequence_rate = run_rates.empty() ? 0.0 : run_rates[run_rates.size() / 2];
+  const double rate = draft_tokens == 0 ? (d.median_ms > 0 ? 1e3 / d.median_ms : 0.0) : sequence_rate;
   std::string draft_json;
   if (draft_tokens > 0) {
     char buf[200];
@@ -245,16 +295,23 @@ int bench_decoder(Module& module, const std::string& method, const etmlx::Progra
                   static_cast<long long>(drafted.proposed), static_cast<long long>(drafted.accepted),
                   static_cast<long long>(drafted.calls));
     draft_json = buf;
+    if (draft_model) {
+      const etmlx::DraftModelPacing& pacing = draft_model->pacing();
+      std::snprintf(buf, sizeof(buf), ", \"draft_model\": {\"calls\": %lld, \"ms_per_call\": %.4f}",
+                    static_cast<long long>(pacing.calls()),
+                    pacing.calls() > 0 ? 1e3 * pacing.seconds() / static_cast<double>(pacing.calls()) : 0.0);
+      draft_json += buf;
+    }
   }
   std::printf("{\"program\": \"%s\", \"kind\": \"decoder\", \"method\": \"%s\", \"pipelined\": %s, "
               "\"load_s\": %.6f, \"prompt_len\": %ld, \"decode_steps\": %ld, \"runs\": %ld, \"temperature\": %g, "
               "\"cold_first_token_s\": %.6f, \"warm_first_token_s\": %.6f, \"prefill\": %s, \"decode\": %s, "
-              "\"prefill_tokens_per_s\": %.3f, \"decode_tokens_per_s\": %.3f, \"token_sum\": %lld, \"decode_host\": %s%s}\n",
+              "\"prefill_tokens_per_s\": %.3f, \"decode_tokens_per_s\": %.3f, \"sequence_tokens_per_s\": %.3f, \"token_sum\": %lld, \"decode_host\": %s%s}\n",
               a.pte.c_str(), method.c_str(), md.meta.pipelined ? "true" : "false", load_s, a.prompt_len,
               a.decode_steps, a.runs, a.temperature, cold,
               p.median_ms / 1e3, json_stats(p).c_str(), json_stats(d).c_str(),
               p.median_ms > 0 ? 1e3 * static_cast<double>(a.prompt_len) / p.median_ms : 0.0,
-              rate, static_cast<long long>(tokens_checksum), decode_host.json().c_str(), draft_json.c_str());
+              rate, sequence_rate, static_cast<long long>(tokens_checksum), decode_host.json().c_str(), draft_json.c_str());
   return 0;
 }
 

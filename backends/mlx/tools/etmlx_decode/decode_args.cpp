@@ -10,8 +10,8 @@ const char kDecodeUsage[] =
     "usage: etmlx_decode FILE.pte (--prompt TEXT | --prompt-ids 1,2,3) [--max-tokens N]\n"
     "                    [--temperature T] [--seed S] [--KNOB VALUE ...] [--eos ID[,ID...]]\n"
     "                    [--vocab-size V] [--mask-file FILE | --choice-ids 1,2;3] [--weights FILE.ptd]\n"
-    "                    [--draft ngram | --prediction TEXT|@FILE | --prediction-ids 1,2,3]\n"
-    "                    [--num-draft-tokens K] [--json]\n"
+    "                    [--draft ngram | --prediction TEXT|@FILE | --prediction-ids 1,2,3 |\n"
+    "                     --draft-model SMALL.pte [--draft-model-cost C]] [--num-draft-tokens K] [--json]\n"
     "\n"
     "Runs the decode loop of a .pte written by `etmlx export` on the etmlx (MLX)\n"
     "backend: one prefill call, then one call per token with seed S + step.\n"
@@ -37,6 +37,9 @@ const char kDecodeUsage[] =
     "                 prompt and output proposes drafts; the default) or none\n"
     "  --prediction   the expected output (Predicted Outputs), as text (@FILE: a file's text),\n"
     "                 tokenized like the prompt without its special tokens; --prediction-ids: as ids\n"
+    "  --draft-model  a small plain program with the same vocabulary proposes the drafts\n"
+    "                 (greedy; as many as pay for its calls, from their measured time)\n"
+    "  --draft-model-cost  a draft call's time over a target call's, fixed (reproducible counts)\n"
     "  --num-draft-tokens  most drafts per call (default the program's K)\n"
     "  --json         print {\"tokens\", \"finish_reason\", timings, \"draft\"} instead of streaming ids\n";
 
@@ -149,6 +152,21 @@ bool parse_decode_args(int argc, char** argv, DecodeArgs* out, std::string* erro
             return false;
           }
         }
+      } else if (name == "--draft-model") {
+        if (value.empty()) {
+          *error = "--draft-model needs a SMALL.pte";
+          return false;
+        }
+        out->draft_model = value;
+      } else if (name == "--draft-model-cost") {
+        char* end = nullptr;
+        const std::string t = trim(value);
+        const double c = t.empty() ? -1.0 : std::strtod(t.c_str(), &end);
+        if (t.empty() || *end != '\0' || !(c >= 0.0) || c > 1e9) {
+          *error = "--draft-model-cost must be a number >= 0, got '" + value + "'";
+          return false;
+        }
+        out->draft_model_cost = c;
       } else if (name == "--num-draft-tokens") {
         int64_t k = 0;
         if (!parse_int(value, &k) || k < 0) {
@@ -186,9 +204,14 @@ bool parse_decode_args(int argc, char** argv, DecodeArgs* out, std::string* erro
     *error = "--prompt-ids is empty";
     return false;
   }
-  const int sources = !out->draft.empty() + out->prediction_text.has_value() + out->prediction_ids.has_value();
+  const int sources = !out->draft.empty() + out->prediction_text.has_value() + out->prediction_ids.has_value() +
+                      out->draft_model.has_value();
   if (sources > 1) {
-    *error = "give one draft source: --draft ngram, --prediction or --prediction-ids";
+    *error = "give one draft source: --draft ngram, --prediction, --prediction-ids or --draft-model";
+    return false;
+  }
+  if (out->draft_model_cost && !out->draft_model) {
+    *error = "--draft-model-cost needs --draft-model";
     return false;
   }
   return true;

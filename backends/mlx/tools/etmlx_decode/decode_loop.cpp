@@ -11,27 +11,29 @@ const char kPipelinedMaskHint[] =
 
 namespace {
 
-DecodeRowsConfig config_for(int64_t batch, int64_t max_seq_len, bool pipelined, int64_t draft_tokens) {
+DecodeRowsConfig config_for(int64_t batch, int64_t max_seq_len, bool pipelined, int64_t draft_tokens,
+                            bool prompt_cache, bool ring) {
   DecodeRowsConfig config;
   config.batch = batch;
   config.max_seq_len = max_seq_len;
   config.pipelined = pipelined;
   config.draft_tokens = draft_tokens;
-  config.ring = draft_tokens == 0;  // draft-verifying programs keep full-length caches
-  config.prompt_cache = false;  // one sequence per start(): the idle rows write at position 0
+  config.ring = ring && draft_tokens == 0;  // draft-verifying programs keep full-length caches
+  config.prompt_cache = prompt_cache;  // the idle rows write at position 0 either way: only row 0 is reused
   return config;
 }
 
 }  // namespace
 
 DecodeLoop::DecodeLoop(executorch::extension::module::Module& module, std::string method, StepInputs& inputs,
-                       bool pipelined, int64_t max_seq_len, int64_t draft_tokens)
+                       bool pipelined, int64_t max_seq_len, int64_t draft_tokens, bool prompt_cache, bool ring)
     : module_(module),
       method_(std::move(method)),
       inputs_(inputs),
       pipelined_(pipelined),
       draft_tokens_(draft_tokens),
-      rows_(config_for(inputs.batch(), max_seq_len, pipelined, draft_tokens)) {}
+      prompt_cache_(prompt_cache),
+      rows_(config_for(inputs.batch(), max_seq_len, pipelined, draft_tokens, prompt_cache, ring)) {}
 
 bool DecodeLoop::start(const Sequence& sequence, std::string* error) {
   RowRequest request;
@@ -42,8 +44,13 @@ bool DecodeLoop::start(const Sequence& sequence, std::string* error) {
   DecodeRowsConfig config = rows_.config();
   config.eos = sequence.eos;
   try {
-    rows_ = DecodeRows(config);  // a fresh sequence: nothing of the last one carries over
-    rows_.start(0, std::move(request), /*reuse=*/false, nullptr);
+    if (prompt_cache_ && config.eos == rows_.config().eos) {
+      if (rows_.row(0)) rows_.end(0);  // a sequence left unfinished: its row's cache keeps what it wrote
+      cached_ = rows_.start(0, std::move(request), /*reuse=*/true, nullptr);
+    } else {
+      rows_ = DecodeRows(config);  // a fresh sequence: nothing of the last one carries over
+      cached_ = rows_.start(0, std::move(request), /*reuse=*/false, nullptr);
+    }
   } catch (const std::exception& e) {
     *error = e.what();
     return false;

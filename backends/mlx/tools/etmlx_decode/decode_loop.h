@@ -57,13 +57,18 @@ class DecodeLoop {
     int64_t accepted = 0;  // of those, accepted
   };
 
-  // `draft_tokens`: K of a draft-verifying program (0 for a plain one).
+  // `draft_tokens`: K of a draft-verifying program (0 for a plain one). With `prompt_cache`, row 0's KV cache
+  // outlives its sequence: a sequence that starts with tokens it holds prefills only the rest (decode_rows.h's
+  // row caches; `ring`: some layer keeps a sliding-window ring, whose row is reused only where positions
+  // continue). A draft model's loop (model_draft.h) runs so; without it each sequence prefills its prompt.
   DecodeLoop(executorch::extension::module::Module& module, std::string method, StepInputs& inputs,
-             bool pipelined, int64_t max_seq_len, int64_t draft_tokens = 0);
+             bool pipelined, int64_t max_seq_len, int64_t draft_tokens = 0, bool prompt_cache = false,
+             bool ring = true);
 
   bool pipelined() const { return pipelined_; }
 
-  // Starts a sequence. Makes no call. False (with `error`) for a sequence the rules refuse.
+  // Starts a sequence (ending the last one, if it still runs). Makes no call. False (with `error`) for a
+  // sequence the rules refuse.
   bool start(const Sequence& sequence, std::string* error);
 
   // Makes the calls that bring the sequence's next token to the host: one call, or two for a pipelined
@@ -84,6 +89,8 @@ class DecodeLoop {
   // Tokens the calls so far brought that next() has not handed out yet (accepted drafts).
   int64_t pending() const { return static_cast<int64_t>(pending_.size()); }
   DraftStats draft_stats() const { return stats_; }
+  // Prompt tokens the sequence did not prefill: row 0's cache held them (with prompt_cache).
+  int64_t cached() const { return cached_; }
 
  private:
   bool call(const std::vector<int32_t>* mask_row, std::string* error);
@@ -95,11 +102,13 @@ class DecodeLoop {
   StepInputs& inputs_;
   bool pipelined_;
   int64_t draft_tokens_;
+  bool prompt_cache_;
   DecodeRows rows_;
   std::shared_ptr<DraftSource> source_;
   std::optional<DraftBudget> budget_;
   std::deque<RowEvent> pending_;
   DraftStats stats_;
+  int64_t cached_ = 0;
   float temperature_ = 0;
   Finish finish_ = Finish::None;
   Failure failure_ = Failure::None;

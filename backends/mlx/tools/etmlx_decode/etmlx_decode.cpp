@@ -33,6 +33,7 @@
 
 #include "decode_args.h"
 #include "decode_loop.h"
+#include "model_draft.h"
 #include "program_metadata.h"
 #include "choice_mask.h"
 #include "mask_file.h"
@@ -101,8 +102,8 @@ std::string json_string(const std::string& text) {
 // A plain program refuses every draft flag.
 bool draft_source(const etmlx::DecodeArgs& args, int64_t draft_tokens, const etmlx::TextTokenizer* tokenizer,
                   std::optional<int64_t> vocab, std::shared_ptr<etmlx::DraftSource>* out, std::string* error) {
-  const bool asked =
-      !args.draft.empty() || args.prediction_text || args.prediction_ids || args.num_draft_tokens.has_value();
+  const bool asked = !args.draft.empty() || args.prediction_text || args.prediction_ids ||
+                     args.num_draft_tokens.has_value() || args.draft_model;
   if (draft_tokens == 0) {
     if (asked) *error = args.pte + " does not verify drafts: export it with --draft-tokens K";
     return !asked;
@@ -111,6 +112,12 @@ bool draft_source(const etmlx::DecodeArgs& args, int64_t draft_tokens, const etm
     *error = "--num-draft-tokens must be 0.." + std::to_string(draft_tokens) + " (the program's K), got " +
              std::to_string(*args.num_draft_tokens);
     return false;
+  }
+  if (args.draft_model) {
+    auto model = etmlx::ModelDraft::load(*args.draft_model, vocab, draft_tokens, args.draft_model_cost, error);
+    if (!model) return false;
+    *out = std::move(model);
+    return true;
   }
   std::vector<int64_t> prediction;
   if (args.prediction_ids) {
@@ -148,7 +155,8 @@ bool draft_source(const etmlx::DecodeArgs& args, int64_t draft_tokens, const etm
 }
 
 void print_json(const std::vector<int64_t>& prompt, const std::vector<int64_t>& tokens, const std::string* text,
-                const char* finish, const Timings& t, const etmlx::DecodeLoop::DraftStats* drafts) {
+                const char* finish, const Timings& t, const etmlx::DecodeLoop::DraftStats* drafts,
+                const etmlx::DraftModelPacing* draft_model) {
   const auto ids = [](const std::vector<int64_t>& list) {
     std::string out = "[";
     for (size_t i = 0; i < list.size(); ++i) out += (i ? ", " : "") + std::to_string(list[i]);
@@ -162,6 +170,9 @@ void print_json(const std::vector<int64_t>& prompt, const std::vector<int64_t>& 
     std::printf(", \"draft\": {\"proposed\": %lld, \"accepted\": %lld, \"calls\": %lld}",
                 static_cast<long long>(drafts->proposed), static_cast<long long>(drafts->accepted),
                 static_cast<long long>(drafts->calls));
+  if (draft_model)  // the draft program's own calls, every proposal together
+    std::printf(", \"draft_model\": {\"calls\": %lld, \"seconds\": %.6f}",
+                static_cast<long long>(draft_model->calls()), draft_model->seconds());
   std::printf("}\n");
 }
 
@@ -356,7 +367,9 @@ int run(const etmlx::DecodeArgs& args) {
   text += tail;
   if (args.json) {
     const auto stats = loop.draft_stats();
-    print_json(prompt, generated, tokenizer ? &text : nullptr, finish, t, sidecar.draft_tokens > 0 ? &stats : nullptr);
+    const auto model = std::dynamic_pointer_cast<etmlx::ModelDraft>(drafts);
+    print_json(prompt, generated, tokenizer ? &text : nullptr, finish, t, sidecar.draft_tokens > 0 ? &stats : nullptr,
+               model ? &model->pacing() : nullptr);
   } else {
     std::printf("%s\n", tail.c_str());
   }

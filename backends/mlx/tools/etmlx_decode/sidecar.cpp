@@ -91,12 +91,15 @@ std::optional<Sidecar> parse_sidecar(const std::string& text, const std::string&
     *error = path + ": " + why;
     return std::nullopt;
   }
-  if (const Value* pipelined = root->find("pipelined"); pipelined && pipelined->kind != Value::Kind::Null) {
-    if (pipelined->kind != Value::Kind::Bool) {
-      *error = path + ": \"pipelined\" must be true or false";
+  for (const char* name : {"pipelined", "ring_cache"}) {
+    const Value* flag = root->find(name);
+    if (!flag || flag->kind == Value::Kind::Null) continue;
+    if (flag->kind != Value::Kind::Bool) {
+      *error = path + ": \"" + name + "\" must be true or false";
       return std::nullopt;
     }
-    meta.pipelined = pipelined->boolean;
+    if (std::string(name) == "pipelined") meta.pipelined = flag->boolean;
+    else meta.ring_cache = flag->boolean;
   }
   if (const Value* inputs = root->find("inputs"); inputs && inputs->kind != Value::Kind::Null) {
     std::vector<std::string> names;
