@@ -16,7 +16,8 @@
 // a draft model (model_draft.h: one for every warm run, its row cache carried over; --draft-model-cost fixes its
 // cost instead of measuring it; its own calls are reported, and counted in decode_host). A call then brings
 // several tokens: "decode" times the decode calls, and decode_tokens_per_s counts every token after the first
-// call's over the time after it (the median of the warm runs), as `etmlx bench speculative` does.
+// call's over the wall-clock time after it, drafting included (the median of the warm runs), as `etmlx bench
+// speculative` does.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -252,13 +253,15 @@ int bench_decoder(Module& module, const std::string& method, const etmlx::Progra
     if (!loop.start({prompt, static_cast<float>(a.temperature), a.seed, a.decode_steps + 1, {}, source}, &error))
       return fail(error);
     std::vector<int64_t> tokens;
-    double after_first = 0;
+    double after_first = 0;  // wall clock after token 0: the calls and everything around them (a draft model's calls)
     int64_t first_call_tokens = 1;
     for (long step = 0; step <= a.decode_steps; ++step) {
       int64_t token = 0;
       const HostTimes before = HostTimes::now();
+      const auto wall0 = Clock::now();
       if (!loop.next(nullptr, &token, &error))
         return fail("token " + std::to_string(step) + " of run " + std::to_string(run) + ": " + error);
+      if (step > 0) after_first += std::chrono::duration<double>(Clock::now() - wall0).count();
       double s = 0;
       for (const auto& call : loop.calls()) s += call.seconds;
       if (step == 0) {
@@ -268,7 +271,6 @@ int bench_decoder(Module& module, const std::string& method, const etmlx::Progra
         first_call_tokens = 1 + loop.pending();
       } else if (!loop.calls().empty()) {  // a token an earlier call brought costs no call
         if (run > 0 || draft_tokens == 0) decode.push_back(s);  // a draft program's cold run drafts nothing
-        after_first += s;
         if (run > 0) decode_host.add_since(before, HostTimes::now());
       }
       tokens.push_back(token);
