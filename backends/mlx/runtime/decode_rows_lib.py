@@ -9,6 +9,7 @@ draft source are) is llm/decoder/decode_rows.py; the draft sources' Python API i
 from __future__ import annotations
 
 import ctypes
+from array import array
 
 _i64 = ctypes.c_int64
 _P64 = ctypes.POINTER(_i64)
@@ -78,8 +79,12 @@ def _lib() -> ctypes.CDLL:
 
 
 def _ids(values) -> tuple[ctypes.Array, int]:
-    values = [int(v) for v in values]
-    return (_i64 * max(len(values), 1))(*values), len(values)
+    """A token list as a ctypes int64 array (sharing an array.array's memory: built at C speed, which matters for
+    the whole sequence a draft model's proposal hands over, several times per proposal) and its length."""
+    ids = array("q", values)  # a value that is not an integer is a TypeError here
+    if not ids:
+        return (_i64 * 1)(), 0
+    return (_i64 * len(ids)).from_buffer(ids), len(ids)
 
 
 class RowsCore:
