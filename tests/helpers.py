@@ -69,6 +69,23 @@ def run_cli(*args):
     return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
+def etmlx_decode_json(pte, prompt, max_tokens, *flags, check=True):
+    """`build/etmlx_decode PTE --prompt-ids PROMPT --max-tokens N --eos -1 --json FLAGS`: its last JSON line (EOS
+    stops nothing), or with check=False the finished process (for its errors)."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    binary = Path(__file__).resolve().parents[1] / "build" / "etmlx_decode"
+    done = subprocess.run([str(binary), str(pte), "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens",
+                           str(max_tokens), "--eos", "-1", "--json", *map(str, flags)],
+                          capture_output=True, text=True, timeout=120)
+    if not check:
+        return done
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def eager_greedy(model, prompt, n):
     """The next n greedy tokens of a transformers causal LM after `prompt`, each from a full forward (no cache)."""
     ids = list(prompt)

@@ -7,10 +7,6 @@ model make every greedy draft right; a draft program that cannot serve is a one-
 
 from __future__ import annotations
 
-import json
-import subprocess
-from pathlib import Path
-
 import pytest
 
 from backends.mlx.llm.decoder.draft_model import DraftModel
@@ -19,11 +15,10 @@ from backends.mlx.llm.decoder.loop import Decoder
 from backends.mlx.llm.decoder.speculative import SpeculativeDecoder
 from backends.mlx.llm.sampler.config import SamplerConfig
 from backends.mlx.llm.sampler.params import SamplingParams
-from helpers import tiny_llama
+from helpers import etmlx_decode_json, tiny_llama
 
 pytestmark = pytest.mark.slow  # whole decoder exports
 
-BINARY = Path(__file__).resolve().parents[1] / "build" / "etmlx_decode"
 VOCAB = 96
 K = 4
 PROMPT = [5, 17, 3, 40, 8, 5, 17, 3]
@@ -49,12 +44,7 @@ def programs(tmp_path_factory) -> dict:
 
 
 def _decode(pte, *flags, check=True):
-    done = subprocess.run([str(BINARY), str(pte), "--prompt-ids", ",".join(map(str, PROMPT)), "--max-tokens", str(N),
-                           "--eos", "-1", "--json", *flags], capture_output=True, text=True, timeout=120)
-    if not check:
-        return done
-    assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return etmlx_decode_json(pte, PROMPT, N, *flags, check=check)
 
 
 @pytest.mark.parametrize("seeded", [False, True])

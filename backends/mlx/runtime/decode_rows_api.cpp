@@ -49,6 +49,24 @@ int64_t guarded(F&& f) {
   return -1;
 }
 
+// `make()`'s object, or null with the error recorded (what the core refuses: a bad argument).
+template <typename Make>
+void* made(Make make) {
+  void* out = nullptr;
+  guarded([&]() -> int64_t {
+    out = make();
+    return 0;
+  });
+  return out;
+}
+
+// The object behind a handle; a null handle is an error naming `what`.
+template <typename T>
+T& object_of(void* handle, const char* what) {
+  if (!handle) throw std::invalid_argument(std::string("no ") + what + " (a null handle)");
+  return *static_cast<T*>(handle);
+}
+
 std::vector<int64_t> ids(const int64_t* data, int64_t n) {
   if (n < 0 || (n > 0 && !data)) throw std::invalid_argument("a token list with a bad length");
   return std::vector<int64_t>(data, data + n);
@@ -65,6 +83,8 @@ Handle& handle(void* h) {
 using etmlx::guarded;
 using etmlx::handle;
 using etmlx::ids;
+using etmlx::made;
+using etmlx::object_of;
 
 #define ETMLX_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -317,12 +337,7 @@ ETMLX_EXPORT int64_t etmlx_rows_failure_message(int64_t failure, int64_t detail,
 // ---- draft sources and the draft budget (draft_sources.h) ----
 
 ETMLX_EXPORT void* etmlx_draft_ngram_new(int64_t max_ngram, int64_t min_ngram) {
-  void* out = nullptr;
-  guarded([&]() -> int64_t {
-    out = static_cast<etmlx::DraftSource*>(new etmlx::NgramDraft(max_ngram, min_ngram));
-    return 0;
-  });
-  return out;
+  return made([&] { return static_cast<etmlx::DraftSource*>(new etmlx::NgramDraft(max_ngram, min_ngram)); });
 }
 
 // NgramDraft's default max_ngram (which 0) or min_ngram (1).
@@ -331,12 +346,7 @@ ETMLX_EXPORT int64_t etmlx_draft_ngram_default(int64_t which) {
 }
 
 ETMLX_EXPORT void* etmlx_draft_prediction_new(const int64_t* prediction, int64_t n) {
-  void* out = nullptr;
-  guarded([&]() -> int64_t {
-    out = static_cast<etmlx::DraftSource*>(new etmlx::PredictionDraft(ids(prediction, n)));
-    return 0;
-  });
-  return out;
+  return made([&] { return static_cast<etmlx::DraftSource*>(new etmlx::PredictionDraft(ids(prediction, n))); });
 }
 
 ETMLX_EXPORT void etmlx_draft_free(void* source) { delete static_cast<etmlx::DraftSource*>(source); }
@@ -354,21 +364,13 @@ ETMLX_EXPORT int64_t etmlx_draft_propose(void* source, const int64_t* prompt, in
 }
 
 ETMLX_EXPORT void* etmlx_budget_new(int64_t max_drafts, double draft_cost) {
-  void* out = nullptr;
-  guarded([&]() -> int64_t {
-    out = new etmlx::DraftBudget(max_drafts, draft_cost);
-    return 0;
-  });
-  return out;
+  return made([&] { return new etmlx::DraftBudget(max_drafts, draft_cost); });
 }
 
 ETMLX_EXPORT void etmlx_budget_free(void* budget) { delete static_cast<etmlx::DraftBudget*>(budget); }
 
 namespace {
-etmlx::DraftBudget& budget_of(void* b) {
-  if (!b) throw std::invalid_argument("no draft budget (a null handle)");
-  return *static_cast<etmlx::DraftBudget*>(b);
-}
+etmlx::DraftBudget& budget_of(void* b) { return object_of<etmlx::DraftBudget>(b, "draft budget"); }
 }  // namespace
 
 ETMLX_EXPORT int64_t etmlx_budget_size(void* b) {
@@ -408,21 +410,15 @@ ETMLX_EXPORT double etmlx_budget_constant(int64_t which) {
 
 // `cost` < 0: measured as it runs.
 ETMLX_EXPORT void* etmlx_pacing_new(int64_t max_drafts, double cost) {
-  void* out = nullptr;
-  guarded([&]() -> int64_t {
-    out = new etmlx::DraftModelPacing(max_drafts, cost < 0 ? std::nullopt : std::optional<double>(cost));
-    return 0;
+  return made([&] {
+    return new etmlx::DraftModelPacing(max_drafts, cost < 0 ? std::nullopt : std::optional<double>(cost));
   });
-  return out;
 }
 
 ETMLX_EXPORT void etmlx_pacing_free(void* pacing) { delete static_cast<etmlx::DraftModelPacing*>(pacing); }
 
 namespace {
-etmlx::DraftModelPacing& pacing_of(void* p) {
-  if (!p) throw std::invalid_argument("no draft model pacing (a null handle)");
-  return *static_cast<etmlx::DraftModelPacing*>(p);
-}
+etmlx::DraftModelPacing& pacing_of(void* p) { return object_of<etmlx::DraftModelPacing>(p, "draft model pacing"); }
 }  // namespace
 
 // The most drafts to make after seq[n] at time `now`.
