@@ -69,3 +69,31 @@ def test_budget_gives_a_hitting_source_the_full_budget_and_a_missing_one_probes_
         k = late.size()
         late.update(k, k)
     assert late.size() == 8
+
+
+def test_draft_model_pacing_learns_from_the_sequence_that_follows():
+    """The draft model's bookkeeping (draft_sources.h DraftModelPacing, which the Python DraftModel and
+    etmlx_decode --draft-model both run): the acceptance of its last drafts is read off the next proposal's
+    sequence, another sequence teaches nothing, and a measured cost is a draft call over the time between two
+    proposals."""
+    from backends.mlx.runtime.decode_rows_lib import DecodeRowsError, PacingCore
+
+    fixed = PacingCore(4, cost=0)
+    assert fixed.begin([1, 2, 3], 0.0) == 4  # a fresh budget: all of it
+    fixed.end([1, 2, 3], False, [7, 8, 9, 10], 4, 0.004, 0.0)
+    fixed.begin([1, 2, 3, 7, 8, 5], 0.01)  # the target took 7 and 8, then corrected: 2 of 4 accepted
+    calls, seconds, rate, cost = fixed.get()
+    assert calls == 4 and seconds == pytest.approx(0.004)
+    assert rate == pytest.approx((0.8 * 2 + 2) / (0.8 * 2 + 2 + 1))  # DraftBudget's decayed estimate
+    assert cost == pytest.approx(DraftBudget.DRAFT_COST)  # cost 0: only the verifying call's share
+    fixed.end([1, 2, 3, 7, 8, 5], True, [6], 1, 0.001, 0.02)
+    fixed.begin([9, 9], 0.03)  # another sequence: the last proposal's fate is unknown
+    assert fixed.get()[2] == pytest.approx(rate)
+
+    measured = PacingCore(4)
+    measured.begin([1], 0.0)
+    measured.end([1], True, [2, 3], 2, 0.002, 0.0)  # 1 ms a draft call
+    measured.begin([1, 2, 3, 4], 0.004)  # the next proposal 4 ms later: both drafts accepted
+    assert measured.get()[3] == pytest.approx(DraftBudget.DRAFT_COST + 0.001 / 0.004)
+    with pytest.raises(DecodeRowsError, match="max_drafts must be >= 0"):
+        PacingCore(-1)
