@@ -7,6 +7,8 @@ model make every greedy draft right; a draft program that cannot serve is a one-
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from backends.mlx.llm.decoder.draft_model import DraftModel
@@ -102,3 +104,22 @@ def test_bad_draft_models_are_one_line_errors(programs, tmp_path, which, flags, 
     # it; a bad command line is followed by where the usage is).
     errors = [line for line in done.stderr.splitlines() if line.startswith("etmlx_decode: error:")]
     assert len(errors) == 1 and message in errors[0], done.stderr
+
+
+def test_cli_generate_and_etmlx_decode_make_the_same_proposals(programs):
+    """`etmlx generate --draft-model --draft-model-cost 0` and etmlx_decode with the same flags: the same tokens
+    and the same draft counts (one budget and bookkeeping). The flag needs --draft-model, as in etmlx_decode."""
+    from helpers import run_cli
+
+    flags = ["--draft-model", str(programs["small"]), "--draft-model-cost", "0"]
+    cpp = _decode(programs["spec"], *flags)
+    done = run_cli("generate", programs["spec"], "--prompt-ids", ",".join(map(str, PROMPT)), "-m", N, "--json",
+                   *flags)
+    assert done.returncode == 0, done.stderr
+    python = json.loads(done.stdout.strip().splitlines()[-1])
+    assert python["tokens"] == cpp["tokens"] and python["draft"] == cpp["draft"]
+    assert 0 < cpp["draft"]["accepted"] < cpp["draft"]["proposed"]  # the poor guesser: some drafts rejected
+    bad = run_cli("generate", programs["spec"], "--prompt-ids", "5,6", "--draft-model-cost", "0")
+    assert bad.returncode == 2 and "--draft-model-cost needs --draft-model" in bad.stderr
+    bad = run_cli("generate", programs["plain"], "--prompt-ids", "5,6", "--draft-model-cost", "0")
+    assert bad.returncode == 2 and "--draft-model-cost" in bad.stderr and "verifies no drafts" in bad.stderr

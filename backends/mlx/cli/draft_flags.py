@@ -20,6 +20,9 @@ def add_draft_flags(parser, prediction: bool) -> None:
     parser.add_argument("--draft-model", metavar="SMALL.pte",
                         help="--draft-tokens programs: a small plain program with the same vocabulary proposes "
                              "the drafts (greedy)")
+    parser.add_argument("--draft-model-cost", type=float, metavar="C",
+                        help="with --draft-model: a draft call's time over a target call's, fixed instead of "
+                             "measured (reproducible draft counts)")
     parser.add_argument("--num-draft-tokens", type=int,
                         help="--draft-tokens programs: most drafts per call (default the program's K)")
 
@@ -47,4 +50,4 @@ def speculation_from_args(args, decoder):
             except ValueError:
                 raise ValueError("--prediction with --prompt-ids must be comma-separated token ids") from None
     return speculation(decoder, prediction, args.draft, args.num_draft_tokens, flags=True,
-                       draft_model=args.draft_model)
+                       draft_model=args.draft_model, draft_model_cost=args.draft_model_cost)

@@ -61,11 +61,12 @@ def prediction_ids(tokenizer, prediction) -> list[int]:
 
 
 def speculation(decoder, prediction=None, draft: str | None = None, num_draft_tokens: int | None = None,
-                flags: bool = False, draft_model=None) -> Speculation | None:
+                flags: bool = False, draft_model=None, draft_model_cost: float | None = None) -> Speculation | None:
     """The source and draft count asked for on `decoder`'s program (meta.draft_tokens K); defaults: prompt lookup,
     K drafts per call. A plain program (K = 0) gives None, and refuses any option with a one-line ValueError
     (`flags`: errors name the options as the CLI's flags). `draft_model`: a plain .pte with the program's
-    vocabulary (or a DraftModel, whose row cache then carries over between calls) proposes the drafts."""
+    vocabulary (or a DraftModel, whose row cache then carries over between calls) proposes the drafts;
+    `draft_model_cost`: its call's time over a target call's, fixed (default: measured; DraftModel's `cost`)."""
     def name(option: str) -> str:
         return "--" + option.replace("_", "-") if flags else option
 
@@ -73,7 +74,8 @@ def speculation(decoder, prediction=None, draft: str | None = None, num_draft_to
     if not k_max:
         given = [name(option) for option, value in (("prediction", prediction), ("draft", draft),
                                                     ("num_draft_tokens", num_draft_tokens),
-                                                    ("draft_model", draft_model)) if value is not None]
+                                                    ("draft_model", draft_model),
+                                                    ("draft_model_cost", draft_model_cost)) if value is not None]
         if given:
             raise ValueError(f"{' and '.join(given)} {PLAIN_HINT}; {decoder.pte} verifies no drafts")
         return None
@@ -87,9 +89,11 @@ def speculation(decoder, prediction=None, draft: str | None = None, num_draft_to
     k = k_max if num_draft_tokens is None else num_draft_tokens
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= k_max:
         raise ValueError(f"{name('num_draft_tokens')} must be 0..{k_max} (the program's --draft-tokens), got {k!r}")
+    if draft_model_cost is not None and (draft_model is None or isinstance(draft_model, DraftModel)):
+        raise ValueError(f"{name('draft_model_cost')} needs {name('draft_model')} given as a .pte path")
     if draft_model is not None:
         if not isinstance(draft_model, DraftModel):
-            draft_model = DraftModel(Path(draft_model), target=decoder)
+            draft_model = DraftModel(Path(draft_model), target=decoder, cost=draft_model_cost)
         else:
             check_vocabulary(draft_model.meta.vocab_size, draft_model.pte, decoder.meta.vocab_size, decoder.pte)
         return Speculation(draft_model, k)
