@@ -91,7 +91,6 @@ class DraftBudget {
   int64_t calls_without_ = 0;
 };
 
-
 // A draft model's proposals (a small decoder program with the target's vocabulary, run greedily: the Python
 // llm/decoder/draft_model.py, the C++ tools/etmlx_decode/model_draft.h): how many drafts to make, learned from
 // what became of the last proposal. A draft costs its draft program call besides its share of the verifying
