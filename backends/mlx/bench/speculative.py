@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from backends.mlx.bench import speculative_cpp
+
 DEFAULT_PROMPT = "One morning, Mira went to"
 
 
@@ -96,8 +98,6 @@ def run(cache_dir: Path, draft_tokens: int = 8, max_tokens: int = 200, repeats: 
             acceptance[name] = {"proposed": spec.stats.proposed, "accepted": spec.stats.accepted,
                                 "calls": spec.stats.calls}
     draft_calls = {"calls": draft_model.calls, "ms_per_call": 1000 * draft_model.seconds / max(draft_model.calls, 1)}
-    from backends.mlx.bench import speculative_cpp
-
     cpp = speculative_cpp.run(cache_dir / "spec-plain.pte", spec.pte, draft_pte, prompt, max_tokens, repeats)
     medians = {name: statistics.median(values[1:]) for name, values in rates.items()}
     return {"machine": platform.machine(), "model": "builtin", "draft_tokens": draft_tokens, "tokens": len(reference),
@@ -118,8 +118,6 @@ def main(json_path: str | None, cache_dir: str, repeats: int | None = None, draf
                      f"({rate_text}), {d['calls']} calls")
         print(line)
     print(f"  draft model: {result['draft_model_calls']['ms_per_call']:.2f} ms per draft program call")
-    from backends.mlx.bench import speculative_cpp
-
     speculative_cpp.report(result["cpp_loop"])
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=1) + "\n")

@@ -5,6 +5,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "decode_rows.h"  // common_prefix
+
 namespace etmlx {
 
 namespace {
@@ -141,13 +143,11 @@ DraftModelPacing::DraftModelPacing(int64_t max_drafts, std::optional<double> cos
 }
 
 int64_t DraftModelPacing::begin(const std::vector<int64_t>& seq, double now) {
-  if (has_last_ && seq.size() > last_seq_.size() && std::equal(last_seq_.begin(), last_seq_.end(), seq.begin())) {
+  const auto held = static_cast<int64_t>(last_seq_.size());
+  if (has_last_ && static_cast<int64_t>(seq.size()) > held && common_prefix(last_seq_, seq) == held) {
     // The drafts the target accepted: how far the sequence went on along them.
-    size_t accepted = 0;
-    while (accepted < last_drafts_.size() && last_seq_.size() + accepted < seq.size() &&
-           seq[last_seq_.size() + accepted] == last_drafts_[accepted])
-      ++accepted;
-    budget_.update(static_cast<int64_t>(last_drafts_.size()), static_cast<int64_t>(accepted));
+    const std::vector<int64_t> after(seq.begin() + held, seq.end());
+    budget_.update(static_cast<int64_t>(last_drafts_.size()), common_prefix(after, last_drafts_));
     target_s_ = averaged(target_s_, now - last_at_);
     // A draft costs its draft call, and its share of the verifying call (the default budget's cost).
     if (!cost_ && draft_s_) budget_.set_draft_cost(DraftBudget::kDraftCost + *draft_s_ / std::max(*target_s_, 1e-9));

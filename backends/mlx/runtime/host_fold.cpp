@@ -7,6 +7,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <type_traits>
 
 #include <mlx/primitives.h>
 
@@ -60,6 +61,31 @@ int64_t combine(Combine op, int64_t acc, int64_t v) {
     case Combine::Or: return acc || v;
   }
   return acc;
+}
+
+// The Combine of MLX's Reduce::ReduceType or Scan::ReduceType (the same names in two enums); nullopt for
+// Scan's LogAddExp.
+template <typename Type>
+std::optional<Combine> combine_of(Type type) {
+  if (type == Type::Sum) return Combine::Sum;
+  if (type == Type::Prod) return Combine::Prod;
+  if (type == Type::Min) return Combine::Min;
+  if (type == Type::Max) return Combine::Max;
+  if constexpr (std::is_same_v<Type, mx::Reduce::ReduceType>) {
+    if (type == Type::And) return Combine::And;
+    if (type == Type::Or) return Combine::Or;
+  }
+  return std::nullopt;
+}
+
+// What an empty run of `op` gives (a reduction over no elements, an exclusive scan's first); nullopt for min
+// and max, which have none MLX would agree on.
+std::optional<int64_t> identity(Combine op) {
+  switch (op) {
+    case Combine::Sum: case Combine::Or: return 0;
+    case Combine::Prod: case Combine::And: return 1;
+    default: return std::nullopt;
+  }
 }
 
 template <typename T>
@@ -187,15 +213,11 @@ std::optional<HostValue> binary_named(std::string_view kind, const HostValue& a,
   if (kind == "GreaterEqual") return cmp([](auto x, auto y) { return x >= y; });
   if (kind == "Equal") return cmp([](auto x, auto y) { return x == y; });
   if (kind == "NotEqual") return cmp([](auto x, auto y) { return x != y; });
-  // Integer arithmetic wraps as int64 (two's complement), then as the dtype.
-  const auto add = [](int64_t x, int64_t y) -> MaybeInt {
-    return static_cast<int64_t>(static_cast<uint64_t>(x) + static_cast<uint64_t>(y));
-  };
+  // Integer arithmetic wraps as int64 (two's complement, combine()), then as the dtype.
+  const auto with = [](Combine op) { return [op](int64_t x, int64_t y) -> MaybeInt { return combine(op, x, y); }; };
+  const auto add = with(Combine::Sum), mul = with(Combine::Prod);
   const auto sub = [](int64_t x, int64_t y) -> MaybeInt {
     return static_cast<int64_t>(static_cast<uint64_t>(x) - static_cast<uint64_t>(y));
-  };
-  const auto mul = [](int64_t x, int64_t y) -> MaybeInt {
-    return static_cast<int64_t>(static_cast<uint64_t>(x) * static_cast<uint64_t>(y));
   };
   // float32 add, subtract and multiply are single IEEE operations: the same result on any device.
   if (kind == "Add" && a.dtype != mx::bool_)
@@ -205,10 +227,10 @@ std::optional<HostValue> binary_named(std::string_view kind, const HostValue& a,
   if (kind == "Multiply" && a.dtype != mx::bool_)
     return binary(a, b, out_type, mul, [](float x, float y) -> MaybeFloat { return static_cast<float>(x * y); });
   // Minimum and Maximum only on integers (a NaN's handling is the device's).
-  if (kind == "Minimum") return binary(a, b, out_type, [](int64_t x, int64_t y) -> MaybeInt { return std::min(x, y); }, kNoFloat);
-  if (kind == "Maximum") return binary(a, b, out_type, [](int64_t x, int64_t y) -> MaybeInt { return std::max(x, y); }, kNoFloat);
-  if (kind == "LogicalAnd") return binary(a, b, out_type, [](int64_t x, int64_t y) -> MaybeInt { return x && y; }, kNoFloat);
-  if (kind == "LogicalOr") return binary(a, b, out_type, [](int64_t x, int64_t y) -> MaybeInt { return x || y; }, kNoFloat);
+  if (kind == "Minimum") return binary(a, b, out_type, with(Combine::Min), kNoFloat);
+  if (kind == "Maximum") return binary(a, b, out_type, with(Combine::Max), kNoFloat);
+  if (kind == "LogicalAnd") return binary(a, b, out_type, with(Combine::And), kNoFloat);
+  if (kind == "LogicalOr") return binary(a, b, out_type, with(Combine::Or), kNoFloat);
   if (kind == "BitwiseAnd") return binary(a, b, out_type, [](int64_t x, int64_t y) -> MaybeInt { return x & y; }, kNoFloat);
   if (kind == "BitwiseOr") return binary(a, b, out_type, [](int64_t x, int64_t y) -> MaybeInt { return x | y; }, kNoFloat);
   if (kind == "BitwiseXor") return binary(a, b, out_type, [](int64_t x, int64_t y) -> MaybeInt { return x ^ y; }, kNoFloat);
@@ -218,15 +240,9 @@ std::optional<HostValue> binary_named(std::string_view kind, const HostValue& a,
 std::optional<HostValue> reduce(const mx::Reduce& p, const HostValue& x, const std::vector<int32_t>& out_shape) {
   if (is_float(x)) return std::nullopt;  // float sums depend on the device's order
   const auto [type, axes] = p.state();
-  Combine op = Combine::Sum;
-  switch (type) {
-    case mx::Reduce::Sum: op = Combine::Sum; break;
-    case mx::Reduce::Prod: op = Combine::Prod; break;
-    case mx::Reduce::Min: op = Combine::Min; break;
-    case mx::Reduce::Max: op = Combine::Max; break;
-    case mx::Reduce::And: op = Combine::And; break;
-    case mx::Reduce::Or: op = Combine::Or; break;
-  }
+  const auto combined = combine_of(type);
+  if (!combined) return std::nullopt;
+  const Combine op = *combined;
   const size_t rank = x.shape.size();
   if (out_shape.size() != rank) return std::nullopt;  // MLX's Reduce keeps the reduced axes as 1
   std::vector<bool> reduced(rank, false);
@@ -256,11 +272,9 @@ std::optional<HostValue> reduce(const mx::Reduce& p, const HostValue& x, const s
   }
   for (size_t k = 0; k < n_out; ++k) {
     if (!seen[k]) {  // an empty reduction: its identity
-      switch (op) {
-        case Combine::Prod: case Combine::And: out.ints[k] = 1; break;
-        case Combine::Sum: case Combine::Or: out.ints[k] = 0; break;
-        default: return std::nullopt;
-      }
+      const auto empty = identity(op);
+      if (!empty) return std::nullopt;
+      out.ints[k] = *empty;
     }
     out.ints[k] = wrap(out.ints[k], out.dtype);
   }
@@ -272,14 +286,9 @@ std::optional<HostValue> scan(const mx::Scan& p, const HostValue& x) {
   const auto [type, axis, reverse, inclusive] = p.state();
   const int rank = static_cast<int>(x.shape.size());
   if (axis < 0 || axis >= rank) return std::nullopt;
-  Combine op = Combine::Sum;
-  switch (type) {
-    case mx::Scan::Sum: op = Combine::Sum; break;
-    case mx::Scan::Prod: op = Combine::Prod; break;
-    case mx::Scan::Min: op = Combine::Min; break;
-    case mx::Scan::Max: op = Combine::Max; break;
-    default: return std::nullopt;  // LogAddExp: floating point
-  }
+  const auto combined = combine_of(type);  // none for LogAddExp: floating point
+  if (!combined) return std::nullopt;
+  const Combine op = *combined;
   HostValue out = x;
   const int64_t len = x.shape[static_cast<size_t>(axis)];
   int64_t inner = 1;
@@ -305,9 +314,9 @@ std::optional<HostValue> scan(const mx::Scan& p, const HostValue& x) {
           out.ints[at] = acc;
         } else {
           if (step == 0) {  // the exclusive scan's first element is the identity
-            if (op == Combine::Sum) out.ints[at] = 0;
-            else if (op == Combine::Prod) out.ints[at] = 1;
-            else return std::nullopt;
+            const auto empty = identity(op);
+            if (!empty) return std::nullopt;
+            out.ints[at] = *empty;
           } else {
             out.ints[at] = before;
           }

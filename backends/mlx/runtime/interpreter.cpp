@@ -100,7 +100,7 @@ bool Interpreter::write(const fb::Tid* t, mx::array a) {
   }
   // Small arithmetic on what the host already holds becomes a constant here (host_fold.h).
   bool folded_here = false;
-  if (fold_on_ && a.status() != mx::array::Status::available && a.size() <= HostFold::kMostElements) {
+  if (fold_on_) {
     if (auto folded = fold_.fold(a)) {
       a = std::move(*folded);
       folded_here = true;

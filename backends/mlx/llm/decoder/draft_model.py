@@ -75,7 +75,8 @@ class DraftModel:
         k = min(k, self._pacing.begin(seq, started), self.meta.max_seq_len - len(seq))  # the cache holds no more
         drafts = [step.token for step in self.decoder.stream(seq, k, GREEDY, reuse=True)] if k > 0 else []
         calls = len(drafts) + (1 if drafts and self.meta.pipelined else 0)
-        self._pacing.end(seq, bool(output), drafts, calls, time.perf_counter() - started, time.perf_counter())
+        done = time.perf_counter()
+        self._pacing.end(seq, bool(output), drafts, calls, done - started, done)
         return drafts
 
 

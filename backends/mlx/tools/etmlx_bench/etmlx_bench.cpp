@@ -24,7 +24,6 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <map>
 #include <memory>
 #include <string>
 #include <system_error>
@@ -37,7 +36,6 @@
 
 #include "decode_loop.h"
 #include "model_draft.h"
-#include "knobs.h"
 #include "program_metadata.h"
 #include "step_inputs.h"
 
@@ -208,15 +206,10 @@ bool parse(int argc, char** argv, Args* a, std::string* error, bool* help) {
 int bench_decoder(Module& module, const std::string& method, const etmlx::ProgramMetadata& md, const Args& a,
                   double load_s) {
   std::string error;
-  const auto& specs = md.meta.knobs ? *md.meta.knobs : etmlx::builtin_knobs();
-  std::map<std::string, etmlx::KnobValue> knobs;
-  if (!etmlx::resolve_knob_flags(specs, {}, "", &knobs, &error)) return fail(error);
-  auto inputs = etmlx::StepInputs::plan(module.method_meta(method).get(), md.meta.inputs, specs, knobs, &error);
+  auto inputs = etmlx::StepInputs::plan_defaults(module.method_meta(method).get(), md.meta, &error);
   if (!inputs) return fail(a.pte + ": " + error);
   const int64_t max_seq = md.meta.max_seq_len.value_or(inputs->max_call_length());
   const int64_t draft_tokens = md.meta.draft_tokens;
-  if (!inputs->set_verify(draft_tokens, md.meta.verify_min_width, &error))
-    return fail(a.pte + ": its metadata " + error);
   std::shared_ptr<etmlx::ModelDraft> draft_model;
   if (!a.draft_model.empty()) {
     if (draft_tokens == 0) return fail(a.pte + " does not verify drafts: --draft-model needs a --draft-tokens program");
@@ -227,9 +220,8 @@ int bench_decoder(Module& module, const std::string& method, const etmlx::Progra
   if (a.prompt_len > inputs->max_call_length() || a.prompt_len + a.decode_steps > max_seq)
     return fail("--prompt-len + --decode-steps must fit the program's " + std::to_string(max_seq) + " positions");
   const int64_t vocab = md.meta.vocab_size.value_or(2);
-  std::vector<int64_t> prompt(static_cast<size_t>(a.prompt_len));
-  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int64_t>((7 * i + 1) % vocab);
-  if (!a.prompt_ids.empty()) prompt = a.prompt_ids;
+  std::vector<int64_t> prompt = a.prompt_ids;  // else --prompt-len synthetic ids
+  for (long i = 0; a.prompt_ids.empty() && i < a.prompt_len; ++i) prompt.push_back((7 * i + 1) % vocab);
   for (int64_t id : prompt)
     if (id >= vocab && md.meta.vocab_size) return fail("--prompt-ids must be below the vocabulary size " + std::to_string(vocab));
 

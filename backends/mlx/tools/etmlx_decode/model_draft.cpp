@@ -4,7 +4,6 @@
 #include <filesystem>
 #include <stdexcept>
 
-#include "knobs.h"
 #include "program_metadata.h"
 
 namespace etmlx {
@@ -60,16 +59,9 @@ std::unique_ptr<ModelDraft> ModelDraft::load(const std::string& pte, std::option
     return nullptr;
   }
   // Greedy, every knob off: a draft is the draft model's most likely token.
-  const auto& specs = meta.knobs ? *meta.knobs : builtin_knobs();
-  std::map<std::string, KnobValue> knobs;
-  if (!resolve_knob_flags(specs, {}, "", &knobs, error)) return nullptr;
-  auto inputs = StepInputs::plan(method_meta.get(), meta.inputs, specs, knobs, error);
+  auto inputs = StepInputs::plan_defaults(method_meta.get(), meta, error);
   if (!inputs) {
     *error = what + ": " + *error;
-    return nullptr;
-  }
-  if (!inputs->set_verify(0, meta.verify_min_width, error)) {
-    *error = what + ": its metadata " + *error;
     return nullptr;
   }
   if (module->load_method("forward") != executorch::runtime::Error::Ok) {
@@ -120,7 +112,8 @@ std::vector<int64_t> ModelDraft::propose(const std::vector<int64_t>& prompt, con
   }
   // k drafts took k calls, and one more for a pipelined program (its calls return the call before's token).
   const int64_t calls = static_cast<int64_t>(drafts.size()) + (!drafts.empty() && pipelined_ ? 1 : 0);
-  pacing_.end(seq, !output.empty(), drafts, calls, now_s() - started, now_s());
+  const double done = now_s();
+  pacing_.end(seq, !output.empty(), drafts, calls, done - started, done);
   return drafts;
 }
 

@@ -189,6 +189,19 @@ bool StepInputs::verifies() const {
   return false;
 }
 
+std::optional<StepInputs> StepInputs::plan_defaults(const MethodMeta& meta, const Sidecar& sidecar,
+                                                    std::string* error) {
+  const auto& specs = sidecar.knobs ? *sidecar.knobs : builtin_knobs();
+  std::map<std::string, KnobValue> knobs;
+  if (!resolve_knob_flags(specs, {}, "", &knobs, error)) return std::nullopt;
+  auto inputs = plan(meta, sidecar.inputs, specs, knobs, error);
+  if (inputs && !inputs->set_verify(sidecar.draft_tokens, sidecar.verify_min_width, error)) {
+    *error = "its metadata " + *error;
+    return std::nullopt;
+  }
+  return inputs;
+}
+
 bool StepInputs::set_verify(int64_t draft_tokens, int64_t min_width, std::string* error) {
   if (verifies() != (draft_tokens > 0)) {
     *error = (draft_tokens > 0 ? "says draft_tokens " + std::to_string(draft_tokens) +

@@ -17,6 +17,7 @@
 
 #include "decode_rows.h"
 #include "knobs.h"
+#include "sidecar.h"
 
 namespace etmlx {
 
@@ -31,6 +32,12 @@ class StepInputs {
                                         const std::vector<KnobSpec>& specs,
                                         const std::map<std::string, KnobValue>& values,
                                         std::string* error);
+
+  // plan() with every knob at its default (greedy, no filters) and the verify input as the program's metadata
+  // says (set_verify): what etmlx_bench and a draft model (model_draft.h) run. The error of a metadata that
+  // disagrees with the program starts "its metadata".
+  static std::optional<StepInputs> plan_defaults(const executorch::runtime::MethodMeta& meta, const Sidecar& sidecar,
+                                                 std::string* error);
 
   // Rows per call (the program's batch).
   int64_t batch() const { return batch_; }
