@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,12 @@ def _bench(*args):
     return done
 
 
+def _expected_allocator() -> str:
+    from importlib.metadata import version
+
+    return "mimalloc " + version("cmeel-mimalloc")
+
+
 def _tiny():
     torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -39,6 +46,8 @@ def test_decoder_json(tmp_path):
     assert done.returncode == 0, done.stderr
     r = json.loads(done.stdout)
     assert r["kind"] == "decoder" and r["prompt_len"] == 8 and r["pipelined"] is True
+    # Linked with mimalloc (CMakeLists.txt, ETMLX_MIMALLOC), checked on a live block in the tool itself.
+    assert r["allocator"] == (_expected_allocator() if sys.platform == "linux" else "system")
     assert r["decode"]["n"] == 3 * 10 and r["prefill"]["n"] == 2
     assert 0 < r["decode"]["median_ms"] <= r["decode"]["p90_ms"]
     assert abs(r["decode_tokens_per_s"] - 1e3 / r["decode"]["median_ms"]) < 1e-3 * r["decode_tokens_per_s"] + 1e-3
@@ -167,6 +176,7 @@ def test_sampler_only_json(tmp_path):
     assert done.returncode == 0, done.stderr
     r = json.loads(done.stdout)
     assert r["kind"] == "generic" and r["inputs"] == 3 and r["call"]["n"] == 7
+    assert r["allocator"] == (_expected_allocator() if sys.platform == "linux" else "system")
     assert 0 < r["call"]["median_ms"] <= r["call"]["p90_ms"] and r["first_call_s"] > 0
 
 

@@ -22,6 +22,12 @@ def _version() -> str:
         return "unknown (not installed: pip install -e .)"
 
 
+def _allocator() -> str:
+    from backends.mlx.runtime.allocator import active
+
+    return active()
+
+
 def _demo(args) -> int:
     if args.classifier:
         from backends.mlx.cli import demo_classifier
@@ -123,7 +129,7 @@ def _bench(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="etmlx", description="ExecuTorch programs on MLX")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()} (malloc: {_allocator()})")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="export a small built-in model and run it through the runtime")
     demo.add_argument("--out", help="where to write the .pte (default: out/builtin.pte, out/classifier.pte)")
@@ -171,6 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    if argv is None:  # the `etmlx` command itself (not a caller's main([...])): before any work
+        from backends.mlx.runtime.allocator import reexec_with_mimalloc
+
+        reexec_with_mimalloc()
     args = build_parser().parse_args(argv)
     quiet.install(verbose=args.verbose)
     if getattr(args, "out", None):

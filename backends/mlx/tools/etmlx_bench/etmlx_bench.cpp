@@ -34,6 +34,7 @@
 #include <executorch/runtime/backend/interface.h>
 #include <executorch/runtime/platform/runtime.h>
 
+#include "allocator.h"
 #include "decode_loop.h"
 #include "model_draft.h"
 #include "program_metadata.h"
@@ -298,10 +299,11 @@ int bench_decoder(Module& module, const std::string& method, const etmlx::Progra
     }
   }
   std::printf("{\"program\": \"%s\", \"kind\": \"decoder\", \"method\": \"%s\", \"pipelined\": %s, "
-              "\"load_s\": %.6f, \"prompt_len\": %ld, \"decode_steps\": %ld, \"runs\": %ld, \"temperature\": %g, "
+              "\"allocator\": \"%s\", \"load_s\": %.6f, \"prompt_len\": %ld, \"decode_steps\": %ld, \"runs\": %ld, \"temperature\": %g, "
               "\"cold_first_token_s\": %.6f, \"warm_first_token_s\": %.6f, \"prefill\": %s, \"decode\": %s, "
               "\"prefill_tokens_per_s\": %.3f, \"decode_tokens_per_s\": %.3f, \"sequence_tokens_per_s\": %.3f, \"token_sum\": %lld, \"decode_host\": %s%s}\n",
-              a.pte.c_str(), method.c_str(), md.meta.pipelined ? "true" : "false", load_s, a.prompt_len,
+              a.pte.c_str(), method.c_str(), md.meta.pipelined ? "true" : "false", etmlx::allocator_name().c_str(),
+              load_s, a.prompt_len,
               a.decode_steps, a.runs, a.temperature, cold,
               p.median_ms / 1e3, json_stats(p).c_str(), json_stats(d).c_str(),
               p.median_ms > 0 ? 1e3 * static_cast<double>(a.prompt_len) / p.median_ms : 0.0,
@@ -354,9 +356,10 @@ int bench_generic(Module& module, const std::string& method, const Args& a, doub
     }
   }
   const Stats s = stats_of(times);
-  std::printf("{\"program\": \"%s\", \"kind\": \"generic\", \"method\": \"%s\", \"load_s\": %.6f, "
+  std::printf("{\"program\": \"%s\", \"kind\": \"generic\", \"method\": \"%s\", \"allocator\": \"%s\", \"load_s\": %.6f, "
               "\"inputs\": %zu, \"first_call_s\": %.6f, \"call\": %s, \"calls_per_s\": %.3f, \"output0\": %s}\n",
-              a.pte.c_str(), method.c_str(), load_s, values.size(), first, json_stats(s).c_str(),
+              a.pte.c_str(), method.c_str(), etmlx::allocator_name().c_str(), load_s, values.size(), first,
+              json_stats(s).c_str(),
               s.median_ms > 0 ? 1e3 / s.median_ms : 0.0, output0.c_str());
   return 0;
 }

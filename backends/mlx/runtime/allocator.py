@@ -1,0 +1,91 @@
+"""The `etmlx` command's malloc: mimalloc (the cmeel-mimalloc wheel) in place of glibc's, on Linux.
+
+MLX allocates and frees every graph node's buffers and bookkeeping on two threads (the caller builds the
+graph, MLX's stream thread releases it), and glibc's malloc serialises that on its arena lock: malloc, free
+and their lock waits were ~12% of a 0.5B decode step's CPU time (`perf`). With mimalloc the same step is
+~7% faster through the Python loop and through etmlx_bench (docs/benchmarks.md), with the same tokens.
+
+A library cannot swap the malloc of a process that is already running, so the `etmlx` command re-executes
+itself once, before any work, with mimalloc preloaded (LD_PRELOAD): what vLLM's CPU backend and Intel's
+PyTorch extension ask their users to do by hand. The C++ tools link mimalloc in instead (CMakeLists.txt).
+`ETMLX_ALLOCATOR=system` keeps glibc's malloc. A program that imports etmlx as a library keeps the malloc its
+process started with; `LD_PRELOAD=$(python -c 'from backends.mlx.runtime import allocator;
+print(allocator.mimalloc_library())')` gives it mimalloc.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from pathlib import Path
+
+__all__ = ["CHOICE_ENV", "active", "mimalloc_library", "reexec_with_mimalloc"]
+
+CHOICE_ENV = "ETMLX_ALLOCATOR"  # "system": keep glibc's malloc
+# Set for the re-executed process only: the LD_PRELOAD it started with before ours was added, so that
+# the processes it starts (C++ tools with their own mimalloc, Python children) get the caller's.
+_BEFORE_ENV = "_ETMLX_LD_PRELOAD_BEFORE"
+
+
+def mimalloc_library() -> Path | None:
+    """The cmeel-mimalloc wheel's shared library, or None where it is not installed (or not Linux)."""
+    if sys.platform != "linux":
+        return None
+    from importlib.metadata import PackageNotFoundError, files
+
+    try:
+        listed = files("cmeel-mimalloc") or []
+    except PackageNotFoundError:
+        return None
+    # libmimalloc.so.3, the soname: the name a loader asks for (libmimalloc.so is a development link).
+    candidates = sorted((f for f in listed if f.name.startswith("libmimalloc.so.") and f.name.count(".") == 2),
+                        key=lambda f: f.name)
+    for f in candidates:
+        path = Path(f.locate()).resolve()
+        if path.is_file():
+            return path
+    return None
+
+
+def active() -> str:
+    """"mimalloc X.Y.Z" where this process's malloc is mimalloc's (a live block lies in its heap), else
+    "system"."""
+    process = ctypes.CDLL(None)
+    if not hasattr(process, "mi_version") or not hasattr(process, "mi_is_in_heap_region"):
+        return "system"
+    process.calloc.restype = ctypes.c_void_p
+    process.calloc.argtypes = [ctypes.c_size_t, ctypes.c_size_t]
+    process.free.argtypes = [ctypes.c_void_p]
+    process.mi_is_in_heap_region.restype = ctypes.c_bool
+    process.mi_is_in_heap_region.argtypes = [ctypes.c_void_p]
+    block = process.calloc(1, 64)
+    try:
+        if not process.mi_is_in_heap_region(block):
+            return "system"
+    finally:
+        process.free(block)
+    v = process.mi_version()  # MI_MALLOC_VERSION: major, then two digits of minor and two of patch
+    return f"mimalloc {v // 10000}.{v // 100 % 100}.{v % 100}"
+
+
+def reexec_with_mimalloc() -> None:
+    """Replace this process by itself with mimalloc preloaded, once; returns where it does not apply
+    (ETMLX_ALLOCATOR=system, not Linux, the wheel missing, or already done). In the re-executed process it
+    restores the caller's LD_PRELOAD for the processes this one starts."""
+    if _BEFORE_ENV in os.environ:  # the re-executed process: mimalloc is loaded; children get the caller's
+        before = os.environ.pop(_BEFORE_ENV)
+        if before:
+            os.environ["LD_PRELOAD"] = before
+        else:
+            os.environ.pop("LD_PRELOAD", None)
+        return
+    if os.environ.get(CHOICE_ENV, "mimalloc") == "system":
+        return
+    library = mimalloc_library()
+    if library is None or active() != "system":
+        return
+    before = os.environ.get("LD_PRELOAD", "")
+    env = {**os.environ, "LD_PRELOAD": f"{library} {before}".strip(), _BEFORE_ENV: before}
+    # sys.orig_argv: the interpreter's own command line (its options, -m or a script, the arguments).
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)

@@ -1,0 +1,25 @@
+// allocator.h
+#include "allocator.h"
+
+#include <cstdlib>
+
+#ifdef ETMLX_MIMALLOC
+#include <mimalloc.h>
+#endif
+
+namespace etmlx {
+
+std::string allocator_name() {
+#ifdef ETMLX_MIMALLOC
+  void* block = std::calloc(1, 64);  // calloc: GCC warns of malloc's uninitialized bytes behind a const void*
+  const bool ours = mi_is_in_heap_region(block);
+  std::free(block);
+  if (ours) {
+    const int v = mi_version();  // as MI_MALLOC_VERSION: major, then two digits of minor and two of patch
+    return "mimalloc " + std::to_string(v / 10000) + "." + std::to_string(v / 100 % 100) + "." + std::to_string(v % 100);
+  }
+#endif
+  return "system";
+}
+
+}  // namespace etmlx
