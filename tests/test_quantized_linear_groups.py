@@ -142,7 +142,8 @@ def test_gated_mlp_and_residual_norms_fused_give_the_same_bits(rows, monkeypatch
     fused, built = _run(result.pte, xs, monkeypatch, fuse=True)
     alone, built_alone = _run(result.pte, xs, monkeypatch, fuse=False)
     # x + r and its norm; gate/up with SiLU(gate) * up; down with h + y and its norm.
-    assert built == {"linear_groups": 1, "silu_epilogues": 1, "add_rms_norms": 1, "matmul_add_rms_norms": 1}, built
+    assert built == {"linear_groups": 1, "silu_epilogues": 1, "add_rms_norms": 1, "matmul_add_rms_norms": 1,
+                     "rope_pairs": 0}, built
     assert not any(built_alone.values())
     for i, (a, b) in enumerate(zip(fused, alone)):
         assert a.shape == b.shape and np.array_equal(a, b), f"output {i} differs fused"
@@ -153,3 +154,48 @@ def test_gated_mlp_and_residual_norms_fused_give_the_same_bits(rows, monkeypatch
     for got, ref in zip(alone, want):
         atol = 1e-3 * float(ref.abs().max())
         torch.testing.assert_close(torch.from_numpy(got).view(torch.float32), ref, atol=atol, rtol=1e-3)
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class _QkRope(torch.nn.Module):
+    """A layer's q and k rotated by the same tables (two RopeNodes in a row: one node on the cpu set), and
+    with `chained` k rotated from q's result, or with `other_tables` by its own tables (no pair)."""
+
+    def __init__(self, variant: str):
+        super().__init__()
+        self.variant = variant
+        self.register_buffer("inv_freq", 1.0 / (10000.0 ** (torch.arange(0, 8, 2).float() / 8)), persistent=False)
+
+    def forward(self, q, k, pos):
+        freqs = pos[None, :, None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().unsqueeze(1), emb.sin().unsqueeze(1)
+        rq = q * cos + _rotate_half(q) * sin
+        if self.variant == "chained":
+            return rq, rq[:, :2] * cos + _rotate_half(rq[:, :2]) * sin
+        if self.variant == "other_tables":
+            cos2, sin2 = (emb * 0.5).cos().unsqueeze(1), (emb * 0.5).sin().unsqueeze(1)
+            return rq, k * cos2 + _rotate_half(k) * sin2
+        return rq, k * cos + _rotate_half(k) * sin
+
+
+@pytest.mark.parametrize("variant", ["pair", "chained", "other_tables"])
+def test_q_and_k_rotations_as_one_node_give_the_same_bits(variant, monkeypatch):
+    monkeypatch.setenv("ETMLX_KERNELS", "cpu")
+    torch.manual_seed(9)
+    model = _QkRope(variant)
+    xs = [torch.randn(1, 4, 3, 8) * 3, torch.randn(1, 2, 3, 8) * 3, torch.tensor([7, 8, 9])]
+    result = export_to_pte(model, tuple(xs))
+    assert result.ops_outside == 0
+    fused, built = _run(result.pte, xs, monkeypatch, fuse=True)
+    alone, built_alone = _run(result.pte, xs, monkeypatch, fuse=False)
+    assert built["rope_pairs"] == (1 if variant == "pair" else 0), built
+    assert built_alone["rope_pairs"] == 0
+    for i, (a, b) in enumerate(zip(fused, alone)):
+        assert a.shape == b.shape and np.array_equal(a, b), f"output {i} differs fused"
+    for got, ref in zip(fused, model(*xs)):  # and they are the rotations (a swapped pair would agree with itself)
+        torch.testing.assert_close(torch.from_numpy(got).view(torch.float32), ref, atol=1e-5, rtol=1e-5)

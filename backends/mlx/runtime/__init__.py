@@ -124,10 +124,12 @@ def fused_node_counts() -> dict:
     """How many nodes of each fused kind the cpu kernel set has built in this process (runtime/linear_groups.h;
     ETMLX_FUSE_LINEARS=0 at load turns them off): "linear_groups" (several quantized linears over one input),
     "silu_epilogues" (of those, the ones that also made a gated MLP's SiLU product), "add_rms_norms" (a residual
-    add and its RMSNorm), "matmul_add_rms_norms" (an output projection with the add and norm after it)."""
+    add and its RMSNorm), "matmul_add_rms_norms" (an output projection with the add and norm after it), "rope_pairs" (a layer's q and k
+    rotated by one node)."""
     lib = load()
     names = {"linear_groups": "etmlx_grouped_linear_nodes", "silu_epilogues": "etmlx_silu_epilogues",
-             "add_rms_norms": "etmlx_add_rms_norm_nodes", "matmul_add_rms_norms": "etmlx_matmul_add_rms_norm_nodes"}
+             "add_rms_norms": "etmlx_add_rms_norm_nodes", "matmul_add_rms_norms": "etmlx_matmul_add_rms_norm_nodes",
+             "rope_pairs": "etmlx_rope_pair_nodes"}
     counts = {}
     for key, symbol in names.items():
         fn = getattr(lib, symbol)

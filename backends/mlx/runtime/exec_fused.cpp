@@ -219,7 +219,28 @@ bool Interpreter::exec_layer_norm(const fb::LayerNormNode& n) {
   return write(n.out(), kernels::layer_norm(*x, weight, bias, n.eps()));
 }
 
+bool Interpreter::rope_pair(const mx::array& x, const mx::array& cos, const mx::array& sin) {
+  if (program_.kernels != &kernels::cpu_kernels() || pc_ >= program_.rope_partner.size() ||
+      program_.rope_partner[pc_] < 0) {
+    return false;
+  }
+  const size_t at = static_cast<size_t>(program_.rope_partner[pc_]);
+  const fb::RopeNode* k = program_.graph->instructions()->Get(at)->node_as_RopeNode();
+  const mx::array* kx = peek(k->x());
+  if (kx == nullptr) return false;  // not made yet: each runs on its own
+  // The partner's own checks (exec_rope's, for tables in x's dtype): else it runs, and reports, on its own.
+  if (kx->dtype() != x.dtype() || kx->ndim() == 0 || kx->shape(-1) != x.shape(-1) || !broadcasts_to(cos, *kx) ||
+      !broadcasts_to(sin, *kx)) {
+    return false;
+  }
+  std::vector<mx::array> outs = kernels::rope_tables_pair_cpu(x, *kx, cos, sin);
+  if (outs.size() != 2) return false;
+  stash(at, outs[1], {{k->x()->idx(), kx->id()}, {k->cos()->idx(), cos.id()}, {k->sin()->idx(), sin.id()}});
+  return write(program_.graph->instructions()->Get(pc_)->node_as_RopeNode()->out(), std::move(outs[0]));
+}
+
 bool Interpreter::exec_rope(const fb::RopeNode& n) {
+  if (take_stashed(n.out())) return true;  // made with the RoPE before it (the layer's q)
   const mx::array* x = read(n.x());
   if (!x) return false;
   const mx::array* cos = read(n.cos());
@@ -266,6 +287,7 @@ bool Interpreter::exec_rope(const fb::RopeNode& n) {
       return write(n.out(), kernels::rope_fast(*x, off, *freqs));
     }
   }
+  if (program_.fuse_nodes && rope_pair(*x, *cos, *sin)) return true;
   return write(n.out(), program_.kernels->rope_from_tables(*x, *cos, *sin));
 }
 

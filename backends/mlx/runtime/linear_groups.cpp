@@ -62,6 +62,7 @@ size_t plan_linear_groups(Program& p) {
   p.linear_groups.clear();
   p.linear_group_of.clear();
   p.norm_after_add.clear();
+  p.rope_partner.clear();
   p.fuse_nodes = false;
   if (p.kernels == nullptr || p.kernels->quantized_matmul_group == nullptr) return 0;
   const char* env = std::getenv("ETMLX_FUSE_LINEARS");
@@ -71,7 +72,8 @@ size_t plan_linear_groups(Program& p) {
   p.fuse_nodes = true;
   p.linear_group_of.assign(instrs->size(), -1);
   p.norm_after_add.assign(instrs->size(), -1);
-  bool any_norm = false;
+  p.rope_partner.assign(instrs->size(), -1);
+  bool any_norm = false, any_rope = false;
   Program::LinearGroup open;  // the group being collected
   const fb::QuantizedLinearNode* first = nullptr;
   auto close = [&] {
@@ -92,6 +94,13 @@ size_t plan_linear_groups(Program& p) {
       const fb::RmsNormNode* norm = instrs->Get(i + 1)->node_as_RmsNormNode();
       if (norm && slot(norm->x()) == add->out()->idx()) p.norm_after_add[i] = static_cast<int32_t>(i + 1), any_norm = true;
     }
+    if (const fb::RopeNode* q = instr->node_as_RopeNode(); q && q->out() && i + 1 < instrs->size() && instrs->Get(i + 1)) {
+      const fb::RopeNode* k = instrs->Get(i + 1)->node_as_RopeNode();
+      if (k && k->out() && slot(k->cos()) == slot(q->cos()) && slot(k->sin()) == slot(q->sin()) &&
+          slot(k->offset()) == slot(q->offset()) && slot(k->x()) != q->out()->idx()) {
+        p.rope_partner[i] = static_cast<int32_t>(i + 1), any_rope = true;
+      }
+    }
     const fb::QuantizedLinearNode* n = instr->node_as_QuantizedLinearNode();
     if (n == nullptr || n->x() == nullptr) continue;
     const bool joins = first != nullptr && first->x()->idx() == n->x()->idx() &&
@@ -105,6 +114,7 @@ size_t plan_linear_groups(Program& p) {
   close();
   if (p.linear_groups.empty()) p.linear_group_of.clear();
   if (!any_norm) p.norm_after_add.clear();
+  if (!any_rope) p.rope_partner.clear();
   return p.linear_groups.size();
 }
 

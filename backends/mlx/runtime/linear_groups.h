@@ -9,10 +9,11 @@ namespace etmlx {
 // QuantizedLinearNode instructions that name the same input slot, group size and bits and follow one
 // another with no QuantizedLinearNode on another input between them (a layer's q/k/v projections; its
 // gate and up projections), and marks a two-linear group's SiLU(gate) * up; it also marks each
-// residual Add whose result the next instruction RMS-normalizes. The instructions between may be
+// residual Add whose result the next instruction RMS-normalizes, and each RopeNode followed by another
+// over the same tables (a layer's q and k). The instructions between may be
 // anything: the interpreter checks, when a later instruction of a fused node runs, that its operand
 // slots still hold the arrays the node was built from (Interpreter::take_stashed), and otherwise runs
-// it on its own. Fills p.linear_groups, p.linear_group_of and p.norm_after_add; returns the number of
+// it on its own. Fills p.linear_groups, p.linear_group_of, p.norm_after_add and p.rope_partner; returns the number of
 // groups. Does nothing with ETMLX_FUSE_LINEARS=0 (for A/B runs and the tests comparing the bits).
 size_t plan_linear_groups(Program& p);
 

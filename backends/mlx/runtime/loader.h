@@ -64,6 +64,9 @@ struct Program {
   // Per BinaryNode Add instruction, the RmsNormNode right after it that normalizes its result (the
   // residual add and the next norm: one node on the CPU set), else -1; empty when there is none.
   std::vector<int32_t> norm_after_add;
+  // Per RopeNode instruction, the next instruction when it is a RopeNode over the same cos, sin and offset
+  // (a layer's q and k: one node on the CPU set), else -1; empty when there is none.
+  std::vector<int32_t> rope_partner;
   // Whether the kernel set fuses such instructions at all (plan_linear_groups; ETMLX_FUSE_LINEARS=0: not).
   bool fuse_nodes = false;
 };

@@ -9,6 +9,8 @@
 // 0.80 ms for fast::rope against 0.47 ms from the tables). kernel_set.h says which.
 #pragma once
 
+#include <vector>
+
 #include <mlx/array.h>
 
 namespace etmlx::kernels {
@@ -20,6 +22,12 @@ mlx::core::array rope_from_tables(const mlx::core::array& x, const mlx::core::ar
 // The CPU kernel set's rope_from_tables: one host loop for float32 x, the same bits (rope_cpu.cpp).
 mlx::core::array rope_tables_cpu(const mlx::core::array& x, const mlx::core::array& cos,
                                  const mlx::core::array& sin);
+// A layer's q and k rotated by the same float32 tables as one node (RopePairCpu): rope_tables_cpu's loop over
+// each, the same bits, one node instead of two in a decode step. Both x float32 with the tables' last size.
+std::vector<mlx::core::array> rope_tables_pair_cpu(const mlx::core::array& q, const mlx::core::array& k,
+                                                   const mlx::core::array& cos, const mlx::core::array& sin);
+// RopePairCpu nodes built in this process (etmlx_rope_pair_nodes, for the tests).
+long long rope_pair_nodes();
 // x [B, H, L, D]; offset integer, 0-d or [B]; freqs [D / 2] float32 (the inverse frequencies).
 mlx::core::array rope_fast(const mlx::core::array& x, const mlx::core::array& offset, const mlx::core::array& freqs);
 

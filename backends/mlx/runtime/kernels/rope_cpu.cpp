@@ -6,6 +6,7 @@
 // contraction, so no fused multiply-add changes a bit).
 #include "kernels/rope.h"
 
+#include <atomic>
 #include <utility>
 #include <vector>
 
@@ -32,8 +33,7 @@ size_t row_offset(const mx::array& a, const mx::Shape& x, size_t r) {
   return offset;
 }
 
-void rope_rows(const std::vector<mx::array>& in, mx::array& out) {
-  const mx::array &x = in[0], &cos = in[1], &sin = in[2];
+void rotate(const mx::array& x, const mx::array& cos, const mx::array& sin, mx::array& out) {
   const mx::Shape& shape = x.shape();
   const int dims = shape.back(), half = dims / 2;
   const size_t rows = x.size() / static_cast<size_t>(dims);
@@ -49,7 +49,24 @@ void rope_rows(const std::vector<mx::array>& in, mx::array& out) {
   }
 }
 
+void rope_rows(const std::vector<mx::array>& in, mx::array& out) { rotate(in[0], in[1], in[2], out); }
+
+std::atomic<long long> pair_nodes{0};
+
 }  // namespace
+
+std::vector<mx::array> rope_tables_pair_cpu(const mx::array& q, const mx::array& k, const mx::array& cos,
+                                            const mx::array& sin) {
+  if (q.dtype() != mx::float32 || k.dtype() != mx::float32 || q.size() == 0 || k.size() == 0) return {};
+  pair_nodes.fetch_add(1, std::memory_order_relaxed);
+  return host_kernel_multi("RopePairCpu", {q.shape(), k.shape()}, mx::float32, {q, k, cos, sin},
+                           [](const std::vector<mx::array>& in, std::vector<mx::array>& out) {
+                             rotate(in[0], in[2], in[3], out[0]);
+                             rotate(in[1], in[2], in[3], out[1]);
+                           });
+}
+
+long long rope_pair_nodes() { return pair_nodes.load(); }
 
 mx::array rope_tables_cpu(const mx::array& x, const mx::array& cos, const mx::array& sin) {
   if (x.dtype() != mx::float32 || x.size() == 0) return rope_from_tables(x, cos, sin);
@@ -57,3 +74,7 @@ mx::array rope_tables_cpu(const mx::array& x, const mx::array& cos, const mx::ar
 }
 
 }  // namespace etmlx::kernels
+
+extern "C" __attribute__((visibility("default"))) long long etmlx_rope_pair_nodes() {
+  return etmlx::kernels::rope_pair_nodes();
+}
