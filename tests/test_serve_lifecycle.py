@@ -38,14 +38,17 @@ def pte(tmp_path_factory):
 
 
 # Streams long enough that no row can finish before the signal reaches the server, even on a loaded machine
-# (the shared tiny program's 64 positions leave ~60 tokens: ~0.1 s; its model has 512 positions).
+# (the shared tiny program's 64 positions leave ~60 tokens: ~0.1 s; its model has 512 positions). 480 tokens of
+# the 2-layer, 64-wide model (~0.2 s) lost that race in a loaded suite run once decoding got faster (mimalloc), so
+# the long program's model is wider and deeper (LONG_MODEL): each token costs several times more.
 LONG_TOKENS = 480
+LONG_MODEL = {"hidden": 256, "layers": 6}
 
 
 @pytest.fixture(scope="module")
 def long_pte(tmp_path_factory):
     path = tmp_path_factory.mktemp("long") / "tiny.pte"  # the server serves it as "tiny"
-    export_tiny(path, batch=BATCH, max_seq_len=LONG_TOKENS + 32)
+    export_tiny(path, batch=BATCH, max_seq_len=LONG_TOKENS + 32, **LONG_MODEL)
     return path
 
 

@@ -198,7 +198,8 @@ def test_version_and_python_m_etmlx():
     from importlib.metadata import version
 
     ran = _run("-m", "etmlx", "--version")
-    assert ran.returncode == 0 and ran.stdout.strip() == f"etmlx {version('etmlx')}"
+    # the version, then which malloc the command runs with (runtime/allocator.py; tests/test_allocator.py)
+    assert ran.returncode == 0 and ran.stdout.strip().startswith(f"etmlx {version('etmlx')} (malloc: "), ran.stdout
     light = _run("-c", "import sys, etmlx; print(etmlx.__version__, 'torch' in sys.modules)")
     assert light.stdout.split() == [version("etmlx"), "False"], light.stderr
 

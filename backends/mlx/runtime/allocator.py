@@ -87,5 +87,8 @@ def reexec_with_mimalloc() -> None:
         return
     before = os.environ.get("LD_PRELOAD", "")
     env = {**os.environ, "LD_PRELOAD": f"{library} {before}".strip(), _BEFORE_ENV: before}
+    # mimalloc asks for transparent huge pages on its arenas; a weight loaded there then counts 2 MB pages (peak
+    # RSS +14% at 0.5B for ~4% of decode speed; glibc used 4 KB pages). MIMALLOC_ALLOW_THP=1 keeps them.
+    env.setdefault("MIMALLOC_ALLOW_THP", "0")
     # sys.orig_argv: the interpreter's own command line (its options, -m or a script, the arguments).
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)

@@ -387,6 +387,7 @@ int run(const Args& a) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  etmlx::configure_allocator();
   Args args;
   std::string error;
   bool help = false;

@@ -5,6 +5,9 @@
 
 #ifdef ETMLX_MIMALLOC
 #include <mimalloc.h>
+#if defined(__linux__)
+#include <sys/prctl.h>
+#endif
 #endif
 
 namespace etmlx {
@@ -20,6 +23,13 @@ std::string allocator_name() {
   }
 #endif
   return "system";
+}
+
+void configure_allocator() {
+#if defined(ETMLX_MIMALLOC) && defined(__linux__)
+  const char* thp = std::getenv("MIMALLOC_ALLOW_THP");
+  if (thp == nullptr || std::string(thp) != "1") prctl(PR_SET_THP_DISABLE, 1, 0, 0, 0);
+#endif
 }
 
 }  // namespace etmlx

@@ -31,6 +31,7 @@
 #include <executorch/runtime/backend/interface.h>
 #include <executorch/runtime/platform/runtime.h>
 
+#include "allocator.h"
 #include "decode_args.h"
 #include "decode_loop.h"
 #include "model_draft.h"
@@ -379,6 +380,7 @@ int run(const etmlx::DecodeArgs& args) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  etmlx::configure_allocator();
   etmlx::DecodeArgs args;
   std::string error;
   if (!etmlx::parse_decode_args(argc, argv, &args, &error)) {
