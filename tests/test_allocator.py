@@ -58,3 +58,30 @@ def test_children_get_the_callers_ld_preload_back():
     assert done.stdout.splitlines() == [MIMALLOC, libm, "[]"]
     alone = _run([sys.executable, "-c", code])
     assert alone.stdout.splitlines() == [MIMALLOC, "None", "[]"]
+
+
+def test_env_with_mimalloc_adds_it_once_and_respects_the_opt_out():
+    lib = str(allocator.mimalloc_library())
+    env = allocator.env_with_mimalloc({"LD_PRELOAD": "/x/libfoo.so", "PATH": "/bin"})
+    assert env["LD_PRELOAD"] == f"{lib} /x/libfoo.so" and env["MIMALLOC_ALLOW_THP"] == "0" and env["PATH"] == "/bin"
+    assert allocator.env_with_mimalloc(env) == env  # already there: unchanged
+    kept = {"LD_PRELOAD": "", allocator.CHOICE_ENV: "system"}
+    assert allocator.env_with_mimalloc(kept) == kept
+
+
+def test_the_servers_program_worker_runs_with_mimalloc(tmp_path_factory, monkeypatch):
+    # The process that runs the server's decode steps (serve/program_worker.py): its mappings hold the library.
+    from serve_helpers import tiny_pte
+
+    from backends.mlx.serve.program_worker import ProgramWorker
+
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    lib = allocator.mimalloc_library()
+    for choice, expected in (("mimalloc", True), ("system", False)):
+        monkeypatch.setenv(allocator.CHOICE_ENV, choice)
+        worker = ProgramWorker(tiny_pte(tmp_path_factory))
+        try:
+            maps = Path(f"/proc/{worker._process.pid}/maps").read_text()
+        finally:
+            worker.close()
+        assert (str(lib) in maps) == expected, choice

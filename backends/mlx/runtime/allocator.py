@@ -7,7 +7,8 @@ and their lock waits were ~12% of a 0.5B decode step's CPU time (`perf`). With m
 
 A library cannot swap the malloc of a process that is already running, so the `etmlx` command re-executes
 itself once, before any work, with mimalloc preloaded (LD_PRELOAD): what vLLM's CPU backend and Intel's
-PyTorch extension ask their users to do by hand. The C++ tools link mimalloc in instead (CMakeLists.txt).
+PyTorch extension ask their users to do by hand. The server's program worker, the process that runs its decode
+steps, starts with it too (`env_with_mimalloc`). The C++ tools link mimalloc in instead (CMakeLists.txt).
 `ETMLX_ALLOCATOR=system` keeps glibc's malloc. A program that imports etmlx as a library keeps the malloc its
 process started with; `LD_PRELOAD=$(python -c 'from backends.mlx.runtime import allocator;
 print(allocator.mimalloc_library())')` gives it mimalloc.
@@ -20,7 +21,7 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["CHOICE_ENV", "active", "mimalloc_library", "reexec_with_mimalloc"]
+__all__ = ["CHOICE_ENV", "active", "env_with_mimalloc", "mimalloc_library", "reexec_with_mimalloc"]
 
 CHOICE_ENV = "ETMLX_ALLOCATOR"  # "system": keep glibc's malloc
 # Set for the re-executed process only: the LD_PRELOAD it started with before ours was added, so that
@@ -69,6 +70,24 @@ def active() -> str:
     return f"mimalloc {v // 10000}.{v // 100 % 100}.{v % 100}"
 
 
+def env_with_mimalloc(env: dict | None = None) -> dict:
+    """A copy of `env` (default: this process's) under which a Python child starts with mimalloc preloaded: for
+    the server's program worker, which runs the decode steps. Unchanged where it does not apply
+    (ETMLX_ALLOCATOR=system, not Linux, the wheel missing, or already preloaded)."""
+    env = dict(os.environ if env is None else env)
+    library = mimalloc_library()
+    if env.get(CHOICE_ENV, "mimalloc") == "system" or library is None:
+        return env
+    before = env.get("LD_PRELOAD", "")
+    if str(library) in before.split():
+        return env
+    env["LD_PRELOAD"] = f"{library} {before}".strip()
+    # mimalloc asks for transparent huge pages on its arenas; a weight loaded there then counts 2 MB pages (peak
+    # RSS +14% at 0.5B for ~4% of decode speed; glibc used 4 KB pages). MIMALLOC_ALLOW_THP=1 keeps them.
+    env.setdefault("MIMALLOC_ALLOW_THP", "0")
+    return env
+
+
 def reexec_with_mimalloc() -> None:
     """Replace this process by itself with mimalloc preloaded, once; returns where it does not apply
     (ETMLX_ALLOCATOR=system, not Linux, the wheel missing, or already done). In the re-executed process it
@@ -80,15 +99,9 @@ def reexec_with_mimalloc() -> None:
         else:
             os.environ.pop("LD_PRELOAD", None)
         return
-    if os.environ.get(CHOICE_ENV, "mimalloc") == "system":
-        return
-    library = mimalloc_library()
-    if library is None or active() != "system":
-        return
-    before = os.environ.get("LD_PRELOAD", "")
-    env = {**os.environ, "LD_PRELOAD": f"{library} {before}".strip(), _BEFORE_ENV: before}
-    # mimalloc asks for transparent huge pages on its arenas; a weight loaded there then counts 2 MB pages (peak
-    # RSS +14% at 0.5B for ~4% of decode speed; glibc used 4 KB pages). MIMALLOC_ALLOW_THP=1 keeps them.
-    env.setdefault("MIMALLOC_ALLOW_THP", "0")
+    env = env_with_mimalloc()
+    if env.get("LD_PRELOAD", "") == os.environ.get("LD_PRELOAD", "") or active() != "system":
+        return  # nothing to add, or this process already runs it
+    env[_BEFORE_ENV] = os.environ.get("LD_PRELOAD", "")
     # sys.orig_argv: the interpreter's own command line (its options, -m or a script, the arguments).
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)

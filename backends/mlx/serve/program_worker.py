@@ -26,6 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from backends.mlx.runtime.allocator import env_with_mimalloc
+
 _HEADER = struct.Struct("<I")
 
 
@@ -121,8 +123,9 @@ class ProgramWorker:
         if not pte.is_file():
             raise FileNotFoundError(f"pte: no such file {pte}")
         self.step_timeout = step_timeout
+        # The worker runs the decode steps: with mimalloc, as the `etmlx` command does (runtime/allocator.py).
         self._process = subprocess.Popen([sys.executable, "-m", "backends.mlx.serve.program_worker", str(pte)],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env_with_mimalloc())
         try:
             kind, payload = self._reply(load_timeout)
         except WorkerDied as exc:
