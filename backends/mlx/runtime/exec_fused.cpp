@@ -219,7 +219,7 @@ bool Interpreter::exec_layer_norm(const fb::LayerNormNode& n) {
   return write(n.out(), kernels::layer_norm(*x, weight, bias, n.eps()));
 }
 
-bool Interpreter::rope_pair(const mx::array& x, const mx::array& cos, const mx::array& sin) {
+bool Interpreter::rope_pair(const fb::RopeNode& n, const mx::array& x, const mx::array& cos, const mx::array& sin) {
   if (program_.kernels != &kernels::cpu_kernels() || pc_ >= program_.rope_partner.size() ||
       program_.rope_partner[pc_] < 0) {
     return false;
@@ -236,7 +236,7 @@ bool Interpreter::rope_pair(const mx::array& x, const mx::array& cos, const mx::
   std::vector<mx::array> outs = kernels::rope_tables_pair_cpu(x, *kx, cos, sin);
   if (outs.size() != 2) return false;
   stash(at, outs[1], {{k->x()->idx(), kx->id()}, {k->cos()->idx(), cos.id()}, {k->sin()->idx(), sin.id()}});
-  return write(program_.graph->instructions()->Get(pc_)->node_as_RopeNode()->out(), std::move(outs[0]));
+  return write(n.out(), std::move(outs[0]));
 }
 
 bool Interpreter::exec_rope(const fb::RopeNode& n) {
@@ -287,7 +287,7 @@ bool Interpreter::exec_rope(const fb::RopeNode& n) {
       return write(n.out(), kernels::rope_fast(*x, off, *freqs));
     }
   }
-  if (program_.fuse_nodes && rope_pair(*x, *cos, *sin)) return true;
+  if (program_.fuse_nodes && rope_pair(n, *x, *cos, *sin)) return true;
   return write(n.out(), program_.kernels->rope_from_tables(*x, *cos, *sin));
 }
 

@@ -188,9 +188,10 @@ class Interpreter {
   // The residual Add at pc_ and the RMSNorm after it as one node (Program::norm_after_add); false when
   // that does not apply here (the Add then runs as usual). exec_fused.cpp.
   bool add_then_rms_norm(const fb::BinaryNode& add, const mlx::core::array& a, const mlx::core::array& b);
-  // The RoPE at pc_ and its partner's (Program::rope_partner) as one node; false when that does not apply
+  // The RoPE `n` at pc_ and its partner's (Program::rope_partner) as one node; false when that does not apply
   // here (the RoPE then runs as usual). exec_fused.cpp.
-  bool rope_pair(const mlx::core::array& x, const mlx::core::array& cos, const mlx::core::array& sin);
+  bool rope_pair(const fb::RopeNode& n, const mlx::core::array& x, const mlx::core::array& cos,
+                 const mlx::core::array& sin);
   // A shape-only op's result (reshape, broadcast, expand_dims, transpose; op 4: RoPE's offset as int32) of a
   // small array: the one
   // made earlier in this call for the same (op, input array, arguments), or made now by `make` and kept.

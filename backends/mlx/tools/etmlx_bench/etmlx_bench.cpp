@@ -221,8 +221,9 @@ int bench_decoder(Module& module, const std::string& method, const etmlx::Progra
   if (a.prompt_len > inputs->max_call_length() || a.prompt_len + a.decode_steps > max_seq)
     return fail("--prompt-len + --decode-steps must fit the program's " + std::to_string(max_seq) + " positions");
   const int64_t vocab = md.meta.vocab_size.value_or(2);
-  std::vector<int64_t> prompt = a.prompt_ids;  // else --prompt-len synthetic ids
-  for (long i = 0; a.prompt_ids.empty() && i < a.prompt_len; ++i) prompt.push_back((7 * i + 1) % vocab);
+  std::vector<int64_t> prompt = a.prompt_ids;
+  if (prompt.empty())  // --prompt-len synthetic ids
+    for (long i = 0; i < a.prompt_len; ++i) prompt.push_back((7 * i + 1) % vocab);
   for (int64_t id : prompt)
     if (id >= vocab && md.meta.vocab_size) return fail("--prompt-ids must be below the vocabulary size " + std::to_string(vocab));
 
