@@ -208,7 +208,12 @@ def test_python_api_with_a_draft_model(programs):
         for draft_model in (programs["plain"], small):
             responses = list(etmlx.stream_generate(spec, PROMPT, 24, draft_model=draft_model, **sampling))
             assert [r.token for r in responses] == reference, (sampling, draft_model)
-            assert 0 < responses[-1].proposed_draft_tokens
+            last = responses[-1]
+            assert 0 <= last.accepted_draft_tokens <= last.proposed_draft_tokens
+            if draft_model is not small or not sampling:  # a fresh source's first proposal is its whole budget;
+                # `small` reused (a poor guesser) may rightly propose nothing in 24 tokens: its budget learned that
+                # its drafts fail, and when it probes again depends on measured times
+                assert 0 < last.proposed_draft_tokens, (sampling, draft_model)
     turns = [PROMPT, [9, 30, 2]]
     caches = etmlx.make_prompt_cache(plain), etmlx.make_prompt_cache(spec)
     for turn in turns:
