@@ -123,3 +123,47 @@ def test_decode_output_view_made_with_the_attention_gives_the_same_bits(rows, mo
     alone = load_method(pte).execute(args)[0]
     assert fused.shape == (1, rows, 96) and torch.equal(fused.view(torch.int32), alone.view(torch.int32))
     torch.testing.assert_close(fused, Heads()(*args), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dim", [16, 40, 64, 128, 144])
+def test_decode_rows_match_eager_and_ignore_the_masked_keys_after_them(dim):
+    """The decode loop's scores go 16 keys at a time (a transposing sum) and its weighted values through two
+    accumulator sets (even and odd keys) where k / v rows are contiguous and the head dimension is a multiple
+    of 16 up to 128 (40 and 144: the per-key loop). Against eager PyTorch with 77 keys (a last block of 13),
+    and the same bits with 16 more keys that the mask hides: a key's score and a row's sum must not depend on
+    how many keys the call holds (the control: one of those keys let through changes the result)."""
+    torch.manual_seed(dim)
+    heads, kv_heads, cache, extra = 14, 2, 77, 16
+    k, v = torch.randn(1, kv_heads, cache + extra, dim), torch.randn(1, kv_heads, cache + extra, dim)
+    length = torch.export.Dim("length", min=1, max=8)
+
+    def run(module, keys, q, start):
+        kk, vv = k[:, :, :keys].contiguous(), v[:, :, :keys].contiguous()
+        example = (torch.randn(1, heads, 2, dim), kk, vv, torch.tensor(0))
+        method = load_method(export_to_pte(module, example, dynamic_shapes=({2: length}, None, None, None)).pte)
+        return method.execute([q, kk, vv, torch.tensor(start)])[0]
+
+    class Hidden(torch.nn.Module):
+        """_Cached with the keys from `cache` on masked whatever the position: they are never seen."""
+
+        def __init__(self, let_through: bool = False):
+            super().__init__()
+            self.let_through = let_through
+
+        def forward(self, q, k, v, start):
+            slots = torch.arange(k.shape[2])
+            positions = start + torch.arange(q.shape[2])
+            seen = (slots.view(1, 1, 1, -1) <= positions.view(1, 1, -1, 1)) & (slots < cache).view(1, 1, 1, -1)
+            if self.let_through:
+                seen = seen | (slots == cache + 5).view(1, 1, 1, -1)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=seen, enable_gqa=True)
+
+    for start, n in ((76, 1), (40, 3), (0, 1)):
+        q = torch.randn(1, heads, n, dim) * 3
+        short = run(_Cached(), cache, q, start)
+        torch.testing.assert_close(short, _Cached()(q, k[:, :, :cache], v[:, :, :cache], torch.tensor(start)),
+                                   atol=2e-5, rtol=2e-5)
+        longer = run(Hidden(), cache + extra, q, start)
+        assert torch.equal(short.view(torch.int32), longer.view(torch.int32)), (dim, start, n)
+        control = run(Hidden(let_through=True), cache + extra, q, start)
+        assert not torch.equal(short, control)

@@ -198,6 +198,82 @@ ETMLX_AVX512BW ETMLX_INLINE float dot(const float* a, const float* b, int n) {
   return _mm512_reduce_add_ps(acc);
 }
 
+// Lane i of the result: the sum of p[i]'s 16 lanes, for 16 vectors at once (a transpose as it adds:
+// 45 shuffles and adds where 16 separate horizontal sums take ~3x that). Every lane's sum is added in the
+// same order, (((0+2)+(1+3)) per quarter, then (q0+q1)+(q2+q3)), so it depends only on p[i], not on i.
+ETMLX_AVX512BW ETMLX_INLINE __m512 sums16(__m512 p[16]) {
+  __m512 q[8], r[4];
+  for (int i = 0; i < 8; ++i)  // per quarter [a0+a2, b0+b2, a1+a3, b1+b3] of p[2i] = a, p[2i+1] = b
+    q[i] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * i], p[2 * i + 1]), _mm512_unpackhi_ps(p[2 * i], p[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per quarter the quarter sums of p[4i] .. p[4i + 3]
+    const __m512d x = _mm512_castps_pd(q[2 * i]), y = _mm512_castps_pd(q[2 * i + 1]);
+    r[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 u0 = _mm512_add_ps(_mm512_shuffle_f32x4(r[0], r[1], 0x88), _mm512_shuffle_f32x4(r[0], r[1], 0xDD));
+  const __m512 u1 = _mm512_add_ps(_mm512_shuffle_f32x4(r[2], r[3], 0x88), _mm512_shuffle_f32x4(r[2], r[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, 0x88), _mm512_shuffle_f32x4(u0, u1, 0xDD));
+}
+
+// scores[j] = q . key j for j < keys (key j at k0 + j * key_stride, contiguous; dim a multiple of 16 up to
+// kBlockedDim), 16 keys at a time through sums16. A key's score depends only on q and that key.
+constexpr int kBlockedDim = 128;
+ETMLX_AVX512BW void scores_blocked(const float* q, const float* k0, int64_t key_stride, int keys, int dim,
+                                   float* scores) {
+  const int chunks = dim / 16;
+  __m512 qv[kBlockedDim / 16];
+  for (int c = 0; c < chunks; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
+  for (int j = 0; j < keys; j += 16) {
+    const int n = std::min(16, keys - j);
+    __m512 p[16];
+    for (int i = 0; i < 16; ++i) {
+      if (i >= n) {  // past the last key: zeros, which leave the other lanes' sums as they are
+        p[i] = _mm512_setzero_ps();
+        continue;
+      }
+      const float* kr = k0 + (j + i) * key_stride;
+      __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
+      for (int c = 1; c < chunks; ++c) acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr + 16 * c), acc);
+      p[i] = acc;
+    }
+    const __mmask16 m = n == 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
+    _mm512_mask_storeu_ps(scores + j, m, sums16(p));
+  }
+}
+
+// out[d] = sum over keys j of p[j] * value j [d] (value j at v0 + j * value_stride, contiguous), 64 values of d
+// per pass over the keys. Even and odd keys go to two sets of accumulators: one set is a chain of dependent
+// multiply-adds, one a key, whose latency (not the multiply-adds' throughput) set the pace. A key's
+// parity, not the key count, picks its set, so a row's result does not depend on how many keys follow it.
+ETMLX_AVX512BW void weighted_values(const float* p, const float* v0, int64_t value_stride, int keys, int dim_v,
+                                    float* out) {
+  for (int d0 = 0; d0 < dim_v; d0 += 64) {
+    const int width = std::min(64, dim_v - d0), vectors = (width + 15) / 16;
+    __mmask16 m[4];
+    __m512 even[4], odd[4];
+    for (int a = 0; a < 4; ++a) {
+      const int n = std::clamp(width - a * 16, 0, 16);
+      m[a] = n == 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
+      even[a] = odd[a] = _mm512_setzero_ps();
+    }
+    const float* vr = v0 + d0;
+    int j = 0;
+    for (; j + 2 <= keys; j += 2, vr += 2 * value_stride) {
+      const __m512 pe = _mm512_set1_ps(p[j]), po = _mm512_set1_ps(p[j + 1]);
+#pragma GCC unroll 4
+      for (int a = 0; a < 4; ++a) {
+        if (a >= vectors) break;
+        even[a] = _mm512_fmadd_ps(pe, _mm512_maskz_loadu_ps(m[a], vr + a * 16), even[a]);
+        odd[a] = _mm512_fmadd_ps(po, _mm512_maskz_loadu_ps(m[a], vr + value_stride + a * 16), odd[a]);
+      }
+    }
+    if (j < keys) {
+      const __m512 pe = _mm512_set1_ps(p[j]);
+      for (int a = 0; a < vectors; ++a) even[a] = _mm512_fmadd_ps(pe, _mm512_maskz_loadu_ps(m[a], vr + a * 16), even[a]);
+    }
+    for (int a = 0; a < vectors; ++a) _mm512_mask_storeu_ps(out + d0 + a * 16, m[a], _mm512_add_ps(even[a], odd[a]));
+  }
+}
+
 // Attention for a few query rows (a decode step) as one host loop: per query row, its scores against
 // keys [0, keys) of its key/value head, the softmax above (scale, mask, causality), then the weighted sum
 // of the values, in float32 with fmas. Replaces ~19 MLX nodes per layer (the scale multiply, the
@@ -214,15 +290,23 @@ struct DecodeAttention {
     float* tmp = scores + keys;
     const float* qr = dense(q.at(b, h, l), q.s[3], dim, tmp + std::max(dim, dim_v));
     const float* k0 = k.at(b, kvh, 0);
-    for (int j = 0; j < keys; ++j) scores[j] = dot(qr, dense(k0 + j * k.s[2], k.s[3], dim, tmp), dim);
+    if (k.s[3] == 1 && dim % 16 == 0 && dim <= kBlockedDim) {
+      scores_blocked(qr, k0, k.s[2], keys, dim, scores);
+    } else {
+      for (int j = 0; j < keys; ++j) scores[j] = dot(qr, dense(k0 + j * k.s[2], k.s[3], dim, tmp), dim);
+    }
     softmax.row(scores, r);
-    __m512 acc[8];
     const float* v0 = v.at(b, kvh, 0);
+    if (v.s[3] == 1) {
+      weighted_values(scores, v0, v.s[2], keys, dim_v, out + r * dim_v);
+      return;
+    }
+    __m512 acc[8];
     for (int d0 = 0; d0 < dim_v; d0 += 128) {  // 8 accumulators of 16 lanes per pass over the keys
       const int width = std::min(128, dim_v - d0);
       for (int a = 0; a < 8; ++a) acc[a] = _mm512_setzero_ps();
       for (int j = 0; j < keys; ++j) {
-        const float* vr = v.s[3] == 1 ? v0 + j * v.s[2] + d0 : dense(v0 + j * v.s[2] + d0 * v.s[3], v.s[3], width, tmp);
+        const float* vr = dense(v0 + j * v.s[2] + d0 * v.s[3], v.s[3], width, tmp);
         const __m512 p = _mm512_set1_ps(scores[j]);
         for (int a = 0; a * 16 < width; ++a) {
           const int n = std::min(16, width - a * 16);
