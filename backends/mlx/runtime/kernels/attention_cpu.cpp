@@ -67,6 +67,9 @@ namespace {
 #define ETMLX_AVX512BW __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
 #define ETMLX_INLINE inline __attribute__((always_inline))
 
+// The mask of a vector's first n lanes (all 16 from n = 16 on): for the last, partial vector of a row.
+ETMLX_INLINE __mmask16 first_lanes(int n) { return n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1); }
+
 bool avx512_ok() {
   static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma");
@@ -116,7 +119,7 @@ struct Softmax {
     const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     __m512 vmax = ninf;
     for (int j = 0; j < seen; j += 16) {
-      const __mmask16 m = seen - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (seen - j)) - 1);
+      const __mmask16 m = first_lanes(seen - j);
       __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + j), vscale);
       if (mask.data != nullptr) {
         if (mask.ss == 0) {  // one mask value for the whole row
@@ -143,14 +146,14 @@ struct Softmax {
     const __m512 shift = _mm512_set1_ps(mx_);
     __m512 vsum = _mm512_setzero_ps();
     for (int j = 0; j < seen; j += 16) {
-      const __mmask16 m = seen - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (seen - j)) - 1);
+      const __mmask16 m = first_lanes(seen - j);
       const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), shift));
       _mm512_mask_storeu_ps(s + j, m, e);
       vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(m, e));
     }
     const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(vsum));
     for (int j = 0; j < seen; j += 16) {
-      const __mmask16 m = seen - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (seen - j)) - 1);
+      const __mmask16 m = first_lanes(seen - j);
       _mm512_mask_storeu_ps(s + j, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + j), inv));
     }
     std::fill(s + seen, s + keys, 0.0f);
@@ -192,7 +195,7 @@ const float* dense(const float* p, int64_t stride, int n, float* tmp) {
 ETMLX_AVX512BW ETMLX_INLINE float dot(const float* a, const float* b, int n) {
   __m512 acc = _mm512_setzero_ps();
   for (int d = 0; d < n; d += 16) {
-    const __mmask16 m = n - d >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - d)) - 1);
+    const __mmask16 m = first_lanes(n - d);
     acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + d), _mm512_maskz_loadu_ps(m, b + d), acc);
   }
   return _mm512_reduce_add_ps(acc);
@@ -235,8 +238,7 @@ ETMLX_AVX512BW void scores_blocked(const float* q, const float* k0, int64_t key_
       for (int c = 1; c < chunks; ++c) acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr + 16 * c), acc);
       p[i] = acc;
     }
-    const __mmask16 m = n == 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
-    _mm512_mask_storeu_ps(scores + j, m, sums16(p));
+    _mm512_mask_storeu_ps(scores + j, first_lanes(n), sums16(p));
   }
 }
 
@@ -251,8 +253,7 @@ ETMLX_AVX512BW void weighted_values(const float* p, const float* v0, int64_t val
     __mmask16 m[4];
     __m512 even[4], odd[4];
     for (int a = 0; a < 4; ++a) {
-      const int n = std::clamp(width - a * 16, 0, 16);
-      m[a] = n == 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
+      m[a] = first_lanes(std::max(0, width - a * 16));
       even[a] = odd[a] = _mm512_setzero_ps();
     }
     const float* vr = v0 + d0;
@@ -309,15 +310,11 @@ struct DecodeAttention {
         const float* vr = dense(v0 + j * v.s[2] + d0 * v.s[3], v.s[3], width, tmp);
         const __m512 p = _mm512_set1_ps(scores[j]);
         for (int a = 0; a * 16 < width; ++a) {
-          const int n = std::min(16, width - a * 16);
-          const __mmask16 m = n == 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
-          acc[a] = _mm512_fmadd_ps(p, _mm512_maskz_loadu_ps(m, vr + a * 16), acc[a]);
+          acc[a] = _mm512_fmadd_ps(p, _mm512_maskz_loadu_ps(first_lanes(width - a * 16), vr + a * 16), acc[a]);
         }
       }
       for (int a = 0; a * 16 < width; ++a) {
-        const int n = std::min(16, width - a * 16);
-        const __mmask16 m = n == 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
-        _mm512_mask_storeu_ps(out + r * dim_v + d0 + a * 16, m, acc[a]);
+        _mm512_mask_storeu_ps(out + r * dim_v + d0 + a * 16, first_lanes(width - a * 16), acc[a]);
       }
     }
   }
