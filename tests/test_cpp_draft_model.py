@@ -1,6 +1,7 @@
 """`build/etmlx_decode --draft-model SMALL.pte` (tools/etmlx_decode/model_draft.h): a small plain program drafts
 for a draft-verifying one in the C++ decode loop, as the Python API's DraftModel does. Its tokens are the plain
-program's (greedy and seeded, with an unpipelined, a pipelined and a poorly guessing draft program), and with a
+program's (greedy and seeded, with an unpipelined, a pipelined, a --propose-tokens and a poorly guessing draft
+program), and with a
 fixed cost its draft counts and its own calls are exactly the Python DraftModel's: one implementation of the
 budget and its bookkeeping (runtime/draft_sources.h DraftModelPacing). The target's own weights as the draft
 model make every greedy draft right; a draft program that cannot serve is a one-line error."""
@@ -33,11 +34,12 @@ SEEDED = (SamplingParams(temperature=0.8, seed=3), ["--temperature", "0.8", "--s
 def programs(tmp_path_factory) -> dict:
     llama = tiny_llama(VOCAB, 3, head_scale=0.3, hidden=32, layers=2)
     out = tmp_path_factory.mktemp("cpp-draft-model")
-    paths = {name: out / f"{name}.pte" for name in ("spec", "plain", "pipelined", "small", "other-vocab")}
+    paths = {name: out / f"{name}.pte" for name in ("spec", "plain", "pipelined", "proposer", "small", "other-vocab")}
     export_decoder(llama, paths["spec"], 64, config=CONFIG, draft_tokens=K)
     # The target's own weights as plain programs: the reference tokens, and a draft model that is always right.
     export_decoder(llama, paths["plain"], 64, config=CONFIG, pipelined=False)
     export_decoder(llama, paths["pipelined"], 64, config=CONFIG, pipelined=True)
+    export_decoder(llama, paths["proposer"], 64, propose_tokens=K)  # a proposal in one call (proposer.py)
     small = tiny_llama(VOCAB, 7, head_scale=0.3, hidden=16, layers=1)  # a poor guesser
     export_decoder(small, paths["small"], 64, config=SamplerConfig(), pipelined=False)
     other = tiny_llama(64, 7, head_scale=0.3, hidden=16, layers=1)
@@ -54,7 +56,7 @@ def test_a_draft_model_gives_the_plain_tokens_and_the_python_counts(programs, se
     params, flags = SEEDED if seeded else (SamplingParams(), [])
     reference = [s.token for s in Decoder(programs["plain"]).stream(PROMPT, N, params, stop_at_eos=False)]
     target = SpeculativeDecoder(programs["spec"])
-    for draft in ("plain", "pipelined", "small"):
+    for draft in ("plain", "pipelined", "proposer", "small"):
         out = _decode(programs["spec"], *flags, "--draft-model", str(programs[draft]), "--draft-model-cost", "0")
         assert out["tokens"] == reference, draft
         source = DraftModel(programs[draft], target=target, cost=0)
@@ -65,6 +67,8 @@ def test_a_draft_model_gives_the_plain_tokens_and_the_python_counts(programs, se
         if draft != "small" and not seeded:  # the target's own weights: every greedy draft is right
             assert out["draft"]["accepted"] == out["draft"]["proposed"] > 0
             assert out["draft"]["calls"] <= -(-N // (K + 1)) + 1
+        if draft == "proposer":  # one call per proposal, not one per draft
+            assert out["draft_model"]["calls"] < out["draft"]["proposed"]
         if draft == "small":  # the control: a poor guesser has drafts rejected
             assert out["draft"]["accepted"] < out["draft"]["proposed"]
 

@@ -39,11 +39,12 @@ def llama():
 @pytest.fixture(scope="module")
 def programs(tmp_path_factory, llama) -> dict:
     out = tmp_path_factory.mktemp("draft-model")
-    paths = {name: out / f"{name}.pte" for name in ("spec", "plain", "pipelined", "small", "other-vocab")}
+    paths = {name: out / f"{name}.pte" for name in ("spec", "plain", "pipelined", "proposer", "small", "other-vocab")}
     export_decoder(llama, paths["spec"], 64, config=CONFIG, draft_tokens=K)
     # The target's own weights as plain programs: the reference tokens, and a draft model that is always right.
     export_decoder(llama, paths["plain"], 64, config=CONFIG, pipelined=False)
     export_decoder(llama, paths["pipelined"], 64, config=CONFIG, pipelined=True)
+    export_decoder(llama, paths["proposer"], 64, propose_tokens=K)  # K greedy tokens per call (proposer.py)
     export_decoder(_llama(7, 16, 1), paths["small"], 64, config=SamplerConfig(), pipelined=False)  # a poor guesser
     export_decoder(_llama(7, 16, 1, vocab=64), paths["other-vocab"], 64, config=SamplerConfig(), verify=False)
     return paths
@@ -53,7 +54,7 @@ def _plain(pte, params, n):
     return [s.token for s in Decoder(pte).stream(PROMPT, n, params, stop_at_eos=False)]
 
 
-@pytest.mark.parametrize("draft", ["plain", "pipelined"])
+@pytest.mark.parametrize("draft", ["plain", "pipelined", "proposer"])
 def test_the_draft_cache_follows_the_accepted_tokens(programs, llama, draft):
     """Proposals after accepted drafts, after a rejection (the output leaves the drafted path: the row's entries
     past the shared prefix are stale) and for a new prompt are the eager model's greedy continuations. (How
@@ -83,7 +84,7 @@ def test_tokens_are_the_plain_programs_with_a_draft_model(programs, params):
     sampling = SamplingParams() if params == "greedy" else SEEDED
     reference = _plain(programs["plain"], sampling, n)
     decoder = SpeculativeDecoder(programs["spec"])
-    for draft in ("plain", "pipelined", "small"):
+    for draft in ("plain", "pipelined", "proposer", "small"):
         source = DraftModel(programs[draft], target=decoder, cost=0)  # sized as prompt lookup: no timing in it
         tokens = list(decoder.stream(PROMPT, n, sampling, draft=source, stop_at_eos=False))
         assert tokens == reference, f"{params}, draft {draft}"
@@ -91,9 +92,13 @@ def test_tokens_are_the_plain_programs_with_a_draft_model(programs, params):
         assert 0 < stats.proposed and stats.accepted <= stats.proposed
         if params == "greedy" and draft != "small":  # the target's own weights: every greedy draft is right
             assert stats.accepted == stats.proposed and stats.calls <= -(-n // (K + 1)) + 1
-            # One draft program call per draft; a pipelined program needs one more per proposal.
+            # One draft program call per draft; a pipelined program needs one more per proposal; a proposer
+            # makes a proposal's drafts in one call.
             proposals = stats.calls if draft == "pipelined" else 0
-            assert source.calls == stats.proposed + proposals
+            if draft == "proposer":
+                assert stats.proposed > source.calls and source.calls <= stats.calls
+            else:
+                assert source.calls == stats.proposed + proposals
     # A draft model whose calls cost five target calls proposes only the budget's rare probes.
     source = DraftModel(programs["plain"], target=decoder, cost=5)
     assert list(decoder.stream(PROMPT, n, sampling, draft=source, stop_at_eos=False)) == reference

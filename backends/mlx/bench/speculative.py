@@ -10,10 +10,12 @@ after it), greedy, `max_tokens` tokens after the demo prompt (EOS does not stop 
   ngram              prompt lookup over prompt + output
   miss               a prediction that never matches (random ids): what a source that never hits costs
   draft-model        the built-in draft model (builtin/model.py DRAFT_RECIPE: same tokenizer, one layer a quarter
-                     as wide; trained once, cached), exported unpipelined, proposing greedily as many drafts
-                     as its budget finds worth their measured cost
+                     as wide; trained once, cached), exported with --propose-tokens K (K greedy tokens in one
+                     call, llm/decoder/proposer.py), proposing as many drafts as its budget finds worth the
+                     measured cost of its call
   draft-model all    the same with cost=0: the drafts prompt lookup's budget would ask for (up to K; the
                      acceptance rate of longer drafts)
+  draft-model stepwise  the same model as a plain unpipelined program: one call per drafted token
 Every speculative run must yield the plain run's tokens (a RuntimeError otherwise). Each figure is the median
 of `repeats` runs, the variants taking turns within each repeat (the machine may be shared). Then the same
 programs and prompt through the C++ decode loop (speculative_cpp.py: etmlx_bench, no Python per call).
@@ -34,7 +36,7 @@ from backends.mlx.bench import speculative_cpp
 DEFAULT_PROMPT = "One morning, Mira went to"
 
 
-def _export(ckpt: Path, pte: Path, **kw) -> Path:
+def _export(ckpt: Path, pte: Path, config=None, **kw) -> Path:
     from transformers import AutoModelForCausalLM
 
     from backends.mlx.llm.decoder.export import export_decoder
@@ -46,7 +48,8 @@ def _export(ckpt: Path, pte: Path, **kw) -> Path:
         return pte
     model = AutoModelForCausalLM.from_pretrained(str(ckpt), attn_implementation="eager")
     pte.parent.mkdir(parents=True, exist_ok=True)
-    export_decoder(model, pte, 256, config=SamplerConfig(top_k=True, top_p=True, min_p=True), tokenizer=ckpt, **kw)
+    config = config or SamplerConfig(top_k=True, top_p=True, min_p=True)
+    export_decoder(model, pte, 256, config=config, tokenizer=ckpt, **kw)
     return pte
 
 
@@ -74,14 +77,20 @@ def run(cache_dir: Path, draft_tokens: int = 8, max_tokens: int = 200, repeats: 
     draft_ckpt = ensure_builtin_draft_checkpoint(cache_dir)
     if (draft_ckpt / "tokenizer.json").read_bytes() != (ckpt / "tokenizer.json").read_bytes():
         raise RuntimeError(f"the built-in draft model's tokenizer differs from the demo model's ({draft_ckpt})")
-    draft_pte = _export(draft_ckpt, cache_dir / "spec-draft-model.pte", pipelined=False)
+    from backends.mlx.llm.sampler.config import SamplerConfig
+
+    stepwise_pte = _export(draft_ckpt, cache_dir / "spec-draft-model.pte", pipelined=False)
+    draft_pte = _export(draft_ckpt, cache_dir / f"spec-draft-model-propose{draft_tokens}.pte", config=SamplerConfig(),
+                        propose_tokens=draft_tokens)
     draft_model, draft_model_all = DraftModel(draft_pte, target=spec), DraftModel(draft_pte, target=spec, cost=0)
+    stepwise = DraftModel(stepwise_pte, target=spec)
     prompt = encode_prompt(plain.tokenizer, DEFAULT_PROMPT)
     reference, _ = _plain(plain, prompt, max_tokens)
     miss = torch.randint(0, spec.meta.vocab_size, (max_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     sources = {"prediction": lambda: PredictionDraft(reference), "ngram": NgramDraft, "miss": lambda: PredictionDraft(miss),
                # one draft program each, its row cache (and budget) carried between runs
-               "draft-model": lambda: draft_model, "draft-model all": lambda: draft_model_all}
+               "draft-model": lambda: draft_model, "draft-model all": lambda: draft_model_all,
+               "draft-model stepwise": lambda: stepwise}
     rates = {name: [] for name in ("plain", "plain unpipelined", *sources)}
     acceptance = {}
     for _ in range(repeats + 1):  # the first round warms up

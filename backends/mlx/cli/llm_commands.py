@@ -49,6 +49,15 @@ def run_export(args) -> int:
     config = sampler_config(args.sampler, args.logprobs, args.logprobs_mode)
     if args.draft_tokens < 0:
         raise ValueError(f"--draft-tokens must be >= 0, got {args.draft_tokens}")
+    if args.propose_tokens < 0:
+        raise ValueError(f"--propose-tokens must be >= 0, got {args.propose_tokens}")
+    if args.propose_tokens:  # a draft model's program: the plain sampler (llm/decoder/proposer.py)
+        if args.sampler != DEFAULT_FEATURES or args.logprobs:
+            raise ValueError("--propose-tokens takes the plain sampler (temperature and seed): drop --sampler "
+                             "and --logprobs")
+        from backends.mlx.llm.sampler.config import SamplerConfig
+
+        config = SamplerConfig()
     args.out = args.out or default_pte_name(args.model)
     _check_out(Path(args.out))  # before minutes of downloading, loading and lowering, not after
     model_dir = resolve_checkpoint(args.model, args.revision)  # a local directory, or a Hub repo id
@@ -70,7 +79,8 @@ def run_export(args) -> int:
     result = export_decoder(model, Path(args.out), args.max_seq_len, config=config, batch=args.batch,
                             seeded=args.seeded, tokenizer=tokenizer, progress=say,
                             external_weights=args.external_weights, pipelined=args.pipelined,
-                            verify=args.verify, draft_tokens=args.draft_tokens)
+                            verify=args.verify, draft_tokens=args.draft_tokens,
+                            propose_tokens=args.propose_tokens)
     say("done")
     written = f"{args.out} ({Path(args.out).stat().st_size / 1e6:.1f} MB)"
     ptd = weights_path(args.out)
@@ -181,6 +191,10 @@ def add_parsers(sub) -> None:
                         help="a program that verifies up to K drafted tokens per call (speculative decoding: "
                              "greedy acceptance, rejection sampling at T > 0; pipelined, its calls without drafts "
                              "do not wait for their token); default 0: a plain program")
+    export.add_argument("--propose-tokens", type=int, default=0, metavar="K",
+                        help="a draft model's program: each call returns K tokens (the plain token and the K - 1 "
+                             "greedy steps after it), so a --draft-model proposal is one call; plain sampler, "
+                             "unpipelined; default 0: one token per call")
     export.set_defaults(func=run_export)
 
     generate = sub.add_parser("generate", help="decode on the device from an exported .pte, streaming text")

@@ -409,9 +409,10 @@ ETMLX_EXPORT double etmlx_budget_constant(int64_t which) {
 // ---- a draft model's pacing (draft_sources.h DraftModelPacing) ----
 
 // `cost` < 0: measured as it runs.
-ETMLX_EXPORT void* etmlx_pacing_new(int64_t max_drafts, double cost) {
+ETMLX_EXPORT void* etmlx_pacing_new(int64_t max_drafts, double cost, int one_call) {
   return made([&] {
-    return new etmlx::DraftModelPacing(max_drafts, cost < 0 ? std::nullopt : std::optional<double>(cost));
+    return new etmlx::DraftModelPacing(max_drafts, cost < 0 ? std::nullopt : std::optional<double>(cost),
+                                       one_call != 0);
   });
 }
 

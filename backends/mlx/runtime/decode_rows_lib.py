@@ -68,7 +68,7 @@ def _lib() -> ctypes.CDLL:
             ("etmlx_budget_new", vp, [_i64, vd]), ("etmlx_budget_free", None, [vp]), ("etmlx_budget_size", _i64, [vp]),
             ("etmlx_budget_update", _i64, [vp, _i64, _i64]), ("etmlx_budget_get", _i64, [vp, ctypes.POINTER(vd)]),
             ("etmlx_budget_set_cost", _i64, [vp, vd]), ("etmlx_budget_constant", vd, [_i64]),
-            ("etmlx_pacing_new", vp, [_i64, vd]), ("etmlx_pacing_free", None, [vp]),
+            ("etmlx_pacing_new", vp, [_i64, vd, ctypes.c_int]), ("etmlx_pacing_free", None, [vp]),
             ("etmlx_pacing_begin", _i64, [vp, _P64, _i64, vd]),
             ("etmlx_pacing_end", _i64, [vp, _P64, _i64, ctypes.c_int, _P64, _i64, _i64, vd, vd]),
             ("etmlx_pacing_get", _i64, [vp, ctypes.POINTER(vd)])):
@@ -328,9 +328,10 @@ class BudgetCore:
 class PacingCore:
     """The DraftModelPacing of draft_sources.cpp: a draft model's budget, learned from its proposals."""
 
-    def __init__(self, max_drafts: int, cost: float | None = None):
+    def __init__(self, max_drafts: int, cost: float | None = None, one_call: bool = False):
+        """`one_call`: each proposal is one draft program call, whatever its size (a --propose-tokens program)."""
         self._lib = lib = _lib()
-        self._h = _made(lib, lib.etmlx_pacing_new(max_drafts, -1.0 if cost is None else float(cost)))
+        self._h = _made(lib, lib.etmlx_pacing_new(max_drafts, -1.0 if cost is None else float(cost), int(one_call)))
 
     def __del__(self):
         if getattr(self, "_h", None):

@@ -103,13 +103,18 @@ void DraftBudget::set_draft_cost(double cost) {
   draft_cost_ = cost;
 }
 
+void DraftBudget::set_proposal_cost(double cost) {
+  if (!(cost >= 0.0) || std::isinf(cost)) throw std::invalid_argument("a proposal's cost must be a finite number >= 0");
+  proposal_cost_ = cost;
+}
+
 int64_t DraftBudget::size() const {
   const double a = rate();
   int64_t best = 0;
   double best_value = 1.0, expected = 1.0;
   for (int64_t k = 1; k <= max_drafts_; ++k) {
     expected += std::pow(a, static_cast<double>(k));
-    const double value = expected / (1.0 + draft_cost_ * static_cast<double>(k));
+    const double value = expected / (1.0 + proposal_cost_ + draft_cost_ * static_cast<double>(k));
     if (value > best_value) {
       best = k;
       best_value = value;
@@ -137,9 +142,10 @@ double averaged(const std::optional<double>& mean, double value) {
 }
 }  // namespace
 
-DraftModelPacing::DraftModelPacing(int64_t max_drafts, std::optional<double> cost)
-    : budget_(max_drafts), cost_(cost) {
-  if (cost_) budget_.set_draft_cost(DraftBudget::kDraftCost + *cost_);  // throws for a negative cost
+DraftModelPacing::DraftModelPacing(int64_t max_drafts, std::optional<double> cost, bool one_call)
+    : budget_(max_drafts), cost_(cost), one_call_(one_call) {
+  if (cost_ && one_call_) budget_.set_proposal_cost(*cost_);  // these throw for a negative cost
+  else if (cost_) budget_.set_draft_cost(DraftBudget::kDraftCost + *cost_);
 }
 
 int64_t DraftModelPacing::begin(const std::vector<int64_t>& seq, double now) {
@@ -150,7 +156,12 @@ int64_t DraftModelPacing::begin(const std::vector<int64_t>& seq, double now) {
     budget_.update(static_cast<int64_t>(last_drafts_.size()), common_prefix(after, last_drafts_));
     target_s_ = averaged(target_s_, now - last_at_);
     // A draft costs its draft call, and its share of the verifying call (the default budget's cost).
-    if (!cost_ && draft_s_) budget_.set_draft_cost(DraftBudget::kDraftCost + *draft_s_ / std::max(*target_s_, 1e-9));
+    // A one-call proposal costs its call whatever its size.
+    if (!cost_ && draft_s_) {
+      const double share = *draft_s_ / std::max(*target_s_, 1e-9);
+      if (one_call_) budget_.set_proposal_cost(share);
+      else budget_.set_draft_cost(DraftBudget::kDraftCost + share);
+    }
   }
   return budget_.size();
 }

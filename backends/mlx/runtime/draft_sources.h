@@ -80,6 +80,10 @@ class DraftBudget {
   int64_t max_drafts() const { return max_drafts_; }
   double draft_cost() const { return draft_cost_; }
   void set_draft_cost(double cost);  // a draft model's measured cost per draft (llm/decoder/draft_model.py)
+  // A cost per proposal, whatever its size, in the same unit (a draft model whose program proposes all its
+  // drafts in one call: llm/decoder/proposer.py); 0 by default. Throws as set_draft_cost does.
+  void set_proposal_cost(double cost);
+  double proposal_cost() const { return proposal_cost_; }
   int64_t size() const;
   // A call carried `proposed` drafts and `accepted` of them were taken (clamped into [0, proposed]).
   void update(int64_t proposed, int64_t accepted);
@@ -87,6 +91,7 @@ class DraftBudget {
  private:
   int64_t max_drafts_;
   double draft_cost_;
+  double proposal_cost_ = 0.0;
   double hits_ = 2.0, trials_ = 2.0;  // optimistic start: a fresh source gets the full budget at once
   int64_t calls_without_ = 0;
 };
@@ -97,12 +102,14 @@ class DraftBudget {
 // call, so the budget's cost per draft is DraftBudget::kDraftCost plus a draft call's time over the time between
 // two proposals (running averages), or plus a fixed `cost` given up front. The acceptance it feeds the budget
 // is read off the sequence: how many of the last drafts the next proposal's sequence continues with.
+// A draft program that proposes all its drafts in one call (`one_call`: `etmlx export --propose-tokens K`)
+// costs that call's share per proposal instead (DraftBudget::set_proposal_cost), plus kDraftCost per draft.
 class DraftModelPacing {
  public:
   static constexpr double kSmoothing = 0.8;  // weight of the earlier calls in the running averages
 
   // `cost`: a draft call's time over a target call's, fixed (>= 0); nullopt: measured as it runs.
-  DraftModelPacing(int64_t max_drafts, std::optional<double> cost);
+  DraftModelPacing(int64_t max_drafts, std::optional<double> cost, bool one_call = false);
 
   // Before proposing after `seq` (the whole sequence so far) at time `now` (seconds, any steady clock):
   // learns from the last proposal when `seq` continues its sequence; returns the most drafts to make.
@@ -119,6 +126,7 @@ class DraftModelPacing {
  private:
   DraftBudget budget_;
   std::optional<double> cost_;
+  bool one_call_;
   std::optional<double> draft_s_, target_s_;  // one draft call; the time between two proposals
   std::vector<int64_t> last_seq_, last_drafts_;
   double last_at_ = 0;

@@ -168,6 +168,8 @@ class DecodeRows:
         self.copy_rows = copy_rows if self.core.copies else None
         self.rows: list[Row | None] = [None] * meta.batch
         self.caches = RowCaches(self.core, meta.batch, ring, prompt_cache)
+        # A --propose-tokens program's last call: each row's K tokens (proposer.py); the rows read column 0.
+        self.proposals: list[list[int]] = []
 
     @property
     def active(self) -> int:
@@ -302,6 +304,9 @@ class DecodeRows:
         else:
             results = _Results(outputs, meta.config.logprobs)
             tokens = results.tokens
+            if meta.propose_tokens:  # tokens [B, K] (proposer.py): column 0 is the plain token
+                self.proposals = tokens
+                tokens = results.tokens = [row[0] for row in tokens]
         constrained = any(row is not None and row.request.matcher is not None for row in self.rows)
         raw = self.core.read(tokens, accepted, self._advance if constrained else None, fed=fed)
         events = []

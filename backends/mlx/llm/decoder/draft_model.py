@@ -13,7 +13,8 @@ lie past that prefix and are overwritten by the call that feeds the accepted tok
 guess: whatever the draft model proposes, the target's tokens are its plain program's.
 
 Cost: k drafts take k calls of the draft program (k + 1 for a pipelined one, whose calls return the call
-before's token), so a draft model pays only where its calls are much cheaper than the target's. It therefore
+before's token), or one call of a program exported with `--propose-tokens K` (proposer.py: K greedy steps in
+one graph), so a draft model pays only where its calls are much cheaper than the target's. It therefore
 sizes its own proposals with a DraftBudget whose cost per draft adds the measured ratio of
 a draft call's time to a target call's (the time between two proposals: the verifying call and whatever the
 caller does per call). The acceptance it feeds that budget it reads off the output: how many of its last
@@ -50,8 +51,11 @@ class DraftModel:
             check_vocabulary(self.decoder.meta.vocab_size, self.pte, target.meta.vocab_size, target.pte)
         self.cost = cost
         max_drafts = target.meta.draft_tokens if target is not None else UNSIZED_MAX_DRAFTS
+        self.one_call = bool(self.meta.propose_tokens)  # proposer.py: a proposal is one call
+        if self.one_call:
+            max_drafts = min(max_drafts, self.meta.propose_tokens)
         try:  # the budget and its bookkeeping: the core's, which etmlx_decode --draft-model runs too
-            self._pacing = PacingCore(max_drafts, cost)
+            self._pacing = PacingCore(max_drafts, cost, one_call=self.one_call)
         except DecodeRowsError as exc:
             raise ValueError(str(exc)) from None
 
@@ -73,8 +77,12 @@ class DraftModel:
         started = time.perf_counter()
         seq = list(prompt) + list(output)
         k = min(k, self._pacing.begin(seq, started), self.meta.max_seq_len - len(seq))  # the cache holds no more
-        drafts = [step.token for step in self.decoder.stream(seq, k, GREEDY, reuse=True)] if k > 0 else []
-        calls = len(drafts) + (1 if drafts and self.meta.pipelined else 0)
+        if self.one_call:
+            drafts = _to_eos(self.decoder.propose(seq, GREEDY)[:k], self.meta.eos_token_ids) if k > 0 else []
+            calls = 1 if drafts else 0
+        else:
+            drafts = [step.token for step in self.decoder.stream(seq, k, GREEDY, reuse=True)] if k > 0 else []
+            calls = len(drafts) + (1 if drafts and self.meta.pipelined else 0)
         done = time.perf_counter()
         self._pacing.end(seq, bool(output), drafts, calls, done - started, done)
         return drafts
@@ -84,3 +92,11 @@ def check_vocabulary(draft_vocab: int, draft_pte, target_vocab: int, target_pte)
     if draft_vocab != target_vocab:
         raise ValueError(f"draft model {draft_pte} has a vocabulary of {draft_vocab} tokens but {target_pte} has "
                          f"{target_vocab}: a draft model must use the program's tokenizer")
+
+
+def _to_eos(drafts: list[int], eos: list[int]) -> list[int]:
+    """A proposal ends at an end-of-sequence token, which it keeps (as the plain loop's does)."""
+    for i, token in enumerate(drafts):
+        if token in eos:
+            return drafts[:i + 1]
+    return drafts

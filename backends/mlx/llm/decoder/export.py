@@ -11,6 +11,8 @@ With draft_tokens=K (`--draft-tokens K`) the program verifies drafts instead (sp
 verify [B, G] input follows lengths (the last accepted token and the drafts per row), and it returns (accepted [B], token [B]);
 pipelined (the default without the allowed mask), it also takes deliver [B] bool after verify and returns fed [B]
 (pipelined_verify.py).
+With propose_tokens=K (`--propose-tokens K`, a draft model's program: proposer.py) a call returns tokens [B, K]:
+the plain token and the K - 1 greedy (or seed + i) steps after it, in one call; unpipelined, plain sampler.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from backends.mlx.llm.decoder.kv_cache import StaticCacheLM
 from backends.mlx.llm.decoder.model_support import float_dtype
 from backends.mlx.llm.decoder.pipelined import FedBackSteps
 from backends.mlx.llm.decoder.pipelined_verify import DeliveredOrFedBack
+from backends.mlx.llm.decoder.proposer import ProposingHead, verify_proposer
 from backends.mlx.llm.decoder.speculative_head import DraftVerifyingHead
 from backends.mlx.llm.decoder.speculative_verify import verify_draft_program
 from backends.mlx.llm.decoder.verify import VerificationError, VerificationReport, verify_decoder
@@ -48,7 +51,8 @@ def _eos_ids(model) -> list[int]:
 def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, config: SamplerConfig | None = None,
                    batch: int = 1, seeded: bool = True, tokenizer=None,
                    progress: Optional[Callable[[str], None]] = None, external_weights: bool = False,
-                   pipelined: bool | None = None, verify: bool = True, draft_tokens: int = 0) -> ExportResult:
+                   pipelined: bool | None = None, verify: bool = True, draft_tokens: int = 0,
+                   propose_tokens: int = 0) -> ExportResult:
     """Write `out` (.pte) holding the program, its DecoderMeta and, given one (a transformers tokenizer or
     a directory holding one), the tokenizer: the one file is all a decode loop needs. `external_weights`:
     the weights go to `out` with suffix .ptd instead (the runners load it from beside the .pte).
@@ -57,7 +61,8 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
     `verify`: run the written program in the runtime and check it decodes as `model` does (verify.py);
     on a mismatch the file is removed and VerificationError names the first divergent step.
     `draft_tokens` K > 0: a program that verifies up to K drafted tokens per call (speculative_head.py);
-    pipelined, its calls without drafts need not wait for their outputs (pipelined_verify.py)."""
+    pipelined, its calls without drafts need not wait for their outputs (pipelined_verify.py).
+    `propose_tokens` K > 1: a draft model's program returning K tokens per call (proposer.py)."""
     config = config or SamplerConfig()
     if config.expose_counts:
         raise ValueError("expose_counts is for sampler tests, not decoder programs")
@@ -66,10 +71,22 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
     if draft_tokens and pipelined and config.allowed_mask:
         raise ValueError("--draft-tokens with the allowed mask: a pipelined draft-verifying program cannot take "
                          "a mask (each step's mask depends on the token before it); drop --pipeline")
+    if isinstance(propose_tokens, bool) or not isinstance(propose_tokens, int) or propose_tokens < 0:
+        raise ValueError(f"propose_tokens must be an int >= 0, got {propose_tokens!r}")
+    if propose_tokens:
+        if draft_tokens:
+            raise ValueError("--propose-tokens is a draft model's program and --draft-tokens a target's: "
+                             "export them as two programs")
+        if pipelined:
+            raise ValueError("--propose-tokens programs are unpipelined (a proposal is needed at once): "
+                             "drop --pipeline")
+        if propose_tokens >= max_seq_len:
+            raise ValueError(f"--propose-tokens {propose_tokens} must be below max_seq_len {max_seq_len}")
+        pipelined = False
     if draft_tokens >= max_seq_len:
         raise ValueError(f"--draft-tokens {draft_tokens} must be below max_seq_len {max_seq_len}")
     model = model.eval()
-    lm = StaticCacheLM(model, max_seq_len=max_seq_len, batch=batch, rings=not draft_tokens)
+    lm = StaticCacheLM(model, max_seq_len=max_seq_len, batch=batch, rings=not (draft_tokens or propose_tokens))
     vocab = model.config.vocab_size
     if pipelined is None:
         pipelined = not config.allowed_mask
@@ -79,6 +96,8 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
     else:
         head = SamplingHead(lm, config, batch=batch, vocab=vocab)
         program = FedBackSteps(head, config, batch) if pipelined else head
+        if propose_tokens:
+            program = ProposingHead(head, propose_tokens, max_seq_len)
     length = torch.export.Dim("length", min=1, max=max_seq_len)
     # The example is as long as the cache: ExecuTorch sizes a dynamic input's buffer from it.
     example = (torch.ones(batch, max_seq_len, dtype=torch.int64), torch.zeros(batch, dtype=torch.int64),
@@ -110,7 +129,7 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
                              seeded=seeded, config=config, dtype=dtype, model_type=getattr(model.config, "model_type", ""),
                              tokenizer=TOKENIZER_PREFIX if blobs else None,
                              prompt_affixes=prompt_affixes(tokenizer) if tokenizer is not None else ([], []),
-                             pipelined=pipelined, draft_tokens=draft_tokens,
+                             pipelined=pipelined, draft_tokens=draft_tokens, propose_tokens=propose_tokens,
                              ring_cache=any(lm.ring_window(i) is not None for i in lm.layers))
     blobs[META_KEY] = meta.to_json()
     result = export_to_pte(program, example, kwargs, dynamic_shapes=dynamic, progress=progress, named_data=blobs,
@@ -119,12 +138,14 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
     if verify:
         say = progress or (lambda _stage: None)
         say("verifying the program against the eager model")
-        say(_verified(model, Path(out), external_weights, draft_tokens).summary())
+        say(_verified(model, Path(out), external_weights, draft_tokens, propose_tokens).summary())
     return result
 
 
-def _verified(model, out: Path, external_weights: bool, draft_tokens: int) -> VerificationReport:
+def _verified(model, out: Path, external_weights: bool, draft_tokens: int, propose_tokens: int) -> VerificationReport:
     try:
+        if propose_tokens:
+            return verify_proposer(model, out)
         if draft_tokens:
             return verify_draft_program(model, out)
         return verify_decoder(model, out)

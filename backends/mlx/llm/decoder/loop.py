@@ -105,6 +105,7 @@ class Decoder(ProgramTokenizer, ProgramGrammar):
         # the step rules; its row caches persist between generations
         self.rows = DecodeRows(self.meta, copy_rows=self.method.copy_rows if self.method.can_copy_rows else None)
         self.last_cached = 0
+        self.last_slot = 0
 
     def stream(self, prompt_ids, max_tokens: int, params: SamplingParams | None = None,
                stop_at_eos: bool = True, constraint: Constraint | None = None, reuse: bool = False) -> Iterator[Step]:
@@ -122,6 +123,20 @@ class Decoder(ProgramTokenizer, ProgramGrammar):
 
     def _started(self, row: Row) -> None:
         self.last_cached = row.cached
+        self.last_slot = row.slot
+
+    def propose(self, prompt_ids, params: SamplingParams | None = None, reuse: bool = True) -> list[int]:
+        """A --propose-tokens K program (proposer.py): its K tokens after `prompt_ids` from one call, the row's
+        cache reused as stream()'s `reuse` does. The tokens past the first are written into the row's cache but
+        not recorded there: the next call feeds them again, overwriting."""
+        if not self.meta.propose_tokens:
+            raise ValueError(f"{self.pte} proposes one token per call: export the draft model with "
+                             "--propose-tokens K")
+        ids = list(prompt_ids)
+        for _ in self.stream(ids, 1, params, stop_at_eos=False, reuse=reuse):
+            pass
+        # Positions past the cache's end were computed at its last position: meaningless, left out.
+        return [int(t) for t in self.rows.proposals[self.last_slot]][:self.meta.max_seq_len - len(ids)]
 
     def step_at(self, feed: list[int], start: int, params: SamplingParams, step: int,
                 matcher: Matcher | None = None) -> Step:

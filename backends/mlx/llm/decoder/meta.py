@@ -87,16 +87,21 @@ class DecoderMeta:
     # carrying only the last token (as cheap as a plain step's head and sampler); programs exported before
     # the field take at least 2 (their G was declared 2..K+1).
     verify_min_width: int = 2
+    # Tokens each call returns per row (--propose-tokens K, a draft model's program, proposer.py): output 0
+    # is [B, K], its column 0 the plain program's token. 0: a plain [B] output. Absent in older programs: 0.
+    propose_tokens: int = 0
 
     @classmethod
     def build(cls, *, max_seq_len, vocab_size, batch, eos_token_ids, seeded, config: SamplerConfig, dtype,
               model_type="", tokenizer=None, prompt_affixes=([], []), pipelined=False,
-              draft_tokens=0, ring_cache=None, verify_min_width=1) -> "DecoderMeta":
+              draft_tokens=0, ring_cache=None, verify_min_width=1, propose_tokens=0) -> "DecoderMeta":
         model_inputs = MODEL_INPUTS + ([DRAFT_INPUT] if draft_tokens else [])
         if draft_tokens and pipelined:
             model_inputs.append(DELIVER_INPUT)
         inputs = model_inputs + ["temperature"] + (["seed"] if seeded else []) + config.knob_names()
         outputs = ["token"] + (["logprob", "top_ids", "top_logprobs"] if config.logprobs else [])
+        if propose_tokens:
+            outputs = ["tokens"]
         if draft_tokens:
             outputs = list(DRAFT_OUTPUTS) + ([FED_OUTPUT] if pipelined else [])
         if config.expose_counts:
@@ -106,7 +111,7 @@ class DecoderMeta:
                    inputs=inputs, outputs=outputs, knobs=knob_metadata(),
                    prompt_prefix_ids=list(prompt_affixes[0]), prompt_suffix_ids=list(prompt_affixes[1]),
                    pipelined=pipelined, draft_tokens=draft_tokens, ring_cache=ring_cache,
-                   verify_min_width=verify_min_width)
+                   verify_min_width=verify_min_width, propose_tokens=propose_tokens)
 
     @property
     def config(self) -> SamplerConfig:
@@ -147,6 +152,8 @@ class DecoderMeta:
                 raise ValueError(f"{path}: {name} must be a positive int, got {value!r}")
         if isinstance(meta.draft_tokens, bool) or not isinstance(meta.draft_tokens, int) or meta.draft_tokens < 0:
             raise ValueError(f"{path}: draft_tokens must be an int >= 0, got {meta.draft_tokens!r}")
+        if isinstance(meta.propose_tokens, bool) or not isinstance(meta.propose_tokens, int) or meta.propose_tokens < 0:
+            raise ValueError(f"{path}: propose_tokens must be an int >= 0, got {meta.propose_tokens!r}")
         if meta.verify_min_width not in (1, 2):
             raise ValueError(f"{path}: verify_min_width must be 1 or 2, got {meta.verify_min_width!r}")
         return meta

@@ -3,7 +3,8 @@
 // vocabulary; it proposes the next k tokens greedily, on row 0 of its own DecodeLoop with the prompt cache on,
 // so each proposal feeds only the tokens its cache does not hold yet (the target's accepted drafts beyond the
 // last ones it fed, and its correction or bonus token); the entries of rejected drafts are overwritten. How
-// many drafts to make is the core's DraftModelPacing (runtime/draft_sources.h), as in Python.
+// many drafts to make is the core's DraftModelPacing (runtime/draft_sources.h), as in Python. A program exported
+// with `--propose-tokens K` (llm/decoder/proposer.py) returns K greedy tokens per call: a proposal is one call.
 #pragma once
 
 #include <cstdint>
@@ -37,13 +38,16 @@ class ModelDraft final : public DraftSource {
  private:
   ModelDraft(std::unique_ptr<executorch::extension::module::Module> module, std::string method,
              std::unique_ptr<StepInputs> inputs, bool pipelined, bool ring, int64_t max_seq_len,
-             std::vector<int64_t> eos, int64_t max_drafts, std::optional<double> cost);
+             std::vector<int64_t> eos, int64_t max_drafts, std::optional<double> cost, int64_t propose_tokens);
+  // One call of a --propose-tokens program: its first k tokens (fewer at the cache's end or an eos).
+  std::vector<int64_t> propose_in_one_call(const std::vector<int64_t>& seq, int64_t k);
 
   std::unique_ptr<executorch::extension::module::Module> module_;
   std::unique_ptr<StepInputs> inputs_;
   int64_t max_seq_len_;
   std::vector<int64_t> eos_;  // the draft program's end-of-sequence ids: a proposal ends at one
   bool pipelined_;
+  int64_t propose_tokens_;  // K of a --propose-tokens program, 0 for a plain one
   DecodeLoop loop_;
   DraftModelPacing pacing_;
 };

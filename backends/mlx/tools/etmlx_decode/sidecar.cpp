@@ -77,14 +77,16 @@ std::optional<Sidecar> parse_sidecar(const std::string& text, const std::string&
     *error = path + ": " + why;
     return std::nullopt;
   }
-  std::optional<int64_t> draft_tokens, min_width;
+  std::optional<int64_t> draft_tokens, min_width, propose_tokens;
   if (!read_int(*root, "draft_tokens", 0, &draft_tokens, &why) ||
-      !read_int(*root, "verify_min_width", 1, &min_width, &why)) {
+      !read_int(*root, "verify_min_width", 1, &min_width, &why) ||
+      !read_int(*root, "propose_tokens", 0, &propose_tokens, &why)) {
     *error = path + ": " + why;
     return std::nullopt;
   }
   meta.draft_tokens = draft_tokens.value_or(0);
   meta.verify_min_width = min_width.value_or(2);
+  meta.propose_tokens = propose_tokens.value_or(0);
   if (!read_ids(*root, "eos_token_ids", &meta.eos_token_ids, &why) ||
       !read_ids(*root, "prompt_prefix_ids", &meta.prompt_prefix_ids, &why) ||
       !read_ids(*root, "prompt_suffix_ids", &meta.prompt_suffix_ids, &why)) {

@@ -33,6 +33,9 @@ struct Sidecar {
   // carries (absent in programs exported before one-column calls: 2). 0 for a plain program.
   int64_t draft_tokens = 0;
   int64_t verify_min_width = 2;
+  // A draft model's program that returns K tokens per row per call (`--propose-tokens K`; output 0 is
+  // [batch, K], column 0 the plain token): K, or 0 for a plain [batch] output.
+  int64_t propose_tokens = 0;
   // Whether some layer keeps a sliding-window ring cache (a row is then reused only where positions continue,
   // decode_rows.h); absent in programs exported before the field: nullopt, treated as a ring.
   std::optional<bool> ring_cache;
