@@ -63,7 +63,10 @@ def test_bad_paths_and_absent_servers_are_one_line_errors(tmp_path):
              (("inspect", str(text)), "is not a readable ExecuTorch .pte"),
              (("lmtp-client", "--url", "ws://127.0.0.1:9/lmtp", "--send", 'MODEL_INFO {"stream_id": 1}'),
               "Cannot connect"),
-             (("export", "--model", str(tmp_path), "--out", str(tmp_path)), "is a directory; give the .pte file")]
+             (("export", "--model", str(tmp_path), "--out", str(tmp_path)), "is a directory; give the .pte file"),
+             (("export", "--model", str(tmp_path), "--propose-tokens", "4", "--logprobs", "2"),
+              "--propose-tokens takes the plain sampler"),
+             (("export", "--model", str(tmp_path), "--propose-tokens", "-1"), "--propose-tokens must be >= 0")]
     for args, needle in cases:
         out = _etmlx(*args, timeout=120)
         lines = out.stderr.strip().splitlines()
