@@ -111,13 +111,16 @@ def kernels_info() -> dict:
     """The cpu kernel set's quantized-matmul variant ("avx512", "avx2", "neon" or "scalar"; ETMLX_QMM_ISA
     forces one), its thread pool's size (the CPUs this process may use, or ETMLX_NUM_THREADS) and the
     precision its few-row loop gives the activations of a 4-bit group-64 linear ("int16", "int8" or "float32":
-    ETMLX_QMM_ACTIVATIONS, where the variant has integer loops; kernels/quantized_activations.h)."""
+    ETMLX_QMM_ACTIVATIONS, where the variant has integer loops; kernels/quantized_activations.h), and the
+    precision its many-row product (prefill) gives them ("gemm_activations": integer only with AVX-512 VNNI)."""
     lib = load()
     lib.etmlx_quantized_rows_isa.restype = ctypes.c_char_p
     lib.etmlx_quantized_activations.restype = ctypes.c_char_p
+    lib.etmlx_quantized_gemm_activations.restype = ctypes.c_char_p
     lib.etmlx_cpu_threads.restype = ctypes.c_int
     return {"isa": lib.etmlx_quantized_rows_isa().decode(), "threads": int(lib.etmlx_cpu_threads()),
-            "activations": lib.etmlx_quantized_activations().decode()}
+            "activations": lib.etmlx_quantized_activations().decode(),
+            "gemm_activations": lib.etmlx_quantized_gemm_activations().decode()}
 
 
 def fused_node_counts() -> dict:

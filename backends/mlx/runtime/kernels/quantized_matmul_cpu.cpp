@@ -290,6 +290,13 @@ extern "C" __attribute__((visibility("default"))) const char* etmlx_quantized_ac
   return etmlx::kernels::activation_precision_name(etmlx::kernels::rows_precision(4, 64));
 }
 
+// The many-row product's (prefill's) for the same layout: integer only where the VNNI GEMM runs.
+extern "C" __attribute__((visibility("default"))) const char* etmlx_quantized_gemm_activations() {
+  return etmlx::kernels::quantized_gemm_integer(4, 64)
+             ? etmlx::kernels::activation_precision_name(etmlx::kernels::activation_precision())
+             : "float32";
+}
+
 extern "C" __attribute__((visibility("default"))) long long etmlx_grouped_linear_nodes() {
   return etmlx::kernels::grouped_nodes.load();
 }

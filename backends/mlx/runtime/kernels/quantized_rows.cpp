@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
+#include <vector>
 
 #include "kernels/quantized_rows_variants.h"
 
@@ -72,7 +73,7 @@ ActivationPrecision rows_precision(int bits, int group) {
   if (wanted == ActivationPrecision::float32 || (bits != 4 && bits != 8) || group % kIntBlock != 0) {
     return ActivationPrecision::float32;
   }
-  return chosen().integer_rows ? wanted : ActivationPrecision::float32;
+  return chosen().integer_rows && bits <= chosen().integer_max_bits ? wanted : ActivationPrecision::float32;
 }
 
 void PreparedActivations::prepare(const float* x, int m, int k, int bits, int group) {
@@ -96,6 +97,38 @@ void prepare_integer_activations(const float* x, int m, int k, int bits, int gro
                                  int8_t* hi, int8_t* lo, float* steps, float* residuals, float* sums) {
   // Only a variant with integer rows makes them, and each such variant prepares them in its own instructions.
   chosen().prepare_integer(x, m, k, bits, group, precision, hi, lo, steps, residuals, sums);
+}
+
+void prepare_integer_portable(const float* x, int m, int k, int bits, int group, ActivationPrecision precision,
+                              int8_t* hi, int8_t* lo, float* steps, float* residuals, float* sums) {
+  const int groups = k / group;
+  const bool int16 = precision == ActivationPrecision::int16;
+  std::vector<int8_t> qh(group), ql(group);
+  for (int r = 0; r < m; ++r) {
+    for (int g = 0; g < groups; ++g) {
+      const int64_t at = static_cast<int64_t>(r) * groups + g, first = static_cast<int64_t>(r) * k + int64_t{g} * group;
+      const float* xg = x + first;
+      const float step = quantize_activation_group(xg, group, precision, qh.data(), int16 ? ql.data() : nullptr);
+      steps[at] = step;
+      // The group's sum, and what the rounding left (x_i - step * q_i), summed in double: PreparedRows.
+      double sum = 0.0, residual = 0.0;
+      for (int i = 0; i < group; ++i) {
+        const int q = int16 ? 256 * qh[i] + ql[i] : qh[i];
+        sum += xg[i];
+        residual += static_cast<double>(xg[i]) - static_cast<double>(step) * q;
+      }
+      sums[at] = static_cast<float>(sum);
+      residuals[at] = step > 0.0f ? static_cast<float>(residual) : (step == 0.0f ? 0.0f : step);
+      // Per block of 64: at 4 bits the even values, then the odd ones (the order the loops read W in).
+      for (int b = 0; b < group; b += kIntBlock) {
+        for (int i = 0; i < kIntBlock; ++i) {
+          const int from = bits == 4 ? (i < kIntBlock / 2 ? 2 * i : 2 * (i - kIntBlock / 2) + 1) : i;
+          hi[first + b + i] = qh[b + from];
+          if (int16) lo[first + b + i] = ql[b + from];
+        }
+      }
+    }
+  }
 }
 
 PreparedRows PreparedActivations::rows(int first, int count) const {

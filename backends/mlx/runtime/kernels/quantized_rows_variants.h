@@ -21,7 +21,14 @@ struct RowsVariant {
   // prepare_integer_activations in this variant's instructions; set exactly when integer_rows is.
   void (*prepare_integer)(const float* x, int m, int k, int bits, int group, ActivationPrecision precision,
                           int8_t* hi, int8_t* lo, float* steps, float* residuals, float* sums) = nullptr;
+  // The widest weights its integer rows take (AVX2's vpmaddubsw would saturate on 8-bit weights: 4).
+  int integer_max_bits = 8;
 };
+
+// prepare_integer_activations in portable C++ (quantized_rows.cpp): quantize_activation_group per group, then
+// the integers placed in PreparedRows::hi's order; for variants without a vectorised one.
+void prepare_integer_portable(const float* x, int m, int k, int bits, int group, ActivationPrecision precision,
+                              int8_t* hi, int8_t* lo, float* steps, float* residuals, float* sums);
 
 const RowsVariant& scalar_rows();
 // nullptr when the file was not built for this architecture or the CPU lacks the features.

@@ -102,6 +102,107 @@ ETMLX_AVX2 void dot_avx2(const QuantizedMatrix& w, const PreparedRows& rows, int
   }
 }
 
+// How far ahead of each row's reads the packed weights are prefetched. A decode step streams every
+// weight from memory once (a 4-bit Qwen2.5-0.5B: 312 MB, far beyond the cache), and one core's
+// hardware prefetch alone kept it under its memory bandwidth: measured on one thread of an AVX-512
+// EPYC, 896 -> 151936 (68 MB) took ~30% less time with a 4 KB lead (1 KB: no gain; 8-16 KB: no better).
+constexpr int kPrefetchBytes = 4096;
+
+// ---- AVX2 without VNNI: integer activations at 4 bits, a block of 64 values per two vpmaddubsw ----
+//
+// What dot_block_vnni does with vpdpbusd, from AVX2's vpmaddubsw (unsigned weight byte times signed activation
+// byte, adjacent pairs summed into 16 bits) and vpmaddwd by ones (pairs of those into 32 bits). At 4 bits a pair
+// is at most 2 * 15 * 128 = 3840, and the two halves of a block summed in 16 bits at most 7680: exact, no
+// saturation. (At 8 bits a pair could reach 2 * 255 * 128 and saturate, so 8-bit weights keep the float32 loop.)
+// The integers, the per-group float32 multiply-add and the bias and rounding terms are dot_block_vnni's; only
+// the lanes the final sum adds up differ (8 here, 16 there).
+template <int M, ScaleType T, bool INT16, int NB>
+ETMLX_AVX2 ETMLX_INLINE void dot_block_avx2_int(const QuantizedMatrix& w, const PreparedRows& rows, int n,
+                                                float* out, int64_t ldo) {
+  constexpr int block_bytes = kIntBlock / 2;
+  const int groups = w.k / w.group, blocks = w.group / kIntBlock;
+  const int64_t row_bytes = static_cast<int64_t>(w.k) / 2;
+  const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(0x0f);
+  const uint8_t* wb[NB];
+  __m256 total[NB][M];
+  float bias_part[NB][M];
+  ETMLX_UNROLL
+  for (int j = 0; j < NB; ++j) {
+    wb[j] = reinterpret_cast<const uint8_t*>(w.w) + (n + j) * row_bytes;
+    ETMLX_UNROLL
+    for (int r = 0; r < M; ++r) total[j][r] = _mm256_setzero_ps(), bias_part[j][r] = 0.0f;
+  }
+  int64_t pos = 0;  // into each activation row's bytes
+  for (int g = 0; g < groups; ++g) {
+    ETMLX_UNROLL
+    for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(wb[j]) + kPrefetchBytes, _MM_HINT_T0);
+    __m256i acc_hi[NB][M], acc_lo[NB][M];
+    ETMLX_UNROLL
+    for (int j = 0; j < NB; ++j)
+      ETMLX_UNROLL
+      for (int r = 0; r < M; ++r) acc_hi[j][r] = acc_lo[j][r] = _mm256_setzero_si256();
+    for (int c = 0; c < blocks; ++c, pos += kIntBlock) {
+      __m256i even[NB], odd[NB];  // the block's 32 low nibbles (even values) and 32 high ones (odd values)
+      ETMLX_UNROLL
+      for (int j = 0; j < NB; ++j) {
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb[j]));
+        wb[j] += block_bytes;
+        even[j] = _mm256_and_si256(b, nibble);
+        odd[j] = _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble);
+      }
+      ETMLX_UNROLL
+      for (int r = 0; r < M; ++r) {
+        const int8_t* h = rows.hi + static_cast<int64_t>(r) * w.k + pos;
+        const __m256i h0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h));
+        const __m256i h1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 32));
+        __m256i l0 = h0, l1 = h1;
+        if constexpr (INT16) {
+          const int8_t* l = rows.lo + static_cast<int64_t>(r) * w.k + pos;
+          l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(l));
+          l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(l + 32));
+        }
+        ETMLX_UNROLL
+        for (int j = 0; j < NB; ++j) {
+          const __m256i ph = _mm256_add_epi16(_mm256_maddubs_epi16(even[j], h0), _mm256_maddubs_epi16(odd[j], h1));
+          acc_hi[j][r] = _mm256_add_epi32(acc_hi[j][r], _mm256_madd_epi16(ph, ones));
+          if constexpr (INT16) {
+            const __m256i pl = _mm256_add_epi16(_mm256_maddubs_epi16(even[j], l0), _mm256_maddubs_epi16(odd[j], l1));
+            acc_lo[j][r] = _mm256_add_epi32(acc_lo[j][r], _mm256_madd_epi16(pl, ones));
+          }
+        }
+      }
+    }
+    ETMLX_UNROLL
+    for (int j = 0; j < NB; ++j) {
+      const int64_t at = static_cast<int64_t>(n + j) * groups + g;
+      const float s = load_scale<T>(w.scales, at), b = load_scale<T>(w.biases, at);
+      const float centre = s * 8.0f;  // 2^(bits-1): see PreparedRows::residuals
+      ETMLX_UNROLL
+      for (int r = 0; r < M; ++r) {
+        const __m256i a = INT16 ? _mm256_add_epi32(_mm256_slli_epi32(acc_hi[j][r], 8), acc_lo[j][r]) : acc_hi[j][r];
+        const int64_t rg = static_cast<int64_t>(r) * groups + g;
+        total[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_set1_ps(s * rows.steps[rg]), total[j][r]);
+        bias_part[j][r] = __builtin_fmaf(b, rows.group_sums[rg], bias_part[j][r]);
+        bias_part[j][r] = __builtin_fmaf(centre, rows.residuals[rg], bias_part[j][r]);
+      }
+    }
+  }
+  ETMLX_UNROLL
+  for (int j = 0; j < NB; ++j)
+    ETMLX_UNROLL
+    for (int r = 0; r < M; ++r) out[r * ldo + j] = hsum_avx2(total[j][r]) + bias_part[j][r];
+}
+
+template <int M, ScaleType T, bool INT16>
+ETMLX_AVX2 void dot_avx2_int(const QuantizedMatrix& w, const PreparedRows& rows, int n_begin, int n_end, float* out,
+                             int64_t ldo) {
+  int n = n_begin;
+  if constexpr (M == 1) {  // two rows of W per pass, as the VNNI loop (each activation block loaded once for both)
+    for (; n + 2 <= n_end; n += 2) dot_block_avx2_int<M, T, INT16, 2>(w, rows, n, out + (n - n_begin), ldo);
+  }
+  for (; n < n_end; ++n) dot_block_avx2_int<M, T, INT16, 1>(w, rows, n, out + (n - n_begin), ldo);
+}
+
 template <int BITS, ScaleType T>
 ETMLX_AVX2 void dequantize_avx2(const QuantizedMatrix& w, int n_begin, int n_end, float* out) {
   constexpr int chunk_bytes = kChunk * BITS / 8;
@@ -139,11 +240,6 @@ ETMLX_AVX2 void dequantize_avx2(const QuantizedMatrix& w, int n_begin, int n_end
 
 // ---- AVX-512: a chunk of 32 values is 2 vectors of 16 floats ----
 
-// How far ahead of each row's reads the packed weights are prefetched. A decode step streams every
-// weight from memory once (a 4-bit Qwen2.5-0.5B: 312 MB, far beyond the cache), and one core's
-// hardware prefetch alone kept it under its memory bandwidth: measured on one thread of an AVX-512
-// EPYC, 896 -> 151936 (68 MB) took ~30% less time with a 4 KB lead (1 KB: no gain; 8-16 KB: no better).
-constexpr int kPrefetchBytes = 4096;
 
 template <int BITS>
 ETMLX_AVX512 ETMLX_INLINE void chunk_avx512(const uint8_t* p, __m512* q) {
@@ -452,6 +548,12 @@ ETMLX_VNNI_TARGET void prepare_integer_avx512(const float* x, int m, int k, int 
 void dot_avx2_any(const QuantizedMatrix& w, const PreparedRows& rows, int n_begin, int n_end, float* out,
                   int64_t ldo) {
   dispatch_rows(w.bits, rows.m, w.scale_type, [&]<int B, int M, ScaleType T>() {
+    if constexpr (B == 4) {  // integer rows exist only at 4 bits (rows_precision; RowsVariant::integer_max_bits)
+      if (rows.hi != nullptr) {
+        if (rows.lo != nullptr) return dot_avx2_int<M, T, true>(w, rows, n_begin, n_end, out, ldo);
+        return dot_avx2_int<M, T, false>(w, rows, n_begin, n_end, out, ldo);
+      }
+    }
     dot_avx2<B, M, T>(w, rows, n_begin, n_end, out, ldo);
   });
 }
@@ -479,7 +581,8 @@ void dequantize_avx512_any(const QuantizedMatrix& w, int n_begin, int n_end, flo
 }  // namespace
 
 const RowsVariant* avx2_rows() {
-  static const RowsVariant v{"avx2", dot_avx2_any, dequantize_avx2_any};
+  // Integer activation rows at 4 bits (vpmaddubsw: dot_block_avx2_int), prepared by the portable loop.
+  static const RowsVariant v{"avx2", dot_avx2_any, dequantize_avx2_any, true, prepare_integer_portable, 4};
   static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return ok ? &v : nullptr;
 }
