@@ -18,8 +18,9 @@
 // loop reads at that bandwidth, with the same greedy tokens on the benchmark model. (mlx-lm runs a bf16
 // checkpoint's activations in bf16: 2^-9 of each value, far coarser than this.)
 // ETMLX_QMM_ACTIVATIONS=float32|int16|int8 picks one for the process; a kernel that has no integer variant
-// on this CPU (no AVX-512 VNNI, or a group size it does not handle) computes in float32, and
-// quantized_activations_in_use() says what the few-row kernel runs.
+// on this CPU (the few-row loop: AVX-512 VNNI, or AVX2 at 4 bits, whose vpmaddubsw would saturate on 8-bit
+// weights; the many-row GEMM: AVX-512 VNNI only; or a group size it does not handle) computes in float32, and
+// kernels_info() says what the few-row loop and the GEMM run.
 #pragma once
 
 #include <cstdint>

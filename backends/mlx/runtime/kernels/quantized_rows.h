@@ -16,8 +16,8 @@
 // AVX-512 VNNI) x_g . q_g is an exact integer sum of the rounded activations (PreparedRows::hi/lo).
 //
 // Variants, picked once at run time from the CPU's features: AVX-512 (F+BW; with VNNI, integer
-// rows too), AVX2+FMA (x86-64, each in functions with their own target attribute so the binary
-// runs on any x86-64), NEON (arm64), and a portable scalar loop.
+// rows too), AVX2+FMA (integer rows at 4 bits: vpmaddubsw; x86-64, each in functions with their own
+// target attribute so the binary runs on any x86-64), NEON (arm64), and a portable scalar loop.
 #pragma once
 
 #include <cstdint>
@@ -71,7 +71,8 @@ void prepare_integer_activations(const float* x, int m, int k, int bits, int gro
                                  int8_t* hi, int8_t* lo, float* steps, float* residuals, float* sums);
 
 // The precision the few-row loop runs for W's bits and group on this CPU: activation_precision() where
-// the variant in use has integer loops for them (AVX-512 with VNNI, groups a multiple of 64), else float32.
+// the variant in use has integer loops for them (AVX-512 with VNNI, or AVX2 at 4 bits; groups a multiple of
+// 64), else float32.
 ActivationPrecision rows_precision(int bits, int group);
 
 // A call's activation rows, prepared once for every matrix of its shape that reads them.
