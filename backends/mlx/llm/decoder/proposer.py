@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from backends.mlx.llm.decoder.verify import (VerificationError, VerificationReport, activation_dtype, is_quantized,
-                                             tolerance, verification_prompt, verify_decoder)
+from backends.mlx.llm.decoder.verify import (PROMPT_TOKENS, VerificationError, VerificationReport, check_continuation,
+                                             verification_prompt, verify_decoder)
 from backends.mlx.llm.sampler.head import SamplingHead
 
 
@@ -74,22 +74,8 @@ def verify_proposer(model: nn.Module, pte: Path) -> VerificationReport:
     if room < 1:
         raise VerificationError(f"max_seq_len {decoder.meta.max_seq_len} leaves no room for a prompt and "
                                 f"{k} proposed tokens: nothing to verify (pass verify=False / --no-verify)")
-    prompt = verification_prompt(decoder.meta.vocab_size, min(8, room))
+    prompt = verification_prompt(decoder.meta.vocab_size, min(PROMPT_TOKENS, room))
     proposed = decoder.propose(prompt, SamplingParams())
-    with torch.no_grad():
-        all_logits = model(torch.tensor([prompt + proposed[:-1]])).logits[0, len(prompt) - 1:].float()
-    relative = tolerance(model)
-    dtype = str(activation_dtype(model)).replace("torch.", "")
-    for i, (token, logits) in enumerate(zip(proposed, all_logits)):
-        tol = relative * max(1.0, float(logits.abs().max()))
-        expected = int(logits.argmax())
-        gap = float(logits[expected] - logits[token])
-        if token != expected:
-            where = f"proposed token {i}: expected {expected} (eager greedy), got {token}"
-            if gap > tol:
-                raise VerificationError(f"{pte} proposes differently from the eager model at {where}; eager logit "
-                                        f"gap {gap:.4g} > tolerance {tol:.3g} ({dtype}"
-                                        f"{', quantized' if is_quantized(model) else ''})")
-            report.near_ties.append(f"{where} (gap {gap:.3g} <= {tol:.3g})")
-        report.steps += 1
+    check_continuation(model, pte, prompt, proposed, report, "proposed token",
+                       "proposes differently from the eager model")
     return report

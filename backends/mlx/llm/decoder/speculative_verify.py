@@ -16,7 +16,7 @@ import torch
 from backends.mlx.llm.decoder.draft_sources import PredictionDraft
 from backends.mlx.llm.decoder.speculative import SpeculativeDecoder
 from backends.mlx.llm.decoder.verify import (PROMPT_TOKENS, VerificationError, VerificationReport, activation_dtype,
-                                             is_quantized, tolerance, verification_prompt)
+                                             check_continuation, is_quantized, verification_prompt)
 from backends.mlx.llm.sampler.params import SamplingParams
 
 GENERATED = 12
@@ -56,18 +56,6 @@ def verify_draft_program(model: torch.nn.Module, pte: Path) -> DraftVerification
     dtype = str(activation_dtype(model)).replace("torch.", "")
     report = DraftVerificationReport(steps=0, dtype=dtype, quantized=is_quantized(model),
                                      proposed=decoder.stats.proposed, accepted=decoder.stats.accepted)
-    with torch.no_grad():
-        all_logits = model(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:].float()
-    relative = tolerance(model)
-    for k, (token, logits) in enumerate(zip(tokens, all_logits)):
-        tol = relative * max(1.0, float(logits.abs().max()))
-        expected = int(logits.argmax())
-        gap = float(logits[expected] - logits[token])
-        if token != expected:
-            where = f"output token {k}: expected {expected} (eager greedy), got {token}"
-            if gap > tol:
-                raise VerificationError(f"{pte} decodes differently from the eager model with drafts at {where}; "
-                                        f"eager logit gap {gap:.4g} > tolerance {tol:.3g} ({dtype})")
-            report.near_ties.append(f"{where} (gap {gap:.3g} <= {tol:.3g})")
-        report.steps += 1
+    check_continuation(model, pte, prompt, tokens, report, "output token",
+                       "decodes differently from the eager model with drafts")
     return report

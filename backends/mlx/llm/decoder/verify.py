@@ -131,6 +131,29 @@ def verify_decoder(model: torch.nn.Module, pte: Path, steps: int = DECODE_STEPS,
     return report
 
 
+def check_continuation(model: torch.nn.Module, pte, prompt: list[int], tokens: list[int],
+                       report: VerificationReport, name: str, differs: str) -> None:
+    """Each of `tokens`, the program's continuation of `prompt`, against the eager argmax over the prompt and
+    the tokens before it (one causal forward gives them all): a near tie within the tolerance goes into
+    `report.near_ties`; a wider gap raises VerificationError "{pte} {differs} at {name} k: ...". For the
+    programs whose tokens come otherwise than through the plain loop (drafts verified, tokens proposed)."""
+    with torch.no_grad():
+        all_logits = model(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:].float()
+    relative = tolerance(model)
+    for k, (token, logits) in enumerate(zip(tokens, all_logits)):
+        tol = relative * max(1.0, float(logits.abs().max()))
+        expected = int(logits.argmax())
+        gap = float(logits[expected] - logits[token])
+        if token != expected:
+            where = f"{name} {k}: expected {expected} (eager greedy), got {token}"
+            if gap > tol:
+                kind = f"{report.dtype}{', quantized' if report.quantized else ''}"
+                raise VerificationError(f"{pte} {differs} at {where}; eager logit gap {gap:.4g} > tolerance "
+                                        f"{tol:.3g} ({kind})")
+            report.near_ties.append(f"{where} (gap {gap:.3g} <= {tol:.3g})")
+        report.steps += 1
+
+
 def _check_logprobs(pte, k: int, step, logits: torch.Tensor, tol: float) -> float:
     """The largest error of the step's chosen and top-N logprobs against the eager log-softmax."""
     eager = torch.log_softmax(logits, -1)
