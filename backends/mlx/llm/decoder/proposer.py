@@ -27,9 +27,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from backends.mlx.llm.decoder.loop import Decoder
 from backends.mlx.llm.decoder.verify import (PROMPT_TOKENS, VerificationError, VerificationReport, check_continuation,
                                              verification_prompt, verify_decoder)
 from backends.mlx.llm.sampler.head import SamplingHead
+from backends.mlx.llm.sampler.params import SamplingParams
 
 
 class ProposingHead(nn.Module):
@@ -64,9 +66,6 @@ class ProposingHead(nn.Module):
 def verify_proposer(model: nn.Module, pte: Path) -> VerificationReport:
     """verify_decoder's check of column 0 (a plain decode through the program), then one call's K columns
     against the eager model's greedy continuation of the verification prompt."""
-    from backends.mlx.llm.decoder.loop import Decoder
-    from backends.mlx.llm.sampler.params import SamplingParams
-
     report = verify_decoder(model, pte)
     decoder = Decoder(Path(pte))
     k = decoder.meta.propose_tokens
