@@ -128,17 +128,18 @@ bool sigmoid_loop(const float* x, float* out, int64_t n) {
 
 bool sigmoid_f32_host(const float* x, float* out, int64_t n) {
 #ifdef ETMLX_SIGMOID_AVX512
-  if (has_avx512() || has_avx2()) return sigmoid_loop(x, out, n);
-#endif
+  return sigmoid_loop(x, out, n);
+#else
   (void)x, (void)out, (void)n;
   return false;
+#endif
 }
 
 mx::array sigmoid_device(const mx::array& x) { return mx::sigmoid(x); }
 
 mx::array sigmoid_cpu(const mx::array& x) {
 #ifdef ETMLX_SIGMOID_AVX512
-  if (x.dtype() == mx::float32 && x.size() > 0 && (has_avx512() || has_avx2())) {
+  if (x.dtype() == mx::float32 && x.size() > 0 && sigmoid_loop(nullptr, nullptr, 0)) {  // the probe computes nothing
     // x as MLX materialised it (no Contiguous node: SiLU's gate is a fresh product, row-contiguous);
     // another layout is copied in row-major order first.
     auto loop = [](const std::vector<mx::array>& in, mx::array& out) {
