@@ -111,37 +111,78 @@ constexpr int kPrefetchBytes = 4096;
 // ---- AVX2 without VNNI: integer activations at 4 bits, a block of 64 values per two vpmaddubsw ----
 //
 // What dot_block_vnni does with vpdpbusd, from AVX2's vpmaddubsw (unsigned weight byte times signed activation
-// byte, adjacent pairs summed into 16 bits) and vpmaddwd by ones (pairs of those into 32 bits). At 4 bits a pair
+// byte, adjacent pairs summed into 16 bits) and vpmaddwd (pairs of those into 32 bits). At 4 bits a pair
 // is at most 2 * 15 * 128 = 3840, and the two halves of a block summed in 16 bits at most 7680: exact, no
 // saturation. (At 8 bits a pair could reach 2 * 255 * 128 and saturate, so 8-bit weights keep the float32 loop.)
-// The integers, the per-group float32 multiply-add and the bias and rounding terms are dot_block_vnni's; only
-// the lanes the final sum adds up differ (8 here, 16 there).
-template <int M, ScaleType T, bool INT16, int NB>
+// The integers and the per-group terms (scale * step * integer sum, bias * sum of x, the rounding term) are
+// dot_block_vnni's; the float32 sums add them in another order.
+
+// Eight consecutive per-group values from `at` on, the first `count` (1..8) of them, as float32 (the other
+// lanes 0).
+template <ScaleType T>
+ETMLX_AVX2 ETMLX_INLINE __m256 group_values8(const void* base, int64_t at, int count) {
+  if constexpr (T == ScaleType::f32) {
+    if (count == 8) return _mm256_loadu_ps(static_cast<const float*>(base) + at);
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_maskload_ps(static_cast<const float*>(base) + at,
+                              _mm256_cmpgt_epi32(_mm256_set1_epi32(count), lanes));
+  } else {
+    alignas(32) float v[8] = {};
+    for (int i = 0; i < count; ++i) v[i] = load_scale<T>(base, at + i);
+    return _mm256_load_ps(v);
+  }
+}
+
+// Row r's terms of W row `n` that do not involve the integer products: the sum over groups of
+// bias * sum(x) + 2^(bits-1) * scale * residual (PreparedRows::residuals), 8 groups a vector. In the
+// group loop these were two dependent scalar multiply-adds a group, a chain that set the loop's pace.
+template <ScaleType T>
+ETMLX_AVX2 ETMLX_INLINE __m256 bias_terms(const QuantizedMatrix& w, const PreparedRows& rows, int n, int r,
+                                          int groups) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int g = 0; g < groups; g += 8) {
+    const int count = std::min(8, groups - g);
+    const int64_t at = static_cast<int64_t>(n) * groups + g, rg = static_cast<int64_t>(r) * groups + g;
+    const __m256 centre = _mm256_mul_ps(group_values8<T>(w.scales, at, count), _mm256_set1_ps(8.0f));
+    acc = _mm256_fmadd_ps(group_values8<T>(w.biases, at, count), group_values8<ScaleType::f32>(rows.group_sums, rg, count), acc);
+    acc = _mm256_fmadd_ps(centre, group_values8<ScaleType::f32>(rows.residuals, rg, count), acc);
+  }
+  return acc;
+}
+
+// BLOCKS: kIntBlock blocks a group (1 or 2: groups of 64 or 128), fixed at compile time so that a group is
+// straight-line code.
+template <int M, ScaleType T, bool INT16, int NB, int BLOCKS>
 ETMLX_AVX2 ETMLX_INLINE void dot_block_avx2_int(const QuantizedMatrix& w, const PreparedRows& rows, int n,
                                                 float* out, int64_t ldo) {
   constexpr int block_bytes = kIntBlock / 2;
-  const int groups = w.k / w.group, blocks = w.group / kIntBlock;
+  const int groups = w.k / w.group;
   const int64_t row_bytes = static_cast<int64_t>(w.k) / 2;
-  const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(0x0f);
+  // INT16: the high bytes' pair sums weigh 256, by their vpmaddwd (no shift and add per group).
+  const __m256i ones = _mm256_set1_epi16(1), high = _mm256_set1_epi16(INT16 ? 256 : 1);
+  const __m256i nibble = _mm256_set1_epi8(0x0f);
   const uint8_t* wb[NB];
+  const int8_t *hi[M], *lo[M];
+  const float* steps[M];
   __m256 total[NB][M];
-  float bias_part[NB][M];
+  ETMLX_UNROLL
+  for (int r = 0; r < M; ++r) {
+    hi[r] = rows.hi + static_cast<int64_t>(r) * w.k;
+    lo[r] = INT16 ? rows.lo + static_cast<int64_t>(r) * w.k : hi[r];
+    steps[r] = rows.steps + static_cast<int64_t>(r) * groups;
+  }
   ETMLX_UNROLL
   for (int j = 0; j < NB; ++j) {
     wb[j] = reinterpret_cast<const uint8_t*>(w.w) + (n + j) * row_bytes;
     ETMLX_UNROLL
-    for (int r = 0; r < M; ++r) total[j][r] = _mm256_setzero_ps(), bias_part[j][r] = 0.0f;
+    for (int r = 0; r < M; ++r) total[j][r] = bias_terms<T>(w, rows, n + j, r, groups);
   }
-  int64_t pos = 0;  // into each activation row's bytes
   for (int g = 0; g < groups; ++g) {
     ETMLX_UNROLL
     for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(wb[j]) + kPrefetchBytes, _MM_HINT_T0);
-    __m256i acc_hi[NB][M], acc_lo[NB][M];
+    __m256i acc[NB][M];
     ETMLX_UNROLL
-    for (int j = 0; j < NB; ++j)
-      ETMLX_UNROLL
-      for (int r = 0; r < M; ++r) acc_hi[j][r] = acc_lo[j][r] = _mm256_setzero_si256();
-    for (int c = 0; c < blocks; ++c, pos += kIntBlock) {
+    for (int c = 0; c < BLOCKS; ++c) {
       __m256i even[NB], odd[NB];  // the block's 32 low nibbles (even values) and 32 high ones (odd values)
       ETMLX_UNROLL
       for (int j = 0; j < NB; ++j) {
@@ -152,55 +193,54 @@ ETMLX_AVX2 ETMLX_INLINE void dot_block_avx2_int(const QuantizedMatrix& w, const 
       }
       ETMLX_UNROLL
       for (int r = 0; r < M; ++r) {
-        const int8_t* h = rows.hi + static_cast<int64_t>(r) * w.k + pos;
-        const __m256i h0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h));
-        const __m256i h1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 32));
-        __m256i l0 = h0, l1 = h1;
-        if constexpr (INT16) {
-          const int8_t* l = rows.lo + static_cast<int64_t>(r) * w.k + pos;
-          l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(l));
-          l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(l + 32));
-        }
+        const __m256i h0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi[r]));
+        const __m256i h1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi[r] + 32));
+        const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo[r]));
+        const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo[r] + 32));
+        hi[r] += kIntBlock;
+        lo[r] += kIntBlock;
         ETMLX_UNROLL
         for (int j = 0; j < NB; ++j) {
           const __m256i ph = _mm256_add_epi16(_mm256_maddubs_epi16(even[j], h0), _mm256_maddubs_epi16(odd[j], h1));
-          acc_hi[j][r] = _mm256_add_epi32(acc_hi[j][r], _mm256_madd_epi16(ph, ones));
+          __m256i sum = _mm256_madd_epi16(ph, high);
           if constexpr (INT16) {
             const __m256i pl = _mm256_add_epi16(_mm256_maddubs_epi16(even[j], l0), _mm256_maddubs_epi16(odd[j], l1));
-            acc_lo[j][r] = _mm256_add_epi32(acc_lo[j][r], _mm256_madd_epi16(pl, ones));
+            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pl, ones));
           }
+          acc[j][r] = c == 0 ? sum : _mm256_add_epi32(acc[j][r], sum);
         }
       }
     }
     ETMLX_UNROLL
     for (int j = 0; j < NB; ++j) {
-      const int64_t at = static_cast<int64_t>(n + j) * groups + g;
-      const float s = load_scale<T>(w.scales, at), b = load_scale<T>(w.biases, at);
-      const float centre = s * 8.0f;  // 2^(bits-1): see PreparedRows::residuals
+      const float s = load_scale<T>(w.scales, static_cast<int64_t>(n + j) * groups + g);
       ETMLX_UNROLL
       for (int r = 0; r < M; ++r) {
-        const __m256i a = INT16 ? _mm256_add_epi32(_mm256_slli_epi32(acc_hi[j][r], 8), acc_lo[j][r]) : acc_hi[j][r];
-        const int64_t rg = static_cast<int64_t>(r) * groups + g;
-        total[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_set1_ps(s * rows.steps[rg]), total[j][r]);
-        bias_part[j][r] = __builtin_fmaf(b, rows.group_sums[rg], bias_part[j][r]);
-        bias_part[j][r] = __builtin_fmaf(centre, rows.residuals[rg], bias_part[j][r]);
+        total[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[j][r]), _mm256_set1_ps(s * steps[r][g]), total[j][r]);
       }
     }
   }
   ETMLX_UNROLL
   for (int j = 0; j < NB; ++j)
     ETMLX_UNROLL
-    for (int r = 0; r < M; ++r) out[r * ldo + j] = hsum_avx2(total[j][r]) + bias_part[j][r];
+    for (int r = 0; r < M; ++r) out[r * ldo + j] = hsum_avx2(total[j][r]);
+}
+
+template <int M, ScaleType T, bool INT16, int BLOCKS>
+ETMLX_AVX2 void dot_avx2_int_blocks(const QuantizedMatrix& w, const PreparedRows& rows, int n_begin, int n_end,
+                                    float* out, int64_t ldo) {
+  int n = n_begin;
+  if constexpr (M == 1) {  // two rows of W per pass, as the VNNI loop (each activation block loaded once for both)
+    for (; n + 2 <= n_end; n += 2) dot_block_avx2_int<M, T, INT16, 2, BLOCKS>(w, rows, n, out + (n - n_begin), ldo);
+  }
+  for (; n < n_end; ++n) dot_block_avx2_int<M, T, INT16, 1, BLOCKS>(w, rows, n, out + (n - n_begin), ldo);
 }
 
 template <int M, ScaleType T, bool INT16>
-ETMLX_AVX2 void dot_avx2_int(const QuantizedMatrix& w, const PreparedRows& rows, int n_begin, int n_end, float* out,
-                             int64_t ldo) {
-  int n = n_begin;
-  if constexpr (M == 1) {  // two rows of W per pass, as the VNNI loop (each activation block loaded once for both)
-    for (; n + 2 <= n_end; n += 2) dot_block_avx2_int<M, T, INT16, 2>(w, rows, n, out + (n - n_begin), ldo);
-  }
-  for (; n < n_end; ++n) dot_block_avx2_int<M, T, INT16, 1>(w, rows, n, out + (n - n_begin), ldo);
+void dot_avx2_int(const QuantizedMatrix& w, const PreparedRows& rows, int n_begin, int n_end, float* out,
+                  int64_t ldo) {
+  if (w.group == kIntBlock) return dot_avx2_int_blocks<M, T, INT16, 1>(w, rows, n_begin, n_end, out, ldo);
+  dot_avx2_int_blocks<M, T, INT16, 2>(w, rows, n_begin, n_end, out, ldo);  // integer rows: groups of 64 or 128
 }
 
 template <int BITS, ScaleType T>
