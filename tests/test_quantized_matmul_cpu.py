@@ -93,12 +93,15 @@ def test_every_instruction_set_variant_matches_a_double_reference():
 
 
 def test_many_row_gemm_matches_a_double_reference():
-    """The prefill product (kernels/quantized_gemm.cpp, >= 16 rows on AVX-512 CPUs): partial tiles, every
-    bits/group/scale type, rows equal bit for bit alone and in a batch; 'skipped' without AVX-512."""
+    """The prefill products (kernels/quantized_gemm.cpp: float32 tiles on AVX-512; integer activations on
+    AVX-512 VNNI and on AVX2): partial tiles, every bits/group/scale type each takes, rows equal bit for bit
+    alone and in a batch. An x86 CPU with AVX2 runs at least the AVX2 integer kernel."""
     assert GEMM_HARNESS.is_file(), "build/etmlx_quantized_gemm_test missing: run `make setup`"
     done = subprocess.run([str(GEMM_HARNESS)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "skipped" in done.stdout or " 0 failed" in done.stdout, done.stdout
+    assert " 0 failed" in done.stdout, done.stdout
+    if kernels_info()["isa"] in ("avx2", "avx512"):
+        assert "(0 integer kernels)" not in done.stdout, done.stdout
 
 
 _RUN_ELSEWHERE = r"""
@@ -222,8 +225,8 @@ def test_activations_in_any_layout_and_rank(monkeypatch):
 
 @pytest.mark.subprocess  # fresh interpreters: ETMLX_QMM_ACTIVATIONS is read once per process
 def test_many_row_product_with_integer_activations(tmp_path, monkeypatch):
-    """ETMLX_QMM_ACTIVATIONS=int16|int8 sends a 64-row product through the VNNI GEMM
-    (kernels/quantized_gemm_vnni.h) where the CPU has it: not float32's bits, within the precision's stated
+    """ETMLX_QMM_ACTIVATIONS=int16|int8 sends a 64-row product through an integer GEMM where the CPU has one
+    (kernels/quantized_gemm_vnni.h on AVX-512 VNNI, kernels/quantized_gemm_avx2.h on AVX2): not float32's bits, within the precision's stated
     bound (tests/quantized_bounds.py: the activations' rounding meets the centred weights), with activation
     groups of very different sizes; int8's result is outside int16's bound, so the bound says something; one
     pool thread gives the same bits. Where the CPU has no integer loop, float32's bits."""
@@ -243,7 +246,8 @@ def test_many_row_product_with_integer_activations(tmp_path, monkeypatch):
         outs[mode] = (got["info"]["gemm_activations"], np.array(got["out"], dtype=np.float32))
     for mode in ("int16", "int8"):
         used, out = outs[mode]
-        if used == "float32":  # no AVX-512 VNNI (AVX2's integer rows are the few-row loop's only)
+        if used == "float32":  # no integer GEMM here (no AVX2, or AVX-512 without VNNI)
+            assert kernels_info()["isa"] != "avx2", f"{mode}: the AVX2 integer GEMM did not run"
             np.testing.assert_array_equal(out, outs["float32"][1])
             continue
         assert not np.array_equal(out, outs["float32"][1]), f"{mode}: float32's bits: the integer GEMM did not run"

@@ -2,14 +2,16 @@
 // the packed layout, over shapes that leave partial register tiles in both directions (rows not a
 // multiple of 32 or 12, outputs not a multiple of 14 or 16), 4 and 8 bits, groups 32/64/128, every scale
 // type; and each row equal bit for bit to the same row multiplied alone. Then the same for the integer
-// activations (kernels/quantized_gemm_vnni.h, int16 and int8): within float32 rounding of a double
-// reference of the same integer formula, and within the rounding bound of the activations (meeting the
-// centred weights) of the exact product; with a control that the int8 results break the int16 bound (so the bound says something).
-// Prints "skipped" where the CPU lacks AVX-512 (the library then keeps dequantize-then-BLAS) and
-// "int skipped" without VNNI, else "N passed, N failed"; exit status 1 on any failure.
+// activations, for each integer kernel the CPU runs (kernels/quantized_gemm_vnni.h on AVX-512 VNNI,
+// kernels/quantized_gemm_avx2.h on AVX2; int16 and int8, the layouts each handles): within float32 rounding of
+// a double reference of the same integer formula, and within the rounding bound of the activations (meeting
+// the centred weights) of the exact product; with a control that the int8 results break the int16 bound (so
+// the bound says something).
+// Prints "float skipped" where the CPU lacks AVX-512 (the float32 tiles) and "<kernel> skipped" for an
+// integer kernel it cannot run, then "N passed, N failed"; exit status 1 on any failure.
 //
 // `etmlx_quantized_gemm_test --bench M K N [RUNS [GROUP]]` times one 4-bit product (group 64 unless given) per mode instead
-// (float32, int16, int8 interleaved; medians).
+// (float32 where AVX-512 runs it, int16, int8 on the integer kernel the library picks; interleaved; medians).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -22,6 +24,7 @@
 
 #include "kernels/quantized_activations.h"
 #include "kernels/quantized_gemm.h"
+#include "kernels/quantized_gemm_avx2.h"
 #include "kernels/quantized_gemm_vnni.h"
 
 using namespace etmlx::kernels;
@@ -83,8 +86,18 @@ using Product = void (*)(const float* x, int m, const QuantizedMatrix& w, float*
 void float_gemm(const float* x, int m, const QuantizedMatrix& w, float* out, ActivationPrecision) {
   quantized_gemm(x, m, w, out);
 }
+// An integer-activation kernel and the layouts it takes; `current` is the one the int checks call.
+struct IntKernel {
+  const char* name;
+  bool (*handles)(int bits, int group);
+  void (*run)(const float* x, int m, const QuantizedMatrix& w, ActivationPrecision p, float* out);
+};
+const IntKernel kIntKernels[] = {{"vnni", quantized_gemm_vnni_available, quantized_gemm_vnni},
+                                 {"avx2", quantized_gemm_avx2_available, quantized_gemm_avx2}};
+const IntKernel* current = nullptr;
+
 void int_gemm(const float* x, int m, const QuantizedMatrix& w, float* out, ActivationPrecision p) {
-  quantized_gemm_vnni(x, m, w, p, out);
+  current->run(x, m, w, p, out);
 }
 
 // Every 7th row alone gives the bits it has within the batch.
@@ -102,8 +115,8 @@ bool rows_alone_equal(Product f, const std::vector<float>& x, int m, const Weigh
 void report(bool ok, const char* what, int m, const Weights& wt, ScaleType type, const char* detail) {
   (ok ? passed : failed)++;
   if (!ok) {
-    std::printf("FAIL %s m=%d n=%d k=%d bits=%d group=%d type=%d: %s\n", what, m, wt.n, wt.k, wt.bits, wt.group,
-                static_cast<int>(type), detail);
+    std::printf("FAIL %s%s%s m=%d n=%d k=%d bits=%d group=%d type=%d: %s\n", current ? current->name : "",
+                current ? " " : "", what, m, wt.n, wt.k, wt.bits, wt.group, static_cast<int>(type), detail);
   }
 }
 
@@ -208,7 +221,7 @@ double check_int(int m, int n, int k, int bits, int group, ScaleType type, std::
   double control = 0.0;
   for (ActivationPrecision p : {ActivationPrecision::int16, ActivationPrecision::int8}) {
     std::vector<float> out(static_cast<size_t>(m) * n, NAN);
-    quantized_gemm_vnni(x.data(), m, wt.w, p, out.data());
+    current->run(x.data(), m, wt.w, p, out.data());
     const IntErrors e = int_errors(x, m, wt, out, p, p);
     const bool invariant = rows_alone_equal(int_gemm, x, m, wt, out, p);
     char detail[160];
@@ -234,7 +247,7 @@ void check_int_identity(int bits, int group, ActivationPrecision p, std::mt19937
   std::fill(wt.b.begin(), wt.b.end(), 0.0f);
   const std::vector<float> x = random_x(m, k, rng);
   std::vector<float> out(static_cast<size_t>(m) * k);
-  quantized_gemm_vnni(x.data(), m, wt.w, p, out.data());
+  current->run(x.data(), m, wt.w, p, out.data());
   std::vector<int8_t> hi(group), lo(group);
   std::vector<int> q(k);
   std::vector<float> step(k / group);
@@ -259,19 +272,21 @@ void check_int_identity(int bits, int group, ActivationPrecision p, std::mt19937
   report(wrong == 0, "identity", m, wt, ScaleType::f32, detail);
 }
 
-// The largest integer sums: 8-bit weights all 255, group 128, every activation of a group at its group's
-// largest magnitude (q = +-32512 for int16: 256 * 255 * 127 * 128 per group, near 2^30), signs alternating
-// by group; within the same bounds as random values (an int32 overflow would be off by 2^32).
-void check_int_extreme(std::mt19937& rng) {
+// The largest integer sums: weights all at their largest (8 bits: 255; 4 bits: 15, the AVX2 kernel's widest),
+// group 128, every activation of a group at its group's largest magnitude (q = +-32512 for int16: at 8 bits
+// 256 * 255 * 127 * 128 per group, near 2^30; at 4 bits eight 16-bit pair sums of 2 * 15 * 127 each before
+// they are widened), signs alternating by group; within the same bounds as random values (an int32 overflow
+// would be off by 2^32, a 16-bit one by 2^16).
+void check_int_extreme(int bits, std::mt19937& rng) {
   const int m = 13, n = 20, k = 512;
-  Weights wt(n, k, 8, 128, ScaleType::f32, rng);
+  Weights wt(n, k, bits, 128, ScaleType::f32, rng);
   std::fill(wt.bytes.begin(), wt.bytes.end(), 0xff);
   std::memcpy(wt.words.data(), wt.bytes.data(), wt.bytes.size());
   std::vector<float> x(static_cast<size_t>(m) * k);
   for (size_t i = 0; i < x.size(); ++i) x[i] = ((i % k) / 128 % 2 ? -1.0f : 1.0f) * (1.0f + static_cast<float>(i / k));
   for (ActivationPrecision p : {ActivationPrecision::int16, ActivationPrecision::int8}) {
     std::vector<float> out(static_cast<size_t>(m) * n, NAN);
-    quantized_gemm_vnni(x.data(), m, wt.w, p, out.data());
+    current->run(x.data(), m, wt.w, p, out.data());
     const IntErrors e = int_errors(x, m, wt, out, p, p);
     char detail[128];
     std::snprintf(detail, sizeof detail, "%s: error %.3g of the same-formula bound, %.3g of the exact one",
@@ -287,28 +302,29 @@ void check_int_non_finite(std::mt19937& rng) {
   std::vector<float> x = random_x(20, 256, rng);
   x[3 * 256 + 70] = INFINITY;
   std::vector<float> out(20 * 40), alone(40);
-  quantized_gemm_vnni(x.data(), 20, wt.w, ActivationPrecision::int8, out.data());
-  quantized_gemm_vnni(x.data() + 4 * 256, 1, wt.w, ActivationPrecision::int8, alone.data());
+  current->run(x.data(), 20, wt.w, ActivationPrecision::int8, out.data());
+  current->run(x.data() + 4 * 256, 1, wt.w, ActivationPrecision::int8, alone.data());
   bool ok = std::memcmp(alone.data(), out.data() + 4 * 40, sizeof(float) * 40) == 0;
   for (int c = 0; c < 40; ++c) ok = ok && std::isnan(out[3 * 40 + c]) && std::isfinite(out[4 * 40 + c]);
   report(ok, "non-finite", 20, wt, ScaleType::bf16, "a row with inf is not all NaN, or other rows changed");
 }
 
 // A panel of m < 12 rows runs a kernel made for m rows (a verify call of 9 rows does not pay for 12), and a
-// product of one panel (m <= 12) unpacks each W tile just before multiplying it: every m from 1 to 12 gives
-// the bits its rows have within 13 rows (two panels: the block path), at both precisions and bits, over a
-// few tiles of W (the last one partial).
+// product of one panel (m <= 12) unpacks each W tile just before multiplying it (VNNI; AVX2: tiles of 1 to 4
+// rows): every m from 1 to 12 gives the bits its rows have within 13 rows (two panels: the block path), at
+// both precisions and bits, over a few tiles of W (the last one partial).
 void check_int_row_counts(std::mt19937& rng) {
   for (int bits : {4, 8}) {
+    if (!current->handles(bits, 64)) continue;
     const Weights wt(37, 384, bits, 64, ScaleType::bf16, rng);
     const std::vector<float> x = random_x(13, 384, rng);
     for (ActivationPrecision p : {ActivationPrecision::int16, ActivationPrecision::int8}) {
       std::vector<float> all(13 * 37);
-      quantized_gemm_vnni(x.data(), 13, wt.w, p, all.data());
+      current->run(x.data(), 13, wt.w, p, all.data());
       int differ = 0;
       for (int m = 1; m <= 12; ++m) {
         std::vector<float> out(static_cast<size_t>(m) * 37);
-        quantized_gemm_vnni(x.data(), m, wt.w, p, out.data());
+        current->run(x.data(), m, wt.w, p, out.data());
         differ += std::memcmp(out.data(), all.data(), sizeof(float) * out.size()) != 0;
       }
       char detail[96];
@@ -329,23 +345,28 @@ int bench(int m, int k, int n, int runs, int group) {
   const Weights wt(n, k, 4, group, ScaleType::bf16, rng);
   const std::vector<float> x = random_x(m, k, rng);
   std::vector<float> out(static_cast<size_t>(m) * n);
-  const bool vnni = quantized_gemm_vnni_available(4, group);
+  const bool float_tiles = quantized_gemm_available();
+  for (const IntKernel& kernel : kIntKernels) {
+    if (current == nullptr && kernel.handles(4, group)) current = &kernel;
+  }
   const ActivationPrecision modes[] = {ActivationPrecision::float32, ActivationPrecision::int16,
                                        ActivationPrecision::int8};
   std::vector<double> ms[3];
   for (int run = -1; run < runs; ++run) {  // run -1 warms up (buffers, pool threads)
-    for (int i = 0; i < (vnni ? 3 : 1); ++i) {
+    for (int i = float_tiles ? 0 : 1; i < (current ? 3 : 1); ++i) {
       const auto t0 = std::chrono::steady_clock::now();
       if (i == 0) quantized_gemm(x.data(), m, wt.w, out.data());
-      else quantized_gemm_vnni(x.data(), m, wt.w, modes[i], out.data());
+      else current->run(x.data(), m, wt.w, modes[i], out.data());
       const double t = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
       if (run >= 0) ms[i].push_back(t);
     }
   }
-  for (int i = 0; i < (vnni ? 3 : 1); ++i) {
+  for (int i = 0; i < 3; ++i) {
+    if (ms[i].empty()) continue;
     const double med = median(ms[i]);
-    std::printf("%d x %d x %d 4-bit g%d %-7s median %.2f ms (%d runs) %.0f GFLOP/s\n", m, k, n, group,
-                activation_precision_name(modes[i]), med, runs, 2.0 * m * k * n / med / 1e6);
+    std::printf("%d x %d x %d 4-bit g%d %-7s %-5s median %.2f ms (%d runs) %.0f GFLOP/s\n", m, k, n, group,
+                activation_precision_name(modes[i]), i == 0 ? "tiles" : current->name, med, runs,
+                2.0 * m * k * n / med / 1e6);
   }
   return 0;
 }
@@ -354,47 +375,54 @@ int bench(int m, int k, int n, int runs, int group) {
 
 int main(int argc, char** argv) {
   // The float32 checks (and --bench's float32 column) call quantized_gemm(), which reads
-  // ETMLX_QMM_ACTIVATIONS once (default int16): float32 here; the integer kernel is called directly.
+  // ETMLX_QMM_ACTIVATIONS once (default int16): float32 here; the integer kernels are called directly.
   setenv("ETMLX_QMM_ACTIVATIONS", "float32", 1);
-  if (!quantized_gemm_available()) {
-    std::printf("skipped: no AVX-512 (or ETMLX_QMM_GEMM=blas / ETMLX_QMM_ISA set)\n");
-    return 0;
-  }
   if (argc >= 5 && std::strcmp(argv[1], "--bench") == 0) {
     return bench(std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]), argc >= 6 ? std::atoi(argv[5]) : 9,
                  argc >= 7 ? std::atoi(argv[6]) : 64);
   }
   std::mt19937 rng(11);
-  for (int bits : {4, 8})
-    for (int group : {32, 64, 128})
-      for (ScaleType t : {ScaleType::f32, ScaleType::f16, ScaleType::bf16})
-        for (auto [m, n] : {std::pair{16, 14}, std::pair{33, 29}, std::pair{70, 129}})
-          check_float(m, n, 384, bits, group, t, rng);
-  check_float(64, 300, 1024, 4, 64, ScaleType::bf16, rng);  // several W tiles per thread block
-  if (!quantized_gemm_vnni_available(4, 64)) {
-    std::printf("int skipped: no AVX-512 VNNI\n");
+  if (!quantized_gemm_available()) {
+    std::printf("float skipped: no AVX-512 (or ETMLX_QMM_GEMM=blas / ETMLX_QMM_ISA set)\n");
   } else {
-    double control = INFINITY;
     for (int bits : {4, 8})
       for (int group : {32, 64, 128})
         for (ScaleType t : {ScaleType::f32, ScaleType::f16, ScaleType::bf16})
+          for (auto [m, n] : {std::pair{16, 14}, std::pair{33, 29}, std::pair{70, 129}})
+            check_float(m, n, 384, bits, group, t, rng);
+    check_float(64, 300, 1024, 4, 64, ScaleType::bf16, rng);  // several W tiles per thread block
+  }
+  int kernels_run = 0;
+  for (const IntKernel& kernel : kIntKernels) {
+    if (!kernel.handles(4, 64)) {
+      std::printf("%s skipped: this CPU cannot run it\n", kernel.name);
+      continue;
+    }
+    current = &kernel;
+    ++kernels_run;
+    double control = INFINITY;
+    for (int bits : {4, 8})
+      for (int group : {32, 64, 128}) {
+        if (!kernel.handles(bits, group)) continue;
+        for (ScaleType t : {ScaleType::f32, ScaleType::f16, ScaleType::bf16})
           for (auto [m, n] : {std::pair{16, 14}, std::pair{25, 33}, std::pair{70, 129}})
             control = std::min(control, check_int(m, n, 384, bits, group, t, rng));
+      }
     check_int(64, 300, 1024, 4, 64, ScaleType::bf16, rng);
-    check_int(13, 70, 2048, 8, 128, ScaleType::f32, rng);  // large integer sums (int16: near 2^30 per group)
+    check_int(13, 70, 2048, kernel.handles(8, 128) ? 8 : 4, 128, ScaleType::f32, rng);  // large integer sums
     check_int_non_finite(rng);
-    check_int_extreme(rng);
+    check_int_extreme(kernel.handles(8, 128) ? 8 : 4, rng);
     check_int_row_counts(rng);
     for (int bits : {4, 8})
       for (int group : {32, 64, 128})
         for (ActivationPrecision p : {ActivationPrecision::int16, ActivationPrecision::int8})
-          check_int_identity(bits, group, p, rng);
+          if (kernel.handles(bits, group)) check_int_identity(bits, group, p, rng);
     // The control: every case's int8 results break the int16 bound, by far.
     const bool breaks = control > 4.0;
     (breaks ? passed : failed)++;
-    std::printf("%s: int8 results reach at least %.3g x the int16 rounding bound in every case\n",
+    std::printf("%s %s: int8 results reach at least %.3g x the int16 rounding bound in every case\n", kernel.name,
                 breaks ? "control ok" : "FAIL control", control);
   }
-  std::printf("%d passed, %d failed\n", passed, failed);
+  std::printf("%d passed, %d failed (%d integer kernels)\n", passed, failed, kernels_run);
   return failed ? 1 : 0;
 }

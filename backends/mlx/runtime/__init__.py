@@ -112,7 +112,8 @@ def kernels_info() -> dict:
     forces one), its thread pool's size (the CPUs this process may use, or ETMLX_NUM_THREADS) and the
     precision its few-row loop gives the activations of a 4-bit group-64 linear ("int16", "int8" or "float32":
     ETMLX_QMM_ACTIVATIONS, where the variant has integer loops; kernels/quantized_activations.h), and the
-    precision its many-row product (prefill) gives them ("gemm_activations": integer only with AVX-512 VNNI)."""
+    precision its many-row product (prefill) gives them ("gemm_activations": integer with AVX-512 VNNI, and on
+    AVX2 for 4-bit weights)."""
     lib = load()
     lib.etmlx_quantized_rows_isa.restype = ctypes.c_char_p
     lib.etmlx_quantized_activations.restype = ctypes.c_char_p

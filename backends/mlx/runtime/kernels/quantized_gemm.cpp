@@ -10,6 +10,7 @@
 #include <new>
 #include <vector>
 
+#include "kernels/quantized_gemm_avx2.h"
 #include "kernels/quantized_gemm_vnni.h"
 #include "kernels/quantized_rows_variants.h"
 #include "kernels/thread_pool.h"
@@ -169,14 +170,31 @@ bool quantized_gemm_available() {
   return ok;
 }
 
+namespace {
+// The AVX2 integer GEMM serves where the few-row loop in use is AVX2's (so ETMLX_QMM_ISA=scalar keeps the
+// dequantize-then-BLAS path) and nothing asked for that path (ETMLX_QMM_GEMM=blas).
+bool avx2_integer(int bits, int group) {
+  static const bool ok = [] {
+    const char* gemm = std::getenv("ETMLX_QMM_GEMM");
+    return !(gemm != nullptr && std::strcmp(gemm, "blas") == 0) && std::strcmp(quantized_rows_isa(), "avx2") == 0;
+  }();
+  return ok && quantized_gemm_avx2_available(bits, group);
+}
+}  // namespace
+
 bool quantized_gemm_integer(int bits, int group) {
-  return quantized_gemm_available() && activation_precision() != ActivationPrecision::float32 &&
-         quantized_gemm_vnni_available(bits, group);
+  if (activation_precision() == ActivationPrecision::float32) return false;
+  return (quantized_gemm_available() && quantized_gemm_vnni_available(bits, group)) || avx2_integer(bits, group);
 }
 
 void quantized_gemm(const float* x, int m, const QuantizedMatrix& w, float* out) {
   if (quantized_gemm_integer(w.bits, w.group)) {
-    quantized_gemm_vnni(x, m, w, activation_precision(), out);  // integer activations (quantized_gemm_vnni.h)
+    // Integer activations (quantized_gemm_vnni.h, quantized_gemm_avx2.h).
+    if (quantized_gemm_available() && quantized_gemm_vnni_available(w.bits, w.group)) {
+      quantized_gemm_vnni(x, m, w, activation_precision(), out);
+    } else {
+      quantized_gemm_avx2(x, m, w, activation_precision(), out);
+    }
     return;
   }
   const int blocks = (m + kTileM - 1) / kTileM;

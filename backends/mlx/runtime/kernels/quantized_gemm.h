@@ -16,13 +16,13 @@ namespace etmlx::kernels {
 // ETMLX_QMM_GEMM=blas (for A/B runs) or an ETMLX_QMM_ISA other than avx512 (the variant tests).
 bool quantized_gemm_available();
 
-// True when the integer-activation GEMM (quantized_gemm_vnni.h) computes quantized_gemm() for W's bits
-// and group at the activation precision in use.
+// True when an integer-activation GEMM (quantized_gemm_vnni.h on AVX-512 VNNI, quantized_gemm_avx2.h where the
+// few-row loop is AVX2's) computes quantized_gemm() for W's bits and group at the activation precision in use.
 bool quantized_gemm_integer(int bits, int group);
 
-// out [m, w.n] row-major = x [m, w.k] row-major . W^T; needs quantized_gemm_available(). With
-// ETMLX_QMM_ACTIVATIONS=int16|int8 on a CPU with AVX-512 VNNI, the integer-activation kernel
-// (quantized_gemm_vnni.h) where it handles the layout; else the float32 tiles above.
+// out [m, w.n] row-major = x [m, w.k] row-major . W^T; needs quantized_gemm_available() or
+// quantized_gemm_integer(w.bits, w.group). With ETMLX_QMM_ACTIVATIONS=int16|int8 (int16 by default), an
+// integer-activation kernel where one handles the layout; else the float32 tiles above.
 void quantized_gemm(const float* x, int m, const QuantizedMatrix& w, float* out);
 
 }  // namespace etmlx::kernels

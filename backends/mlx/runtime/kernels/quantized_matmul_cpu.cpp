@@ -115,8 +115,9 @@ mx::array quantized_matmul_cpu(const mx::array& x, const mx::array& w, const mx:
   if (m == 0 || k == 0) return mx::zeros(out_shape, dtype);
   std::vector<mx::array> weights{materialised_contiguous(w), materialised_contiguous(scales),
                                  materialised_contiguous(biases)};
-  if (many_rows(m, bits, group_size) && quantized_gemm_available()) {
-    // Prefill on AVX-512: W dequantized in tiles per pool thread (quantized_gemm.h).
+  if (many_rows(m, bits, group_size) && (quantized_gemm_available() || quantized_gemm_integer(bits, group_size))) {
+    // Prefill on AVX-512 (W dequantized in tiles per pool thread, or integer activations on VNNI) or with
+    // integer activations on AVX2 (quantized_gemm.h).
     const mx::array x32 = mx::reshape(mx::astype(x, mx::float32), {m, k});
     std::vector<mx::array> inputs{mx::contiguous(x32)};
     inputs.insert(inputs.end(), weights.begin(), weights.end());
@@ -290,7 +291,7 @@ extern "C" __attribute__((visibility("default"))) const char* etmlx_quantized_ac
   return etmlx::kernels::activation_precision_name(etmlx::kernels::rows_precision(4, 64));
 }
 
-// The many-row product's (prefill's) for the same layout: integer only where the VNNI GEMM runs.
+// The many-row product's (prefill's) for the same layout: integer only where an integer GEMM runs (AVX-512 VNNI, AVX2).
 extern "C" __attribute__((visibility("default"))) const char* etmlx_quantized_gemm_activations() {
   return etmlx::kernels::quantized_gemm_integer(4, 64)
              ? etmlx::kernels::activation_precision_name(etmlx::kernels::activation_precision())

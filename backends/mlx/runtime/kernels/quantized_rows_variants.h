@@ -30,6 +30,11 @@ struct RowsVariant {
 void prepare_integer_portable(const float* x, int m, int k, int bits, int group, ActivationPrecision precision,
                               int8_t* hi, int8_t* lo, float* steps, float* residuals, float* sums);
 
+// The same from AVX2 (quantized_rows_x86.cpp), for an AVX2+FMA CPU: the integers and steps bit for bit, the sums
+// and residuals in float32 lanes. Elsewhere the portable loop.
+void prepare_integer_avx2(const float* x, int m, int k, int bits, int group, ActivationPrecision precision,
+                          int8_t* hi, int8_t* lo, float* steps, float* residuals, float* sums);
+
 const RowsVariant& scalar_rows();
 // nullptr when the file was not built for this architecture or the CPU lacks the features.
 const RowsVariant* avx2_rows();

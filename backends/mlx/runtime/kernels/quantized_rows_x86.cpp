@@ -583,6 +583,105 @@ ETMLX_VNNI_TARGET void prepare_integer_avx512(const float* x, int m, int k, int 
   }
 }
 
+// ---- AVX2: prepare_integer_activations 8 lanes at a time ----
+//
+// quantize_activation_group's integers and steps (the same float32 multiply by qmax / max|x|, rounding to
+// nearest even, clamp), the group's sum and residual summed in 8 float32 lanes, then reduced (the portable
+// loop sums them in double: both are within the loops' stated bounds).
+
+ETMLX_AVX2 ETMLX_INLINE float hmax_avx2(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// 32 int32 values (q[0] holds values 0-7, ..., q[3] 24-31, each in [-128, 127]) as 32 bytes in order.
+ETMLX_AVX2 ETMLX_INLINE __m256i narrow32(const __m256i q[4]) {
+  // packs work within 128-bit lanes: bytes come out as [q0 0-3, q1 0-3, q2 0-3, q3 0-3 | the 4-7s]; the word
+  // permute restores the order.
+  const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  return _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// A block's 64 bytes (v0: values 0-31, v1: 32-63) in PreparedRows::hi's order at 4 bits: the even values, then
+// the odd ones.
+ETMLX_AVX2 ETMLX_INLINE void place_block_avx2(__m256i v0, __m256i v1, int8_t* out) {
+  const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                         0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  // Per vector: [evens of its 32 values (16 bytes) | odds (16 bytes)].
+  const __m256i a = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v0, split), 0xD8);
+  const __m256i b = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v1, split), 0xD8);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permute2x128_si256(a, b, 0x20));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+ETMLX_AVX2 void prepare_integer_avx2_impl(const float* x, int m, int k, int bits, int group,
+                                          ActivationPrecision precision, int8_t* hi, int8_t* lo, float* steps,
+                                          float* residuals, float* sums) {
+  const int groups = k / group;
+  const bool int16 = precision == ActivationPrecision::int16;
+  const int qmax = int16 ? kInt16Max : kInt8Max;
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i top = _mm256_set1_epi32(qmax), bottom = _mm256_set1_epi32(-qmax);
+  for (int r = 0; r < m; ++r) {
+    for (int g = 0; g < groups; ++g) {
+      const int64_t at = static_cast<int64_t>(r) * groups + g, first = static_cast<int64_t>(r) * k + int64_t{g} * group;
+      const float* xg = x + first;
+      __m256 largest = _mm256_setzero_ps(), sum = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+      for (int i = 0; i < group; i += 8) {
+        const __m256 v = _mm256_loadu_ps(xg + i);
+        largest = _mm256_max_ps(largest, _mm256_andnot_ps(sign, v));
+        sum = _mm256_add_ps(sum, v);
+        const __m256 d = _mm256_sub_ps(v, v);  // NaN for inf and NaN
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(d, d, _CMP_UNORD_Q));
+      }
+      sums[at] = hsum_avx2(sum);
+      const float most = hmax_avx2(largest);
+      if (_mm256_movemask_ps(bad) != 0 || most == 0.0f) {  // as quantize_activation_group
+        std::memset(hi + first, 0, group);
+        if (int16) std::memset(lo + first, 0, group);
+        steps[at] = residuals[at] = most == 0.0f && _mm256_movemask_ps(bad) == 0 ? 0.0f : std::nanf("");
+        continue;
+      }
+      const float step = most / static_cast<float>(qmax);
+      const __m256 inverse = _mm256_set1_ps(static_cast<float>(qmax) / most), vstep = _mm256_set1_ps(step);
+      __m256 residual = _mm256_setzero_ps();
+      for (int b = 0; b < group; b += kIntBlock) {
+        __m256i high[2], low[2];
+        for (int half = 0; half < 2; ++half) {
+          __m256i qh[4], ql[4];
+          for (int j = 0; j < 4; ++j) {
+            const __m256 v = _mm256_loadu_ps(xg + b + 32 * half + 8 * j);
+            __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(v, inverse));  // MXCSR's round to nearest even
+            q = _mm256_max_epi32(_mm256_min_epi32(q, top), bottom);
+            residual = _mm256_add_ps(residual, _mm256_fnmadd_ps(vstep, _mm256_cvtepi32_ps(q), v));
+            if (int16) {  // q = 256 * hi + lo, lo the signed low byte
+              ql[j] = _mm256_srai_epi32(_mm256_slli_epi32(q, 24), 24);
+              qh[j] = _mm256_srai_epi32(_mm256_sub_epi32(q, ql[j]), 8);
+            } else {
+              qh[j] = q;
+            }
+          }
+          high[half] = narrow32(qh);
+          if (int16) low[half] = narrow32(ql);
+        }
+        if (bits == 4) {
+          place_block_avx2(high[0], high[1], hi + first + b);
+          if (int16) place_block_avx2(low[0], low[1], lo + first + b);
+        } else {
+          for (int half = 0; half < 2; ++half) {
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + first + b + 32 * half), high[half]);
+            if (int16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + first + b + 32 * half), low[half]);
+          }
+        }
+      }
+      steps[at] = step;
+      residuals[at] = hsum_avx2(residual);
+    }
+  }
+}
+
 // ---- dispatch (plain functions: the templates above carry the targets) ----
 
 void dot_avx2_any(const QuantizedMatrix& w, const PreparedRows& rows, int n_begin, int n_end, float* out,
@@ -620,9 +719,14 @@ void dequantize_avx512_any(const QuantizedMatrix& w, int n_begin, int n_end, flo
 
 }  // namespace
 
+void prepare_integer_avx2(const float* x, int m, int k, int bits, int group, ActivationPrecision precision,
+                          int8_t* hi, int8_t* lo, float* steps, float* residuals, float* sums) {
+  prepare_integer_avx2_impl(x, m, k, bits, group, precision, hi, lo, steps, residuals, sums);
+}
+
 const RowsVariant* avx2_rows() {
-  // Integer activation rows at 4 bits (vpmaddubsw: dot_block_avx2_int), prepared by the portable loop.
-  static const RowsVariant v{"avx2", dot_avx2_any, dequantize_avx2_any, true, prepare_integer_portable, 4};
+  // Integer activation rows at 4 bits (vpmaddubsw: dot_block_avx2_int), prepared 8 lanes at a time.
+  static const RowsVariant v{"avx2", dot_avx2_any, dequantize_avx2_any, true, prepare_integer_avx2_impl, 4};
   static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return ok ? &v : nullptr;
 }
@@ -642,6 +746,10 @@ const RowsVariant* avx512_rows() {
 #else  // not x86-64
 
 namespace etmlx::kernels {
+void prepare_integer_avx2(const float* x, int m, int k, int bits, int group, ActivationPrecision precision,
+                          int8_t* hi, int8_t* lo, float* steps, float* residuals, float* sums) {
+  prepare_integer_portable(x, m, k, bits, group, precision, hi, lo, steps, residuals, sums);
+}
 const RowsVariant* avx2_rows() { return nullptr; }
 const RowsVariant* avx512_rows() { return nullptr; }
 }  // namespace etmlx::kernels
