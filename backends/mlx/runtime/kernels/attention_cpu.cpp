@@ -1,4 +1,4 @@
-// attention_cpu.h: attention's softmax with an AVX-512 exp (functions with their own
+// attention_cpu.h: attention's softmax with an AVX-512 exp, and a decode step's attention on AVX-512 or AVX2 (functions with their own
 // target attribute; other CPUs take MLX's ops).
 #include "kernels/attention_cpu.h"
 
@@ -97,6 +97,62 @@ ETMLX_AVX512BW ETMLX_INLINE __m512 exp16(__m512 x) {
 }
 
 
+// ---- AVX2+FMA (a CPU without AVX-512): the decode loop 8 lanes at a time ----
+
+#define ETMLX_AVX2 __attribute__((target("avx2,fma")))
+
+bool avx2_ok() {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return ok;
+}
+
+// The mask of a vector's first n lanes (all 8 from n = 8 on), for maskload / maskstore.
+ETMLX_AVX2 ETMLX_INLINE __m256i first_lanes8(int n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(std::min(n, 8)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+ETMLX_AVX2 ETMLX_INLINE float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+ETMLX_AVX2 ETMLX_INLINE float hmax8(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// exp(x), 8 lanes: exp16's reduction and polynomial, 2^n built in the exponent bits. Below -87.3 (where
+// expf is subnormal or 0; exp16 keeps the subnormals): exactly 0, -inf included; above 88.72: inf.
+ETMLX_AVX2 ETMLX_INLINE __m256 exp8(__m256 x) {
+  const __m256 zero = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ);
+  const __m256 big = _mm256_cmp_ps(x, _mm256_set1_ps(88.72f), _CMP_GT_OQ);
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.72f)), _mm256_set1_ps(-87.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  // n in [-126, 128]: 2^n as two factors, so that n = 128 (p < 1 there) stays finite where it should.
+  const __m256i ni = _mm256_cvtps_epi32(n);
+  const __m256i half = _mm256_srai_epi32(ni, 1);
+  const __m256 f1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, _mm256_set1_epi32(127)), 23));
+  const __m256 f2 = _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half), _mm256_set1_epi32(127)), 23));
+  __m256 e = _mm256_mul_ps(_mm256_mul_ps(p, f1), f2);
+  e = _mm256_blendv_ps(e, _mm256_set1_ps(std::numeric_limits<float>::infinity()), big);
+  return _mm256_andnot_ps(zero, e);
+}
+
 // How a [B, H, L, S] score row finds its mask entries: the mask as given (up to 4-d, each dim 1 or the
 // scores'), its strides 0 where it broadcasts.
 struct MaskView {
@@ -155,6 +211,59 @@ struct Softmax {
     for (int j = 0; j < seen; j += 16) {
       const __mmask16 m = first_lanes(seen - j);
       _mm512_mask_storeu_ps(s + j, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + j), inv));
+    }
+    std::fill(s + seen, s + keys, 0.0f);
+  }
+
+  // row() 8 lanes at a time (a decode step on an AVX2 CPU).
+  ETMLX_AVX2 void row_avx2(float* s, int64_t r) const {
+    const int64_t b = r / (int64_t{heads} * rows_l), h = (r / rows_l) % heads, l = r % rows_l;
+    const int seen = causal_offset < 0 ? keys : static_cast<int>(std::clamp<int64_t>(l + causal_offset + 1, 0, keys));
+    const int64_t at = b * mask.sb + h * mask.sh + l * mask.sl;
+    const float ninf_s = -std::numeric_limits<float>::infinity();
+    const __m256 vscale = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(ninf_s);
+    __m256 vmax = ninf;
+    for (int j = 0; j < seen; j += 8) {
+      const int n = std::min(8, seen - j);
+      const __m256i m = first_lanes8(n);
+      __m256 x = _mm256_mul_ps(_mm256_maskload_ps(s + j, m), vscale);
+      if (mask.data != nullptr) {
+        if (mask.ss == 0) {  // one mask value for the whole row
+          if (mask.boolean) {
+            if (!static_cast<const uint8_t*>(mask.data)[at]) x = ninf;
+          } else {
+            x = _mm256_add_ps(x, _mm256_set1_ps(static_cast<const float*>(mask.data)[at]));
+          }
+        } else if (mask.boolean) {
+          alignas(8) uint8_t bytes[8] = {};
+          std::memcpy(bytes, static_cast<const uint8_t*>(mask.data) + at + j, n);
+          const __m256i flags = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
+          x = _mm256_blendv_ps(ninf, x, _mm256_castsi256_ps(_mm256_cmpgt_epi32(flags, _mm256_setzero_si256())));
+        } else {
+          x = _mm256_add_ps(x, _mm256_maskload_ps(static_cast<const float*>(mask.data) + at + j, m));
+        }
+      }
+      x = _mm256_blendv_ps(ninf, x, _mm256_castsi256_ps(m));  // lanes past the row: -inf for the max
+      _mm256_maskstore_ps(s + j, m, x);
+      vmax = _mm256_max_ps(vmax, x);
+    }
+    const float mx_ = hmax8(vmax);
+    if (mx_ == ninf_s) {
+      std::fill(s, s + keys, 0.0f);
+      return;
+    }
+    const __m256 shift = _mm256_set1_ps(mx_);
+    __m256 vsum = _mm256_setzero_ps();
+    for (int j = 0; j < seen; j += 8) {
+      const __m256i m = first_lanes8(seen - j);
+      const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_maskload_ps(s + j, m), shift)), _mm256_castsi256_ps(m));
+      _mm256_maskstore_ps(s + j, m, e);
+      vsum = _mm256_add_ps(vsum, e);
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / hsum8(vsum));
+    for (int j = 0; j < seen; j += 8) {
+      const __m256i m = first_lanes8(seen - j);
+      _mm256_maskstore_ps(s + j, m, _mm256_mul_ps(_mm256_maskload_ps(s + j, m), inv));
     }
     std::fill(s + seen, s + keys, 0.0f);
   }
@@ -320,6 +429,50 @@ struct DecodeAttention {
   }
 };
 
+// The decode loop 8 lanes at a time (AVX2+FMA): a key's score is q . key by 8-lane multiply-adds and one
+// horizontal sum (it depends only on q and that key), the weighted values summed key after key (a masked key's
+// probability is 0 and adds nothing), 64 values of d per pass over the keys.
+ETMLX_AVX2 ETMLX_INLINE float dot_avx2(const float* a, const float* b, int n) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int d = 0; d < n; d += 8) {
+    const __m256i m = first_lanes8(n - d);
+    acc = _mm256_fmadd_ps(_mm256_maskload_ps(a + d, m), _mm256_maskload_ps(b + d, m), acc);
+  }
+  return hsum8(acc);
+}
+
+ETMLX_AVX2 void decode_row_avx2(const DecodeAttention& att, const View4& q, const View4& k, const View4& v, float* out,
+                                int64_t r, std::vector<float>& scratch) {
+  const int keys = att.keys, dim = att.dim, dim_v = att.dim_v;
+  const int64_t b = r / (int64_t{att.heads} * att.rows_l), h = (r / att.rows_l) % att.heads, l = r % att.rows_l;
+  const int64_t kvh = h / att.group;
+  scratch.resize(static_cast<size_t>(keys) + 2 * std::max(dim, dim_v));
+  float* scores = scratch.data();
+  float* tmp = scores + keys;
+  const float* qr = dense(q.at(b, h, l), q.s[3], dim, tmp + std::max(dim, dim_v));
+  const float* k0 = k.at(b, kvh, 0);
+  for (int j = 0; j < keys; ++j) scores[j] = dot_avx2(qr, dense(k0 + j * k.s[2], k.s[3], dim, tmp), dim);
+  att.softmax.row_avx2(scores, r);
+  const float* v0 = v.at(b, kvh, 0);
+  float* o = out + r * dim_v;
+  for (int d0 = 0; d0 < dim_v; d0 += 64) {
+    const int width = std::min(64, dim_v - d0), vectors = (width + 7) / 8;
+    __m256i m[8];
+    __m256 acc[8];
+    for (int a = 0; a < 8; ++a) m[a] = first_lanes8(std::max(0, width - 8 * a)), acc[a] = _mm256_setzero_ps();
+    for (int j = 0; j < keys; ++j) {
+      const float* vr = dense(v0 + j * v.s[2] + d0 * v.s[3], v.s[3], width, tmp);
+      const __m256 p = _mm256_set1_ps(scores[j]);
+#pragma GCC unroll 8
+      for (int a = 0; a < 8; ++a) {
+        if (a >= vectors) break;
+        acc[a] = _mm256_fmadd_ps(p, _mm256_maskload_ps(vr + 8 * a, m[a]), acc[a]);
+      }
+    }
+    for (int a = 0; a < vectors; ++a) _mm256_maskstore_ps(o + d0 + 8 * a, m[a], acc[a]);
+  }
+}
+
 // The mask's strides against [B, H, L, S] (0 where it broadcasts), from the array as materialised.
 MaskView strided_mask_view(const mx::array& m) {
   MaskView v;
@@ -353,7 +506,8 @@ std::vector<mx::array> sdpa_decode_cpu(const mx::array& q, const mx::array& k, c
     shapes.push_back(std::move(t));
     shapes.push_back(view->second);
   }
-  auto loop = [att, perm](const std::vector<mx::array>& in, std::vector<mx::array>& outs) {
+  const bool wide = avx512_ok();  // else AVX2 (decode_loop_applies)
+  auto loop = [att, perm, wide](const std::vector<mx::array>& in, std::vector<mx::array>& outs) {
     mx::array& out = outs[0];
     DecodeAttention a = att;
     const View4 qv = view4(in[0]), kv = view4(in[1]), vv = view4(in[2]);
@@ -370,7 +524,7 @@ std::vector<mx::array> sdpa_decode_cpu(const mx::array& q, const mx::array& k, c
       std::vector<float> mask_vals;
       for (int64_t r = r0; r < r1; ++r) {
         if (!gather_mask) {
-          a.row(qv, kv, vv, o, r, scratch);
+          wide ? a.row(qv, kv, vv, o, r, scratch) : decode_row_avx2(a, qv, kv, vv, o, r, scratch);
           continue;
         }
         DecodeAttention g = a;
@@ -387,7 +541,7 @@ std::vector<mx::array> sdpa_decode_cpu(const mx::array& q, const mx::array& k, c
           g.softmax.mask.data = mask_vals.data() - at;
         }
         g.softmax.mask.ss = 1;
-        g.row(qv, kv, vv, o, r, scratch);
+        wide ? g.row(qv, kv, vv, o, r, scratch) : decode_row_avx2(g, qv, kv, vv, o, r, scratch);
       }
     };
     const int64_t work = int64_t{a.keys} * (a.dim + a.dim_v);
@@ -401,10 +555,10 @@ std::vector<mx::array> sdpa_decode_cpu(const mx::array& q, const mx::array& k, c
   return host_kernel_multi("AttentionDecodeCpu", std::move(shapes), mx::float32, std::move(inputs), loop);
 }
 
-// sdpa_cpu's decode loop applies (float32 throughout, an AVX-512 CPU, not the batch-invariant mode).
+// sdpa_cpu's decode loop applies (float32 throughout, an AVX-512 or AVX2+FMA CPU, not the batch-invariant mode).
 bool decode_loop_applies(const mx::array& q, const mx::array& k, const mx::array& v,
                          const std::optional<mx::array>& mask, int key_end) {
-  return q.dtype() == mx::float32 && avx512_ok() && !batch_invariant() && q.shape(2) < kMinQueryRows &&
+  return q.dtype() == mx::float32 && (avx512_ok() || avx2_ok()) && !batch_invariant() && q.shape(2) < kMinQueryRows &&
          k.dtype() == mx::float32 && v.dtype() == mx::float32 && key_end >= 1 &&
          (!mask || mask->dtype() == mx::bool_ || mask->dtype() == mx::float32) && decode_attention_enabled();
 }
@@ -416,13 +570,13 @@ mx::array sdpa_cpu(const mx::array& q, const mx::array& k, const mx::array& v, f
                    const std::optional<mx::array>& mask_in, int key_end) {
   const int batch = q.shape(0), heads = q.shape(1), rows_l = q.shape(2), dim = q.shape(3);
   const int kv_heads = k.shape(1), dim_v = v.shape(3);
-  if (q.dtype() != mx::float32 || !avx512_ok() || batch_invariant()) {
-    return sdpa(q, k, v, scale, causal, mask_in, key_end);
-  }
   if (rows_l < kMinQueryRows) {
     // A decode step: one host loop instead of MLX's ~19 nodes (a mask in another dtype than bool was
     // already cast to q's by the caller).
     if (decode_loop_applies(q, k, v, mask_in, key_end)) return sdpa_decode_cpu(q, k, v, scale, causal, mask_in, key_end, nullptr)[0];
+    return sdpa(q, k, v, scale, causal, mask_in, key_end);
+  }
+  if (q.dtype() != mx::float32 || !avx512_ok() || batch_invariant()) {  // the prefill softmax: AVX-512 only
     return sdpa(q, k, v, scale, causal, mask_in, key_end);
   }
   mx::array kk = k, vv = v;
