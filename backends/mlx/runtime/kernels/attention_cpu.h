@@ -15,7 +15,8 @@
 namespace etmlx::kernels {
 
 // sdpa() (attention.h) with the same arguments: float32 on an AVX-512 CPU as two MLX matmuls per
-// key/value head (OpenBLAS) around a host-loop softmax that applies scale, mask and causality itself.
+// key/value head (OpenBLAS) around a host-loop softmax that applies scale, mask and causality itself; fewer
+// than 16 query rows (a decode step) as one host loop on an AVX-512 or AVX2+FMA CPU.
 mlx::core::array sdpa_cpu(const mlx::core::array& q, const mlx::core::array& k, const mlx::core::array& v, float scale,
                           bool causal, const std::optional<mlx::core::array>& mask, int key_end);
 
