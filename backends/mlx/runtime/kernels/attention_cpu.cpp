@@ -1,5 +1,5 @@
-// attention_cpu.h: attention's softmax with an AVX-512 exp, and a decode step's attention on AVX-512 or AVX2 (functions with their own
-// target attribute; other CPUs take MLX's ops).
+// attention_cpu.h: attention's softmax with an AVX-512 (or AVX2) exp, and a decode step's attention as one loop
+// (functions with their own target attribute; other CPUs take MLX's ops).
 #include "kernels/attention_cpu.h"
 
 #include <cstdlib>
@@ -215,7 +215,7 @@ struct Softmax {
     std::fill(s + seen, s + keys, 0.0f);
   }
 
-  // row() 8 lanes at a time (a decode step on an AVX2 CPU).
+  // row() 8 lanes at a time (an AVX2 CPU: prefill's softmax and the decode loop's).
   ETMLX_AVX2 void row_avx2(float* s, int64_t r) const {
     const int64_t b = r / (int64_t{heads} * rows_l), h = (r / rows_l) % heads, l = r % rows_l;
     const int seen = causal_offset < 0 ? keys : static_cast<int>(std::clamp<int64_t>(l + causal_offset + 1, 0, keys));
@@ -576,7 +576,7 @@ mx::array sdpa_cpu(const mx::array& q, const mx::array& k, const mx::array& v, f
     if (decode_loop_applies(q, k, v, mask_in, key_end)) return sdpa_decode_cpu(q, k, v, scale, causal, mask_in, key_end, nullptr)[0];
     return sdpa(q, k, v, scale, causal, mask_in, key_end);
   }
-  if (q.dtype() != mx::float32 || !avx512_ok() || batch_invariant()) {  // the prefill softmax: AVX-512 only
+  if (q.dtype() != mx::float32 || !(avx512_ok() || avx2_ok()) || batch_invariant()) {
     return sdpa(q, k, v, scale, causal, mask_in, key_end);
   }
   mx::array kk = k, vv = v;
@@ -592,7 +592,8 @@ mx::array sdpa_cpu(const mx::array& q, const mx::array& k, const mx::array& v, f
   if (mask) inputs.push_back(mx::contiguous(*mask));
   Softmax sm{heads, rows_l, keys, causal ? keys - rows_l : -1, scale, {}};
   if (mask) sm.mask = mask_view(*mask);
-  auto loop = [sm](const std::vector<mx::array>& in, mx::array& out) {
+  const bool wide = avx512_ok();  // else AVX2's 8 lanes
+  auto loop = [sm, wide](const std::vector<mx::array>& in, mx::array& out) {
     Softmax s = sm;
     if (in.size() > 1) s.mask.data = in[1].data<void>();
     const float* src = in[0].data<float>();
@@ -602,7 +603,7 @@ mx::array sdpa_cpu(const mx::array& q, const mx::array& k, const mx::array& v, f
       for (int64_t r = r0; r < r1; ++r) {
         float* row = dst + r * s.keys;
         if (row != src + r * s.keys) std::copy(src + r * s.keys, src + (r + 1) * s.keys, row);
-        s.row(row, r);
+        wide ? s.row(row, r) : s.row_avx2(row, r);
       }
     };
     parallel_for(static_cast<int>(rows), std::max<int>(1, 4096 / std::max(1, s.keys)), range);

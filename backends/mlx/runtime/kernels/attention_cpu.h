@@ -1,10 +1,10 @@
-// The cpu kernel set's prefill attention: its softmax as a host loop with an AVX-512 exp, on the thread
+// The cpu kernel set's prefill attention: its softmax as a host loop with an AVX-512 (or AVX2) exp, on the thread
 // pool (SiLU's sigmoid has its own loop with MLX's exact formula: sigmoid.h).
 //
 // Why: the mlx[cpu] wheel is built for baseline x86-64, so MLX's exp is a scalar loop whose polynomial
 // calls libm's fmaf per step. In a 512-token prefill of a 4-bit Qwen2.5-0.5B that was ~28% of the CPU
 // samples (148M exponentials: 88M in attention's softmax, 60M in SiLU), next to 33% in the matmuls.
-// Elsewhere (no AVX-512, other dtypes) both fall back to MLX's ops.
+// Elsewhere (no AVX-512 or AVX2+FMA, other dtypes) both fall back to MLX's ops.
 #pragma once
 
 #include <optional>
@@ -14,9 +14,9 @@
 
 namespace etmlx::kernels {
 
-// sdpa() (attention.h) with the same arguments: float32 on an AVX-512 CPU as two MLX matmuls per
+// sdpa() (attention.h) with the same arguments: float32 on an AVX-512 or AVX2+FMA CPU as two MLX matmuls per
 // key/value head (OpenBLAS) around a host-loop softmax that applies scale, mask and causality itself; fewer
-// than 16 query rows (a decode step) as one host loop on an AVX-512 or AVX2+FMA CPU.
+// than 16 query rows (a decode step) as one host loop.
 mlx::core::array sdpa_cpu(const mlx::core::array& q, const mlx::core::array& k, const mlx::core::array& v, float scale,
                           bool causal, const std::optional<mlx::core::array>& mask, int key_end);
 
