@@ -221,7 +221,7 @@ void quantized_gemm_avx2(const float* x, int m, const QuantizedMatrix& w, Activa
   };
   parallel_for(m, 1, prepare);
   const int tiles_n = (w.n + kTileW - 1) / kTileW;
-  // At least two ranges per thread, so that a thread the shared machine slows does not hold up the rest.
+  // About four ranges per thread, so that a thread the shared machine slows does not hold up the rest.
   const int grain = std::max(1, tiles_n / (4 * pool_threads()));
   auto range = [&](int t0, int t1) {
     dispatch_dequantize(4, w.scale_type, [&]<int B, ScaleType T>() {
