@@ -60,6 +60,8 @@ bool decode_attention_enabled() {
 
 #include <immintrin.h>
 
+#include "kernels/avx2_vectors.h"
+
 namespace etmlx::kernels {
 
 namespace {
@@ -99,35 +101,14 @@ ETMLX_AVX512BW ETMLX_INLINE __m512 exp16(__m512 x) {
 
 // ---- AVX2+FMA (a CPU without AVX-512): the decode loop 8 lanes at a time ----
 
-#define ETMLX_AVX2 __attribute__((target("avx2,fma")))
-
 bool avx2_ok() {
   static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return ok;
 }
 
-// The mask of a vector's first n lanes (all 8 from n = 8 on), for maskload / maskstore.
-ETMLX_AVX2 ETMLX_INLINE __m256i first_lanes8(int n) {
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(std::min(n, 8)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-
-ETMLX_AVX2 ETMLX_INLINE float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-ETMLX_AVX2 ETMLX_INLINE float hmax8(__m256 v) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_max_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // exp(x), 8 lanes: exp16's reduction and polynomial, 2^n built in the exponent bits. Below -87.3 (where
 // expf is subnormal or 0; exp16 keeps the subnormals): exactly 0, -inf included; above 88.72: inf.
-ETMLX_AVX2 ETMLX_INLINE __m256 exp8(__m256 x) {
+ETMLX_AVX2_INLINE __m256 exp8(__m256 x) {
   const __m256 zero = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ);
   const __m256 big = _mm256_cmp_ps(x, _mm256_set1_ps(88.72f), _CMP_GT_OQ);
   x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.72f)), _mm256_set1_ps(-87.3f));
@@ -216,7 +197,7 @@ struct Softmax {
   }
 
   // row() 8 lanes at a time (an AVX2 CPU: prefill's softmax and the decode loop's).
-  ETMLX_AVX2 void row_avx2(float* s, int64_t r) const {
+  ETMLX_AVX2_TARGET void row_avx2(float* s, int64_t r) const {
     const int64_t b = r / (int64_t{heads} * rows_l), h = (r / rows_l) % heads, l = r % rows_l;
     const int seen = causal_offset < 0 ? keys : static_cast<int>(std::clamp<int64_t>(l + causal_offset + 1, 0, keys));
     const int64_t at = b * mask.sb + h * mask.sh + l * mask.sl;
@@ -225,7 +206,7 @@ struct Softmax {
     __m256 vmax = ninf;
     for (int j = 0; j < seen; j += 8) {
       const int n = std::min(8, seen - j);
-      const __m256i m = first_lanes8(n);
+      const __m256i m = avx2::first_lanes(n);
       __m256 x = _mm256_mul_ps(_mm256_maskload_ps(s + j, m), vscale);
       if (mask.data != nullptr) {
         if (mask.ss == 0) {  // one mask value for the whole row
@@ -247,7 +228,7 @@ struct Softmax {
       _mm256_maskstore_ps(s + j, m, x);
       vmax = _mm256_max_ps(vmax, x);
     }
-    const float mx_ = hmax8(vmax);
+    const float mx_ = avx2::hmax(vmax);
     if (mx_ == ninf_s) {
       std::fill(s, s + keys, 0.0f);
       return;
@@ -255,14 +236,14 @@ struct Softmax {
     const __m256 shift = _mm256_set1_ps(mx_);
     __m256 vsum = _mm256_setzero_ps();
     for (int j = 0; j < seen; j += 8) {
-      const __m256i m = first_lanes8(seen - j);
+      const __m256i m = avx2::first_lanes(seen - j);
       const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_maskload_ps(s + j, m), shift)), _mm256_castsi256_ps(m));
       _mm256_maskstore_ps(s + j, m, e);
       vsum = _mm256_add_ps(vsum, e);
     }
-    const __m256 inv = _mm256_set1_ps(1.0f / hsum8(vsum));
+    const __m256 inv = _mm256_set1_ps(1.0f / avx2::hsum(vsum));
     for (int j = 0; j < seen; j += 8) {
-      const __m256i m = first_lanes8(seen - j);
+      const __m256i m = avx2::first_lanes(seen - j);
       _mm256_maskstore_ps(s + j, m, _mm256_mul_ps(_mm256_maskload_ps(s + j, m), inv));
     }
     std::fill(s + seen, s + keys, 0.0f);
@@ -432,16 +413,38 @@ struct DecodeAttention {
 // The decode loop 8 lanes at a time (AVX2+FMA): a key's score is q . key by 8-lane multiply-adds and one
 // horizontal sum (it depends only on q and that key), the weighted values summed key after key (a masked key's
 // probability is 0 and adds nothing), 64 values of d per pass over the keys.
-ETMLX_AVX2 ETMLX_INLINE float dot_avx2(const float* a, const float* b, int n) {
+ETMLX_AVX2_INLINE float dot_avx2(const float* a, const float* b, int n) {
   __m256 acc = _mm256_setzero_ps();
   for (int d = 0; d < n; d += 8) {
-    const __m256i m = first_lanes8(n - d);
+    const __m256i m = avx2::first_lanes(n - d);
     acc = _mm256_fmadd_ps(_mm256_maskload_ps(a + d, m), _mm256_maskload_ps(b + d, m), acc);
   }
-  return hsum8(acc);
+  return avx2::hsum(acc);
 }
 
-ETMLX_AVX2 void decode_row_avx2(const DecodeAttention& att, const View4& q, const View4& k, const View4& v, float* out,
+// Scores of keys stored contiguously (a unit last stride, dim a multiple of 8), four keys at a time: four
+// independent multiply-add chains where dot_avx2's one chain waits on each multiply-add (a key's dim / 8 of them
+// back to back), and one reduction for the four. Each score is dot_avx2's bit for bit: the same lanes, summed
+// in the same order (avx2::hsum4).
+ETMLX_AVX2_TARGET void scores_avx2(const float* q, const float* k0, int64_t key_stride, int keys, int dim,
+                                   float* scores) {
+  int j = 0;
+  for (; j + 4 <= keys; j += 4) {
+    const float* k = k0 + j * key_stride;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int d = 0; d < dim; d += 8) {
+      const __m256 x = _mm256_loadu_ps(q + d);
+      a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + d), a0);
+      a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + key_stride + d), a1);
+      a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 2 * key_stride + d), a2);
+      a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 3 * key_stride + d), a3);
+    }
+    _mm_storeu_ps(scores + j, avx2::hsum4(a0, a1, a2, a3));
+  }
+  for (; j < keys; ++j) scores[j] = dot_avx2(q, k0 + j * key_stride, dim);
+}
+
+ETMLX_AVX2_TARGET void decode_row_avx2(const DecodeAttention& att, const View4& q, const View4& k, const View4& v, float* out,
                                 int64_t r, std::vector<float>& scratch) {
   const int keys = att.keys, dim = att.dim, dim_v = att.dim_v;
   const int64_t b = r / (int64_t{att.heads} * att.rows_l), h = (r / att.rows_l) % att.heads, l = r % att.rows_l;
@@ -451,7 +454,11 @@ ETMLX_AVX2 void decode_row_avx2(const DecodeAttention& att, const View4& q, cons
   float* tmp = scores + keys;
   const float* qr = dense(q.at(b, h, l), q.s[3], dim, tmp + std::max(dim, dim_v));
   const float* k0 = k.at(b, kvh, 0);
-  for (int j = 0; j < keys; ++j) scores[j] = dot_avx2(qr, dense(k0 + j * k.s[2], k.s[3], dim, tmp), dim);
+  if (k.s[3] == 1 && dim % 8 == 0) {
+    scores_avx2(qr, k0, k.s[2], keys, dim, scores);
+  } else {
+    for (int j = 0; j < keys; ++j) scores[j] = dot_avx2(qr, dense(k0 + j * k.s[2], k.s[3], dim, tmp), dim);
+  }
   att.softmax.row_avx2(scores, r);
   const float* v0 = v.at(b, kvh, 0);
   float* o = out + r * dim_v;
@@ -459,7 +466,7 @@ ETMLX_AVX2 void decode_row_avx2(const DecodeAttention& att, const View4& q, cons
     const int width = std::min(64, dim_v - d0), vectors = (width + 7) / 8;
     __m256i m[8];
     __m256 acc[8];
-    for (int a = 0; a < 8; ++a) m[a] = first_lanes8(std::max(0, width - 8 * a)), acc[a] = _mm256_setzero_ps();
+    for (int a = 0; a < 8; ++a) m[a] = avx2::first_lanes(std::max(0, width - 8 * a)), acc[a] = _mm256_setzero_ps();
     for (int j = 0; j < keys; ++j) {
       const float* vr = dense(v0 + j * v.s[2] + d0 * v.s[3], v.s[3], width, tmp);
       const __m256 p = _mm256_set1_ps(scores[j]);

@@ -15,11 +15,12 @@
 
 #include <immintrin.h>
 
+#include "kernels/avx2_vectors.h"
+
 namespace etmlx::kernels {
 
 namespace {
 
-#define ETMLX_AVX2 __attribute__((target("avx2,fma")))
 #define ETMLX_INLINE inline __attribute__((always_inline))
 
 constexpr int kTileW = 8;                // W rows per tile: one int32 lane each
@@ -52,7 +53,7 @@ struct Tile {
 };
 
 // Words j of the 8 vectors r[0..7] (8 words each) into vector j: an 8 x 8 transpose of 4-byte words.
-ETMLX_AVX2 ETMLX_INLINE void transpose8(const __m256i r[8], __m256i out[8]) {
+ETMLX_AVX2_INLINE void transpose8(const __m256i r[8], __m256i out[8]) {
   __m256i t[8], u[8];
   for (int p = 0; p < 4; ++p) {
     t[2 * p] = _mm256_unpacklo_epi32(r[2 * p], r[2 * p + 1]);      // words 0, 1 | 4, 5 of rows 2p, 2p + 1
@@ -74,7 +75,7 @@ ETMLX_AVX2 ETMLX_INLINE void transpose8(const __m256i r[8], __m256i out[8]) {
 // nibbles (the even values) and 32 high ones (the odd values), the order prepare_integer_avx2 gives the
 // activations, then two 8 x 8 word transposes make one vector per k step.
 template <ScaleType T>
-ETMLX_AVX2 void unpack_tile(const QuantizedMatrix& w, int n0, Tile& tile) {
+ETMLX_AVX2_TARGET void unpack_tile(const QuantizedMatrix& w, int n0, Tile& tile) {
   const int groups = w.k / w.group;
   const int64_t row_bytes = static_cast<int64_t>(w.k) / 2;
   const int rows = std::min(kTileW, w.n - n0);
@@ -108,7 +109,7 @@ ETMLX_AVX2 void unpack_tile(const QuantizedMatrix& w, int n0, Tile& tile) {
 // c += (acc * scale) * step + bias * sum(x) + (centre * scale) * residual, centre = 8 (quantized_gemm_vnni.h).
 // Every row runs the same instructions whatever R is: its bits do not depend on its neighbours.
 template <bool INT16, int R, int STEPS>
-ETMLX_AVX2 void tile_kernel(const Tile& tile, const Activations& a, int m0, int k, int groups, __m256 (&c)[kTileX]) {
+ETMLX_AVX2_TARGET void tile_kernel(const Tile& tile, const Activations& a, int m0, int k, int groups, __m256 (&c)[kTileX]) {
   constexpr int group = STEPS * 4;
   const __m256i ones = _mm256_set1_epi16(1), high = _mm256_set1_epi16(INT16 ? 256 : 1);
   __m256 cr[R];
@@ -157,7 +158,7 @@ ETMLX_AVX2 void tile_kernel(const Tile& tile, const Activations& a, int m0, int 
 }
 
 template <bool INT16, int STEPS>
-ETMLX_AVX2 void tile_rows(const Tile& tile, const Activations& a, int m0, int rows, int k, int groups,
+ETMLX_AVX2_TARGET void tile_rows(const Tile& tile, const Activations& a, int m0, int rows, int k, int groups,
                           __m256 (&c)[kTileX]) {
   switch (rows) {
     case 1: return tile_kernel<INT16, 1, STEPS>(tile, a, m0, k, groups, c);
@@ -168,7 +169,7 @@ ETMLX_AVX2 void tile_rows(const Tile& tile, const Activations& a, int m0, int ro
 }
 
 template <ScaleType T, bool INT16, int STEPS>
-ETMLX_AVX2 void tiles(const QuantizedMatrix& w, const Activations& a, int m, int t0, int t1, float* out) {
+ETMLX_AVX2_TARGET void tiles(const QuantizedMatrix& w, const Activations& a, int m, int t0, int t1, float* out) {
   const int groups = w.k / w.group;
   thread_local Tile tile;  // kept between calls, as the VNNI kernel's buffers
   tile.reserve(w.k, groups);

@@ -13,13 +13,14 @@
 
 #include <immintrin.h>
 
+#include "kernels/avx2_vectors.h"
+
 #include "kernels/quantized_activations_avx512.h"
 
 namespace etmlx::kernels {
 
 namespace {
 
-#define ETMLX_AVX2 __attribute__((target("avx2,fma")))
 #define ETMLX_AVX512 __attribute__((target("avx512f,avx2,fma")))
 #define ETMLX_INLINE inline __attribute__((always_inline))
 
@@ -28,7 +29,7 @@ namespace {
 // The chunk's integers as floats in prepared order (quantized_rows.h): at 4 bits, the 16 low
 // nibbles then the 16 high ones; at 8 bits, the 32 bytes in order.
 template <int BITS>
-ETMLX_AVX2 ETMLX_INLINE void chunk_avx2(const uint8_t* p, __m256* q) {
+ETMLX_AVX2_INLINE void chunk_avx2(const uint8_t* p, __m256* q) {
   if constexpr (BITS == 4) {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     const __m128i mask = _mm_set1_epi8(0x0f);
@@ -46,15 +47,8 @@ ETMLX_AVX2 ETMLX_INLINE void chunk_avx2(const uint8_t* p, __m256* q) {
   }
 }
 
-ETMLX_AVX2 ETMLX_INLINE float hsum_avx2(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 template <int BITS, int M, ScaleType T>
-ETMLX_AVX2 void dot_avx2(const QuantizedMatrix& w, const PreparedRows& rows, int n_begin, int n_end, float* out,
+ETMLX_AVX2_TARGET void dot_avx2(const QuantizedMatrix& w, const PreparedRows& rows, int n_begin, int n_end, float* out,
                          int64_t ldo) {
   // Two independent sums per row and group (a single FMA chain would be latency-bound), the same
   // for every row count: a row's result then does not depend on how many rows the call has.
@@ -98,7 +92,7 @@ ETMLX_AVX2 void dot_avx2(const QuantizedMatrix& w, const PreparedRows& rows, int
       }
     }
     ETMLX_UNROLL
-    for (int r = 0; r < M; ++r) out[r * ldo + (n - n_begin)] = hsum_avx2(total[r]) + bias_part[r];
+    for (int r = 0; r < M; ++r) out[r * ldo + (n - n_begin)] = avx2::hsum(total[r]) + bias_part[r];
   }
 }
 
@@ -120,7 +114,7 @@ constexpr int kPrefetchBytes = 4096;
 // Eight consecutive per-group values from `at` on, the first `count` (1..8) of them, as float32 (the other
 // lanes 0).
 template <ScaleType T>
-ETMLX_AVX2 ETMLX_INLINE __m256 group_values8(const void* base, int64_t at, int count) {
+ETMLX_AVX2_INLINE __m256 group_values8(const void* base, int64_t at, int count) {
   if constexpr (T == ScaleType::f32) {
     if (count == 8) return _mm256_loadu_ps(static_cast<const float*>(base) + at);
     const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -137,7 +131,7 @@ ETMLX_AVX2 ETMLX_INLINE __m256 group_values8(const void* base, int64_t at, int c
 // bias * sum(x) + 2^(bits-1) * scale * residual (PreparedRows::residuals), 8 groups a vector. In the
 // group loop these were two dependent scalar multiply-adds a group, a chain that set the loop's pace.
 template <ScaleType T>
-ETMLX_AVX2 ETMLX_INLINE __m256 bias_terms(const QuantizedMatrix& w, const PreparedRows& rows, int n, int r,
+ETMLX_AVX2_INLINE __m256 bias_terms(const QuantizedMatrix& w, const PreparedRows& rows, int n, int r,
                                           int groups) {
   __m256 acc = _mm256_setzero_ps();
   for (int g = 0; g < groups; g += 8) {
@@ -153,7 +147,7 @@ ETMLX_AVX2 ETMLX_INLINE __m256 bias_terms(const QuantizedMatrix& w, const Prepar
 // BLOCKS: kIntBlock blocks a group (1 or 2: groups of 64 or 128), fixed at compile time so that a group is
 // straight-line code.
 template <int M, ScaleType T, bool INT16, int NB, int BLOCKS>
-ETMLX_AVX2 ETMLX_INLINE void dot_block_avx2_int(const QuantizedMatrix& w, const PreparedRows& rows, int n,
+ETMLX_AVX2_INLINE void dot_block_avx2_int(const QuantizedMatrix& w, const PreparedRows& rows, int n,
                                                 float* out, int64_t ldo) {
   constexpr int block_bytes = kIntBlock / 2;
   const int groups = w.k / w.group;
@@ -223,11 +217,11 @@ ETMLX_AVX2 ETMLX_INLINE void dot_block_avx2_int(const QuantizedMatrix& w, const 
   ETMLX_UNROLL
   for (int j = 0; j < NB; ++j)
     ETMLX_UNROLL
-    for (int r = 0; r < M; ++r) out[r * ldo + j] = hsum_avx2(total[j][r]);
+    for (int r = 0; r < M; ++r) out[r * ldo + j] = avx2::hsum(total[j][r]);
 }
 
 template <int M, ScaleType T, bool INT16, int BLOCKS>
-ETMLX_AVX2 void dot_avx2_int_blocks(const QuantizedMatrix& w, const PreparedRows& rows, int n_begin, int n_end,
+ETMLX_AVX2_TARGET void dot_avx2_int_blocks(const QuantizedMatrix& w, const PreparedRows& rows, int n_begin, int n_end,
                                     float* out, int64_t ldo) {
   int n = n_begin;
   if constexpr (M == 1) {  // two rows of W per pass, as the VNNI loop (each activation block loaded once for both)
@@ -244,7 +238,7 @@ void dot_avx2_int(const QuantizedMatrix& w, const PreparedRows& rows, int n_begi
 }
 
 template <int BITS, ScaleType T>
-ETMLX_AVX2 void dequantize_avx2(const QuantizedMatrix& w, int n_begin, int n_end, float* out) {
+ETMLX_AVX2_TARGET void dequantize_avx2(const QuantizedMatrix& w, int n_begin, int n_end, float* out) {
   constexpr int chunk_bytes = kChunk * BITS / 8;
   const int groups = w.k / w.group, chunks = w.group / kChunk;
   const int64_t row_bytes = static_cast<int64_t>(w.k) * BITS / 8;
@@ -589,15 +583,8 @@ ETMLX_VNNI_TARGET void prepare_integer_avx512(const float* x, int m, int k, int 
 // nearest even, clamp), the group's sum and residual summed in 8 float32 lanes, then reduced (the portable
 // loop sums them in double: both are within the loops' stated bounds).
 
-ETMLX_AVX2 ETMLX_INLINE float hmax_avx2(__m256 v) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_max_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // 32 int32 values (q[0] holds values 0-7, ..., q[3] 24-31, each in [-128, 127]) as 32 bytes in order.
-ETMLX_AVX2 ETMLX_INLINE __m256i narrow32(const __m256i q[4]) {
+ETMLX_AVX2_INLINE __m256i narrow32(const __m256i q[4]) {
   // packs work within 128-bit lanes: bytes come out as [q0 0-3, q1 0-3, q2 0-3, q3 0-3 | the 4-7s]; the word
   // permute restores the order.
   const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
@@ -606,7 +593,7 @@ ETMLX_AVX2 ETMLX_INLINE __m256i narrow32(const __m256i q[4]) {
 
 // A block's 64 bytes (v0: values 0-31, v1: 32-63) in PreparedRows::hi's order at 4 bits: the even values, then
 // the odd ones.
-ETMLX_AVX2 ETMLX_INLINE void place_block_avx2(__m256i v0, __m256i v1, int8_t* out) {
+ETMLX_AVX2_INLINE void place_block_avx2(__m256i v0, __m256i v1, int8_t* out) {
   const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
                                          0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
   // Per vector: [evens of its 32 values (16 bytes) | odds (16 bytes)].
@@ -616,7 +603,7 @@ ETMLX_AVX2 ETMLX_INLINE void place_block_avx2(__m256i v0, __m256i v1, int8_t* ou
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
-ETMLX_AVX2 void prepare_integer_avx2_impl(const float* x, int m, int k, int bits, int group,
+ETMLX_AVX2_TARGET void prepare_integer_avx2_impl(const float* x, int m, int k, int bits, int group,
                                           ActivationPrecision precision, int8_t* hi, int8_t* lo, float* steps,
                                           float* residuals, float* sums) {
   const int groups = k / group;
@@ -636,8 +623,8 @@ ETMLX_AVX2 void prepare_integer_avx2_impl(const float* x, int m, int k, int bits
         const __m256 d = _mm256_sub_ps(v, v);  // NaN for inf and NaN
         bad = _mm256_or_ps(bad, _mm256_cmp_ps(d, d, _CMP_UNORD_Q));
       }
-      sums[at] = hsum_avx2(sum);
-      const float most = hmax_avx2(largest);
+      sums[at] = avx2::hsum(sum);
+      const float most = avx2::hmax(largest);
       if (_mm256_movemask_ps(bad) != 0 || most == 0.0f) {  // as quantize_activation_group
         std::memset(hi + first, 0, group);
         if (int16) std::memset(lo + first, 0, group);
@@ -677,7 +664,7 @@ ETMLX_AVX2 void prepare_integer_avx2_impl(const float* x, int m, int k, int bits
         }
       }
       steps[at] = step;
-      residuals[at] = hsum_avx2(residual);
+      residuals[at] = avx2::hsum(residual);
     }
   }
 }
