@@ -45,6 +45,11 @@ ETMLX_AVX2_INLINE float hmax(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// Eight bfloat16 values as float32 (exact: a bfloat16 is a float32's high half).
+ETMLX_AVX2_INLINE __m256 bf16_to_f32(__m128i h) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
 // The mask of a vector's first n lanes (all 8 from n = 8 on), for maskload / maskstore.
 ETMLX_AVX2_INLINE __m256i first_lanes(int n) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(std::min(n, 8)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
