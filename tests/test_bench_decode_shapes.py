@@ -56,6 +56,26 @@ def test_parameter_count_matches_the_checkpoint(tmp_path):
     assert config["rope_theta"] == spec.rope_theta and config["tie_word_embeddings"]
 
 
+def test_bfloat16_quantized_directory_has_bfloat16_scales(tmp_path):
+    """--quantized-dtype bfloat16: mlx_lm.convert --dtype bfloat16 beside (not over) the float32-scale directory."""
+    import mlx.core as mx
+
+    float_dir = ckpt.cached(ckpt.CheckpointSpec(**TINY, architecture="qwen2"), tmp_path)
+    plain = ckpt.cached_quantized(float_dir, "int4", tmp_path)
+    bf16 = ckpt.cached_quantized(float_dir, "int4", tmp_path, "bfloat16")
+    assert bf16 != plain and ckpt.cached_quantized(float_dir, "int4", tmp_path, "bfloat16") == bf16
+    load = lambda d: {k: v for f in sorted(d.glob("*.safetensors")) for k, v in mx.load(str(f)).items()}
+    ours, theirs = load(bf16), load(plain)
+    assert ours.keys() == theirs.keys()
+    scales = [k for k in ours if k.endswith(".scales")]
+    assert scales and all(ours[k].dtype == mx.bfloat16 and theirs[k].dtype == mx.float32 for k in scales)
+    assert all(ours[k].dtype == mx.uint32 for k in ours if k.endswith(".weight") and theirs[k].dtype == mx.uint32)
+    with pytest.raises(ValueError, match="float dtype must be one of float32, bfloat16"):
+        ckpt.cached_quantized(float_dir, "int4", tmp_path, "float16")
+    with pytest.raises(ValueError, match="--quantized-dtype must be one of"):
+        decode_shapes.ShapeSettings(quantized_float_dtype="int8")
+
+
 def test_unknown_shape_is_one_line_error(tmp_path):
     with pytest.raises(ValueError, match="--shape must be one of qwen2.5-0.5b"):
         decode_shapes.run("qwen-9000", ("int4",), cache_dir=tmp_path)

@@ -4,7 +4,9 @@ One run builds (once, cached) a float32 random-weight checkpoint of that shape (
 SHAPES), converts it with `mlx_lm.convert -q` (group 64; int4 and/or int8), and times against each other:
 
   etmlx          `etmlx export --model <mlx-lm dir>` (its mlx-lm import: the same integers), through `Decoder`
-  mlx_lm         mlx-lm on that directory, float32 activations (the checkpoint's dtype)
+  mlx_lm         mlx-lm on that directory, activations in the directory's float dtype (float32 unless
+                 --quantized-dtype bfloat16, which converts with `mlx_lm.convert --dtype bfloat16`: scales,
+                 biases and norms in bfloat16, as published 4-bit models carry them)
   mlx_lm_bflo    the same integers with every float parameter cast to bfloat16 (bfloat16 activations)
   llama_cpp_*    llama.cpp (llama-cpp-python, `make bench-deps`) on the same float weights written as GGUF:
                  Q4_0 and F16 beside int4, Q8_0 beside int8 (bench/gguf_checkpoint.py); skipped, with a line
@@ -58,8 +60,14 @@ class ShapeSettings:
     repeats: int = 3
     seed: int = 0
     max_seq_len: int = 576  # the longest prompt + steps + 1, rounded up to a multiple of 64
+    # The mlx-lm directory's scales, biases and norms: float32 (the float checkpoint's) or bfloat16 (mlx_lm.convert
+    # --dtype bfloat16, as published 4-bit models have them: 0.5 bits a weight fewer at group 64).
+    quantized_float_dtype: str = "float32"
 
     def __post_init__(self):
+        if self.quantized_float_dtype not in ckpt.QUANTIZED_FLOAT_DTYPES:
+            raise ValueError(f"--quantized-dtype must be one of {', '.join(ckpt.QUANTIZED_FLOAT_DTYPES)}, "
+                             f"got {self.quantized_float_dtype!r}")
         if self.repeats < 1 or self.steps < 1 or not self.prompt_lens:
             raise ValueError("repeats and steps must be >= 1 and prompt_lens non-empty")
         if max(self.prompt_lens) + self.steps + 1 > self.max_seq_len:
@@ -119,11 +127,13 @@ def _engines(files: dict, max_seq_len: int) -> list:
 
 def measure(settings: ShapeSettings, spec: ckpt.CheckpointSpec, float_dir: Path, dtype: str, cache_dir: Path,
             with_llama_cpp: bool, log) -> dict:
-    quantized_dir = ckpt.cached_quantized(float_dir, dtype, cache_dir)
+    quantized_dir = ckpt.cached_quantized(float_dir, dtype, cache_dir, settings.quantized_float_dtype)
     log(f"{dtype}: {quantized_dir}")
     pte = programs.cached_pte(quantized_dir, "etmlx", settings.max_seq_len)
     export = export_in_child(quantized_dir, pte, settings.max_seq_len, log)
-    files = {"etmlx": pte, "mlx_lm": quantized_dir, "mlx_lm_bflo": quantized_dir}
+    files = {"etmlx": pte, "mlx_lm": quantized_dir}
+    if settings.quantized_float_dtype == "float32":  # else mlx_lm runs bfloat16 already
+        files["mlx_lm_bflo"] = quantized_dir
     if with_llama_cpp:
         from backends.mlx.bench.gguf_checkpoint import cached_gguf
 
@@ -223,7 +233,8 @@ def floor_tokens_per_s(report: dict, d: dict) -> float:
 def format_report(report: dict) -> str:
     s = report["settings"]
     lens = s["prompt_lens"]
-    lines = [f"{report['shape']}: {report['parameters'] / 1e6:.0f}M parameters, random weights; prompts "
+    lines = [f"{report['shape']}: {report['parameters'] / 1e6:.0f}M parameters, random weights, "
+             f"{s.get('quantized_float_dtype', 'float32')} scales; prompts "
              f"{'/'.join(map(str, lens))} tokens, {s['steps']} greedy decode steps, median of {s['repeats']}; "
              f"{report['machine']}; read bandwidth {report['read_bandwidth_gbs']:.1f} GB/s", ""]
     header = (f"{'dtype':<5} {'engine':<16} " + " ".join(f"{'prefill ' + str(n):>12}" for n in lens)
@@ -263,8 +274,9 @@ def format_report(report: dict) -> str:
 
 
 def main(shape: str, json_path: str | None = None, dtypes=("int4",), repeats: int | None = None,
-         cache_dir: str = "out/bench") -> int:
-    settings = ShapeSettings() if repeats is None else ShapeSettings(repeats=repeats)
+         cache_dir: str = "out/bench", quantized_float_dtype: str = "float32") -> int:
+    settings = ShapeSettings(quantized_float_dtype=quantized_float_dtype,
+                             **({} if repeats is None else {"repeats": repeats}))
     report = run(shape, tuple(dtypes), settings, Path(cache_dir))
     print(format_report(report))
     if json_path:

@@ -77,7 +77,9 @@ def _bench(args) -> int:
                 raise SystemExit("etmlx bench decode: --quick and --shape exclude each other")
             dtypes = dtypes if args.dtypes != DEFAULT_DECODE_DTYPES else ("int4",)
             return decode_shapes.main(args.shape, args.json, dtypes=dtypes, repeats=args.repeats,
-                                      cache_dir=args.cache_dir)
+                                      cache_dir=args.cache_dir, quantized_float_dtype=args.quantized_dtype or "float32")
+        if args.quantized_dtype:
+            raise SystemExit("etmlx bench decode: --quantized-dtype applies to --shape")
         return decode.main(args.json, quick=args.quick, dtypes=dtypes, repeats=args.repeats, cache_dir=args.cache_dir)
     if args.what == "structured":
         import json
@@ -165,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "program with --draft-tokens 8 against the plain one (Predicted Outputs, no drafts, a prediction "
                        "that never matches)")
     bench.add_argument("--dtypes", default=DEFAULT_DECODE_DTYPES, help="decode: comma-separated weight dtypes: float32, bfloat16, int4, int8 (mlx_lm.convert -q of the float32 checkpoint)")
+    bench.add_argument("--quantized-dtype", choices=("float32", "bfloat16"),
+                       help="decode --shape: the mlx-lm directory's scales, biases and norms (mlx_lm.convert --dtype): "
+                       "float32 (the float checkpoint's, default) or bfloat16 (as published 4-bit models carry them)")
     bench.add_argument("--cache-dir", default="out/bench", help="decode, prompt-cache, speculative: where checkpoints and programs are cached")
     bench.add_argument("--vocabs", help="comma-separated vocabulary sizes (default 32000,128256,262144)")
     bench.add_argument("--batches", help="comma-separated batch sizes (default 1,8)")

@@ -153,8 +153,16 @@ QUANTIZED = {"int4": 4, "int8": 8}
 GROUP_SIZE = 64
 
 
-def cached_quantized(float_dir: Path, scheme: str, cache_dir: Path) -> Path:
-    """`mlx_lm.convert(float_dir, quantize=True, q_bits, q_group_size=64)` under `cache_dir`, converted once."""
+# The float dtypes a quantized directory's other tensors (scales, biases, norms) may be cast to.
+QUANTIZED_FLOAT_DTYPES = ("float32", "bfloat16")
+
+
+def cached_quantized(float_dir: Path, scheme: str, cache_dir: Path, float_dtype: str = "float32") -> Path:
+    """`mlx_lm.convert(float_dir, quantize=True, q_bits, q_group_size=64)` under `cache_dir`, converted once.
+
+    float_dtype "bfloat16" is `mlx_lm.convert --dtype bfloat16`: the weights rounded to bfloat16 before they are
+    quantized (as a bfloat16 checkpoint's are) and the scales, biases and norms kept in bfloat16, as published
+    4-bit models carry them."""
     import contextlib
     import io
     import shutil
@@ -163,14 +171,19 @@ def cached_quantized(float_dir: Path, scheme: str, cache_dir: Path) -> Path:
 
     if scheme not in QUANTIZED:
         raise ValueError(f"scheme must be one of {sorted(QUANTIZED)}, got {scheme!r}")
-    directory = Path(cache_dir) / f"{Path(float_dir).name}-mlx-{scheme}-g{GROUP_SIZE}"
+    if float_dtype not in QUANTIZED_FLOAT_DTYPES:
+        raise ValueError(f"float dtype must be one of {', '.join(QUANTIZED_FLOAT_DTYPES)}, got {float_dtype!r}")
+    cast = float_dtype != "float32"
+    directory = Path(cache_dir) / (f"{Path(float_dir).name}-mlx-{scheme}-g{GROUP_SIZE}" + (f"-{float_dtype}" if cast else ""))
     marker = directory / "bench_source.json"
-    source = {"float": (Path(float_dir) / "bench_spec.json").read_text(), "scheme": scheme, "group_size": GROUP_SIZE}
+    source = {"float": (Path(float_dir) / "bench_spec.json").read_text(), "scheme": scheme, "group_size": GROUP_SIZE,
+              **({"float_dtype": float_dtype} if cast else {})}
     if marker.is_file() and json.loads(marker.read_text()) == source:
         return directory
     if directory.exists():  # another source or an interrupted conversion; convert refuses existing paths
         shutil.rmtree(directory)
     with contextlib.redirect_stdout(io.StringIO()):  # its [INFO] lines would interleave with the report
-        convert(str(float_dir), str(directory), quantize=True, q_bits=QUANTIZED[scheme], q_group_size=GROUP_SIZE)
+        convert(str(float_dir), str(directory), quantize=True, q_bits=QUANTIZED[scheme], q_group_size=GROUP_SIZE,
+                dtype=float_dtype if cast else None)
     marker.write_text(json.dumps(source))  # last: a directory without it is converted again
     return directory
