@@ -4,9 +4,9 @@ One run builds (once, cached) a float32 random-weight checkpoint of that shape (
 SHAPES), converts it with `mlx_lm.convert -q` (group 64; int4 and/or int8), and times against each other:
 
   etmlx          `etmlx export --model <mlx-lm dir>` (its mlx-lm import: the same integers), through `Decoder`
-  mlx_lm         mlx-lm on that directory, activations in the directory's float dtype (float32 unless
-                 --quantized-dtype bfloat16, which converts with `mlx_lm.convert --dtype bfloat16`: scales,
-                 biases and norms in bfloat16, as published 4-bit models carry them)
+  mlx_lm         mlx-lm on that directory, float32 activations (with --quantized-dtype bfloat16, the directory
+                 converted by `mlx_lm.convert --dtype bfloat16`, as published 4-bit models are: its bfloat16
+                 scales, biases and norms cast to float32 at load, exactly)
   mlx_lm_bflo    the same integers with every float parameter cast to bfloat16 (bfloat16 activations)
   llama_cpp_*    llama.cpp (llama-cpp-python, `make bench-deps`) on the same float weights written as GGUF:
                  Q4_0 and F16 beside int4, Q8_0 beside int8 (bench/gguf_checkpoint.py); skipped, with a line
@@ -117,7 +117,11 @@ def _engines(files: dict, max_seq_len: int) -> list:
         if name == "etmlx":
             made.append(EtmlxEngine(path))
         elif name == "mlx_lm":
-            made.append(MlxLmEngine(path))
+            # float32 activations whatever the directory's float dtype (a no-op for float32 scales): the values
+            # etmlx's program computes with, so that its greedy tokens can be compared with etmlx's.
+            engine = MlxLmEngine(path, activations="float32")
+            engine.name = "mlx_lm"
+            made.append(engine)
         elif name == "mlx_lm_bflo":
             made.append(MlxLmEngine(path, activations="bfloat16"))
         else:
@@ -131,9 +135,7 @@ def measure(settings: ShapeSettings, spec: ckpt.CheckpointSpec, float_dir: Path,
     log(f"{dtype}: {quantized_dir}")
     pte = programs.cached_pte(quantized_dir, "etmlx", settings.max_seq_len)
     export = export_in_child(quantized_dir, pte, settings.max_seq_len, log)
-    files = {"etmlx": pte, "mlx_lm": quantized_dir}
-    if settings.quantized_float_dtype == "float32":  # else mlx_lm runs bfloat16 already
-        files["mlx_lm_bflo"] = quantized_dir
+    files = {"etmlx": pte, "mlx_lm": quantized_dir, "mlx_lm_bflo": quantized_dir}
     if with_llama_cpp:
         from backends.mlx.bench.gguf_checkpoint import cached_gguf
 

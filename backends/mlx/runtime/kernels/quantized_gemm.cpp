@@ -156,6 +156,22 @@ void pack_panels(const float* x, int m, int k, float* panels) {
   parallel_for(blocks, 1, range);
 }
 
+// ETMLX_QMM_GEMM=blas: every many-row product takes the dequantize-then-BLAS path (for A/B runs).
+bool blas_asked() {
+  static const bool asked = [] {
+    const char* gemm = std::getenv("ETMLX_QMM_GEMM");
+    return gemm != nullptr && std::strcmp(gemm, "blas") == 0;
+  }();
+  return asked;
+}
+
+// The AVX2 integer GEMM serves where the few-row loop in use is AVX2's (so ETMLX_QMM_ISA=scalar keeps the
+// dequantize-then-BLAS path) and nothing asked for that path.
+bool avx2_integer(int bits, int group) {
+  static const bool ok = !blas_asked() && std::strcmp(quantized_rows_isa(), "avx2") == 0;
+  return ok && quantized_gemm_avx2_available(bits, group);
+}
+
 }  // namespace
 
 bool quantized_gemm_available() {
@@ -163,24 +179,10 @@ bool quantized_gemm_available() {
     if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))) {
       return false;
     }
-    const char* gemm = std::getenv("ETMLX_QMM_GEMM");
-    if (gemm != nullptr && std::strcmp(gemm, "blas") == 0) return false;
-    return std::strcmp(quantized_rows_isa(), "avx512") == 0;
+    return !blas_asked() && std::strcmp(quantized_rows_isa(), "avx512") == 0;
   }();
   return ok;
 }
-
-namespace {
-// The AVX2 integer GEMM serves where the few-row loop in use is AVX2's (so ETMLX_QMM_ISA=scalar keeps the
-// dequantize-then-BLAS path) and nothing asked for that path (ETMLX_QMM_GEMM=blas).
-bool avx2_integer(int bits, int group) {
-  static const bool ok = [] {
-    const char* gemm = std::getenv("ETMLX_QMM_GEMM");
-    return !(gemm != nullptr && std::strcmp(gemm, "blas") == 0) && std::strcmp(quantized_rows_isa(), "avx2") == 0;
-  }();
-  return ok && quantized_gemm_avx2_available(bits, group);
-}
-}  // namespace
 
 bool quantized_gemm_integer(int bits, int group) {
   if (activation_precision() == ActivationPrecision::float32) return false;
