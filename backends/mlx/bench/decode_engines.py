@@ -66,12 +66,21 @@ class MlxLmEngine:
 
     def __init__(self, checkpoint: Path, activations: str | None = None):
         """activations: None runs the checkpoint's float dtype; "bfloat16" casts every float parameter
-        (norms, scales and biases of quantized layers) to it, keeping the same packed integers."""
+        (norms, scales and biases of quantized layers) to it, keeping the same packed integers; "float32" casts
+        the float parameters but quantized layers' scales and biases, as `etmlx export` does with a bfloat16
+        directory (a bf16-scale embedding then dequantizes to bf16 values, as in MLX: the same numbers as
+        etmlx's program). A float32 directory runs as it is either way."""
         import mlx.core as mx
         import mlx_lm
+        from mlx.utils import tree_map_with_path
 
         self.model, _ = mlx_lm.load(str(checkpoint))
-        if activations is not None:
+        if activations == "float32":
+            keep = lambda path, x: path.endswith(("scales", "biases")) or not mx.issubdtype(x.dtype, mx.floating)
+            self.model.update(tree_map_with_path(lambda path, x: x if keep(path, x) else x.astype(mx.float32),
+                                                 self.model.parameters()))
+            self.name = "mlx_lm_floa"
+        elif activations is not None:
             self.model.set_dtype(getattr(mx, activations))
             self.name = f"mlx_lm_{activations[:4]}"
 

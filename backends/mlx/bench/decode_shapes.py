@@ -5,8 +5,8 @@ SHAPES), converts it with `mlx_lm.convert -q` (group 64; int4 and/or int8), and 
 
   etmlx          `etmlx export --model <mlx-lm dir>` (its mlx-lm import: the same integers), through `Decoder`
   mlx_lm         mlx-lm on that directory, float32 activations (with --quantized-dtype bfloat16, the directory
-                 converted by `mlx_lm.convert --dtype bfloat16`, as published 4-bit models are: its bfloat16
-                 scales, biases and norms cast to float32 at load, exactly)
+                 converted by `mlx_lm.convert --dtype bfloat16`, as published 4-bit models are: its norms cast
+                 to float32, its bfloat16 scales and biases kept, as etmlx's export does)
   mlx_lm_bflo    the same integers with every float parameter cast to bfloat16 (bfloat16 activations)
   llama_cpp_*    llama.cpp (llama-cpp-python, `make bench-deps`) on the same float weights written as GGUF:
                  Q4_0 and F16 beside int4, Q8_0 beside int8 (bench/gguf_checkpoint.py); skipped, with a line
@@ -117,8 +117,8 @@ def _engines(files: dict, max_seq_len: int) -> list:
         if name == "etmlx":
             made.append(EtmlxEngine(path))
         elif name == "mlx_lm":
-            # float32 activations whatever the directory's float dtype (a no-op for float32 scales): the values
-            # etmlx's program computes with, so that its greedy tokens can be compared with etmlx's.
+            # float32 activations whatever the directory's float dtype (a no-op for float32 scales), its scales
+            # and biases as stored, as etmlx's export takes them: its greedy tokens compare with etmlx's.
             engine = MlxLmEngine(path, activations="float32")
             engine.name = "mlx_lm"
             made.append(engine)

@@ -119,22 +119,19 @@ template <ScaleType T>
 ETMLX_AVX2_INLINE __m256 group_values8(const void* base, int64_t at, int count) {
   if constexpr (T == ScaleType::f32) {
     if (count == 8) return _mm256_loadu_ps(static_cast<const float*>(base) + at);
-    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    return _mm256_maskload_ps(static_cast<const float*>(base) + at,
-                              _mm256_cmpgt_epi32(_mm256_set1_epi32(count), lanes));
+    return _mm256_maskload_ps(static_cast<const float*>(base) + at, avx2::first_lanes(count));
   } else if constexpr (T == ScaleType::bf16) {
     // A bfloat16 is a float32's high half: widen to 32 bits, shift into place. (A scalar loop through the
     // stack here, or a partial copy there, stalled the load after it: ~30% of a 4-bit Qwen2.5-0.5B's decode
-    // step on AVX2, whose ~455k W rows a step each read 24 of these values, 14 groups a row.)
+    // step on AVX2, whose ~455k W rows a step each read their 14 groups' scales and biases here.)
     const uint16_t* p = static_cast<const uint16_t*>(base) + at;
     if (count == 8) return avx2::bf16_to_f32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(count), lanes);
     if (at + count >= 8) {
+      const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
       // The 8 values that end with the last one wanted (all inside the array), moved down 8 - count lanes.
       const __m256i v = _mm256_castps_si256(avx2::bf16_to_f32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + count - 8))));
       const __m256i moved = _mm256_permutevar8x32_epi32(v, _mm256_add_epi32(lanes, _mm256_set1_epi32(8 - count)));
-      return _mm256_castsi256_ps(_mm256_and_si256(moved, keep));
+      return _mm256_castsi256_ps(_mm256_and_si256(moved, avx2::first_lanes(count)));
     }
     alignas(16) uint16_t v[8] = {};
     std::memcpy(v, p, sizeof(uint16_t) * count);
