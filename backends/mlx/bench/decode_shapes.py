@@ -119,9 +119,7 @@ def _engines(files: dict, max_seq_len: int) -> list:
         elif name == "mlx_lm":
             # float32 activations whatever the directory's float dtype (a no-op for float32 scales), its scales
             # and biases as stored, as etmlx's export takes them: its greedy tokens compare with etmlx's.
-            engine = MlxLmEngine(path, activations="float32")
-            engine.name = "mlx_lm"
-            made.append(engine)
+            made.append(MlxLmEngine(path, activations="float32"))
         elif name == "mlx_lm_bflo":
             made.append(MlxLmEngine(path, activations="bfloat16"))
         else:

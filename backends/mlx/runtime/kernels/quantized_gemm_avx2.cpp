@@ -21,8 +21,6 @@ namespace etmlx::kernels {
 
 namespace {
 
-#define ETMLX_INLINE inline __attribute__((always_inline))
-
 constexpr int kTileW = 8;                // W rows per tile: one int32 lane each
 constexpr int kTileX = 4;                // activation rows per register tile
 constexpr int kStepBytes = kTileW * 4;  // one k step (4 values) of a W tile: one vector
