@@ -200,6 +200,9 @@ CASES = [
     Case("unsqueeze_squeeze", lambda a: (a.unsqueeze(1), a.unsqueeze(0).squeeze(0), a.unsqueeze(-1).squeeze()),
          one()),
     Case("expand", lambda a: a.unsqueeze(0).expand(3, *a.shape), one()),
+    # The same cast of one array, repeated (made once per call: Interpreter::shared_view), and a cast of another.
+    Case("cast_repeated", lambda a: (a.to(torch.float16) * 2, a.to(torch.float16) + 1, (a * 3).to(torch.float16),
+                                     a.to(torch.int32) - 1), one(), FLOATS),
     Case("slice", lambda a: (a[..., 1:], a[::2], a[-2:], a[..., 1:-1:2]), one()),
     Case("select", lambda a: (a[0], a[-1]), one()),
     Case("cat", lambda a, b: (torch.cat([a, b], 0), torch.cat([a, b, a], -1)), two()),

@@ -18,12 +18,12 @@ from helpers import export_fn
 from quantized_bounds import quantized_product_bound
 
 PARAMS = [(bits, group) for bits in (4, 8) for group in (32, 64, 128)]
-MX_DTYPES = {torch.float32: mx.float32, torch.bfloat16: mx.bfloat16}
+MX_DTYPES = {torch.float32: mx.float32, torch.bfloat16: mx.bfloat16, torch.float16: mx.float16}
 
 
 def _mx(t: torch.Tensor):
-    if t.dtype == torch.bfloat16:
-        return mx.array(t.float().numpy()).astype(mx.bfloat16)
+    if t.dtype in (torch.bfloat16, torch.float16):
+        return mx.array(t.float().numpy()).astype(MX_DTYPES[t.dtype])
     return mx.array(t.numpy())
 
 
@@ -111,6 +111,33 @@ def test_quantized_linear_and_embedding_match_mlx_kernels(bits, group, dtype, ke
         assert (np.abs(linear.numpy() - eager_linear.detach().numpy()) <= slack).all()
     # The reference computes scale * q + bias as MLX does, in the scales' dtype one operation at a time.
     torch.testing.assert_close(embedding, eager_embedding, **(dict(rtol=0, atol=0) if dtype == torch.bfloat16 else dict(rtol=0, atol=1e-6)))
+
+
+class _Embedding(torch.nn.Module):
+    def __init__(self, bits, group, dtype):
+        super().__init__()
+        # Scales of every size (a wide range of magnitudes), so that the products round in many ways.
+        weight = torch.randn(300, 256) * torch.logspace(-3, 2, 300).unsqueeze(1)
+        self.embedding = QuantizedEmbedding(*quantize_tensor(weight.to(dtype), group, bits), group, bits)
+
+    def forward(self, ids):
+        return self.embedding(ids)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bits,group", [(4, 64), (8, 32), (4, 128)])
+def test_cpu_embedding_lookup_is_mlx_dequantize_bit_for_bit(bits, group, dtype, monkeypatch):
+    # The cpu set's host loop (kernels/quantized_embedding_cpu.cpp) in each scales dtype: q cast to it, times
+    # the scale, plus the bias, each rounded to that dtype as MLX's dequantize does (one rounding of the
+    # float32 q * scale + bias differs: checked).
+    monkeypatch.setenv("ETMLX_KERNELS", "cpu")
+    model = _Embedding(bits, group, dtype)
+    ids = torch.randint(0, 300, (3, 40))
+    (looked_up,) = run(export_fn(model, [ids]).pte, [ids])
+    e = model.embedding
+    rows = mx.dequantize(_mx(e.weight), _mx(e.scales), _mx(e.biases), group_size=group, bits=bits)
+    assert looked_up.dtype == dtype
+    np.testing.assert_array_equal(looked_up.float().numpy(), np.array(rows.astype(mx.float32))[ids.numpy()])
 
 
 def test_bad_parameters_are_one_line_errors():

@@ -7,6 +7,13 @@ fused; prefill (many rows) and non-float32 activations keep the per-linear path.
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -18,6 +25,7 @@ from backends.mlx.llm.quantize.modules import QuantizedLinear
 from backends.mlx.runtime import fused_node_counts, kernels_info
 from backends.mlx.runtime.runner import load_method
 
+ROOT = Path(__file__).resolve().parents[1]
 K = 256
 GROUP, BITS = 64, 4
 
@@ -165,7 +173,9 @@ def _rotate_half(x):
 
 class _QkRope(torch.nn.Module):
     """A layer's q and k rotated by the same tables (two RopeNodes in a row: one node on the cpu set), and
-    with `chained` k rotated from q's result, or with `other_tables` by its own tables (no pair)."""
+    with `chained` k rotated from q's result, or with `other_tables` by its own tables (no pair). A bfloat16
+    model's tables (`half_tables`: cast to bfloat16, then promoted back by each product, a cast before each
+    RopeNode) still make one node; tables rounded through float16 for k (`half_tables_apart`) do not."""
 
     def __init__(self, variant: str):
         super().__init__()
@@ -179,13 +189,19 @@ class _QkRope(torch.nn.Module):
         rq = q * cos + _rotate_half(q) * sin
         if self.variant == "chained":
             return rq, rq[:, :2] * cos + _rotate_half(rq[:, :2]) * sin
+        if self.variant.startswith("half_tables"):
+            cos, sin = cos.bfloat16(), sin.bfloat16()
+            rq = q * cos + _rotate_half(q) * sin
+            if self.variant == "half_tables_apart":
+                cos, sin = cos.half(), sin.half()
+            return rq, k * cos + _rotate_half(k) * sin
         if self.variant == "other_tables":
             cos2, sin2 = (emb * 0.5).cos().unsqueeze(1), (emb * 0.5).sin().unsqueeze(1)
             return rq, k * cos2 + _rotate_half(k) * sin2
         return rq, k * cos + _rotate_half(k) * sin
 
 
-@pytest.mark.parametrize("variant", ["pair", "chained", "other_tables"])
+@pytest.mark.parametrize("variant", ["pair", "chained", "other_tables", "half_tables", "half_tables_apart"])
 def test_q_and_k_rotations_as_one_node_give_the_same_bits(variant, monkeypatch):
     monkeypatch.setenv("ETMLX_KERNELS", "cpu")
     torch.manual_seed(9)
@@ -195,9 +211,40 @@ def test_q_and_k_rotations_as_one_node_give_the_same_bits(variant, monkeypatch):
     assert result.ops_outside == 0
     fused, built = _run(result.pte, xs, monkeypatch, fuse=True)
     alone, built_alone = _run(result.pte, xs, monkeypatch, fuse=False)
-    assert built["rope_pairs"] == (1 if variant == "pair" else 0), built
+    assert built["rope_pairs"] == (1 if variant in ("pair", "half_tables") else 0), built
     assert built_alone["rope_pairs"] == 0
     for i, (a, b) in enumerate(zip(fused, alone)):
         assert a.shape == b.shape and np.array_equal(a, b), f"output {i} differs fused"
     for got, ref in zip(fused, model(*xs)):  # and they are the rotations (a swapped pair would agree with itself)
         torch.testing.assert_close(torch.from_numpy(got).view(torch.float32), ref, atol=1e-5, rtol=1e-5)
+
+
+_CALL = """
+import sys, torch
+from backends.mlx.runtime.runner import load_method
+pte = sys.argv[1]
+torch.manual_seed(9)
+xs = [torch.randn(1, 4, 3, 8) * 3, torch.randn(1, 2, 3, 8) * 3, torch.tensor([7, 8, 9])]
+load_method(open(pte, "rb").read()).execute(xs)
+"""
+
+
+def test_a_bfloat16_models_table_casts_are_made_once_per_call(tmp_path):
+    # The exporter casts a bfloat16 model's cos and sin back to float32 before each rotation; the interpreter
+    # makes the cast of a small array once per call (Interpreter::shared_view), so q and k's casts are one
+    # node each and the two rotations one node.
+    from backends.mlx.exporter.inspect_pte import TAG_NAMES, delegate_blobs
+    from backends.mlx.serialization.serializer import deserialize
+
+    pte = tmp_path / "half_tables.pte"
+    export_to_pte(_QkRope("half_tables"), (torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8),
+                                           torch.tensor([7, 8, 9]))).save(pte)
+    graph = deserialize(delegate_blobs(pte.read_bytes())[0])
+    casts = sum(TAG_NAMES.get(i.nodeType) == "AsTypeNode" for i in graph.instructions)
+    assert casts >= 6, "the program no longer casts the tables before each rotation"  # 2 down, 2 up per rotation
+    dot = tmp_path / "call.dot"
+    done = subprocess.run([sys.executable, "-c", _CALL, str(pte)], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT, env=dict(os.environ, ETMLX_DOT=str(dot), ETMLX_KERNELS="cpu"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    kinds = Counter(re.findall(r'label ="([A-Za-z_]+)"', dot.read_text()))
+    assert kinds["AsType"] == 4 and kinds["RopePairCpu"] == 1 and kinds["RopeCpu"] == 0, kinds  # down once, up once

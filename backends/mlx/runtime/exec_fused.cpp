@@ -228,6 +228,11 @@ bool Interpreter::rope_pair(const fb::RopeNode& n, const mx::array& x, const mx:
   const fb::RopeNode* k = program_.graph->instructions()->Get(at)->node_as_RopeNode();
   const mx::array* kx = peek(k->x());
   if (kx == nullptr) return false;  // not made yet: each runs on its own
+  // k's tables in other slots are casts of q's (linear_groups.cpp), one array only when shared_view keeps it.
+  if ((k->cos()->idx() != n.cos()->idx() || k->sin()->idx() != n.sin()->idx()) &&
+      std::max(cos.size(), sin.size()) > kMaxShared) {
+    return false;
+  }
   // The partner's own checks (exec_rope's, for tables in x's dtype): else it runs, and reports, on its own.
   if (kx->dtype() != x.dtype() || kx->ndim() == 0 || kx->shape(-1) != x.shape(-1) || !broadcasts_to(cos, *kx) ||
       !broadcasts_to(sin, *kx)) {

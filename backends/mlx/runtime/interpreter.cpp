@@ -378,7 +378,11 @@ bool Interpreter::exec_as_type(const fb::AsTypeNode& n) {
   if (!x) return false;
   const auto dt = to_mlx(n.dtype());
   if (!dt) return fail("has unknown dtype %d", static_cast<int>(n.dtype()));
-  return write(n.out(), mx::astype(*x, *dt));
+  if (x->dtype() == *dt) return write(n.out(), *x);
+  const std::vector<int> to = {static_cast<int>(dt->val()), static_cast<int>(dt->size())};
+  return write(n.out(), shared_view(5, *x, to, [](const mx::array& a, const std::vector<int>& d) {
+                 return mx::astype(a, mx::Dtype(static_cast<mx::Dtype::Val>(d[0]), static_cast<uint8_t>(d[1])));
+               }));
 }
 
 bool Interpreter::exec_copy(const fb::CopyNode& n) {
@@ -640,7 +644,6 @@ mx::array Interpreter::shared_view(int op, const mx::array& x, std::vector<int> 
                                    mx::array (*make)(const mx::array&, const std::vector<int>&)) {
   // Small arrays only: a kept view keeps its input alive to the end of the call, which for activations
   // (a prefill's) would hold memory MLX could otherwise reuse.
-  constexpr size_t kMaxShared = 4096;
   if (x.size() > kMaxShared) return make(x, args);
   auto key = std::make_tuple(op, x.id(), std::move(args));
   auto it = views_.find(key);

@@ -192,11 +192,13 @@ class Interpreter {
   // here (the RoPE then runs as usual). exec_fused.cpp.
   bool rope_pair(const fb::RopeNode& n, const mlx::core::array& x, const mlx::core::array& cos,
                  const mlx::core::array& sin);
-  // A shape-only op's result (reshape, broadcast, expand_dims, transpose; op 4: RoPE's offset as int32) of a
-  // small array: the one
-  // made earlier in this call for the same (op, input array, arguments), or made now by `make` and kept.
-  // The exporter repeats such ops per layer over the same array (RoPE's cos/sin tables, the KV-cache
-  // positions): each repeat would be another graph node, and a fresh id defeats normalized_indices.
+  // A shape-only op's result (reshape, broadcast, expand_dims, transpose; op 4: RoPE's offset as int32; op 5:
+  // a cast) of a small array (<= kMaxShared values): the one made earlier in this call for the same (op, input
+  // array, arguments), or made now by `make` and kept. The exporter repeats such ops per layer over the same
+  // array (RoPE's cos/sin tables, cast back to float32 before each layer's q and k in a bfloat16 model; the
+  // KV-cache positions): each repeat would be another graph node, and a fresh id defeats normalized_indices
+  // and the RoPE pair (rope_pair).
+  static constexpr size_t kMaxShared = 4096;
   mlx::core::array shared_view(int op, const mlx::core::array& x, std::vector<int> args,
                                mlx::core::array (*make)(const mlx::core::array&, const std::vector<int>&));
   std::map<std::tuple<int, std::uintptr_t, std::vector<int>>, mlx::core::array> views_;
