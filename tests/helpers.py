@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import re
+from collections import Counter
+from pathlib import Path
+
 import torch
 
 from backends.mlx.exporter.export import export_to_pte
@@ -109,3 +113,8 @@ def tiny_llama(vocab: int, seed: int, head_scale: float, hidden: int = 32, layer
     with torch.no_grad():
         model.lm_head.weight.mul_(head_scale)
     return model
+
+
+def graph_node_kinds(dot: Path) -> Counter:
+    """How many nodes of each kind an ETMLX_DOT file (a call's MLX graph as Graphviz) holds."""
+    return Counter(re.findall(r'label ="([A-Za-z_]+)"', Path(dot).read_text()))

@@ -9,7 +9,6 @@ value the device computes is left to MLX; and a draft program's step without dra
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 from collections import Counter
@@ -19,6 +18,7 @@ import pytest
 import torch
 
 from backends.mlx.exporter.export import export_to_pte
+from helpers import graph_node_kinds
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,10 +56,6 @@ _FOLDED = ["CumSum", "Minimum", "Maximum", "GreaterEqual", "GatherAxis", "Gather
            "LogicalNot"]
 
 
-def _kinds(dot: Path) -> Counter:
-    return Counter(re.findall(r'label ="([A-Za-z_]+)"', dot.read_text()))
-
-
 def _run(pte: Path, tmp_path: Path, fold: str) -> tuple[list, list, Counter]:
     dot, saved = tmp_path / f"call-{fold}.dot", tmp_path / f"call-{fold}.pt"
     env = {"ETMLX_DOT": str(dot), "ETMLX_HOST_FOLD": fold, "PATH": "/usr/bin:/bin"}
@@ -67,7 +63,7 @@ def _run(pte: Path, tmp_path: Path, fold: str) -> tuple[list, list, Counter]:
                           timeout=300, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
     inputs, got = torch.load(saved)
-    return inputs, got, _kinds(dot)
+    return inputs, got, graph_node_kinds(dot)
 
 
 def test_index_arithmetic_on_the_hosts_inputs_leaves_the_graph(tmp_path):
@@ -107,7 +103,7 @@ def test_a_draft_program_step_without_drafts_asks_for_fewer_nodes(tmp_path):
                               env={"ETMLX_DOT": str(dot), "ETMLX_HOST_FOLD": fold})
         assert done.returncode == 0, done.stderr[-2000:]
         tokens[fold] = json.loads(done.stdout.strip().splitlines()[-1])["tokens"]
-        nodes[fold] = sum(_kinds(dot).values())
+        nodes[fold] = sum(graph_node_kinds(dot).values())
     assert tokens["1"] == tokens["0"] and len(tokens["1"]) == 12
     assert nodes["1"] < nodes["0"] - 20, nodes
     print(nodes)

@@ -8,10 +8,8 @@ fused; prefill (many rows) and non-float32 activations keep the per-linear path.
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +22,7 @@ from backends.mlx.llm.quantize.affine import quantize_tensor
 from backends.mlx.llm.quantize.modules import QuantizedLinear
 from backends.mlx.runtime import fused_node_counts, kernels_info
 from backends.mlx.runtime.runner import load_method
+from helpers import graph_node_kinds
 
 ROOT = Path(__file__).resolve().parents[1]
 K = 256
@@ -233,18 +232,18 @@ def test_a_bfloat16_models_table_casts_are_made_once_per_call(tmp_path):
     # The exporter casts a bfloat16 model's cos and sin back to float32 before each rotation; the interpreter
     # makes the cast of a small array once per call (Interpreter::shared_view), so q and k's casts are one
     # node each and the two rotations one node.
-    from backends.mlx.exporter.inspect_pte import TAG_NAMES, delegate_blobs
+    from backends.mlx.exporter.inspect_pte import delegate_blobs, instruction_kinds
     from backends.mlx.serialization.serializer import deserialize
 
     pte = tmp_path / "half_tables.pte"
     export_to_pte(_QkRope("half_tables"), (torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8),
                                            torch.tensor([7, 8, 9]))).save(pte)
     graph = deserialize(delegate_blobs(pte.read_bytes())[0])
-    casts = sum(TAG_NAMES.get(i.nodeType) == "AsTypeNode" for i in graph.instructions)
+    casts = instruction_kinds(graph)["AsTypeNode"]
     assert casts >= 6, "the program no longer casts the tables before each rotation"  # 2 down, 2 up per rotation
     dot = tmp_path / "call.dot"
     done = subprocess.run([sys.executable, "-c", _CALL, str(pte)], capture_output=True, text=True, timeout=300,
                           cwd=ROOT, env=dict(os.environ, ETMLX_DOT=str(dot), ETMLX_KERNELS="cpu"))
     assert done.returncode == 0, done.stderr[-2000:]
-    kinds = Counter(re.findall(r'label ="([A-Za-z_]+)"', dot.read_text()))
+    kinds = graph_node_kinds(dot)
     assert kinds["AsType"] == 4 and kinds["RopePairCpu"] == 1 and kinds["RopeCpu"] == 0, kinds  # down once, up once

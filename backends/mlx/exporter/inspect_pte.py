@@ -25,13 +25,18 @@ def delegate_blobs(pte: bytes) -> list[bytes]:
     return blobs
 
 
+def instruction_kinds(graph) -> Counter:
+    """How many instructions of each node kind a deserialized delegate graph holds."""
+    return Counter(TAG_NAMES.get(ins.nodeType, f"tag{ins.nodeType}") for ins in graph.instructions or [])
+
+
 def describe(path: Path) -> str:
     pte = Path(path).read_bytes()
     blobs = delegate_blobs(pte)
     lines = [f"{path}: {len(pte)} bytes, {len(blobs)} etmlx delegate blob(s)"]
     for i, blob in enumerate(blobs):
         g = deserialize(blob)
-        kinds = Counter(TAG_NAMES.get(ins.nodeType, f"tag{ins.nodeType}") for ins in g.instructions or [])
+        kinds = instruction_kinds(g)
         lines.append(f"  blob {i}: {len(blob)} bytes, {g.numTensors} tensor slots, {g.numValues} value slots, "
                      f"{len(g.constants or [])} constants ({sum(1 for c in g.constants or [] if c.key)} in named data), "
                      f"{len(g.inputs or [])} inputs, "

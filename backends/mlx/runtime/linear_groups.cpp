@@ -84,12 +84,12 @@ size_t plan_linear_groups(Program& p) {
   p.rope_partner.assign(instrs->size(), -1);
   bool any_norm = false, any_rope = false;
   std::vector<std::pair<uint32_t, int32_t>> cast_of;  // by slot: the slot and dtype an AsType made it from
-  auto note_cast = [&](const fb::Instruction* instr) {
-    const fb::AsTypeNode* c = instr->node_as_AsTypeNode();
-    if (c == nullptr || c->out() == nullptr || c->x() == nullptr) return;
+  for (flatbuffers::uoffset_t i = 0; i < instrs->size(); ++i) {
+    const fb::AsTypeNode* c = instrs->Get(i) ? instrs->Get(i)->node_as_AsTypeNode() : nullptr;
+    if (c == nullptr || c->out() == nullptr || c->x() == nullptr) continue;
     if (c->out()->idx() >= cast_of.size()) cast_of.resize(c->out()->idx() + 1, {UINT32_MAX, -1});
     cast_of[c->out()->idx()] = {c->x()->idx(), static_cast<int32_t>(c->dtype())};
-  };
+  }
   Program::LinearGroup open;  // the group being collected
   const fb::QuantizedLinearNode* first = nullptr;
   auto close = [&] {
@@ -110,14 +110,12 @@ size_t plan_linear_groups(Program& p) {
       const fb::RmsNormNode* norm = instrs->Get(i + 1)->node_as_RmsNormNode();
       if (norm && slot(norm->x()) == add->out()->idx()) p.norm_after_add[i] = static_cast<int32_t>(i + 1), any_norm = true;
     }
-    note_cast(instr);
     if (const fb::RopeNode* q = instr->node_as_RopeNode(); q && q->out()) {
       // k's rotation follows q's, with at most the casts of k's tables between them.
       uint32_t j = i + 1;
       while (j < instrs->size() && j <= i + 4 && instrs->Get(j) && instrs->Get(j)->node_as_AsTypeNode()) ++j;
       const fb::RopeNode* k = j < instrs->size() && instrs->Get(j) ? instrs->Get(j)->node_as_RopeNode() : nullptr;
       if (k && k->out() && slot(k->offset()) == slot(q->offset()) && slot(k->x()) != q->out()->idx()) {
-        for (uint32_t c = i + 1; c < j; ++c) note_cast(instrs->Get(c));  // k's casts, before the loop reaches them
         if (same_table(cast_of, slot(q->cos()), slot(k->cos())) && same_table(cast_of, slot(q->sin()), slot(k->sin()))) {
           p.rope_partner[i] = static_cast<int32_t>(j), any_rope = true;
         }
