@@ -196,36 +196,49 @@ struct Softmax {
     std::fill(s + seen, s + keys, 0.0f);
   }
 
-  // row() 8 lanes at a time (an AVX2 CPU: prefill's softmax and the decode loop's).
+  // row() 8 lanes at a time (an AVX2 CPU: prefill's softmax and the decode loop's). Whole vectors use plain
+  // loads and stores and only a row's last, partial vector the masked ones: on AMD's Zen a masked 256-bit store
+  // is microcoded (several cycles each), and three passes of them were ~half of the row's time.
   ETMLX_AVX2_TARGET void row_avx2(float* s, int64_t r) const {
     const int64_t b = r / (int64_t{heads} * rows_l), h = (r / rows_l) % heads, l = r % rows_l;
     const int seen = causal_offset < 0 ? keys : static_cast<int>(std::clamp<int64_t>(l + causal_offset + 1, 0, keys));
     const int64_t at = b * mask.sb + h * mask.sh + l * mask.sl;
     const float ninf_s = -std::numeric_limits<float>::infinity();
     const __m256 vscale = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(ninf_s);
-    __m256 vmax = ninf;
-    for (int j = 0; j < seen; j += 8) {
-      const int n = std::min(8, seen - j);
-      const __m256i m = avx2::first_lanes(n);
-      __m256 x = _mm256_mul_ps(_mm256_maskload_ps(s + j, m), vscale);
-      if (mask.data != nullptr) {
-        if (mask.ss == 0) {  // one mask value for the whole row
-          if (mask.boolean) {
-            if (!static_cast<const uint8_t*>(mask.data)[at]) x = ninf;
-          } else {
-            x = _mm256_add_ps(x, _mm256_set1_ps(static_cast<const float*>(mask.data)[at]));
-          }
-        } else if (mask.boolean) {
-          alignas(8) uint8_t bytes[8] = {};
-          std::memcpy(bytes, static_cast<const uint8_t*>(mask.data) + at + j, n);
-          const __m256i flags = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
-          x = _mm256_blendv_ps(ninf, x, _mm256_castsi256_ps(_mm256_cmpgt_epi32(flags, _mm256_setzero_si256())));
-        } else {
-          x = _mm256_add_ps(x, _mm256_maskload_ps(static_cast<const float*>(mask.data) + at + j, m));
-        }
+    const int whole = seen & ~7, rest = seen - whole;
+    const __m256i tail = avx2::first_lanes(rest);
+    // Scores times the scale plus the mask at keys j..j+n (n <= 8; lanes past n are the loaded zeros).
+    auto scaled = [&](int j, int n, __m256 x) ETMLX_AVX2_TARGET {
+      x = _mm256_mul_ps(x, vscale);
+      if (mask.data == nullptr) return x;
+      if (mask.ss == 0) {  // one mask value for the whole row
+        if (mask.boolean) return static_cast<const uint8_t*>(mask.data)[at] ? x : ninf;
+        return _mm256_add_ps(x, _mm256_set1_ps(static_cast<const float*>(mask.data)[at]));
       }
-      x = _mm256_blendv_ps(ninf, x, _mm256_castsi256_ps(m));  // lanes past the row: -inf for the max
-      _mm256_maskstore_ps(s + j, m, x);
+      if (mask.boolean) {
+        const uint8_t* src = static_cast<const uint8_t*>(mask.data) + at + j;
+        int64_t word = 0;
+        if (n == 8) {
+          std::memcpy(&word, src, 8);
+        } else {
+          std::memcpy(&word, src, n);
+        }
+        const __m256i flags = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(word));
+        return _mm256_blendv_ps(ninf, x, _mm256_castsi256_ps(_mm256_cmpgt_epi32(flags, _mm256_setzero_si256())));
+      }
+      const float* add = static_cast<const float*>(mask.data) + at + j;
+      return _mm256_add_ps(x, n == 8 ? _mm256_loadu_ps(add) : _mm256_maskload_ps(add, avx2::first_lanes(n)));
+    };
+    __m256 vmax = ninf;
+    for (int j = 0; j < whole; j += 8) {
+      const __m256 x = scaled(j, 8, _mm256_loadu_ps(s + j));
+      _mm256_storeu_ps(s + j, x);
+      vmax = _mm256_max_ps(vmax, x);
+    }
+    if (rest) {
+      __m256 x = scaled(whole, rest, _mm256_maskload_ps(s + whole, tail));
+      x = _mm256_blendv_ps(ninf, x, _mm256_castsi256_ps(tail));  // lanes past the row: -inf for the max
+      _mm256_maskstore_ps(s + whole, tail, x);
       vmax = _mm256_max_ps(vmax, x);
     }
     const float mx_ = avx2::hmax(vmax);
@@ -235,17 +248,20 @@ struct Softmax {
     }
     const __m256 shift = _mm256_set1_ps(mx_);
     __m256 vsum = _mm256_setzero_ps();
-    for (int j = 0; j < seen; j += 8) {
-      const __m256i m = avx2::first_lanes(seen - j);
-      const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_maskload_ps(s + j, m), shift)), _mm256_castsi256_ps(m));
-      _mm256_maskstore_ps(s + j, m, e);
+    for (int j = 0; j < whole; j += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), shift));
+      _mm256_storeu_ps(s + j, e);
+      vsum = _mm256_add_ps(vsum, e);
+    }
+    if (rest) {
+      const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_maskload_ps(s + whole, tail), shift)),
+                                     _mm256_castsi256_ps(tail));
+      _mm256_maskstore_ps(s + whole, tail, e);
       vsum = _mm256_add_ps(vsum, e);
     }
     const __m256 inv = _mm256_set1_ps(1.0f / avx2::hsum(vsum));
-    for (int j = 0; j < seen; j += 8) {
-      const __m256i m = avx2::first_lanes(seen - j);
-      _mm256_maskstore_ps(s + j, m, _mm256_mul_ps(_mm256_maskload_ps(s + j, m), inv));
-    }
+    for (int j = 0; j < whole; j += 8) _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_loadu_ps(s + j), inv));
+    if (rest) _mm256_maskstore_ps(s + whole, tail, _mm256_mul_ps(_mm256_maskload_ps(s + whole, tail), inv));
     std::fill(s + seen, s + keys, 0.0f);
   }
 };
@@ -422,13 +438,30 @@ ETMLX_AVX2_INLINE float dot_avx2(const float* a, const float* b, int n) {
   return avx2::hsum(acc);
 }
 
-// Scores of keys stored contiguously (a unit last stride, dim a multiple of 8), four keys at a time: four
-// independent multiply-add chains where dot_avx2's one chain waits on each multiply-add (a key's dim / 8 of them
-// back to back), and one reduction for the four. Each score is dot_avx2's bit for bit: the same lanes, summed
+// Scores of keys stored contiguously (a unit last stride, dim a multiple of 8), eight (then four) keys at a
+// time: independent multiply-add chains where dot_avx2's one chain waits on each multiply-add (a key's dim / 8
+// of them back to back), and one reduction per four. Each score is dot_avx2's bit for bit: the same lanes, summed
 // in the same order (avx2::hsum4).
 ETMLX_AVX2_TARGET void scores_avx2(const float* q, const float* k0, int64_t key_stride, int keys, int dim,
                                    float* scores) {
   int j = 0;
+  for (; j + 8 <= keys; j += 8) {  // eight chains: a multiply-add's latency times its two pipes
+    const float* k = k0 + j * key_stride;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int d = 0; d < dim; d += 8) {
+      const __m256 x = _mm256_loadu_ps(q + d);
+      a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + d), a0);
+      a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + key_stride + d), a1);
+      a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 2 * key_stride + d), a2);
+      a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 3 * key_stride + d), a3);
+      a4 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 4 * key_stride + d), a4);
+      a5 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 5 * key_stride + d), a5);
+      a6 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 6 * key_stride + d), a6);
+      a7 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 7 * key_stride + d), a7);
+    }
+    _mm_storeu_ps(scores + j, avx2::hsum4(a0, a1, a2, a3));
+    _mm_storeu_ps(scores + j + 4, avx2::hsum4(a4, a5, a6, a7));
+  }
   for (; j + 4 <= keys; j += 4) {
     const float* k = k0 + j * key_stride;
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -442,6 +475,29 @@ ETMLX_AVX2_TARGET void scores_avx2(const float* q, const float* k0, int64_t key_
     _mm_storeu_ps(scores + j, avx2::hsum4(a0, a1, a2, a3));
   }
   for (; j < keys; ++j) scores[j] = dot_avx2(q, k0 + j * key_stride, dim);
+}
+
+// 64 output values of sum_j p[j] * v_j, v_j = v0 + j * stride contiguous: the generic loop below with its
+// eight accumulators named, so that they stay in registers (with an array and a data-dependent vector count
+// GCC kept them on the stack, a store and a load on every multiply-add's chain: ~3x slower at 512 keys).
+// The same multiply-adds in the same order, so the same bits.
+ETMLX_AVX2_TARGET void weighted_values64_avx2(const float* p, const float* v0, int64_t stride, int keys, float* out) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+  for (int j = 0; j < keys; ++j) {
+    const float* vr = v0 + j * stride;
+    const __m256 w = _mm256_set1_ps(p[j]);
+    a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr), a0);
+    a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8), a1);
+    a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 16), a2);
+    a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 24), a3);
+    a4 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 32), a4);
+    a5 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 40), a5);
+    a6 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 48), a6);
+    a7 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 56), a7);
+  }
+  _mm256_storeu_ps(out, a0), _mm256_storeu_ps(out + 8, a1), _mm256_storeu_ps(out + 16, a2);
+  _mm256_storeu_ps(out + 24, a3), _mm256_storeu_ps(out + 32, a4), _mm256_storeu_ps(out + 40, a5);
+  _mm256_storeu_ps(out + 48, a6), _mm256_storeu_ps(out + 56, a7);
 }
 
 ETMLX_AVX2_TARGET void decode_row_avx2(const DecodeAttention& att, const View4& q, const View4& k, const View4& v, float* out,
@@ -464,6 +520,10 @@ ETMLX_AVX2_TARGET void decode_row_avx2(const DecodeAttention& att, const View4& 
   float* o = out + r * dim_v;
   for (int d0 = 0; d0 < dim_v; d0 += 64) {
     const int width = std::min(64, dim_v - d0), vectors = (width + 7) / 8;
+    if (width == 64 && v.s[3] == 1) {
+      weighted_values64_avx2(scores, v0 + d0, v.s[2], keys, o + d0);
+      continue;
+    }
     __m256i m[8];
     __m256 acc[8];
     for (int a = 0; a < 8; ++a) m[a] = avx2::first_lanes(std::max(0, width - 8 * a)), acc[a] = _mm256_setzero_ps();
