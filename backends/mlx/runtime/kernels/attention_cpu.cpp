@@ -438,42 +438,30 @@ ETMLX_AVX2_INLINE float dot_avx2(const float* a, const float* b, int n) {
   return avx2::hsum(acc);
 }
 
-// Scores of keys stored contiguously (a unit last stride, dim a multiple of 8), eight (then four) keys at a
-// time: independent multiply-add chains where dot_avx2's one chain waits on each multiply-add (a key's dim / 8
-// of them back to back), and one reduction per four. Each score is dot_avx2's bit for bit: the same lanes, summed
-// in the same order (avx2::hsum4).
+// The scores of N (a multiple of 4) keys stored contiguously from k on (a unit last stride, dim a multiple of
+// 8): N independent multiply-add chains where dot_avx2's one chain waits on each multiply-add (a key's dim / 8
+// of them back to back), and one reduction per four keys. Each score is dot_avx2's bit for bit: the same lanes,
+// summed in the same order (avx2::hsum4).
+template <int N>
+ETMLX_AVX2_INLINE void score_keys(const float* q, const float* k, int64_t key_stride, int dim, float* scores) {
+  __m256 a[N];
+#pragma GCC unroll 8
+  for (int i = 0; i < N; ++i) a[i] = _mm256_setzero_ps();
+  for (int d = 0; d < dim; d += 8) {
+    const __m256 x = _mm256_loadu_ps(q + d);
+#pragma GCC unroll 8
+    for (int i = 0; i < N; ++i) a[i] = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + i * key_stride + d), a[i]);
+  }
+#pragma GCC unroll 2
+  for (int i = 0; i < N; i += 4) _mm_storeu_ps(scores + i, avx2::hsum4(a[i], a[i + 1], a[i + 2], a[i + 3]));
+}
+
 ETMLX_AVX2_TARGET void scores_avx2(const float* q, const float* k0, int64_t key_stride, int keys, int dim,
                                    float* scores) {
   int j = 0;
-  for (; j + 8 <= keys; j += 8) {  // eight chains: a multiply-add's latency times its two pipes
-    const float* k = k0 + j * key_stride;
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-    for (int d = 0; d < dim; d += 8) {
-      const __m256 x = _mm256_loadu_ps(q + d);
-      a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + d), a0);
-      a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + key_stride + d), a1);
-      a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 2 * key_stride + d), a2);
-      a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 3 * key_stride + d), a3);
-      a4 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 4 * key_stride + d), a4);
-      a5 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 5 * key_stride + d), a5);
-      a6 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 6 * key_stride + d), a6);
-      a7 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 7 * key_stride + d), a7);
-    }
-    _mm_storeu_ps(scores + j, avx2::hsum4(a0, a1, a2, a3));
-    _mm_storeu_ps(scores + j + 4, avx2::hsum4(a4, a5, a6, a7));
-  }
-  for (; j + 4 <= keys; j += 4) {
-    const float* k = k0 + j * key_stride;
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int d = 0; d < dim; d += 8) {
-      const __m256 x = _mm256_loadu_ps(q + d);
-      a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + d), a0);
-      a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + key_stride + d), a1);
-      a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 2 * key_stride + d), a2);
-      a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 3 * key_stride + d), a3);
-    }
-    _mm_storeu_ps(scores + j, avx2::hsum4(a0, a1, a2, a3));
-  }
+  // Eight chains: a multiply-add's latency times its two pipes.
+  for (; j + 8 <= keys; j += 8) score_keys<8>(q, k0 + j * key_stride, key_stride, dim, scores + j);
+  for (; j + 4 <= keys; j += 4) score_keys<4>(q, k0 + j * key_stride, key_stride, dim, scores + j);
   for (; j < keys; ++j) scores[j] = dot_avx2(q, k0 + j * key_stride, dim);
 }
 
