@@ -218,11 +218,7 @@ struct Softmax {
       if (mask.boolean) {
         const uint8_t* src = static_cast<const uint8_t*>(mask.data) + at + j;
         int64_t word = 0;
-        if (n == 8) {
-          std::memcpy(&word, src, 8);
-        } else {
-          std::memcpy(&word, src, n);
-        }
+        std::memcpy(&word, src, n);  // n is the literal 8 in the whole-vector loop, where this is inlined
         const __m256i flags = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(word));
         return _mm256_blendv_ps(ninf, x, _mm256_castsi256_ps(_mm256_cmpgt_epi32(flags, _mm256_setzero_si256())));
       }
