@@ -326,7 +326,10 @@ bool Interpreter::exec_binary(const fb::BinaryNode& n) {
   switch (n.op()) {
     case fb::BinaryOp::Add: r = mx::add(a, b); break;
     case fb::BinaryOp::Subtract: r = mx::subtract(a, b); break;
-    case fb::BinaryOp::Multiply: r = mx::multiply(a, b); break;
+    case fb::BinaryOp::Multiply:
+      if (program_.kernels->silu_product != nullptr) r = program_.kernels->silu_product(a, b);
+      if (!r) r = mx::multiply(a, b);
+      break;
     case fb::BinaryOp::Divide: r = mx::divide(a, b); break;
     case fb::BinaryOp::Power: r = mx::power(a, b); break;
     case fb::BinaryOp::Minimum: r = mx::minimum(a, b); break;

@@ -22,6 +22,7 @@
 #include "kernels/rope.h"
 #include "kernels/quantized_matmul.h"
 #include "kernels/sigmoid.h"
+#include "kernels/silu_product.h"
 
 namespace etmlx::kernels {
 
@@ -43,6 +44,8 @@ struct KernelSet {
   SigmoidFn sigmoid;
   // Several quantized linears over one input as one node (quantized_matmul.h); null: each on its own.
   QuantizedMatmulGroupFn quantized_matmul_group;
+  // A gated MLP's SiLU(g) * u as one node (silu_product.h); null: the exporter's three instructions.
+  SiluProductFn silu_product;
 };
 
 const KernelSet& cpu_kernels();
