@@ -5,7 +5,9 @@
 //           time, so the last Multiply, seeing the other two in its operand's graph, returns the whole product
 //           as one node from mx::compile (shapeless): what mlx-lm does with its @mx.compile'd swiglu. The same
 //           operations in the same order and dtypes, so the same values; the Sigmoid and first product stay
-//           unevaluated unless something else reads them.
+//           unevaluated unless something else reads them. Metal and CUDA compile the fused kernel at run time
+//           (CUDA through NVRTC); on a CPU (ETMLX_KERNELS=device, how the tests run this set) MLX compiles it with
+//           the system's C++ compiler.
 //   cpu     null: the CPU kernel set makes the gate with its quantized linears (quantized_matmul_group_cpu),
 //           and MLX's CPU compile would need a C++ compiler at run time.
 #pragma once
