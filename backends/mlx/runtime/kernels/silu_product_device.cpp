@@ -23,7 +23,7 @@ const mx::array* silu_gate(const mx::array& p) {
   for (int i = 0; i < 2; ++i) {
     const mx::array& s = p.inputs()[i];
     const mx::array& g = p.inputs()[1 - i];
-    if (is_op(s, "Sigmoid") && s.inputs().size() == 1 && s.inputs()[0].id() == g.id()) return &p.inputs()[1 - i];
+    if (is_op(s, "Sigmoid") && s.inputs().size() == 1 && s.inputs()[0].id() == g.id()) return &g;
   }
   return nullptr;
 }
@@ -39,8 +39,9 @@ std::optional<mx::array> silu_product_device(const mx::array& a, const mx::array
     const mx::array& p = i == 0 ? a : b;
     const mx::array& u = i == 0 ? b : a;
     const mx::array* g = silu_gate(p);
+    // p = sigmoid(g) * g has g's shape and dtype: u is checked against g alone.
     if (g == nullptr || !mx::issubdtype(u.dtype(), mx::floating) || g->dtype() != u.dtype() ||
-        p.dtype() != u.dtype() || g->shape() != u.shape() || p.shape() != u.shape()) {
+        g->shape() != u.shape()) {
       continue;
     }
     // Shapeless: one compiled kernel for prefill and decode shapes alike.
