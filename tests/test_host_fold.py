@@ -2,7 +2,8 @@
 
 Checked: a program of index arithmetic over its inputs (what a decode step does with start_pos, lengths and a
 draft program's verify input) returns eager torch's values with folding on and off; with folding on, its
-graph has none of that arithmetic left (the control, ETMLX_HOST_FOLD=0, keeps all of it); arithmetic on a
+graph has none of that arithmetic left (the control, ETMLX_HOST_FOLD=0, keeps all of it), and unset on the CPU
+it folds as with =1; arithmetic on a
 value the device computes is left to MLX; and a draft program's step without drafts asks MLX for fewer nodes.
 """
 
@@ -57,8 +58,9 @@ _FOLDED = ["CumSum", "Minimum", "Maximum", "GreaterEqual", "GatherAxis", "Gather
 
 
 def _run(pte: Path, tmp_path: Path, fold: str) -> tuple[list, list, Counter]:
-    dot, saved = tmp_path / f"call-{fold}.dot", tmp_path / f"call-{fold}.pt"
-    env = {"ETMLX_DOT": str(dot), "ETMLX_HOST_FOLD": fold, "PATH": "/usr/bin:/bin"}
+    """fold "": ETMLX_HOST_FOLD unset (the device's default)."""
+    dot, saved = tmp_path / f"call-{fold or 'default'}.dot", tmp_path / f"call-{fold or 'default'}.pt"
+    env = {"ETMLX_DOT": str(dot), "PATH": "/usr/bin:/bin", **({"ETMLX_HOST_FOLD": fold} if fold else {})}
     done = subprocess.run([sys.executable, "-c", _CALL, str(pte), str(saved)], capture_output=True, text=True,
                           timeout=300, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -70,7 +72,7 @@ def test_index_arithmetic_on_the_hosts_inputs_leaves_the_graph(tmp_path):
     pte = tmp_path / "index.pte"
     example = (torch.tensor([[5, 9, 7, -1, -1]]), torch.tensor([4]), torch.tensor([0.7]), torch.tensor([0.1, 0.2]))
     export_to_pte(_IndexArithmetic().eval(), example).save(pte)
-    results = {fold: _run(pte, tmp_path, fold) for fold in ("1", "0")}
+    results = {fold: _run(pte, tmp_path, fold) for fold in ("1", "0", "")}
     for fold, (inputs, got, _) in results.items():
         expected = _IndexArithmetic()(*inputs)
         for g, e in zip(got, expected):
@@ -85,6 +87,8 @@ def test_index_arithmetic_on_the_hosts_inputs_leaves_the_graph(tmp_path):
     ands = lambda kinds: kinds["BitwiseAnd"] + kinds["LogicalAnd"]  # noqa: E731
     assert ands(off) == 2 and ands(on) == 0, (ands(off), ands(on))
     assert sum(on.values()) < sum(off.values()) // 2
+    # Unset, a program on the CPU folds (only a CUDA GPU's default is off: host_fold.h).
+    assert results[""][2] == on, (results[""][2], on)
 
 
 @pytest.mark.slow  # a decoder export

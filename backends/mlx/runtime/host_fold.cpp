@@ -9,6 +9,7 @@
 #include <string_view>
 #include <type_traits>
 
+#include <mlx/backend/cuda/cuda.h>
 #include <mlx/primitives.h>
 
 #include "kernels/known_values.h"
@@ -423,12 +424,15 @@ mx::array to_array(const HostValue& v) {
 
 }  // namespace
 
-bool HostFold::enabled() {
-  static const bool on = [] {
+bool HostFold::enabled_on(const mx::Device& device) {
+  // -1: unset (the per-device default), 0: off, 1: on.
+  static const int forced = [] {
     const char* v = std::getenv("ETMLX_HOST_FOLD");
-    return v == nullptr || std::strcmp(v, "0") != 0;
+    if (v == nullptr || *v == '\0') return -1;
+    return std::strcmp(v, "0") != 0 ? 1 : 0;
   }();
-  return on;
+  if (forced >= 0) return forced == 1;
+  return !(device.type == mx::Device::gpu && mx::cu::is_available());
 }
 
 const HostValue* HostFold::value(const mx::array& a, int depth) {

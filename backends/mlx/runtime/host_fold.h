@@ -9,7 +9,14 @@
 // Only exact operations are folded (integer and bool arithmetic, comparisons, selections, views, casts; float32
 // only where the result is exact: data movement, comparisons, add/subtract/multiply), on arrays of at most
 // kMostElements elements whose inputs are materialised (never waiting on an evaluation in flight) or
-// themselves foldable. Anything else is left to MLX unchanged. ETMLX_HOST_FOLD=0 turns it off.
+// themselves foldable. Anything else is left to MLX unchanged.
+//
+// On by default, except for programs loaded on a CUDA GPU: there each folded array is host data that MLX's CUDA
+// allocator puts in managed memory, and once its buffer cache holds device buffers of that size it moves one back
+// to managed memory per array (an allocation and a synchronous copy), about 15 us each against the ~4 us a node
+// costs to encode (an H200, 2026-11-27: the built-in model's plain step 1.38x faster without folding, 7 of 7
+// interleaved rounds; docs/gpu-h200-2026-11-27.json). Metal's memory is unified, so it keeps the default.
+// ETMLX_HOST_FOLD=0 turns folding off everywhere, ETMLX_HOST_FOLD=1 on everywhere.
 #pragma once
 
 #include <cstddef>
@@ -19,6 +26,7 @@
 #include <vector>
 
 #include <mlx/array.h>
+#include <mlx/device.h>
 
 namespace etmlx {
 
@@ -34,8 +42,8 @@ class HostFold {
  public:
   static constexpr size_t kMostElements = 64;
 
-  // Whether folding is on for this process (ETMLX_HOST_FOLD, read once; default on).
-  static bool enabled();
+  // Whether a program loaded on `device` folds (ETMLX_HOST_FOLD, read once; else the default above).
+  static bool enabled_on(const mlx::core::Device& device);
 
   // `a` as a materialised array computed on the host, or nullopt (then MLX computes it as usual).
   std::optional<mlx::core::array> fold(const mlx::core::array& a);

@@ -26,7 +26,7 @@ Interpreter::Interpreter(const Program& program)
       tensors_(program.num_tensors),
       values_(program.num_values),
       keep_written_(lazy_check_enabled()),
-      fold_on_(HostFold::enabled()) {}
+      fold_on_(program.host_fold) {}
 
 bool Interpreter::fail(const char* fmt, ...) {
   char msg[512];

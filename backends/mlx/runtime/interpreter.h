@@ -163,7 +163,7 @@ class Interpreter {
   bool keep_written_ = false;
   std::vector<mlx::core::array> written_;
   std::vector<mlx::core::array> host_made_;
-  bool fold_on_ = true;  // ETMLX_HOST_FOLD
+  bool fold_on_ = true;  // Program::host_fold
   HostFold fold_;
   // Results a fused node made for later instructions (linear_groups.h), by instruction index, with the
   // operand slots of that instruction and the ids of the arrays the node read in their place.

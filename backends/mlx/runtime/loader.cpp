@@ -1,4 +1,6 @@
 #include "loader.h"
+
+#include "host_fold.h"
 #include "cpu_weights.h"
 #include "linear_groups.h"
 #include "device_choice.h"
@@ -493,6 +495,7 @@ Error load_program(const void* data, size_t size, const executorch::runtime::Nam
     ET_LOG(Error, "etmlx: %s", kernel_error.c_str());
     return Error::InvalidArgument;
   }
+  p.host_fold = HostFold::enabled_on(mx::default_device());
   // Reported only when asked for (ETMLX_CPU_WIDEN set): an unconditional line would reach every
   // `etmlx generate` user's terminal.
   if (const size_t widened = widen_cpu_matmul_weights(p); widened != 0 && std::getenv("ETMLX_CPU_WIDEN") != nullptr) {

@@ -47,6 +47,8 @@ struct Program {
 
   // The kernel variants for the device the program was loaded on (kernels/kernel_set.h).
   const kernels::KernelSet* kernels = nullptr;
+  // Whether its calls fold small host-known arithmetic (host_fold.h; decided by the device at load).
+  bool host_fold = true;
 
   // Quantized linears over one input run as one node (linear_groups.h): each group, and per
   // instruction its group's index or -1 (empty when there are no groups).
