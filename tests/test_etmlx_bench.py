@@ -75,7 +75,8 @@ def test_etmlx_dot_writes_the_calls_graph(tmp_path):
                           capture_output=True, text=True, timeout=300, env=dict(os.environ, ETMLX_DOT=str(dot)))
     assert done.returncode == 0, done.stderr
     text = dot.read_text()
-    assert text.startswith("digraph") and text.count('"Matmul"') + text.count('label ="Matmul') >= 4
+    # The projections: MLX's Matmul, or on the CPU one LinearRowCpu node per one-row linear (kernels/cpu_gemm.cpp).
+    assert text.startswith("digraph") and text.count('label ="Matmul') + text.count('label ="LinearRowCpu') >= 4
     assert 'label ="ScatterAxis' in text or 'label ="SliceUpdate' in text
 
 
@@ -300,6 +301,13 @@ def test_gpu_kit_runs_with_the_device_script(tmp_path):
     for engine in ("etmlx", "mlx_lm"):
         assert graph[engine]["nodes"] == sum(graph[engine]["kinds"].values()) > 0
     assert graph["mlx_lm"]["kinds"]["QuantizedMatmul"] > 0 and "one decode step on cpu" in done.stdout
+    # The kit's other script (host-made small arrays against computed ones) runs there with numpy and mlx alone.
+    arrays = subprocess.run([sys.executable, str(kit / "gpu_host_arrays.py"), "--rounds", "1", "--iters", "2"],
+                            capture_output=True, text=True, timeout=300, env=env)
+    assert arrays.returncode == 0, arrays.stderr
+    rows = [line for line in arrays.stdout.splitlines() if line.startswith("0 ")]
+    assert [row.split()[1] for row in rows] == ["0", "10", "40"], arrays.stdout
+    assert all("'host'" in row and "'host8'" in row and "'device'" in row for row in rows)
 
 
 def test_gpu_kit_binaries_need_a_build(tmp_path):

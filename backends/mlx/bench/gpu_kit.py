@@ -116,12 +116,13 @@ def _sampler_items(out: Path, shapes) -> list[dict]:
 def build(out: Path, cache_dir: Path = Path("out/bench"), log=print, size: dict = ckpt.BENCH_SIZE,
           sampler_shapes=SAMPLER_SHAPES, shapes=(), binaries: bool = False) -> Path:
     """size, sampler_shapes: smaller ones make a kit in seconds (the tests); shapes: names of
-    bench_checkpoint.SHAPES to add as real-size decoders; binaries: the C++ tools, their libraries and
-    gpu_device.py go into the kit too (bench/gpu_binaries.py), so the GPU host needs only it and MLX's wheel."""
+    bench_checkpoint.SHAPES to add as real-size decoders; binaries: the C++ tools, their libraries,
+    gpu_device.py and gpu_host_arrays.py go into the kit too (bench/gpu_binaries.py), so the GPU host needs only it and MLX's wheel."""
     out.mkdir(parents=True, exist_ok=True)
     if binaries:  # first: a missing build fails before minutes of exports
         copied = copy_binaries(out / "bin")
-        shutil.copy2(Path(__file__).with_name("gpu_device.py"), out / "gpu_device.py")
+        for script in ("gpu_device.py", "gpu_host_arrays.py"):
+            shutil.copy2(Path(__file__).with_name(script), out / script)
         log(f"gpu kit: {len(copied)} binaries and libraries in {out / 'bin'}")
     items = _decoder_items(out, cache_dir, size, log) + [_shape_item(s, out, cache_dir, log) for s in shapes] \
         + _sampler_items(out, sampler_shapes)

@@ -1,6 +1,18 @@
 #include "kernels/cpu_gemm.h"
 
+#include <cstring>
+
 #include <mlx/ops.h>
+#include <mlx/primitives.h>
+
+#include "kernels/host_kernel.h"
+
+#ifdef ETMLX_CBLAS_ROUTE
+// The cblas_sgemm MLX's own CPU matmul calls: libetmlx_blas's (blas_route.cpp), which this library is linked
+// against ahead of libmlx. Declared here (not from a BLAS header): only this one function is called.
+extern "C" void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float alpha, const float* a,
+                            int lda, const float* b, int ldb, float beta, float* c, int ldc);
+#endif
 
 namespace mx = mlx::core;
 
@@ -25,11 +37,43 @@ bool one_row_float32(const mx::array& a, const mx::array& b) {
 // products have more than one output column, so their rounding never depends on
 // how many query rows a call has (which keeps a served request's bits
 // independent of the requests batched with it).
+//
+// b^T is the weight itself when b is the graph's transpose of a loaded weight (a linear's [out, in] matrix, as
+// nn.Linear stores it): that array is used as it is, so neither transpose becomes a graph node (each is a task
+// on the CPU stream, a real share of a small model's step). The product reads the same memory either way. (By
+// name: libmlx does not export its primitives' type information.)
+mx::array transposed(const mx::array& b) {
+  if (b.has_primitive() && b.ndim() == 2 && std::strcmp(b.primitive().name(), "Transpose") == 0) {
+    const auto& axes = static_cast<const mx::Transpose&>(b.primitive()).state();
+    const mx::array& w = b.inputs()[0];
+    if (axes.size() == 2 && axes[0] == 1 && axes[1] == 0 && w.status() == mx::array::Status::available &&
+        w.flags().row_contiguous) {
+      return w;
+    }
+  }
+  return mx::transpose(b);
+}
+
 mx::array matmul_f(const mx::array& a, const mx::array& b) {
   if (!one_row_float32(a, b)) return mx::matmul(a, b);
   auto shape = a.shape();
   shape.back() = b.shape(1);
-  return mx::reshape(mx::matmul(mx::transpose(b), mx::reshape(a, {a.shape(-1), 1})), shape);
+  const mx::array w = transposed(b);
+#ifdef ETMLX_CBLAS_ROUTE
+  if (w.status() == mx::array::Status::available) {
+    // A loaded weight: one node that makes the very call MLX's Matmul would make for W @ a^T (RowMajor, no
+    // transposes, M = out, N = 1, lda = in, ldb = ldc = 1, alpha 1, beta 0; mlx/backend/cpu/gemms/cblas.cpp),
+    // so the same bits, without the reshapes around it (three graph nodes -> one).
+    const int k = a.shape(-1), n = b.shape(1);
+    auto loop = [k, n](const std::vector<mx::array>& in, mx::array& out) {
+      std::vector<float> copy;
+      cblas_sgemm(101 /* RowMajor */, 111 /* NoTrans */, 111, n, 1, k, 1.0f, in[1].data<float>(), k,
+                  float_rows(in[0], copy), 1, 0.0f, out.data<float>(), 1);
+    };
+    return host_kernel("LinearRowCpu", std::move(shape), mx::float32, {a, w}, std::move(loop));
+  }
+#endif
+  return mx::reshape(mx::matmul(w, mx::reshape(a, {a.shape(-1), 1})), shape);
 }
 
 mx::array addmm_f(const mx::array& bias, const mx::array& a, const mx::array& b, float alpha, float beta) {

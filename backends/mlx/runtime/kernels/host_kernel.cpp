@@ -104,6 +104,21 @@ std::vector<mx::array> host_kernel_multi(const char* name, std::vector<mx::Shape
                                 std::make_shared<HostKernelMulti>(stream, name, std::move(loop)), inputs);
 }
 
+const float* float_rows(const mx::array& x, std::vector<float>& copy) {
+  if (x.flags().row_contiguous) return x.data<float>();
+  copy.resize(x.size());
+  const float* base = x.data<float>();
+  const int nd = static_cast<int>(x.ndim());
+  std::vector<int> index(nd, 0);
+  for (size_t i = 0; i < x.size(); ++i) {
+    int64_t at = 0;
+    for (int d = 0; d < nd; ++d) at += static_cast<int64_t>(index[d]) * x.strides()[d];
+    copy[i] = base[at];
+    for (int d = nd - 1; d >= 0 && ++index[d] == x.shape(d); --d) index[d] = 0;
+  }
+  return copy.data();
+}
+
 void transpose_copy(const float* src, const mx::Shape& shape, const std::vector<int>& perm, float* dst) {
   const int nd = static_cast<int>(shape.size());
   // A permutation that keeps the order of the axes larger than 1 (a decode step's [B, 1, H, D] ->

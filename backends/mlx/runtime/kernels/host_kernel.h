@@ -34,6 +34,12 @@ std::vector<mlx::core::array> host_kernel_multi(const char* name, std::vector<ml
                                                 mlx::core::Dtype dtype, std::vector<mlx::core::array> inputs,
                                                 HostLoopMulti loop);
 
+// A float32 operand's values in row-major order, read by a host loop: its own memory when it is
+// row-contiguous (the usual case), else copied into `copy`. The activations stay lazy until the loop runs,
+// so their layout is known only there; reading them in place saves the reshape and contiguous nodes a call
+// would otherwise ask MLX for.
+const float* float_rows(const mlx::core::array& x, std::vector<float>& copy);
+
 // dst = the row-major float array `src` of `shape` transposed by `perm`, row-major: a view op's result
 // made by a fused node as its own copy (cheaper than the view's graph node for a decode step's sizes).
 void transpose_copy(const float* src, const mlx::core::Shape& shape, const std::vector<int>& perm, float* dst);

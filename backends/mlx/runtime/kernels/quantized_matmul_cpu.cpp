@@ -82,24 +82,6 @@ mx::array materialised_contiguous(const mx::array& a) {
   return mx::contiguous(a);
 }
 
-// x's m rows of k float32 values: its own memory when row-contiguous (the usual case), else copied
-// in row-major order into `copy`. The activations stay lazy until the loop runs, so their layout is
-// known only here; reading them in place saves the reshape and contiguous nodes per call.
-const float* rows_of(const mx::array& x, std::vector<float>& copy) {
-  if (x.flags().row_contiguous) return x.data<float>();
-  copy.resize(x.size());
-  const float* base = x.data<float>();
-  const int nd = static_cast<int>(x.ndim());
-  std::vector<int> index(nd, 0);
-  for (size_t i = 0; i < x.size(); ++i) {
-    int64_t at = 0;
-    for (int d = 0; d < nd; ++d) at += static_cast<int64_t>(index[d]) * x.strides()[d];
-    copy[i] = base[at];
-    for (int d = nd - 1; d >= 0 && ++index[d] == x.shape(d); --d) index[d] = 0;
-  }
-  return copy.data();
-}
-
 // Fused nodes built (etmlx_grouped_linear_nodes: the tests check that fusion happened, or did not).
 std::atomic<long long> grouped_nodes{0}, silu_epilogues{0}, matmul_add_norms{0};
 
@@ -146,7 +128,7 @@ mx::array quantized_matmul_cpu(const mx::array& x, const mx::array& w, const mx:
   inputs.insert(inputs.end(), weights.begin(), weights.end());
   auto loop = [m, group_size, bits](const std::vector<mx::array>& in, mx::array& out) {
     std::vector<float> copy;
-    dot_rows(rows_of(in[0], copy), m, matrix_of(in, 1, group_size, bits), out.data<float>());
+    dot_rows(float_rows(in[0], copy), m, matrix_of(in, 1, group_size, bits), out.data<float>());
   };
   return mx::astype(host_kernel("QuantizedMatmulCpu", out_shape, mx::float32, std::move(inputs), loop), dtype);
 }
@@ -171,9 +153,9 @@ std::vector<mx::array> quantized_matmul_add_rms_norm_cpu(const mx::array& x, con
   auto loop = [m, n, group_size, bits, eps](const std::vector<mx::array>& in, std::vector<mx::array>& out) {
     std::vector<float> copy, res_copy;
     float* p = out[0].data<float>();
-    dot_rows(rows_of(in[0], copy), m, matrix_of(in, 1, group_size, bits), p);
+    dot_rows(float_rows(in[0], copy), m, matrix_of(in, 1, group_size, bits), p);
     // Then, on this thread, as the Add and RmsNorm nodes would: one float32 add each, the norm's row loop.
-    const float* r = rows_of(in[4], res_copy);
+    const float* r = float_rows(in[4], res_copy);
     float* sum = out[1].data<float>();
     const size_t size = static_cast<size_t>(m) * n;
     for (size_t i = 0; i < size; ++i) sum[i] = r[i] + p[i];
@@ -233,7 +215,7 @@ std::vector<mx::array> quantized_matmul_group_cpu(const mx::array& x, const std:
     std::vector<QuantizedMatrix> ws;
     for (int f : first) ws.push_back(matrix_of(in, f, group_size, bits));
     std::vector<float> copy;
-    const float* xr = rows_of(in[0], copy);
+    const float* xr = float_rows(in[0], copy);
     // As dot_rows, x prepared once for every matrix; the pool splits the concatenated output rows.
     PreparedActivations prepared;
     prepared.prepare(xr, m, k, bits, group_size);
