@@ -1,14 +1,15 @@
-"""A one-row float32 linear over a loaded weight is one graph node on the CPU (kernels/cpu_gemm.cpp).
+"""A float32 linear over a loaded weight is one graph node on the CPU (kernels/cpu_gemm.cpp).
 
 The exporter writes nn.Linear as a transpose of the weight and a matmul; on the CPU the interpreter used to
-ask MLX for five nodes per linear (the weight's transpose, its transpose back, a reshape of the row into a
-column, the product, the reshape back), each a task on the CPU stream, a real share of a small model's step.
-Now the weight is used as loaded and one node makes the very BLAS call MLX's Matmul makes for W @ x^T.
+ask MLX for five nodes per one-row linear (the weight's transpose, its transpose back, a reshape of the row into
+a column, the product, the reshape back) and four for several rows (the transpose, a flatten, the product, the
+unflatten), each a task on the CPU stream, a real share of a small model's step. Now the weight is used as
+loaded and one node makes the very BLAS call MLX's Matmul makes: W @ x^T for one row, x @ W^T for several.
 
-Checked: the graph of a one-row linear (with and without bias) holds one LinearRowCpu node and no Matmul,
-Transpose or Reshape; its result has the bits of MLX's own matmul of the weight by the column (the same
-sgemv through libetmlx_blas); a linear of several rows (the control) keeps MLX's Matmul; a weight the graph
-computes (not loaded) keeps the general path.
+Checked: the graph of a one-row linear (with and without bias) holds one LinearRowCpu node, of a several-row
+one (a prefill's, a batch's) one LinearRowsCpu node, and no Matmul, Transpose or Reshape; each result has the
+bits of MLX's own matmul of the same operands (the same sgemv / sgemm through libetmlx_blas); a weight the
+graph computes (not loaded, the control) keeps MLX's Matmul.
 """
 
 from __future__ import annotations
@@ -75,17 +76,32 @@ def test_a_one_row_linear_is_one_node_with_mlx_matmuls_bits(tmp_path, bias):
 
 
 @linux_only
-def test_several_rows_and_computed_weights_keep_the_general_path(tmp_path):
-    linear = _linear(False)
-    rows = torch.randn(1, 4, 96)
-    kinds = _kinds(export_fn(lambda t: linear(t), [rows]).pte, rows, tmp_path, "rows")
-    assert kinds["LinearRowCpu"] == 0 and kinds["Matmul"] == 1, kinds
+@pytest.mark.parametrize("shape", [(1, 5, 96), (3, 96), (2, 3, 96)])
+def test_several_rows_are_one_node_with_mlx_matmuls_bits(tmp_path, shape):
+    import mlx.core as mx
 
-    # A weight the graph computes (twice the loaded one) is not a loaded array: the general path, same values.
-    x = torch.randn(1, 1, 96)
-    fn = lambda t: torch.nn.functional.linear(t, linear.weight * 2.0)  # noqa: E731
-    pte = export_fn(fn, [x]).pte
-    kinds = _kinds(pte, x, tmp_path, "computed")
-    assert kinds["LinearRowCpu"] == 0 and kinds["Matmul"] == 1, kinds
-    (out,) = load_method(pte).execute([x])
-    torch.testing.assert_close(out, fn(x), rtol=1e-5, atol=1e-5)
+    linear = _linear(False)
+    rows = torch.randn(*shape)
+    pte = export_fn(lambda t: linear(t), [rows]).pte
+    kinds = _kinds(pte, rows, tmp_path, "rows")
+    assert kinds["LinearRowsCpu"] == 1, kinds
+    for kind in ("Matmul", "Transpose", "Reshape", "LinearRowCpu"):
+        assert kinds[kind] == 0, (kind, kinds)
+    (out,) = load_method(pte).execute([rows])
+    w = mx.array(linear.weight.detach().numpy())
+    expected = np.array(mx.matmul(mx.array(rows.numpy()), mx.transpose(w), stream=mx.cpu))  # MLX's x @ W^T
+    assert np.array_equal(out.numpy(), expected), np.abs(out.numpy() - expected).max()
+    torch.testing.assert_close(out, linear(rows), rtol=1e-5, atol=1e-5)
+
+
+@linux_only
+def test_a_computed_weight_keeps_mlx_matmul(tmp_path):
+    """A weight the graph computes (twice the loaded one) is not a loaded array: MLX's Matmul, same values."""
+    linear = _linear(False)
+    for name, x in (("row", torch.randn(1, 1, 96)), ("rows", torch.randn(1, 4, 96))):
+        fn = lambda t: torch.nn.functional.linear(t, linear.weight * 2.0)  # noqa: E731
+        pte = export_fn(fn, [x]).pte
+        kinds = _kinds(pte, x, tmp_path, f"computed-{name}")
+        assert kinds["LinearRowCpu"] == kinds["LinearRowsCpu"] == 0 and kinds["Matmul"] == 1, kinds
+        (out,) = load_method(pte).execute([x])
+        torch.testing.assert_close(out, fn(x), rtol=1e-5, atol=1e-5)

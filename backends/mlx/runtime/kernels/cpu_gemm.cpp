@@ -1,6 +1,7 @@
 #include "kernels/cpu_gemm.h"
 
 #include <cstring>
+#include <optional>
 
 #include <mlx/ops.h>
 #include <mlx/primitives.h>
@@ -42,7 +43,7 @@ bool one_row_float32(const mx::array& a, const mx::array& b) {
 // nn.Linear stores it): that array is used as it is, so neither transpose becomes a graph node (each is a task
 // on the CPU stream, a real share of a small model's step). The product reads the same memory either way. (By
 // name: libmlx does not export its primitives' type information.)
-mx::array transposed(const mx::array& b) {
+std::optional<mx::array> loaded_weight(const mx::array& b) {
   if (b.has_primitive() && b.ndim() == 2 && std::strcmp(b.primitive().name(), "Transpose") == 0) {
     const auto& axes = static_cast<const mx::Transpose&>(b.primitive()).state();
     const mx::array& w = b.inputs()[0];
@@ -51,29 +52,60 @@ mx::array transposed(const mx::array& b) {
       return w;
     }
   }
-  return mx::transpose(b);
+  return std::nullopt;
 }
 
+#ifdef ETMLX_CBLAS_ROUTE
+// Products of float32 rows by a loaded weight as one graph node each, making the very cblas_sgemm call MLX's
+// Matmul makes for them (mlx/backend/cpu/matmul.cpp, gemms/cblas.cpp: RowMajor, alpha 1, beta 0), so the same
+// bits, without the reshapes and the transpose MLX's matmul puts around it. The rows are read in place when
+// row-contiguous (float_rows), as MLX's flatten would leave them.
+enum { kRowMajor = 101, kNoTrans = 111, kTrans = 112 };
+
+// One row, written as W @ x^T (M = out, N = 1, lda = in, ldb = ldc = 1): one output column, which the route
+// sends to sgemv. Three nodes around the product -> one.
+mx::array linear_row(const mx::array& x, const mx::array& w, mx::Shape shape) {
+  const int k = w.shape(1), n = w.shape(0);
+  auto loop = [k, n](const std::vector<mx::array>& in, mx::array& out) {
+    std::vector<float> copy;
+    cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, n, 1, k, 1.0f, in[1].data<float>(), k, float_rows(in[0], copy), 1,
+                0.0f, out.data<float>(), 1);
+  };
+  return host_kernel("LinearRowCpu", std::move(shape), mx::float32, {x, w}, std::move(loop));
+}
+
+// m rows (a prefill, a draft program's verified positions, a batch): x [m, in] @ W^T, W passed transposed
+// (M = m, N = out, K = in, lda = ldb = in, ldc = out). The transpose, flatten, product and unflatten -> one node.
+mx::array linear_rows(const mx::array& x, const mx::array& w) {
+  const int k = w.shape(1), n = w.shape(0), m = static_cast<int>(x.size() / k);
+  mx::Shape shape = x.shape();
+  shape.back() = n;
+  auto loop = [m, k, n](const std::vector<mx::array>& in, mx::array& out) {
+    std::vector<float> copy;
+    cblas_sgemm(kRowMajor, kNoTrans, kTrans, m, n, k, 1.0f, float_rows(in[0], copy), k, in[1].data<float>(), k,
+                0.0f, out.data<float>(), n);
+  };
+  return host_kernel("LinearRowsCpu", std::move(shape), mx::float32, {x, w}, std::move(loop));
+}
+#endif
+
 mx::array matmul_f(const mx::array& a, const mx::array& b) {
-  if (!one_row_float32(a, b)) return mx::matmul(a, b);
+  const std::optional<mx::array> w = loaded_weight(b);
+  if (!one_row_float32(a, b)) {
+#ifdef ETMLX_CBLAS_ROUTE
+    if (w && a.dtype() == mx::float32 && w->dtype() == mx::float32 && a.ndim() >= 2 && a.shape(-1) == b.shape(0) &&
+        a.shape(-1) > 0 && a.size() > 0) {
+      return linear_rows(a, *w);
+    }
+#endif
+    return mx::matmul(a, b);
+  }
   auto shape = a.shape();
   shape.back() = b.shape(1);
-  const mx::array w = transposed(b);
 #ifdef ETMLX_CBLAS_ROUTE
-  if (w.status() == mx::array::Status::available) {
-    // A loaded weight: one node that makes the very call MLX's Matmul would make for W @ a^T (RowMajor, no
-    // transposes, M = out, N = 1, lda = in, ldb = ldc = 1, alpha 1, beta 0; mlx/backend/cpu/gemms/cblas.cpp),
-    // so the same bits, without the reshapes around it (three graph nodes -> one).
-    const int k = a.shape(-1), n = b.shape(1);
-    auto loop = [k, n](const std::vector<mx::array>& in, mx::array& out) {
-      std::vector<float> copy;
-      cblas_sgemm(101 /* RowMajor */, 111 /* NoTrans */, 111, n, 1, k, 1.0f, in[1].data<float>(), k,
-                  float_rows(in[0], copy), 1, 0.0f, out.data<float>(), 1);
-    };
-    return host_kernel("LinearRowCpu", std::move(shape), mx::float32, {a, w}, std::move(loop));
-  }
+  if (w) return linear_row(a, *w, std::move(shape));
 #endif
-  return mx::reshape(mx::matmul(w, mx::reshape(a, {a.shape(-1), 1})), shape);
+  return mx::reshape(mx::matmul(w ? *w : mx::transpose(b), mx::reshape(a, {a.shape(-1), 1})), shape);
 }
 
 mx::array addmm_f(const mx::array& bias, const mx::array& a, const mx::array& b, float alpha, float beta) {
