@@ -166,7 +166,7 @@ Error run(Handle& h, Span<EValue*> args) {
     Error err = prepare_output(arg.toTensor(), a, spec->dtype(), i);
     if (err != Error::Ok) return err;
     eval_index[i] = static_cast<int>(outputs.size());
-    outputs.push_back(mx::contiguous(a));
+    outputs.push_back(a);  // copied out row-major whatever its layout (io.cpp copy_output)
   }
   std::vector<mx::array> new_state;
   new_state.reserve(prog.mutable_slots.size());

@@ -3,6 +3,8 @@
 #include <mlx/ops.h>
 
 #include "interpreter.h"
+#include "kernels/host_kernel.h"
+#include "kernels/kernel_set.h"
 #include "kernels/known_values.h"
 #include "kernels/random_bits.h"
 
@@ -12,8 +14,12 @@ namespace mx = mlx::core;
 
 namespace {
 
-// [rows] float32 from a scalar or [rows] temperature.
-mx::array temperature_rows(const mx::array& t, int rows) {
+// [rows] float32 from a scalar or [rows] temperature. On the CPU a temperature the host holds (the call's input)
+// is spread on the host: no graph node (host_kernel.h host_rows; on a CUDA GPU a host-made array costs more).
+mx::array temperature_rows(const mx::array& t, int rows, bool cpu_set) {
+  if (cpu_set) {
+    if (std::optional<mx::array> held = kernels::host_rows(t, rows)) return *held;
+  }
   return mx::broadcast_to(mx::reshape(t, {-1}), {rows});
 }
 
@@ -66,7 +72,8 @@ bool Interpreter::exec_filter_threshold(const fb::FilterThresholdNode& n) {
   if (knobs.top_k && !mx::issubdtype(knobs.top_k->dtype(), mx::integer)) return fail("top_k must be integer");
   const int cap = n.candidates();
   if (cap < 1) return fail("candidates must be >= 1, got %d", cap);
-  return write(n.out(), program_.kernels->filter_threshold(*x, temperature_rows(*temperature, rows), knobs, cap));
+  const mx::array t = temperature_rows(*temperature, rows, program_.kernels == &kernels::cpu_kernels());
+  return write(n.out(), program_.kernels->filter_threshold(*x, t, knobs, cap));
 }
 
 bool Interpreter::exec_gumbel_max(const fb::GumbelMaxNode& n) {
@@ -106,7 +113,8 @@ bool Interpreter::exec_gumbel_max(const fb::GumbelMaxNode& n) {
   if (seed && program_.kernels != &kernels::cpu_kernels() && kernels::known_none_positive(*temperature)) {
     return write(n.out(), kernels::greedy_pick(*scores));
   }
-  return write(n.out(), program_.kernels->gumbel_max(*scores, temperature_rows(*temperature, rows), seed, threshold));
+  const mx::array t = temperature_rows(*temperature, rows, program_.kernels == &kernels::cpu_kernels());
+  return write(n.out(), program_.kernels->gumbel_max(*scores, t, seed, threshold));
 }
 
 bool Interpreter::exec_allowed_mask(const fb::AllowedMaskNode& n) {

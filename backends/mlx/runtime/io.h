@@ -25,7 +25,7 @@ executorch::runtime::Error wrap_input(const ETTensor& t, fb::DType expected, siz
 executorch::runtime::Error prepare_output(const ETTensor& t, const mlx::core::array& a,
                                           fb::DType expected, size_t index);
 
-// Copies the evaluated, row-contiguous array `a` into `t` (already resized).
+// Copies the evaluated array `a` into `t` (already resized), in row-major order whatever a's layout.
 executorch::runtime::Error copy_output(const ETTensor& t, const mlx::core::array& a,
                                        size_t index);
 

@@ -94,12 +94,20 @@ float row_threshold(std::vector<float>& z, const std::vector<float>& row, int r,
 mx::array filter_threshold_cpu(const mx::array& x, const mx::array& temperature, const FilterKnobs& knobs,
                                int cap) {
   const int rows = x.shape(0), vocab = x.shape(1);
-  const mx::array safe_t = mx::where(mx::greater(temperature, mx::array(0.0f)), temperature, mx::array(1.0f));
-  std::vector<mx::array> inputs{mx::contiguous(x), mx::contiguous(safe_t)};
+  // Knobs the host holds (the call's inputs) become operands without graph nodes; lazy ones go through MLX.
+  std::optional<mx::array> safe_t = host_rows(temperature, rows);
+  if (safe_t && safe_t->dtype() == mx::float32) {
+    float* t = safe_t->data<float>();
+    for (int r = 0; r < rows; ++r) t[r] = t[r] > 0.0f ? t[r] : 1.0f;  // as the where below
+  } else {
+    safe_t = mx::contiguous(mx::where(mx::greater(temperature, mx::array(0.0f)), temperature, mx::array(1.0f)));
+  }
+  std::vector<mx::array> inputs{flat_source(x), *safe_t};
   // Each present knob as one value per row; its operand index (0: absent).
   auto knob_rows = [&](const std::optional<mx::array>& a, mx::Dtype dt) -> size_t {
     if (!a) return 0;
-    inputs.push_back(mx::contiguous(mx::broadcast_to(mx::reshape(mx::astype(*a, dt), {-1}), {rows})));
+    std::optional<mx::array> held = a->dtype() == dt ? host_rows(*a, rows) : std::nullopt;
+    inputs.push_back(held ? *held : mx::contiguous(mx::broadcast_to(mx::reshape(mx::astype(*a, dt), {-1}), {rows})));
     return inputs.size() - 1;
   };
   const size_t top_k = knob_rows(knobs.top_k, mx::int64);
@@ -110,7 +118,8 @@ mx::array filter_threshold_cpu(const mx::array& x, const mx::array& temperature,
     if (top_k) k.top_k = in[top_k].data<int64_t>();
     if (top_p) k.top_p = in[top_p].data<float>();
     if (min_p) k.min_p = in[min_p].data<float>();
-    const float* xs = in[0].data<float>();
+    std::vector<float> copy;
+    const float* xs = float_rows(in[0], copy);
     const float* ts = in[1].data<float>();
     float* thresholds = out.data<float>();
     std::vector<float> row, z;

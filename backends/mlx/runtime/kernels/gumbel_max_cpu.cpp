@@ -118,13 +118,18 @@ mx::array gumbel_max_cpu(const mx::array& scores, const mx::array& temperature, 
                          const std::optional<mx::array>& threshold) {
   const int rows = scores.shape(0), vocab = scores.shape(1);
   // The keys' source, as an operand: the global sequence's next key (uint32 [2]), or the seeds as int64.
-  const mx::array keys = seed ? mx::contiguous(mx::astype(mx::reshape(*seed, {-1}), mx::int64))
+  // Operands the host holds (the call's seeds and temperatures) are used as they are; the scores and the threshold
+  // are read flat (float_rows), so the views over them never become graph nodes.
+  const mx::array keys = seed ? (seed->dtype() == mx::int64 ? contiguous_operand(*seed)
+                                                            : mx::contiguous(mx::astype(mx::reshape(*seed, {-1}), mx::int64)))
                               : mx::contiguous(mx::random::KeySequence::default_().next());
   const bool seeded = seed.has_value(), per_row = seed && seed->ndim() == 1, has_floor = threshold.has_value();
-  std::vector<mx::array> inputs{mx::contiguous(scores), mx::contiguous(temperature), keys};
-  if (has_floor) inputs.push_back(mx::contiguous(mx::reshape(*threshold, {rows})));
+  const std::optional<mx::array> held_t = host_rows(temperature, rows);
+  std::vector<mx::array> inputs{flat_source(scores), held_t ? *held_t : mx::contiguous(temperature), keys};
+  if (has_floor) inputs.push_back(flat_source(*threshold));
   auto loop = [rows, vocab, seeded, per_row, has_floor](const std::vector<mx::array>& in, mx::array& out) {
-    const float* xs = in[0].data<float>();
+    std::vector<float> score_copy, floor_copy;
+    const float* xs = float_rows(in[0], score_copy);
     const float* ts = in[1].data<float>();
     std::vector<RngKey> keys;
     if (!seeded) {
@@ -135,7 +140,7 @@ mx::array gumbel_max_cpu(const mx::array& scores, const mx::array& temperature, 
       for (size_t i = 0; i < in[2].size(); ++i) keys.push_back(key_from_seed(static_cast<uint64_t>(s[i])));
     }
     // Without a threshold no token is excluded: a floor of -inf.
-    const float* floor = has_floor ? in[3].data<float>() : nullptr;
+    const float* floor = has_floor ? float_rows(in[3], floor_copy) : nullptr;
     int64_t* tokens = out.data<int64_t>();
     for (int r = 0; r < rows; ++r) {
       const float* row = xs + static_cast<size_t>(r) * vocab;

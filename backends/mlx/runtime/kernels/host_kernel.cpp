@@ -1,5 +1,6 @@
 #include "kernels/host_kernel.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
@@ -8,6 +9,7 @@
 
 #include <mlx/allocator.h>
 #include <mlx/backend/cpu/encoder.h>
+#include <mlx/ops.h>
 #include <mlx/primitives.h>
 #include <mlx/stream.h>
 
@@ -117,6 +119,51 @@ const float* float_rows(const mx::array& x, std::vector<float>& copy) {
     for (int d = nd - 1; d >= 0 && ++index[d] == x.shape(d); --d) index[d] = 0;
   }
   return copy.data();
+}
+
+mx::array contiguous_operand(const mx::array& a) {
+  if (a.status() == mx::array::Status::available && a.flags().row_contiguous) return a;
+  return mx::contiguous(a);
+}
+
+mx::array flat_source(mx::array a) {
+  while (a.has_primitive() && a.inputs().size() == 1) {
+    const char* kind = a.primitive().name();
+    if (std::strcmp(kind, "Reshape") != 0 && std::strcmp(kind, "Squeeze") != 0 && std::strcmp(kind, "ExpandDims") != 0) {
+      break;
+    }
+    mx::array in = a.inputs()[0];
+    a = std::move(in);
+  }
+  return a;
+}
+
+std::optional<mx::array> host_rows(const mx::array& view, int rows) {
+  // Through the lazy views the graph puts over an input (the exporter's reshape and broadcast of a knob): they
+  // regroup its elements, or repeat its one element.
+  mx::array a = view;
+  while (a.status() != mx::array::Status::available && a.has_primitive() && a.inputs().size() == 1) {
+    const char* kind = a.primitive().name();
+    if (std::strcmp(kind, "Reshape") != 0 && std::strcmp(kind, "Squeeze") != 0 &&
+        std::strcmp(kind, "ExpandDims") != 0 && std::strcmp(kind, "Broadcast") != 0) {
+      break;
+    }
+    mx::array in = a.inputs()[0];
+    a = std::move(in);
+  }
+  if (a.status() != mx::array::Status::available || rows < 0 || a.dtype() != view.dtype()) return std::nullopt;
+  const size_t item = a.itemsize(), n = static_cast<size_t>(rows);
+  // One value for every row, or one per row (a view with as many elements as its source keeps their order).
+  if (a.size() != 1 && !(a.size() == n && view.size() == n && a.flags().row_contiguous)) return std::nullopt;
+  mx::array out(mx::allocator::malloc(std::max<size_t>(n * item, 1)), {rows}, a.dtype());
+  const char* src = a.data<char>();
+  char* dst = out.data<char>();
+  if (a.size() == n) {
+    std::memcpy(dst, src, n * item);
+  } else {
+    for (size_t r = 0; r < n; ++r) std::memcpy(dst + r * item, src, item);
+  }
+  return out;
 }
 
 void transpose_copy(const float* src, const mx::Shape& shape, const std::vector<int>& perm, float* dst) {

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <functional>
+#include <optional>
 #include <vector>
 
 #include <mlx/array.h>
@@ -39,6 +40,20 @@ std::vector<mlx::core::array> host_kernel_multi(const char* name, std::vector<ml
 // so their layout is known only there; reading them in place saves the reshape and contiguous nodes a call
 // would otherwise ask MLX for.
 const float* float_rows(const mlx::core::array& x, std::vector<float>& copy);
+
+// `a` as a row-contiguous operand of a host loop: itself when it is materialised that way (a loaded weight, a
+// call's input), else through mx::contiguous. Each mx::contiguous is a graph node even when it copies nothing.
+mlx::core::array contiguous_operand(const mlx::core::array& a);
+
+// `a` without the lazy views over it that only regroup its elements (Reshape, Squeeze, ExpandDims): the same
+// values in the same row-major order, for a loop that reads its operand flat through float_rows. The views then
+// never become graph nodes.
+mlx::core::array flat_source(mlx::core::array a);
+
+// [rows] values of `a` (one value for every row, or one per row in row-major order), its dtype unchanged, made
+// on the host when `a` is materialised or a lazy view (reshape, squeeze, expand, broadcast) of a materialised
+// array (a call's knob input): no graph node. nullopt when it needs anything computed, or has another size. For the CPU kernel set only: on a CUDA GPU a host-made array costs more than a node (host_fold.h).
+std::optional<mlx::core::array> host_rows(const mlx::core::array& a, int rows);
 
 // dst = the row-major float array `src` of `shape` transposed by `perm`, row-major: a view op's result
 // made by a fused node as its own copy (cheaper than the view's graph node for a decode step's sizes).

@@ -74,14 +74,6 @@ void dot_rows(const float* x, int m, const QuantizedMatrix& w, float* out) {
   parallel_for(w.n, grain_for(w.n, static_cast<int64_t>(w.k) * m), range);
 }
 
-// An operand as a row-contiguous array: itself when it is already materialised that way (the
-// weights: constants loaded at init), else through mx::contiguous. Each mx::contiguous is a graph
-// node even when it copies nothing, and a decode step of a 24-layer model has ~170 linears.
-mx::array materialised_contiguous(const mx::array& a) {
-  if (a.status() != mx::array::Status::unscheduled && a.flags().row_contiguous) return a;
-  return mx::contiguous(a);
-}
-
 // Fused nodes built (etmlx_grouped_linear_nodes: the tests check that fusion happened, or did not).
 std::atomic<long long> grouped_nodes{0}, silu_epilogues{0}, matmul_add_norms{0};
 
@@ -95,8 +87,8 @@ mx::array quantized_matmul_cpu(const mx::array& x, const mx::array& w, const mx:
   mx::Shape out_shape = x.shape();
   out_shape.back() = n;
   if (m == 0 || k == 0) return mx::zeros(out_shape, dtype);
-  std::vector<mx::array> weights{materialised_contiguous(w), materialised_contiguous(scales),
-                                 materialised_contiguous(biases)};
+  std::vector<mx::array> weights{contiguous_operand(w), contiguous_operand(scales),
+                                 contiguous_operand(biases)};
   if (many_rows(m, bits, group_size) && (quantized_gemm_available() || quantized_gemm_integer(bits, group_size))) {
     // Prefill on AVX-512 (W dequantized in tiles per pool thread, or integer activations on VNNI) or with
     // integer activations on AVX2 (quantized_gemm.h).
@@ -147,8 +139,8 @@ std::vector<mx::array> quantized_matmul_add_rms_norm_cpu(const mx::array& x, con
                  weight->status() != mx::array::Status::available || !weight->flags().row_contiguous)) {
     return {};
   }
-  std::vector<mx::array> inputs{x, materialised_contiguous(w), materialised_contiguous(scales),
-                                materialised_contiguous(biases), residual};
+  std::vector<mx::array> inputs{x, contiguous_operand(w), contiguous_operand(scales),
+                                contiguous_operand(biases), residual};
   if (weight) inputs.push_back(*weight);
   auto loop = [m, n, group_size, bits, eps](const std::vector<mx::array>& in, std::vector<mx::array>& out) {
     std::vector<float> copy, res_copy;
@@ -183,10 +175,10 @@ std::vector<mx::array> quantized_matmul_group_cpu(const mx::array& x, const std:
     if (l.bias && l.bias->dtype() != mx::float32) return {};
     first.push_back(static_cast<int>(inputs.size()));
     with_bias.push_back(l.bias.has_value());
-    inputs.push_back(materialised_contiguous(l.w));
-    inputs.push_back(materialised_contiguous(l.scales));
-    inputs.push_back(materialised_contiguous(l.biases));
-    if (l.bias) inputs.push_back(materialised_contiguous(*l.bias));
+    inputs.push_back(contiguous_operand(l.w));
+    inputs.push_back(contiguous_operand(l.scales));
+    inputs.push_back(contiguous_operand(l.biases));
+    if (l.bias) inputs.push_back(contiguous_operand(*l.bias));
     mx::Shape shape = x.shape();
     shape.back() = l.w.shape(0);
     shapes.push_back(std::move(shape));
