@@ -1,9 +1,10 @@
 #include "io.h"
 
+#include "kernels/host_kernel.h"
+
 #include <array>
 #include <cstring>
 #include <limits>
-#include <vector>
 
 #include <executorch/runtime/core/exec_aten/util/dim_order_util.h>
 #include <executorch/runtime/core/exec_aten/util/tensor_util.h>
@@ -139,28 +140,14 @@ Error copy_output(const ETTensor& t, const mx::array& a, size_t index) {
   }
   if (nbytes == 0) return Error::Ok;
   void* dst = t.mutable_data_ptr();
-  const uint8_t* src = a.data<uint8_t>();
-  if (dst == nullptr || src == nullptr) {
+  if (dst == nullptr || a.data<uint8_t>() == nullptr) {
     ET_LOG(Error, "etmlx: output %zu has no data buffer", index);
     return Error::Internal;
   }
-  if (a.flags().row_contiguous) {
-    std::memmove(dst, src, nbytes);
-    return Error::Ok;
-  }
-  // A view (a transpose, a broadcast, a slice): its elements in row-major order, read through its strides.
-  // Done here rather than by an mx::contiguous node per output, which every call would ask MLX for although
-  // nearly every output (a token, a host loop's result) is already row-contiguous.
-  const size_t item = a.itemsize();
-  const int nd = static_cast<int>(a.ndim());
-  std::vector<int64_t> at_dim(nd, 0);
-  auto* out = static_cast<uint8_t*>(dst);
-  for (size_t i = 0; i < a.size(); ++i) {
-    int64_t at = 0;
-    for (int d = 0; d < nd; ++d) at += at_dim[d] * static_cast<int64_t>(a.strides()[d]);
-    std::memcpy(out + i * item, src + at * static_cast<int64_t>(item), item);
-    for (int d = nd - 1; d >= 0 && ++at_dim[d] == a.shape(d); --d) at_dim[d] = 0;
-  }
+  // Through its strides when it is a view (a transpose, a broadcast, a slice): done here rather than by an
+  // mx::contiguous node per output, which every call would ask MLX for although nearly every output (a token, a
+  // host loop's result) is already row-contiguous.
+  kernels::copy_row_major(a, dst);
   return Error::Ok;
 }
 

@@ -124,8 +124,7 @@ mx::array gumbel_max_cpu(const mx::array& scores, const mx::array& temperature, 
                                                             : mx::contiguous(mx::astype(mx::reshape(*seed, {-1}), mx::int64)))
                               : mx::contiguous(mx::random::KeySequence::default_().next());
   const bool seeded = seed.has_value(), per_row = seed && seed->ndim() == 1, has_floor = threshold.has_value();
-  const std::optional<mx::array> held_t = host_rows(temperature, rows);
-  std::vector<mx::array> inputs{flat_source(scores), held_t ? *held_t : mx::contiguous(temperature), keys};
+  std::vector<mx::array> inputs{flat_source(scores), contiguous_operand(temperature), keys};
   if (has_floor) inputs.push_back(flat_source(*threshold));
   auto loop = [rows, vocab, seeded, per_row, has_floor](const std::vector<mx::array>& in, mx::array& out) {
     std::vector<float> score_copy, floor_copy;

@@ -13,6 +13,8 @@
 #include <mlx/primitives.h>
 #include <mlx/stream.h>
 
+#include "kernels/known_values.h"
+
 namespace etmlx::kernels {
 
 namespace mx = mlx::core;
@@ -106,32 +108,39 @@ std::vector<mx::array> host_kernel_multi(const char* name, std::vector<mx::Shape
                                 std::make_shared<HostKernelMulti>(stream, name, std::move(loop)), inputs);
 }
 
+void copy_row_major(const mx::array& a, void* dst) {
+  const auto* src = a.data<uint8_t>();
+  const size_t item = a.itemsize();
+  if (a.flags().row_contiguous) {
+    std::memmove(dst, src, a.size() * item);  // as copy_output always did (an output may overlap a wrapped input)
+    return;
+  }
+  auto* out = static_cast<uint8_t*>(dst);
+  const int nd = static_cast<int>(a.ndim());
+  std::vector<int> index(nd, 0);
+  for (size_t i = 0; i < a.size(); ++i) {
+    int64_t at = 0;
+    for (int d = 0; d < nd; ++d) at += static_cast<int64_t>(index[d]) * a.strides()[d];
+    std::memcpy(out + i * item, src + at * static_cast<int64_t>(item), item);
+    for (int d = nd - 1; d >= 0 && ++index[d] == a.shape(d); --d) index[d] = 0;
+  }
+}
+
 const float* float_rows(const mx::array& x, std::vector<float>& copy) {
   if (x.flags().row_contiguous) return x.data<float>();
   copy.resize(x.size());
-  const float* base = x.data<float>();
-  const int nd = static_cast<int>(x.ndim());
-  std::vector<int> index(nd, 0);
-  for (size_t i = 0; i < x.size(); ++i) {
-    int64_t at = 0;
-    for (int d = 0; d < nd; ++d) at += static_cast<int64_t>(index[d]) * x.strides()[d];
-    copy[i] = base[at];
-    for (int d = nd - 1; d >= 0 && ++index[d] == x.shape(d); --d) index[d] = 0;
-  }
+  copy_row_major(x, copy.data());
   return copy.data();
 }
 
 mx::array contiguous_operand(const mx::array& a) {
-  if (a.status() == mx::array::Status::available && a.flags().row_contiguous) return a;
+  if (a.status() != mx::array::Status::unscheduled && a.flags().row_contiguous) return a;
   return mx::contiguous(a);
 }
 
 mx::array flat_source(mx::array a) {
-  while (a.has_primitive() && a.inputs().size() == 1) {
-    const char* kind = a.primitive().name();
-    if (std::strcmp(kind, "Reshape") != 0 && std::strcmp(kind, "Squeeze") != 0 && std::strcmp(kind, "ExpandDims") != 0) {
-      break;
-    }
+  // A broadcast repeats elements: not a regrouping.
+  while (is_view(a) && std::strcmp(a.primitive().name(), "Broadcast") != 0) {
     mx::array in = a.inputs()[0];
     a = std::move(in);
   }
@@ -142,12 +151,7 @@ std::optional<mx::array> host_rows(const mx::array& view, int rows) {
   // Through the lazy views the graph puts over an input (the exporter's reshape and broadcast of a knob): they
   // regroup its elements, or repeat its one element.
   mx::array a = view;
-  while (a.status() != mx::array::Status::available && a.has_primitive() && a.inputs().size() == 1) {
-    const char* kind = a.primitive().name();
-    if (std::strcmp(kind, "Reshape") != 0 && std::strcmp(kind, "Squeeze") != 0 &&
-        std::strcmp(kind, "ExpandDims") != 0 && std::strcmp(kind, "Broadcast") != 0) {
-      break;
-    }
+  while (is_view(a)) {
     mx::array in = a.inputs()[0];
     a = std::move(in);
   }

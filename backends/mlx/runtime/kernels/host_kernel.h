@@ -35,6 +35,9 @@ std::vector<mlx::core::array> host_kernel_multi(const char* name, std::vector<ml
                                                 mlx::core::Dtype dtype, std::vector<mlx::core::array> inputs,
                                                 HostLoopMulti loop);
 
+// The evaluated array `a`'s elements into `dst` in row-major order, read through its strides when it is a view.
+void copy_row_major(const mlx::core::array& a, void* dst);
+
 // A float32 operand's values in row-major order, read by a host loop: its own memory when it is
 // row-contiguous (the usual case), else copied into `copy`. The activations stay lazy until the loop runs,
 // so their layout is known only there; reading them in place saves the reshape and contiguous nodes a call
@@ -42,7 +45,7 @@ std::vector<mlx::core::array> host_kernel_multi(const char* name, std::vector<ml
 const float* float_rows(const mlx::core::array& x, std::vector<float>& copy);
 
 // `a` as a row-contiguous operand of a host loop: itself when it is materialised that way (a loaded weight, a
-// call's input), else through mx::contiguous. Each mx::contiguous is a graph node even when it copies nothing.
+// call's input, or state an evaluation in flight is writing), else through mx::contiguous. Each mx::contiguous is a graph node even when it copies nothing.
 mlx::core::array contiguous_operand(const mlx::core::array& a);
 
 // `a` without the lazy views over it that only regroup its elements (Reshape, Squeeze, ExpandDims): the same
