@@ -13,12 +13,15 @@ from typing import Any, Callable, Optional
 import torch
 from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
 from executorch.exir.backend.compile_spec_schema import CompileSpec
+from executorch.exir.lowered_backend_module import LoweredBackendModule
 from executorch.exir.passes.init_mutable_pass import InitializedMutableBufferPass
 
 from backends.mlx.exporter.builder.weights import EXTERNAL_TAG, PLACEMENTS
 from backends.mlx.exporter.cia_registry import remember_materialized_cia_ops
 from backends.mlx.exporter.edge_target import aten_target
 from backends.mlx.exporter.partitioner import MLXPartitioner
+from backends.mlx.exporter.plain_step import (PlainStep, PlainStepError, delegate_output_positions,
+                                              plain_step_specs)
 from backends.mlx.exporter.unused_state import drop_unused_state
 from backends.mlx.exporter.preprocess import FUSE_SPEC, WEIGHTS_SPEC
 
@@ -104,6 +107,29 @@ def count_outside(program) -> tuple[int, Counter]:
     return calls, outside
 
 
+def _lowered_plain_step(module, args, kwargs, dynamic_shapes, strict, specs, plain_step: PlainStep):
+    """The plain step's compile specs (its blob) and named data: the module traced in its plain mode and lowered
+    whole to the delegate, as the program will be."""
+    plain_step.switch(True)
+    try:
+        with torch.no_grad():
+            ep = torch.export.export(module, args, kwargs or {}, dynamic_shapes=dynamic_shapes, strict=strict)
+    finally:
+        plain_step.switch(False)
+    drop_unused_state(ep)
+    partitioner = MLXPartitioner(specs)
+    edge = to_edge_transform_and_lower(
+        ep, partitioner=[partitioner], compile_config=EdgeCompileConfig(_check_ir_validity=False)
+    )
+    lowered = [m for m in edge.exported_program().graph_module.modules() if isinstance(m, LoweredBackendModule)]
+    _calls, outside = count_outside(edge.exported_program())
+    if len(lowered) != 1 or outside or partitioner.shared_state:
+        raise PlainStepError(f"the plain step did not lower to one delegate call ({len(lowered)} calls, "
+                             f"{sum(outside.values())} ops outside)")
+    return (plain_step_specs(lowered[0].processed_bytes, plain_step.when),
+            edge._named_data_store.get_named_data_store_output(), delegate_output_positions(edge.exported_program()))
+
+
 def export_to_pte(
     module: torch.nn.Module,
     args: tuple,
@@ -115,13 +141,16 @@ def export_to_pte(
     fuse: bool = True,
     named_data: Optional[dict[str, bytes]] = None,
     weights: str = "pte",
+    plain_step: Optional[PlainStep] = None,
 ) -> ExportResult:
     """`progress`, if given, is called with the name of each stage as it starts. `fuse=False` keeps
     RMSNorm / LayerNorm / rotary subgraphs as separate ops (for comparisons). `named_data` (key ->
     bytes) is stored in the .pte's named data, where runtime/pte_metadata.py and C++'s
     Program::get_named_data_map() read it back. `weights`: where the delegate's constants go: "pte"
     (ExecuTorch named data in the .pte's segments, mapped at load), "external" (a FILE.ptd beside the
-    .pte, written by save()) or "inline" (inside the delegate blob, the layout before named data)."""
+    .pte, written by save()) or "inline" (inside the delegate blob, the layout before named data).
+    `plain_step`: the module traced a second time in its plain mode, stored in the blob for calls without
+    drafts (plain_step.py)."""
     say = progress or (lambda _stage: None)
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -138,7 +167,12 @@ def export_to_pte(
         ep = torch.export.export(module, args, kwargs or {}, dynamic_shapes=dynamic_shapes, strict=strict)
     drop_unused_state(ep)
     specs = [CompileSpec(WEIGHTS_SPEC, weights.encode())] + ([] if fuse else [CompileSpec(FUSE_SPEC, b"0")])
-    partitioner = MLXPartitioner(specs)
+    plain_specs, plain_data, plain_outputs = [], None, None
+    if plain_step is not None:
+        say("tracing and lowering the plain step")
+        plain_specs, plain_data, plain_outputs = _lowered_plain_step(module, args, kwargs, dynamic_shapes, strict,
+                                                                     specs, plain_step)
+    partitioner = MLXPartitioner(specs + plain_specs)
     say("lowering to the etmlx delegate")
     edge = to_edge_transform_and_lower(
         ep, partitioner=[partitioner], compile_config=EdgeCompileConfig(_check_ir_validity=False)
@@ -147,6 +181,10 @@ def export_to_pte(
     for method in edge.methods:
         drop_unused_state(edge.exported_program(method))
     calls, outside = count_outside(edge.exported_program())
+    if plain_data is not None:  # weights the plain step reads that the program does not (the same keys dedupe)
+        if delegate_output_positions(edge.exported_program()) != plain_outputs:
+            raise PlainStepError("the plain step returns its outputs in another order than the program")
+        edge._named_data_store.merge_named_data_store(plain_data)
     for key, blob in (named_data or {}).items():
         if not isinstance(key, str) or not isinstance(blob, bytes):
             raise TypeError(f"named_data must map str keys to bytes, got {key!r}: {type(blob).__name__}")

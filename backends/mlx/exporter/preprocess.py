@@ -10,6 +10,7 @@ from torch.export.exported_program import ExportedProgram
 import backends.mlx.exporter.ops  # noqa: F401  (registers the handlers)
 from backends.mlx.exporter.builder.program_builder import ProgramBuilder
 from backends.mlx.exporter.builder.weights import PLACEMENTS, WeightStore
+from backends.mlx.exporter.plain_step import attach_plain_step
 from backends.mlx.serialization.serializer import serialize
 
 # The id the .pte records and the C++ runtime registers; deliberately not upstream's "MLXBackend".
@@ -48,6 +49,7 @@ class EtmlxBackend(BackendDetails):
     def preprocess(edge_program: ExportedProgram, compile_specs: List[CompileSpec]) -> PreprocessResult:
         weights = WeightStore(weights_placement(compile_specs))
         graph = ProgramBuilder(edge_program, fuse=fusion_enabled(compile_specs), weights=weights).build()
+        attach_plain_step(graph, compile_specs)
         return PreprocessResult(processed_bytes=serialize(graph), data_store_output=weights.output())
 
 

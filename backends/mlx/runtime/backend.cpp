@@ -56,15 +56,21 @@ size_t count(const Specs* specs) {
   return specs ? specs->size() : 0;
 }
 
+// Whether this call runs `p`'s plain step: it has one and the call's selecting input (a draft-verifying
+// program's verify [B, G]) has size 1 along axis 1, a call without drafts.
+bool runs_plain_step(const Program& p, Span<EValue*> args) {
+  if (p.plain_step == nullptr || p.plain_step_when < 0) return false;
+  const EValue& a = *args[static_cast<size_t>(p.plain_step_when)];
+  return a.isTensor() && a.toTensor().dim() >= 2 && a.toTensor().size(1) == 1;
+}
+
 Error run(Handle& h, Span<EValue*> args) {
   CallTimer timer;
-  const Program& prog = h.program;
-  const fb::Graph& g = *prog.graph;
-  const size_t n_in = count(g.inputs());
-  const size_t n_out = count(g.outputs());
-  if (args.size() != n_in + n_out) {
+  const size_t n_args = count(h.program.graph->inputs());  // ExecuTorch passes the program's inputs
+  const size_t n_out = count(h.program.graph->outputs());
+  if (args.size() != n_args + n_out) {
     ET_LOG(Error, "etmlx: execute got %zu arguments but the graph has %zu inputs and %zu outputs",
-           args.size(), n_in, n_out);
+           args.size(), n_args, n_out);
     return Error::InvalidArgument;
   }
   for (size_t i = 0; i < args.size(); ++i) {
@@ -73,6 +79,11 @@ Error run(Handle& h, Span<EValue*> args) {
       return Error::InvalidArgument;
     }
   }
+  // A call without drafts runs the program's plain step when it has one (loader.h): same inputs, outputs and
+  // state, fewer instructions.
+  const Program& prog = runs_plain_step(h.program, args) ? *h.program.plain_step : h.program;
+  const fb::Graph& g = *prog.graph;
+  const size_t n_in = count(g.inputs());
 
   if (h.state_lost) {
     ET_LOG(Error, "etmlx: an earlier call failed while evaluating its graph, so the program's state "
@@ -101,10 +112,11 @@ Error run(Handle& h, Span<EValue*> args) {
   for (size_t i = 0; i < n_in; ++i) {
     const fb::IoSpec* spec = g.inputs()->Get(static_cast<flatbuffers::uoffset_t>(i));
     const fb::Slot* slot = spec->slot();
-    const EValue& arg = *args[i];
+    const size_t from = prog.input_from.empty() ? i : prog.input_from[i];  // the argument it reads
+    const EValue& arg = *args[from];
     if (slot->kind() == fb::SlotKind::Value) {
       if (!arg.isInt()) {
-        ET_LOG(Error, "etmlx: input %zu must be an int (symbolic size), got EValue tag %d", i,
+        ET_LOG(Error, "etmlx: input %zu must be an int (symbolic size), got EValue tag %d", from,
                static_cast<int>(arg.tag));
         return Error::InvalidArgument;
       }
@@ -112,12 +124,12 @@ Error run(Handle& h, Span<EValue*> args) {
       continue;
     }
     if (!arg.isTensor()) {
-      ET_LOG(Error, "etmlx: input %zu must be a tensor, got EValue tag %d", i,
+      ET_LOG(Error, "etmlx: input %zu must be a tensor, got EValue tag %d", from,
              static_cast<int>(arg.tag));
       return Error::InvalidArgument;
     }
     mx::array a(0.0f);
-    Error err = wrap_input(arg.toTensor(), spec->dtype(), i, copy_inputs, &a);
+    Error err = wrap_input(arg.toTensor(), spec->dtype(), from, copy_inputs, &a);
     if (err != Error::Ok) return err;
     wrappers.push_back(a);
     tensors[slot->idx()] = std::move(a);
@@ -138,7 +150,7 @@ Error run(Handle& h, Span<EValue*> args) {
   for (size_t i = 0; i < n_out; ++i) {
     const fb::IoSpec* spec = g.outputs()->Get(static_cast<flatbuffers::uoffset_t>(i));
     const fb::Slot* slot = spec->slot();
-    EValue& arg = *args[n_in + i];
+    EValue& arg = *args[n_args + i];
     if (slot->kind() == fb::SlotKind::Value) {
       if (!values[slot->idx()].has_value()) {
         ET_LOG(Error, "etmlx: output %zu reads value slot %u, which is never written", i,
@@ -229,7 +241,7 @@ Error run(Handle& h, Span<EValue*> args) {
 
   for (size_t i = 0; i < n_out; ++i) {
     const fb::IoSpec* spec = g.outputs()->Get(static_cast<flatbuffers::uoffset_t>(i));
-    EValue& arg = *args[n_in + i];
+    EValue& arg = *args[n_args + i];
     if (spec->slot()->kind() == fb::SlotKind::Value) {
       arg = EValue(*values[spec->slot()->idx()]);
       continue;

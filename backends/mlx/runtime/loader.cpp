@@ -12,6 +12,9 @@
 #include <exception>
 #include <limits>
 #include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
 
 #include <executorch/runtime/platform/log.h>
 #include <flatbuffers/flatbuffers.h>
@@ -337,6 +340,127 @@ bool check_quantized_constants(const Program& p) {
   return true;
 }
 
+// The constants of `share` that live in named data, by key (empty without `share`).
+std::unordered_map<std::string_view, size_t> keyed_constants(const Program* share) {
+  std::unordered_map<std::string_view, size_t> out;
+  if (share == nullptr || share->graph->constants() == nullptr) return out;
+  const auto* consts = share->graph->constants();
+  for (flatbuffers::uoffset_t i = 0; i < consts->size(); ++i) {
+    const fb::Constant* c = consts->Get(i);
+    if (c->key() != nullptr && c->key()->size() > 0) out.emplace(c->key()->string_view(), i);
+  }
+  return out;
+}
+
+// `share`'s loaded array for `c` when `share` holds the same named data (key, dtype and shape): a plain step
+// reads its program's weights instead of a second copy. Null otherwise (then `c` is loaded as usual).
+const mx::array* shared_constant(const Program* share, const std::unordered_map<std::string_view, size_t>& keyed,
+                                 const fb::Constant& c) {
+  if (share == nullptr || c.key() == nullptr || c.key()->size() == 0) return nullptr;
+  const auto it = keyed.find(c.key()->string_view());
+  if (it == keyed.end()) return nullptr;
+  const fb::Constant* theirs = share->graph->constants()->Get(static_cast<flatbuffers::uoffset_t>(it->second));
+  if (theirs->dtype() != c.dtype() || theirs->shape() == nullptr || c.shape() == nullptr ||
+      theirs->shape()->size() != c.shape()->size()) {
+    return nullptr;
+  }
+  for (flatbuffers::uoffset_t d = 0; d < c.shape()->size(); ++d) {
+    if (theirs->shape()->Get(d) != c.shape()->Get(d)) return nullptr;
+  }
+  return &share->constants[it->second];
+}
+
+const char* io_name(const fb::IoSpec* io) { return io->name() != nullptr ? io->name()->c_str() : ""; }
+
+const char* buffer_name(const fb::MutableBuffer* mb) { return mb->name() != nullptr ? mb->name()->c_str() : ""; }
+
+// Checks that `plain` takes `main`'s inputs (each by name, with the same kind and dtype), returns outputs of the
+// same kinds and dtypes and keeps the same state (each buffer by name, with the same shape and dtype); then
+// orders its state as `main`'s, with `main`'s initial arrays. Logs and returns false otherwise.
+bool match_plain_step(const Program& main, Program& plain, int when) {
+  const auto* ins = main.graph->inputs();
+  const size_t n_in = ins != nullptr ? ins->size() : 0;
+  if (when < 0 || static_cast<size_t>(when) >= n_in ||
+      ins->Get(static_cast<flatbuffers::uoffset_t>(when))->slot()->kind() != fb::SlotKind::Tensor) {
+    ET_LOG(Error, "etmlx: the plain step is selected by input %d, which is not a tensor input of the program",
+           when);
+    return false;
+  }
+  if (const auto* theirs = plain.graph->inputs()) {
+    for (flatbuffers::uoffset_t k = 0; k < theirs->size(); ++k) {
+      const fb::IoSpec* in = theirs->Get(k);
+      size_t found = n_in, matches = 0;
+      for (size_t i = 0; i < n_in && *io_name(in) != '\0'; ++i) {
+        const fb::IoSpec* mine = ins->Get(static_cast<flatbuffers::uoffset_t>(i));
+        if (std::strcmp(io_name(mine), io_name(in)) != 0) continue;
+        ++matches;
+        if (mine->slot()->kind() == in->slot()->kind() && mine->dtype() == in->dtype()) found = i;
+      }
+      if (matches != 1 || found == n_in) {
+        ET_LOG(Error, "etmlx: the plain step's input %u (\"%s\") is not one input of the program with its dtype", k,
+               io_name(in));
+        return false;
+      }
+      plain.input_from.push_back(static_cast<uint32_t>(found));
+    }
+  }
+  const auto* outs = main.graph->outputs();
+  const auto* their_outs = plain.graph->outputs();
+  const size_t n_out = outs != nullptr ? outs->size() : 0;
+  if ((their_outs != nullptr ? their_outs->size() : 0) != n_out) {
+    ET_LOG(Error, "etmlx: the plain step returns a different number of outputs than the program");
+    return false;
+  }
+  for (flatbuffers::uoffset_t i = 0; i < n_out; ++i) {
+    if (outs->Get(i)->slot()->kind() != their_outs->Get(i)->slot()->kind() ||
+        outs->Get(i)->dtype() != their_outs->Get(i)->dtype()) {
+      ET_LOG(Error, "etmlx: the plain step's output %u differs from the program's in kind or dtype", i);
+      return false;
+    }
+  }
+  const size_t n_state = main.mutable_slots.size();
+  if (plain.mutable_slots.size() != n_state) {
+    ET_LOG(Error, "etmlx: the plain step keeps %zu state buffers, the program %zu", plain.mutable_slots.size(),
+           n_state);
+    return false;
+  }
+  std::vector<uint32_t> slots(n_state), initial(n_state);
+  std::vector<bool> taken(n_state, false);
+  for (size_t j = 0; j < n_state; ++j) {
+    const char* name = buffer_name(main.graph->mutable_buffers()->Get(static_cast<flatbuffers::uoffset_t>(j)));
+    size_t found = n_state;
+    for (size_t k = 0; k < n_state && *name != '\0'; ++k) {
+      if (!taken[k] &&
+          std::strcmp(buffer_name(plain.graph->mutable_buffers()->Get(static_cast<flatbuffers::uoffset_t>(k))),
+                      name) == 0) {
+        found = k;
+        break;
+      }
+    }
+    if (found == n_state) {
+      ET_LOG(Error, "etmlx: the plain step does not keep the program's state buffer \"%s\"", name);
+      return false;
+    }
+    const mx::array& a = main.constants[main.mutable_initial[j]];
+    const mx::array& b = plain.constants[plain.mutable_initial[found]];
+    if (a.shape() != b.shape() || a.dtype() != b.dtype()) {
+      ET_LOG(Error, "etmlx: the plain step's state buffer \"%s\" differs from the program's in shape or dtype",
+             name);
+      return false;
+    }
+    taken[found] = true;
+    slots[j] = plain.mutable_slots[found];
+    initial[j] = plain.mutable_initial[found];
+  }
+  plain.mutable_slots = std::move(slots);
+  plain.mutable_initial = std::move(initial);
+  // Its state starts as its program's: the same arrays, not a second set of zeros kept alive.
+  for (size_t j = 0; j < n_state; ++j) {
+    plain.constants[plain.mutable_initial[j]] = main.constants[main.mutable_initial[j]];
+  }
+  return true;
+}
+
 }  // namespace
 
 Error check_header(const void* data, size_t size, uint64_t* payload_len) {
@@ -367,7 +491,7 @@ Error check_header(const void* data, size_t size, uint64_t* payload_len) {
 }
 
 Error load_program(const void* data, size_t size, const executorch::runtime::NamedDataMap* named,
-                   Program& out) {
+                   Program& out, const Program* share) {
   // First: the constants made below and the kernel set follow the default device.
   std::string device_error;
   if (!apply_device_choice(&device_error)) {
@@ -444,6 +568,7 @@ Error load_program(const void* data, size_t size, const executorch::runtime::Nam
 
   const auto* consts = g->constants();
   const size_t nconst = consts ? consts->size() : 0;
+  const std::unordered_map<std::string_view, size_t> shared = keyed_constants(share);
   try {
     p.constants.reserve(nconst);
     p.constant_slots.reserve(nconst);
@@ -454,7 +579,15 @@ Error load_program(const void* data, size_t size, const executorch::runtime::Nam
         return Error::InvalidProgram;
       }
       mx::array arr(0.0f);
-      if (!make_constant(*c, i, payload, named, nt, &arr)) return Error::InvalidProgram;
+      if (const mx::array* same = shared_constant(share, shared, *c)) {
+        if (c->slot()->idx() >= nt) {
+          ET_LOG(Error, "etmlx: constant %zu names tensor slot %u but the graph has %u", i, c->slot()->idx(), nt);
+          return Error::InvalidProgram;
+        }
+        arr = *same;
+      } else if (!make_constant(*c, i, payload, named, nt, &arr)) {
+        return Error::InvalidProgram;
+      }
       p.constants.push_back(std::move(arr));
       p.constant_slots.push_back(c->slot()->idx());
     }
@@ -503,6 +636,22 @@ Error load_program(const void* data, size_t size, const executorch::runtime::Nam
   }
 
   plan_linear_groups(p);
+
+  if (const auto* step = g->plain_step(); step != nullptr && step->size() > 0) {
+    if (share != nullptr) {
+      ET_LOG(Error, "etmlx: a plain step carries a plain step of its own");
+      return Error::InvalidProgram;
+    }
+    auto plain = std::make_shared<Program>();
+    err = load_program(step->data(), step->size(), named, *plain, &p);
+    if (err != Error::Ok) {
+      ET_LOG(Error, "etmlx: the program's plain step (above) did not load");
+      return err;
+    }
+    if (!match_plain_step(p, *plain, g->plain_step_when())) return Error::InvalidProgram;
+    p.plain_step = std::move(plain);
+    p.plain_step_when = g->plain_step_when();
+  }
 
   out = std::move(p);
   return Error::Ok;

@@ -71,6 +71,14 @@ struct Program {
   std::vector<int32_t> rope_partner;
   // Whether the kernel set fuses such instructions at all (plan_linear_groups; ETMLX_FUSE_LINEARS=0: not).
   bool fuse_nodes = false;
+  // The program's plain step (schema.fbs Graph.plain_step), its inputs and state matched to this program's
+  // at load: run instead of this program for a call whose input `plain_step_when` has size 1 along axis 1
+  // (a draft-verifying program's call without drafts). Null when the blob has none.
+  std::shared_ptr<const Program> plain_step;
+  int plain_step_when = -1;
+  // In a plain step: for each of its inputs, the index of its program's input it reads (empty otherwise).
+  // Its mutable buffers are in its program's order, so both index the same state.
+  std::vector<uint32_t> input_from;
 };
 
 // `data`/`size` is the whole processed blob (16-byte header + flatbuffer).
@@ -78,9 +86,11 @@ struct Program {
 // with it), where constants with a `key` live; null if the runtime gave none.
 // Returns Error::Ok and fills `out`, or logs and returns
 // DelegateInvalidCompatibility (bad magic / version) or InvalidProgram.
+// `share` (loading a plain step): the program whose constants with the same named-data key are used as
+// they are, not loaded again.
 executorch::runtime::Error load_program(const void* data, size_t size,
                                         const executorch::runtime::NamedDataMap* named,
-                                        Program& out);
+                                        Program& out, const Program* share = nullptr);
 
 // Header-only check, usable without touching the payload.
 executorch::runtime::Error check_header(const void* data, size_t size, uint64_t* payload_len);

@@ -209,6 +209,7 @@ class ProgramBuilder:
         mb = fbc.MutableBufferT()
         mb.slot = _tid(slot)
         mb.initial = initial
+        mb.name = name
         self.mutable_buffers.append(mb)
         self.buffer_slots[name] = slot
         return slot
@@ -224,13 +225,13 @@ class ProgramBuilder:
         val = self.meta(node)
         if isinstance(val, torch.Tensor):
             slot = self.new_tensor()
-            self.inputs.append(_io(SlotKind.Tensor, slot, D.to_schema(val.dtype)))
+            self.inputs.append(_io(SlotKind.Tensor, slot, D.to_schema(val.dtype), node.name))
             for axis, size in enumerate(val.shape):
                 if isinstance(size, torch.SymInt) and size.node.maybe_as_int() is None:
                     self.symbol_sources.setdefault(size.node.expr, (slot, axis))
         elif isinstance(val, (int, torch.SymInt)):
             slot = self.new_value()
-            self.inputs.append(_io(SlotKind.Value, slot, D.to_schema(torch.int64)))
+            self.inputs.append(_io(SlotKind.Value, slot, D.to_schema(torch.int64), node.name))
         else:
             raise BuildError(f"input {node.name} of type {type(val).__name__} is not supported")
         self.env[node] = slot
@@ -300,8 +301,9 @@ def _int_or_vid(value):
     return iv
 
 
-def _io(kind, slot, dtype):
+def _io(kind, slot, dtype, name=None):
     io = fbc.IoSpecT()
+    io.name = name
     s = fbc.SlotT()
     s.kind = kind
     s.idx = int(slot)

@@ -23,6 +23,7 @@ from typing import Callable, Optional
 import torch
 
 from backends.mlx.exporter.export import ExportResult, export_to_pte, weights_path
+from backends.mlx.exporter.plain_step import PlainStep
 from backends.mlx.llm.decoder.meta import META_KEY, TOKENIZER_PREFIX, DecoderMeta
 from backends.mlx.llm.decoder.tokenizer_files import as_tokenizer, prompt_affixes, tokenizer_blobs
 from backends.mlx.llm.sampler.export import knob_examples
@@ -132,8 +133,12 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
                              pipelined=pipelined, draft_tokens=draft_tokens, propose_tokens=propose_tokens,
                              ring_cache=any(lm.ring_window(i) is not None for i in lm.layers))
     blobs[META_KEY] = meta.to_json()
+    # A one-row draft program's call without drafts (verify [1, 1]) runs the plain step stored beside it, the
+    # plain program's graph over the same state (exporter/plain_step.py); with more rows verify is [B, K + 1].
+    plain_step = (PlainStep(switch=lambda on: setattr(head, "plain_step", on), when="verify")
+                  if draft_tokens and batch == 1 else None)
     result = export_to_pte(program, example, kwargs, dynamic_shapes=dynamic, progress=progress, named_data=blobs,
-                           weights="external" if external_weights else "pte")
+                           weights="external" if external_weights else "pte", plain_step=plain_step)
     result.save(Path(out))
     if verify:
         say = progress or (lambda _stage: None)

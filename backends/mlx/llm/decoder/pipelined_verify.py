@@ -38,9 +38,11 @@ class DeliveredOrFedBack(nn.Module):
         tokens = torch.where(tokens < 0, previous.unsqueeze(1), tokens)
         accepted, token = self.head(tokens, start_pos, lengths, verify, **knobs)
         self.last_token.copy_(token)
-        # An undelivered call carried no drafts (the rules deliver any call that does): nothing accepted.
-        return (torch.where(deliver, accepted, torch.zeros_like(previous)), torch.where(deliver, token, previous),
-                previous)
+        # An undelivered call carried no drafts (the rules deliver any call that does): nothing accepted; nor
+        # does a call of the plain step (a call without drafts), whatever `deliver` says.
+        none = torch.zeros_like(previous)
+        return (none if self.head.plain_step else torch.where(deliver, accepted, none),
+                torch.where(deliver, token, previous), previous)
 
     # torch.export names the inputs by forward's signature: the head's, with `deliver` after `verify`.
     _head = inspect.signature(DraftVerifyingHead.forward)

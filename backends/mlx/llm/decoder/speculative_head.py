@@ -38,10 +38,27 @@ class DraftVerifyingHead(SamplingHead):
         check_draft_config(config)
         super().__init__(lm, config, batch=batch, vocab=vocab)
         self.draft_tokens = draft_tokens
+        # True while the exporter traces the program's plain step: the graph the runtime runs instead of the
+        # verifying one for a call without drafts (verify [1, 1]; plain_step.py).
+        self.plain_step = False
 
     def forward(self, tokens, start_pos, lengths, verify, *, temperature, seed=None, top_k=None, top_p=None,
                 min_p=None, bias_ids=None, bias_values=None, presence_penalty=None, frequency_penalty=None,
                 repetition_penalty=None, penalty_reset=None, penalty_add=None, allowed_mask=None):
+        if self.plain_step:
+            # A call without drafts is a plain step: the plain sampler's token after the last real token (the
+            # draw position 0 makes below, seed + 0), nothing accepted. `verify` is not read: the runtime
+            # matches the plain step's inputs to the program's by name.
+            # Nothing accepted, made first: a delegate returns its outputs in the order its graph makes them, and
+            # the verifying graph makes `accepted` before the token (the exporter checks both orders agree).
+            none = torch.zeros_like(lengths)
+            mask = None if allowed_mask is None else allowed_mask[:, 0]
+            token = SamplingHead.forward(self, tokens, start_pos, lengths, temperature=temperature, seed=seed,
+                                         top_k=top_k, top_p=top_p, min_p=min_p, bias_ids=bias_ids,
+                                         bias_values=bias_values, presence_penalty=presence_penalty,
+                                         frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
+                                         penalty_reset=penalty_reset, penalty_add=penalty_add, allowed_mask=mask)
+            return none, token
         last = lengths - 1
         # verify [B, G]: the row's last accepted token, its drafts, -1 padding. G (dynamic, 1..K+1) is the call's
         # widest row: the head and the sampler run over G positions, not K + 1, so a call without drafts costs

@@ -5024,7 +5024,8 @@ struct IoSpec FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef IoSpecBuilder Builder;
   enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
     VT_SLOT = 4,
-    VT_DTYPE = 6
+    VT_DTYPE = 6,
+    VT_NAME = 8
   };
   const backends::mlx::serialization::generated::fb::Slot *slot() const {
     return GetPointer<const backends::mlx::serialization::generated::fb::Slot *>(VT_SLOT);
@@ -5032,12 +5033,17 @@ struct IoSpec FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   backends::mlx::serialization::generated::fb::DType dtype() const {
     return static_cast<backends::mlx::serialization::generated::fb::DType>(GetField<int8_t>(VT_DTYPE, 0));
   }
+  const ::flatbuffers::String *name() const {
+    return GetPointer<const ::flatbuffers::String *>(VT_NAME);
+  }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
     return VerifyTableStart(verifier) &&
            VerifyOffsetRequired(verifier, VT_SLOT) &&
            verifier.VerifyTable(slot()) &&
            VerifyField<int8_t>(verifier, VT_DTYPE, 1) &&
+           VerifyOffset(verifier, VT_NAME) &&
+           verifier.VerifyString(name()) &&
            verifier.EndTable();
   }
 };
@@ -5051,6 +5057,9 @@ struct IoSpecBuilder {
   }
   void add_dtype(backends::mlx::serialization::generated::fb::DType dtype) {
     fbb_.AddElement<int8_t>(IoSpec::VT_DTYPE, static_cast<int8_t>(dtype), 0);
+  }
+  void add_name(::flatbuffers::Offset<::flatbuffers::String> name) {
+    fbb_.AddOffset(IoSpec::VT_NAME, name);
   }
   explicit IoSpecBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
         : fbb_(_fbb) {
@@ -5067,11 +5076,26 @@ struct IoSpecBuilder {
 inline ::flatbuffers::Offset<IoSpec> CreateIoSpec(
     ::flatbuffers::FlatBufferBuilder &_fbb,
     ::flatbuffers::Offset<backends::mlx::serialization::generated::fb::Slot> slot = 0,
-    backends::mlx::serialization::generated::fb::DType dtype = backends::mlx::serialization::generated::fb::DType::Float32) {
+    backends::mlx::serialization::generated::fb::DType dtype = backends::mlx::serialization::generated::fb::DType::Float32,
+    ::flatbuffers::Offset<::flatbuffers::String> name = 0) {
   IoSpecBuilder builder_(_fbb);
+  builder_.add_name(name);
   builder_.add_slot(slot);
   builder_.add_dtype(dtype);
   return builder_.Finish();
+}
+
+inline ::flatbuffers::Offset<IoSpec> CreateIoSpecDirect(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    ::flatbuffers::Offset<backends::mlx::serialization::generated::fb::Slot> slot = 0,
+    backends::mlx::serialization::generated::fb::DType dtype = backends::mlx::serialization::generated::fb::DType::Float32,
+    const char *name = nullptr) {
+  auto name__ = name ? _fbb.CreateString(name) : 0;
+  return backends::mlx::serialization::generated::fb::CreateIoSpec(
+      _fbb,
+      slot,
+      dtype,
+      name__);
 }
 
 struct Constant FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
@@ -5197,7 +5221,8 @@ struct MutableBuffer FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef MutableBufferBuilder Builder;
   enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
     VT_SLOT = 4,
-    VT_INITIAL = 6
+    VT_INITIAL = 6,
+    VT_NAME = 8
   };
   const backends::mlx::serialization::generated::fb::Tid *slot() const {
     return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_SLOT);
@@ -5205,11 +5230,16 @@ struct MutableBuffer FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   uint32_t initial() const {
     return GetField<uint32_t>(VT_INITIAL, 0);
   }
+  const ::flatbuffers::String *name() const {
+    return GetPointer<const ::flatbuffers::String *>(VT_NAME);
+  }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
     return VerifyTableStart(verifier) &&
            VerifyFieldRequired<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_SLOT, 4) &&
            VerifyField<uint32_t>(verifier, VT_INITIAL, 4) &&
+           VerifyOffset(verifier, VT_NAME) &&
+           verifier.VerifyString(name()) &&
            verifier.EndTable();
   }
 };
@@ -5223,6 +5253,9 @@ struct MutableBufferBuilder {
   }
   void add_initial(uint32_t initial) {
     fbb_.AddElement<uint32_t>(MutableBuffer::VT_INITIAL, initial, 0);
+  }
+  void add_name(::flatbuffers::Offset<::flatbuffers::String> name) {
+    fbb_.AddOffset(MutableBuffer::VT_NAME, name);
   }
   explicit MutableBufferBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
         : fbb_(_fbb) {
@@ -5239,11 +5272,26 @@ struct MutableBufferBuilder {
 inline ::flatbuffers::Offset<MutableBuffer> CreateMutableBuffer(
     ::flatbuffers::FlatBufferBuilder &_fbb,
     const backends::mlx::serialization::generated::fb::Tid *slot = nullptr,
-    uint32_t initial = 0) {
+    uint32_t initial = 0,
+    ::flatbuffers::Offset<::flatbuffers::String> name = 0) {
   MutableBufferBuilder builder_(_fbb);
+  builder_.add_name(name);
   builder_.add_initial(initial);
   builder_.add_slot(slot);
   return builder_.Finish();
+}
+
+inline ::flatbuffers::Offset<MutableBuffer> CreateMutableBufferDirect(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const backends::mlx::serialization::generated::fb::Tid *slot = nullptr,
+    uint32_t initial = 0,
+    const char *name = nullptr) {
+  auto name__ = name ? _fbb.CreateString(name) : 0;
+  return backends::mlx::serialization::generated::fb::CreateMutableBuffer(
+      _fbb,
+      slot,
+      initial,
+      name__);
 }
 
 struct Graph FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
@@ -5255,7 +5303,9 @@ struct Graph FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
     VT_INPUTS = 10,
     VT_OUTPUTS = 12,
     VT_MUTABLE_BUFFERS = 14,
-    VT_INSTRUCTIONS = 16
+    VT_INSTRUCTIONS = 16,
+    VT_PLAIN_STEP = 18,
+    VT_PLAIN_STEP_WHEN = 20
   };
   uint32_t num_tensors() const {
     return GetField<uint32_t>(VT_NUM_TENSORS, 0);
@@ -5278,6 +5328,12 @@ struct Graph FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   const ::flatbuffers::Vector<::flatbuffers::Offset<backends::mlx::serialization::generated::fb::Instruction>> *instructions() const {
     return GetPointer<const ::flatbuffers::Vector<::flatbuffers::Offset<backends::mlx::serialization::generated::fb::Instruction>> *>(VT_INSTRUCTIONS);
   }
+  const ::flatbuffers::Vector<uint8_t> *plain_step() const {
+    return GetPointer<const ::flatbuffers::Vector<uint8_t> *>(VT_PLAIN_STEP);
+  }
+  int32_t plain_step_when() const {
+    return GetField<int32_t>(VT_PLAIN_STEP_WHEN, -1);
+  }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
     return VerifyTableStart(verifier) &&
@@ -5298,6 +5354,9 @@ struct Graph FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
            VerifyOffset(verifier, VT_INSTRUCTIONS) &&
            verifier.VerifyVector(instructions()) &&
            verifier.VerifyVectorOfTables(instructions()) &&
+           VerifyOffset(verifier, VT_PLAIN_STEP) &&
+           verifier.VerifyVector(plain_step()) &&
+           VerifyField<int32_t>(verifier, VT_PLAIN_STEP_WHEN, 4) &&
            verifier.EndTable();
   }
 };
@@ -5327,6 +5386,12 @@ struct GraphBuilder {
   void add_instructions(::flatbuffers::Offset<::flatbuffers::Vector<::flatbuffers::Offset<backends::mlx::serialization::generated::fb::Instruction>>> instructions) {
     fbb_.AddOffset(Graph::VT_INSTRUCTIONS, instructions);
   }
+  void add_plain_step(::flatbuffers::Offset<::flatbuffers::Vector<uint8_t>> plain_step) {
+    fbb_.AddOffset(Graph::VT_PLAIN_STEP, plain_step);
+  }
+  void add_plain_step_when(int32_t plain_step_when) {
+    fbb_.AddElement<int32_t>(Graph::VT_PLAIN_STEP_WHEN, plain_step_when, -1);
+  }
   explicit GraphBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
         : fbb_(_fbb) {
     start_ = fbb_.StartTable();
@@ -5346,8 +5411,12 @@ inline ::flatbuffers::Offset<Graph> CreateGraph(
     ::flatbuffers::Offset<::flatbuffers::Vector<::flatbuffers::Offset<backends::mlx::serialization::generated::fb::IoSpec>>> inputs = 0,
     ::flatbuffers::Offset<::flatbuffers::Vector<::flatbuffers::Offset<backends::mlx::serialization::generated::fb::IoSpec>>> outputs = 0,
     ::flatbuffers::Offset<::flatbuffers::Vector<::flatbuffers::Offset<backends::mlx::serialization::generated::fb::MutableBuffer>>> mutable_buffers = 0,
-    ::flatbuffers::Offset<::flatbuffers::Vector<::flatbuffers::Offset<backends::mlx::serialization::generated::fb::Instruction>>> instructions = 0) {
+    ::flatbuffers::Offset<::flatbuffers::Vector<::flatbuffers::Offset<backends::mlx::serialization::generated::fb::Instruction>>> instructions = 0,
+    ::flatbuffers::Offset<::flatbuffers::Vector<uint8_t>> plain_step = 0,
+    int32_t plain_step_when = -1) {
   GraphBuilder builder_(_fbb);
+  builder_.add_plain_step_when(plain_step_when);
+  builder_.add_plain_step(plain_step);
   builder_.add_instructions(instructions);
   builder_.add_mutable_buffers(mutable_buffers);
   builder_.add_outputs(outputs);
@@ -5366,12 +5435,15 @@ inline ::flatbuffers::Offset<Graph> CreateGraphDirect(
     const std::vector<::flatbuffers::Offset<backends::mlx::serialization::generated::fb::IoSpec>> *inputs = nullptr,
     const std::vector<::flatbuffers::Offset<backends::mlx::serialization::generated::fb::IoSpec>> *outputs = nullptr,
     const std::vector<::flatbuffers::Offset<backends::mlx::serialization::generated::fb::MutableBuffer>> *mutable_buffers = nullptr,
-    const std::vector<::flatbuffers::Offset<backends::mlx::serialization::generated::fb::Instruction>> *instructions = nullptr) {
+    const std::vector<::flatbuffers::Offset<backends::mlx::serialization::generated::fb::Instruction>> *instructions = nullptr,
+    const std::vector<uint8_t> *plain_step = nullptr,
+    int32_t plain_step_when = -1) {
   auto constants__ = constants ? _fbb.CreateVector<::flatbuffers::Offset<backends::mlx::serialization::generated::fb::Constant>>(*constants) : 0;
   auto inputs__ = inputs ? _fbb.CreateVector<::flatbuffers::Offset<backends::mlx::serialization::generated::fb::IoSpec>>(*inputs) : 0;
   auto outputs__ = outputs ? _fbb.CreateVector<::flatbuffers::Offset<backends::mlx::serialization::generated::fb::IoSpec>>(*outputs) : 0;
   auto mutable_buffers__ = mutable_buffers ? _fbb.CreateVector<::flatbuffers::Offset<backends::mlx::serialization::generated::fb::MutableBuffer>>(*mutable_buffers) : 0;
   auto instructions__ = instructions ? _fbb.CreateVector<::flatbuffers::Offset<backends::mlx::serialization::generated::fb::Instruction>>(*instructions) : 0;
+  auto plain_step__ = plain_step ? _fbb.CreateVector<uint8_t>(*plain_step) : 0;
   return backends::mlx::serialization::generated::fb::CreateGraph(
       _fbb,
       num_tensors,
@@ -5380,7 +5452,9 @@ inline ::flatbuffers::Offset<Graph> CreateGraphDirect(
       inputs__,
       outputs__,
       mutable_buffers__,
-      instructions__);
+      instructions__,
+      plain_step__,
+      plain_step_when);
 }
 
 template <bool B>

@@ -167,8 +167,42 @@ class Graph(object):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(16))
         return o == 0
 
+    # Graph
+    def PlainStep(self, j):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(18))
+        if o != 0:
+            a = self._tab.Vector(o)
+            return self._tab.Get(flatbuffers.number_types.Uint8Flags, a + flatbuffers.number_types.UOffsetTFlags.py_type(j * 1))
+        return 0
+
+    # Graph
+    def PlainStepAsNumpy(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(18))
+        if o != 0:
+            return self._tab.GetVectorAsNumpy(flatbuffers.number_types.Uint8Flags, o)
+        return 0
+
+    # Graph
+    def PlainStepLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(18))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # Graph
+    def PlainStepIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(18))
+        return o == 0
+
+    # Graph
+    def PlainStepWhen(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(20))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int32Flags, o + self._tab.Pos)
+        return -1
+
 def GraphStart(builder):
-    builder.StartObject(7)
+    builder.StartObject(9)
 
 def Start(builder):
     GraphStart(builder)
@@ -245,6 +279,24 @@ def GraphStartInstructionsVector(builder, numElems):
 def StartInstructionsVector(builder, numElems):
     return GraphStartInstructionsVector(builder, numElems)
 
+def GraphAddPlainStep(builder, plainStep):
+    builder.PrependUOffsetTRelativeSlot(7, flatbuffers.number_types.UOffsetTFlags.py_type(plainStep), 0)
+
+def AddPlainStep(builder, plainStep):
+    GraphAddPlainStep(builder, plainStep)
+
+def GraphStartPlainStepVector(builder, numElems):
+    return builder.StartVector(1, numElems, 1)
+
+def StartPlainStepVector(builder, numElems):
+    return GraphStartPlainStepVector(builder, numElems)
+
+def GraphAddPlainStepWhen(builder, plainStepWhen):
+    builder.PrependInt32Slot(8, plainStepWhen, -1)
+
+def AddPlainStepWhen(builder, plainStepWhen):
+    GraphAddPlainStepWhen(builder, plainStepWhen)
+
 def GraphEnd(builder):
     return builder.EndObject()
 
@@ -272,6 +324,8 @@ class GraphT(object):
         outputs = None,
         mutableBuffers = None,
         instructions = None,
+        plainStep = None,
+        plainStepWhen = -1,
     ):
         self.numTensors = numTensors  # type: int
         self.numValues = numValues  # type: int
@@ -280,6 +334,8 @@ class GraphT(object):
         self.outputs = outputs  # type: Optional[List[backends.mlx.serialization.generated.fb.IoSpec.IoSpecT]]
         self.mutableBuffers = mutableBuffers  # type: Optional[List[backends.mlx.serialization.generated.fb.MutableBuffer.MutableBufferT]]
         self.instructions = instructions  # type: Optional[List[backends.mlx.serialization.generated.fb.Instruction.InstructionT]]
+        self.plainStep = plainStep  # type: Optional[List[int]]
+        self.plainStepWhen = plainStepWhen  # type: int
 
     @classmethod
     def InitFromBuf(cls, buf, pos):
@@ -344,6 +400,14 @@ class GraphT(object):
                 else:
                     instruction_ = backends.mlx.serialization.generated.fb.Instruction.InstructionT.InitFromObj(graph.Instructions(i))
                     self.instructions.append(instruction_)
+        if not graph.PlainStepIsNone():
+            if np is None:
+                self.plainStep = []
+                for i in range(graph.PlainStepLength()):
+                    self.plainStep.append(graph.PlainStep(i))
+            else:
+                self.plainStep = graph.PlainStepAsNumpy()
+        self.plainStepWhen = graph.PlainStepWhen()
 
     # GraphT
     def Pack(self, builder):
@@ -387,6 +451,14 @@ class GraphT(object):
             for i in reversed(range(len(self.instructions))):
                 builder.PrependUOffsetTRelative(instructionslist[i])
             instructions = builder.EndVector()
+        if self.plainStep is not None:
+            if np is not None and type(self.plainStep) is np.ndarray:
+                plainStep = builder.CreateNumpyVector(self.plainStep)
+            else:
+                GraphStartPlainStepVector(builder, len(self.plainStep))
+                for i in reversed(range(len(self.plainStep))):
+                    builder.PrependUint8(self.plainStep[i])
+                plainStep = builder.EndVector()
         GraphStart(builder)
         GraphAddNumTensors(builder, self.numTensors)
         GraphAddNumValues(builder, self.numValues)
@@ -400,5 +472,8 @@ class GraphT(object):
             GraphAddMutableBuffers(builder, mutableBuffers)
         if self.instructions is not None:
             GraphAddInstructions(builder, instructions)
+        if self.plainStep is not None:
+            GraphAddPlainStep(builder, plainStep)
+        GraphAddPlainStepWhen(builder, self.plainStepWhen)
         graph = GraphEnd(builder)
         return graph

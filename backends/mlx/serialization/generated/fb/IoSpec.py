@@ -46,8 +46,15 @@ class IoSpec(object):
             return self._tab.Get(flatbuffers.number_types.Int8Flags, o + self._tab.Pos)
         return 0
 
+    # IoSpec
+    def Name(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
+        if o != 0:
+            return self._tab.String(o + self._tab.Pos)
+        return None
+
 def IoSpecStart(builder):
-    builder.StartObject(2)
+    builder.StartObject(3)
 
 def Start(builder):
     IoSpecStart(builder)
@@ -63,6 +70,12 @@ def IoSpecAddDtype(builder, dtype):
 
 def AddDtype(builder, dtype):
     IoSpecAddDtype(builder, dtype)
+
+def IoSpecAddName(builder, name):
+    builder.PrependUOffsetTRelativeSlot(2, flatbuffers.number_types.UOffsetTFlags.py_type(name), 0)
+
+def AddName(builder, name):
+    IoSpecAddName(builder, name)
 
 def IoSpecEnd(builder):
     return builder.EndObject()
@@ -83,9 +96,11 @@ class IoSpecT(object):
         self,
         slot = None,
         dtype = 0,
+        name = None,
     ):
         self.slot = slot  # type: Optional[backends.mlx.serialization.generated.fb.Slot.SlotT]
         self.dtype = dtype  # type: int
+        self.name = name  # type: Optional[str]
 
     @classmethod
     def InitFromBuf(cls, buf, pos):
@@ -111,14 +126,19 @@ class IoSpecT(object):
         if ioSpec.Slot() is not None:
             self.slot = backends.mlx.serialization.generated.fb.Slot.SlotT.InitFromObj(ioSpec.Slot())
         self.dtype = ioSpec.Dtype()
+        self.name = ioSpec.Name()
 
     # IoSpecT
     def Pack(self, builder):
         if self.slot is not None:
             slot = self.slot.Pack(builder)
+        if self.name is not None:
+            name = builder.CreateString(self.name)
         IoSpecStart(builder)
         if self.slot is not None:
             IoSpecAddSlot(builder, slot)
         IoSpecAddDtype(builder, self.dtype)
+        if self.name is not None:
+            IoSpecAddName(builder, name)
         ioSpec = IoSpecEnd(builder)
         return ioSpec

@@ -46,8 +46,15 @@ class MutableBuffer(object):
             return self._tab.Get(flatbuffers.number_types.Uint32Flags, o + self._tab.Pos)
         return 0
 
+    # MutableBuffer
+    def Name(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
+        if o != 0:
+            return self._tab.String(o + self._tab.Pos)
+        return None
+
 def MutableBufferStart(builder):
-    builder.StartObject(2)
+    builder.StartObject(3)
 
 def Start(builder):
     MutableBufferStart(builder)
@@ -63,6 +70,12 @@ def MutableBufferAddInitial(builder, initial):
 
 def AddInitial(builder, initial):
     MutableBufferAddInitial(builder, initial)
+
+def MutableBufferAddName(builder, name):
+    builder.PrependUOffsetTRelativeSlot(2, flatbuffers.number_types.UOffsetTFlags.py_type(name), 0)
+
+def AddName(builder, name):
+    MutableBufferAddName(builder, name)
 
 def MutableBufferEnd(builder):
     return builder.EndObject()
@@ -83,9 +96,11 @@ class MutableBufferT(object):
         self,
         slot = None,
         initial = 0,
+        name = None,
     ):
         self.slot = slot  # type: Optional[backends.mlx.serialization.generated.fb.Tid.TidT]
         self.initial = initial  # type: int
+        self.name = name  # type: Optional[str]
 
     @classmethod
     def InitFromBuf(cls, buf, pos):
@@ -111,13 +126,18 @@ class MutableBufferT(object):
         if mutableBuffer.Slot() is not None:
             self.slot = backends.mlx.serialization.generated.fb.Tid.TidT.InitFromObj(mutableBuffer.Slot())
         self.initial = mutableBuffer.Initial()
+        self.name = mutableBuffer.Name()
 
     # MutableBufferT
     def Pack(self, builder):
+        if self.name is not None:
+            name = builder.CreateString(self.name)
         MutableBufferStart(builder)
         if self.slot is not None:
             slot = self.slot.Pack(builder)
             MutableBufferAddSlot(builder, slot)
         MutableBufferAddInitial(builder, self.initial)
+        if self.name is not None:
+            MutableBufferAddName(builder, name)
         mutableBuffer = MutableBufferEnd(builder)
         return mutableBuffer
