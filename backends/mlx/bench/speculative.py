@@ -43,6 +43,11 @@ def _export(ckpt: Path, pte: Path, config=None, **kw) -> Path:
     from backends.mlx.llm.decoder.meta import has_embedded_meta
     from backends.mlx.llm.sampler.config import SamplerConfig
 
+    from backends.mlx.bench.decode_programs import source_fingerprint
+
+    # Named after the exporting code too, as `bench decode`'s programs are: a cache written by older code (a draft
+    # program without its plain step, say) is not timed as this code's.
+    pte = pte.with_name(f"{pte.stem}-{source_fingerprint()}{pte.suffix}")
     stamp = ckpt / "etmlx_builtin.json"
     if pte.is_file() and has_embedded_meta(pte) and pte.stat().st_mtime > stamp.stat().st_mtime:
         return pte
@@ -71,7 +76,8 @@ def run(cache_dir: Path, draft_tokens: int = 8, max_tokens: int = 200, repeats: 
     from backends.mlx.llm.decoder.speculative import SpeculativeDecoder
 
     ckpt = ensure_builtin_checkpoint(cache_dir)
-    plain = Decoder(_export(ckpt, cache_dir / "spec-plain.pte"))
+    plain_pte = _export(ckpt, cache_dir / "spec-plain.pte")
+    plain = Decoder(plain_pte)
     unpipelined = Decoder(_export(ckpt, cache_dir / "spec-unpipelined.pte", pipelined=False))
     spec = SpeculativeDecoder(_export(ckpt, cache_dir / f"spec-draft{draft_tokens}.pte", draft_tokens=draft_tokens))
     draft_ckpt = ensure_builtin_draft_checkpoint(cache_dir)
@@ -107,7 +113,7 @@ def run(cache_dir: Path, draft_tokens: int = 8, max_tokens: int = 200, repeats: 
             acceptance[name] = {"proposed": spec.stats.proposed, "accepted": spec.stats.accepted,
                                 "calls": spec.stats.calls}
     draft_calls = {"calls": draft_model.calls, "ms_per_call": 1000 * draft_model.seconds / max(draft_model.calls, 1)}
-    cpp = speculative_cpp.run(cache_dir / "spec-plain.pte", spec.pte, draft_pte, prompt, max_tokens, repeats)
+    cpp = speculative_cpp.run(plain_pte, spec.pte, draft_pte, prompt, max_tokens, repeats)
     medians = {name: statistics.median(values[1:]) for name, values in rates.items()}
     return {"machine": platform.machine(), "model": "builtin", "draft_tokens": draft_tokens, "tokens": len(reference),
             "repeats": repeats, "decode_tok_s": medians,
