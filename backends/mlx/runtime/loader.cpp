@@ -191,7 +191,7 @@ bool check_io(const flatbuffers::Vector<flatbuffers::Offset<fb::IoSpec>>* specs,
 // into; the array aliases it when the data is suitably aligned.
 bool make_constant(const fb::Constant& c, size_t i, const std::shared_ptr<uint64_t[]>& keep,
                    const executorch::runtime::NamedDataMap* named, uint32_t num_tensors,
-                   mx::array* out) {
+                   mx::array* out, bool unevaluated_zeros = false) {
   if (c.slot() == nullptr || c.slot()->idx() >= num_tensors) {
     ET_LOG(Error, "etmlx: constant %zu names tensor slot %u but the graph has %u", i,
            c.slot() ? c.slot()->idx() : 0u, num_tensors);
@@ -252,9 +252,10 @@ bool make_constant(const fb::Constant& c, size_t i, const std::shared_ptr<uint64
       return false;
     }
     // Evaluated now: a lazy zeros would run on this (loading) thread's
-    // stream, which MLX does not let another thread's call evaluate.
+    // stream, which MLX does not let another thread's call evaluate. Not a plain step's starting state,
+    // which its program's arrays replace before any call (match_plain_step): that one is never allocated.
     *out = mx::zeros(mshape, dt);
-    mx::eval(*out);
+    if (!unevaluated_zeros) mx::eval(*out);
     return true;
   }
   if (numel > std::numeric_limits<uint64_t>::max() / itemsize) {
@@ -569,6 +570,13 @@ Error load_program(const void* data, size_t size, const executorch::runtime::Nam
   const auto* consts = g->constants();
   const size_t nconst = consts ? consts->size() : 0;
   const std::unordered_map<std::string_view, size_t> shared = keyed_constants(share);
+  // A plain step's state starts from its program's arrays (match_plain_step): its own starting zeros stay unmade.
+  std::vector<bool> state_initial(nconst, false);
+  if (share != nullptr && g->mutable_buffers() != nullptr) {
+    for (const fb::MutableBuffer* mb : *g->mutable_buffers()) {
+      if (mb != nullptr && mb->initial() < nconst) state_initial[mb->initial()] = true;
+    }
+  }
   try {
     p.constants.reserve(nconst);
     p.constant_slots.reserve(nconst);
@@ -585,7 +593,7 @@ Error load_program(const void* data, size_t size, const executorch::runtime::Nam
           return Error::InvalidProgram;
         }
         arr = *same;
-      } else if (!make_constant(*c, i, payload, named, nt, &arr)) {
+      } else if (!make_constant(*c, i, payload, named, nt, &arr, state_initial[i])) {
         return Error::InvalidProgram;
       }
       p.constants.push_back(std::move(arr));
@@ -630,8 +638,10 @@ Error load_program(const void* data, size_t size, const executorch::runtime::Nam
   }
   p.host_fold = HostFold::enabled_on(mx::default_device());
   // Reported only when asked for (ETMLX_CPU_WIDEN set): an unconditional line would reach every
-  // `etmlx generate` user's terminal.
-  if (const size_t widened = widen_cpu_matmul_weights(p); widened != 0 && std::getenv("ETMLX_CPU_WIDEN") != nullptr) {
+  // `etmlx generate` user's terminal. Not for a plain step: its weights are its program's arrays, widened or not
+  // there; widening them here would keep a second, float32 copy.
+  if (const size_t widened = share == nullptr ? widen_cpu_matmul_weights(p) : 0;
+      widened != 0 && std::getenv("ETMLX_CPU_WIDEN") != nullptr) {
     ET_LOG(Info, "etmlx: %zu half-precision linear weights widened to float32 at load", widened);
   }
 
