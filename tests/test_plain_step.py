@@ -8,7 +8,7 @@ import torch
 
 import backends.mlx.exporter.preprocess as preprocess
 from backends.mlx.exporter.export import export_to_pte
-from backends.mlx.exporter.inspect_pte import delegate_blobs
+from backends.mlx.exporter.inspect_pte import delegate_blobs, describe
 from backends.mlx.exporter.plain_step import PlainStep, PlainStepError
 from backends.mlx.runtime.runner import load_method
 from backends.mlx.serialization import serializer
@@ -81,13 +81,16 @@ def test_a_call_without_drafts_runs_the_plain_step_over_the_same_state(counter_p
     assert _call(method, [0, 0]) == (221, 11)
 
 
-def test_the_blob_carries_a_smaller_plain_graph(counter_pte):
+def test_the_blob_carries_a_smaller_plain_graph(counter_pte, tmp_path):
     graph = serializer.deserialize(delegate_blobs(counter_pte)[0])
     plain = serializer.deserialize(bytes(graph.plainStep))
     assert [io.name for io in graph.inputs][graph.plainStepWhen] == b"drafts"
     assert b"drafts" not in [io.name for io in plain.inputs]  # the plain mode never reads it
     assert [mb.name for mb in plain.mutableBuffers] == [mb.name for mb in graph.mutableBuffers]
     assert not plain.plainStep  # one level only
+    (tmp_path / "counter.pte").write_bytes(counter_pte)
+    assert (f"plain step: {len(graph.plainStep)} bytes, {len(plain.instructions)} instructions, run when input "
+            f"{graph.plainStepWhen} (drafts)") in describe(tmp_path / "counter.pte")  # etmlx inspect
 
 
 def test_outputs_made_in_another_order_are_refused_at_export():

@@ -43,6 +43,11 @@ def describe(path: Path) -> str:
                      f"{len(g.outputs or [])} outputs, {len(g.instructions or [])} instructions")
         for kind, n in kinds.most_common():
             lines.append(f"    {n:4d} x {kind}")
+        if g.plainStep is not None and len(g.plainStep):  # exporter/plain_step.py
+            plain = deserialize(bytes(g.plainStep))
+            when = (g.inputs or [])[g.plainStepWhen].name if 0 <= g.plainStepWhen < len(g.inputs or []) else None
+            lines.append(f"    plain step: {len(g.plainStep)} bytes, {len(plain.instructions or [])} instructions, "
+                         f"run when input {g.plainStepWhen} ({(when or b'?').decode()}) has size 1 along axis 1")
     return "\n".join(lines)
 
 
