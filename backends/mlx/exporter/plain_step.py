@@ -8,7 +8,8 @@ hands its blob to the main program's preprocess (compile specs below), which sto
 runtime (loader.cpp, backend.cpp) runs it instead of the main graph when the input named here has size 1 along
 axis 1 (verify [1, 1]), over the same state: the KV cache stays one.
 
-    export_to_pte(module, args, kwargs, plain_step=PlainStep(switch=head.set_plain_step, when="verify"))
+    export_to_pte(module, args, kwargs, plain_step=PlainStep(switch=lambda on: setattr(head, "plain_step", on),
+                                                             when="verify"))
 """
 
 from __future__ import annotations
