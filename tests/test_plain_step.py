@@ -93,6 +93,13 @@ def test_the_blob_carries_a_smaller_plain_graph(counter_pte, tmp_path):
             f"{graph.plainStepWhen} (drafts)") in describe(tmp_path / "counter.pte")  # etmlx inspect
 
 
+def test_the_plain_step_is_stored_once(counter_pte):
+    # Preprocess stores it in the main blob; the compile spec that carried it there is dropped after lowering
+    # (ExecuTorch writes a delegate's compile specs into the .pte beside its blob).
+    plain = bytes(serializer.deserialize(delegate_blobs(counter_pte)[0]).plainStep)
+    assert counter_pte.count(plain) == 1
+
+
 def test_outputs_made_in_another_order_are_refused_at_export():
     with pytest.raises(PlainStepError, match="another order"):
         _export(order_swap=True)

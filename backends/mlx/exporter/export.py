@@ -21,7 +21,7 @@ from backends.mlx.exporter.cia_registry import remember_materialized_cia_ops
 from backends.mlx.exporter.edge_target import aten_target
 from backends.mlx.exporter.partitioner import MLXPartitioner
 from backends.mlx.exporter.plain_step import (PlainStep, PlainStepError, delegate_output_positions,
-                                              plain_step_specs)
+                                              drop_plain_step_specs, plain_step_specs)
 from backends.mlx.exporter.unused_state import drop_unused_state
 from backends.mlx.exporter.preprocess import FUSE_SPEC, WEIGHTS_SPEC
 
@@ -185,6 +185,7 @@ def export_to_pte(
         if delegate_output_positions(edge.exported_program()) != plain_outputs:
             raise PlainStepError("the plain step returns its outputs in another order than the program")
         edge._named_data_store.merge_named_data_store(plain_data)
+        drop_plain_step_specs(edge.exported_program())
     for key, blob in (named_data or {}).items():
         if not isinstance(key, str) or not isinstance(blob, bytes):
             raise TypeError(f"named_data must map str keys to bytes, got {key!r}: {type(blob).__name__}")

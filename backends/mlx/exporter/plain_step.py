@@ -19,6 +19,7 @@ from typing import Callable, List
 
 import numpy as np
 from executorch.exir.backend.backend_details import CompileSpec
+from executorch.exir.lowered_backend_module import LoweredBackendModule
 
 from backends.mlx.serialization.serializer import deserialize
 
@@ -59,6 +60,15 @@ def delegate_output_positions(ep) -> list[tuple[int, ...]]:
 
 def plain_step_specs(blob: bytes, when: str) -> list[CompileSpec]:
     return [CompileSpec(PLAIN_STEP_SPEC, blob), CompileSpec(PLAIN_STEP_WHEN_SPEC, when.encode())]
+
+
+def drop_plain_step_specs(ep) -> None:
+    """Removes the plain step's blob from the compile specs of `ep`'s delegates once preprocess has stored it in
+    Graph.plain_step: ExecuTorch writes a delegate's compile specs into the .pte beside its blob, so it would
+    otherwise be stored twice."""
+    for module in ep.graph_module.modules():
+        if isinstance(module, LoweredBackendModule):
+            module._compile_specs = [spec for spec in module.compile_specs if spec.key != PLAIN_STEP_SPEC]
 
 
 def attach_plain_step(graph, compile_specs: List[CompileSpec]) -> None:
