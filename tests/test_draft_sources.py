@@ -97,3 +97,63 @@ def test_draft_model_pacing_learns_from_the_sequence_that_follows():
     assert measured.get()[3] == pytest.approx(DraftBudget.DRAFT_COST + 0.001 / 0.004)
     with pytest.raises(DecodeRowsError, match="max_drafts must be >= 0"):
         PacingCore(-1)
+
+
+def _round(pacing, seq, drafts, draft_s, at, took):
+    """One proposal after `seq` at time `at`: `drafts` made in one draft call of `draft_s` seconds, then the
+    target's calls take `took` seconds; returns the budget asked for."""
+    size = pacing.begin(seq, at)
+    pacing.end(seq, True, drafts[:size], 1 if drafts[:size] else 0, draft_s if drafts[:size] else 0.0,
+               at + (draft_s if drafts[:size] else 0.0))
+    return size, at + (draft_s if drafts[:size] else 0.0) + took
+
+
+def test_draft_model_pacing_stops_a_draft_model_that_costs_more_than_it_saves():
+    """A one-call draft model whose every draft is accepted but whose call costs 8 plain calls: once a plain call
+    is timed (the pacing asks for one, once) its cost is counted in plain calls, and it stops drafting, probing
+    rarely enough that probes cost under 2% of the time (DraftBudget::kProbeShare)."""
+    from backends.mlx.runtime.decode_rows_lib import PacingCore
+
+    plain_s, draft_s = 0.001, 0.008
+    pacing = PacingCore(8, one_call=True)
+    seq, at, sizes = [1, 2, 3], 0.0, []
+    pacing.begin(seq, at)
+    pacing.end(seq, False, [], 0, 0.0, at)  # the prompt's proposal (its prefill): nothing to learn from
+    at += 0.01
+    for _ in range(400):
+        size, next_at = _round(pacing, seq, list(range(100, 108)), draft_s, at, 0.0)
+        sizes.append(size)
+        # every draft accepted: the target's call brings them and one more token; a verifying call of
+        # k drafts takes (1 + 0.05 k) plain calls, a plain call 1
+        took = plain_s * (1 + 0.05 * size)
+        seq = seq + list(range(100, 100 + size)) + [7]
+        at = next_at + took
+        pacing_took = took
+    assert sizes[0] == 8  # a fresh budget: all of it
+    assert 0 in sizes[:3]  # one plain call, to time the unit
+    assert pacing.proposal_cost() == pytest.approx(draft_s / plain_s, rel=0.05)
+    assert pacing.get()[3] == pytest.approx(0.1)  # a verifying call's cost per draft: the default's floor
+    late = sizes[20:]
+    probes = sum(1 for k in late if k)
+    # each probe costs ~9 plain calls: at most 2% of the calls
+    assert probes * (draft_s / plain_s + 1) <= 0.02 * len(late) + 9, sizes
+
+
+def test_draft_model_pacing_keeps_a_draft_model_that_pays():
+    """The same with a draft call costing half a plain call and 90% of the drafts accepted: it keeps drafting."""
+    from backends.mlx.runtime.decode_rows_lib import PacingCore
+
+    plain_s, draft_s = 0.001, 0.0005
+    pacing = PacingCore(8, one_call=True)
+    seq, at, sizes = [1, 2, 3], 0.0, []
+    pacing.begin(seq, at)
+    pacing.end(seq, False, [], 0, 0.0, at)
+    at += 0.01
+    for i in range(200):
+        size, next_at = _round(pacing, seq, list(range(100, 108)), draft_s, at, 0.0)
+        sizes.append(size)
+        accepted = size if i % 10 else max(size - 1, 0)  # one rejection in ten proposals
+        seq = seq + list(range(100, 100 + accepted)) + [7]
+        at = next_at + plain_s * (1 + 0.05 * size)
+    assert pacing.proposal_cost() == pytest.approx(draft_s / plain_s, rel=0.05)
+    assert min(sizes[20:]) >= 4, sizes

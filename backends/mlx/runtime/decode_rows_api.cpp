@@ -435,7 +435,7 @@ ETMLX_EXPORT int64_t etmlx_pacing_end(void* p, const int64_t* seq, int64_t n, in
   });
 }
 
-// out[4]: draft program calls, their seconds, the budget's acceptance estimate and cost per draft.
+// out[5]: draft program calls, their seconds, the budget's acceptance estimate, cost per draft and per proposal.
 ETMLX_EXPORT int64_t etmlx_pacing_get(void* p, double* out) {
   return guarded([&]() -> int64_t {
     const etmlx::DraftModelPacing& pacing = pacing_of(p);
@@ -443,6 +443,7 @@ ETMLX_EXPORT int64_t etmlx_pacing_get(void* p, double* out) {
     out[1] = pacing.seconds();
     out[2] = pacing.budget().rate();
     out[3] = pacing.budget().draft_cost();
+    out[4] = pacing.budget().proposal_cost();
     return 0;
   });
 }

@@ -349,6 +349,13 @@ class PacingCore:
 
     def get(self) -> tuple[int, float, float, float]:
         """(draft program calls, their seconds, the acceptance estimate, the cost per draft)."""
-        out = (ctypes.c_double * 4)()
+        return self._get()[:4]
+
+    def proposal_cost(self) -> float:
+        """The budget's cost per proposal (a one-call draft program's call), in plain calls."""
+        return self._get()[4]
+
+    def _get(self) -> tuple[int, float, float, float, float]:
+        out = (ctypes.c_double * 5)()
         _checked(self._lib, self._lib.etmlx_pacing_get(self._h, out))
-        return int(out[0]), out[1], out[2], out[3]
+        return int(out[0]), out[1], out[2], out[3], out[4]

@@ -120,8 +120,14 @@ int64_t DraftBudget::size() const {
       best_value = value;
     }
   }
-  if (best == 0 && calls_without_ + 1 >= kProbeEvery) return std::min<int64_t>(1, max_drafts_);
+  if (best == 0 && calls_without_ + 1 >= probe_every()) return std::min<int64_t>(1, max_drafts_);
   return best;
+}
+
+int64_t DraftBudget::probe_every() const {
+  // A probe costs one proposal and one draft, in calls' time; a plain call costs 1.
+  const double probe = proposal_cost_ + draft_cost_;
+  return std::max<int64_t>(kProbeEvery, static_cast<int64_t>(std::ceil(probe / kProbeShare)));
 }
 
 void DraftBudget::update(int64_t proposed, int64_t accepted) {
@@ -154,13 +160,34 @@ int64_t DraftModelPacing::begin(const std::vector<int64_t>& seq, double now) {
     // The drafts the target accepted: how far the sequence went on along them.
     const std::vector<int64_t> after(seq.begin() + held, seq.end());
     budget_.update(static_cast<int64_t>(last_drafts_.size()), common_prefix(after, last_drafts_));
-    target_s_ = averaged(target_s_, now - last_at_);
-    // A draft costs its draft call, and its share of the verifying call (the default budget's cost).
-    // A one-call proposal costs its call whatever its size.
+    const double interval = now - last_at_;  // the target's calls since the last proposal, and the loop's work
+    if (last_drafts_.empty()) {
+      // Plain calls (the prompt's prefill aside): the unit. Their number varies (a source with nothing to
+      // propose is asked less often), so per token.
+      if (last_had_output_) plain_token_s_ = averaged(plain_token_s_, interval / static_cast<double>(after.size()));
+    } else {
+      target_s_ = averaged(target_s_, interval);
+      if (plain_token_s_) {
+        // A verifying call's cost per draft beyond a plain call's, in plain calls.
+        const double extra = interval / *plain_token_s_ - 1.0;
+        verify_cost_ = averaged(verify_cost_, std::max(0.0, extra) / static_cast<double>(last_drafts_.size()));
+      }
+    }
+    // A draft costs its share of the verifying call and its draft call; a one-call proposal costs its call
+    // whatever its size.
     if (!cost_ && draft_s_) {
-      const double share = *draft_s_ / std::max(*target_s_, 1e-9);
-      if (one_call_) budget_.set_proposal_cost(share);
-      else budget_.set_draft_cost(DraftBudget::kDraftCost + share);
+      const double unit = std::max(plain_token_s_ ? *plain_token_s_ : target_s_.value_or(interval), 1e-9);
+      const double share = *draft_s_ / unit;
+      const double verify = std::max(DraftBudget::kDraftCost, verify_cost_.value_or(0.0));
+      if (one_call_) {
+        budget_.set_proposal_cost(share);
+        budget_.set_draft_cost(verify);
+      } else {
+        budget_.set_draft_cost(verify + share);
+      }
+      // The unit is not known yet: one proposal of no drafts times a plain call (one call's cost, once), so
+      // that a draft model that hits often but costs more than it saves still learns to stop.
+      if (!plain_token_s_ && last_had_output_ && !last_drafts_.empty()) return 0;
     }
   }
   return budget_.size();
@@ -175,6 +202,7 @@ void DraftModelPacing::end(const std::vector<int64_t>& seq, bool has_output, con
   last_drafts_ = drafts;
   last_at_ = now;
   has_last_ = true;
+  last_had_output_ = has_output;
 }
 
 }  // namespace etmlx

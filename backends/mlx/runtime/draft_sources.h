@@ -65,13 +65,15 @@ class PredictionDraft final : public DraftSource {
 // when n < k, one failure. With a (decayed) acceptance estimate a, k drafts yield 1 + a + ... + a^k tokens
 // per call at a cost of about 1 + draft_cost * k calls' time; the budget takes the k <= K that maximises
 // their ratio. When that is 0 (a source that does not hit), it still probes one draft every kProbeEvery
-// calls, so a source that starts hitting is noticed, at a cost well under 5% of the calls' time.
+// calls, so a source that starts hitting is noticed, at a cost well under 5% of the calls' time; a probe that
+// costs more (a draft model's call: proposal_cost) comes rarer, so that probing stays under kProbeShare.
 class DraftBudget {
  public:
   // One more drafted token's share of a decode call's time (the per-call overhead dominates).
   static constexpr double kDraftCost = 0.1;
   static constexpr double kDecay = 0.8;
   static constexpr int64_t kProbeEvery = 16;
+  static constexpr double kProbeShare = 0.02;  // the most of the calls' time that probing may take
 
   // Throws std::invalid_argument for max_drafts < 0 or a negative (or NaN) draft_cost.
   explicit DraftBudget(int64_t max_drafts, double draft_cost = kDraftCost);
@@ -85,6 +87,9 @@ class DraftBudget {
   void set_proposal_cost(double cost);
   double proposal_cost() const { return proposal_cost_; }
   int64_t size() const;
+  // Calls without drafts between two probes: kProbeEvery, or more where one probe costs more than
+  // kProbeShare of that many calls.
+  int64_t probe_every() const;
   // A call carried `proposed` drafts and `accepted` of them were taken (clamped into [0, proposed]).
   void update(int64_t proposed, int64_t accepted);
 
@@ -99,11 +104,15 @@ class DraftBudget {
 // A draft model's proposals (a small decoder program with the target's vocabulary, run greedily: the Python
 // llm/decoder/draft_model.py, the C++ tools/etmlx_decode/model_draft.h): how many drafts to make, learned from
 // what became of the last proposal. A draft costs its draft program call besides its share of the verifying
-// call, so the budget's cost per draft is DraftBudget::kDraftCost plus a draft call's time over the time between
-// two proposals (running averages), or plus a fixed `cost` given up front. The acceptance it feeds the budget
-// is read off the sequence: how many of the last drafts the next proposal's sequence continues with.
-// A draft program that proposes all its drafts in one call (`one_call`: `etmlx export --propose-tokens K`)
-// costs that call's share per proposal instead (DraftBudget::set_proposal_cost), plus kDraftCost per draft.
+// call, both in the budget's unit, the time a plain call (no drafts) takes per token: the budget's cost per draft
+// is the verifying call's cost per draft (DraftBudget::kDraftCost until a verifying call and a plain one have been
+// timed) plus a draft call's time over that unit (running averages), or plus a fixed `cost` given up front.
+// Until a plain call is timed, the unit is the time between two proposals (the verifying call: a draft then
+// looks cheaper than it is, so a draft model starts out drafting; once it stops, the plain calls it then sees
+// set the unit right). The acceptance it feeds the budget is read off the sequence: how many of the last drafts
+// the next proposal's sequence continues with. A draft program that proposes all its drafts in one call
+// (`one_call`: `etmlx export --propose-tokens K`) costs that call's share per proposal instead
+// (DraftBudget::set_proposal_cost), plus the verifying call's cost per draft.
 class DraftModelPacing {
  public:
   static constexpr double kSmoothing = 0.8;  // weight of the earlier calls in the running averages
@@ -128,9 +137,12 @@ class DraftModelPacing {
   std::optional<double> cost_;
   bool one_call_;
   std::optional<double> draft_s_, target_s_;  // one draft call; the time between two proposals
+  std::optional<double> plain_token_s_;       // after a proposal of no drafts: that time per token it brought
+  std::optional<double> verify_cost_;         // a verifying call's time per draft beyond a plain call, in units
   std::vector<int64_t> last_seq_, last_drafts_;
   double last_at_ = 0;
   bool has_last_ = false;
+  bool last_had_output_ = false;  // the last proposal came after the prompt's prefill
   int64_t calls_ = 0;
   double seconds_ = 0;
 };

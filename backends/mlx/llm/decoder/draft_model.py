@@ -16,8 +16,8 @@ Cost: k drafts take k calls of the draft program (k + 1 for a pipelined one, who
 before's token), or one call of a program exported with `--propose-tokens K` (proposer.py: K greedy steps in
 one graph), so a draft model pays only where its calls are much cheaper than the target's. It therefore
 sizes its own proposals with a DraftBudget whose cost per draft adds the measured ratio of
-a draft call's time to a target call's (the time between two proposals: the verifying call and whatever the
-caller does per call). The acceptance it feeds that budget it reads off the output: how many of its last
+a draft call's time to a plain target call's (the time per token between two proposals of no drafts: the pacing
+asks for one such proposal, once, to time it), and whose verifying call's cost per draft is measured too. The acceptance it feeds that budget it reads off the output: how many of its last
 drafts the next proposal's output starts with. `cost=` fixes the ratio instead (0: sized as prompt lookup's).
 That bookkeeping is the C++ core's (runtime/draft_sources.h DraftModelPacing), which `etmlx_decode --draft-model`
 runs too (tools/etmlx_decode/model_draft.h), so both size their proposals alike.
