@@ -190,13 +190,7 @@ bool check_io(const flatbuffers::Vector<flatbuffers::Offset<fb::IoSpec>>* specs,
 // Builds constant `i` as an mlx array. `keep` owns the memory `data` points
 // into; the array aliases it when the data is suitably aligned.
 bool make_constant(const fb::Constant& c, size_t i, const std::shared_ptr<uint64_t[]>& keep,
-                   const executorch::runtime::NamedDataMap* named, uint32_t num_tensors,
-                   mx::array* out, bool unevaluated_zeros = false) {
-  if (c.slot() == nullptr || c.slot()->idx() >= num_tensors) {
-    ET_LOG(Error, "etmlx: constant %zu names tensor slot %u but the graph has %u", i,
-           c.slot() ? c.slot()->idx() : 0u, num_tensors);
-    return false;
-  }
+                   const executorch::runtime::NamedDataMap* named, mx::array* out, bool unevaluated_zeros = false) {
   if (!dtype_in_range(c.dtype())) {
     ET_LOG(Error, "etmlx: constant %zu has unknown dtype %d", i, static_cast<int>(c.dtype()));
     return false;
@@ -586,14 +580,15 @@ Error load_program(const void* data, size_t size, const executorch::runtime::Nam
         ET_LOG(Error, "etmlx: constant %zu is missing", i);
         return Error::InvalidProgram;
       }
+      if (c->slot() == nullptr || c->slot()->idx() >= nt) {
+        ET_LOG(Error, "etmlx: constant %zu names tensor slot %u but the graph has %u", i,
+               c->slot() ? c->slot()->idx() : 0u, nt);
+        return Error::InvalidProgram;
+      }
       mx::array arr(0.0f);
       if (const mx::array* same = shared_constant(share, shared, *c)) {
-        if (c->slot()->idx() >= nt) {
-          ET_LOG(Error, "etmlx: constant %zu names tensor slot %u but the graph has %u", i, c->slot()->idx(), nt);
-          return Error::InvalidProgram;
-        }
         arr = *same;
-      } else if (!make_constant(*c, i, payload, named, nt, &arr, state_initial[i])) {
+      } else if (!make_constant(*c, i, payload, named, &arr, state_initial[i])) {
         return Error::InvalidProgram;
       }
       p.constants.push_back(std::move(arr));
