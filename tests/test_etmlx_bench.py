@@ -164,7 +164,11 @@ def test_draft_model_and_prompt_ids(tmp_path):
     assert bad.returncode == 2 and "does not verify drafts" in bad.stderr
     result = speculative_cpp.run(plain, draft, plain, [3, 9, 27, 17, 51, 25], 12, repeats=1)
     assert result["drafts"]["prediction"]["accepted"] == result["drafts"]["prediction"]["proposed"] > 0
-    assert result["drafts"]["draft-model"]["accepted"] == result["drafts"]["draft-model"]["proposed"] > 0
+    # The draft model here is the target's own plain program: its drafts are all right, but its calls cost what
+    # the target's do, so its measured pacing may stop drafting (draft_sources.h DraftModelPacing); the fixed-cost
+    # run above shows it drafting.
+    assert result["drafts"]["draft-model"]["accepted"] == result["drafts"]["draft-model"]["proposed"]
+    assert "draft_model" in result["drafts"]["draft-model"]
     assert result["drafts"]["none"]["proposed"] == 0
     assert all(v > 0 for v in result["speedup"].values())
 

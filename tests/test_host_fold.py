@@ -41,7 +41,10 @@ class _IndexArithmetic(torch.nn.Module):
         device = (x * 3.0).exp().sum()  # needs the device: left to MLX, and what depends on it too
         # Decided whatever the device's value: no position is before a draft when there are none (x and false).
         never = ((device > 0) & (positions < 0)).to(torch.int64).sum()
-        return index, drafts, run, scaled, index.sum() + device.to(torch.int64), spread, never
+        # an arange of whole numbers (a proposing program's step offsets): integer and float32
+        stepped = lengths.unsqueeze(1) + torch.arange(3, dtype=torch.int64)
+        halves = torch.arange(4, dtype=torch.float32) * temperature
+        return index, drafts, run, scaled, index.sum() + device.to(torch.int64), spread, never, stepped, halves
 
 
 _CALL = """
@@ -54,7 +57,7 @@ torch.save((inputs, [g.clone() for g in got]), out)
 """
 
 _FOLDED = ["CumSum", "Minimum", "Maximum", "GreaterEqual", "GatherAxis", "Gather", "Select", "Equal", "Less",
-           "LogicalNot"]
+           "LogicalNot", "Arange"]
 
 
 def _run(pte: Path, tmp_path: Path, fold: str) -> tuple[list, list, Counter]:
@@ -111,3 +114,25 @@ def test_a_draft_program_step_without_drafts_asks_for_fewer_nodes(tmp_path):
     assert tokens["1"] == tokens["0"] and len(tokens["1"]) == 12
     assert nodes["1"] < nodes["0"] - 20, nodes
     print(nodes)
+
+
+@pytest.mark.slow  # a decoder export
+def test_a_proposing_programs_sampled_tokens_index_without_clamping(tmp_path):
+    """A --propose-tokens program feeds each step's sampled token to the next step's embedding and each step's
+    position to its cache write: the token is an argmax over the vocabulary (in range by construction) and the
+    position host arithmetic (an arange folded), so neither asks MLX for the nodes that clamp an index
+    (interpreter.cpp normalized_indices: less, add, select, maximum, minimum per index)."""
+    from backends.mlx.llm.decoder.export import export_decoder
+    from helpers import tiny_llama
+
+    pte = tmp_path / "proposer.pte"
+    export_decoder(tiny_llama(96, seed=3, head_scale=0.3), pte, 48, propose_tokens=4)
+    dot = tmp_path / "propose.dot"
+    done = subprocess.run([str(ROOT / "build" / "etmlx_decode"), str(pte), "--prompt-ids", "7,1,33,20",
+                           "--max-tokens", "3", "--json"], capture_output=True, text=True, timeout=120,
+                          env={"ETMLX_DOT": str(dot)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    kinds = graph_node_kinds(dot)
+    assert kinds["Gather"] >= 4, kinds  # the dot is a proposing call: four steps' embeddings
+    for kind in ("Select", "Less", "Maximum", "Minimum", "Arange"):
+        assert kinds[kind] == 0, (kind, kinds)

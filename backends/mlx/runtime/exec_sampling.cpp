@@ -111,10 +111,10 @@ bool Interpreter::exec_gumbel_max(const fb::GumbelMaxNode& n) {
   // with a seed input: without one, the draw would also advance MLX's global key, which this must not skip.
   // The CPU set's one-pass kernel already skips what cannot win.
   if (seed && program_.kernels != &kernels::cpu_kernels() && kernels::known_none_positive(*temperature)) {
-    return write(n.out(), kernels::greedy_pick(*scores));
+    return write(n.out(), bounded(kernels::greedy_pick(*scores), vocab));
   }
   const mx::array t = temperature_rows(*temperature, rows, program_.kernels == &kernels::cpu_kernels());
-  return write(n.out(), program_.kernels->gumbel_max(*scores, t, seed, threshold));
+  return write(n.out(), bounded(program_.kernels->gumbel_max(*scores, t, seed, threshold), vocab));
 }
 
 bool Interpreter::exec_allowed_mask(const fb::AllowedMaskNode& n) {

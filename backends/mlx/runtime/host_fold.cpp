@@ -7,6 +7,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <type_traits>
 
 #include <mlx/backend/cuda/cuda.h>
@@ -422,6 +423,29 @@ mx::array to_array(const HostValue& v) {
   return mx::array(x.get(), shape, mx::bool_);
 }
 
+// An arange of whole numbers (start and step integers, every value exact in the dtype: a float32 one below 2^24),
+// such as the proposing program's offset of each step's one position (llm/decoder/proposer.py); else nullopt.
+std::optional<HostValue> arange(const std::tuple<double, double, double>& state, const std::vector<int32_t>& shape,
+                                mx::Dtype dtype) {
+  const auto [start, stop, step] = state;
+  (void)stop;  // the shape already says how many
+  if (shape.size() != 1 || dtype == mx::bool_ || start != std::floor(start) || step != std::floor(step)) {
+    return std::nullopt;
+  }
+  const double last = start + step * std::max(0, shape[0] - 1);
+  const double limit = dtype == mx::float32 ? 16777216.0 : dtype == mx::int32 ? 2147483647.0 : 9.0e15;
+  if (std::fabs(start) > limit || std::fabs(last) > limit) return std::nullopt;
+  HostValue v;
+  v.shape = shape;
+  v.dtype = dtype;
+  for (int32_t k = 0; k < shape[0]; ++k) {
+    const double x = start + step * k;
+    if (dtype == mx::float32) v.floats.push_back(static_cast<float>(x));
+    else v.ints.push_back(static_cast<int64_t>(x));
+  }
+  return v;
+}
+
 }  // namespace
 
 bool HostFold::enabled_on(const mx::Device& device) {
@@ -464,7 +488,9 @@ const HostValue* HostFold::value(const mx::array& a, int depth) {
     return &*slot;
   }
   std::optional<HostValue> r;
-  if (in.size() == 1 && (kind == "Reshape" || kind == "ExpandDims" || kind == "Squeeze" || kind == "Copy" ||
+  if (in.empty() && kind == "Arange") {
+    r = arange(static_cast<const mx::Arange&>(a.primitive()).state(), shape, a.dtype());
+  } else if (in.size() == 1 && (kind == "Reshape" || kind == "ExpandDims" || kind == "Squeeze" || kind == "Copy" ||
                          kind == "Contiguous" || kind == "Flatten" || kind == "Unflatten")) {
     if (count(shape) == size_of(*in[0]) && in[0]->dtype == a.dtype()) {
       r = *in[0];

@@ -214,6 +214,11 @@ bool Interpreter::safe_indices(const mx::array& idx, int dim_size, const char* w
   return true;
 }
 
+mx::array Interpreter::bounded(mx::array a, int bound) {
+  bounded_.emplace(static_cast<std::uintptr_t>(a.id()), std::make_pair(a, bound));
+  return a;
+}
+
 mx::array Interpreter::normalized_indices(const mx::array& idx, int dim_size) {
   // The normalization is element-wise, so it commutes with a view that only repeats or regroups
   // elements: a KV-cache write's indices are the positions broadcast to the cache's shape, once per
@@ -231,6 +236,11 @@ mx::array Interpreter::normalized_indices(const mx::array& idx, int dim_size) {
       normalized_.emplace(key, std::make_pair(idx, idx));
       return idx;
     }
+  }
+  if (const auto it = bounded_.find(static_cast<std::uintptr_t>(idx.id()));
+      it != bounded_.end() && it->second.second <= dim_size) {
+    normalized_.emplace(key, std::make_pair(idx, idx));
+    return idx;
   }
   if (idx.has_primitive() && idx.inputs().size() == 1) {
     const std::string kind = idx.primitive().name();

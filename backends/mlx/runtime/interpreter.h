@@ -205,6 +205,13 @@ class Interpreter {
   // normalized_indices' results of this call, by (array id, axis size).
   // The value keeps the indices array itself too, so that its id is not reused within the call.
   std::map<std::pair<std::uintptr_t, int>, std::pair<mlx::core::array, mlx::core::array>> normalized_;
+  // Arrays this call made whose every value lies in [0, bound): the token ids its samplers picked (argmax or
+  // Gumbel-max over `bound` scores), by array id (the array kept, so that its id is not reused within the call).
+  // Indexing with them needs no clamping where the axis has at least `bound` entries: a draft model's proposing
+  // program feeds each step's token to the next step's embedding (llm/decoder/proposer.py), and the five nodes
+  // that would clamp it came back in each of its K - 1 later steps.
+  std::map<std::uintptr_t, std::pair<mlx::core::array, int>> bounded_;
+  mlx::core::array bounded(mlx::core::array a, int bound);
 };
 
 }  // namespace etmlx
