@@ -6,8 +6,9 @@
 // bound by that host time; on the CPU each is a task on the stream. Folding them here, where the inputs are
 // already materialised, takes them out of the graph: MLX then sees constants.
 //
-// Only exact operations are folded (integer and bool arithmetic, comparisons, selections, views, casts; float32
-// only where the result is exact: data movement, comparisons, add/subtract/multiply), on arrays of at most
+// Only exact operations are folded (integer and bool arithmetic, comparisons, selections, views, casts, an arange
+// of whole numbers; float32 only where the result is exact: data movement, comparisons, add/subtract/multiply,
+// such an arange below 2^24), on arrays of at most
 // kMostElements elements whose inputs are materialised (never waiting on an evaluation in flight) or
 // themselves foldable. Anything else is left to MLX unchanged.
 //
