@@ -52,23 +52,36 @@ def test_budget_gives_a_hitting_source_the_full_budget_and_a_missing_one_probes_
         missing.update(k, 0)
         proposed += k
         calls += 1
-    # After the optimistic start, one drafted token per PROBE_EVERY calls: a few percent of a call's work.
+    # After the optimistic start, one drafted token per PROBE_EVERY calls, and each probe that finds nothing
+    # doubles the wait, up to 16 times PROBE_EVERY: a dead source's probes (verifying calls) cost under 1% of
+    # the calls in the end.
     late = DraftBudget(8)
-    while late.size() != 1 or late.rate > 0.01:  # misses until the estimate is near 0, up to a probe
-        late.update(late.size(), 0)
-    late.update(1, 0)
     sizes = []
-    for _ in range(64):
-        k = late.size()
-        late.update(k, 0)
-        sizes.append(k)
-    assert sum(sizes) == 64 // DraftBudget.PROBE_EVERY
+    for _ in range(1500):
+        sizes.append(late.size())
+        late.update(sizes[-1], 0)
+    drafting = [i for i, k in enumerate(sizes) if k]
+    stopped = sizes.index(0) - 1  # the optimistic start's last proposal
+    probes = [i for i in drafting if i > stopped]
+    every = DraftBudget.PROBE_EVERY
+    gaps = [b - a for a, b in zip([stopped] + probes, probes)]
+    assert gaps[:5] == [every, 2 * every, 4 * every, 8 * every, 16 * every] and set(gaps[5:]) == {16 * every}, gaps
+    assert all(sizes[i] == 1 for i in probes)
     assert proposed < 0.15 * calls
-    # A source that starts hitting after a miss streak gets its budget back.
-    for _ in range(40):
+    # A source that starts hitting after a miss streak gets its budget back at its next probe, and the wait
+    # between probes is PROBE_EVERY again once one finds a hit.
+    for _ in range(16 * every):
         k = late.size()
         late.update(k, k)
     assert late.size() == 8
+    again = DraftBudget(8)
+    sizes = []
+    for call in range(400):
+        sizes.append(again.size())
+        again.update(sizes[-1], sizes[-1] if call == 118 else 0)  # only the third probe hits
+    assert [i for i in range(7, 119) if sizes[i]] == [22, 54, 118]  # waits of 16, 32, 64 calls
+    last = next(i for i in range(119, 400) if sizes[i] == 0) - 1  # the hit brought proposals back, until misses
+    assert next(i for i in range(last + 1, 400) if sizes[i]) - last == every  # the wait is PROBE_EVERY again
 
 
 def test_draft_model_pacing_learns_from_the_sequence_that_follows():

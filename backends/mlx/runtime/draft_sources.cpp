@@ -120,23 +120,28 @@ int64_t DraftBudget::size() const {
       best_value = value;
     }
   }
-  if (best == 0 && calls_without_ + 1 >= probe_every()) return std::min<int64_t>(1, max_drafts_);
-  return best;
+  probing_ = best == 0 && calls_without_ + 1 >= probe_every();
+  return probing_ ? std::min<int64_t>(1, max_drafts_) : best;
 }
 
 int64_t DraftBudget::probe_every() const {
   // A probe costs one proposal and one draft, in calls' time; a plain call costs 1.
   const double probe = proposal_cost_ + draft_cost_;
-  return std::max<int64_t>(kProbeEvery, static_cast<int64_t>(std::ceil(probe / kProbeShare)));
+  const int64_t every = std::max<int64_t>(kProbeEvery, static_cast<int64_t>(std::ceil(probe / kProbeShare)));
+  return every << std::min<int64_t>(failed_probes_, kMostDoublings);
 }
 
 void DraftBudget::update(int64_t proposed, int64_t accepted) {
   if (proposed <= 0) {
     ++calls_without_;
+    probing_ = false;  // a probe the source had nothing for: no fate to learn
     return;
   }
   accepted = std::clamp<int64_t>(accepted, 0, proposed);
   calls_without_ = 0;
+  if (accepted > 0) failed_probes_ = 0;
+  else if (probing_) ++failed_probes_;
+  probing_ = false;
   hits_ = kDecay * hits_ + static_cast<double>(accepted);
   trials_ = kDecay * trials_ + static_cast<double>(accepted) + (accepted < proposed ? 1.0 : 0.0);
 }

@@ -65,8 +65,11 @@ class PredictionDraft final : public DraftSource {
 // when n < k, one failure. With a (decayed) acceptance estimate a, k drafts yield 1 + a + ... + a^k tokens
 // per call at a cost of about 1 + draft_cost * k calls' time; the budget takes the k <= K that maximises
 // their ratio. When that is 0 (a source that does not hit), it still probes one draft every kProbeEvery
-// calls, so a source that starts hitting is noticed, at a cost well under 5% of the calls' time; a probe that
-// costs more (a draft model's call: proposal_cost) comes rarer, so that probing stays under kProbeShare.
+// calls, so a source that starts hitting is noticed; each probe in a row that finds nothing doubles that
+// interval (up to kProbeEvery << kMostDoublings calls), and an accepted draft resets it: a probe is a verifying
+// call, which on a small model costs up to two plain calls, so probing a source that never hits every 16 calls
+// would take 3-6% of the time by itself. A probe that costs more (a draft model's call: proposal_cost) also
+// comes rarer, so that probing stays under kProbeShare.
 class DraftBudget {
  public:
   // One more drafted token's share of a decode call's time (the per-call overhead dominates).
@@ -74,6 +77,7 @@ class DraftBudget {
   static constexpr double kDecay = 0.8;
   static constexpr int64_t kProbeEvery = 16;
   static constexpr double kProbeShare = 0.02;  // the most of the calls' time that probing may take
+  static constexpr int kMostDoublings = 4;     // a dead source is probed at least every 256 calls
 
   // Throws std::invalid_argument for max_drafts < 0 or a negative (or NaN) draft_cost.
   explicit DraftBudget(int64_t max_drafts, double draft_cost = kDraftCost);
@@ -88,7 +92,7 @@ class DraftBudget {
   double proposal_cost() const { return proposal_cost_; }
   int64_t size() const;
   // Calls without drafts between two probes: kProbeEvery, or more where one probe costs more than
-  // kProbeShare of that many calls.
+  // kProbeShare of that many calls; doubled for each probe in a row that found nothing.
   int64_t probe_every() const;
   // A call carried `proposed` drafts and `accepted` of them were taken (clamped into [0, proposed]).
   void update(int64_t proposed, int64_t accepted);
@@ -99,6 +103,8 @@ class DraftBudget {
   double proposal_cost_ = 0.0;
   double hits_ = 2.0, trials_ = 2.0;  // optimistic start: a fresh source gets the full budget at once
   int64_t calls_without_ = 0;
+  int64_t failed_probes_ = 0;     // probes in a row whose drafts were all rejected
+  mutable bool probing_ = false;  // the last size() asked for a probe (update() then learns its fate)
 };
 
 // A draft model's proposals (a small decoder program with the target's vocabulary, run greedily: the Python
