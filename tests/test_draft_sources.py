@@ -116,9 +116,10 @@ def _round(pacing, seq, drafts, draft_s, at, took):
     """One proposal after `seq` at time `at`: `drafts` made in one draft call of `draft_s` seconds, then the
     target's calls take `took` seconds; returns the budget asked for."""
     size = pacing.begin(seq, at)
-    pacing.end(seq, True, drafts[:size], 1 if drafts[:size] else 0, draft_s if drafts[:size] else 0.0,
-               at + (draft_s if drafts[:size] else 0.0))
-    return size, at + (draft_s if drafts[:size] else 0.0) + took
+    made = drafts[:size]
+    spent = draft_s if made else 0.0  # no drafts: no draft call
+    pacing.end(seq, True, made, 1 if made else 0, spent, at + spent)
+    return size, at + spent + took
 
 
 def test_draft_model_pacing_stops_a_draft_model_that_costs_more_than_it_saves():
@@ -141,7 +142,6 @@ def test_draft_model_pacing_stops_a_draft_model_that_costs_more_than_it_saves():
         took = plain_s * (1 + 0.05 * size)
         seq = seq + list(range(100, 100 + size)) + [7]
         at = next_at + took
-        pacing_took = took
     assert sizes[0] == 8  # a fresh budget: all of it
     assert 0 in sizes[:3]  # one plain call, to time the unit
     assert pacing.proposal_cost() == pytest.approx(draft_s / plain_s, rel=0.05)

@@ -427,8 +427,7 @@ mx::array to_array(const HostValue& v) {
 // such as the proposing program's offset of each step's one position (llm/decoder/proposer.py); else nullopt.
 std::optional<HostValue> arange(const std::tuple<double, double, double>& state, const std::vector<int32_t>& shape,
                                 mx::Dtype dtype) {
-  const auto [start, stop, step] = state;
-  (void)stop;  // the shape already says how many
+  const double start = std::get<0>(state), step = std::get<2>(state);  // the shape already says how many
   if (shape.size() != 1 || dtype == mx::bool_ || start != std::floor(start) || step != std::floor(step)) {
     return std::nullopt;
   }
