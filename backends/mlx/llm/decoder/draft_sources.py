@@ -77,8 +77,8 @@ class DraftBudget:
 
     A call accepting n of k drafts is n successes and, when n < k, one failure, in a decayed acceptance
     estimate a; the budget takes the k <= K that maximises (1 + a + ... + a^k) / (1 + draft_cost * k). When
-    that is 0 (a source that does not hit), it still probes one draft every PROBE_EVERY calls, a wait that each
-    probe in a row finding nothing doubles (up to 16 times) and an accepted draft resets."""
+    that is 0 (a source that does not hit), it still probes one draft every PROBE_EVERY calls; each probe in a
+    row that finds nothing doubles that wait (to at most 16 * PROBE_EVERY calls), an accepted draft resets it."""
 
     DRAFT_COST = _Constant(0, float)  # the default cost of one more drafted token, in decode calls
     DECAY = _Constant(1, float)
