@@ -16,7 +16,7 @@
 // allocator puts in managed memory, and once its buffer cache holds device buffers of that size it moves one back
 // to managed memory per array (an allocation and a synchronous copy), about 15 us each against the ~4 us a node
 // costs to encode (an H200, 2026-11-27: the built-in model's plain step 1.38x faster without folding, 7 of 7
-// interleaved rounds; docs/gpu-h200-2026-11-27.json). Metal's memory is unified, so it keeps the default.
+// interleaved rounds; results/gpu/2026-11-27-h200-decode-kit-host-folding.json). Metal's memory is unified, so it keeps the default.
 // ETMLX_HOST_FOLD=0 turns folding off everywhere, ETMLX_HOST_FOLD=1 on everywhere.
 #pragma once
 
