@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from backends.mlx.bench.decode import ENGINES, QUICK
+from benchmarks.decode import ENGINES, QUICK
 
 pytestmark = [pytest.mark.bench, pytest.mark.subprocess]  # etmlx bench decode --quick
 

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from backends.mlx.bench.decode import QUICK
+from benchmarks.decode import QUICK
 
 pytestmark = [pytest.mark.bench, pytest.mark.subprocess]  # etmlx bench decode --quick, int4
 

@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from backends.mlx.bench import decode_shapes, gguf_checkpoint
-from backends.mlx.llm.builtin import bench_checkpoint as ckpt
+from benchmarks import decode_shapes, gguf_checkpoint
+from benchmarks import checkpoints as ckpt
 
 pytestmark = pytest.mark.bench
 

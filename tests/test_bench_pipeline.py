@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from backends.mlx.bench.pipeline import KERNEL_SETS, QUICK, SAMPLERS
+from benchmarks.pipeline import KERNEL_SETS, QUICK, SAMPLERS
 
 pytestmark = [pytest.mark.bench, pytest.mark.subprocess]  # etmlx bench pipeline --quick
 

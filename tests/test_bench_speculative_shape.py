@@ -4,8 +4,8 @@ source should produce."""
 
 import pytest
 
-from backends.mlx.bench import speculative_shape
-from backends.mlx.llm.builtin import bench_checkpoint as ckpt
+from benchmarks import speculative_shape
+from benchmarks import checkpoints as ckpt
 
 pytestmark = pytest.mark.bench
 

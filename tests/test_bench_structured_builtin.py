@@ -11,8 +11,8 @@ import json
 
 import pytest
 
-from backends.mlx.bench.structured import SCHEMA
-from backends.mlx.bench.structured_builtin import check_resample, decode_rate
+from benchmarks.structured import SCHEMA
+from benchmarks.structured_builtin import check_resample, decode_rate
 from backends.mlx.llm.builtin.tiny_model import tiny_llama, train_tokenizer
 from backends.mlx.llm.decoder.constraints import Constraint
 from backends.mlx.llm.decoder.export import export_decoder

@@ -158,7 +158,7 @@ def test_cpp_programs_load_the_route_ahead_of_mlxs_blas():
 @pytest.mark.bench
 @pytest.mark.subprocess
 def test_gemm_bench_times_the_stock_wheel_and_the_route_in_separate_processes():
-    from backends.mlx.bench import cpu_gemm
+    from benchmarks import cpu_gemm
 
     for variant in ("stock", "etmlx"):
         ms = cpu_gemm._time(variant, "float32", 4, 32, 16)

@@ -37,6 +37,23 @@ def test_bench_agreement_reports_rates():
     assert out.stdout.count("host reference == device") == 3
 
 
+def test_bench_outside_a_checkout_says_where_the_benchmarks_are(tmp_path):
+    """An install without benchmarks/ (a wheel): `etmlx bench ...` is one line naming the folder, exit 2."""
+    import shutil
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    shutil.copytree(repo / "backends", tmp_path / "backends", symlinks=True,
+                    ignore=shutil.ignore_patterns("__pycache__", "_lib", "*.cpp", "*.h"))
+    ran = subprocess.run([sys.executable, "-c", "import sys; from backends.mlx.cli.main import main; "
+                          "sys.exit(main(['bench', 'decode', '--quick']))"], capture_output=True, text=True,
+                         cwd=tmp_path, env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    assert ran.returncode == 2, ran.stderr
+    assert ran.stderr.strip().splitlines() == [
+        "etmlx: error: etmlx bench runs from a checkout of the etmlx repository: the benchmarks are its top-level "
+        "benchmarks/ folder, which the wheel does not ship (git clone, then make setup)"]
+
+
 @pytest.mark.slow
 def test_language_model_demo_trains_exports_and_matches_transformers(tmp_path, capsys):
     """`etmlx demo` on a short training recipe: cached checkpoint, exported .pte, greedy text equal to

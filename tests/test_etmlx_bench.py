@@ -136,7 +136,7 @@ def test_draft_model_and_prompt_ids(tmp_path):
     right, the plain tokens), its own calls reported; --prompt-ids runs that prompt; sequence_tokens_per_s is
     reported for both kinds of program. The C++ half of `etmlx bench speculative` (bench/speculative_cpp.py)
     runs the same way and checks the tokens."""
-    from backends.mlx.bench import speculative_cpp
+    from benchmarks import speculative_cpp
 
     model = _tiny()
     plain, draft = tmp_path / "plain.pte", tmp_path / "draft.pte"
@@ -204,8 +204,8 @@ def test_make_setup_mlx_cuda13_installs_the_cuda_wheel():
 def _sampler_with_inputs(tmp_path, batch=2, vocab=1000):
     """A seeded top-k sampler program and its inputs (LM-shaped logits, T=0.8) written as etmlx_bench --inputs
     files; returns (pte, inputs dir, the tokens the Python runtime returns for those inputs)."""
-    from backends.mlx.bench.gpu_kit import _write_inputs
-    from backends.mlx.bench.sampler_features import make_logits
+    from benchmarks.gpu_kit import _write_inputs
+    from benchmarks.sampler_features import make_logits
     from backends.mlx.llm.sampler.config import SamplerConfig
     from backends.mlx.llm.sampler.export import LogitsInput, export_sampling_head, sampler_inputs
     from backends.mlx.runtime.runner import load_method
@@ -261,8 +261,8 @@ def test_gpu_kit_runs_with_the_device_script(tmp_path):
     checkpoint, every item measured, and the engines' tokens compared (same device twice: all equal)."""
     import sys
 
-    from backends.mlx.bench import gpu_kit
-    from backends.mlx.llm.builtin import bench_checkpoint as ckpt
+    from benchmarks import gpu_kit
+    from benchmarks import checkpoints as ckpt
 
     kit = tmp_path / "kit"
     gpu_kit.build(kit, tmp_path / "cache", log=lambda *_: None, size=ckpt.QUICK_SIZE, sampler_shapes=((500, 2),),
@@ -316,7 +316,7 @@ def test_gpu_kit_runs_with_the_device_script(tmp_path):
 
 def test_gpu_kit_binaries_need_a_build(tmp_path):
     """Without the C++ build the kit's binaries are refused with one line saying how to make them."""
-    from backends.mlx.bench.gpu_binaries import MissingBinary, carried, copy_binaries
+    from benchmarks.gpu_binaries import MissingBinary, carried, copy_binaries
 
     with pytest.raises(MissingBinary, match="make setup"):
         copy_binaries(tmp_path / "bin", root=tmp_path)

@@ -21,7 +21,6 @@ LAYERS = [
     "exporter.edge_target", "exporter.dtypes", "exporter.fusion", "exporter.builder", "exporter.ops", "exporter",
     "llm", "llm.sampler", "llm.decoder", "llm.builtin",
     "serve",
-    "bench",
     "cli",
 ]
 # Paths that must stay free of the exporter (import time and memory of the decode loop; issue 11).
@@ -123,3 +122,15 @@ def test_the_checker_sees_a_cycle_and_an_upward_import():
     """Control: the rules above would fail on a graph that breaks them."""
     assert _layer("serve.engine") > _layer("llm.decoder.loop") > _layer("llm.sampler.config")
     assert _imports(PACKAGE / "exporter" / "fusion" / "plan.py") >= {"exporter.fusion.rms_norm"}
+
+
+def test_the_package_never_imports_the_benchmarks():
+    """benchmarks/ is outside the shipped package; only the CLI's `etmlx bench` hook loads it, by path."""
+    found = []
+    for path in [*PACKAGE.rglob("*.py"), *(REPO / "etmlx").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(n == "benchmarks" or n.startswith("benchmarks.") for n in names):
+                found.append(str(path.relative_to(REPO)))
+    assert sorted(set(found)) == ["backends/mlx/cli/main.py"]

@@ -25,7 +25,7 @@ def converted(tmp_path_factory):
     from mlx_lm import convert
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from backends.mlx.llm.builtin.bench_checkpoint import _save_tokenizer
+    from benchmarks.checkpoints import save_tokenizer
 
     d = tmp_path_factory.mktemp("mlxq")
     config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=256, num_hidden_layers=1,
@@ -33,7 +33,7 @@ def converted(tmp_path_factory):
                          initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(d / "float")
-    _save_tokenizer(config.vocab_size, d / "float")
+    save_tokenizer(config.vocab_size, d / "float")
     out = {}
     for bits, group in ((4, 64), (8, 64), (4, 128)):
         out[bits, group] = d / f"q{bits}g{group}"

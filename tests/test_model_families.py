@@ -161,7 +161,7 @@ def test_mlx_lm_quantized_directory_decodes_the_float_models_choices(tmp_path, f
 
     from mlx_lm import convert
 
-    from backends.mlx.llm.builtin.bench_checkpoint import _save_tokenizer
+    from benchmarks.checkpoints import save_tokenizer
 
     directory = _checkpoint(tmp_path, family)
     saved = json.loads((directory / "config.json").read_text())
@@ -169,7 +169,7 @@ def test_mlx_lm_quantized_directory_decodes_the_float_models_choices(tmp_path, f
     for key, value in (saved.get("rope_parameters") or {}).items():
         saved.setdefault(key, value)
     (directory / "config.json").write_text(json.dumps(saved))
-    _save_tokenizer(VOCAB, directory)
+    save_tokenizer(VOCAB, directory)
     quantized = tmp_path / f"{family}-8bit"
     convert(str(directory), str(quantized), quantize=True, q_group_size=64, q_bits=8, dtype="float32")
     pte = _export(quantized, tmp_path / "m.pte")

@@ -12,7 +12,7 @@ import torch
 import backends.mlx  # noqa: F401  (before mlx.core: routes MLX's CPU GEMMs)
 import mlx.core as mx
 from backends.mlx.cli.main import main
-from backends.mlx.llm.builtin.bench_checkpoint import _save_tokenizer
+from benchmarks.checkpoints import save_tokenizer
 from backends.mlx.llm.decoder.loop import Decoder
 
 # Whole decoder exports: the slow tier (make test), not make test-fast.
@@ -38,7 +38,7 @@ def _checkpoint(directory, family: str, tied: bool = False, dtype=torch.float32)
     saved = json.loads((directory / "config.json").read_text())
     saved["rope_theta"] = saved["rope_parameters"]["rope_theta"]
     (directory / "config.json").write_text(json.dumps(saved))
-    _save_tokenizer(config.vocab_size, directory)
+    save_tokenizer(config.vocab_size, directory)
     return directory
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from backends.mlx.bench import serve as bench_serve
+from benchmarks import serve as bench_serve
 from backends.mlx.llm.builtin.tiny_model import export_tiny
 from serve_helpers import BATCH, tiny_pte
 

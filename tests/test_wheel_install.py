@@ -97,6 +97,15 @@ def test_the_wheel_ships_the_runtime_and_the_programs(venv):
         assert str(REPO) not in runpath and "site-packages" not in runpath, runpath
 
 
+def test_the_wheel_has_no_benchmark_code(venv):
+    """Benchmarks stay in the checkout (benchmarks/); `etmlx bench` in an install says where they are."""
+    site = next((venv / "lib").glob("python*/site-packages"))
+    shipped = [str(p.relative_to(site)) for p in site.rglob("*.py") if "bench" in p.name or "bench" in p.parent.name]
+    assert shipped == [] and not (site / "benchmarks").exists(), shipped
+    ran = _run(venv, "etmlx", "bench", "decode", "--quick")
+    assert ran.returncode == 2 and "benchmarks/ folder" in ran.stderr and "Traceback" not in ran.stderr, ran.stderr
+
+
 def test_version_generate_and_decode_from_the_installed_package(venv, tmp_path_factory):
     version = _run(venv, "etmlx", "--version")
     assert version.returncode == 0 and version.stdout.split()[:2] == ["etmlx", "0.1.0"], version

@@ -82,18 +82,3 @@ def add_parsers(sub) -> None:
                         help="the served FILE.pte (its tokenizer), a tokenizer directory or a Hugging Face repo "
                              "id: lets you type text and shows text")
     client.set_defaults(func=_lmtp_client)
-
-
-def add_bench_arguments(bench) -> None:
-    group = bench.add_argument_group("serve")
-    group.add_argument("--pte", help="serve: the decoder .pte to serve (default: a tiny random Llama, batch 16)")
-    group.add_argument("--url", help="serve: benchmark a running server instead of starting one")
-    group.add_argument("--streams", default="1,4,16", help="serve: concurrent stream counts (default 1,4,16)")
-    group.add_argument("--max-tokens", type=int, default=32, help="serve: tokens per stream")
-
-
-def bench(args) -> int:
-    from backends.mlx.bench.serve import main
-
-    streams = tuple(int(s) for s in args.streams.split(","))
-    return main(pte=args.pte, url=args.url, streams=streams, max_tokens=args.max_tokens, json_path=args.json)

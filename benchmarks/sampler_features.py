@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 import torch
 
-from backends.mlx.bench.timing import ReadOnce, median_ms
+from benchmarks.timing import ReadOnce, median_ms
 from backends.mlx.exporter.export import export_to_pte
 from backends.mlx.llm.sampler.export import LogitsInput, export_sampling_head, sampler_inputs
 from backends.mlx.llm.sampler.config import SamplerConfig

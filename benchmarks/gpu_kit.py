@@ -5,7 +5,7 @@ exporter: this writes the programs, their inputs and a manifest into DIR, and `b
 (numpy + mlx + mlx-lm only, no etmlx import) runs them there with the C++ tools (`etmlx_bench`,
 `etmlx_decode`, each once per device through ETMLX_DEVICE=gpu|cpu) against mlx-lm on the same device:
 
-  decoder   the ~100M Llama of `etmlx bench decode` (llm/builtin/bench_checkpoint.py BENCH_SIZE), 4-bit by
+  decoder   the ~100M Llama of `etmlx bench decode` (benchmarks/checkpoints.py BENCH_SIZE), 4-bit by
             `mlx_lm.convert -q` (group 64): the etmlx .pte (its mlx-lm import, the same integers) and the
             mlx-lm directory itself, so greedy tokens can be compared across engines and devices; and the
             same weights exported with --draft-tokens 8, which `etmlx_bench --drafts` times as Predicted
@@ -26,12 +26,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from backends.mlx.bench import decode_programs as programs
-from backends.mlx.bench.decode_shapes import export_in_child
-from backends.mlx.bench.gpu_binaries import copy_binaries
-from backends.mlx.bench.sampler_features import CONFIGS, TEMPERATURE, make_logits
-from backends.mlx.bench.timing import ReadOnce
-from backends.mlx.llm.builtin import bench_checkpoint as ckpt
+from benchmarks import decode_programs as programs
+from benchmarks.decode_shapes import export_in_child
+from benchmarks.gpu_binaries import copy_binaries
+from benchmarks.sampler_features import CONFIGS, TEMPERATURE, make_logits
+from benchmarks.timing import ReadOnce
+from benchmarks import checkpoints as ckpt
 
 MAX_SEQ_LEN = 256
 PROMPT_LEN = 64
@@ -62,7 +62,7 @@ def _decoder_items(out: Path, cache_dir: Path, size: dict, log) -> list[dict]:
 
 
 def _shape_item(shape: str, out: Path, cache_dir: Path, log) -> dict:
-    """A published model's shape (bench_checkpoint.SHAPES), 4-bit: the etmlx .pte only (a real-size mlx-lm
+    """A published model's shape (checkpoints.SHAPES), 4-bit: the etmlx .pte only (a real-size mlx-lm
     directory would double what travels), so mlx-lm runs the same config with its own random 4-bit weights
     there: a speed comparison, no token comparison."""
     fields = dict(ckpt.SHAPES[shape])
@@ -116,7 +116,7 @@ def _sampler_items(out: Path, shapes) -> list[dict]:
 def build(out: Path, cache_dir: Path = Path("out/bench"), log=print, size: dict = ckpt.BENCH_SIZE,
           sampler_shapes=SAMPLER_SHAPES, shapes=(), binaries: bool = False) -> Path:
     """size, sampler_shapes: smaller ones make a kit in seconds (the tests); shapes: names of
-    bench_checkpoint.SHAPES to add as real-size decoders; binaries: the C++ tools, their libraries,
+    checkpoints.SHAPES to add as real-size decoders; binaries: the C++ tools, their libraries,
     gpu_device.py and gpu_host_arrays.py go into the kit too (bench/gpu_binaries.py), so the GPU host needs only it and MLX's wheel."""
     out.mkdir(parents=True, exist_ok=True)
     if binaries:  # first: a missing build fails before minutes of exports
@@ -133,6 +133,6 @@ def build(out: Path, cache_dir: Path = Path("out/bench"), log=print, size: dict 
         how = (f"LD_LIBRARY_PATH={out}/bin:<site-packages>/mlx/lib python3 {out}/gpu_device.py {out} --bin {out}/bin "
                "(after `pip install` of the GPU's mlx wheel and mlx-lm)")
     else:
-        how = f"python3 backends/mlx/bench/gpu_device.py {out} --bin DIR_WITH_etmlx_bench"
+        how = f"python3 benchmarks/gpu_device.py {out} --bin DIR_WITH_etmlx_bench"
     log(f"gpu kit: {len(items)} items, {total / 1e6:.1f} MB in {out}; run there: {how}")
     return manifest

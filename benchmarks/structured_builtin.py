@@ -19,7 +19,7 @@ import statistics
 import time
 from pathlib import Path
 
-from backends.mlx.bench.structured import SCHEMA
+from benchmarks.structured import SCHEMA
 from backends.mlx.llm.builtin.model import DEFAULT_RECIPE, STAMP, ensure_builtin_checkpoint
 from backends.mlx.llm.decoder.constraints import Constraint
 from backends.mlx.llm.decoder.loop import Decoder

@@ -1,7 +1,7 @@
 """`etmlx bench speculative --shape NAME`: speculative decoding at a published model's size, on this machine.
 
 The checkpoint of `bench decode --shape` (random weights at that shape, `mlx_lm.convert -q` 4-bit group 64, cached:
-llm/builtin/bench_checkpoint.py) exported twice, each once and cached beside it: the plain (pipelined) program and
+benchmarks/checkpoints.py) exported twice, each once and cached beside it: the plain (pipelined) program and
 a `--draft-tokens K` one. In each round, taking turns: plain decoding, then the draft-verifying program with
 Predicted Outputs (the plain run's own greedy tokens as the prediction), with no drafts, and with a prediction that
 never matches (random ids). Every run must give the plain tokens. Rates are decode tok/s after the first call
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from backends.mlx.bench import decode_programs as programs
-from backends.mlx.bench.decode_shapes import export_in_child
-from backends.mlx.llm.builtin import bench_checkpoint as ckpt
+from benchmarks import decode_programs as programs
+from benchmarks.decode_shapes import export_in_child
+from benchmarks import checkpoints as ckpt
 
 SCHEME = "int4"
 MAX_SEQ_LEN = 576  # as bench decode --shape: its programs are shared
@@ -41,7 +41,7 @@ def run(shape: str, cache_dir: Path, draft_tokens: int = 8, prompt_len: int = 64
         repeats: int = 3, log=print) -> dict:
     if shape not in ckpt.SHAPES:
         raise ValueError(f"--shape must be one of {', '.join(ckpt.SHAPES)}, got {shape!r}")
-    from backends.mlx.bench.speculative import _plain
+    from benchmarks.speculative import _plain
     from backends.mlx.llm.decoder.draft_sources import PredictionDraft
     from backends.mlx.llm.decoder.loop import Decoder
     from backends.mlx.llm.decoder.speculative import SpeculativeDecoder

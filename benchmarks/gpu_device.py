@@ -6,7 +6,7 @@ it runs where the exporter cannot (no torch 2.13, no ExecuTorch Python). `--bin 
 and `etmlx_decode`; their libraries come from LD_LIBRARY_PATH (docs/cpp-tools.md, "Carrying binaries to a
 GPU host").
 
-    python3 backends/mlx/bench/gpu_device.py KIT [--bin BIN] [--json OUT.json] [--dot DIR]   (BIN: KIT/bin by default)
+    python3 benchmarks/gpu_device.py KIT [--bin BIN] [--json OUT.json] [--dot DIR]   (BIN: KIT/bin by default)
 
 For each decoder: etmlx_bench (prefill and decode tok/s) with ETMLX_DEVICE=gpu and =cpu; greedy and seeded
 tokens from etmlx_decode on both devices (equal tokens, or the first step where they part); mlx-lm's

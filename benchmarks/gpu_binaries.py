@@ -14,7 +14,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[1]
 TOOLS = ("build/etmlx_bench", "build/etmlx_decode")
 LIBRARIES = ("backends/mlx/runtime/_lib/libetmlx_backend.so", "backends/mlx/runtime/_lib/libetmlx_blas.so")
 SYSTEM = ("/lib/", "/lib64/", "/usr/lib/", "/usr/lib64/")

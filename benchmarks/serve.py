@@ -107,7 +107,7 @@ def _free_port() -> int:
 
 
 def _start_server(pte: Path, port: int) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[3]),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
                                                                     os.environ.get("PYTHONPATH")]))}
     return subprocess.Popen([sys.executable, "-m", "backends.mlx.cli.main", "serve", str(pte), "--port", str(port)],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

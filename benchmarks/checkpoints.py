@@ -96,7 +96,7 @@ def _config(spec: CheckpointSpec):
                 pad_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta})
 
 
-def _save_tokenizer(vocab_size: int, directory: Path) -> None:
+def save_tokenizer(vocab_size: int, directory: Path) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -124,7 +124,7 @@ def build(spec: CheckpointSpec, directory: Path) -> None:
     saved = json.loads(config_path.read_text())
     saved["rope_theta"] = spec.rope_theta
     config_path.write_text(json.dumps(saved, indent=2))
-    _save_tokenizer(spec.vocab_size, directory)
+    save_tokenizer(spec.vocab_size, directory)
     (directory / "bench_spec.json").write_text(json.dumps(asdict(spec)))
 
 

@@ -22,7 +22,7 @@ _LAYOUT = 1
 
 
 def cached_gguf(float_dir: Path, qtype: str) -> Path:
-    """`float_dir` (a bench_checkpoint float32 directory) as `<float_dir>/llama-cpp-<qtype>.gguf`."""
+    """`float_dir` (a benchmarks/checkpoints.py float32 directory) as `<float_dir>/llama-cpp-<qtype>.gguf`."""
     if qtype not in TYPES:
         raise ValueError(f"GGUF type must be one of {TYPES}, got {qtype!r}")
     path = Path(float_dir) / f"llama-cpp-{qtype}.gguf"

@@ -15,8 +15,8 @@ import torch
 
 from backends.mlx.exporter.export import export_to_pte
 from backends.mlx.llm.sampler.export import LogitsInput, export_sampling_head
-from backends.mlx.bench import sampler_features
-from backends.mlx.bench.timing import ReadOnce, median_ms
+from benchmarks import sampler_features
+from benchmarks.timing import ReadOnce, median_ms
 from backends.mlx.runtime.runner import load_method
 
 VOCABS = (32000, 128256, 262144)

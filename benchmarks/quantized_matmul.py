@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from backends.mlx.bench.timing import median_ms
+from benchmarks.timing import median_ms
 
 K, N, BITS, GROUP = 896, 4864, 4, 64
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from backends.mlx.bench import speculative_cpp
+from benchmarks import speculative_cpp
 
 DEFAULT_PROMPT = "One morning, Mira went to"
 
@@ -43,7 +43,7 @@ def _export(ckpt: Path, pte: Path, config=None, **kw) -> Path:
     from backends.mlx.llm.decoder.meta import has_embedded_meta
     from backends.mlx.llm.sampler.config import SamplerConfig
 
-    from backends.mlx.bench.decode_programs import source_fingerprint
+    from benchmarks.decode_programs import source_fingerprint
 
     # Named after the exporting code too, as `bench decode`'s programs are: a cache written by older code (a draft
     # program without its plain step, say) is not timed as this code's.

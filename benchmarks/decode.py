@@ -29,10 +29,10 @@ from pathlib import Path
 
 import torch
 
-from backends.mlx.llm.builtin import bench_checkpoint as ckpt
-from backends.mlx.bench import decode_memory as memory
-from backends.mlx.bench import decode_programs as programs
-from backends.mlx.bench.decode_engines import EtmlxEngine, MlxLmEngine, XnnpackEngine
+from benchmarks import checkpoints as ckpt
+from benchmarks import decode_memory as memory
+from benchmarks import decode_programs as programs
+from benchmarks.decode_engines import EtmlxEngine, MlxLmEngine, XnnpackEngine
 
 ENGINES = ("etmlx", "mlx_lm", "xnnpack")
 BASELINES = ("mlx_lm", "xnnpack")

@@ -6,7 +6,7 @@ engine, prefills the benchmark prompt and decodes the benchmark's steps once (gr
 own VmHWM (/proc/self/status; ru_maxrss where there is no /proc). That includes the Python interpreter and
 the libraries the engine imports, as a user of that engine would pay them.
 
-    python -m backends.mlx.bench.decode_memory ENGINE PATH PROMPT_IDS_JSON STEPS   (prints one JSON line)
+    python -m benchmarks.decode_memory ENGINE PATH PROMPT_IDS_JSON STEPS   (prints one JSON line)
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def _peak_rss_bytes() -> int:
 
 def peak_rss(engine: str, path: Path, prompt_ids: list[int], steps: int) -> int:
     """Peak RSS in bytes of a fresh process that loads `engine` and generates once."""
-    ran = subprocess.run([sys.executable, "-m", "backends.mlx.bench.decode_memory", engine, str(path),
+    ran = subprocess.run([sys.executable, "-m", "benchmarks.decode_memory", engine, str(path),
                           json.dumps(prompt_ids), str(steps)], capture_output=True, text=True)
     if ran.returncode != 0:
         raise RuntimeError(f"{engine} memory probe failed:\n{ran.stderr[-3000:]}")
@@ -54,7 +54,7 @@ def peak_rss(engine: str, path: Path, prompt_ids: list[int], steps: int) -> int:
 
 
 def _child(engine: str, path: str, prompt_json: str, steps: str) -> None:
-    from backends.mlx.bench.decode_engines import EtmlxEngine, LlamaCppEngine, MlxLmEngine, XnnpackEngine
+    from benchmarks.decode_engines import EtmlxEngine, LlamaCppEngine, MlxLmEngine, XnnpackEngine
 
     kinds = {"etmlx": EtmlxEngine, "mlx_lm": MlxLmEngine, "xnnpack": XnnpackEngine,
              "mlx_lm_bflo": lambda p: MlxLmEngine(p, activations="bfloat16")}

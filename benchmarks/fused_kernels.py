@@ -1,6 +1,6 @@
 """Forward time of one exported model with and without the fused RMSNorm / LayerNorm / rotary nodes.
 
-    python -m backends.mlx.bench.fused_kernels [--family llama|gpt2|norm_rope] [--hidden 512] [--layers 4]
+    python -m benchmarks.fused_kernels [--family llama|gpt2|norm_rope] [--hidden 512] [--layers 4]
         [--seq 64] [--runs 30] [--dtype float32]
 
 Random-weight transformers models (eager attention), logits of one [1, seq] prompt; `norm_rope` is

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-_PACKAGE = Path(__file__).resolve().parents[1]  # backends/mlx
-# Command-line front ends, benchmarks and the modules that only load native libraries (the package
+_PACKAGE = Path(__file__).resolve().parents[1] / "backends" / "mlx"
+# Command-line front ends and the modules that only load native libraries (the package
 # __init__, blas_route, runtime) do not shape a program; every other module might.
-_NOT_SHAPING = {"bench", "cli", "serve", "tools", "inspect_pte.py", "__init__.py", "blas_route.py", "runtime"}
+_NOT_SHAPING = {"cli", "serve", "tools", "inspect_pte.py", "__init__.py", "blas_route.py", "runtime"}
 
 
 def source_fingerprint() -> str:
@@ -83,7 +83,7 @@ def load_model(checkpoint: Path, dtype: str) -> torch.nn.Module:
     """The torch model to export: a float checkpoint as `dtype`, or (int4/int8) the mlx-lm quantized
     checkpoint as `etmlx export --model MLX_LM_DIR` loads it, packed integers as they are, float32
     activations (the dtype mlx-lm converted the float32 checkpoint's scales to)."""
-    from backends.mlx.llm.builtin import bench_checkpoint as ckpt
+    from benchmarks import checkpoints as ckpt
 
     if dtype in ckpt.QUANTIZED:
         from backends.mlx.llm.quantize.mlx_checkpoint import load_mlx_quantized

@@ -1,6 +1,6 @@
 """`etmlx bench decode --shape NAME`: a published model's shape at real size, quantized, on this machine's CPU.
 
-One run builds (once, cached) a float32 random-weight checkpoint of that shape (llm/builtin/bench_checkpoint.py
+One run builds (once, cached) a float32 random-weight checkpoint of that shape (benchmarks/checkpoints.py
 SHAPES), converts it with `mlx_lm.convert -q` (group 64; int4 and/or int8), and times against each other:
 
   etmlx          `etmlx export --model <mlx-lm dir>` (its mlx-lm import: the same integers), through `Decoder`
@@ -42,10 +42,10 @@ from pathlib import Path
 
 import torch
 
-from backends.mlx.bench import decode_memory as memory
-from backends.mlx.bench import decode_programs as programs
-from backends.mlx.bench.decode import common_prefix
-from backends.mlx.llm.builtin import bench_checkpoint as ckpt
+from benchmarks import decode_memory as memory
+from benchmarks import decode_programs as programs
+from benchmarks.decode import common_prefix
+from benchmarks import checkpoints as ckpt
 
 GGUF_TYPES = {"int4": ("Q4_0", "F16"), "int8": ("Q8_0",)}
 SLOW_DECODE_TOKENS_PER_S = 5.0
@@ -110,7 +110,7 @@ def export_in_child(checkpoint: Path, pte: Path, max_seq_len: int, log, extra: l
 
 
 def _engines(files: dict, max_seq_len: int) -> list:
-    from backends.mlx.bench.decode_engines import EtmlxEngine, LlamaCppEngine, MlxLmEngine
+    from benchmarks.decode_engines import EtmlxEngine, LlamaCppEngine, MlxLmEngine
 
     made = []
     for name, path in files.items():
@@ -135,7 +135,7 @@ def measure(settings: ShapeSettings, spec: ckpt.CheckpointSpec, float_dir: Path,
     export = export_in_child(quantized_dir, pte, settings.max_seq_len, log)
     files = {"etmlx": pte, "mlx_lm": quantized_dir, "mlx_lm_bflo": quantized_dir}
     if with_llama_cpp:
-        from backends.mlx.bench.gguf_checkpoint import cached_gguf
+        from benchmarks.gguf_checkpoint import cached_gguf
 
         for qtype in GGUF_TYPES[dtype]:
             files[f"llama_cpp_{qtype.lower()}"] = cached_gguf(float_dir, qtype)
@@ -195,7 +195,7 @@ def run(shape: str, dtypes=("int4",), settings: ShapeSettings = ShapeSettings(),
     unknown = [d for d in dtypes if d not in GGUF_TYPES]
     if not dtypes or unknown:
         raise ValueError(f"--shape runs quantized dtypes ({', '.join(GGUF_TYPES)}), got {', '.join(dtypes)}")
-    from backends.mlx.bench.quantized_matmul import read_bandwidth_gbs
+    from benchmarks.quantized_matmul import read_bandwidth_gbs
     from backends.mlx.runtime import kernels_info
 
     spec = ckpt.CheckpointSpec(**ckpt.SHAPES[shape], dtype="float32", seed=settings.seed)

@@ -1,0 +1,193 @@
+"""`etmlx bench NAME ...`: one subcommand parser per benchmark.
+
+The `etmlx` command (backends/mlx/cli/main.py) calls `add_parsers` when this folder is importable, which
+is the case in a checkout (`make setup`); a wheel ships without it. Each benchmark measures its baselines
+in the same run (README.md here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+DEFAULT_DECODE_DTYPES = "float32,bfloat16"
+CACHE_DIR = "out/bench"
+
+
+def _common(parser: argparse.ArgumentParser, *, repeats: str | None = None, cache: bool = False) -> None:
+    parser.add_argument("--json", help="also write the records to this path")
+    if repeats:
+        parser.add_argument("--repeats", type=int, help=f"timed calls per measurement, median (default {repeats})")
+    if cache:
+        parser.add_argument("--cache-dir", default=CACHE_DIR, help="where checkpoints and programs are cached")
+
+
+def _sampler(args) -> int:
+    from benchmarks import sampler
+
+    vocabs = tuple(int(v) for v in args.vocabs.split(",")) if args.vocabs else sampler.VOCABS
+    batches = tuple(int(b) for b in args.batches.split(",")) if args.batches else sampler.BATCHES
+    return sampler.main(args.json, repeats=args.repeats or 30, vocabs=vocabs, batches=batches, suite=args.suite)
+
+
+def _agreement(args) -> int:
+    from benchmarks import agreement
+
+    return agreement.main(rows=args.rows)
+
+
+def _decode(args) -> int:
+    dtypes = tuple(d.strip() for d in args.dtypes.split(",") if d.strip())
+    if args.shape:
+        from benchmarks import decode_shapes
+
+        if args.quick:
+            raise ValueError("etmlx bench decode: --quick and --shape exclude each other")
+        dtypes = dtypes if args.dtypes != DEFAULT_DECODE_DTYPES else ("int4",)
+        return decode_shapes.main(args.shape, args.json, dtypes=dtypes, repeats=args.repeats,
+                                  cache_dir=args.cache_dir, quantized_float_dtype=args.quantized_dtype or "float32")
+    if args.quantized_dtype:
+        raise ValueError("etmlx bench decode: --quantized-dtype applies to --shape")
+    from benchmarks import decode
+
+    return decode.main(args.json, quick=args.quick, dtypes=dtypes, repeats=args.repeats, cache_dir=args.cache_dir)
+
+
+def _serve(args) -> int:
+    from benchmarks.serve import main
+
+    streams = tuple(int(s) for s in args.streams.split(","))
+    return main(pte=args.pte, url=args.url, streams=streams, max_tokens=args.max_tokens, json_path=args.json)
+
+
+def _structured(args) -> int:
+    from benchmarks import structured
+
+    result = structured.run(repeats=args.repeats or 200)
+    if args.builtin:
+        from benchmarks import structured_builtin
+
+        result["builtin"] = structured_builtin.run(Path(args.cache_dir))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+def _pipeline(args) -> int:
+    from benchmarks import pipeline
+
+    return pipeline.main(args.json, quick=args.quick, repeats=args.repeats)
+
+
+def _speculative(args) -> int:
+    if args.shape:
+        from benchmarks import speculative_shape
+
+        return speculative_shape.main(args.shape, args.json, args.cache_dir, repeats=args.repeats)
+    from benchmarks import speculative
+
+    return speculative.main(args.json, args.cache_dir, repeats=args.repeats)
+
+
+def _gemm(args) -> int:
+    from benchmarks import cpu_gemm
+
+    return cpu_gemm.main(args.json)
+
+
+def _prompt_cache(args) -> int:
+    from benchmarks import prompt_cache
+
+    return prompt_cache.main(args.cache_dir, args.json, repeats=args.repeats or 3)
+
+
+def _qmm(args) -> int:
+    from benchmarks import quantized_matmul
+
+    return quantized_matmul.main(args.json, repeats=args.repeats)
+
+
+def _gpu_kit(args) -> int:
+    from benchmarks import gpu_kit
+
+    gpu_kit.build(Path(args.out), Path(args.cache_dir), shapes=[args.shape] if args.shape else (),
+                  binaries=args.with_binaries)
+    return 0
+
+
+SHAPE_HELP = ("qwen2.5-0.5b, qwen2.5-1.5b or llama-3.2-1b: a published model's shape at real size (random "
+              "weights, mlx_lm.convert -q)")
+
+
+def add_parsers(bench: argparse.ArgumentParser) -> None:
+    """One subcommand per benchmark under `etmlx bench`."""
+    sub = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
+
+    p = sub.add_parser("sampler", help="on-device sampling vs mlx-lm, the upstream formulation and the host")
+    _common(p, repeats="30")
+    p.add_argument("--suite", choices=["all", "basic", "features"], default="all",
+                   help="basic (temperature by vocab and batch), features (top-k/top-p), or all")
+    p.add_argument("--vocabs", help="comma-separated vocabulary sizes (default 32000,128256,262144)")
+    p.add_argument("--batches", help="comma-separated batch sizes (default 1,8)")
+    p.set_defaults(func=_sampler)
+
+    p = sub.add_parser("agreement", help="how often the host reference reproduces the device's draws")
+    p.add_argument("--rows", type=int, default=2000, help="rows per dtype")
+    p.set_defaults(func=_agreement)
+
+    p = sub.add_parser("decode", help="decode speed, file size and peak RSS vs mlx-lm (and llama.cpp with --shape)")
+    _common(p, repeats="3 generations", cache=True)
+    p.add_argument("--quick", action="store_true", help="a tiny model and short runs (CI smoke)")
+    p.add_argument("--shape", help=SHAPE_HELP + ", against mlx-lm and llama.cpp (make bench-deps), with the "
+                   "memory-bandwidth floor; --dtypes int4 (default), int8 or both")
+    p.add_argument("--dtypes", default=DEFAULT_DECODE_DTYPES,
+                   help="comma-separated weight dtypes: float32, bfloat16, int4, int8")
+    p.add_argument("--quantized-dtype", choices=("float32", "bfloat16"),
+                   help="--shape: the mlx-lm directory's scales, biases and norms (float32 default; bfloat16 as "
+                   "published 4-bit models carry them)")
+    p.set_defaults(func=_decode)
+
+    p = sub.add_parser("serve", help="tokens/s and time to first token for concurrent streams")
+    _common(p)
+    p.add_argument("--pte", help="the decoder .pte to serve (default: a tiny random Llama, batch 16)")
+    p.add_argument("--url", help="benchmark a running server instead of starting one")
+    p.add_argument("--streams", default="1,4,16", help="concurrent stream counts (default 1,4,16)")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens per stream")
+    p.set_defaults(func=_serve)
+
+    p = sub.add_parser("structured", help="the cost of the on-device mask and of llguidance")
+    _common(p, repeats="200", cache=True)
+    p.add_argument("--builtin", action="store_true", help="also the built-in model: unconstrained vs JSON schema "
+                   "vs sample-check-resample")
+    p.set_defaults(func=_structured)
+
+    p = sub.add_parser("pipeline", help="pipelined vs unpipelined programs, 128 vs 4096 cache slots")
+    _common(p, repeats="5")
+    p.add_argument("--quick", action="store_true", help="a tiny model and short runs (CI smoke)")
+    p.set_defaults(func=_pipeline)
+
+    p = sub.add_parser("speculative", help="speculative decoding vs plain decoding")
+    _common(p, repeats="3", cache=True)
+    p.add_argument("--shape", help=SHAPE_HELP + ": its 4-bit program with --draft-tokens 8 against the plain one")
+    p.set_defaults(func=_speculative)
+
+    p = sub.add_parser("gemm", help="CPU matrix products: the stock wheel vs the OpenBLAS route")
+    _common(p)
+    p.set_defaults(func=_gemm)
+
+    p = sub.add_parser("qmm", help="the CPU quantized matmul vs mx::quantized_matmul")
+    _common(p, repeats="default")
+    p.set_defaults(func=_qmm)
+
+    p = sub.add_parser("prompt-cache", help="what the prompt cache saves on the built-in model")
+    _common(p, repeats="3", cache=True)
+    p.set_defaults(func=_prompt_cache)
+
+    p = sub.add_parser("gpu-kit", help="programs, inputs and a manifest for a GPU host (gpu_device.py runs them)")
+    p.add_argument("--cache-dir", default=CACHE_DIR, help="where checkpoints and programs are cached")
+    p.add_argument("--out", default="out/gpu-kit", help="the directory to write")
+    p.add_argument("--shape", help=SHAPE_HELP + ": add that shape's 4-bit decoder")
+    p.add_argument("--with-binaries", action="store_true",
+                   help="also copy etmlx_bench, etmlx_decode, their libraries (not MLX's) and gpu_device.py")
+    p.set_defaults(func=_gpu_kit)
