@@ -20,13 +20,41 @@ try:
 except PackageNotFoundError:
     __version__ = "unknown"
 
-__all__ = ["__version__", "generate", "load", "load_prompt_cache", "make_prompt_cache", "save_prompt_cache",
-           "stream_generate"]
+# The public names, each loaded on first use: name -> (implementing module, its name there).
+_PUBLIC = {
+    # text generation over an exported decoder (etmlx/api.py)
+    **{name: ("etmlx.api", name) for name in ("load", "generate", "stream_generate", "make_prompt_cache",
+                                               "save_prompt_cache", "load_prompt_cache")},
+    # exporting: any nn.Module, a module wrapped in a sampler, a whole decoder with its KV cache
+    "export_program": ("backends.mlx.exporter.export", "export_to_pte"),
+    "ExportResult": ("backends.mlx.exporter.export", "ExportResult"),
+    "export_sampling_head": ("backends.mlx.llm.sampler.export", "export_sampling_head"),
+    "sampler_inputs": ("backends.mlx.llm.sampler.export", "sampler_inputs"),
+    "export_decoder": ("backends.mlx.llm.decoder.export", "export_decoder"),
+    # sampling on the device
+    "SamplingHead": ("backends.mlx.llm.sampler.head", "SamplingHead"),
+    "GreedyHead": ("backends.mlx.llm.sampler.head", "GreedyHead"),
+    "SeedSchedule": ("backends.mlx.llm.sampler.head", "SeedSchedule"),
+    "SamplerConfig": ("backends.mlx.llm.sampler.config", "SamplerConfig"),
+    "SamplingParams": ("backends.mlx.llm.sampler.params", "SamplingParams"),
+    # decode loops
+    "Decoder": ("backends.mlx.llm.decoder.loop", "Decoder"),
+    "DraftModel": ("backends.mlx.llm.decoder.draft_model", "DraftModel"),
+}
+
+__all__ = ["__version__", *sorted(_PUBLIC)]
 
 
 def __getattr__(name: str):
-    if name in ("load", "generate", "stream_generate", "make_prompt_cache", "save_prompt_cache", "load_prompt_cache"):
-        from etmlx import api
+    if name in _PUBLIC:
+        from importlib import import_module
 
-        return getattr(api, name)
+        module, attribute = _PUBLIC[name]
+        value = getattr(import_module(module), attribute)
+        globals()[name] = value  # once
+        return value
     raise AttributeError(f"module 'etmlx' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_PUBLIC})

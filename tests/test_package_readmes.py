@@ -111,3 +111,19 @@ def test_relative_links_reach_a_file_and_heading():
             elif anchor and destination.suffix == ".md" and anchor not in _anchors(destination):
                 broken.append(f"{page.relative_to(REPO)}: {target} (no such heading)")
     assert not broken, "\n".join(broken)
+
+
+README_LINES = 150
+
+
+def test_readme_is_a_front_page():
+    """README.md stays short (history goes to docs/log.md), with no table row a screen can't show."""
+    lines = (REPO / "README.md").read_text().splitlines()
+    assert len(lines) <= README_LINES, f"README.md has {len(lines)} lines (limit {README_LINES})"
+    long = [f"{i + 1}: {len(line)} chars" for i, line in enumerate(lines) if len(line) > 240]
+    assert not long, long
+
+
+def test_docs_hold_no_result_dumps():
+    """Raw measurements live in results/, not docs/."""
+    assert [p.name for p in (REPO / "docs").rglob("*") if p.suffix not in (".md", "")] == []
