@@ -25,7 +25,8 @@ _PUBLIC = {
     # text generation over an exported decoder (etmlx/api.py)
     **{name: ("etmlx.api", name) for name in ("load", "generate", "stream_generate", "make_prompt_cache",
                                                "save_prompt_cache", "load_prompt_cache")},
-    # exporting: any nn.Module, a module wrapped in a sampler, a whole decoder with its KV cache
+    # exporting: a checkpoint (as `etmlx export`), any nn.Module, a module wrapped in a sampler, a decoder
+    "export": ("backends.mlx.llm.decoder.from_checkpoint", "export_checkpoint"),
     "export_program": ("backends.mlx.exporter.export", "export_to_pte"),
     "ExportResult": ("backends.mlx.exporter.export", "ExportResult"),
     "export_sampling_head": ("backends.mlx.llm.sampler.export", "export_sampling_head"),

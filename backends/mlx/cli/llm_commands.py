@@ -12,19 +12,11 @@ from backends.mlx.cli.draft_flags import add_draft_flags
 from backends.mlx.cli.knob_flags import add_knob_arguments, params_from_args
 from backends.mlx.llm.sampler.knobs import FEATURE_FLAGS, parse_features
 
-DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
-          "bfloat16": "bfloat16", "bf16": "bfloat16"}
-FEATURES = (*FEATURE_FLAGS, "none")
-DEFAULT_FEATURES = "top-k,top-p,min-p"
-SCHEMES = {"int4": 4, "int8": 8}  # --quantize: name -> bits
+from backends.mlx.llm.decoder.from_checkpoint import DEFAULT_SAMPLER as DEFAULT_FEATURES
+from backends.mlx.llm.decoder.from_checkpoint import SAMPLER_CHOICES as FEATURES
 
-
-def sampler_config(features: str, logprobs: int, logprobs_mode: str):
-    from backends.mlx.llm.sampler.config import SamplerConfig
-
-    if logprobs < 0:
-        raise ValueError(f"--logprobs must be >= 0, got {logprobs}")
-    return SamplerConfig(**parse_features(features), logprobs=logprobs, logprobs_mode=logprobs_mode)
+# export_checkpoint's options that are flags here: its messages name the option, the CLI says the flag.
+_EXPORT_OPTIONS = ("dtype", "quantize", "logprobs", "draft_tokens", "propose_tokens", "out", "sampler")
 
 
 def _progress():
@@ -36,88 +28,34 @@ def _progress():
     return say
 
 
-def _check_out(out: Path) -> None:
-    if out.is_dir():
-        raise IsADirectoryError(f"--out {out} is a directory; give the .pte file to write, e.g. {out / 'model.pte'}")
+def _as_flags(message: str) -> str:
+    """'draft_tokens must be ...' -> '--draft-tokens must be ...' (only the leading option name)."""
+    option = message.split(" ", 1)[0]
+    return "--" + option.replace("_", "-") + message[len(option):] if option in _EXPORT_OPTIONS else message
 
 
 def run_export(args) -> int:
-    from backends.mlx.llm.checkpoint_source import check_weight_files, default_pte_name, resolve_checkpoint
+    from backends.mlx.llm.decoder.from_checkpoint import export_checkpoint
 
-    if args.dtype not in DTYPES:
-        raise ValueError(f"--dtype must be one of float32, float16, bfloat16, got {args.dtype!r}")
-    config = sampler_config(args.sampler, args.logprobs, args.logprobs_mode)
-    if args.draft_tokens < 0:
-        raise ValueError(f"--draft-tokens must be >= 0, got {args.draft_tokens}")
-    if args.propose_tokens < 0:
-        raise ValueError(f"--propose-tokens must be >= 0, got {args.propose_tokens}")
-    if args.propose_tokens:  # a draft model's program: the plain sampler (llm/decoder/proposer.py)
-        if args.sampler != DEFAULT_FEATURES or args.logprobs:
-            raise ValueError("--propose-tokens takes the plain sampler (temperature and seed): drop --sampler "
-                             "and --logprobs")
-        from backends.mlx.llm.sampler.config import SamplerConfig
-
-        config = SamplerConfig()
-    args.out = args.out or default_pte_name(args.model)
-    _check_out(Path(args.out))  # before minutes of downloading, loading and lowering, not after
-    model_dir = resolve_checkpoint(args.model, args.revision)  # a local directory, or a Hub repo id
-    check_weight_files(model_dir)  # a truncated or foreign weights file: one line, not transformers' traceback
-
-    import torch
-    from transformers import AutoTokenizer
-
+    try:
+        result = export_checkpoint(
+            args.model, args.out, revision=args.revision, dtype=args.dtype, quantize=args.quantize,
+            group_size=args.group_size, quantize_embeddings=args.quantize_embeddings, max_seq_len=args.max_seq_len,
+            batch=args.batch, sampler=args.sampler, logprobs=args.logprobs, logprobs_mode=args.logprobs_mode,
+            seeded=args.seeded, pipelined=args.pipelined, verify=args.verify, draft_tokens=args.draft_tokens,
+            propose_tokens=args.propose_tokens, external_weights=args.external_weights, progress=_progress())
+    except (ValueError, IsADirectoryError) as exc:  # the option names of the Python API, as this command's flags
+        raise type(exc)(_as_flags(str(exc))) from None
     from backends.mlx.exporter.export import weights_path
-    from backends.mlx.llm.decoder.export import export_decoder
+    from backends.mlx.llm.checkpoint_source import default_pte_name
 
-    say = _progress()
-    model = _load_model(args, model_dir, getattr(torch, DTYPES[args.dtype]), say)
-    tokenizer = None
-    if any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    else:
-        say("no tokenizer in the checkpoint: generate will need --prompt-ids")
-    result = export_decoder(model, Path(args.out), args.max_seq_len, config=config, batch=args.batch,
-                            seeded=args.seeded, tokenizer=tokenizer, progress=say,
-                            external_weights=args.external_weights, pipelined=args.pipelined,
-                            verify=args.verify, draft_tokens=args.draft_tokens,
-                            propose_tokens=args.propose_tokens)
-    say("done")
-    written = f"{args.out} ({Path(args.out).stat().st_size / 1e6:.1f} MB)"
-    ptd = weights_path(args.out)
+    out = Path(args.out or default_pte_name(args.model))
+    written = f"{out} ({out.stat().st_size / 1e6:.1f} MB)"
+    ptd = weights_path(out)
     if args.external_weights and ptd.is_file():
         written += f" and {ptd} ({ptd.stat().st_size / 1e6:.1f} MB)"
     print(f"wrote {written}: {result.summary()}")
     return 0
-
-
-def _load_model(args, model_dir: Path, dtype, say):
-    """A float checkpoint (quantized with --quantize), or an mlx-lm quantized one as it is."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from backends.mlx.llm.checkpoint_source import stored_dtype_name
-    from backends.mlx.llm.quantize.mlx_checkpoint import load_mlx_quantized, quantization_config
-
-    if args.quantize is not None and args.quantize not in SCHEMES:
-        raise ValueError(f"--quantize must be one of {', '.join(SCHEMES)}, got {args.quantize!r}")
-    if quantization_config(model_dir) is not None:
-        if args.quantize is not None:
-            raise ValueError(f"{model_dir} is already quantized (config.json has a quantization entry): "
-                             "drop --quantize")
-        say(f"loading the mlx-lm quantized checkpoint {model_dir} ({dtype} activations)")
-        return load_mlx_quantized(model_dir, dtype)
-    say(f"loading {model_dir} as {dtype}")
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="eager")
-    if args.quantize is not None:
-        from backends.mlx.llm.quantize.affine import quantize_model
-
-        say(f"quantizing to {args.quantize}, group size {args.group_size}"
-            + ("" if args.quantize_embeddings else " (embedding and head kept in float)"))
-        # Scales and biases keep the checkpoint's dtype (bf16 for most releases), as mlx_lm.convert -q writes them.
-        stored = stored_dtype_name(model_dir)
-        quantize_model(model, SCHEMES[args.quantize], args.group_size, embeddings=args.quantize_embeddings,
-                       stored=getattr(torch, stored) if stored else None)
-    return model
 
 
 def _text_flags(parser, max_tokens: int) -> None:
@@ -150,8 +88,8 @@ def add_parsers(sub) -> None:
     export.add_argument("--model", required=True, help="a Hugging Face checkpoint: a local directory, or a repo "
                                                        "id (Qwen/Qwen2.5-0.5B-Instruct) fetched into the HF cache")
     export.add_argument("--revision", help="with a repo id: the branch, tag or commit to fetch (default: main)")
-    export.add_argument("--out", help="the .pte to write (FILE.pte.json and FILE.pte.tokenizer/ are written beside "
-                                      "it); default: NAME.pte in the current directory, NAME the repo's or directory's")
+    export.add_argument("--out", help="the .pte to write (it holds the tokenizer and metadata too); default: "
+                                      "NAME.pte in the current directory, NAME the repo's or directory's")
     export.add_argument("--dtype", default="float32", help="weights and cache: float32 (default), float16, bfloat16")
     export.add_argument("--quantize", help="int4 or int8: quantize the linear layers with MLX's affine scheme "
                                            "(what mlx_lm.convert -q writes); an mlx-lm quantized checkpoint needs "

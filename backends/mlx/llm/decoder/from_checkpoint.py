@@ -1,0 +1,109 @@
+"""A checkpoint directory (or Hub repo id) to one decoder .pte: what `etmlx export --model` and
+`etmlx.export(...)` both do.
+
+Loads the checkpoint (a float one, quantized here with `quantize=`, or an `mlx_lm.convert -q` directory as
+it is), its tokenizer, and writes the program with export_decoder. Every option is checked before the
+minutes of downloading, loading and lowering; a bad one is a ValueError whose message starts with the
+option's name (the CLI turns that name into its flag).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Optional
+
+from backends.mlx.llm.sampler.config import SamplerConfig
+from backends.mlx.llm.sampler.knobs import FEATURE_FLAGS, parse_features
+
+DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
+          "bfloat16": "bfloat16", "bf16": "bfloat16"}
+SCHEMES = {"int4": 4, "int8": 8}  # quantize=: name -> bits
+DEFAULT_SAMPLER = "top-k,top-p,min-p"
+SAMPLER_CHOICES = (*FEATURE_FLAGS, "none")
+
+
+def sampler_config(sampler: str, logprobs: int = 0, logprobs_mode: str = "raw") -> SamplerConfig:
+    """The SamplerConfig of `--sampler FEATURES --logprobs N --logprobs-mode MODE`."""
+    if logprobs < 0:
+        raise ValueError(f"logprobs must be >= 0, got {logprobs}")
+    return SamplerConfig(**parse_features(sampler), logprobs=logprobs, logprobs_mode=logprobs_mode)
+
+
+def export_checkpoint(model: str | Path, out: str | Path | None = None, *, revision: str | None = None,
+                      dtype: str = "float32", quantize: str | None = None, group_size: int = 64,
+                      quantize_embeddings: bool = True, max_seq_len: int = 256, batch: int = 1,
+                      sampler: str = DEFAULT_SAMPLER, logprobs: int = 0, logprobs_mode: str = "raw",
+                      seeded: bool = True, pipelined: bool | None = None, verify: bool = True,
+                      draft_tokens: int = 0, propose_tokens: int = 0, external_weights: bool = False,
+                      progress: Optional[Callable[[str], None]] = None):
+    """Export the causal LM at `model` (a local directory or a Hugging Face repo id) to `out` (default:
+    NAME.pte in the current directory), which holds the program when this returns its ExportResult."""
+    from backends.mlx.llm.checkpoint_source import check_weight_files, default_pte_name, resolve_checkpoint
+
+    say = progress or (lambda stage: None)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of float32, float16, bfloat16, got {dtype!r}")
+    if quantize is not None and quantize not in SCHEMES:
+        raise ValueError(f"quantize must be one of {', '.join(SCHEMES)}, got {quantize!r}")
+    config = sampler_config(sampler, logprobs, logprobs_mode)
+    if draft_tokens < 0:
+        raise ValueError(f"draft_tokens must be >= 0, got {draft_tokens}")
+    if propose_tokens < 0:
+        raise ValueError(f"propose_tokens must be >= 0, got {propose_tokens}")
+    if propose_tokens:  # a draft model's program: the plain sampler (llm/decoder/proposer.py)
+        if sampler != DEFAULT_SAMPLER or logprobs:
+            raise ValueError("propose_tokens takes the plain sampling head (temperature and seed): drop the "
+                             "sampler features and logprobs")
+        config = SamplerConfig()
+    out = Path(out or default_pte_name(str(model)))
+    if out.is_dir():
+        raise IsADirectoryError(f"out {out} is a directory; give the .pte file to write, e.g. {out / 'model.pte'}")
+    model_dir = resolve_checkpoint(str(model), revision)  # a local directory, or a Hub repo id
+    check_weight_files(model_dir)  # a truncated or foreign weights file: one line, not transformers' traceback
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from backends.mlx.llm.decoder.export import export_decoder
+
+    torch_model = _load_model(model_dir, getattr(torch, DTYPES[dtype]), quantize, group_size, quantize_embeddings,
+                              say)
+    tokenizer = None
+    if any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    else:
+        say("no tokenizer in the checkpoint: generate will need --prompt-ids")
+    result = export_decoder(torch_model, out, max_seq_len, config=config, batch=batch, seeded=seeded,
+                            tokenizer=tokenizer, progress=say, external_weights=external_weights,
+                            pipelined=pipelined, verify=verify, draft_tokens=draft_tokens,
+                            propose_tokens=propose_tokens)
+    say("done")
+    return result
+
+
+def _load_model(model_dir: Path, dtype, quantize: str | None, group_size: int, embeddings: bool, say):
+    """A float checkpoint (quantized with `quantize`), or an mlx-lm quantized one as it is."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from backends.mlx.llm.checkpoint_source import stored_dtype_name
+    from backends.mlx.llm.quantize.mlx_checkpoint import load_mlx_quantized, quantization_config
+
+    if quantization_config(model_dir) is not None:
+        if quantize is not None:
+            raise ValueError(f"{model_dir} is already quantized (config.json has a quantization entry): "
+                             "drop --quantize")
+        say(f"loading the mlx-lm quantized checkpoint {model_dir} ({dtype} activations)")
+        return load_mlx_quantized(model_dir, dtype)
+    say(f"loading {model_dir} as {dtype}")
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="eager")
+    if quantize is not None:
+        from backends.mlx.llm.quantize.affine import quantize_model
+
+        say(f"quantizing to {quantize}, group size {group_size}"
+            + ("" if embeddings else " (embedding and head kept in float)"))
+        # Scales and biases keep the checkpoint's dtype (bf16 for most releases), as mlx_lm.convert -q writes them.
+        stored = stored_dtype_name(model_dir)
+        quantize_model(model, SCHEMES[quantize], group_size, embeddings=embeddings,
+                       stored=getattr(torch, stored) if stored else None)
+    return model
