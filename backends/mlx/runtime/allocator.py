@@ -3,7 +3,7 @@
 MLX allocates and frees every graph node's buffers and bookkeeping on two threads (the caller builds the
 graph, MLX's stream thread releases it), and glibc's malloc serialises that on its arena lock: malloc, free
 and their lock waits were ~12% of a 0.5B decode step's CPU time (`perf`). With mimalloc the same step is
-~7% faster through the Python loop and through etmlx_bench (docs/benchmarks.md), with the same tokens.
+~7% faster through the Python loop and through etmlx_bench (docs/log.md, "mimalloc"), with the same tokens.
 
 A library cannot swap the malloc of a process that is already running, so the `etmlx` command re-executes
 itself once, before any work, with mimalloc preloaded (LD_PRELOAD): what vLLM's CPU backend and Intel's
