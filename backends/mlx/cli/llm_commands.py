@@ -150,8 +150,8 @@ def add_parsers(sub) -> None:
     export.add_argument("--model", required=True, help="a Hugging Face checkpoint: a local directory, or a repo "
                                                        "id (Qwen/Qwen2.5-0.5B-Instruct) fetched into the HF cache")
     export.add_argument("--revision", help="with a repo id: the branch, tag or commit to fetch (default: main)")
-    export.add_argument("--out", help="the .pte to write (FILE.pte.json and FILE.pte.tokenizer/ are written beside "
-                                      "it); default: NAME.pte in the current directory, NAME the repo's or directory's")
+    export.add_argument("--out", help="the .pte to write (it carries the decoder metadata and the tokenizer); "
+                                      "default: NAME.pte in the current directory, NAME the repo's or directory's")
     export.add_argument("--dtype", default="float32", help="weights and cache: float32 (default), float16, bfloat16")
     export.add_argument("--quantize", help="int4 or int8: quantize the linear layers with MLX's affine scheme "
                                            "(what mlx_lm.convert -q writes); an mlx-lm quantized checkpoint needs "
