@@ -18,13 +18,14 @@ endif
 ALL_STAMPS := $(VENV)/.etmlx-deps $(VENV)/.etmlx-deps-cuda12 $(VENV)/.etmlx-deps-cuda13
 DEPS_STAMP := $(if $(filter cpu,$(MLX)),$(VENV)/.etmlx-deps,$(VENV)/.etmlx-deps-$(MLX))
 LIB := backends/mlx/runtime/_lib/libetmlx_backend.so
+RUNNER := backends/mlx/runtime/_lib/libetmlx_runner.so
 DECODE := build/etmlx_decode
 BENCH := build/etmlx_bench
 RUNTIME_SOURCES := CMakeLists.txt $(wildcard backends/mlx/runtime/*.cpp backends/mlx/runtime/*.h backends/mlx/runtime/kernels/*.cpp backends/mlx/runtime/kernels/*.h backends/mlx/runtime/generated/* tests/cpp/*.cpp backends/mlx/tools/etmlx_decode/*.cpp backends/mlx/tools/etmlx_decode/*.h backends/mlx/tools/etmlx_bench/*.cpp)
 
 .PHONY: setup develop test test-fast demo bench bench-deps regenerate clean
 
-setup: $(DEPS_STAMP) $(LIB) $(DECODE) $(BENCH)
+setup: $(DEPS_STAMP) $(LIB) $(RUNNER) $(DECODE) $(BENCH)
 
 $(VPY):
 	$(PYTHON) -m venv $(VENV)
@@ -62,6 +63,12 @@ $(LIB): $(DEPS_STAMP) $(RUNTIME_SOURCES)
 $(DECODE): $(LIB)
 	@test -f build/CMakeCache.txt || $(CONFIGURE) > build.log 2>&1 || (cat build.log; exit 1)
 	$(VENV)/bin/cmake --build build -j2 --target etmlx_decode >> build.log 2>&1 || (cat build.log; exit 1)
+	@touch $@
+
+# The runner library (decode-step rules, draft sources) beside the backend's.
+$(RUNNER): $(LIB)
+	@test -f build/CMakeCache.txt || $(CONFIGURE) > build.log 2>&1 || (cat build.log; exit 1)
+	$(VENV)/bin/cmake --build build -j2 --target etmlx_runner >> build.log 2>&1 || (cat build.log; exit 1)
 	@touch $@
 
 $(BENCH): $(LIB)

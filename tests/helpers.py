@@ -118,3 +118,23 @@ def tiny_llama(vocab: int, seed: int, head_scale: float, hidden: int = 32, layer
 def graph_node_kinds(dot: Path) -> Counter:
     """How many nodes of each kind an ETMLX_DOT file (a call's MLX graph as Graphviz) holds."""
     return Counter(re.findall(r'label ="([A-Za-z_]+)"', Path(dot).read_text()))
+
+
+def rewrite_named_data(src: Path, dst: Path, changes: dict) -> Path:
+    """Copy the .pte `src` to `dst` with its named data changed: key -> new bytes, or None to drop the key. Tests
+    use it to build programs whose metadata disagrees with them, or that carry none (as old exports did)."""
+    from executorch.exir._serialize._named_data_store import NamedDataStore
+    from executorch.exir._serialize._program import deserialize_pte_binary, serialize_pte_binary
+
+    pte = deserialize_pte_binary(Path(src).read_bytes())
+    store = NamedDataStore()
+    old = pte.named_data
+    for key, entry in (old.pte_data.items() if old else ()):
+        if key not in changes:  # weights keep a 16-byte alignment (deserialization forgets the original one)
+            store.add_named_data(key, bytes(old.buffers[entry.buffer_index]), alignment=16)
+    for key, data in changes.items():
+        if data is not None:
+            store.add_named_data(key, data, alignment=16)
+    pte.named_data = store.get_named_data_store_output()
+    Path(dst).write_bytes(bytes(serialize_pte_binary(pte, extract_delegate_segments=True)))
+    return Path(dst)

@@ -1,4 +1,4 @@
-"""Derived files match schema.fbs, and the node union is wired end to end."""
+"""Derived files match schema.fbs and decoder_meta.fbs, and the node union is wired end to end."""
 
 import re
 from pathlib import Path
@@ -39,3 +39,13 @@ def test_tags_follow_union_order_and_fields_are_known():
     assert list(NODE_TAGS.values()) == list(range(1, len(members) + 1))
     assert NODE_FIELDS["BinaryNode"] == {"op": "BinaryOp", "a": "Tid", "b": "Tid", "out": "Tid"}
     assert SCHEMA_VERSION == generate.SCHEMA_VERSION
+
+
+def test_stale_detection_notices_a_decoder_meta_edit(tmp_path, monkeypatch):
+    # A new decoder metadata field must make flatc's Python class and C++ header stale.
+    schema = tmp_path / "decoder_meta.fbs"
+    schema.write_text(generate.DECODER_META_SCHEMA.read_text().replace("  propose_tokens: long;\n",
+                                                                       "  propose_tokens: long;\n  extra: string;\n"))
+    monkeypatch.setattr(generate, "DECODER_META_SCHEMA", schema)
+    stale = generate.stale_files()
+    assert any(s.endswith("DecoderMeta.py") for s in stale) and any("decoder_meta_generated.h" in s for s in stale)

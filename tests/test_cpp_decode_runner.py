@@ -1,10 +1,11 @@
-"""build/etmlx_decode (the C++ decode loop, no Python) gives the Python Decoder's tokens, reads the metadata and
-tokenizer inside the .pte (a sidecar only for programs without them); bad input fails cleanly. Programs export
+"""build/etmlx_decode (the C++ decode loop, no Python) gives the Python Decoder's tokens, reads the metadata (a
+DecoderMeta flatbuffer) and tokenizer inside the .pte and refuses a program without them; bad input fails cleanly. Programs export
 pipelined by default (each call returns the previous call's token); the same model exported unpipelined must give
 the same tokens."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -17,9 +18,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from backends.mlx.llm.decoder.export import export_decoder
 from backends.mlx.llm.decoder.loop import Decoder
-from backends.mlx.llm.decoder.meta import META_KEY, DecoderMeta
+from backends.mlx.llm.decoder.meta import META_KEY, OLD_META_KEY, DecoderMeta
 from backends.mlx.llm.sampler.config import SamplerConfig
 from backends.mlx.llm.sampler.params import SamplingParams
+from helpers import rewrite_named_data
 
 pytestmark = pytest.mark.subprocess  # build/etmlx_decode runs
 
@@ -40,12 +42,16 @@ def _ids(done) -> list[int]:
 
 
 def _without_metadata(pte: Path, out: Path) -> Path:
-    """A copy of `pte` as programs exported before the metadata moved inside look: the key renamed (same length,
-    so the file stays valid), the program finds no metadata and reads FILE.pte.json if there is one."""
+    """A copy of `pte` whose metadata key is renamed (same length, so the file stays valid): it carries none."""
     data = pte.read_bytes()
     assert data.count(META_KEY.encode()) == 1
     out.write_bytes(data.replace(META_KEY.encode(), META_KEY.encode()[:-4] + b"gone"))
     return out
+
+
+def _with_meta(pte: Path, out: Path, blob: bytes) -> Path:
+    """A copy of `pte` carrying `blob` as its metadata."""
+    return rewrite_named_data(pte, out, {META_KEY: blob})
 
 
 @pytest.fixture(scope="module")
@@ -123,16 +129,21 @@ def test_json_output_and_eos_stop(pte, decoder):
     assert full["tokens"] == greedy and full["finish_reason"] == "length"
 
 
-def test_without_metadata_limits_come_from_the_program(plain_pte, decoder, tmp_path):
-    # Programs without metadata predate pipelining: an unpipelined one (nothing else says a program is pipelined).
+def test_a_program_without_this_metadata_is_refused(plain_pte, tmp_path):
+    """No compatibility path: a program without metadata, with the JSON of older exports, or with a FILE.pte.json
+    sidecar beside it, is refused with one line saying to re-export it."""
+    meta = DecoderMeta.load(plain_pte)
     alone = _without_metadata(plain_pte, tmp_path / "alone.pte")
-    done = _run(alone, "--prompt-ids", "7,1,33,20", "--max-tokens", 10)
-    assert _ids(done) == decoder.generate(PROMPT, 10).tokens
-    assert "vocabulary size unknown" in done.stderr
-    too_long = _run(alone, "--prompt-ids", "1,2,3", "--max-tokens", 46)
-    assert too_long.returncode == 2 and f"exceeds max_seq_len {MAX_SEQ_LEN}" in too_long.stderr
-    out_of_range = _run(alone, "--prompt-ids", "1,80", "--vocab-size", VOCAB)
-    assert out_of_range.returncode == 2 and "[0, 80)" in out_of_range.stderr
+    Path(str(alone) + ".json").write_text(json.dumps(dataclasses.asdict(meta)))  # a sidecar, as older exports wrote
+    json_era = rewrite_named_data(plain_pte, tmp_path / "json_era.pte",
+                                  {META_KEY: None, OLD_META_KEY: json.dumps(dataclasses.asdict(meta)).encode()})
+    for program, what in ((alone, "no etmlx decoder metadata"), (json_era, "older etmlx metadata (JSON)")):
+        done = _run(program, "--prompt-ids", "7,1,33,20", "--max-tokens", 4)
+        assert done.returncode == 2 and done.stdout == "", done.stderr
+        assert done.stderr.strip() == f"etmlx_decode: error: {program} carries {what}: re-export it with `etmlx export`"
+    # The control: the same file with its metadata back decodes.
+    restored = _with_meta(alone, tmp_path / "restored.pte", meta.to_bytes())
+    assert len(_ids(_run(restored, "--prompt-ids", "7,1,33,20", "--max-tokens", 4))) == 4
 
 
 @pytest.mark.parametrize("args, code, message", [
@@ -166,47 +177,45 @@ def test_bad_files(pte, tmp_path):
     truncated.write_bytes(pte.read_bytes()[:1000])
     bad = _run(truncated, "--prompt-ids", "1")
     assert bad.returncode == 1 and "is not a loadable ExecuTorch program" in bad.stderr
-    copy = _without_metadata(pte, tmp_path / "copy.pte")
-    Path(str(copy) + ".json").write_text('{"max_seq_len": 48, "vocab_size": ')
-    broken = _run(copy, "--prompt-ids", "1")
-    assert broken.returncode == 2 and "is not valid JSON" in broken.stderr
-    Path(str(copy) + ".json").write_text(json.dumps({"format": "etmlx-decoder/1",
-                                                     "inputs": ["tokens", "start_pos", "lengths", "temperature",
-                                                                "mystery"]}))
-    unknown = _run(copy, "--prompt-ids", "1")
+    meta = DecoderMeta.load(pte)
+    mystery = dataclasses.replace(meta, inputs=meta.inputs[:-1] + ["mystery"])
+    unknown = _run(_with_meta(pte, tmp_path / "copy.pte", mystery.to_bytes()), "--prompt-ids", "1")
     assert unknown.returncode == 2 and "input 'mystery' is not one etmlx_decode knows" in unknown.stderr
 
 
-@pytest.mark.parametrize("sidecar, message", [
-    ("[" * 200 + "]" * 200, "nesting too deep"),
-    ('{"max_seq_len": 48} x', "unexpected text after the value"),
-    ('{"max_seq_len": 48}', 'is not etmlx decoder metadata'),
-    ('{"format": "etmlx-decoder/1", "eos_token_ids": [1.5]}', '"eos_token_ids" must be a list of integers'),
-    ('{"format": "etmlx-decoder/1", "max_seq_len": 0}', '"max_seq_len" must be an integer >= 1'),
-    ('{"format": "etmlx-decoder/1", "inputs": [1, 2]}', '"inputs" must be a list of strings'),
-    ('{"format": "etmlx-decoder/1", "batch": 4}', "says batch 4 but the program decodes 1 rows per call"),
-    ('{"format": "etmlx-decoder/1", "max_seq_len": 47}', "says max_seq_len 47 but the program's tokens input holds 48"),
-    ('{"format": "etmlx-decoder/1", "max_seq_len": 100000}',
+def _knob_edit(meta, **change):
+    knobs = [dict(k) for k in meta.knobs]
+    knobs[0].update(change)
+    return dataclasses.replace(meta, knobs=knobs).to_bytes()
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: b"[" * 200, "is not etmlx decoder metadata (a DecoderMeta flatbuffer, identifier EMDM)"),
+    (lambda m: m.to_bytes()[:48], "is not etmlx decoder metadata (a DecoderMeta flatbuffer"),
+    (lambda m: dataclasses.replace(m, format="etmlx-decoder/9").to_bytes(), 'format "etmlx-decoder/1" expected'),
+    (lambda m: dataclasses.replace(m, max_seq_len=0).to_bytes(), "max_seq_len, vocab_size, batch and verify_min_width"),
+    (lambda m: dataclasses.replace(m, batch=4).to_bytes(), "says batch 4 but the program decodes 1 rows per call"),
+    (lambda m: dataclasses.replace(m, max_seq_len=47).to_bytes(),
+     "says max_seq_len 47 but the program's tokens input holds 48"),
+    (lambda m: dataclasses.replace(m, max_seq_len=100000).to_bytes(),
      "says max_seq_len 100000 but the program's tokens input holds 48"),
-    ('{"inputs": ["\\ud800"]}', "lone surrogate"),
-    ('["not", "an", "object"]', "must hold a JSON object"),
-])
-def test_malformed_sidecar(pte, tmp_path, sidecar, message):
-    copy = _without_metadata(pte, tmp_path / "copy.pte")
-    Path(str(copy) + ".json").write_text(sidecar)
+    (lambda m: dataclasses.replace(m, knobs=[]).to_bytes(), 'the metadata lists no "knobs"'),
+    (lambda m: _knob_edit(m, dtype="int8"), '"knobs"[0]: dtype must be int64, int32 or float32, got int8'),
+    (lambda m: _knob_edit(m, flag="temperature"), '"knobs"[0]: "flag" must start with --'),
+], ids=["not_a_flatbuffer", "truncated", "format", "zero_length", "batch", "short", "long", "no_knobs",
+        "knob_dtype", "knob_flag"])
+def test_malformed_metadata(pte, tmp_path, edit, message):
+    copy = _with_meta(pte, tmp_path / "copy.pte", edit(DecoderMeta.load(pte)))
     done = _run(copy, "--prompt-ids", "1")
     assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and done.stdout == ""
 
 
-def test_embedded_metadata_wins_over_a_sidecar_and_is_checked(pte, decoder, tmp_path):
+def test_a_sidecar_beside_the_program_is_not_read(pte, decoder, tmp_path):
     copy = tmp_path / "copy.pte"
     shutil.copy(pte, copy)
-    Path(str(copy) + ".json").write_text("not json: ignored, the program carries its metadata")
+    Path(str(copy) + ".json").write_text("not json: never read, the program carries its metadata")
     assert _ids(_run(copy, "--prompt-ids", "7,1,33,20", "--max-tokens", 5)) == decoder.generate(PROMPT, 5).tokens
-    data = pte.read_bytes()
-    copy.write_bytes(data.replace(b'"format": "etmlx-decoder/1"', b'"format": "etmlx-decoder/9"'))
-    done = _run(copy, "--prompt-ids", "1")
-    assert done.returncode == 2 and f"copy.pte (named data {META_KEY}) is not etmlx decoder metadata" in done.stderr
 
 
 def test_knobs_off_by_default_in_a_full_sampler_program(full_pte, decoder):
@@ -227,21 +236,6 @@ def test_knobs_match_python_decoder(full_pte):
                     "--top-k", 5, "--top-p", 0.9, "--min-p", 0.05, "--repetition-penalty", 1.3,
                     "--presence-penalty", 0.5, "--frequency-penalty", 0.25))
     assert got == expected
-
-
-def test_a_sidecar_without_the_knob_list_fails_clearly(pte, full_pte, decoder, tmp_path):
-    # Metadata written before the "knobs" list: plain programs still run with --temperature and --seed;
-    # other knob flags, and programs with knob inputs, are refused with a message saying to re-export.
-    for source in (pte, full_pte):
-        copy = _without_metadata(source, tmp_path / source.name)
-        meta = json.loads(DecoderMeta.load(source).to_json())
-        del meta["knobs"]
-        Path(str(copy) + ".json").write_text(json.dumps(meta))
-    plain, full = tmp_path / pte.name, tmp_path / full_pte.name
-    seeded = decoder.generate(PROMPT, 8, SamplingParams(temperature=1.0, seed=3)).tokens
-    assert _ids(_run(plain, "--prompt-ids", "7,1,33,20", "--max-tokens", 8, "--temperature", 1, "--seed", 3)) == seeded
-    for done in (_run(plain, "--prompt-ids", "1", "--top-k", 3), _run(full, "--prompt-ids", "1")):
-        assert done.returncode == 2 and 'lists no "knobs"' in done.stderr and "re-export" in done.stderr, done.stderr
 
 
 @pytest.fixture(scope="module")
@@ -356,23 +350,12 @@ def test_pipelined_eos_stop_and_one_token(pte, plain_pte, decoder):
         assert _ids(_run(program, "--prompt-ids", "5,6", "--max-tokens", 12)) == greedy
 
 
-def test_pipelined_flag_in_a_sidecar(pte, plain_pte, decoder, tmp_path):
-    """Older programs carry their metadata beside them: "pipelined" is read from the sidecar too, absent = false,
-    and must be a boolean."""
+def test_the_pipelined_flag_comes_from_the_metadata(pte, decoder, tmp_path):
+    """etmlx_decode drives a program as its metadata's "pipelined" says: the pipelined program described as
+    unpipelined no longer gives the decoder's tokens (while its own metadata does)."""
     expected = decoder.generate(PROMPT, 8).tokens
-    for source, name in ((pte, "piped.pte"), (plain_pte, "plain.pte")):
-        copy = _without_metadata(source, tmp_path / name)
-        meta = json.loads(DecoderMeta.load(source).to_json())
-        if not meta["pipelined"]:
-            del meta["pipelined"]  # as written before pipelining
-        Path(str(copy) + ".json").write_text(json.dumps(meta))
-        assert _ids(_run(copy, "--prompt-ids", "7,1,33,20", "--max-tokens", 8)) == expected
-    meta = json.loads(DecoderMeta.load(pte).to_json())
-    meta["pipelined"] = "yes"
-    Path(str(tmp_path / "piped.pte") + ".json").write_text(json.dumps(meta))
-    bad = _run(tmp_path / "piped.pte", "--prompt-ids", "1")
-    assert bad.returncode == 2 and '"pipelined" must be true or false' in bad.stderr
-    meta["pipelined"], meta["ring_cache"] = True, 0  # read for a draft model's row cache (model_draft.h)
-    Path(str(tmp_path / "piped.pte") + ".json").write_text(json.dumps(meta))
-    bad = _run(tmp_path / "piped.pte", "--prompt-ids", "1")
-    assert bad.returncode == 2 and '"ring_cache" must be true or false' in bad.stderr
+    assert _ids(_run(pte, "--prompt-ids", "7,1,33,20", "--max-tokens", 8)) == expected
+    unpiped = dataclasses.replace(DecoderMeta.load(pte), pipelined=False)
+    done = _run(_with_meta(pte, tmp_path / "wrong.pte", unpiped.to_bytes()), "--prompt-ids", "7,1,33,20",
+                "--max-tokens", 8)
+    assert done.returncode != 0 or _ids(done) != expected

@@ -1,10 +1,13 @@
-"""One self-describing .pte: metadata and tokenizer travel inside it (named data), a renamed copy works, old
-sidecar-era programs still load, metadata that disagrees with the program is a clear error, and a batched
-program decodes one sequence exactly like a batch-1 export of the same weights."""
+"""One self-describing .pte: metadata (a DecoderMeta flatbuffer) and tokenizer travel inside it (named data), a
+renamed copy works, programs without this metadata (older exports) are refused with a line saying to re-export,
+metadata that disagrees with the program is a clear error, and a batched program decodes one sequence exactly
+like a batch-1 export of the same weights."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 import shutil
 from dataclasses import asdict
 
@@ -15,10 +18,14 @@ from backends.mlx.exporter.export import export_to_pte
 from backends.mlx.llm.builtin.tiny_model import train_tokenizer, tiny_llama
 from backends.mlx.llm.decoder.export import export_decoder
 from backends.mlx.llm.decoder.loop import Decoder
-from backends.mlx.llm.decoder.meta import META_KEY, TOKENIZER_PREFIX, DecoderMeta, meta_path
+from backends.mlx.llm.decoder.meta import (FILE_IDENTIFIER, META_KEY, OLD_META_KEY, TOKENIZER_PREFIX, DecoderMeta,
+                                           StaleProgramError)
 from backends.mlx.llm.decoder.step_inputs import SamplingParams
 from backends.mlx.llm.sampler.config import SamplerConfig
 from backends.mlx.runtime.pte_metadata import PteFormatError, named_data
+from backends.mlx.serialization import generate
+from backends.mlx.serialization.generated.fb import DecoderMeta as fb_meta
+from helpers import rewrite_named_data
 
 MAX_SEQ_LEN = 40
 TEXT = "Hello there! The quick brown fox, é 日本 🙂"
@@ -50,7 +57,12 @@ def test_metadata_and_tokenizer_round_trip_inside_the_pte(ptes, tokenizer):
     blobs = named_data(one)
     assert {META_KEY, TOKENIZER_PREFIX + "tokenizer.json", TOKENIZER_PREFIX + "tokenizer_config.json"} <= set(blobs)
     meta = DecoderMeta.load(one)
-    assert json.loads(blobs[META_KEY]) == asdict(meta)
+    # The blob is the flatbuffer of decoder_meta.fbs: the generated reader alone sees the same values.
+    assert blobs[META_KEY][4:8] == FILE_IDENTIFIER
+    table = fb_meta.DecoderMeta.GetRootAs(blobs[META_KEY], 0)
+    assert (table.MaxSeqLen(), table.Batch(), table.VocabSize(), table.Inputs(0)) == (MAX_SEQ_LEN, 1, len(tokenizer),
+                                                                                     b"tokens")
+    assert DecoderMeta.from_bytes(meta.to_bytes()) == meta and asdict(meta)["sampler"] == asdict(CONFIG)
     assert (meta.batch, meta.max_seq_len, meta.vocab_size) == (1, MAX_SEQ_LEN, len(tokenizer))
     assert meta.eos_token_ids == [tokenizer.eos_token_id] and meta.config == CONFIG
     decoder = Decoder(one)
@@ -74,37 +86,44 @@ def test_renamed_and_moved_pte_keeps_working(ptes, tmp_path):
     assert decoder.generate(prompt, 6).tokens == Decoder(one).generate(prompt, 6).tokens
 
 
-def test_sidecar_era_program_and_missing_metadata(tmp_path):
+def test_every_dataclass_field_is_a_schema_field():
+    """The dataclass and the table map by name: a field on one side only is caught here, not in a user's file."""
+    schema = re.sub(r"//[^\n]*", "", generate.DECODER_META_SCHEMA.read_text())
+    body = re.search(r"table DecoderMeta \{([^}]*)\}", schema).group(1)
+    table_fields = [decl.split(":")[0].strip() for decl in body.split(";") if decl.strip()]
+    assert table_fields == [f.name for f in dataclasses.fields(DecoderMeta)]
+
+
+def test_program_without_this_metadata_is_refused(ptes, tmp_path):
     # A program without named data, like every export before the metadata moved inside.
     pte = export_to_pte(torch.nn.Linear(4, 2), (torch.ones(1, 4),)).save(tmp_path / "old.pte")
     assert named_data(pte) == {}
-    with pytest.raises(FileNotFoundError, match="carries no etmlx decoder metadata and has no old.pte.json"):
+    with pytest.raises(StaleProgramError, match=r"old.pte carries no etmlx decoder metadata: re-export it"):
         DecoderMeta.load(pte)
-    meta = DecoderMeta.build(max_seq_len=8, vocab_size=10, batch=1, eos_token_ids=[2], seeded=True,
-                             config=SamplerConfig(), dtype="float32")
-    meta_path(pte).write_bytes(meta.to_json())
-    assert DecoderMeta.load(pte) == meta
-    meta_path(pte).write_text("{not json")
-    with pytest.raises(ValueError, match="old.pte.json is not valid JSON"):
-        DecoderMeta.load(pte)
+    # One with the JSON of older exports: named in the message, and refused (no sidecar, no JSON reader).
+    one, _ = ptes
+    meta = DecoderMeta.load(one)
+    json_era = rewrite_named_data(one, tmp_path / "json_era.pte",
+                                  {META_KEY: None, OLD_META_KEY: json.dumps(asdict(meta)).encode()})
+    (tmp_path / "json_era.pte.json").write_text(json.dumps(asdict(meta)))  # a sidecar beside it is not read
+    with pytest.raises(StaleProgramError, match=r"json_era.pte carries older etmlx metadata \(JSON\): re-export it"):
+        DecoderMeta.load(json_era)
+    bad = rewrite_named_data(one, tmp_path / "bad.pte", {META_KEY: b"{not a flatbuffer}"})
+    with pytest.raises(ValueError, match=r"bad.pte \(named data etmlx/decoder_meta\) is not etmlx decoder metadata"):
+        DecoderMeta.load(bad)
+    cut = rewrite_named_data(one, tmp_path / "cut.pte", {META_KEY: meta.to_bytes()[:40]})
+    with pytest.raises(ValueError, match="cut.pte .* decoder metadata"):
+        DecoderMeta.load(cut)
     junk = tmp_path / "junk.pte"
     junk.write_bytes(b"\0" * 64)
     with pytest.raises(PteFormatError, match="not an ExecuTorch program"):
         named_data(junk)
 
 
-def _edit_embedded_meta(src, dst, old: bytes, new: bytes):
-    """Copy `src` with one same-length edit inside its metadata blob: the flatbuffer stays valid."""
-    assert len(old) == len(new)
-    data = src.read_bytes()
-    assert data.count(old) == 1
-    dst.write_bytes(data.replace(old, new))
-
-
 def test_metadata_that_disagrees_with_the_program_is_a_clear_error(ptes, tmp_path):
     one, _ = ptes
-    wrong_batch = tmp_path / "wrong_batch.pte"
-    _edit_embedded_meta(one, wrong_batch, b'"batch": 1,', b'"batch": 2,')
+    wrong_meta = dataclasses.replace(DecoderMeta.load(one), batch=2)
+    wrong_batch = rewrite_named_data(one, tmp_path / "wrong_batch.pte", {META_KEY: wrong_meta.to_bytes()})
     assert DecoderMeta.load(wrong_batch).batch == 2
     with pytest.raises(ValueError, match=r"input 'tokens' is \[1, 40\] in the program but the metadata implies "
                                          r"\[2, 40\].*different exports"):

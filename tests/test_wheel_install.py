@@ -84,11 +84,14 @@ def _run(venv, *args, timeout=300):
 
 def test_the_wheel_ships_the_runtime_and_the_programs(venv):
     where = _run(venv, "python", "-c", "import backends.mlx.runtime as r, backends.mlx.runtime.native_tools as t; "
-                 "print(r.library_path()); print(t.tool_path('etmlx_decode')); print(t.tool_path('etmlx_bench'))")
+                 "print(r.library_path()); print(t.tool_path('etmlx_decode')); print(t.tool_path('etmlx_bench')); "
+                 "print(r.runner_library_path())")
     assert where.returncode == 0, where.stderr[-2000:]
     paths = [Path(p) for p in where.stdout.split()]
     assert all(p.is_file() and p.is_relative_to(venv) for p in paths), paths  # the installed copies, not build/
+    *paths, runner = paths  # the runner library (decode-step rules, draft sources) beside the backend's
     lib_dir = paths[0].parent
+    assert runner.parent == lib_dir
     assert (lib_dir / "libetmlx_text_tokenizer.so").is_file()
     # nothing in the installed programs points back at this machine's build: the rpath is relative
     for binary in [*paths, lib_dir / "libetmlx_blas.so"]:

@@ -10,6 +10,9 @@ not need.
 
 The shared library is ``_lib/libetmlx_backend.so`` next to this file (built there by
 ``make setup`` / CMake, or installed there by the wheel); set ``ETMLX_BACKEND_LIB`` to use another file.
+It holds only the delegate. The runner's policy (decode-step rules, draft sources, budget, pacing) is
+``_lib/libetmlx_runner.so`` beside it, which ``load_runner()`` loads (``ETMLX_RUNNER_LIB`` to use another
+file): plain C++ without MLX or ExecuTorch, so loading it imports neither torch nor the pybindings.
 """
 
 from __future__ import annotations
@@ -19,13 +22,16 @@ import os
 import threading
 from pathlib import Path
 
-__all__ = ["BACKEND_ID", "kernels_info", "library_path", "load", "pybindings", "schema_version"]
+__all__ = ["BACKEND_ID", "kernels_info", "library_path", "load", "load_runner", "pybindings", "runner_library_path",
+           "schema_version"]
 
 BACKEND_ID = "EtmlxBackend"
 
 _LIB_NAME = "libetmlx_backend.so"
+_RUNNER_LIB_NAME = "libetmlx_runner.so"
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
+_runner: ctypes.CDLL | None = None
 
 
 def library_path() -> Path:
@@ -34,6 +40,31 @@ def library_path() -> Path:
     if override:
         return Path(override)
     return Path(__file__).resolve().parent / "_lib" / _LIB_NAME
+
+
+def runner_library_path() -> Path:
+    """Path of the runner library that load_runner() uses."""
+    override = os.environ.get("ETMLX_RUNNER_LIB")
+    if override:
+        return Path(override)
+    return Path(__file__).resolve().parent / "_lib" / _RUNNER_LIB_NAME
+
+
+def load_runner() -> ctypes.CDLL:
+    """Load the runner library once (runtime/decode_rows_lib.py types its C functions)."""
+    global _runner
+    with _lock:
+        if _runner is None:
+            path = runner_library_path()
+            if not path.is_file():
+                raise ImportError(f"etmlx runner library not found: {path} (a checkout: run `make setup` to build "
+                                  "it; an installed package: reinstall the wheel)")
+            try:
+                _runner = ctypes.CDLL(str(path), mode=ctypes.RTLD_LOCAL)
+            except OSError as exc:
+                raise ImportError(f"cannot load etmlx runner library {path}: {exc} (run `make setup` to rebuild "
+                                  "it)") from exc
+        return _runner
 
 
 def pybindings():

@@ -1,5 +1,6 @@
 """The decode-step rules of decode_rows.cpp and the draft sources of draft_sources.cpp (one implementation,
-also etmlx_decode's), through ctypes.
+also etmlx_decode's), through ctypes: the C functions of libetmlx_runner.so (decode_rows_api.cpp), the runner
+library beside the backend's.
 
 `RowsCore`, `DraftSourceCore`, `BudgetCore` and `PacingCore` are thin typed wrappers: lists of ints in and out, a one-line
 `DecodeRowsError` for what the core refuses. The Python engine over them (what a row's request, matcher and
@@ -31,9 +32,9 @@ class DecodeRowsError(ValueError):
 def _lib() -> ctypes.CDLL:
     from backends.mlx import runtime
 
-    lib = runtime.load()
+    lib = runtime.load_runner()
     if not hasattr(lib, "etmlx_rows_new"):
-        raise DecodeRowsError(f"{runtime.library_path()} has no decode-step rules: rebuild it (`make setup`)")
+        raise DecodeRowsError(f"{runtime.runner_library_path()} has no decode-step rules: rebuild it (`make setup`)")
     if getattr(lib, "_etmlx_rows_typed", False):
         return lib
     vp = ctypes.c_void_p
@@ -59,7 +60,7 @@ def _lib() -> ctypes.CDLL:
         fn = getattr(lib, f"etmlx_rows_{name}")
         fn.argtypes, fn.restype = argtypes, _i64
     if [lib.etmlx_rows_fields(i) for i in range(3)] != [len(ROW_FIELDS), len(EVENT_FIELDS), len(LAYOUT_ARRAYS)]:
-        raise DecodeRowsError(f"{runtime.library_path()} lays out rows differently: rebuild it (`make setup`)")
+        raise DecodeRowsError(f"{runtime.runner_library_path()} lays out rows differently: rebuild it (`make setup`)")
     vd = ctypes.c_double
     for name, restype, argtypes in (
             ("etmlx_draft_ngram_new", vp, [_i64, _i64]), ("etmlx_draft_ngram_default", _i64, [_i64]),

@@ -132,7 +132,7 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
                              prompt_affixes=prompt_affixes(tokenizer) if tokenizer is not None else ([], []),
                              pipelined=pipelined, draft_tokens=draft_tokens, propose_tokens=propose_tokens,
                              ring_cache=any(lm.ring_window(i) is not None for i in lm.layers))
-    blobs[META_KEY] = meta.to_json()
+    blobs[META_KEY] = meta.to_bytes()
     # A one-row draft program's call without drafts (verify [1, 1]) runs the plain step stored beside it, the
     # plain program's graph over the same state (exporter/plain_step.py); with more rows verify is [B, K + 1].
     plain_step = (PlainStep(switch=lambda on: setattr(head, "plain_step", on), when="verify")

@@ -2,20 +2,33 @@
 
 Beside the tensors, the loop needs the cache length, the vocabulary, the end-of-sequence ids, the
 input order, which sampler features were exported, the knob table (for the C++ runner) and the
-tokenizer. `etmlx export` stores this dict as JSON in the program's named data (key META_KEY) and the tokenizer's files under
-TOKENIZER_PREFIX, so the .pte alone is the model: rename or move it and it still works. Programs
-exported before that carry none; their metadata is read from the `FILE.pte.json` sidecar instead.
+tokenizer. `etmlx export` stores a DecoderMeta as a flatbuffer (serialization/decoder_meta.fbs) in the
+program's named data (key META_KEY) and the tokenizer's files under TOKENIZER_PREFIX, so the .pte alone
+is the model: rename or move it and it still works. The C++ tools read the same flatbuffer with the
+flatc-generated header (tools/etmlx_decode/decoder_meta.cpp). A program without it (or with the JSON
+metadata of older exports) is refused: it must be re-exported.
+
+The dataclass and the flatbuffer table have the same fields, mapped by name (_pack / _unpack): a new field
+is one line in decoder_meta.fbs and one line here.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+import flatbuffers
 
 from backends.mlx.llm.sampler.config import SamplerConfig
 from backends.mlx.llm.sampler.knobs import mask_words, metadata as knob_metadata
 from backends.mlx.runtime.pte_metadata import named_data
+from backends.mlx.serialization.generated.fb import DecoderMeta as fb_meta
+from backends.mlx.serialization.generated.fb.DecoderKnob import DecoderKnobT
+from backends.mlx.serialization.generated.fb.DecoderMeta import DecoderMetaT
+from backends.mlx.serialization.generated.fb.DecoderSampler import DecoderSamplerT
+from backends.mlx.serialization.generated.fb.KnobNumber import KnobNumberT
 
 FORMAT = "etmlx-decoder/1"
 MODEL_INPUTS = ["tokens", "start_pos", "lengths"]
@@ -31,7 +44,9 @@ DRAFT_OUTPUTS = ["accepted", "token"]
 DELIVER_INPUT = "deliver"
 FED_OUTPUT = "fed"
 # Named-data keys; tools/etmlx_decode/program_metadata.cpp reads the same ones.
-META_KEY = "etmlx/decoder_meta.json"
+META_KEY = "etmlx/decoder_meta"  # a DecoderMeta flatbuffer (decoder_meta.fbs, file identifier FILE_IDENTIFIER)
+FILE_IDENTIFIER = b"EMDM"
+OLD_META_KEY = "etmlx/decoder_meta.json"  # the JSON of older exports: refused, named in the message
 TOKENIZER_PREFIX = "etmlx/tokenizer/"  # + a file name save_pretrained wrote (tokenizer.json, ...)
 # Inputs that are int64 (ExecuTorch ScalarType 4); the rest are float32 (6).
 _INT_INPUTS = {"tokens", "start_pos", "lengths", DRAFT_INPUT, "seed", "top_k", "penalty_reset", "penalty_add", "bias_ids"}
@@ -44,14 +59,102 @@ PIPELINED_HINT = ("structured output needs an unpipelined program (each step's m
                   "it): export with --sampler ...,mask (unpipelined by default) or --no-pipeline")
 
 
-def meta_path(pte: Path) -> Path:
-    """The sidecar older exports wrote beside the .pte."""
-    return Path(str(pte) + ".json")
-
-
 def has_embedded_meta(pte: Path) -> bool:
-    """Whether `pte` carries its metadata (exported after the sidecar files became optional)."""
+    """Whether `pte` carries this etmlx's decoder metadata."""
     return META_KEY in named_data(pte, [META_KEY])
+
+
+class StaleProgramError(ValueError):
+    """The program carries no decoder metadata this etmlx reads: it must be re-exported."""
+
+
+def _camel(name: str) -> str:
+    """The attribute flatc's Python object API gives a schema field (snake_case -> camelCase)."""
+    return re.sub(r"_([a-z0-9])", lambda m: m.group(1).upper(), name)
+
+
+def _snake(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+def _plain(value):
+    """An object-API value as plain Python: str for bytes, lists for vectors (numpy included), dicts for tables."""
+    if isinstance(value, bytes):
+        return value.decode()
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if hasattr(value, "__dict__"):
+        return {_snake(k): _plain(v) for k, v in vars(value).items()}
+    return value
+
+
+_KNOB_NUMBERS = ("off", "low", "high", "first")
+
+
+def _knob_table(knob: dict) -> DecoderKnobT:
+    t = DecoderKnobT()
+    for key, value in knob.items():
+        if key in _KNOB_NUMBERS and value is not None:  # both ways, as C++'s KnobValue (knobs.h)
+            value = KnobNumberT(i=int(value), f=float(value))
+        setattr(t, _checked_attr(t, key, "knob"), value)
+    return t
+
+
+def _knob_dict(table: dict) -> dict:
+    out = dict(table)
+    for key in _KNOB_NUMBERS:
+        if out.get(key) is not None:
+            out[key] = out[key]["f" if out["dtype"] == "float32" else "i"]
+    return out
+
+
+def _checked_attr(table, name: str, what: str) -> str:
+    attr = _camel(name)
+    if not hasattr(table, attr):
+        raise AttributeError(f"the {what} field {name!r} has no field in serialization/decoder_meta.fbs: add it there "
+                             "and run `make regenerate`")
+    return attr
+
+
+def _pack(meta: "DecoderMeta") -> bytes:
+    t = DecoderMetaT()
+    for f in dataclasses.fields(meta):
+        value = getattr(meta, f.name)
+        if f.name == "sampler":
+            sampler = DecoderSamplerT()
+            for key, v in value.items():
+                setattr(sampler, _checked_attr(sampler, key, "sampler"), v)
+            value = sampler
+        elif f.name == "knobs":
+            value = [_knob_table(k) for k in value]
+        setattr(t, _checked_attr(t, f.name, "DecoderMeta"), value)
+    builder = flatbuffers.Builder(1024)
+    builder.Finish(t.Pack(builder), file_identifier=FILE_IDENTIFIER)
+    return bytes(builder.Output())
+
+
+def _unpack(blob: bytes, where: str) -> dict:
+    """The DecoderMeta fields of a flatbuffer; a field the file lacks takes the dataclass's default."""
+    if len(blob) < 8 or not fb_meta.DecoderMeta.DecoderMetaBufferHasIdentifier(blob, 0):
+        raise ValueError(f"{where} is not etmlx decoder metadata (file identifier {FILE_IDENTIFIER.decode()} expected)")
+    try:
+        table = DecoderMetaT.InitFromPackedBuf(bytearray(blob), 0)
+    except Exception as exc:  # flatbuffers raises struct.error / IndexError on a truncated buffer
+        raise ValueError(f"{where} is not a valid decoder metadata flatbuffer: {exc}") from None
+    raw = {}
+    for f in dataclasses.fields(DecoderMeta):
+        value = getattr(table, _camel(f.name))
+        if value is None and f.default is not dataclasses.MISSING:
+            value = f.default
+        elif value is None and f.default_factory is not dataclasses.MISSING:
+            value = f.default_factory()
+        raw[f.name] = _plain(value)
+    if raw["sampler"] is None:
+        raise ValueError(f"{where} has no sampler table")
+    raw["knobs"] = [_knob_dict(k) for k in raw["knobs"]]
+    return raw
 
 
 @dataclass
@@ -64,7 +167,7 @@ class DecoderMeta:
     sampler: dict  # SamplerConfig fields
     dtype: str
     model_type: str = ""
-    tokenizer: str | None = None  # TOKENIZER_PREFIX (embedded), or an old sidecar's directory beside the .pte
+    tokenizer: str | None = None  # TOKENIZER_PREFIX: the tokenizer's files are embedded; None: exported without one
     inputs: list[str] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
     # Every knob of the table as a runner without Python needs it (knobs.metadata()): etmlx_decode
@@ -76,19 +179,19 @@ class DecoderMeta:
     prompt_prefix_ids: list[int] = field(default_factory=list)
     prompt_suffix_ids: list[int] = field(default_factory=list)
     # Each call returns the previous call's outputs; a token input < 0 is the row's last sampled token
-    # (pipelined.py). Absent in programs exported before pipelining: False.
+    # (pipelined.py).
     pipelined: bool = False
-    # Drafted tokens a call can verify (--draft-tokens K; 0: a plain program). Absent in older programs: 0.
+    # Drafted tokens a call can verify (--draft-tokens K; 0: a plain program).
     draft_tokens: int = 0
     # Some sliding-window layer keeps a ring of `window` slots (kv_cache.py), which a prompt cache may
-    # reuse only where positions continue (runtime/decode_rows.h). None: exported before the field (unknown).
+    # reuse only where positions continue (runtime/decode_rows.h). None: the exporter did not say (treated as a ring).
     ring_cache: bool | None = None
     # The fewest columns a one-row draft-verifying program's verify input takes: 1, a call without drafts
     # carrying only the last token (as cheap as a plain step's head and sampler); programs exported before
     # the field take at least 2 (their G was declared 2..K+1).
     verify_min_width: int = 2
     # Tokens each call returns per row (--propose-tokens K, a draft model's program, proposer.py): output 0
-    # is [B, K], its column 0 the plain program's token. 0: a plain [B] output. Absent in older programs: 0.
+    # is [B, K], its column 0 the plain program's token. 0: a plain [B] output.
     propose_tokens: int = 0
 
     @classmethod
@@ -121,42 +224,40 @@ class DecoderMeta:
     def tokenizer_embedded(self) -> bool:
         return self.tokenizer == TOKENIZER_PREFIX
 
-    def to_json(self) -> bytes:
-        return (json.dumps(asdict(self), indent=1) + "\n").encode()
+    def to_bytes(self) -> bytes:
+        """The flatbuffer `etmlx export` stores under META_KEY."""
+        return _pack(self)
 
     @classmethod
-    def load(cls, pte: Path) -> "DecoderMeta":
-        """The metadata embedded in `pte`; for programs exported without it, the FILE.pte.json sidecar."""
-        blob = named_data(pte, [META_KEY]).get(META_KEY)
-        path = f"{pte} (named data {META_KEY})"
-        if blob is None:
-            path = meta_path(pte)
-            if not path.is_file():
-                raise FileNotFoundError(f"{pte} carries no etmlx decoder metadata and has no {path.name} beside it: "
-                                        "export it with `etmlx export`")
-            blob = path.read_bytes()
-        try:
-            raw = json.loads(blob)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ValueError(f"{path} is not valid JSON: {exc}") from None
-        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
-            raise ValueError(f"{path} is not etmlx decoder metadata (format {FORMAT!r} expected)")
+    def from_bytes(cls, blob: bytes, where: str = "decoder metadata") -> "DecoderMeta":
+        """Parse and check the flatbuffer `blob` (`where` names it in errors)."""
+        raw = _unpack(blob, where)
+        if raw["format"] != FORMAT:
+            raise ValueError(f"{where} is not etmlx decoder metadata (format {FORMAT!r} expected)")
         try:
             meta = cls(**raw)
             meta.config  # validates the sampler fields
-        except TypeError as exc:
-            raise ValueError(f"{path} has unexpected fields: {exc}") from None
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{where}: {exc}") from None
         for name in ("max_seq_len", "vocab_size", "batch"):
             value = getattr(meta, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{path}: {name} must be a positive int, got {value!r}")
-        if isinstance(meta.draft_tokens, bool) or not isinstance(meta.draft_tokens, int) or meta.draft_tokens < 0:
-            raise ValueError(f"{path}: draft_tokens must be an int >= 0, got {meta.draft_tokens!r}")
-        if isinstance(meta.propose_tokens, bool) or not isinstance(meta.propose_tokens, int) or meta.propose_tokens < 0:
-            raise ValueError(f"{path}: propose_tokens must be an int >= 0, got {meta.propose_tokens!r}")
+            if value < 1:
+                raise ValueError(f"{where}: {name} must be a positive int, got {value!r}")
+        for name in ("draft_tokens", "propose_tokens"):
+            if getattr(meta, name) < 0:
+                raise ValueError(f"{where}: {name} must be an int >= 0, got {getattr(meta, name)!r}")
         if meta.verify_min_width not in (1, 2):
-            raise ValueError(f"{path}: verify_min_width must be 1 or 2, got {meta.verify_min_width!r}")
+            raise ValueError(f"{where}: verify_min_width must be 1 or 2, got {meta.verify_min_width!r}")
         return meta
+
+    @classmethod
+    def load(cls, pte: Path) -> "DecoderMeta":
+        """The metadata embedded in `pte`; StaleProgramError for a program without it."""
+        blobs = named_data(pte, [META_KEY, OLD_META_KEY])
+        if META_KEY not in blobs:
+            why = "older etmlx metadata (JSON)" if OLD_META_KEY in blobs else "no etmlx decoder metadata"
+            raise StaleProgramError(f"{pte} carries {why}: re-export it with `etmlx export`")
+        return cls.from_bytes(blobs[META_KEY], f"{pte} (named data {META_KEY})")
 
     def check_program(self, pte, inputs: list[tuple[tuple[int, ...], int]], drafts: bool = False) -> None:
         """Fail clearly when the metadata does not describe the program: `inputs` is the loaded method's

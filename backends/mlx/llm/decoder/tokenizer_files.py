@@ -44,9 +44,7 @@ def tokenizer_blobs(tokenizer) -> dict[str, bytes]:
 
 
 def has_tokenizer(pte: Path, meta: DecoderMeta) -> bool:
-    if meta.tokenizer_embedded:
-        return True
-    return bool(meta.tokenizer) and (Path(pte).parent / meta.tokenizer).is_dir()
+    return meta.tokenizer_embedded
 
 
 def load_tokenizer(pte: Path, meta: DecoderMeta):
@@ -54,8 +52,7 @@ def load_tokenizer(pte: Path, meta: DecoderMeta):
     tokenizers load without transformers (light_tokenizer.py), others through AutoTokenizer."""
     pte = Path(pte)
     if not meta.tokenizer_embedded:
-        # Exported before the tokenizer moved inside: a directory beside the .pte.
-        return load_directory(pte.parent / meta.tokenizer) if has_tokenizer(pte, meta) else None
+        return None
     with tempfile.TemporaryDirectory() as tmp:
         return load_directory(extract_tokenizer(pte, Path(tmp)))
 
@@ -78,12 +75,11 @@ def extract_tokenizer(pte: Path, directory: Path) -> Path:
 def tokenizer_json(pte: Path, meta: DecoderMeta) -> str | None:
     """The program's tokenizer.json text (what a grammar engine reads), or None when it has none."""
     pte = Path(pte)
-    if meta.tokenizer_embedded:
-        key = TOKENIZER_PREFIX + "tokenizer.json"
-        blob = named_data(pte, [key]).get(key)
-        return None if blob is None else blob.decode()
-    path = pte.parent / meta.tokenizer / "tokenizer.json" if meta.tokenizer else None
-    return path.read_text() if path is not None and path.is_file() else None
+    if not meta.tokenizer_embedded:
+        return None
+    key = TOKENIZER_PREFIX + "tokenizer.json"
+    blob = named_data(pte, [key]).get(key)
+    return None if blob is None else blob.decode()
 
 
 class ProgramTokenizer:

@@ -209,7 +209,7 @@ int bench_decoder(Module& module, const std::string& method, const etmlx::Progra
   std::string error;
   auto inputs = etmlx::StepInputs::plan_defaults(module.method_meta(method).get(), md.meta, &error);
   if (!inputs) return fail(a.pte + ": " + error);
-  const int64_t max_seq = md.meta.max_seq_len.value_or(inputs->max_call_length());
+  const int64_t max_seq = md.meta.max_seq_len;
   const int64_t draft_tokens = md.meta.draft_tokens;
   std::shared_ptr<etmlx::ModelDraft> draft_model;
   if (!a.draft_model.empty()) {
@@ -220,12 +220,12 @@ int bench_decoder(Module& module, const std::string& method, const etmlx::Progra
   }
   if (a.prompt_len > inputs->max_call_length() || a.prompt_len + a.decode_steps > max_seq)
     return fail("--prompt-len + --decode-steps must fit the program's " + std::to_string(max_seq) + " positions");
-  const int64_t vocab = md.meta.vocab_size.value_or(2);
+  const int64_t vocab = md.meta.vocab_size;
   std::vector<int64_t> prompt = a.prompt_ids;
   if (prompt.empty())  // --prompt-len synthetic ids
     for (long i = 0; i < a.prompt_len; ++i) prompt.push_back((7 * i + 1) % vocab);
   for (int64_t id : prompt)
-    if (id >= vocab && md.meta.vocab_size) return fail("--prompt-ids must be below the vocabulary size " + std::to_string(vocab));
+    if (id < 0 || id >= vocab) return fail("--prompt-ids must be below the vocabulary size " + std::to_string(vocab));
 
   // "prefill": the time until token 0 is on the host (a pipelined program's prefill call returns
   // nothing, so that is the prefill call plus the first decode call); "decode": the calls that
@@ -378,11 +378,12 @@ int run(const Args& a) {
   const std::string method = names->count("forward") ? "forward" : *names->begin();
   if (module.load_method(method) != Error::Ok) return fail("could not load method " + method);
   const double load_s = seconds_since(t0);
+  // A program without decoder metadata is timed as a plain program; a decoder's must be this etmlx's.
+  if (!etmlx::has_decoder_metadata(module)) return bench_generic(module, method, a, load_s);
   std::string error;
   const auto md = etmlx::read_program_metadata(module, a.pte, &error);
   if (!md) return fail(error);
-  if (md->found && md->meta.inputs) return bench_decoder(module, method, *md, a, load_s);
-  return bench_generic(module, method, a, load_s);
+  return bench_decoder(module, method, *md, a, load_s);
 }
 
 }  // namespace

@@ -9,7 +9,7 @@ namespace etmlx {
 const char kDecodeUsage[] =
     "usage: etmlx_decode FILE.pte (--prompt TEXT | --prompt-ids 1,2,3) [--max-tokens N]\n"
     "                    [--temperature T] [--seed S] [--KNOB VALUE ...] [--eos ID[,ID...]]\n"
-    "                    [--vocab-size V] [--mask-file FILE | --choice-ids 1,2;3] [--weights FILE.ptd]\n"
+    "                    [--mask-file FILE | --choice-ids 1,2;3] [--weights FILE.ptd]\n"
     "                    [--draft ngram | --prediction TEXT|@FILE | --prediction-ids 1,2,3 |\n"
     "                     --draft-model SMALL.pte [--draft-model-cost C]] [--num-draft-tokens K] [--json]\n"
     "\n"
@@ -25,7 +25,6 @@ const char kDecodeUsage[] =
     "                 --min-p, --presence-penalty, ...: the table in llm/sampler/knobs.py);\n"
     "                 off by default, refused if the program was exported without it\n"
     "  --eos          stop ids, replacing the program's eos_token_ids; repeatable\n"
-    "  --vocab-size   for range-checking prompt ids of a program without etmlx metadata\n"
     "  --mask-file    allowed-token masks, one text row per step (ceil(V/32) int32 words,\n"
     "                 decimal or 0x hex; bit j of word i = token 32 i + j); needs a program\n"
     "                 exported with --sampler ...,mask; steps past the last row are unconstrained\n"
@@ -174,13 +173,6 @@ bool parse_decode_args(int argc, char** argv, DecodeArgs* out, std::string* erro
           return false;
         }
         out->num_draft_tokens = k;
-      } else if (name == "--vocab-size") {
-        int64_t v = 0;
-        if (!parse_int(value, &v) || v < 1) {
-          *error = "--vocab-size must be an integer >= 1, got '" + value + "'";
-          return false;
-        }
-        out->vocab_size = v;
       } else {
         out->knob_flags.emplace_back(name, value);
       }

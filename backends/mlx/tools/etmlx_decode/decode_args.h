@@ -18,8 +18,7 @@ struct DecodeArgs {
   // --top-k, ...), checked against the knob list of the metadata once it is
   // read (knobs.h), in command-line order.
   std::vector<std::pair<std::string, std::string>> knob_flags;
-  std::optional<std::vector<int64_t>> eos_ids;  // replaces the sidecar's list
-  std::optional<int64_t> vocab_size;            // for programs without a sidecar
+  std::optional<std::vector<int64_t>> eos_ids;  // replaces the metadata's list
   std::optional<std::string> mask_file;  // per-step allowed-token masks (mask_file.h)
   std::optional<std::string> choice_ids;  // one of these id sequences (choice_mask.h)
   std::optional<std::string> weights;           // --weights FILE.ptd (external weights)

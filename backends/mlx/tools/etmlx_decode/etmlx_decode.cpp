@@ -102,7 +102,7 @@ std::string json_string(const std::string& text) {
 // The draft source the flags ask for on a program with draft_tokens K (nullptr: calls without drafts).
 // A plain program refuses every draft flag.
 bool draft_source(const etmlx::DecodeArgs& args, int64_t draft_tokens, const etmlx::TextTokenizer* tokenizer,
-                  std::optional<int64_t> vocab, std::shared_ptr<etmlx::DraftSource>* out, std::string* error) {
+                  int64_t vocab, std::shared_ptr<etmlx::DraftSource>* out, std::string* error) {
   const bool asked = !args.draft.empty() || args.prediction_text || args.prediction_ids ||
                      args.num_draft_tokens.has_value() || args.draft_model;
   if (draft_tokens == 0) {
@@ -143,8 +143,8 @@ bool draft_source(const etmlx::DecodeArgs& args, int64_t draft_tokens, const etm
   }
   if (args.prediction_ids || args.prediction_text) {
     for (int64_t id : prediction) {
-      if (vocab && id >= *vocab) {
-        *error = "prediction token ids must be in [0, " + std::to_string(*vocab) + "), got " + std::to_string(id);
+      if (id >= vocab) {
+        *error = "prediction token ids must be in [0, " + std::to_string(vocab) + "), got " + std::to_string(id);
         return false;
       }
     }
@@ -203,7 +203,7 @@ int run(const etmlx::DecodeArgs& args) {
                                 " is not a loadable ExecuTorch program (error " + error_name(e) + ")");
   const auto metadata = etmlx::read_program_metadata(module, args.pte, &error);
   if (!metadata) return fail(kBadInput, error);
-  const etmlx::Sidecar& sidecar = metadata->meta;
+  const etmlx::DecoderMeta& decoder = metadata->meta;
   std::unique_ptr<etmlx::TextTokenizer> tokenizer;
   if (!metadata->tokenizer_files.empty() && (args.prompt_text || etmlx::TextTokenizer::available())) {
     tokenizer = etmlx::TextTokenizer::load(metadata->tokenizer_files, &error);
@@ -220,9 +220,9 @@ int run(const etmlx::DecodeArgs& args) {
     std::vector<int64_t> text_ids;
     if (!tokenizer->encode(*args.prompt_text, &text_ids, &error)) return fail(kBadInput, error);
     // The special tokens the Python tokenizer adds (recorded at export): the same ids as `etmlx generate`.
-    prompt = sidecar.prompt_prefix_ids;
+    prompt = decoder.prompt_prefix_ids;
     prompt.insert(prompt.end(), text_ids.begin(), text_ids.end());
-    prompt.insert(prompt.end(), sidecar.prompt_suffix_ids.begin(), sidecar.prompt_suffix_ids.end());
+    prompt.insert(prompt.end(), decoder.prompt_suffix_ids.begin(), decoder.prompt_suffix_ids.end());
     if (prompt.empty()) return fail(kBadInput, "--prompt is empty");
   }
   const std::string method = method_to_run(module, &error);
@@ -230,46 +230,36 @@ int run(const etmlx::DecodeArgs& args) {
   const auto meta = module.method_meta(method);
   if (!meta.ok()) return fail(kRunFailed, "no metadata for method " + method);
   // The knob flags, checked against the program's knob list before the method loads.
-  const auto& specs = sidecar.knobs ? *sidecar.knobs : etmlx::builtin_knobs();
+  const auto& specs = decoder.knobs;
   std::map<std::string, etmlx::KnobValue> knobs;
-  const std::string note = sidecar.knobs ? ""
-                           : metadata->found ? " (" + metadata->origin + " lists no \"knobs\": re-export it with this etmlx)"
-                                             : " (without etmlx metadata only --temperature and --seed are known)";
-  if (!etmlx::resolve_knob_flags(specs, args.knob_flags, note, &knobs, &error)) return fail(kBadInput, error);
-  auto inputs = etmlx::StepInputs::plan(meta.get(), sidecar.inputs, specs, knobs, &error);
+  if (!etmlx::resolve_knob_flags(specs, args.knob_flags, "", &knobs, &error)) return fail(kBadInput, error);
+  auto inputs = etmlx::StepInputs::plan(meta.get(), decoder.inputs, specs, knobs, &error);
   if (!inputs) return fail(kBadInput, args.pte + ": " + error);
   const float temperature = static_cast<float>(knobs["temperature"].f);
   const int64_t seed = knobs["seed"].i;
   // A batched program runs one sequence in row 0 (StepInputs idles the rest).
-  if (sidecar.batch && *sidecar.batch != inputs->batch())
-    return fail(kBadInput, metadata->origin + " says batch " + std::to_string(*sidecar.batch) + " but the program "
+  if (decoder.batch != inputs->batch())
+    return fail(kBadInput, metadata->origin + " says batch " + std::to_string(decoder.batch) + " but the program "
                 "decodes " + std::to_string(inputs->batch()) + " rows per call: they come from different exports");
-  if (sidecar.max_seq_len && *sidecar.max_seq_len != inputs->max_call_length())
-    return fail(kBadInput, metadata->origin + " says max_seq_len " + std::to_string(*sidecar.max_seq_len) +
+  if (decoder.max_seq_len != inputs->max_call_length())
+    return fail(kBadInput, metadata->origin + " says max_seq_len " + std::to_string(decoder.max_seq_len) +
                 " but the program's tokens input holds " + std::to_string(inputs->max_call_length()) +
                 ": they come from different exports");
 
-  // Without a sidecar the bound of the tokens input is the cache length: the
-  // exporter sizes it with an example as long as the cache.
-  const int64_t max_seq_len = sidecar.max_seq_len.value_or(inputs->max_call_length());
-  const auto vocab = args.vocab_size ? args.vocab_size : sidecar.vocab_size;
+  const int64_t max_seq_len = decoder.max_seq_len;
+  const int64_t vocab = decoder.vocab_size;
   // The mask input's width is the program's own vocabulary bound (ceil(V/32) words): a vocab_size
   // beyond it would let ids the program cannot sample pass as valid prompt ids and mask rows.
-  if (vocab && inputs->mask_words() > 0 && (*vocab + 31) / 32 != inputs->mask_words())
-    return fail(kBadInput, (args.vocab_size ? std::string("--vocab-size") : metadata->origin) + " says vocab_size " +
-                               std::to_string(*vocab) + " but the program's allowed_mask input has " +
-                               std::to_string(inputs->mask_words()) + " words (ceil(V/32)): they come from different exports");
-  const std::vector<int64_t>& eos = args.eos_ids ? *args.eos_ids : sidecar.eos_token_ids;
+  if (inputs->mask_words() > 0 && (vocab + 31) / 32 != inputs->mask_words())
+    return fail(kBadInput, metadata->origin + " says vocab_size " + std::to_string(vocab) +
+                               " but the program's allowed_mask input has " + std::to_string(inputs->mask_words()) +
+                               " words (ceil(V/32)): they come from different exports");
+  const std::vector<int64_t>& eos = args.eos_ids ? *args.eos_ids : decoder.eos_token_ids;
   const auto n = static_cast<int64_t>(prompt.size());
-  if (!vocab)
-    std::fprintf(stderr, "etmlx_decode: note: vocabulary size unknown (%s carries no etmlx metadata and "
-                 "--vocab-size is not given); prompt ids are checked only for >= 0\n", args.pte.c_str());
   for (int64_t id : prompt) {
-    if (id < 0 || (vocab && id >= *vocab)) {
-      return fail(kBadInput, "--prompt-ids must be token ids in [0, " +
-                                 (vocab ? std::to_string(*vocab) : std::string("vocab_size")) + "), got " +
+    if (id < 0 || id >= vocab)
+      return fail(kBadInput, "--prompt-ids must be token ids in [0, " + std::to_string(vocab) + "), got " +
                                  std::to_string(id));
-    }
   }
   if (n > inputs->max_call_length())
     return fail(kBadInput, "prompt (" + std::to_string(n) + " tokens) is longer than the program's " +
@@ -282,14 +272,14 @@ int run(const etmlx::DecodeArgs& args) {
   if (args.mask_file && args.choice_ids) return fail(kBadInput, "give --mask-file or --choice-ids, not both");
   // A pipelined program samples step k + 1 before the host sees token k, so no mask can depend on it.
   const char* structured = args.mask_file ? "--mask-file" : args.choice_ids ? "--choice-ids" : nullptr;
-  if (structured && inputs->mask_words() > 0 && sidecar.pipelined)
+  if (structured && inputs->mask_words() > 0 && decoder.pipelined)
     return fail(kBadInput, std::string(structured) + ": " + args.pte + " is pipelined, and " +
                                etmlx::kPipelinedMaskHint);
   if (args.choice_ids) {
     if (inputs->mask_words() == 0)
       return fail(kBadInput, "--choice-ids needs a program exported with --sampler ...,mask (" + args.pte +
                                  " has no allowed_mask input)");
-    const int64_t v = vocab.value_or(inputs->mask_words() * 32);
+    const int64_t v = vocab;
     std::vector<std::vector<int64_t>> choices;
     if (!etmlx::ChoiceMask::parse(*args.choice_ids, v, &choices, &error)) return fail(kBadInput, error);
     choice.emplace(std::move(choices), eos, v);
@@ -301,11 +291,11 @@ int run(const etmlx::DecodeArgs& args) {
     if (!etmlx::read_mask_file(*args.mask_file, inputs->mask_words(), &mask_rows, &error))
       return fail(kBadInput, error);
   }
-  if (!inputs->set_verify(sidecar.draft_tokens, sidecar.verify_min_width, &error))
+  if (!inputs->set_verify(decoder.draft_tokens, decoder.verify_min_width, &error))
     return fail(kBadInput, metadata->origin + " " + error);
   std::shared_ptr<etmlx::DraftSource> drafts;
-  if (!draft_source(args, sidecar.draft_tokens, tokenizer.get(), vocab, &drafts, &error)) return fail(kBadInput, error);
-  if (sidecar.draft_tokens > 0 && structured)
+  if (!draft_source(args, decoder.draft_tokens, tokenizer.get(), vocab, &drafts, &error)) return fail(kBadInput, error);
+  if (decoder.draft_tokens > 0 && structured)
     return fail(kBadInput, std::string(structured) + ": etmlx_decode does not constrain draft-verifying programs "
                 "(use `etmlx generate`, or a program exported without --draft-tokens)");
   if (const Error e = module.load_method(method); e != Error::Ok)
@@ -317,7 +307,7 @@ int run(const etmlx::DecodeArgs& args) {
   std::vector<int64_t> generated;
   std::string text;
   etmlx::Utf8Stream utf8;
-  etmlx::DecodeLoop loop(module, method, *inputs, sidecar.pipelined, max_seq_len, sidecar.draft_tokens);
+  etmlx::DecodeLoop loop(module, method, *inputs, decoder.pipelined, max_seq_len, decoder.draft_tokens);
   // The decode-step rules (runtime/decode_rows.h) end the sequence at a stop id or at max_tokens.
   if (!loop.start({prompt, temperature, seed, args.max_tokens, eos, drafts, args.num_draft_tokens.value_or(-1)}, &error))
     return fail(kBadInput, error);
@@ -369,7 +359,7 @@ int run(const etmlx::DecodeArgs& args) {
   if (args.json) {
     const auto stats = loop.draft_stats();
     const auto model = std::dynamic_pointer_cast<etmlx::ModelDraft>(drafts);
-    print_json(prompt, generated, tokenizer ? &text : nullptr, finish, t, sidecar.draft_tokens > 0 ? &stats : nullptr,
+    print_json(prompt, generated, tokenizer ? &text : nullptr, finish, t, decoder.draft_tokens > 0 ? &stats : nullptr,
                model ? &model->pacing() : nullptr);
   } else {
     std::printf("%s\n", tail.c_str());

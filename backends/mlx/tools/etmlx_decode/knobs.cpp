@@ -8,7 +8,7 @@ namespace etmlx {
 
 namespace {
 
-using json::Value;
+namespace fb = backends::mlx::serialization::generated::fb;
 
 std::string trim(const std::string& s) {
   const char* space = " \t\r\n";
@@ -17,37 +17,12 @@ std::string trim(const std::string& s) {
   return s.substr(a, s.find_last_not_of(space) - a + 1);
 }
 
-std::optional<KnobValue> number(const Value* v) {
-  if (!v || v->kind != Value::Kind::Number) return std::nullopt;
-  KnobValue out;
-  out.f = *v->as_double();
-  const auto i = v->as_int();
-  out.i = i ? *i : static_cast<int64_t>(out.f);
-  return out;
+std::optional<KnobValue> number(const fb::KnobNumber* v) {
+  if (!v) return std::nullopt;
+  return KnobValue{v->i(), v->f()};
 }
 
-bool text_field(const Value& entry, const char* key, std::string* out) {
-  const Value* v = entry.find(key);
-  if (!v || v->kind == Value::Kind::Null) return true;
-  if (v->kind != Value::Kind::String) return false;
-  *out = v->text;
-  return true;
-}
-
-bool bool_field(const Value& entry, const char* key, bool* out) {
-  const Value* v = entry.find(key);
-  if (!v || v->kind == Value::Kind::Null) return true;
-  if (v->kind != Value::Kind::Bool) return false;
-  *out = v->boolean;
-  return true;
-}
-
-bool bound(const Value& entry, const char* key, std::optional<KnobValue>* out) {
-  const Value* v = entry.find(key);
-  if (!v || v->kind == Value::Kind::Null) return true;
-  *out = number(v);
-  return out->has_value();
-}
+std::string text(const flatbuffers::String* s) { return s ? s->str() : std::string(); }
 
 // The command line's text as this knob's number; false if it is not one.
 bool parse_value(const KnobSpec& spec, const std::string& text, KnobValue* out) {
@@ -81,37 +56,32 @@ bool in_range(const KnobSpec& spec, const KnobValue& v) {
 
 }  // namespace
 
-bool read_knobs(const Value& knobs, std::vector<KnobSpec>* out, std::string* error) {
-  if (knobs.kind != Value::Kind::Array) {
-    *error = "\"knobs\" must be a list";
+bool read_knobs(const flatbuffers::Vector<flatbuffers::Offset<fb::DecoderKnob>>* knobs, std::vector<KnobSpec>* out,
+                std::string* error) {
+  if (!knobs || knobs->size() == 0) {
+    *error = "the metadata lists no \"knobs\"";
     return false;
   }
-  for (size_t n = 0; n < knobs.items.size(); ++n) {
-    const Value& entry = knobs.items[n];
+  for (flatbuffers::uoffset_t n = 0; n < knobs->size(); ++n) {
+    const fb::DecoderKnob& entry = *knobs->Get(n);
     const std::string where = "\"knobs\"[" + std::to_string(n) + "]";
+    const std::string dtype = entry.dtype()->str();  // name, dtype and off are required (the verifier checked)
+    if (dtype != "int64" && dtype != "int32" && dtype != "float32") {
+      *error = where + ": dtype must be int64, int32 or float32, got " + dtype;
+      return false;
+    }
     KnobSpec spec;
-    const Value* name = entry.find("name");
-    const Value* dtype = entry.find("dtype");
-    const auto off = number(entry.find("off"));
-    if (!name || name->kind != Value::Kind::String || !dtype || dtype->kind != Value::Kind::String ||
-        (dtype->text != "int64" && dtype->text != "int32" && dtype->text != "float32") || !off) {
-      *error = where + " needs \"name\", \"dtype\" (int64, int32 or float32) and a numeric \"off\"";
-      return false;
-    }
-    spec.name = name->text;
-    spec.integer = dtype->text != "float32";  // int32: the allowed-token bitmask words
-    spec.off = *off;
-    if (!bound(entry, "low", &spec.low) || !bound(entry, "high", &spec.high) ||
-        !bound(entry, "first", &spec.first)) {
-      *error = where + ": \"low\", \"high\" and \"first\" must be numbers or null";
-      return false;
-    }
-    if (!bool_field(entry, "low_open", &spec.low_open) || !bool_field(entry, "high_open", &spec.high_open) ||
-        !text_field(entry, "flag", &spec.flag) || !text_field(entry, "range", &spec.range) ||
-        !text_field(entry, "export", &spec.export_hint)) {
-      *error = where + ": \"low_open\"/\"high_open\" must be booleans, \"flag\", \"range\", \"export\" strings";
-      return false;
-    }
+    spec.name = entry.name()->str();
+    spec.integer = dtype != "float32";  // int32: the allowed-token bitmask words
+    spec.off = *number(entry.off());
+    spec.low = number(entry.low());
+    spec.high = number(entry.high());
+    spec.first = number(entry.first());
+    spec.low_open = entry.low_open();
+    spec.high_open = entry.high_open();
+    spec.flag = text(entry.flag());
+    spec.range = text(entry.range());
+    spec.export_hint = text(entry.export_());
     if (!spec.flag.empty() && spec.flag.rfind("--", 0) != 0) {
       *error = where + ": \"flag\" must start with --";
       return false;
@@ -119,26 +89,6 @@ bool read_knobs(const Value& knobs, std::vector<KnobSpec>* out, std::string* err
     out->push_back(std::move(spec));
   }
   return true;
-}
-
-const std::vector<KnobSpec>& builtin_knobs() {
-  static const std::vector<KnobSpec> knobs = [] {
-    KnobSpec temperature;
-    temperature.name = "temperature";
-    temperature.low = KnobValue{0, 0};
-    temperature.flag = "--temperature";
-    temperature.range = "a number >= 0 (0 = greedy)";
-    KnobSpec seed;
-    seed.name = "seed";
-    seed.integer = true;
-    // Within +-2**62, so seed + step cannot overflow (SEED_LIMIT in knobs.py).
-    seed.low = KnobValue{-(int64_t{1} << 62), -0x1p62};
-    seed.high = KnobValue{int64_t{1} << 62, 0x1p62};
-    seed.flag = "--seed";
-    seed.range = "an integer in [-2**62, 2**62]";
-    return std::vector<KnobSpec>{temperature, seed};
-  }();
-  return knobs;
 }
 
 bool is_off(const KnobSpec& spec, const KnobValue& value) {

@@ -1,6 +1,6 @@
-// The sampler knobs as the decoder metadata lists them (its "knobs", written
-// from the table in backends/mlx/llm/sampler/knobs.py): their flags, ranges
-// and off values, and the command-line values checked against them.
+// The sampler knobs as the decoder metadata lists them (its "knobs", DecoderKnob tables written from the table
+// in backends/mlx/llm/sampler/knobs.py): their flags, ranges and off values, and the command-line values
+// checked against them.
 #pragma once
 
 #include <cstdint>
@@ -10,7 +10,7 @@
 #include <utility>
 #include <vector>
 
-#include "json_lite.h"
+#include "decoder_meta_generated.h"
 
 namespace etmlx {
 
@@ -32,13 +32,10 @@ struct KnobSpec {
   std::optional<KnobValue> first;  // the value on a sequence's first call, if not `off`
 };
 
-// The knob list of metadata `knobs` (a JSON array); false with `error` set on
-// a malformed entry.
-bool read_knobs(const json::Value& knobs, std::vector<KnobSpec>* out, std::string* error);
-
-// Without a "knobs" list (no metadata, or one from an older etmlx):
-// temperature and seed only, which every decoder program takes.
-const std::vector<KnobSpec>& builtin_knobs();
+// The knob list of the metadata's `knobs`; false with `error` set on a malformed or missing list.
+bool read_knobs(
+    const flatbuffers::Vector<flatbuffers::Offset<backends::mlx::serialization::generated::fb::DecoderKnob>>* knobs,
+    std::vector<KnobSpec>* out, std::string* error);
 
 bool is_off(const KnobSpec& spec, const KnobValue& value);
 

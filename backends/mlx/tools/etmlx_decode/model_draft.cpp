@@ -34,18 +34,14 @@ std::unique_ptr<ModelDraft> ModelDraft::load(const std::string& pte, std::option
   }
   const auto metadata = read_program_metadata(*module, pte, error);
   if (!metadata) return nullptr;
-  const Sidecar& meta = metadata->meta;
-  if (!metadata->found || !meta.inputs) {
-    *error = what + " carries no etmlx decoder metadata: export it with `etmlx export`";
-    return nullptr;
-  }
+  const DecoderMeta& meta = metadata->meta;
   if (meta.draft_tokens > 0) {
     *error = what + " verifies drafts itself (--draft-tokens " + std::to_string(meta.draft_tokens) +
              "): a draft model is a plain decoder program";
     return nullptr;
   }
-  if (target_vocab && meta.vocab_size && *meta.vocab_size != *target_vocab) {
-    *error = what + " has a vocabulary of " + std::to_string(*meta.vocab_size) + " tokens but the program has " +
+  if (target_vocab && meta.vocab_size != *target_vocab) {
+    *error = what + " has a vocabulary of " + std::to_string(meta.vocab_size) + " tokens but the program has " +
              std::to_string(*target_vocab) + ": a draft model must use the program's tokenizer";
     return nullptr;
   }
@@ -69,7 +65,7 @@ std::unique_ptr<ModelDraft> ModelDraft::load(const std::string& pte, std::option
     *error = what + ": could not load its method forward";
     return nullptr;
   }
-  const int64_t max_seq_len = meta.max_seq_len.value_or(inputs->max_call_length());
+  const int64_t max_seq_len = meta.max_seq_len;
   try {
     return std::unique_ptr<ModelDraft>(new ModelDraft(std::move(module), "forward",
                                                       std::make_unique<StepInputs>(std::move(*inputs)),

@@ -1,7 +1,6 @@
-// What `etmlx export` stores inside a decoder .pte besides the program: the
-// decoder metadata and the tokenizer's files, as ExecuTorch named data
-// (backends/mlx/llm/decoder/meta.py writes the same keys). Programs exported
-// before that carry none; their metadata is FILE.pte.json beside the file.
+// What `etmlx export` stores inside a decoder .pte besides the program: the decoder metadata (a DecoderMeta
+// flatbuffer, decoder_meta.h) and the tokenizer's files, as ExecuTorch named data
+// (backends/mlx/llm/decoder/meta.py writes the same keys).
 #pragma once
 
 #include <map>
@@ -10,20 +9,24 @@
 
 #include <executorch/extension/module/module.h>
 
-#include "sidecar.h"
+#include "decoder_meta.h"
 
 namespace etmlx {
 
 struct ProgramMetadata {
-  Sidecar meta;
-  bool found = false;  // embedded or from a sidecar; else `meta` is empty
+  DecoderMeta meta;
   std::string origin;  // where `meta` came from, for messages
   // Tokenizer file name (tokenizer.json, tokenizer_config.json, ...) -> bytes.
   std::map<std::string, std::string> tokenizer_files;
 };
 
-// Reads the named data of the loaded `module` (a program at `pte`), falling
-// back to `pte`.json. Returns nullopt with `error` set on malformed metadata.
+// Whether the loaded `module` carries any decoder metadata (this etmlx's or an older one's): a program without
+// is not a decoder etmlx exported (etmlx_bench times it as a plain program).
+bool has_decoder_metadata(executorch::extension::module::Module& module);
+
+// Reads the named data of the loaded `module` (a program at `pte`). Returns nullopt with `error` set (one line)
+// on malformed metadata, or when there is none or only an older etmlx's JSON: such a program must be
+// re-exported.
 std::optional<ProgramMetadata> read_program_metadata(executorch::extension::module::Module& module,
                                                      const std::string& pte, std::string* error);
 

@@ -21,26 +21,14 @@ bool supported_fill_type(ScalarType t) {
 }  // namespace
 
 std::optional<StepInputs> StepInputs::plan(const MethodMeta& meta,
-                                           const std::optional<std::vector<std::string>>& names,
+                                           const std::vector<std::string>& names,
                                            const std::vector<KnobSpec>& specs,
                                            const std::map<std::string, KnobValue>& values,
                                            std::string* error) {
   const size_t n = meta.num_inputs();
-  std::vector<std::string> order;
-  if (names) {
-    order = *names;
-  } else if (n == 5) {
-    order = {"tokens", "start_pos", "lengths", "temperature", "seed"};
-  } else if (n == 4) {
-    order = {"tokens", "start_pos", "lengths", "temperature"};  // unseeded
-  } else {
-    *error = "the program has " + std::to_string(n) +
-             " inputs; without the metadata's \"inputs\" only the plain decoder "
-             "(tokens, start_pos, lengths, temperature[, seed]) is understood";
-    return std::nullopt;
-  }
+  const std::vector<std::string>& order = names;
   if (order.size() != n) {
-    *error = "its .json lists " + std::to_string(order.size()) + " inputs but the program has " +
+    *error = "its metadata lists " + std::to_string(order.size()) + " inputs but the program has " +
              std::to_string(n);
     return std::nullopt;
   }
@@ -114,9 +102,8 @@ std::optional<StepInputs> StepInputs::plan(const MethodMeta& meta,
     } else {
       const KnobSpec* spec = spec_named(name);
       if (!spec) {
-        *error = "input '" + name + "' is not one etmlx_decode knows how to fill (" +
-                 (&specs == &builtin_knobs() ? "its metadata lists no \"knobs\": re-export it with this etmlx)"
-                                             : "its metadata's \"knobs\" has no entry for it)");
+        *error = "input '" + name + "' is not one etmlx_decode knows how to fill (its metadata's \"knobs\" has no "
+                 "entry for it)";
         return std::nullopt;
       }
       used.push_back(name);
@@ -189,13 +176,12 @@ bool StepInputs::verifies() const {
   return false;
 }
 
-std::optional<StepInputs> StepInputs::plan_defaults(const MethodMeta& meta, const Sidecar& sidecar,
+std::optional<StepInputs> StepInputs::plan_defaults(const MethodMeta& meta, const DecoderMeta& decoder,
                                                     std::string* error) {
-  const auto& specs = sidecar.knobs ? *sidecar.knobs : builtin_knobs();
   std::map<std::string, KnobValue> knobs;
-  if (!resolve_knob_flags(specs, {}, "", &knobs, error)) return std::nullopt;
-  auto inputs = plan(meta, sidecar.inputs, specs, knobs, error);
-  if (inputs && !inputs->set_verify(sidecar.draft_tokens, sidecar.verify_min_width, error)) {
+  if (!resolve_knob_flags(decoder.knobs, {}, "", &knobs, error)) return std::nullopt;
+  auto inputs = plan(meta, decoder.inputs, decoder.knobs, knobs, error);
+  if (inputs && !inputs->set_verify(decoder.draft_tokens, decoder.verify_min_width, error)) {
     *error = "its metadata " + *error;
     return std::nullopt;
   }

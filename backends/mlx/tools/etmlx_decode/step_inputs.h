@@ -17,18 +17,17 @@
 
 #include "decode_rows.h"
 #include "knobs.h"
-#include "sidecar.h"
+#include "decoder_meta.h"
 
 namespace etmlx {
 
 class StepInputs {
  public:
-  // Matches `names` against the method's inputs (count, dtypes, shapes).
-  // Without names, the plain decoder (no knobs) is assumed. `values` holds
+  // Matches `names` (the metadata's input names) against the method's inputs (count, dtypes, shapes). `values` holds
   // every spec's value by name (resolve_knob_flags); one the program lacks is
   // an error unless it is off.
   static std::optional<StepInputs> plan(const executorch::runtime::MethodMeta& meta,
-                                        const std::optional<std::vector<std::string>>& names,
+                                        const std::vector<std::string>& names,
                                         const std::vector<KnobSpec>& specs,
                                         const std::map<std::string, KnobValue>& values,
                                         std::string* error);
@@ -36,7 +35,7 @@ class StepInputs {
   // plan() with every knob at its default (greedy, no filters) and the verify input as the program's metadata
   // says (set_verify): what etmlx_bench and a draft model (model_draft.h) run. The error of a metadata that
   // disagrees with the program starts "its metadata".
-  static std::optional<StepInputs> plan_defaults(const executorch::runtime::MethodMeta& meta, const Sidecar& sidecar,
+  static std::optional<StepInputs> plan_defaults(const executorch::runtime::MethodMeta& meta, const DecoderMeta& decoder,
                                                  std::string* error);
 
   // Rows per call (the program's batch).
@@ -56,7 +55,7 @@ class StepInputs {
   int64_t mask_words() const;
 
   // The metadata's draft_tokens K (0: a plain program) and the fewest verify columns a call carries
-  // (Sidecar's draft_tokens and verify_min_width; llm/decoder/step_inputs.py verify_input lays the input out
+  // (DecoderMeta's draft_tokens and verify_min_width; llm/decoder/step_inputs.py verify_input lays the input out
   // the same way). False, with `error` saying what the metadata says, when the program's "verify" input
   // disagrees with K: program and metadata come from different exports.
   bool set_verify(int64_t draft_tokens, int64_t min_width, std::string* error);
