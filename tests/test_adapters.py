@@ -226,3 +226,39 @@ def test_bad_adapters_are_refused_in_one_line(tmp_path, capsys):
     (truncated / "adapters.safetensors").write_bytes(data[: len(data) // 2])
     assert "adapters.safetensors is not a readable safetensors file" in _error(capsys, base_dir, tmp_path, truncated)
     assert not (tmp_path / "bad.pte").exists()
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_fused_model_equals_peft_unfused(tmp_path, family):
+    """The fused eager model against PEFT's unfused one, logits within float32 rounding: GPT-2's Conv1D layers
+    (weights stored [in, out], PEFT's fan_in_fan_out) and rsLoRA's alpha / sqrt(r) with per-layer alpha_pattern."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    from backends.mlx.llm.lora.adapter_files import read_adapter
+    from backends.mlx.llm.lora.fuse import fuse_adapter
+
+    torch.manual_seed(5)
+    if family == "gpt2":
+        make = lambda: GPT2LMHeadModel(GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64))
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj"], fan_in_fan_out=True,
+                            init_lora_weights=False)
+    else:
+        make = lambda: LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj", "gate_proj"], use_rslora=True,
+                            alpha_pattern={"o_proj": 32}, init_lora_weights=False)
+    base = make().eval()
+    state = {k: v.clone() for k, v in base.state_dict().items()}
+    get_peft_model(base, config).save_pretrained(str(tmp_path / "adapter"))
+    ids = torch.randint(0, 128, (1, 12))
+    fresh = make().eval()
+    fresh.load_state_dict(state)
+    with torch.no_grad():
+        plain = fresh(ids).logits
+        expected = PeftModel.from_pretrained(fresh, str(tmp_path / "adapter")).eval()(ids).logits
+        fused = make().eval()
+        fused.load_state_dict(state)
+        got = fuse_adapter(fused, read_adapter(tmp_path / "adapter"))(ids).logits
+    assert (expected - plain).abs().max() > 100 * (got - expected).abs().max()  # the adapter matters
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

@@ -110,7 +110,8 @@ def _load_model(model_dir: Path, dtype, quantize: str | None, group_size: int, e
 
         say(f"quantizing to {quantize}, group size {group_size}"
             + ("" if embeddings else " (embedding and head kept in float)"))
-        # Scales and biases keep the checkpoint's dtype (bf16 for most releases), as mlx_lm.convert -q writes them.
+        # Scales and biases keep the checkpoint's dtype (bf16 for most releases), as mlx_lm.convert -q writes them
+        # (but the embedding's under float32 activations: modules.embedding_scales).
         stored = stored_dtype_name(model_dir)
         quantize_model(model, SCHEMES[quantize], group_size, embeddings=embeddings,
                        stored=getattr(torch, stored) if stored else None)
