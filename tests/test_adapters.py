@@ -149,6 +149,23 @@ def test_adapter_on_a_quantized_checkpoint_is_fused_as_mlx_lm_fuses(tmp_path):
     assert _export(quantized, tmp_path / "q.pte", "--adapter", str(adapter), steps=steps) == expected
 
 
+def test_adapter_is_fused_before_quantizing(tmp_path):
+    """--adapter with --quantize int4 on a float checkpoint: the fused weights are quantized, as mlx-lm's fused
+    float model quantized with nn.quantize (mlx_lm.fuse, then mlx_lm.convert -q) decodes."""
+    import mlx.nn as nn
+    from mlx_lm import load
+
+    base_dir = _checkpoint(tmp_path / "base")
+    adapter = _mlx_lm_adapter(tmp_path / "mlx-adapter")
+    theirs = _mlx_lm_fused(load(str(base_dir), adapter_path=str(adapter))[0])
+    nn.quantize(theirs, group_size=64, bits=4)
+    expected = _mlx_lm_greedy(theirs)
+    unfused = load(str(base_dir))[0]
+    nn.quantize(unfused, group_size=64, bits=4)
+    _distinct(expected, _mlx_lm_greedy(unfused))
+    assert _export(base_dir, tmp_path / "fq.pte", "--adapter", str(adapter), "--quantize", "int4") == expected
+
+
 def _assert_same_fused_tensors(quantized, adapter, theirs):
     """The fused model etmlx exports holds mlx-lm's fused integers, scales and biases, bit for bit."""
     from mlx.utils import tree_flatten
