@@ -67,10 +67,12 @@ class MlxLmEngine:
     def __init__(self, checkpoint: Path, activations: str | None = None):
         """activations: None runs the checkpoint's float dtype; "bfloat16" casts every float parameter
         (norms, scales and biases of quantized layers) to it, keeping the same packed integers; "float32" casts
-        the float parameters but quantized layers' scales and biases, as `etmlx export` does with a bfloat16
-        directory (a bf16-scale embedding then dequantizes to bf16 values, as in MLX: the same numbers as
-        etmlx's program). A float32 directory runs as it is either way, so the engine keeps the plain name."""
+        the float parameters but quantized linears' scales and biases, as `etmlx export` does with a bfloat16
+        directory (its quantized embedding's scales go to float32 too, so the rows dequantize in float32: the
+        same numbers as etmlx's program). A float32 directory runs as it is either way, so the engine keeps the
+        plain name."""
         import mlx.core as mx
+        import mlx.nn as nn
         import mlx_lm
         from mlx.utils import tree_map_with_path
 
@@ -79,6 +81,9 @@ class MlxLmEngine:
             keep = lambda path, x: path.endswith(("scales", "biases")) or not mx.issubdtype(x.dtype, mx.floating)
             self.model.update(tree_map_with_path(lambda path, x: x if keep(path, x) else x.astype(mx.float32),
                                                  self.model.parameters()))
+            for _, module in self.model.named_modules():
+                if isinstance(module, nn.QuantizedEmbedding):
+                    module.scales, module.biases = module.scales.astype(mx.float32), module.biases.astype(mx.float32)
         elif activations is not None:
             self.model.set_dtype(getattr(mx, activations))
             self.name = f"mlx_lm_{activations[:4]}"

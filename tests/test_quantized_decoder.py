@@ -59,11 +59,17 @@ def _mlx_lm_greedy(directory, steps: int) -> list[int]:
 
     from mlx.utils import tree_map_with_path
 
+    import mlx.nn as nn
+
     model, _ = load(str(directory))
     # mlx-lm computes in its weights' dtype; etmlx exports float32 activations by default: the float parts of a
-    # bf16 directory go to float32 (the packed integers, scales and biases stay as stored).
+    # bf16 directory go to float32 (the packed integers, scales and biases stay as stored), and so do a quantized
+    # embedding's scales and biases, whose rows etmlx dequantizes in float32 (quantize/modules.embedding_scales).
     model.update(tree_map_with_path(lambda path, x: x if path.endswith(("scales", "biases")) or x.dtype == mx.uint32
                                     else x.astype(mx.float32), model.parameters()))
+    for _, module in model.named_modules():
+        if isinstance(module, nn.QuantizedEmbedding):
+            module.scales, module.biases = module.scales.astype(mx.float32), module.biases.astype(mx.float32)
     greedy = lambda logits: mx.argmax(logits, axis=-1)
     steps_iter = generate_step(mx.array(PROMPT), model, max_tokens=steps, sampler=greedy)
     return [int(token) for token, _ in steps_iter]

@@ -16,7 +16,7 @@ from backends.mlx.llm.decoder.from_checkpoint import DEFAULT_SAMPLER as DEFAULT_
 from backends.mlx.llm.decoder.from_checkpoint import SAMPLER_CHOICES as FEATURES
 
 # export_checkpoint's options that are flags here: its messages name the option, the CLI says the flag.
-_EXPORT_OPTIONS = ("dtype", "quantize", "logprobs", "draft_tokens", "propose_tokens", "out", "sampler")
+_EXPORT_OPTIONS = ("dtype", "quantize", "logprobs", "draft_tokens", "propose_tokens", "out", "sampler", "adapter")
 
 
 def _progress():
@@ -43,7 +43,8 @@ def run_export(args) -> int:
             group_size=args.group_size, quantize_embeddings=args.quantize_embeddings, max_seq_len=args.max_seq_len,
             batch=args.batch, sampler=args.sampler, logprobs=args.logprobs, logprobs_mode=args.logprobs_mode,
             seeded=args.seeded, pipelined=args.pipelined, verify=args.verify, draft_tokens=args.draft_tokens,
-            propose_tokens=args.propose_tokens, external_weights=args.external_weights, progress=_progress())
+            propose_tokens=args.propose_tokens, external_weights=args.external_weights, progress=_progress(),
+            adapter=args.adapter)
     except (ValueError, IsADirectoryError) as exc:  # the option names of the Python API, as this command's flags
         raise type(exc)(_as_flags(str(exc))) from None
     from backends.mlx.exporter.export import weights_path
@@ -133,6 +134,8 @@ def add_parsers(sub) -> None:
                         help="a draft model's program: each call returns K tokens (the plain token and the K - 1 "
                              "greedy steps after it), so a --draft-model proposal is one call; plain sampler, "
                              "unpipelined; default 0: one token per call")
+    export.add_argument("--adapter", metavar="DIR", help="a LoRA adapter directory (mlx-lm's adapters.safetensors or "
+                        "PEFT's adapter_model.safetensors, with adapter_config.json) fused into the weights")
     export.set_defaults(func=run_export)
 
     generate = sub.add_parser("generate", help="decode on the device from an exported .pte, streaming text")

@@ -35,9 +35,10 @@ def export_checkpoint(model: str | Path, out: str | Path | None = None, *, revis
                       sampler: str = DEFAULT_SAMPLER, logprobs: int = 0, logprobs_mode: str = "raw",
                       seeded: bool = True, pipelined: bool | None = None, verify: bool = True,
                       draft_tokens: int = 0, propose_tokens: int = 0, external_weights: bool = False,
-                      progress: Optional[Callable[[str], None]] = None):
+                      progress: Optional[Callable[[str], None]] = None, adapter: str | Path | None = None):
     """Export the causal LM at `model` (a local directory or a Hugging Face repo id) to `out` (default:
-    NAME.pte in the current directory), which holds the program when this returns its ExportResult."""
+    NAME.pte in the current directory), which holds the program when this returns its ExportResult.
+    `adapter`: a LoRA adapter directory (mlx-lm's or PEFT's) fused into the weights (llm/lora/)."""
     from backends.mlx.llm.checkpoint_source import check_weight_files, default_pte_name, resolve_checkpoint
 
     say = progress or (lambda stage: None)
@@ -58,6 +59,11 @@ def export_checkpoint(model: str | Path, out: str | Path | None = None, *, revis
     out = Path(out or default_pte_name(str(model)))
     if out.is_dir():
         raise IsADirectoryError(f"out {out} is a directory; give the .pte file to write, e.g. {out / 'model.pte'}")
+    lora = None
+    if adapter is not None:
+        from backends.mlx.llm.lora.adapter_files import read_adapter
+
+        lora = read_adapter(adapter)  # its files and config now; its shapes against the model once loaded
     model_dir = resolve_checkpoint(str(model), revision)  # a local directory, or a Hub repo id
     check_weight_files(model_dir)  # a truncated or foreign weights file: one line, not transformers' traceback
 
@@ -67,7 +73,7 @@ def export_checkpoint(model: str | Path, out: str | Path | None = None, *, revis
     from backends.mlx.llm.decoder.export import export_decoder
 
     torch_model = _load_model(model_dir, getattr(torch, DTYPES[dtype]), quantize, group_size, quantize_embeddings,
-                              say)
+                              say, lora)
     tokenizer = None
     if any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -81,8 +87,9 @@ def export_checkpoint(model: str | Path, out: str | Path | None = None, *, revis
     return result
 
 
-def _load_model(model_dir: Path, dtype, quantize: str | None, group_size: int, embeddings: bool, say):
-    """A float checkpoint (quantized with `quantize`), or an mlx-lm quantized one as it is."""
+def _load_model(model_dir: Path, dtype, quantize: str | None, group_size: int, embeddings: bool, say, lora=None):
+    """A float checkpoint (quantized with `quantize`), or an mlx-lm quantized one as it is; the LoRA adapter
+    `lora` fused into its weights (before quantizing)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -94,16 +101,27 @@ def _load_model(model_dir: Path, dtype, quantize: str | None, group_size: int, e
             raise ValueError(f"{model_dir} is already quantized (config.json has a quantization entry): "
                              "drop --quantize")
         say(f"loading the mlx-lm quantized checkpoint {model_dir} ({dtype} activations)")
-        return load_mlx_quantized(model_dir, dtype)
+        return _fused(load_mlx_quantized(model_dir, dtype), lora, say)
     say(f"loading {model_dir} as {dtype}")
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="eager")
+    model = _fused(AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="eager"),
+                   lora, say)
     if quantize is not None:
         from backends.mlx.llm.quantize.affine import quantize_model
 
         say(f"quantizing to {quantize}, group size {group_size}"
             + ("" if embeddings else " (embedding and head kept in float)"))
-        # Scales and biases keep the checkpoint's dtype (bf16 for most releases), as mlx_lm.convert -q writes them.
+        # Scales and biases keep the checkpoint's dtype (bf16 for most releases), as mlx_lm.convert -q writes them
+        # (but the embedding's under float32 activations: modules.embedding_scales).
         stored = stored_dtype_name(model_dir)
         quantize_model(model, SCHEMES[quantize], group_size, embeddings=embeddings,
                        stored=getattr(torch, stored) if stored else None)
+    return model
+
+
+def _fused(model, lora, say):
+    if lora is not None:
+        from backends.mlx.llm.lora.fuse import fuse_adapter
+
+        say(f"fusing the {lora.describe()}")
+        fuse_adapter(model, lora)
     return model

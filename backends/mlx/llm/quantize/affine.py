@@ -17,7 +17,7 @@ from torch import nn
 
 from backends.mlx.custom_kernel_ops.quantized import check_params
 from backends.mlx.llm import experts
-from backends.mlx.llm.quantize.modules import QuantizedEmbedding, QuantizedExperts, QuantizedLinear
+from backends.mlx.llm.quantize.modules import QuantizedEmbedding, QuantizedExperts, QuantizedLinear, embedding_scales
 
 
 def quantize_tensor(weight: torch.Tensor, group_size: int, bits: int, stored: Optional[torch.dtype] = None) -> tuple:
@@ -64,6 +64,7 @@ def quantize_model(model: nn.Module, bits: int, group_size: int = 64, embeddings
         linears.append(head_name)
     if embeddings and _quantizable_embedding(embedding, group_size):
         w, scales, biases = quantize_tensor(embedding.weight, group_size, bits, stored)
+        scales, biases = embedding_scales(scales, biases, embedding.weight.dtype)
         # Gemma's embedding scales its rows (embed_scale): the quantized table keeps that scale.
         scale = getattr(embedding, "embed_scale", None)
         model.set_input_embeddings(QuantizedEmbedding(w, scales, biases, group_size, bits,

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from backends.mlx.llm.quantize.modules import QuantizedEmbedding, QuantizedLinear
+from backends.mlx.llm.quantize.modules import QuantizedEmbedding, QuantizedLinear, embedding_scales
 
 # Model types whose mlx-lm weight names equal transformers' (a name that does not is refused below by the
 # strict key check) and whose quantized directories are tested (tests/test_quantized_decoder.py,
@@ -123,7 +123,8 @@ def load_mlx_quantized(model_dir: Path, dtype: torch.dtype) -> nn.Module:
             replacement = QuantizedLinear(*packed, bias=None if bias is None else bias.to(dtype))
         elif isinstance(module, nn.Embedding):
             scale = getattr(module, "embed_scale", None)  # Gemma scales the rows it looks up
-            replacement = QuantizedEmbedding(*_packed(prefix, module, tensors, dtype, quant),
+            w, scales, biases, group_size, bits = _packed(prefix, module, tensors, dtype, quant)
+            replacement = QuantizedEmbedding(w, *embedding_scales(scales, biases, dtype), group_size, bits,
                                              scale=None if scale is None else float(scale))
         else:
             raise ValueError(f"{prefix}: quantized weights for a {type(module).__name__}, not a Linear or Embedding")

@@ -57,6 +57,17 @@ class QuantizedLinear(_Packed):
                                               self.group_size, self.bits)
 
 
+def embedding_scales(scales: torch.Tensor, biases: torch.Tensor, activations: torch.dtype) -> tuple:
+    """The scales and biases a QuantizedEmbedding keeps under `activations`. With float32 activations, bfloat16
+    or float16 ones (mlx_lm.convert -q of a bf16 checkpoint) are widened to float32, exactly: the looked-up rows
+    then dequantize in float32, as an mlx-lm float32 model computes them, instead of being rounded to bfloat16
+    before the first float32 op (a ~1% logit gap after a few steps of a 150M model). The file stores the
+    embedding's scales at 4 bytes (a tied head shares them); every other layer keeps its own as stored."""
+    if activations == torch.float32 and scales.dtype != torch.float32:
+        return scales.float(), biases.float()
+    return scales, biases
+
+
 class QuantizedEmbedding(_Packed):
     def __init__(self, w, scales, biases, group_size: int, bits: int, scale: Optional[float] = None):
         super().__init__(w, scales, biases, group_size, bits)
