@@ -107,7 +107,7 @@ MACOS_CONFIGURED := $(MACOS)/cmake/CMakeCache.txt
 
 check-macos: $(MACOS_CONFIGURED)
 	$(VENV)/bin/cmake --build $(MACOS)/cmake -j2 > $(MACOS)/build.log 2>&1 || (tail -40 $(MACOS)/build.log; exit 1)
-	ETMLX_MACOS_BUILD=$(MACOS) PYTHONPATH=$(MACOS)/tools $(VPY) -m pytest -q -p no:cacheprovider tests/macos/check_macos_build.py
+	ETMLX_MACOS_BUILD=$(MACOS) PYTHONPATH=$(MACOS)/tools $(VPY) -m pytest -q -p no:cacheprovider --noconftest tests/macos/check_macos_build.py
 
 $(MACOS_TOOLS): cmake/macos/tools.txt | $(DEPS_STAMP)
 	rm -rf $(MACOS)/tools
