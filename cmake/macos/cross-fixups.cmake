@@ -1,5 +1,12 @@
-# Run by the macOS cross build only (arm64-zig-toolchain.cmake names it CMAKE_PROJECT_INCLUDE): two changes
-# to the finished configuration that a build on a Mac does not need, kept out of CMakeLists.txt.
+# Run by the macOS cross build only (arm64-zig-toolchain.cmake names it CMAKE_PROJECT_INCLUDE): changes a
+# build on a Mac does not need, kept out of CMakeLists.txt.
+
+# A MODULE library (the tokenizer plugin) is linked as a dylib (MH_DYLIB), not a bundle (-bundle): Zig 0.17's
+# linker crashes linking a bundle with -undefined dynamic_lookup. Both are loaded by dlopen; symbols resolve
+# the same way.
+set(CMAKE_SHARED_MODULE_CREATE_CXX_FLAGS "-shared -Wl,-headerpad_max_install_names")
+
+# Two changes to the finished configuration:
 function(_etmlx_macos_cross_fixups)
   # No SDK, so no frameworks: MLX's exported target names the frameworks libmlx.dylib links (Metal,
   # Foundation, QuartzCore, Accelerate) by their paths on the machine that built the wheel. libmlx.dylib loads

@@ -15,8 +15,11 @@ _LOADS = {mach_o.LC_LOAD_DYLIB, mach_o.LC_LOAD_WEAK_DYLIB, mach_o.LC_REEXPORT_DY
           mach_o.LC_LOAD_UPWARD_DYLIB}
 KINDS = {mach_o.MH_EXECUTE: "executable", mach_o.MH_DYLIB: "dylib", mach_o.MH_BUNDLE: "bundle",
          mach_o.MH_OBJECT: "object"}
-# The library ordinal in an undefined symbol's n_desc (<mach-o/nlist.h> GET_LIBRARY_ORDINAL).
-_DYNAMIC_LOOKUP_ORDINAL = 0xFE
+# The library ordinal in an undefined symbol's n_desc (<mach-o/nlist.h> GET_LIBRARY_ORDINAL). A symbol
+# looked up by name at load (-undefined dynamic_lookup) has DYNAMIC_LOOKUP_ORDINAL from ld64 and 0
+# (SELF_LIBRARY_ORDINAL, which names no library for an undefined symbol) from Zig's linker, whose bind
+# information then looks it up in the flat namespace.
+_LOOKUP_ORDINALS = (0, 0xFE)
 _EXECUTABLE_ORDINAL = 0xFF
 
 
@@ -56,11 +59,13 @@ def read(path: Path) -> MachOFile:
     symbols = SymbolTable(macho, header)
     for entry, name in symbols.undefsyms:
         ordinal = (entry.n_desc >> 8) & 0xFF
-        if ordinal == _DYNAMIC_LOOKUP_ORDINAL:
+        if ordinal in _LOOKUP_ORDINALS:
             file.undefined[name.decode()] = None
         elif ordinal == _EXECUTABLE_ORDINAL:
             file.undefined[name.decode()] = "<executable>"
+        elif ordinal <= len(dylibs):
+            file.undefined[name.decode()] = dylibs[ordinal - 1]
         else:
-            file.undefined[name.decode()] = dylibs[ordinal - 1] if 0 < ordinal <= len(dylibs) else "<self>"
+            raise ValueError(f"{path}: symbol {name.decode()} names library {ordinal} of {len(dylibs)}")
     file.exported = {name.decode() for _, name in symbols.extdefsyms}
     return file

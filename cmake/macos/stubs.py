@@ -23,8 +23,14 @@ LIBCXX = "/usr/lib/libc++.1.dylib"
 LIBZ = "/usr/lib/libz.1.dylib"
 # In the system libc++.1.dylib long before macOS 14 (LLVM's libcxx/lib/abi/arm64-apple-darwin ABI list) and
 # called by etmlx, but bound by none of the wheels' binaries: sized operator delete, mutex::try_lock,
-# thread::detach.
-EXTRA_LIBCXX = ["__ZdlPvm", "__ZdaPvm", "__ZNSt3__15mutex8try_lockEv", "__ZNSt3__16thread6detachEv"]
+# thread::detach, istream::seekg/tellg, ostream << streambuf*, and the library's std::sort of doubles.
+EXTRA_LIBCXX = [
+    "__ZdlPvm", "__ZdaPvm", "__ZNSt3__15mutex8try_lockEv", "__ZNSt3__16thread6detachEv",
+    "__ZNSt3__113basic_istreamIcNS_11char_traitsIcEEE5seekgENS_4fposI11__mbstate_tEE",
+    "__ZNSt3__113basic_istreamIcNS_11char_traitsIcEEE5tellgEv",
+    "__ZNSt3__113basic_ostreamIcNS_11char_traitsIcEEElsEPNS_15basic_streambufIcS2_EE",
+    "__ZNSt3__16__sortIRNS_6__lessIddEEPdEEvT0_S5_T_",
+]
 # zlib 1.2.12 (macOS 14's): what named_constant.cpp calls.
 LIBZ_SYMBOLS = ["_crc32", "_crc32_z", "_zlibVersion"]
 
@@ -39,8 +45,7 @@ def tbd(install_name: str, symbols: list[str]) -> str:
 
 def libcxx_symbols(site: Path) -> list[str]:
     found = set(EXTRA_LIBCXX)
-    binaries = [*site.glob("mlx/lib/*.dylib"), *site.glob("executorch/lib/*.dylib"),
-                *site.glob("pytorch_tokenizers/*.so"), *site.glob("mlx/*.so")]
+    binaries = [*site.rglob("*.dylib"), *site.rglob("*.so")]
     if not binaries:
         raise SystemExit(f"stubs.py: no macOS binaries in {site} (run fetch.py first)")
     for path in binaries:

@@ -30,7 +30,8 @@ TARGETS = {
     "libetmlx_backend.dylib": "dylib",
     "etmlx_decode": "executable",
     "etmlx_bench": "executable",
-    "libetmlx_text_tokenizer.so": "bundle",
+    # a bundle on a Mac; a dylib here (cmake/macos/cross-fixups.cmake: Zig's linker)
+    "libetmlx_text_tokenizer.so": "dylib",
 }
 # What loads a wheel's dylib: the install rpath of CMakeLists.txt (etmlx_relative_rpath).
 WHEEL_RPATHS = ["@loader_path", "@loader_path/../../../../executorch/lib", "@loader_path/../../../../mlx/lib"]
