@@ -23,7 +23,7 @@ DECODE := build/etmlx_decode
 BENCH := build/etmlx_bench
 RUNTIME_SOURCES := CMakeLists.txt $(wildcard backends/mlx/runtime/*.cpp backends/mlx/runtime/*.h backends/mlx/runtime/kernels/*.cpp backends/mlx/runtime/kernels/*.h backends/mlx/runtime/generated/* tests/cpp/*.cpp backends/mlx/tools/etmlx_decode/*.cpp backends/mlx/tools/etmlx_decode/*.h backends/mlx/tools/etmlx_bench/*.cpp)
 
-.PHONY: setup develop test test-fast demo bench bench-deps regenerate clean
+.PHONY: setup develop test test-fast demo bench bench-deps regenerate check-macos clean
 
 setup: $(DEPS_STAMP) $(LIB) $(RUNNER) $(DECODE) $(BENCH)
 
@@ -102,5 +102,41 @@ bench-deps: setup
 regenerate: $(DEPS_STAMP)
 	$(VPY) -m backends.mlx.serialization.generate
 
+# The macOS arm64 build, checked here (cmake/macos/README.md): every native target compiled and linked for
+# aarch64-macos with Zig against the macOS wheels of mlx and executorch, then its Mach-O files inspected
+# (tests/macos/check_macos_build.py). Nothing is run. Everything lives in build-macos/; up to date, it takes
+# seconds.
+MACOS := build-macos
+MACOS_TOOLS := $(MACOS)/tools/.etmlx-stamp
+MACOS_WHEELS := $(MACOS)/site-packages/.etmlx-stamp
+MACOS_STUBS := $(MACOS)/stubs/.etmlx-stamp
+MACOS_CONFIGURED := $(MACOS)/cmake/CMakeCache.txt
+
+check-macos: $(MACOS_CONFIGURED)
+	$(VENV)/bin/cmake --build $(MACOS)/cmake -j2 > $(MACOS)/build.log 2>&1 || (tail -40 $(MACOS)/build.log; exit 1)
+	ETMLX_MACOS_BUILD=$(MACOS) PYTHONPATH=$(MACOS)/tools $(VPY) -m pytest -q -p no:cacheprovider --noconftest tests/macos/check_macos_build.py
+
+$(MACOS_TOOLS): cmake/macos/tools.txt | $(DEPS_STAMP)
+	rm -rf $(MACOS)/tools
+	$(VPY) -m pip install --quiet --target $(MACOS)/tools -r cmake/macos/tools.txt
+	touch $@
+
+$(MACOS_WHEELS): cmake/macos/wheels.txt cmake/macos/fetch.py requirements.txt | $(DEPS_STAMP)
+	$(VPY) cmake/macos/fetch.py $(MACOS)
+	touch $@
+
+$(MACOS_STUBS): $(MACOS_WHEELS) $(MACOS_TOOLS) cmake/macos/stubs.py cmake/macos/macho.py
+	PYTHONPATH=$(MACOS)/tools $(VPY) cmake/macos/stubs.py $(MACOS)
+	touch $@
+
+# A fresh build folder whenever the toolchain, the stubs or the wheels change (CMake re-runs by itself when only
+# CMakeLists.txt does). Release, and only what a wheel ships (no C++ tests).
+$(MACOS_CONFIGURED): $(MACOS_STUBS) cmake/macos/arm64-zig-toolchain.cmake cmake/macos/cross-fixups.cmake
+	rm -rf $(MACOS)/cmake
+	$(VENV)/bin/cmake -S . -B $(MACOS)/cmake --toolchain cmake/macos/arm64-zig-toolchain.cmake \
+	  -DCMAKE_BUILD_TYPE=Release -DETMLX_BUILD_TESTS=OFF -DETMLX_ZIG=$(abspath $(MACOS)/tools/ziglang/zig) \
+	  -DETMLX_MACOS_STUBS=$(abspath $(MACOS)/stubs) -DETMLX_SITE_PACKAGES=$(abspath $(MACOS)/site-packages) \
+	  > $(MACOS)/configure.log 2>&1 || (cat $(MACOS)/configure.log; exit 1)
+
 clean:
-	rm -rf build build.log backends/mlx/runtime/_lib
+	rm -rf build build.log backends/mlx/runtime/_lib $(MACOS)

@@ -1,7 +1,8 @@
 // libetmlx_text_tokenizer: TextTokenizer through pytorch_tokenizers'
 // HFTokenizer, the C++ tokenizer library ExecuTorch's own LLM runners use.
 // Loaded by text_tokenizer.cpp; see tokenizer_plugin.h for why it is a plugin.
-#include <stdlib.h>  // mkdtemp
+#include <stdlib.h>  // mkdtemp (glibc)
+#include <unistd.h>  // mkdtemp (macOS)
 
 #include <cstdint>
 #include <filesystem>
