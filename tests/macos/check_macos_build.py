@@ -28,6 +28,7 @@ INSTALL_DIR = "backends/mlx/runtime/_lib"  # inside site-packages, as the wheel 
 # Every native target: file name -> Mach-O kind.
 TARGETS = {
     "libetmlx_backend.dylib": "dylib",
+    "libetmlx_runner.dylib": "dylib",
     "etmlx_decode": "executable",
     "etmlx_bench": "executable",
     # a bundle on a Mac; a dylib here (cmake/macos/cross-fixups.cmake: Zig's linker)

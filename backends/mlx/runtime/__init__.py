@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -27,8 +28,10 @@ __all__ = ["BACKEND_ID", "kernels_info", "library_path", "load", "load_runner", 
 
 BACKEND_ID = "EtmlxBackend"
 
-_LIB_NAME = "libetmlx_backend.so"
-_RUNNER_LIB_NAME = "libetmlx_runner.so"
+# CMake names a shared library .dylib on macOS and .so elsewhere.
+_SHARED_SUFFIX = ".dylib" if sys.platform == "darwin" else ".so"
+_LIB_NAME = "libetmlx_backend" + _SHARED_SUFFIX
+_RUNNER_LIB_NAME = "libetmlx_runner" + _SHARED_SUFFIX
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _runner: ctypes.CDLL | None = None
