@@ -10,6 +10,7 @@ from pathlib import Path
 
 from backends.mlx.cli.draft_flags import add_draft_flags
 from backends.mlx.cli.knob_flags import add_knob_arguments, params_from_args
+from backends.mlx.llm.decoder.tool_formats import FORMATS as TOOL_FORMATS
 from backends.mlx.llm.sampler.knobs import FEATURE_FLAGS, parse_features
 
 DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
@@ -80,7 +81,7 @@ def run_export(args) -> int:
                             seeded=args.seeded, tokenizer=tokenizer, progress=say,
                             external_weights=args.external_weights, pipelined=args.pipelined,
                             verify=args.verify, draft_tokens=args.draft_tokens,
-                            propose_tokens=args.propose_tokens)
+                            propose_tokens=args.propose_tokens, tool_call_format=args.tool_call_format)
     say("done")
     written = f"{args.out} ({Path(args.out).stat().st_size / 1e6:.1f} MB)"
     ptd = weights_path(args.out)
@@ -195,6 +196,9 @@ def add_parsers(sub) -> None:
                         help="a draft model's program: each call returns K tokens (the plain token and the K - 1 "
                              "greedy steps after it), so a --draft-model proposal is one call; plain sampler, "
                              "unpipelined; default 0: one token per call")
+    export.add_argument("--tool-call-format", choices=TOOL_FORMATS, default=None,
+                        help="the call syntax of tool calls (default: detected from the chat template; generic for a "
+                             "template without tools)")
     export.set_defaults(func=run_export)
 
     generate = sub.add_parser("generate", help="decode on the device from an exported .pte, streaming text")
