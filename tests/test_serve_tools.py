@@ -16,7 +16,7 @@ import urllib.request
 from backends.mlx.llm.decoder.tool_formats import FORMATS
 from backends.mlx.llm.decoder.tool_output import ToolOutput
 from backends.mlx.serve.app import ServerThread
-from serve_helpers import tiny_pte
+from serve_helpers import lmtp_exchange, tiny_pte
 from tool_helpers import ADD, TOOLS, WEATHER, tool_pte, use_format
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]  # an export and hundreds of constrained requests
@@ -216,3 +216,32 @@ def test_a_program_without_the_mask_refuses_required(tmp_path_factory):
             assert "allowed-token mask" in r["error"]["message"]
     finally:
         srv.stop()
+
+
+def test_lmtp_generate_takes_tools(server):
+    """LMTP: the client renders the prompt and parses; the server constrains the tokens to the call syntax."""
+    import asyncio
+
+    from backends.mlx.llm.decoder.tool_calls import parse_tools
+    from backends.mlx.llm.decoder.tool_prompt import tool_chat_text
+
+    use_format(server.service, "hermes")
+    tok = server.service.tokenizer
+    prompt = tool_chat_text(tok, ASK, parse_tools(TOOLS), "hermes")
+    frames = ['MODEL_INFO {"stream_id": 0}']
+    frames += [f'GENERATE {json.dumps({"stream_id": s, "prompt": prompt, "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 300, "seed": s, "temperature": 1.0})}'
+               for s in (1, 2, 3)]
+    frames.append(f'GENERATE {json.dumps({"stream_id": 9, "prompt": prompt, "tools": TOOLS, "tool_choice": "maybe"})}')
+    done = lambda ms: sum(e.get("finish_reason") is not None for k, p in ms if k == "TOKEN" for e in p) >= 4
+    messages = asyncio.run(lmtp_exchange(server, frames, done, timeout=120))
+    info = next(p for k, p in messages if k == "MSG")
+    assert info["model_info"]["tool_call_format"] == "hermes"
+    entries = [e for k, p in messages if k == "TOKEN" for e in p]
+    assert any(e["stream_id"] == 9 and "tool_choice" in e.get("error", "") for e in entries)
+    for s in (1, 2, 3):
+        ids = [e["token"] for e in entries if e["stream_id"] == s and e["token"] is not None]
+        assert [e["finish_reason"] for e in entries if e["stream_id"] == s][-1] == "stop"
+        text = tok.decode([t for t in ids if t not in server.service.meta.eos_token_ids], skip_special_tokens=False)
+        content, calls = ToolOutput("hermes", set(SCHEMAS)).split(text)
+        assert content == "" and len(calls) == 1
+        jsonschema.validate(calls[0].call.arguments, SCHEMAS[calls[0].call.name])
