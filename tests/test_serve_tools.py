@@ -62,7 +62,10 @@ def test_every_tool_choice_mode(server, client, fmt):
     use_format(server.service, fmt)
     required = _ask(client, tool_choice="required").choices[0]
     assert required.finish_reason == "tool_calls" and required.message.tool_calls
-    assert all(_valid(c) and c.id.startswith("call_") and c.type == "function" for c in required.message.tool_calls)
+    assert all(_valid(c) and c.type == "function" for c in required.message.tool_calls)
+    ids = [c.id for c in required.message.tool_calls]
+    assert len(set(ids)) == len(ids) and all((len(i) == 9 and i.isalnum()) if fmt == "mistral" else
+                                             i.startswith("call_") for i in ids)  # Mistral's templates want 9
     named = _ask(client, tool_choice={"type": "function", "function": {"name": "add"}}).choices[0]
     assert named.finish_reason == "tool_calls"
     assert {c.function.name for c in named.message.tool_calls} == {"add"} and all(map(_valid, named.message.tool_calls))
@@ -245,3 +248,18 @@ def test_lmtp_generate_takes_tools(server):
         content, calls = ToolOutput("hermes", set(SCHEMAS)).split(text)
         assert content == "" and len(calls) == 1
         jsonschema.validate(calls[0].call.arguments, SCHEMAS[calls[0].call.name])
+
+
+def test_repeated_tools_compile_once(server, client, monkeypatch):
+    """Each turn of a tool conversation sends the same tools: the grammar is compiled once, then copied."""
+    use_format(server.service, "hermes")
+    _ask(client, tool_choice="required", max_tokens=1)  # the vocabulary exists
+    vocabulary = server.service.grammar._vocabulary
+    compiles = []
+    real = vocabulary.matchers
+    monkeypatch.setattr(vocabulary, "matchers", lambda c, n=1: compiles.append(c) or real(c, n))
+    tools = [{"type": "function", "function": {**ADD["function"], "name": "add_once"}}]
+    answers = [_ask(client, tools=tools, tool_choice="required", parallel_tool_calls=False, seed=s).choices[0]
+               for s in range(3)]
+    assert len(compiles) == 1
+    assert all(a.message.tool_calls[0].function.name == "add_once" for a in answers)

@@ -138,7 +138,7 @@ def test_schema_limits_and_strictness(tok, lltok):
         deep = {"type": "object", "properties": {"x": deep}}
     tools = parse_tools([{"type": "function", "function": {"name": "f", "parameters": deep}}])
     with pytest.raises(ConstraintError, match="function 'f' parameters: .*nested"):
-        ToolRequest(tools, "required").constraint(tok, GrammarLimits())
+        ToolRequest(tools, "required").check_limits(GrammarLimits())
     # a keyword llguidance does not enforce: an error for a strict function, ignored for the others
     for strict in (True, False):
         tools = parse_tools([{"type": "function", "function": {"name": "f", "strict": strict, "parameters": {

@@ -118,6 +118,10 @@ def _bench(args) -> int:
         from backends.mlx.bench import cpu_gemm
 
         return cpu_gemm.main(args.json)
+    if args.what == "tools":
+        from backends.mlx.bench import tools
+
+        return tools.main(args.cache_dir, args.json, repeats=args.repeats or 30)
     if args.what == "prompt-cache":
         from backends.mlx.bench import prompt_cache
 
@@ -154,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     llm_cli.add_parsers(sub)
     serve_cli.add_parsers(sub)
     bench = sub.add_parser("bench", help="benchmarks with same-run baselines")
-    bench.add_argument("what", choices=["sampler", "agreement", "decode", "serve", "gemm", "qmm", "structured", "pipeline", "speculative", "prompt-cache", "gpu-kit"], help="which benchmark (gpu-kit: write the programs bench/gpu_device.py "
+    bench.add_argument("what", choices=["sampler", "agreement", "decode", "serve", "gemm", "qmm", "structured", "pipeline", "speculative", "prompt-cache", "tools", "gpu-kit"], help="which benchmark (gpu-kit: write the programs bench/gpu_device.py "
                        "measures on a GPU host)")
     bench.add_argument("--suite", choices=["all", "basic", "features"], default="all",
                        help="sampler: basic (temperature by vocab and batch), features (top-k/top-p), or all")

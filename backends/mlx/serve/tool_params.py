@@ -9,6 +9,8 @@ refused, "auto" is parsed as written.
 
 from __future__ import annotations
 
+import json
+
 from backends.mlx.llm.decoder.constraints import EXPORT_HINT, ConstraintError
 from backends.mlx.llm.decoder.grammar_limits import GrammarLimits
 from backends.mlx.llm.decoder.meta import PIPELINED_HINT
@@ -18,6 +20,7 @@ from backends.mlx.llm.decoder.tool_prompt import has_tool_messages
 from backends.mlx.serve.api_errors import ApiError
 
 FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call")
+CACHE_SIZE = 32
 
 
 def _choice(body: dict, legacy: bool):
@@ -40,7 +43,28 @@ def _choice(body: dict, legacy: bool):
 
 def tool_request(body: dict, chat: bool, service) -> ToolRequest | None:
     """The request's tools, or None when it has none (and no earlier calls in its messages); checked before the
-    prompt is rendered (the schemas' limits, whether the program can constrain what the choice asks)."""
+    prompt is rendered (the schemas' limits, whether the program can constrain what the choice asks). The last
+    CACHE_SIZE distinct tool fields are kept checked (with their grammar, ToolRequest.constraint): every turn of
+    a tool conversation sends the same tools, and checking 20 schemas costs milliseconds."""
+    if not chat or not any(body.get(f) is not None for f in FIELDS):
+        return _tool_request(body, chat, service)
+    try:
+        key = json.dumps([body.get(f) for f in FIELDS] + [has_tool_messages(body.get("messages")),
+                                                          tool_format(service.meta, service.tokenizer)])
+    except (TypeError, ValueError, RecursionError):  # not cached (the checks name what is wrong)
+        return _tool_request(body, chat, service)
+    cache = service.tool_requests
+    if key in cache:
+        cache.move_to_end(key)
+        return cache[key]
+    request = _tool_request(body, chat, service)
+    cache[key] = request
+    while len(cache) > CACHE_SIZE:
+        cache.popitem(last=False)
+    return request
+
+
+def _tool_request(body: dict, chat: bool, service) -> ToolRequest | None:
     given = [f for f in FIELDS if body.get(f) is not None]
     if not chat:
         if given:
@@ -98,8 +122,7 @@ async def tool_rows(service, tools: ToolRequest | None, count: int, has_constrai
     if can_constrain(service.meta) is not None:  # "auto" (tool_request refused the rest): parsed as written
         return None
     try:
-        constraint = await service.off_loop(tools.constraint, service.tokenizer,
-                                            service.grammar.limits if service.grammar is not None else None)
+        constraint = await service.off_loop(tools.constraint, service.tokenizer)  # limits: checked by tool_request
         if service.grammar is None:
             return [{"constraint": constraint} for _ in range(count)]
         matchers = await service.grammar.matchers(constraint, count)

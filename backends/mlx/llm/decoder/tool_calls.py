@@ -100,20 +100,23 @@ class ToolRequest:
             except ConstraintError as exc:
                 raise ConstraintError(f"function {tool.name!r} parameters: {exc}") from None
 
-    def constraint(self, tokenizer, limits: GrammarLimits | None = None) -> Constraint | None:
-        """The grammar of the answer (None for "none"); ConstraintError (one line) for a schema over the limits or
-        one that cannot be used."""
+    def constraint(self, tokenizer) -> Constraint | None:
+        """The grammar of the answer (None for "none"); ConstraintError (one line) for a schema that cannot be used.
+        Call check_limits first (once: it walks every schema)."""
         if not self.parses:
             return None
-        limits = limits or GrammarLimits()
-        self.check_limits(limits)
+        memo = self.__dict__.get("_constraint")  # the same request again (the server keeps recent ones)
+        if memo is not None and memo[0] is tokenizer:
+            return memo[1]
         tools = [t for t in self.tools if t.name in self.callable_names()]
         try:
             grammar = call_grammar(tools, self.fmt, "required" if self.must_call else "auto", self.parallel,
                                    added_tokens(tokenizer) if tokenizer is not None else {})
         except ToolError as exc:
             raise ConstraintError(str(exc)) from None
-        return Constraint("grammar", grammar)
+        constraint = Constraint("grammar", grammar)
+        object.__setattr__(self, "_constraint", (tokenizer, constraint))  # frozen: a memo, not state
+        return constraint
 
 
 def tool_format(meta, tokenizer) -> str:

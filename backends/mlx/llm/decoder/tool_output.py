@@ -22,8 +22,9 @@ class IssuedCall:
     call: ToolCall
 
 
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+def new_call_id(fmt: str = "hermes") -> str:
+    """A call's id; Mistral's templates accept only 9 letters and digits as the id a result answers."""
+    return uuid.uuid4().hex[:9] if fmt == "mistral" else f"call_{uuid.uuid4().hex[:24]}"
 
 
 class ToolOutput:
@@ -35,7 +36,7 @@ class ToolOutput:
         self.calls: list[IssuedCall] = []
 
     def _issue(self, calls: list[ToolCall]) -> list[IssuedCall]:
-        out = [IssuedCall(len(self.calls) + i, new_call_id(), c) for i, c in enumerate(calls)]
+        out = [IssuedCall(len(self.calls) + i, new_call_id(self.fmt), c) for i, c in enumerate(calls)]
         self.calls += out
         return out
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from backends.mlx.llm.decoder.constraints import EXPORT_HINT
+from backends.mlx.llm.decoder.grammar_limits import GrammarLimits
 from backends.mlx.llm.decoder.meta import PIPELINED_HINT
 from backends.mlx.llm.decoder.text_generation import stream_text
 from backends.mlx.llm.decoder.tool_calls import ToolRequest
@@ -44,6 +45,7 @@ def tool_constraint(decoder, tools: ToolRequest):
         if tools.must_call:
             raise ValueError(f"tool_choice {tools.choice!r} needs constrained decoding, and {why}")
         return None
+    tools.check_limits(GrammarLimits())
     return tools.constraint(decoder.tokenizer)
 
 
