@@ -17,7 +17,7 @@ from backends.mlx.llm.decoder.tool_formats import FORMATS
 from backends.mlx.llm.decoder.tool_output import ToolOutput
 from backends.mlx.serve.app import ServerThread
 from serve_helpers import lmtp_exchange, tiny_pte
-from tool_helpers import ADD, TOOLS, WEATHER, tool_pte, use_format
+from tool_helpers import ADD, TOOLS, tool_pte, use_format
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]  # an export and hundreds of constrained requests
 

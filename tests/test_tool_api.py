@@ -68,3 +68,8 @@ def test_chat_runs_the_calls_with_tool_exec(model, tmp_path, monkeypatch):
     calls = [line for line in ran.stderr.splitlines() if line.startswith("[tool call: add(")]
     assert calls and all(json.loads(line[len("[tool call: add("):-2]).keys() == {"a", "b"} for line in calls)
     assert "[result: ran add]" in ran.stderr
+
+
+def test_inspect_shows_the_tool_call_format(model):
+    ran = run_cli("inspect", model.pte)
+    assert ran.returncode == 0 and "tool-call format hermes" in ran.stdout

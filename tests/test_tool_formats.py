@@ -186,3 +186,16 @@ def test_prompts_carry_the_tools_and_the_history(fmt, tok):
     assert args in text and "4" in text.split("add")[-1]
     if fmt == "generic":
         assert SYNTAX["generic"].open in text and "<tool_response>\n4\n</tool_response>" in text
+
+
+def test_export_takes_a_tool_call_format():
+    from backends.mlx.cli.main import build_parser
+    from backends.mlx.llm.decoder.tool_formats import check_format
+
+    args = build_parser().parse_args(["export", "--model", "m", "--out", "o.pte", "--tool-call-format", "mistral"])
+    assert args.tool_call_format == "mistral"
+    assert build_parser().parse_args(["export", "--model", "m", "--out", "o.pte"]).tool_call_format is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["export", "--model", "m", "--out", "o.pte", "--tool-call-format", "nope"])
+    with pytest.raises(ValueError, match="unknown tool-call format 'nope'"):
+        check_format("nope")

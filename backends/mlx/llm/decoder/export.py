@@ -64,7 +64,10 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
     on a mismatch the file is removed and VerificationError names the first divergent step.
     `draft_tokens` K > 0: a program that verifies up to K drafted tokens per call (speculative_head.py);
     pipelined, its calls without drafts need not wait for their outputs (pipelined_verify.py).
-    `propose_tokens` K > 1: a draft model's program returning K tokens per call (proposer.py)."""
+    `propose_tokens` K > 1: a draft model's program returning K tokens per call (proposer.py).
+    `tool_call_format`: the call syntax of tool calls (tool_formats.py; default: detected from the chat template)."""
+    if tool_call_format:
+        check_format(tool_call_format)  # before the export's minutes
     config = config or SamplerConfig()
     if config.expose_counts:
         raise ValueError("expose_counts is for sampler tests, not decoder programs")
@@ -134,7 +137,7 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
                              pipelined=pipelined, draft_tokens=draft_tokens, propose_tokens=propose_tokens,
                              ring_cache=any(lm.ring_window(i) is not None for i in lm.layers))
     # the tool-call syntax: given, else the one the chat template teaches (tool_formats.detect_format)
-    meta.tool_call_format = (check_format(tool_call_format) if tool_call_format else
+    meta.tool_call_format = (tool_call_format if tool_call_format else
                              detect_format(getattr(tokenizer, "chat_template", None)) if tokenizer is not None else "")
     blobs[META_KEY] = meta.to_json()
     # A one-row draft program's call without drafts (verify [1, 1]) runs the plain step stored beside it, the
