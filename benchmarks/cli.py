@@ -108,6 +108,12 @@ def _qmm(args) -> int:
     return quantized_matmul.main(args.json, repeats=args.repeats)
 
 
+def _tools(args) -> int:
+    from benchmarks import tools
+
+    return tools.main(args.cache_dir, args.json, repeats=args.repeats or 30)
+
+
 def _gpu_kit(args) -> int:
     from benchmarks import gpu_kit
 
@@ -183,6 +189,10 @@ def add_parsers(bench: argparse.ArgumentParser) -> None:
     p = sub.add_parser("prompt-cache", help="what the prompt cache saves on the built-in model")
     _common(p, repeats="3", cache=True)
     p.set_defaults(func=_prompt_cache)
+
+    p = sub.add_parser("tools", help="tool calls that parse and validate, and TTFT with 20 tools vs none")
+    _common(p, repeats="30", cache=True)
+    p.set_defaults(func=_tools)
 
     p = sub.add_parser("gpu-kit", help="programs, inputs and a manifest for a GPU host (gpu_device.py runs them)")
     p.add_argument("--cache-dir", default=CACHE_DIR, help="where checkpoints and programs are cached")

@@ -146,9 +146,18 @@ def _recorded(responses: Iterator[Response], ids: list[int], cache: PromptCache)
 
 
 def generate(model: Model, prompt, max_tokens: int | None = None, *, verbose: bool = False, stop=(),
-             **options) -> str:
+             tools=None, tool_choice="auto", parallel_tool_calls: bool = True, **options):
     """The whole generated text; with verbose, also streamed to stdout followed by the counts and rates.
-    `options`: stream_generate's (prompt_cache, the draft options, sampling)."""
+    `options`: stream_generate's (prompt_cache, the draft options, sampling).
+
+    With `tools` (OpenAI's list of {"type": "function", "function": {...}}), `prompt` is the chat messages (they
+    may hold earlier calls and `tool` results) and the answer is a ToolReply: `.content`, `.tool_calls` (parsed:
+    `.name`, `.arguments` as a dict), `.finish_reason`, and `.message()` to append to the conversation.
+    `tool_choice`: "auto", "required", "none" or a function's name; on a program exported with the mask input the
+    calls are constrained to parse and match each function's parameters schema (llm/decoder/tool_calls.py)."""
+    if tools is not None:
+        return _tool_reply(model, prompt, max_tokens, stop, tools, tool_choice, parallel_tool_calls, verbose,
+                           options)
     pieces, last = [], None
     for last in stream_generate(model, prompt, max_tokens, stop=stop, **options):
         pieces.append(last.text)
@@ -162,3 +171,28 @@ def generate(model: Model, prompt, max_tokens: int | None = None, *, verbose: bo
         if isinstance(model, SpeculativeDecoder):
             print(f"Drafts: {last.accepted_draft_tokens} of {last.proposed_draft_tokens} accepted")
     return "".join(pieces)
+
+
+def _tool_reply(model, messages, max_tokens, stop, tools, tool_choice, parallel, verbose, options):
+    from backends.mlx.llm.decoder.tool_calls import ToolRequest, parse_tools, tool_format
+    from backends.mlx.llm.decoder.tool_turn import tool_turn
+
+    _check_model(model)
+    if options.get("prompt_cache") is not None or any(options.get(k) is not None for k in
+                                                      ("prediction", "draft", "num_draft_tokens", "draft_model")):
+        raise ValueError("generate(tools=...) takes the conversation whole: no prompt_cache or draft options")
+    sampling = {k: v for k, v in options.items() if k not in ("prompt_cache", "prediction", "draft",
+                                                              "num_draft_tokens", "draft_model")}
+    if not isinstance(tool_choice, str):
+        raise TypeError("tool_choice must be 'auto', 'required', 'none' or a function's name")
+    choice, name = (tool_choice, None) if tool_choice in ("auto", "required", "none") else ("function", tool_choice)
+    request = ToolRequest(parse_tools(tools), choice, name, bool(parallel),
+                          tool_format(model.meta, model.tokenizer))
+    show = (lambda piece: print(piece, end="", flush=True)) if verbose else None
+    reply, _, _ = tool_turn(model, messages, request, max_tokens or DEFAULT_MAX_TOKENS, _params(sampling), stop,
+                            on_text=show)
+    if verbose:
+        for call in reply.tool_calls:
+            print(f"\n[tool call] {call.name}({call.arguments_json})", flush=True)
+        print()
+    return reply

@@ -10,6 +10,9 @@ exchanges are dropped, and said so (the next turn then prefills from the start).
 --prompt-cache FILE keeps the conversation in FILE (llm/decoder/cache_file.py: its messages, tokens and KV
 entries): saved after each reply and /reset, resumed from it at start when it exists (the same program), so
 the first turn after a restart prefills only itself.
+--tools FILE lets the model call functions (llm/decoder/tool_turn.py): each call is shown on stderr and its result
+read from stdin (or from --tool-exec COMMAND, which gets the call as JSON on stdin), then the model answers again
+with the results, up to MAX_TOOL_ROUNDS times a turn.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import sys
 from pathlib import Path
 
 HELP = "[etmlx chat: type a message; /reset clears the conversation, /exit or Ctrl-D ends]"
+MAX_TOOL_ROUNDS = 8  # answers with calls in a row before the turn is ended (a model that never stops calling)
+TOOL_EXEC_TIMEOUT = 60.0
 
 
 def _say(msg: str) -> None:
@@ -26,8 +31,9 @@ def _say(msg: str) -> None:
 
 
 class Conversation:
-    def __init__(self, tokenizer, max_seq_len: int, max_tokens: int, system_prompt: str | None = None):
+    def __init__(self, tokenizer, max_seq_len: int, max_tokens: int, system_prompt: str | None = None, tools=None):
         self.tokenizer, self.max_seq_len = tokenizer, max_seq_len
+        self.tools = tools  # a ToolRequest: the prompt renders them, and calls and results are turns
         # room kept for each reply: the reply limit, but at most a quarter of the cache, so that a
         # long limit does not leave room for only the newest message
         self.reserve = max(1, min(max_tokens, max_seq_len // 4))
@@ -40,19 +46,31 @@ class Conversation:
     def prompt_for(self, text: str) -> list[int] | None:
         """The prompt ids with `text` as the next user turn, dropping the oldest exchanges to fit; None
         (and the turn not kept) when the message alone does not fit."""
-        from backends.mlx.llm.decoder.prompt import chat_prompt
-
         self.turns.append({"role": "user", "content": text})
+        return self.fit()
+
+    def render(self) -> list[int]:
+        from backends.mlx.llm.decoder.prompt import chat_prompt
+        from backends.mlx.llm.decoder.tool_prompt import tool_chat_prompt
+
+        if self.tools is None:
+            return chat_prompt(self.tokenizer, self.system + self.turns)
+        return tool_chat_prompt(self.tokenizer, self.system + self.turns, self.tools.tools, self.tools.fmt)
+
+    def fit(self) -> list[int] | None:
+        """The prompt ids of the conversation so far, dropping the oldest exchanges to fit; None (and the newest
+        user turn dropped) when that message alone does not fit."""
         while True:
-            ids = chat_prompt(self.tokenizer, self.system + self.turns)
+            ids = self.render()
             if len(ids) + self.reserve <= self.max_seq_len:
                 return ids
-            if len(self.turns) <= 1:
-                self.turns.pop()
+            if sum(t["role"] == "user" for t in self.turns) <= 1:
+                self.turns = self.turns[:max(i for i, t in enumerate(self.turns) if t["role"] == "user")]
                 _say(f"[this message makes a {len(ids)}-token prompt: with room for a reply it does not fit the "
                      f"program's max_seq_len {self.max_seq_len}; not sent]")
                 return None
-            self.turns = self.turns[2:]  # the oldest user message and its reply
+            # the oldest user message and what answers it (the reply, calls and results)
+            self.turns = self.turns[next(i for i, t in enumerate(self.turns) if i and t["role"] == "user"):]
             _say(f"[the conversation is full (max_seq_len {self.max_seq_len}): dropped the oldest exchange]")
 
     def answered(self, reply: str) -> None:
@@ -71,7 +89,7 @@ class Conversation:
         _, held, metadata = cache_file.load(path, decoder)
         try:
             turns = json.loads(metadata["etmlx.chat.turns"])
-            if not all(isinstance(t, dict) and set(t) == {"role", "content"} for t in turns):
+            if not all(isinstance(t, dict) and {"role", "content"} <= set(t) for t in turns):
                 raise ValueError
         except (KeyError, ValueError, TypeError):
             raise ValueError(f"{path} holds no etmlx chat (saved by another tool?)") from None
@@ -94,7 +112,8 @@ def run_chat(args, params) -> int:
                          "--ignore-chat-template for raw text")
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    chat = Conversation(tokenizer, decoder.meta.max_seq_len, args.max_tokens, args.system_prompt)
+    tools = _tools_from_args(args, decoder)
+    chat = Conversation(tokenizer, decoder.meta.max_seq_len, args.max_tokens, args.system_prompt, tools)
     store = getattr(args, "prompt_cache", None)
     if store:
         from backends.mlx.llm.decoder.cache_file import check_no_rings
@@ -131,6 +150,9 @@ def run_chat(args, params) -> int:
         prompt = chat.prompt_for(text)
         if prompt is None:
             continue
+        if tools is not None:
+            _tool_exchange(chat, decoder, args, params, tools)
+            continue
         budget = min(args.max_tokens, decoder.meta.max_seq_len - len(prompt))
         reply, last, ids = [], None, []
         for last in stream_text(decoder, prompt, budget, params, args.stop, tokenizer, reuse=True, speculation=drafts):
@@ -146,3 +168,68 @@ def run_chat(args, params) -> int:
     if drafts is not None:
         _say(f"[speculative decoding: {accepted} of {proposed} drafted tokens accepted]")
     return 0
+
+
+def _tools_from_args(args, decoder):
+    """--tools FILE as a ToolRequest (None without it); a bad file is one line naming it."""
+    if not getattr(args, "tools", None):
+        if getattr(args, "tool_exec", None):
+            raise ValueError("--tool-exec needs --tools")
+        return None
+    from backends.mlx.llm.decoder.tool_calls import ToolRequest, parse_tools, tool_format
+    from backends.mlx.llm.decoder.tool_turn import tool_constraint
+
+    try:
+        raw = json.loads(Path(args.tools).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--tools {args.tools}: {exc}") from None
+    choice = args.tool_choice
+    named = choice not in ("auto", "required", "none")
+    request = ToolRequest(parse_tools(raw, f"--tools {args.tools}"), "function" if named else choice,
+                          choice if named else None, True, tool_format(decoder.meta, decoder.tokenizer))
+    tool_constraint(decoder, request)  # "required" on a program that cannot constrain: refused before the chat
+    return request
+
+
+def _run_tool(command: str | None, call) -> str:
+    """The result of one call: --tool-exec's stdout, or a line the user types."""
+    if command is None:
+        _say(f"[result of {call.name}? one line]")
+        return sys.stdin.readline().rstrip("\r\n")
+    import shlex
+    import subprocess
+
+    payload = json.dumps({"name": call.name, "arguments": call.arguments})
+    try:
+        done = subprocess.run(shlex.split(command), input=payload, capture_output=True, text=True,
+                              timeout=TOOL_EXEC_TIMEOUT)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"error: {exc}"
+    if done.returncode != 0:
+        return f"error: exit status {done.returncode}: {done.stderr.strip()[:500]}"
+    return done.stdout.strip()
+
+
+def _tool_exchange(chat: Conversation, decoder, args, params, tools) -> None:
+    """One user turn with tools: answer, run the calls, give the results back, until an answer calls nothing."""
+    import dataclasses
+
+    from backends.mlx.llm.decoder.tool_turn import tool_turn
+
+    request = tools
+    for _ in range(MAX_TOOL_ROUNDS):
+        if chat.fit() is None:
+            return
+        reply, _, _ = tool_turn(decoder, chat.system + chat.turns, request, args.max_tokens, params, args.stop,
+                                on_text=lambda piece: print(piece, end="", flush=True), reuse=True)
+        print(flush=True)
+        chat.turns.append(reply.message())
+        if not reply.tool_calls:
+            return
+        for call_id, call in zip(reply.ids, reply.tool_calls):
+            _say(f"[tool call: {call.name}({call.arguments_json})]")
+            result = _run_tool(args.tool_exec, call)
+            _say(f"[result: {result}]")
+            chat.turns.append({"role": "tool", "tool_call_id": call_id, "content": result})
+        request = dataclasses.replace(tools, choice="auto", function=None)  # after results: answer or call again
+    _say(f"[{MAX_TOOL_ROUNDS} answers in a row called tools: turn ended]")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from backends.mlx.cli.draft_flags import add_draft_flags
 from backends.mlx.cli.knob_flags import add_knob_arguments, params_from_args
+from backends.mlx.llm.decoder.tool_formats import FORMATS as TOOL_FORMATS
 from backends.mlx.llm.sampler.knobs import FEATURE_FLAGS, parse_features
 
 from backends.mlx.llm.decoder.from_checkpoint import DEFAULT_SAMPLER as DEFAULT_FEATURES
@@ -44,7 +45,7 @@ def run_export(args) -> int:
             batch=args.batch, sampler=args.sampler, logprobs=args.logprobs, logprobs_mode=args.logprobs_mode,
             seeded=args.seeded, pipelined=args.pipelined, verify=args.verify, draft_tokens=args.draft_tokens,
             propose_tokens=args.propose_tokens, external_weights=args.external_weights, progress=_progress(),
-            adapter=args.adapter)
+            adapter=args.adapter, tool_call_format=args.tool_call_format)
     except (ValueError, IsADirectoryError) as exc:  # the option names of the Python API, as this command's flags
         raise type(exc)(_as_flags(str(exc))) from None
     from backends.mlx.exporter.export import weights_path
@@ -136,6 +137,9 @@ def add_parsers(sub) -> None:
                              "unpipelined; default 0: one token per call")
     export.add_argument("--adapter", metavar="DIR", help="a LoRA adapter directory (mlx-lm's adapters.safetensors or "
                         "PEFT's adapter_model.safetensors, with adapter_config.json) fused into the weights")
+    export.add_argument("--tool-call-format", choices=TOOL_FORMATS, default=None,
+                        help="the call syntax of tool calls (default: detected from the chat template; generic for a "
+                             "template without tools)")
     export.set_defaults(func=run_export)
 
     generate = sub.add_parser("generate", help="decode on the device from an exported .pte, streaming text")

@@ -47,6 +47,14 @@ def _inspect(args) -> int:
     except Exception as exc:  # noqa: BLE001 - any parse failure of a foreign file: say what it is not
         raise ValueError(f"{pte} is not a readable ExecuTorch .pte ({type(exc).__name__}: {exc})") from None
     print(text)
+    from backends.mlx.llm.decoder.meta import DecoderMeta
+
+    try:
+        meta = DecoderMeta.load(pte)
+    except (FileNotFoundError, ValueError):  # not a decoder program: nothing more to say
+        return 0
+    print(f"decoder: max_seq_len {meta.max_seq_len}, vocab {meta.vocab_size}, batch {meta.batch}, tool-call format "
+          f"{meta.tool_call_format or '(not stored: detected from the chat template when served)'}")
     return 0
 
 

@@ -25,11 +25,12 @@ class Piece:
     finish_reason: str | None = None
     error: str | None = None
     client_error: bool = False  # the error is the request's own grammar failing (400, not 500)
+    tool_calls: list = field(default_factory=list)  # tool_output.IssuedCall: calls this piece completes
 
 
 class ChoiceText:
-    def __init__(self, tokenizer, prompt: list[int], stops: list[str], eos_ids):
-        self.detok = IncrementalDetokenizer(tokenizer, prompt) if tokenizer is not None else None
+    def __init__(self, tokenizer, prompt: list[int], stops: list[str], eos_ids, keep_special: bool = False):
+        self.detok = IncrementalDetokenizer(tokenizer, prompt, keep_special) if tokenizer is not None else None
         self.stops = StopStrings(stops)
         self.eos_ids = set(eos_ids)
         self.completion_tokens = 0

@@ -6,6 +6,9 @@ In:  GENERATE {"stream_id", "prompt": [ids] or "text", "max_tokens", "top_logpro
                "logit_bias": {"id": bias}, "presence_penalty", "frequency_penalty",
                "repetition_penalty"}                          (every knob defaults to off: greedy)
               text is tokenized as everywhere else (llm/decoder/prompt.py: BOS as the tokenizer says)
+              "response_format" / "structured_outputs", and "tools" / "tool_choice" / "parallel_tool_calls" as in
+              /v1/chat/completions: the tokens follow the call syntax (MODEL_INFO's tool_call_format) and
+              the client, which renders the prompt, parses the calls
      SCORE    {"stream_id", "prompt": [ids], "scored": [ids]}  logprob of each scored token
      MODEL_INFO {"stream_id"}
 Out: TOKEN [{"token", "stream_id", "logprob", "finish_reason", "top_logprobs": {"id": lp}}, ...]
@@ -28,12 +31,14 @@ import math
 from typing import Awaitable, Callable
 
 from backends.mlx.llm.decoder.prompt import encode_prompt
+from backends.mlx.llm.decoder.tool_calls import tool_format
 from backends.mlx.llm.sampler.knobs import USER_KNOBS, enabled
 from backends.mlx.llm.sampler.params import SamplingParams
 from backends.mlx.serve.api_errors import ApiError
 from backends.mlx.serve.engine import EngineRequest, TokenEvent
 from backends.mlx.serve.json_text import parse_json_text
 from backends.mlx.serve.structured_params import constraint_from_body, structured_rows
+from backends.mlx.serve.tool_params import tool_request, tool_rows
 from backends.mlx.serve.service import Service, queue_sink
 
 log = logging.getLogger("etmlx.serve")
@@ -132,7 +137,8 @@ class LmtpSession:
             "batch": self.service.engine.usable, "eos_token_ids": meta.eos_token_ids, "model_type": meta.model_type,
             "logprobs": config.logprobs, "sampler": [i.name for k in USER_KNOBS if k.feature and enabled(k, config)
                                                        for i in k.program_inputs],
-            "score": bool(config.logprobs and config.logprobs_mode == "raw" and config.logit_bias)})
+            "score": bool(config.logprobs and config.logprobs_mode == "raw" and config.logit_bias),
+            "tool_call_format": tool_format(meta, self.service.tokenizer)})
 
     def _check_new(self, stream_id, payload) -> None:
         if stream_id in self.streams:
@@ -158,9 +164,11 @@ class LmtpSession:
         prompt = await self.service.off_loop(prompt_ids, text, self.service.tokenizer, meta.vocab_size)
         params = generate_params(payload)
         top = _top_logprobs(payload.get("top_logprobs"), meta.config.logprobs)
-        try:  # response_format / structured_outputs, as the OpenAI endpoints take them; compiled off the loop
+        try:  # response_format / structured_outputs, tools, as the OpenAI endpoints take them; compiled off the loop
             constraint = constraint_from_body(payload)
-            (extra,) = await structured_rows(self.service, constraint, 1, payload)
+            tools = tool_request({**payload, "messages": None}, True, self.service)  # the prompt is the client's
+            rows = await tool_rows(self.service, tools, 1, constraint is not None)
+            (extra,) = rows or await structured_rows(self.service, constraint, 1, payload)
         except ApiError as exc:
             raise LmtpError(exc.message) from None
         room = meta.max_seq_len - len(prompt)

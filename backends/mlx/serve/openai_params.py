@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 from backends.mlx.llm.decoder import prompt as prompt_rules
 from backends.mlx.llm.decoder.meta import DecoderMeta
+from backends.mlx.llm.decoder.tool_calls import ToolRequest
+from backends.mlx.llm.decoder.tool_prompt import tool_chat_prompt
 from backends.mlx.llm.sampler.knobs import SEED_LIMIT, USER_KNOBS, Knob, KnobError
 from backends.mlx.llm.sampler.params import SamplingParams
 from backends.mlx.serve.api_errors import ApiError
@@ -28,11 +30,11 @@ MAX_N = 16
 MAX_STOPS = 4
 # OpenAI fields this server does not implement: a 400 naming the field rather than silently
 # ignoring it (a client relying on them would get a different answer than it asked for).
-UNSUPPORTED = ("best_of", "echo", "suffix", "tools", "tool_choice", "functions", "function_call")
+UNSUPPORTED = ("best_of", "echo", "suffix")
 
 
 def check_unsupported(body: dict) -> None:
-    harmless = {"best_of": 1, "tool_choice": "none"}  # the values that ask for nothing beyond plain decoding
+    harmless = {"best_of": 1}  # the values that ask for nothing beyond plain decoding
     for name in UNSUPPORTED:
         value = body.get(name)
         if value is None or value is False or value == [] or value == harmless.get(name):
@@ -207,12 +209,16 @@ def build_job(body: dict, meta: DecoderMeta, prompt: list[int], *, chat: bool) -
                include_usage=bool((stream_options or {}).get("include_usage", False)))
 
 
-def chat_prompt(body: dict, tokenizer) -> list[int]:
+def chat_prompt(body: dict, tokenizer, tools: ToolRequest | None = None) -> list[int]:
+    """The chat's prompt ids; with `tools` (serve/tool_params.py), the tools and earlier calls and results rendered
+    in the program's tool-call format (llm/decoder/tool_prompt.py)."""
     if tokenizer is None:
         raise ApiError("chat needs a tokenizer and this .pte has none", param="messages")
     if not prompt_rules.has_chat_template(tokenizer):
         raise ApiError("this model's tokenizer has no chat template: use /v1/completions", param="messages")
     try:
+        if tools is not None:
+            return tool_chat_prompt(tokenizer, body.get("messages"), tools.tools, tools.fmt)
         return prompt_rules.chat_prompt(tokenizer, body.get("messages"))
     except (ValueError, TypeError) as exc:
         raise ApiError(str(exc).replace("messages must", "'messages' must", 1), param="messages") from None

@@ -24,6 +24,8 @@ from backends.mlx.serve.openai_params import (Job, build_job, chat_prompt, check
                                               prompt_text_bytes)
 from backends.mlx.serve.service import PromptTooLarge, Service
 from backends.mlx.serve.structured_params import constraint_from_body, structured_rows
+from backends.mlx.serve.tool_params import tool_request, tool_rows
+from backends.mlx.serve.tool_stream import delta_calls, message_calls, tool_pieces
 
 _STARTED = int(time.time())
 
@@ -72,19 +74,22 @@ class OpenAIRoutes:
             body = await _body(request)
             check_model(body, service.model_name)
             check_unsupported(body)
+            tools = tool_request(body, chat, service)  # serve/tool_params.py
             predicted = prediction_text(body)
             service.check_prompt_size(prompt_text_bytes(body, chat) + len((predicted or "").encode("utf-8")))
             # Templating and tokenizing a large prompt take a while: off the event loop.
-            prompt = await (service.off_loop(chat_prompt, body, service.tokenizer) if chat
+            prompt = await (service.off_loop(chat_prompt, body, service.tokenizer, tools) if chat
                             else service.off_loop(completion_prompt, body, service.tokenizer, service.meta))
             job = build_job(body, service.meta, prompt, chat=chat)
             if predicted is not None:
                 job.prediction = await service.off_loop(prediction_tokens, predicted, service.tokenizer, service.meta)
-            texts = [ChoiceText(service.tokenizer, prompt, job.stops, service.meta.eos_token_ids)
+            parses = tools is not None and tools.parses  # markers are special tokens: keep their text
+            texts = [ChoiceText(service.tokenizer, prompt, job.stops, service.meta.eos_token_ids, keep_special=parses)
                      for _ in job.choices]
             constraint = constraint_from_body(body)
             # compiled off the event loop, in a bounded worker first (serve/grammar_compiler.py): one per row
-            extras = await structured_rows(service, constraint, len(job.choices), body)
+            extras = (await tool_rows(service, tools, len(job.choices), constraint is not None)
+                      or await structured_rows(service, constraint, len(job.choices), body))
             if job.prediction is not None:  # each row its own source: it follows its own output
                 extras = [{**extra, "draft": PredictionDraft(job.prediction)} for extra in extras]
             rows = [(prompt, params, job.max_tokens, extra) for params, extra in zip(job.choices, extras)]
@@ -102,6 +107,8 @@ class OpenAIRoutes:
         except RuntimeError as exc:  # the engine stopped (shutting down)
             return error_response(ApiError(str(exc), status=503, type="server_error"))
         pieces = self._pieces(first, events, texts)
+        if parses:
+            pieces = tool_pieces(pieces, tools, len(texts))
         if job.stream:
             return await self._stream(request, job, chat, pieces, texts)
         return await self._collect(job, chat, pieces, texts)
@@ -131,6 +138,9 @@ class OpenAIRoutes:
         if chat:
             key = "delta" if stream else "message"
             message = {"content": piece.text} if stream else {"role": "assistant", "content": piece.text}
+            if piece.tool_calls and not stream:  # OpenAI: no content beside calls is null
+                message.update(content=piece.text if piece.text.strip() else None,
+                               tool_calls=message_calls(piece.tool_calls))
             return {"index": index, key: message, "logprobs": logprobs, "finish_reason": piece.finish_reason}
         return {"index": index, "text": piece.text, "logprobs": logprobs, "finish_reason": piece.finish_reason}
 
@@ -140,6 +150,7 @@ class OpenAIRoutes:
             merged[index].text += piece.text
             merged[index].tokens += piece.tokens
             merged[index].finish_reason = piece.finish_reason
+            merged[index].tool_calls += piece.tool_calls
             if piece.error and not merged[index].error:
                 merged[index].error, merged[index].client_error = piece.error, piece.client_error
         failed = [p for p in merged if p.error]
@@ -159,6 +170,16 @@ class OpenAIRoutes:
         return fmt.usage(len(job.prompt), sum(t.completion_tokens for t in texts), texts[0].cached_tokens,
                          prediction)
 
+    async def _stream_calls(self, response, chunk, job, index: int, piece: Piece, offset: int) -> None:
+        finish, piece.finish_reason = piece.finish_reason, None
+        if piece.text or piece.tokens:
+            await response.write(chunk([self._choice(job, True, index, piece, offset, stream=True)]))
+        for calls in delta_calls(piece.tool_calls):
+            await response.write(chunk([{"index": index, "delta": {"tool_calls": calls}, "logprobs": None,
+                                         "finish_reason": None}]))
+        if finish:
+            await response.write(chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": finish}]))
+
     async def _stream(self, request, job, chat, pieces, texts) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
@@ -177,9 +198,12 @@ class OpenAIRoutes:
             async for index, piece in pieces:
                 if piece.error:
                     await response.write(fmt.sse(_generation_error(piece).body()))
-                if not (piece.text or piece.tokens or piece.finish_reason):
+                if not (piece.text or piece.tokens or piece.finish_reason or piece.tool_calls):
                     continue
-                await response.write(chunk([self._choice(job, chat, index, piece, offsets[index], stream=True)]))
+                if piece.tool_calls:  # the content before the calls, each call (its name, then its arguments), the end
+                    await self._stream_calls(response, chunk, job, index, piece, offsets[index])
+                else:
+                    await response.write(chunk([self._choice(job, chat, index, piece, offsets[index], stream=True)]))
                 offsets[index] += len(piece.text)
             if job.include_usage:
                 await response.write(chunk([], usage=self._usage(job, texts)))

@@ -4,7 +4,8 @@ bridge from engine events (engine thread) to an asyncio queue (the handler's loo
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from backends.mlx.llm.decoder.meta import DecoderMeta
@@ -33,6 +34,7 @@ class Service:
     max_prompt_bytes: int = 4 * 1024 * 1024  # prompt text of one request (UTF-8 bytes)
     lmtp_inflight: int = 8  # unfinished streams per LMTP connection
     grammar: GrammarCompiler | None = None  # structured output: request grammars to matchers, off the loop
+    tool_requests: OrderedDict = field(default_factory=OrderedDict)  # recent checked tool fields (tool_params.py)
 
     async def stream_rows(self, requests: list[tuple[list[int], SamplingParams, int, dict]], keys: list
                           ) -> AsyncIterator[tuple[object, TokenEvent, int]]:

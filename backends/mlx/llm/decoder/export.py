@@ -25,6 +25,7 @@ import torch
 from backends.mlx.exporter.export import ExportResult, export_to_pte, weights_path
 from backends.mlx.exporter.plain_step import PlainStep
 from backends.mlx.llm.decoder.meta import META_KEY, TOKENIZER_PREFIX, DecoderMeta
+from backends.mlx.llm.decoder.tool_formats import check_format, detect_format
 from backends.mlx.llm.decoder.tokenizer_files import as_tokenizer, prompt_affixes, tokenizer_blobs
 from backends.mlx.llm.sampler.export import knob_examples
 from backends.mlx.llm.decoder.kv_cache import StaticCacheLM
@@ -53,7 +54,7 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
                    batch: int = 1, seeded: bool = True, tokenizer=None,
                    progress: Optional[Callable[[str], None]] = None, external_weights: bool = False,
                    pipelined: bool | None = None, verify: bool = True, draft_tokens: int = 0,
-                   propose_tokens: int = 0) -> ExportResult:
+                   propose_tokens: int = 0, tool_call_format: str | None = None) -> ExportResult:
     """Write `out` (.pte) holding the program, its DecoderMeta and, given one (a transformers tokenizer or
     a directory holding one), the tokenizer: the one file is all a decode loop needs. `external_weights`:
     the weights go to `out` with suffix .ptd instead (the runners load it from beside the .pte).
@@ -63,7 +64,10 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
     on a mismatch the file is removed and VerificationError names the first divergent step.
     `draft_tokens` K > 0: a program that verifies up to K drafted tokens per call (speculative_head.py);
     pipelined, its calls without drafts need not wait for their outputs (pipelined_verify.py).
-    `propose_tokens` K > 1: a draft model's program returning K tokens per call (proposer.py)."""
+    `propose_tokens` K > 1: a draft model's program returning K tokens per call (proposer.py).
+    `tool_call_format`: the call syntax of tool calls (tool_formats.py; default: detected from the chat template)."""
+    if tool_call_format:
+        check_format(tool_call_format)  # before the export's minutes
     config = config or SamplerConfig()
     if config.expose_counts:
         raise ValueError("expose_counts is for sampler tests, not decoder programs")
@@ -132,6 +136,9 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
                              prompt_affixes=prompt_affixes(tokenizer) if tokenizer is not None else ([], []),
                              pipelined=pipelined, draft_tokens=draft_tokens, propose_tokens=propose_tokens,
                              ring_cache=any(lm.ring_window(i) is not None for i in lm.layers))
+    # the tool-call syntax: given, else the one the chat template teaches (tool_formats.detect_format)
+    meta.tool_call_format = (tool_call_format if tool_call_format else
+                             detect_format(getattr(tokenizer, "chat_template", None)) if tokenizer is not None else "")
     blobs[META_KEY] = meta.to_bytes()
     # A one-row draft program's call without drafts (verify [1, 1]) runs the plain step stored beside it, the
     # plain program's graph over the same state (exporter/plain_step.py); with more rows verify is [B, K + 1].

@@ -63,8 +63,8 @@ class LightTokenizer:
             raise ValueError("this tokenizer has no chat template")
         if self._template is None:
             self._template = _compile(self.chat_template)
-        text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
-                                     documents=None, **{**self.special_tokens_map, **kwargs})
+        values = {"tools": None, "documents": None, **self.special_tokens_map, **kwargs}  # tools: the template's own
+        text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **values)
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 

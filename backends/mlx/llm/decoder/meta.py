@@ -193,6 +193,10 @@ class DecoderMeta:
     # Tokens each call returns per row (--propose-tokens K, a draft model's program, proposer.py): output 0
     # is [B, K], its column 0 the plain program's token. 0: a plain [B] output.
     propose_tokens: int = 0
+    # The call syntax of tool calls (llm/decoder/tool_formats.py: hermes, llama3_json, mistral, generic), detected
+    # from the chat template at export or given with --tool-call-format. "": exported before the field (the
+    # server detects it from the template then).
+    tool_call_format: str = ""
 
     @classmethod
     def build(cls, *, max_seq_len, vocab_size, batch, eos_token_ids, seeded, config: SamplerConfig, dtype,

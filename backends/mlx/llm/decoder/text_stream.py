@@ -13,14 +13,17 @@ _CONTEXT = 4  # prompt tokens kept as decoding context for the first generated t
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_ids=()):
+    def __init__(self, tokenizer, prompt_ids=(), keep_special: bool = False):
+        """keep_special: special tokens come out as their text (tool-call markers such as [TOOL_CALLS])."""
         self.tokenizer = tokenizer
+        self.skip_special = not keep_special
         self.ids = list(prompt_ids)[-_CONTEXT:]
         self.prefix = 0  # window start
         self.read = len(self.ids)  # ids before this are already emitted
 
     def _decode(self, ids) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special,
+                                     clean_up_tokenization_spaces=False)
 
     def add(self, token: int) -> str:
         """The text `token` completes ('' while a character is still incomplete)."""

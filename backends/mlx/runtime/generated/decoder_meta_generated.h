@@ -470,7 +470,8 @@ struct DecoderMeta FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
     VT_DRAFT_TOKENS = 36,
     VT_RING_CACHE = 38,
     VT_VERIFY_MIN_WIDTH = 40,
-    VT_PROPOSE_TOKENS = 42
+    VT_PROPOSE_TOKENS = 42,
+    VT_TOOL_CALL_FORMAT = 44
   };
   int64_t max_seq_len() const {
     return GetField<int64_t>(VT_MAX_SEQ_LEN, 0);
@@ -532,6 +533,9 @@ struct DecoderMeta FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   int64_t propose_tokens() const {
     return GetField<int64_t>(VT_PROPOSE_TOKENS, 0);
   }
+  const ::flatbuffers::String *tool_call_format() const {
+    return GetPointer<const ::flatbuffers::String *>(VT_TOOL_CALL_FORMAT);
+  }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
     return VerifyTableStart(verifier) &&
@@ -569,6 +573,8 @@ struct DecoderMeta FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
            VerifyField<uint8_t>(verifier, VT_RING_CACHE, 1) &&
            VerifyField<int64_t>(verifier, VT_VERIFY_MIN_WIDTH, 8) &&
            VerifyField<int64_t>(verifier, VT_PROPOSE_TOKENS, 8) &&
+           VerifyOffset(verifier, VT_TOOL_CALL_FORMAT) &&
+           verifier.VerifyString(tool_call_format()) &&
            verifier.EndTable();
   }
 };
@@ -637,6 +643,9 @@ struct DecoderMetaBuilder {
   void add_propose_tokens(int64_t propose_tokens) {
     fbb_.AddElement<int64_t>(DecoderMeta::VT_PROPOSE_TOKENS, propose_tokens, 0);
   }
+  void add_tool_call_format(::flatbuffers::Offset<::flatbuffers::String> tool_call_format) {
+    fbb_.AddOffset(DecoderMeta::VT_TOOL_CALL_FORMAT, tool_call_format);
+  }
   explicit DecoderMetaBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
         : fbb_(_fbb) {
     start_ = fbb_.StartTable();
@@ -670,7 +679,8 @@ inline ::flatbuffers::Offset<DecoderMeta> CreateDecoderMeta(
     int64_t draft_tokens = 0,
     ::flatbuffers::Optional<bool> ring_cache = ::flatbuffers::nullopt,
     int64_t verify_min_width = 0,
-    int64_t propose_tokens = 0) {
+    int64_t propose_tokens = 0,
+    ::flatbuffers::Offset<::flatbuffers::String> tool_call_format = 0) {
   DecoderMetaBuilder builder_(_fbb);
   builder_.add_propose_tokens(propose_tokens);
   builder_.add_verify_min_width(verify_min_width);
@@ -678,6 +688,7 @@ inline ::flatbuffers::Offset<DecoderMeta> CreateDecoderMeta(
   builder_.add_batch(batch);
   builder_.add_vocab_size(vocab_size);
   builder_.add_max_seq_len(max_seq_len);
+  builder_.add_tool_call_format(tool_call_format);
   builder_.add_prompt_suffix_ids(prompt_suffix_ids);
   builder_.add_prompt_prefix_ids(prompt_prefix_ids);
   builder_.add_format(format);
@@ -716,7 +727,8 @@ inline ::flatbuffers::Offset<DecoderMeta> CreateDecoderMetaDirect(
     int64_t draft_tokens = 0,
     ::flatbuffers::Optional<bool> ring_cache = ::flatbuffers::nullopt,
     int64_t verify_min_width = 0,
-    int64_t propose_tokens = 0) {
+    int64_t propose_tokens = 0,
+    const char *tool_call_format = nullptr) {
   auto eos_token_ids__ = eos_token_ids ? _fbb.CreateVector<int64_t>(*eos_token_ids) : 0;
   auto dtype__ = dtype ? _fbb.CreateString(dtype) : 0;
   auto model_type__ = model_type ? _fbb.CreateString(model_type) : 0;
@@ -727,6 +739,7 @@ inline ::flatbuffers::Offset<DecoderMeta> CreateDecoderMetaDirect(
   auto format__ = format ? _fbb.CreateString(format) : 0;
   auto prompt_prefix_ids__ = prompt_prefix_ids ? _fbb.CreateVector<int64_t>(*prompt_prefix_ids) : 0;
   auto prompt_suffix_ids__ = prompt_suffix_ids ? _fbb.CreateVector<int64_t>(*prompt_suffix_ids) : 0;
+  auto tool_call_format__ = tool_call_format ? _fbb.CreateString(tool_call_format) : 0;
   return backends::mlx::serialization::generated::fb::CreateDecoderMeta(
       _fbb,
       max_seq_len,
@@ -748,7 +761,8 @@ inline ::flatbuffers::Offset<DecoderMeta> CreateDecoderMetaDirect(
       draft_tokens,
       ring_cache,
       verify_min_width,
-      propose_tokens);
+      propose_tokens,
+      tool_call_format__);
 }
 
 inline const backends::mlx::serialization::generated::fb::DecoderMeta *GetDecoderMeta(const void *buf) {

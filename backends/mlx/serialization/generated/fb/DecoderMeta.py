@@ -276,8 +276,15 @@ class DecoderMeta(object):
             return self._tab.Get(flatbuffers.number_types.Int64Flags, o + self._tab.Pos)
         return 0
 
+    # DecoderMeta
+    def ToolCallFormat(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(44))
+        if o != 0:
+            return self._tab.String(o + self._tab.Pos)
+        return None
+
 def DecoderMetaStart(builder):
-    builder.StartObject(20)
+    builder.StartObject(21)
 
 def Start(builder):
     DecoderMetaStart(builder)
@@ -438,6 +445,12 @@ def DecoderMetaAddProposeTokens(builder, proposeTokens):
 def AddProposeTokens(builder, proposeTokens):
     DecoderMetaAddProposeTokens(builder, proposeTokens)
 
+def DecoderMetaAddToolCallFormat(builder, toolCallFormat):
+    builder.PrependUOffsetTRelativeSlot(20, flatbuffers.number_types.UOffsetTFlags.py_type(toolCallFormat), 0)
+
+def AddToolCallFormat(builder, toolCallFormat):
+    DecoderMetaAddToolCallFormat(builder, toolCallFormat)
+
 def DecoderMetaEnd(builder):
     return builder.EndObject()
 
@@ -476,6 +489,7 @@ class DecoderMetaT(object):
         ringCache = None,
         verifyMinWidth = 0,
         proposeTokens = 0,
+        toolCallFormat = None,
     ):
         self.maxSeqLen = maxSeqLen  # type: int
         self.vocabSize = vocabSize  # type: int
@@ -497,6 +511,7 @@ class DecoderMetaT(object):
         self.ringCache = ringCache  # type: Optional[bool]
         self.verifyMinWidth = verifyMinWidth  # type: int
         self.proposeTokens = proposeTokens  # type: int
+        self.toolCallFormat = toolCallFormat  # type: Optional[str]
 
     @classmethod
     def InitFromBuf(cls, buf, pos):
@@ -571,6 +586,7 @@ class DecoderMetaT(object):
         self.ringCache = decoderMeta.RingCache()
         self.verifyMinWidth = decoderMeta.VerifyMinWidth()
         self.proposeTokens = decoderMeta.ProposeTokens()
+        self.toolCallFormat = decoderMeta.ToolCallFormat()
 
     # DecoderMetaT
     def Pack(self, builder):
@@ -632,6 +648,8 @@ class DecoderMetaT(object):
                 for i in reversed(range(len(self.promptSuffixIds))):
                     builder.PrependInt64(self.promptSuffixIds[i])
                 promptSuffixIds = builder.EndVector()
+        if self.toolCallFormat is not None:
+            toolCallFormat = builder.CreateString(self.toolCallFormat)
         DecoderMetaStart(builder)
         DecoderMetaAddMaxSeqLen(builder, self.maxSeqLen)
         DecoderMetaAddVocabSize(builder, self.vocabSize)
@@ -664,5 +682,7 @@ class DecoderMetaT(object):
         DecoderMetaAddRingCache(builder, self.ringCache)
         DecoderMetaAddVerifyMinWidth(builder, self.verifyMinWidth)
         DecoderMetaAddProposeTokens(builder, self.proposeTokens)
+        if self.toolCallFormat is not None:
+            DecoderMetaAddToolCallFormat(builder, toolCallFormat)
         decoderMeta = DecoderMetaEnd(builder)
         return decoderMeta
