@@ -1,9 +1,9 @@
-"""Shared by the tool-calling tests: the tiny tool program (llm/builtin/tool_model.py: every family's markers,
+"""Shared by the tool-calling tests: the tiny tool program (benchmarks/tool_model.py: every family's markers,
 templates in each family's format), exported once per run, and test tools."""
 
 from __future__ import annotations
 
-from backends.mlx.llm.builtin.tool_model import TEMPLATES, export_tool_model, tool_tokenizer, use_format  # noqa: F401
+from benchmarks.tool_model import TEMPLATES, export_tool_model, tool_tokenizer, use_format  # noqa: F401
 from run_once import exclusive, shared_dir
 
 MAX_SEQ_LEN = 1536
