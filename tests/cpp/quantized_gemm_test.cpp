@@ -383,7 +383,7 @@ int main(int argc, char** argv) {
   }
   std::mt19937 rng(11);
   if (!quantized_gemm_available()) {
-    std::printf("float skipped: no AVX-512 (or ETMLX_QMM_GEMM=blas / ETMLX_QMM_ISA set)\n");
+    std::printf("float skipped: no AVX-512 (or ETMLX_QMM_ISA set)\n");
   } else {
     for (int bits : {4, 8})
       for (int group : {32, 64, 128})

@@ -15,7 +15,6 @@ The shared library is ``_lib/libetmlx_backend.so`` next to this file (built ther
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 from pathlib import Path
 
@@ -30,10 +29,9 @@ _lib: ctypes.CDLL | None = None
 
 def library_path() -> Path:
     """Path of the backend shared library that load() uses."""
-    override = os.environ.get("ETMLX_BACKEND_LIB")
-    if override:
-        return Path(override)
-    return Path(__file__).resolve().parent / "_lib" / _LIB_NAME
+    from backends.mlx.runtime import options
+
+    return options.backend_lib() or Path(__file__).resolve().parent / "_lib" / _LIB_NAME
 
 
 def pybindings():
@@ -69,9 +67,11 @@ def load() -> ctypes.CDLL:
         _registered_backends()
         path = library_path()
         if not path.is_file():
+            from backends.mlx.runtime import options
+
             hint = (
                 "ETMLX_BACKEND_LIB points at a missing file"
-                if os.environ.get("ETMLX_BACKEND_LIB")
+                if options.backend_lib() is not None
                 else "a checkout: run `make setup` to build it; an installed package: reinstall the wheel"
             )
             raise ImportError(f"etmlx backend library not found: {path} ({hint})")

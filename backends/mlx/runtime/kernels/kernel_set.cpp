@@ -40,13 +40,10 @@ const KernelSet& device_kernels() {
   return set;
 }
 
-const KernelSet* select_kernels(const mx::Device& device, std::string* error) {
-  const char* forced = std::getenv("ETMLX_KERNELS");
-  if (forced == nullptr || forced[0] == '\0') return device == mx::Device::cpu ? &cpu_kernels() : &device_kernels();
-  if (std::strcmp(forced, "cpu") == 0) return &cpu_kernels();
-  if (std::strcmp(forced, "device") == 0) return &device_kernels();
-  *error = std::string("ETMLX_KERNELS=") + forced + " is not \"cpu\" or \"device\"";
-  return nullptr;
+const KernelSet& select_kernels(const mx::Device& device, options::Kernels forced) {
+  if (forced == options::Kernels::cpu) return cpu_kernels();
+  if (forced == options::Kernels::device) return device_kernels();
+  return device == mx::Device::cpu ? cpu_kernels() : device_kernels();
 }
 
 }  // namespace etmlx::kernels

@@ -6,16 +6,17 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "options.h"
+
 namespace etmlx::kernels {
 
 ActivationPrecision activation_precision() {
-  static const ActivationPrecision p = [] {
-    const char* env = std::getenv("ETMLX_QMM_ACTIVATIONS");
-    if (env != nullptr && std::strcmp(env, "float32") == 0) return ActivationPrecision::float32;
-    if (env != nullptr && std::strcmp(env, "int8") == 0) return ActivationPrecision::int8;
-    return ActivationPrecision::int16;
-  }();
-  return p;
+  switch (options::process().qmm_activations) {  // ETMLX_QMM_ACTIVATIONS
+    case options::Activations::float32: return ActivationPrecision::float32;
+    case options::Activations::int8: return ActivationPrecision::int8;
+    case options::Activations::int16: return ActivationPrecision::int16;
+  }
+  return ActivationPrecision::int16;
 }
 
 const char* activation_precision_name(ActivationPrecision p) {

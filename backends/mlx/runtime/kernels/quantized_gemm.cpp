@@ -156,19 +156,10 @@ void pack_panels(const float* x, int m, int k, float* panels) {
   parallel_for(blocks, 1, range);
 }
 
-// ETMLX_QMM_GEMM=blas: every many-row product takes the dequantize-then-BLAS path (for A/B runs).
-bool blas_asked() {
-  static const bool asked = [] {
-    const char* gemm = std::getenv("ETMLX_QMM_GEMM");
-    return gemm != nullptr && std::strcmp(gemm, "blas") == 0;
-  }();
-  return asked;
-}
-
 // The AVX2 integer GEMM serves where the few-row loop in use is AVX2's (so ETMLX_QMM_ISA=scalar keeps the
-// dequantize-then-BLAS path) and nothing asked for that path.
+// dequantize-then-BLAS path).
 bool avx2_integer(int bits, int group) {
-  static const bool ok = !blas_asked() && std::strcmp(quantized_rows_isa(), "avx2") == 0;
+  static const bool ok = std::strcmp(quantized_rows_isa(), "avx2") == 0;
   return ok && quantized_gemm_avx2_available(bits, group);
 }
 
@@ -179,7 +170,7 @@ bool quantized_gemm_available() {
     if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))) {
       return false;
     }
-    return !blas_asked() && std::strcmp(quantized_rows_isa(), "avx512") == 0;
+    return std::strcmp(quantized_rows_isa(), "avx512") == 0;
   }();
   return ok;
 }

@@ -12,8 +12,8 @@
 
 namespace etmlx::kernels {
 
-// True when this CPU runs the tiled kernel (AVX-512F) and nothing asked for the old path:
-// ETMLX_QMM_GEMM=blas (for A/B runs) or an ETMLX_QMM_ISA other than avx512 (the variant tests).
+// True when this CPU runs the tiled kernel (AVX-512F) and ETMLX_QMM_ISA (the variant tests) did not
+// force a few-row loop other than avx512.
 bool quantized_gemm_available();
 
 // True when an integer-activation GEMM (quantized_gemm_vnni.h on AVX-512 VNNI, quantized_gemm_avx2.h where the

@@ -29,14 +29,8 @@ namespace {
 //   verify call): ~24 vs ~34; at 3 and 4 positions the two are within the noise. (One 896 x 4864 linear whose
 //   weights stay in cache put the crossover at 6: in a model the weights come from memory);
 // - else from 16: W dequantized to float32 tiles (or for BLAS), whose cost pays off only over many rows.
-// ETMLX_QMM_GEMM_ROWS=N moves both crossovers to N (for measuring them).
 constexpr int kIntegerGemmRows = kMaxRows + 1, kFloatGemmRows = 16;
 bool many_rows(int m, int bits, int group) {
-  static const int forced = [] {
-    const char* env = std::getenv("ETMLX_QMM_GEMM_ROWS");
-    return env && *env ? std::max(1, std::atoi(env)) : 0;
-  }();
-  if (forced) return m >= forced;
   return m >= (quantized_gemm_integer(bits, group) ? kIntegerGemmRows : kFloatGemmRows);
 }
 

@@ -2,12 +2,15 @@
 #include "kernels/quantized_rows.h"
 
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
+#include <string>
 #include <vector>
 
 #include "kernels/quantized_rows_variants.h"
+#include "options.h"
 
 namespace etmlx::kernels {
 
@@ -214,15 +217,16 @@ void dequantize_scalar_any(const QuantizedMatrix& w, int n_begin, int n_end, flo
 
 const RowsVariant& chosen() {
   static const RowsVariant* v = [] {
-    const char* forced = std::getenv("ETMLX_QMM_ISA");
+    const std::string& forced = options::process().qmm_isa;  // ETMLX_QMM_ISA
     const RowsVariant* best = avx512_rows();
     if (!best) best = avx2_rows();
     if (!best) best = neon_rows();
     if (!best) best = &scalar_rows();
-    if (forced == nullptr || forced[0] == '\0') return best;
+    if (forced.empty()) return best;
     for (const RowsVariant* c : {avx512_rows(), avx2_rows(), neon_rows(), &scalar_rows()}) {
-      if (c != nullptr && std::strcmp(c->name, forced) == 0) return c;
+      if (c != nullptr && forced == c->name) return c;
     }
+    std::fprintf(stderr, "etmlx: ETMLX_QMM_ISA=%s: this CPU has no such loop; using %s\n", forced.c_str(), best->name);
     return best;
   }();
   return *v;
