@@ -80,7 +80,7 @@ def run_export(args) -> int:
                             seeded=args.seeded, tokenizer=tokenizer, progress=say,
                             external_weights=args.external_weights, pipelined=args.pipelined,
                             verify=args.verify, draft_tokens=args.draft_tokens,
-                            propose_tokens=args.propose_tokens)
+                            propose_tokens=args.propose_tokens, qmm_activations=args.qmm_activations)
     say("done")
     written = f"{args.out} ({Path(args.out).stat().st_size / 1e6:.1f} MB)"
     ptd = weights_path(args.out)
@@ -160,6 +160,10 @@ def add_parsers(sub) -> None:
                                                                     "bias, 32, 64 (default) or 128")
     export.add_argument("--quantize-embeddings", action=argparse.BooleanOptionalAction, default=True,
                         help="--quantize: the token embedding and the head too (default on)")
+    export.add_argument("--qmm-activations", choices=["int16", "int8", "float32"], default="int16",
+                        help="quantized linears on the CPU: the activations rounded per group to 16-bit integers "
+                             "(default), to 8-bit (faster, other tokens; --verify may then refuse the program) or "
+                             "kept float32; recorded in the program")
     export.add_argument("--external-weights", action="store_true",
                         help="write the weights to FILE.ptd beside FILE.pte (ExecuTorch's external data file); "
                              "generate, serve and etmlx_decode load it from there (etmlx_decode --weights too)")

@@ -110,9 +110,10 @@ def schema_version() -> int:
 def kernels_info() -> dict:
     """The cpu kernel set's quantized-matmul variant ("avx512", "avx2", "neon" or "scalar"; ETMLX_QMM_ISA
     forces one), its thread pool's size (the CPUs this process may use, or ETMLX_NUM_THREADS) and the
-    precision its few-row loop gives the activations of a 4-bit group-64 linear ("int16", "int8" or "float32":
-    ETMLX_QMM_ACTIVATIONS, where the variant has integer loops; kernels/quantized_activations.h), and the
-    precision its many-row product (prefill) gives them ("gemm_activations": integer with AVX-512 VNNI, and on
+    precision its few-row loop gives the activations of a 4-bit group-64 linear in a program exported with the
+    default int16 activations ("int16", or "float32" where the variant has no integer loop; a program exported
+    with int8 runs int8 wherever this says int16: kernels/quantized_activations.h), and the precision its
+    many-row product (prefill) gives them ("gemm_activations": integer with AVX-512 VNNI, and on
     AVX2 for 4-bit weights)."""
     lib = load()
     lib.etmlx_quantized_rows_isa.restype = ctypes.c_char_p

@@ -547,6 +547,17 @@ Error load_program(const void* data, size_t size, const executorch::runtime::Nam
     ET_LOG(Error, "etmlx: graph declares %u value slots (max %u)", nv, kMaxValueSlots);
     return Error::InvalidProgram;
   }
+  // Chosen at export (it changes the results), so read from the program, never from the process.
+  kernels::ActivationPrecision activations = kernels::ActivationPrecision::int16;
+  switch (g->qmm_activations()) {
+    case fb::QmmActivations::Int16: activations = kernels::ActivationPrecision::int16; break;
+    case fb::QmmActivations::Int8: activations = kernels::ActivationPrecision::int8; break;
+    case fb::QmmActivations::Float32: activations = kernels::ActivationPrecision::float32; break;
+    default:
+      ET_LOG(Error, "etmlx: graph asks for quantized-product activations %d, not int16 (0), int8 (1) or float32 (2)",
+             static_cast<int>(g->qmm_activations()));
+      return Error::InvalidProgram;
+  }
   if (!check_io(g->inputs(), "input", nt, nv) || !check_io(g->outputs(), "output", nt, nv)) {
     return Error::InvalidProgram;
   }
@@ -565,6 +576,7 @@ Error load_program(const void* data, size_t size, const executorch::runtime::Nam
   p.graph = g;
   p.num_tensors = nt;
   p.num_values = nv;
+  p.activations = activations;
   p.options = std::move(load_options);
 
   const auto* consts = g->constants();

@@ -46,6 +46,8 @@ struct Program {
   std::vector<uint32_t> mutable_slots;
   std::vector<uint32_t> mutable_initial;
 
+  // How the CPU kernel set rounds the activations of quantized products: the blob's Graph.qmm_activations.
+  kernels::ActivationPrecision activations = kernels::ActivationPrecision::int16;
   // The load options (ETMLX_KERNELS, ETMLX_FUSE_LINEARS, ...: options.h), read when this program loaded.
   options::LoadOptions options;
   // The kernel variants for the device the program was loaded on (kernels/kernel_set.h).

@@ -26,7 +26,6 @@ namespace etmlx::options {
 
 enum class Device : uint8_t { mlx_default, cpu, gpu };
 enum class Kernels : uint8_t { by_device, cpu, device };
-enum class Activations : uint8_t { int16, int8, float32 };
 // A load switch whose unset state keeps the per-program default.
 enum class Forced : uint8_t { unset, off, on };
 
@@ -35,7 +34,6 @@ struct ProcessOptions {
   Device device = Device::mlx_default;  // ETMLX_DEVICE
   bool blas_reference = false;  // ETMLX_BLAS=reference: the batch-invariant mode (docs/cpu-kernels.md)
   uint64_t max_array_bytes = 0;  // ETMLX_MAX_ARRAY_BYTES; 0: physical memory / RLIMIT_AS (size_limits.h)
-  Activations qmm_activations = Activations::int16;  // ETMLX_QMM_ACTIVATIONS (kernels/quantized_activations.h)
   std::string qmm_isa;  // ETMLX_QMM_ISA: scalar|avx2|avx512|neon; empty: the best this CPU has
   std::string dot_file;  // ETMLX_DOT: each call's MLX graph as Graphviz; empty: none
   std::string text_tokenizer_plugin;  // ETMLX_TEXT_TOKENIZER_PLUGIN (etmlx_decode); empty: next to the program
@@ -100,12 +98,6 @@ inline ProcessOptions read_process() {
     const unsigned long long n = std::strtoull(v, &end, 10);
     if (v[0] != '-' && end != v && *end == '\0' && n > 0) o.max_array_bytes = n;
     else warn("ETMLX_MAX_ARRAY_BYTES", v, "a positive number of bytes");
-  }
-  if (const char* v = value_of("ETMLX_QMM_ACTIVATIONS")) {
-    if (std::strcmp(v, "int16") == 0) o.qmm_activations = Activations::int16;
-    else if (std::strcmp(v, "int8") == 0) o.qmm_activations = Activations::int8;
-    else if (std::strcmp(v, "float32") == 0) o.qmm_activations = Activations::float32;
-    else warn("ETMLX_QMM_ACTIVATIONS", v, "int16, int8 or float32");
   }
   if (const char* v = value_of("ETMLX_QMM_ISA")) {
     // Whether this CPU has the named variant is kernels/quantized_rows.cpp's to say.

@@ -53,7 +53,7 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
                    batch: int = 1, seeded: bool = True, tokenizer=None,
                    progress: Optional[Callable[[str], None]] = None, external_weights: bool = False,
                    pipelined: bool | None = None, verify: bool = True, draft_tokens: int = 0,
-                   propose_tokens: int = 0) -> ExportResult:
+                   propose_tokens: int = 0, qmm_activations: str = "int16") -> ExportResult:
     """Write `out` (.pte) holding the program, its DecoderMeta and, given one (a transformers tokenizer or
     a directory holding one), the tokenizer: the one file is all a decode loop needs. `external_weights`:
     the weights go to `out` with suffix .ptd instead (the runners load it from beside the .pte).
@@ -63,7 +63,8 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
     on a mismatch the file is removed and VerificationError names the first divergent step.
     `draft_tokens` K > 0: a program that verifies up to K drafted tokens per call (speculative_head.py);
     pipelined, its calls without drafts need not wait for their outputs (pipelined_verify.py).
-    `propose_tokens` K > 1: a draft model's program returning K tokens per call (proposer.py)."""
+    `propose_tokens` K > 1: a draft model's program returning K tokens per call (proposer.py).
+    `qmm_activations`: export_to_pte's (int16, int8 or float32 activations in the CPU's quantized products)."""
     config = config or SamplerConfig()
     if config.expose_counts:
         raise ValueError("expose_counts is for sampler tests, not decoder programs")
@@ -138,7 +139,8 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
     plain_step = (PlainStep(switch=lambda on: setattr(head, "plain_step", on), when="verify")
                   if draft_tokens and batch == 1 else None)
     result = export_to_pte(program, example, kwargs, dynamic_shapes=dynamic, progress=progress, named_data=blobs,
-                           weights="external" if external_weights else "pte", plain_step=plain_step)
+                           weights="external" if external_weights else "pte", plain_step=plain_step,
+                           qmm_activations=qmm_activations)
     result.save(Path(out))
     if verify:
         say = progress or (lambda _stage: None)

@@ -18,7 +18,8 @@ mx::array device_addmm(const mx::array& bias, const mx::array& a, const mx::arra
 }
 
 mx::array device_quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
-                                  const mx::array& biases, int group_size, int bits) {
+                                  const mx::array& biases, int group_size, int bits, ActivationPrecision) {
+  // MLX's own kernels: the activations as they are, whatever the program's CPU precision.
   return mx::quantized_matmul(x, w, scales, biases, /*transpose=*/true, group_size, bits, "affine");
 }
 

@@ -6,18 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "options.h"
-
 namespace etmlx::kernels {
-
-ActivationPrecision activation_precision() {
-  switch (options::process().qmm_activations) {  // ETMLX_QMM_ACTIVATIONS
-    case options::Activations::float32: return ActivationPrecision::float32;
-    case options::Activations::int8: return ActivationPrecision::int8;
-    case options::Activations::int16: return ActivationPrecision::int16;
-  }
-  return ActivationPrecision::int16;
-}
 
 const char* activation_precision_name(ActivationPrecision p) {
   switch (p) {

@@ -175,18 +175,18 @@ bool quantized_gemm_available() {
   return ok;
 }
 
-bool quantized_gemm_integer(int bits, int group) {
-  if (activation_precision() == ActivationPrecision::float32) return false;
+bool quantized_gemm_integer(int bits, int group, ActivationPrecision p) {
+  if (p == ActivationPrecision::float32) return false;
   return (quantized_gemm_available() && quantized_gemm_vnni_available(bits, group)) || avx2_integer(bits, group);
 }
 
-void quantized_gemm(const float* x, int m, const QuantizedMatrix& w, float* out) {
-  if (quantized_gemm_integer(w.bits, w.group)) {
+void quantized_gemm(const float* x, int m, const QuantizedMatrix& w, ActivationPrecision p, float* out) {
+  if (quantized_gemm_integer(w.bits, w.group, p)) {
     // Integer activations (quantized_gemm_vnni.h, quantized_gemm_avx2.h).
     if (quantized_gemm_available() && quantized_gemm_vnni_available(w.bits, w.group)) {
-      quantized_gemm_vnni(x, m, w, activation_precision(), out);
+      quantized_gemm_vnni(x, m, w, p, out);
     } else {
-      quantized_gemm_avx2(x, m, w, activation_precision(), out);
+      quantized_gemm_avx2(x, m, w, p, out);
     }
     return;
   }
@@ -223,8 +223,8 @@ void quantized_gemm(const float* x, int m, const QuantizedMatrix& w, float* out)
 
 namespace etmlx::kernels {
 bool quantized_gemm_available() { return false; }
-bool quantized_gemm_integer(int, int) { return false; }
-void quantized_gemm(const float*, int, const QuantizedMatrix&, float*) { std::abort(); }
+bool quantized_gemm_integer(int, int, ActivationPrecision) { return false; }
+void quantized_gemm(const float*, int, const QuantizedMatrix&, ActivationPrecision, float*) { std::abort(); }
 }  // namespace etmlx::kernels
 
 #endif

@@ -71,17 +71,16 @@ namespace {
 const RowsVariant& chosen();  // below: the variant in use
 }  // namespace
 
-ActivationPrecision rows_precision(int bits, int group) {
-  const ActivationPrecision wanted = activation_precision();
+ActivationPrecision rows_precision(int bits, int group, ActivationPrecision wanted) {
   if (wanted == ActivationPrecision::float32 || (bits != 4 && bits != 8) || group % kIntBlock != 0) {
     return ActivationPrecision::float32;
   }
   return chosen().integer_rows && bits <= chosen().integer_max_bits ? wanted : ActivationPrecision::float32;
 }
 
-void PreparedActivations::prepare(const float* x, int m, int k, int bits, int group) {
+void PreparedActivations::prepare(const float* x, int m, int k, int bits, int group, ActivationPrecision wanted) {
   k_ = k, groups_ = k / group;
-  precision_ = rows_precision(bits, group);
+  precision_ = rows_precision(bits, group, wanted);
   sums_.resize(static_cast<size_t>(m) * groups_);
   if (precision_ == ActivationPrecision::float32) {
     xp_.resize(static_cast<size_t>(m) * k);
