@@ -106,18 +106,10 @@ def export_programs(s: Settings, directory: Path, log) -> tuple[dict, int]:
 @contextmanager
 def kernel_set(name: str | None):
     """ETMLX_KERNELS=name while a program loads (None: the device's default set)."""
-    before = os.environ.get("ETMLX_KERNELS")
-    if name is None:
-        os.environ.pop("ETMLX_KERNELS", None)
-    else:
-        os.environ["ETMLX_KERNELS"] = name
-    try:
+    from backends.mlx.runtime import options
+
+    with options.overridden("ETMLX_KERNELS", name):
         yield
-    finally:
-        if before is None:
-            os.environ.pop("ETMLX_KERNELS", None)
-        else:
-            os.environ["ETMLX_KERNELS"] = before
 
 
 def load(pte: Path, kernels: str | None):

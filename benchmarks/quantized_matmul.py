@@ -12,7 +12,6 @@ weight bytes read per second, next to the machine's read bandwidth measured here
 from __future__ import annotations
 
 import json
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -57,17 +56,11 @@ def _weight_bytes(model: _Linears) -> int:
 
 
 def _load(pte: bytes, kernels: str):
+    from backends.mlx.runtime import options
     from backends.mlx.runtime.runner import load_method
 
-    before = os.environ.get("ETMLX_KERNELS")
-    os.environ["ETMLX_KERNELS"] = kernels  # read when the program is loaded
-    try:
+    with options.overridden("ETMLX_KERNELS", kernels):  # read when the program is loaded
         return load_method(pte)
-    finally:
-        if before is None:
-            os.environ.pop("ETMLX_KERNELS")
-        else:
-            os.environ["ETMLX_KERNELS"] = before
 
 
 def main(json_path: str | None = None, repeats: int | None = None) -> int:

@@ -129,6 +129,14 @@ def test_unsupported_dtype(monkeypatch, capfd):
     _assert_rejected(_export_with(monkeypatch, _mangled(edit)), capfd, "dtype")
 
 
+def test_unknown_activation_precision(monkeypatch, capfd):
+    def edit(g):
+        g.qmmActivations = 9
+
+    _assert_rejected(_export_with(monkeypatch, _mangled(edit)), capfd,
+                     "graph asks for quantized-product activations 9, not int16 (0), int8 (1) or float32 (2)")
+
+
 def test_unknown_node_type(monkeypatch, capfd):
     def edit(g):
         g.instructions[0].nodeType = 250

@@ -6,10 +6,6 @@ as MLX's dequantize in the scales' dtype does, misses by far more."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -74,23 +70,12 @@ def _gap(ours: np.ndarray, reference: np.ndarray) -> float:
     return float(np.abs(ours - reference).max() / np.abs(reference).max())
 
 
-# Runs the program in a fresh interpreter with float32 activations in the CPU quantized matmul (by default it
-# rounds them to int16 on AVX-512 VNNI CPUs, a bound of its own: docs/cpu-kernels.md).
-_RUN = """
-import sys, numpy as np, torch
-import backends.mlx
-from backends.mlx.runtime.runner import run
-out = run(open(sys.argv[1], "rb").read(), [torch.from_numpy(np.load(sys.argv[2]))])[0]
-np.save(sys.argv[3], np.asarray(out))
-"""
-
-
 @pytest.mark.slow
-@pytest.mark.subprocess
 @pytest.mark.parametrize("tied", [False, True])
 def test_bf16_scale_embedding_matches_mlx_lm_float32(tmp_path, tied):
     from backends.mlx.exporter.export import export_to_pte
     from backends.mlx.llm.quantize.mlx_checkpoint import load_mlx_quantized
+    from backends.mlx.runtime.runner import run
 
     directory = _bf16_quantized(tmp_path, tied)
     reference = _mlx_lm_logits(directory, all_float32=True)
@@ -107,14 +92,11 @@ def test_bf16_scale_embedding_matches_mlx_lm_float32(tmp_path, tied):
         eager = wrapped(ids)[0].numpy()
     assert _gap(eager, reference) < TOLERANCE
 
-    pte, tokens, out = tmp_path / "logits.pte", tmp_path / "ids.npy", tmp_path / "out.npy"
-    pte.write_bytes(export_to_pte(wrapped, (ids,)).pte)
-    np.save(tokens, TOKENS)
-    env = {**os.environ, "ETMLX_QMM_ACTIVATIONS": "float32"}
-    done = subprocess.run([sys.executable, "-c", _RUN, str(pte), str(tokens), str(out)], capture_output=True,
-                          text=True, timeout=300, env=env, cwd=Path(__file__).resolve().parents[1])
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert _gap(np.load(out)[0], reference) < TOLERANCE
+    # float32 activations in the CPU quantized products: by default they are rounded to int16 on AVX-512 VNNI
+    # CPUs, a bound of its own (docs/cpu-kernels.md)
+    program = export_to_pte(wrapped, (ids,), qmm_activations="float32")
+    out = run(program.pte, [ids])[0]
+    assert _gap(np.asarray(out)[0], reference) < TOLERANCE
 
 
 def test_quantize_keeps_float32_embedding_scales_for_float32_activations():

@@ -501,8 +501,8 @@ def test_static_cache_decoder_fuses_norms_and_rotary(family, monkeypatch):
         expected = torch.stack([full[0, starts[0] + lengths[0] - 1], full[1, starts[1] + lengths[1] - 1]])
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     if MODEL_NODES[family]["RopeNode"]:  # a fresh program: the kernel path from the same cache state
+        monkeypatch.setenv("ETMLX_FAST_ROPE", "1")  # read at the load
         kernel = load_method(result.pte)
-        monkeypatch.setenv("ETMLX_FAST_ROPE", "1")
         replay = [kernel.execute([t, torch.tensor(s), torch.tensor(n)])[0] for t, s, n in calls]
         monkeypatch.delenv("ETMLX_FAST_ROPE")
         plain = load_method(result.pte)

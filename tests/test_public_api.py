@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import etmlx
-from backends.mlx.runtime.runner import load_method
+from etmlx.runtime import load_method
 
 
 class TinyLM(torch.nn.Module):

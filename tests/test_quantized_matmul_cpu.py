@@ -163,36 +163,48 @@ def test_thread_count_and_variant_can_be_forced(tmp_path, monkeypatch):
     assert bad["info"]["threads"] == kernels_info()["threads"] >= 1
 
 
-@pytest.mark.subprocess  # fresh interpreters loading torch
-def test_activation_precisions_keep_their_stated_bounds(tmp_path, monkeypatch):
-    """ETMLX_QMM_ACTIVATIONS: float32 keeps the float32 bound; int16 (the default on AVX-512 VNNI CPUs) and
-    int8 keep their own, wider ones (few rows and many). Controls: int16 and int8 are not float32's bits, and
-    int8 is NOT within int16's bound, so the bounds say something."""
+def _used(mode: str, m: int) -> str:
+    """The precision a product of m rows runs at in a program exported with `mode`: float32 where this CPU has
+    no integer loop (few rows) or integer GEMM (many rows) for a 4-bit group-64 layout."""
+    info = kernels_info()
+    return mode if info["activations" if m < 16 else "gemm_activations"] != "float32" else "float32"
+
+
+def test_activation_precisions_keep_their_stated_bounds(monkeypatch):
+    """The program's activations (export_to_pte(qmm_activations=...), recorded in the blob): float32 keeps the
+    float32 bound; int16 (the default) and int8 keep their own, wider ones (few rows and many). The three
+    programs run side by side in one process, each at its own precision. Controls: int16 and int8 are not
+    float32's bits, and int8 is NOT within int16's bound, so the bounds say something."""
     monkeypatch.setenv("ETMLX_KERNELS", "cpu")
     torch.manual_seed(21)
     k, n = 896, 200
     w, scales, biases = quantize_tensor(torch.randn(n, k) * torch.logspace(-1, 1, n).unsqueeze(1), 64, 4)
     lin = QuantizedLinear(w, scales, biases, 64, 4)
     rows = torch.export.Dim("rows", min=1, max=64)
-    pte = tmp_path / "q.pte"
-    pte.write_bytes(export_to_pte(lin, (torch.randn(3, k),), dynamic_shapes=({0: rows},)).pte)
+    methods = {mode: load_method(export_to_pte(lin, (torch.randn(3, k),), dynamic_shapes=({0: rows},),
+                                               qmm_activations=mode).pte)
+               for mode in ("float32", "int16", "int8")}
     ref_of = {}
     outs = {}
     for m in (1, 3, 40):
         x = torch.randn(m, k)
-        torch.save(x, tmp_path / f"x{m}.pt")
         ref_of[m] = (x, _reference(x, lin))
-        for mode in ("float32", "int16", "int8"):
-            got, _ = _run_with({"ETMLX_QMM_ACTIVATIONS": mode}, pte, tmp_path / f"x{m}.pt")
-            outs[m, mode] = (got["info"]["activations"], np.array(got["out"], dtype=np.float32))
-    for (m, mode), (used, out) in outs.items():
+        for mode, method in methods.items():
+            outs[m, mode] = method.execute([x])[0].numpy()
+    for (m, mode), out in outs.items():
         x, ref = ref_of[m]
-        assert used in (mode, "float32"), (mode, used)  # float32 where the CPU has no integer loop
+        used = _used(mode, m)
         assert (np.abs(out - ref) <= quantized_product_bound(x, lin, ref, torch.float32, used)).all(), (m, mode)
-        if used != "float32" and m < 16:  # the few-row loop (kernels_info's "activations" is its precision)
-            assert not np.array_equal(out, outs[m, "float32"][1]), (m, mode)
-        if used == "int8" and m < 16:
+        if used != "float32":
+            assert not np.array_equal(out, outs[m, "float32"]), (m, mode)
+        if used == "int8":
             assert not (np.abs(out - ref) <= quantized_product_bound(x, lin, ref, torch.float32, "int16")).all(), m
+
+
+def test_an_unknown_activation_precision_is_refused_at_export():
+    lin = QuantizedLinear(*quantize_tensor(torch.randn(8, 64), 64, 4), 64, 4)
+    with pytest.raises(ValueError, match="qmm_activations must be one of int16, int8, float32, got 'int4'"):
+        export_to_pte(lin, (torch.randn(1, 64),), qmm_activations="int4")
 
 
 def test_activations_in_any_layout_and_rank(monkeypatch):
@@ -223,10 +235,10 @@ def test_activations_in_any_layout_and_rank(monkeypatch):
     np.testing.assert_array_equal(three_d.numpy()[0], transposed.numpy())
 
 
-@pytest.mark.subprocess  # fresh interpreters: ETMLX_QMM_ACTIVATIONS is read once per process
+@pytest.mark.subprocess  # a fresh interpreter with a one-thread pool
 def test_many_row_product_with_integer_activations(tmp_path, monkeypatch):
-    """ETMLX_QMM_ACTIVATIONS=int16|int8 sends a 64-row product through an integer GEMM where the CPU has one
-    (kernels/quantized_gemm_vnni.h on AVX-512 VNNI, kernels/quantized_gemm_avx2.h on AVX2): not float32's bits, within the precision's stated
+    """A program exported with int16 or int8 activations sends a 64-row product through an integer GEMM where the
+    CPU has one (kernels/quantized_gemm_vnni.h on AVX-512 VNNI, kernels/quantized_gemm_avx2.h on AVX2): not float32's bits, within the precision's stated
     bound (tests/quantized_bounds.py: the activations' rounding meets the centred weights), with activation
     groups of very different sizes; int8's result is outside int16's bound, so the bound says something; one
     pool thread gives the same bits. Where the CPU has no integer loop, float32's bits."""
@@ -236,26 +248,24 @@ def test_many_row_product_with_integer_activations(tmp_path, monkeypatch):
     w, scales, biases = quantize_tensor(torch.randn(n, k) * torch.logspace(-1, 1, n).unsqueeze(1), group, 4)
     lin = QuantizedLinear(w, scales, biases, group, 4)
     x = torch.randn(64, k) * torch.logspace(-2, 1, k)
-    pte = tmp_path / "q.pte"
-    pte.write_bytes(export_to_pte(lin, (x,)).pte)
-    torch.save(x, tmp_path / "x.pt")
+    ptes = {mode: export_to_pte(lin, (x,), qmm_activations=mode).pte for mode in ("float32", "int16", "int8")}
     ref = _reference(x, lin)
-    outs = {}
-    for mode in ("float32", "int16", "int8"):
-        got, _ = _run_with({"ETMLX_QMM_ACTIVATIONS": mode}, pte, tmp_path / "x.pt")
-        outs[mode] = (got["info"]["gemm_activations"], np.array(got["out"], dtype=np.float32))
+    outs = {mode: load_method(pte).execute([x])[0].numpy() for mode, pte in ptes.items()}
     for mode in ("int16", "int8"):
-        used, out = outs[mode]
-        if used == "float32":  # no integer GEMM here (no AVX2, or AVX-512 without VNNI)
+        out = outs[mode]
+        if _used(mode, len(x)) == "float32":  # no integer GEMM here (no AVX2, or AVX-512 without VNNI)
             assert kernels_info()["isa"] != "avx2", f"{mode}: the AVX2 integer GEMM did not run"
-            np.testing.assert_array_equal(out, outs["float32"][1])
+            np.testing.assert_array_equal(out, outs["float32"])
             continue
-        assert not np.array_equal(out, outs["float32"][1]), f"{mode}: float32's bits: the integer GEMM did not run"
+        assert not np.array_equal(out, outs["float32"]), f"{mode}: float32's bits: the integer GEMM did not run"
         assert (np.abs(out - ref) <= quantized_product_bound(x, lin, ref, torch.float32, mode)).all(), mode
-    if outs["int8"][0] == "int8":
-        int8 = outs["int8"][1]
+    if _used("int8", len(x)) == "int8":
+        int8 = outs["int8"]
         assert not (np.abs(int8 - ref) <= quantized_product_bound(x, lin, ref, torch.float32, "int16")).all()
         # Each output is one thread's, in one order: one thread gives the same bits.
-        alone, _ = _run_with({"ETMLX_QMM_ACTIVATIONS": "int8", "ETMLX_NUM_THREADS": "1"}, pte, tmp_path / "x.pt")
+        pte = tmp_path / "int8.pte"
+        pte.write_bytes(ptes["int8"])
+        torch.save(x, tmp_path / "x.pt")
+        alone, _ = _run_with({"ETMLX_NUM_THREADS": "1"}, pte, tmp_path / "x.pt")
         assert alone["info"]["threads"] == 1
         np.testing.assert_array_equal(np.array(alone["out"], dtype=np.float32), int8)

@@ -84,7 +84,7 @@ std::vector<float> random_x(int m, int k, std::mt19937& rng) {
 
 using Product = void (*)(const float* x, int m, const QuantizedMatrix& w, float* out, ActivationPrecision p);
 void float_gemm(const float* x, int m, const QuantizedMatrix& w, float* out, ActivationPrecision) {
-  quantized_gemm(x, m, w, out);
+  quantized_gemm(x, m, w, ActivationPrecision::float32, out);
 }
 // An integer-activation kernel and the layouts it takes; `current` is the one the int checks call.
 struct IntKernel {
@@ -124,7 +124,7 @@ void check_float(int m, int n, int k, int bits, int group, ScaleType type, std::
   const Weights wt(n, k, bits, group, type, rng);
   const std::vector<float> x = random_x(m, k, rng);
   std::vector<float> out(static_cast<size_t>(m) * n, NAN);
-  quantized_gemm(x.data(), m, wt.w, out.data());
+  quantized_gemm(x.data(), m, wt.w, ActivationPrecision::float32, out.data());
   double worst = 0.0;
   for (int r = 0; r < m; ++r) {
     for (int c = 0; c < n; ++c) {
@@ -355,7 +355,7 @@ int bench(int m, int k, int n, int runs, int group) {
   for (int run = -1; run < runs; ++run) {  // run -1 warms up (buffers, pool threads)
     for (int i = float_tiles ? 0 : 1; i < (current ? 3 : 1); ++i) {
       const auto t0 = std::chrono::steady_clock::now();
-      if (i == 0) quantized_gemm(x.data(), m, wt.w, out.data());
+      if (i == 0) quantized_gemm(x.data(), m, wt.w, ActivationPrecision::float32, out.data());
       else current->run(x.data(), m, wt.w, modes[i], out.data());
       const double t = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
       if (run >= 0) ms[i].push_back(t);
@@ -374,16 +374,15 @@ int bench(int m, int k, int n, int runs, int group) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // The float32 checks (and --bench's float32 column) call quantized_gemm(), which reads
-  // ETMLX_QMM_ACTIVATIONS once (default int16): float32 here; the integer kernels are called directly.
-  setenv("ETMLX_QMM_ACTIVATIONS", "float32", 1);
+  // The float32 checks (and --bench's float32 column) call quantized_gemm() at float32 activations; the integer
+  // kernels are called directly.
   if (argc >= 5 && std::strcmp(argv[1], "--bench") == 0) {
     return bench(std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]), argc >= 6 ? std::atoi(argv[5]) : 9,
                  argc >= 7 ? std::atoi(argv[6]) : 64);
   }
   std::mt19937 rng(11);
   if (!quantized_gemm_available()) {
-    std::printf("float skipped: no AVX-512 (or ETMLX_QMM_GEMM=blas / ETMLX_QMM_ISA set)\n");
+    std::printf("float skipped: no AVX-512 (or ETMLX_QMM_ISA set)\n");
   } else {
     for (int bits : {4, 8})
       for (int group : {32, 64, 128})

@@ -45,7 +45,8 @@ def run_export(args) -> int:
             batch=args.batch, sampler=args.sampler, logprobs=args.logprobs, logprobs_mode=args.logprobs_mode,
             seeded=args.seeded, pipelined=args.pipelined, verify=args.verify, draft_tokens=args.draft_tokens,
             propose_tokens=args.propose_tokens, external_weights=args.external_weights, progress=_progress(),
-            adapter=args.adapter, tool_call_format=args.tool_call_format)
+            adapter=args.adapter, tool_call_format=args.tool_call_format,
+            qmm_activations=args.qmm_activations)
     except (ValueError, IsADirectoryError) as exc:  # the option names of the Python API, as this command's flags
         raise type(exc)(_as_flags(str(exc))) from None
     from backends.mlx.exporter.export import weights_path
@@ -100,6 +101,10 @@ def add_parsers(sub) -> None:
                                                                     "bias, 32, 64 (default) or 128")
     export.add_argument("--quantize-embeddings", action=argparse.BooleanOptionalAction, default=True,
                         help="--quantize: the token embedding and the head too (default on)")
+    export.add_argument("--qmm-activations", choices=["int16", "int8", "float32"], default="int16",
+                        help="quantized linears on the CPU: the activations rounded per group to 16-bit integers "
+                             "(default), to 8-bit (faster, other tokens; --verify may then refuse the program) or "
+                             "kept float32; recorded in the program")
     export.add_argument("--external-weights", action="store_true",
                         help="write the weights to FILE.ptd beside FILE.pte (ExecuTorch's external data file); "
                              "generate, serve and etmlx_decode load it from there (etmlx_decode --weights too)")

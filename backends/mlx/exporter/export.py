@@ -23,7 +23,7 @@ from backends.mlx.exporter.partitioner import MLXPartitioner
 from backends.mlx.exporter.plain_step import (PlainStep, PlainStepError, delegate_output_positions,
                                               drop_plain_step_specs, plain_step_specs)
 from backends.mlx.exporter.unused_state import drop_unused_state
-from backends.mlx.exporter.preprocess import FUSE_SPEC, WEIGHTS_SPEC
+from backends.mlx.exporter.preprocess import ACTIVATIONS_SPEC, FUSE_SPEC, QMM_ACTIVATIONS, WEIGHTS_SPEC
 
 _NOT_OPS = {"executorch_call_delegate", "getitem"}
 
@@ -142,6 +142,7 @@ def export_to_pte(
     named_data: Optional[dict[str, bytes]] = None,
     weights: str = "pte",
     plain_step: Optional[PlainStep] = None,
+    qmm_activations: str = "int16",
 ) -> ExportResult:
     """`progress`, if given, is called with the name of each stage as it starts. `fuse=False` keeps
     RMSNorm / LayerNorm / rotary subgraphs as separate ops (for comparisons). `named_data` (key ->
@@ -150,7 +151,9 @@ def export_to_pte(
     (ExecuTorch named data in the .pte's segments, mapped at load), "external" (a FILE.ptd beside the
     .pte, written by save()) or "inline" (inside the delegate blob, the layout before named data).
     `plain_step`: the module traced a second time in its plain mode, stored in the blob for calls without
-    drafts (plain_step.py)."""
+    drafts (plain_step.py). `qmm_activations`: how the CPU kernel set rounds the activations of quantized linears,
+    recorded in the program: "int16" (the default), "int8" (faster, other tokens) or "float32"
+    (runtime/kernels/quantized_activations.h)."""
     say = progress or (lambda _stage: None)
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -160,6 +163,8 @@ def export_to_pte(
         raise TypeError(f"fuse must be a bool, got {type(fuse).__name__}")
     if weights not in PLACEMENTS:
         raise ValueError(f"weights must be one of {', '.join(PLACEMENTS)}, got {weights!r}")
+    if qmm_activations not in QMM_ACTIVATIONS:
+        raise ValueError(f"qmm_activations must be one of {', '.join(QMM_ACTIVATIONS)}, got {qmm_activations!r}")
     module = module.eval()
     remember_materialized_cia_ops()  # a third of a small program's export time otherwise (cia_registry.py)
     say("tracing with torch.export")
@@ -167,6 +172,8 @@ def export_to_pte(
         ep = torch.export.export(module, args, kwargs or {}, dynamic_shapes=dynamic_shapes, strict=strict)
     drop_unused_state(ep)
     specs = [CompileSpec(WEIGHTS_SPEC, weights.encode())] + ([] if fuse else [CompileSpec(FUSE_SPEC, b"0")])
+    if qmm_activations != "int16":
+        specs.append(CompileSpec(ACTIVATIONS_SPEC, qmm_activations.encode()))
     plain_specs, plain_data, plain_outputs = [], None, None
     if plain_step is not None:
         say("tracing and lowering the plain step")

@@ -23,6 +23,11 @@ FUSE_SPEC = "etmlx.fuse"
 # b"pte" (named data in the .pte's segments) when absent.
 WEIGHTS_SPEC = "etmlx.weights"
 
+# CompileSpec(ACTIVATIONS_SPEC, b"int16" | b"int8" | b"float32"): how the CPU kernel set rounds the activations of
+# the program's quantized products (schema.fbs Graph.qmm_activations; b"int16" when absent). In schema order.
+ACTIVATIONS_SPEC = "etmlx.qmm_activations"
+QMM_ACTIVATIONS = ("int16", "int8", "float32")
+
 
 def fusion_enabled(compile_specs: List[CompileSpec]) -> bool:
     for spec in compile_specs:
@@ -43,12 +48,24 @@ def weights_placement(compile_specs: List[CompileSpec]) -> str:
     return "pte"
 
 
+def qmm_activations(compile_specs: List[CompileSpec]) -> str:
+    for spec in compile_specs:
+        if spec.key == ACTIVATIONS_SPEC:
+            value = bytes(spec.value).decode("ascii", "replace")
+            if value not in QMM_ACTIVATIONS:
+                raise ValueError(f"compile spec {ACTIVATIONS_SPEC} must be one of {', '.join(QMM_ACTIVATIONS)}, "
+                                 f"got {value!r}")
+            return value
+    return "int16"
+
+
 @final
 class EtmlxBackend(BackendDetails):
     @staticmethod
     def preprocess(edge_program: ExportedProgram, compile_specs: List[CompileSpec]) -> PreprocessResult:
         weights = WeightStore(weights_placement(compile_specs))
         graph = ProgramBuilder(edge_program, fuse=fusion_enabled(compile_specs), weights=weights).build()
+        graph.qmmActivations = QMM_ACTIVATIONS.index(qmm_activations(compile_specs))
         attach_plain_step(graph, compile_specs)
         return PreprocessResult(processed_bytes=serialize(graph), data_store_output=weights.output())
 

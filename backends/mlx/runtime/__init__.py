@@ -39,18 +39,16 @@ _runner: ctypes.CDLL | None = None
 
 def library_path() -> Path:
     """Path of the backend shared library that load() uses."""
-    override = os.environ.get("ETMLX_BACKEND_LIB")
-    if override:
-        return Path(override)
-    return Path(__file__).resolve().parent / "_lib" / _LIB_NAME
+    from backends.mlx.runtime import options
+
+    return options.backend_lib() or Path(__file__).resolve().parent / "_lib" / _LIB_NAME
 
 
 def runner_library_path() -> Path:
     """Path of the runner library that load_runner() uses."""
-    override = os.environ.get("ETMLX_RUNNER_LIB")
-    if override:
-        return Path(override)
-    return Path(__file__).resolve().parent / "_lib" / _RUNNER_LIB_NAME
+    from backends.mlx.runtime import options
+
+    return options.runner_lib() or Path(__file__).resolve().parent / "_lib" / _RUNNER_LIB_NAME
 
 
 def load_runner() -> ctypes.CDLL:
@@ -103,9 +101,11 @@ def load() -> ctypes.CDLL:
         _registered_backends()
         path = library_path()
         if not path.is_file():
+            from backends.mlx.runtime import options
+
             hint = (
                 "ETMLX_BACKEND_LIB points at a missing file"
-                if os.environ.get("ETMLX_BACKEND_LIB")
+                if options.backend_lib() is not None
                 else "a checkout: run `make setup` to build it; an installed package: reinstall the wheel"
             )
             raise ImportError(f"etmlx backend library not found: {path} ({hint})")
@@ -144,9 +144,10 @@ def schema_version() -> int:
 def kernels_info() -> dict:
     """The cpu kernel set's quantized-matmul variant ("avx512", "avx2", "neon" or "scalar"; ETMLX_QMM_ISA
     forces one), its thread pool's size (the CPUs this process may use, or ETMLX_NUM_THREADS) and the
-    precision its few-row loop gives the activations of a 4-bit group-64 linear ("int16", "int8" or "float32":
-    ETMLX_QMM_ACTIVATIONS, where the variant has integer loops; kernels/quantized_activations.h), and the
-    precision its many-row product (prefill) gives them ("gemm_activations": integer with AVX-512 VNNI, and on
+    precision its few-row loop gives the activations of a 4-bit group-64 linear in a program exported with the
+    default int16 activations ("int16", or "float32" where the variant has no integer loop; a program exported
+    with int8 runs int8 wherever this says int16: kernels/quantized_activations.h), and the precision its
+    many-row product (prefill) gives them ("gemm_activations": integer with AVX-512 VNNI, and on
     AVX2 for 4-bit weights)."""
     lib = load()
     lib.etmlx_quantized_rows_isa.restype = ctypes.c_char_p

@@ -21,12 +21,11 @@ import os
 import sys
 from pathlib import Path
 
+from backends.mlx.runtime import options
+
 __all__ = ["CHOICE_ENV", "active", "env_with_mimalloc", "mimalloc_library", "reexec_with_mimalloc"]
 
-CHOICE_ENV = "ETMLX_ALLOCATOR"  # "system": keep glibc's malloc
-# Set for the re-executed process only: the LD_PRELOAD it started with before ours was added, so that
-# the processes it starts (C++ tools with their own mimalloc, Python children) get the caller's.
-_BEFORE_ENV = "_ETMLX_LD_PRELOAD_BEFORE"
+CHOICE_ENV = options.ALLOCATOR  # "system": keep glibc's malloc
 
 
 def mimalloc_library() -> Path | None:
@@ -76,7 +75,7 @@ def env_with_mimalloc(env: dict | None = None) -> dict:
     (ETMLX_ALLOCATOR=system, not Linux, the wheel missing, or already preloaded)."""
     env = dict(os.environ if env is None else env)
     library = mimalloc_library()
-    if env.get(CHOICE_ENV, "mimalloc") == "system" or library is None:
+    if options.allocator(env) == "system" or library is None:
         return env
     before = env.get("LD_PRELOAD", "")
     if str(library) in before.split():
@@ -92,8 +91,9 @@ def reexec_with_mimalloc() -> None:
     """Replace this process by itself with mimalloc preloaded, once; returns where it does not apply
     (ETMLX_ALLOCATOR=system, not Linux, the wheel missing, or already done). In the re-executed process it
     restores the caller's LD_PRELOAD for the processes this one starts."""
-    if _BEFORE_ENV in os.environ:  # the re-executed process: mimalloc is loaded; children get the caller's
-        before = os.environ.pop(_BEFORE_ENV)
+    # In the re-executed process mimalloc is loaded; the processes it starts (C++ tools with their own mimalloc,
+    # Python children) get the caller's LD_PRELOAD.
+    if (before := options.take_ld_preload_before()) is not None:
         if before:
             os.environ["LD_PRELOAD"] = before
         else:
@@ -102,6 +102,6 @@ def reexec_with_mimalloc() -> None:
     env = env_with_mimalloc()
     if env.get("LD_PRELOAD", "") == os.environ.get("LD_PRELOAD", "") or active() != "system":
         return  # nothing to add, or this process already runs it
-    env[_BEFORE_ENV] = os.environ.get("LD_PRELOAD", "")
+    env[options.LD_PRELOAD_BEFORE] = os.environ.get("LD_PRELOAD", "")
     # sys.orig_argv: the interpreter's own command line (its options, -m or a script, the arguments).
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)

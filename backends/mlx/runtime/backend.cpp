@@ -30,6 +30,7 @@
 #include "io.h"
 #include "lazy_check.h"
 #include "loader.h"
+#include "options.h"
 
 namespace etmlx {
 
@@ -213,12 +214,7 @@ Error run(Handle& h, Span<EValue*> args) {
   // write) can reuse its buffer instead of copying the whole cache.
   // ETMLX_DOT=FILE: the call's graph (outputs and new state) as Graphviz, overwritten by each call;
   // for counting what a decode step asks of MLX (docs/cpp-tools.md).
-  // Read once: this is every call's path.
-  static const char* const dot = [] {
-    const char* v = std::getenv("ETMLX_DOT");
-    return v != nullptr && *v != '\0' ? v : nullptr;
-  }();
-  if (dot != nullptr) {
+  if (const std::string& dot = options::process().dot_file; !dot.empty()) {
     std::vector<mx::array> roots(outputs);
     roots.insert(roots.end(), new_state.begin(), new_state.end());
     std::ofstream f(dot);

@@ -23,12 +23,14 @@
 
 #include <cblas.h>  // scipy_openblas32's header: scipy_cblas_* prototypes
 
+#include "options.h"
+
 namespace {
 // Lets a test (and `etmlx.blas_route.status()`) tell whether MLX's calls
 // actually arrive here; one relaxed increment per GEMM is noise next to it.
 std::atomic<uint64_t> routed_calls{0};
 std::atomic<uint64_t> gemv_calls{0};  // of which went to sgemv
-std::atomic<uint64_t> small_calls{0};  // of which ran on one OpenBLAS thread (one_thread_macs)
+std::atomic<uint64_t> small_calls{0};  // of which ran on one OpenBLAS thread (kOneThreadMacs)
 
 // ETMLX_BLAS=reference sends the calls on to the next definition in the process
 // (the BLAS bundled with mlx[cpu]), read once at the first call. Why one would:
@@ -53,8 +55,7 @@ struct Reference {
 const Reference& reference() {
   static const Reference r = [] {
     Reference out;
-    const char* mode = std::getenv("ETMLX_BLAS");
-    if (mode == nullptr || std::strcmp(mode, "reference") != 0) return out;
+    if (!etmlx::options::process().blas_reference) return out;  // ETMLX_BLAS=reference
     // libmlx's own dependency tree holds its BLAS (which may not be in the
     // global scope: Python loads mlx privately); this library is not in it.
     void* scope = dlopen("libmlx.so", RTLD_NOW | RTLD_NOLOAD);
@@ -109,14 +110,8 @@ bool sgemm_as_sgemv(const enum CBLAS_ORDER order, const enum CBLAS_TRANSPOSE tra
 // etmlx kernel pool for the quantized linears that follow. A quantized prefill's only float products are
 // attention's per-head ones (at 512 tokens: 512 x 64 x 512, 1.7e7), each too small to gain from a second
 // thread. Measured (qwen2.5-0.5b int4, 512-token prefill, 2 cores): OpenBLAS's spinning workers took ~50%
-// of the CPU samples. ETMLX_BLAS_ONE_THREAD_MACS=N moves the threshold (0: OpenBLAS decides, for A/B).
-double one_thread_macs() {
-  static const double limit = [] {
-    const char* env = std::getenv("ETMLX_BLAS_ONE_THREAD_MACS");
-    return env && *env ? std::atof(env) : static_cast<double>(1 << 26);
-  }();
-  return limit;
-}
+// of the CPU samples.
+constexpr double kOneThreadMacs = 1 << 26;
 
 // OpenBLAS's own thread count, read before the first change.
 int openblas_threads() {
@@ -135,7 +130,7 @@ ETMLX_EXPORT void cblas_sgemm(const enum CBLAS_ORDER order, const enum CBLAS_TRA
   if (reference().on) return reference().sgemm(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   if (sgemm_as_sgemv(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)) return;
   const int threads = openblas_threads();
-  if (threads > 1 && static_cast<double>(m) * n * k < one_thread_macs()) {
+  if (threads > 1 && static_cast<double>(m) * n * k < kOneThreadMacs) {
     // A concurrent large product may run on one thread meanwhile: only its speed changes, never its bits
     // beyond what OpenBLAS's own size-based choices already change.
     small_calls.fetch_add(1, std::memory_order_relaxed);

@@ -59,8 +59,8 @@ bool is_half(mx::Dtype t) { return t == mx::float16 || t == mx::bfloat16; }
 
 size_t widen_cpu_matmul_weights(Program& p) {
   if (p.kernels != &kernels::cpu_kernels() || p.graph->instructions() == nullptr) return 0;
-  // ETMLX_CPU_WIDEN=0: keep the per-call conversion (for A/B measurements).
-  if (const char* env = std::getenv("ETMLX_CPU_WIDEN"); env != nullptr && std::strcmp(env, "0") == 0) return 0;
+  // ETMLX_CPU_WIDEN=0: keep the per-call conversion (the bits tests compare the widened weights with).
+  if (!p.options.cpu_widen) return 0;
   const auto* instrs = p.graph->instructions();
   // Per slot: is it read anywhere other than as a transpose input / a product's `b`?
   std::vector<uint8_t> other_use(p.num_tensors, 0);

@@ -1,22 +1,21 @@
 #include "device_choice.h"
 
-#include <cstdlib>
-
 #include <mlx/device.h>
+
+#include "options.h"
 
 namespace mx = mlx::core;
 
 namespace etmlx {
 
 bool apply_device_choice(std::string* error) {
-  const char* choice = std::getenv("ETMLX_DEVICE");
-  if (choice == nullptr || *choice == '\0') return true;
-  const std::string name = choice;
-  if (name != "cpu" && name != "gpu") {
-    *error = "ETMLX_DEVICE=" + name + " is not \"cpu\" or \"gpu\"";
+  const options::ProcessOptions& o = options::process();
+  if (!o.device_error.empty()) {
+    *error = o.device_error;
     return false;
   }
-  const mx::Device device = name == "gpu" ? mx::Device::gpu : mx::Device::cpu;
+  if (o.device == options::Device::mlx_default) return true;
+  const mx::Device device = o.device == options::Device::gpu ? mx::Device::gpu : mx::Device::cpu;
   if (!mx::is_available(device)) {
     *error = "ETMLX_DEVICE=gpu, but this MLX build has no GPU (a CUDA or Metal build of MLX has one)";
     return false;

@@ -21,16 +21,6 @@ namespace mx = mlx::core;
 
 namespace {
 
-// ETMLX_KEY_WINDOW=0 attends over every key even when the exporter proved a
-// window (for A/B measurements; results are the same either way).
-bool key_window_enabled() {
-  static const bool enabled = [] {
-    const char* v = std::getenv("ETMLX_KEY_WINDOW");
-    return v == nullptr || std::strcmp(v, "0") != 0;
-  }();
-  return enabled;
-}
-
 bool integer_vector(const mx::array& values) {
   return values.ndim() == 1 && values.size() > 0 && mx::issubdtype(values.dtype(), mx::integer);
 }
@@ -53,7 +43,7 @@ bool Interpreter::sdpa_window_end(const fb::SdpaNode& n, int batch, int query_le
   *end = keys;
   *all_visible = false;
   // (A causal node has L == S by definition; a window is only ever proven from a mask.)
-  if (!n.window() || n.causal() || !key_window_enabled()) return true;
+  if (!n.window() || n.causal()) return true;
   const mx::array* base = nullptr;
   if (n.window_base() != nullptr) {
     base = read(n.window_base());
@@ -282,7 +272,7 @@ bool Interpreter::exec_rope(const fb::RopeNode& n) {
     if (freqs->dtype() != mx::float32 || freqs->ndim() != 1 || freqs->shape(0) != half) {
       return fail("needs float32 freqs of %d elements", half);
     }
-    if (kernels::use_fast_rope(program_.kernels->fast_rope)) {
+    if (kernels::use_fast_rope(program_.kernels->fast_rope, program_.options.fast_rope)) {
       // mx::fast::rope casts a 64-bit offset to int32 itself, once per call of it: every layer's q and k
       // would each add that cast to the graph (a GPU kernel each). The cast is made once per call here.
       const mx::array off = offset->dtype().size() == 4 ? *offset

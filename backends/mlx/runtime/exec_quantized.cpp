@@ -159,7 +159,8 @@ bool Interpreter::grouped_quantized_linear(const fb::QuantizedLinearNode& n, int
     }
   }
   std::vector<mx::array> outs =
-      program_.kernels->quantized_matmul_group(*x, linears, n.group_size(), n.bits(), g.up_mul >= 0);
+      program_.kernels->quantized_matmul_group(*x, linears, n.group_size(), n.bits(), g.up_mul >= 0,
+                                               program_.activations);
   size_t views = 0;
   for (const auto& l : linears) views += l.view_shape ? 2 : 0;
   const bool silu = outs.size() == g.members.size() + 3 + views;
@@ -222,7 +223,8 @@ bool Interpreter::linear_add_rms_norm(const fb::QuantizedLinearNode& n) {
     norm_operands.push_back({norm->weight()->idx(), nw->id()});
   }
   std::vector<mx::array> outs = kernels::quantized_matmul_add_rms_norm_cpu(*x, *w, *s, *b, n.group_size(), n.bits(),
-                                                                          *residual, weight, norm->eps());
+                                                                          *residual, weight, norm->eps(),
+                                                                          program_.activations);
   if (outs.size() != 3) return false;
   stash(pc_ + 1, outs[1], {{out, outs[0].id()}, {other->idx(), residual->id()}});
   norm_operands.push_back({add->out()->idx(), outs[1].id()});
@@ -258,7 +260,8 @@ bool Interpreter::exec_quantized_linear(const fb::QuantizedLinearNode& n) {
   // activations over bfloat16 scales (what mlx_lm.convert -q writes for a bf16 checkpoint) multiply in float32.
   const mx::Dtype compute = mx::promote_types(x->dtype(), scales->dtype());
   const mx::array input = x->dtype() == compute ? *x : mx::astype(*x, compute);
-  mx::array out = program_.kernels->quantized_matmul(input, *w, *scales, *biases, n.group_size(), n.bits());
+  mx::array out = program_.kernels->quantized_matmul(input, *w, *scales, *biases, n.group_size(), n.bits(),
+                                                     program_.activations);
   if (n.bias()) {
     const mx::array* bias = read(n.bias());
     if (!bias) return false;

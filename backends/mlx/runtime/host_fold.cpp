@@ -447,14 +447,8 @@ std::optional<HostValue> arange(const std::tuple<double, double, double>& state,
 
 }  // namespace
 
-bool HostFold::enabled_on(const mx::Device& device) {
-  // -1: unset (the per-device default), 0: off, 1: on.
-  static const int forced = [] {
-    const char* v = std::getenv("ETMLX_HOST_FOLD");
-    if (v == nullptr || *v == '\0') return -1;
-    return std::strcmp(v, "0") != 0 ? 1 : 0;
-  }();
-  if (forced >= 0) return forced == 1;
+bool HostFold::enabled_on(const mx::Device& device, options::Forced forced) {
+  if (forced != options::Forced::unset) return forced == options::Forced::on;
   return !(device.type == mx::Device::gpu && mx::cu::is_available());
 }
 

@@ -29,6 +29,8 @@
 #include <mlx/array.h>
 #include <mlx/device.h>
 
+#include "options.h"
+
 namespace etmlx {
 
 // A value the host holds, its elements in row-major order: bool, int32 and int64 in `ints`, float32 in `floats`.
@@ -43,8 +45,8 @@ class HostFold {
  public:
   static constexpr size_t kMostElements = 64;
 
-  // Whether a program loaded on `device` folds (ETMLX_HOST_FOLD, read once; else the default above).
-  static bool enabled_on(const mlx::core::Device& device);
+  // Whether a program loaded on `device` folds: `forced` (ETMLX_HOST_FOLD, options.h), else the default above.
+  static bool enabled_on(const mlx::core::Device& device, options::Forced forced);
 
   // `a` as a materialised array computed on the host, or nullopt (then MLX computes it as usual).
   std::optional<mlx::core::array> fold(const mlx::core::array& a);

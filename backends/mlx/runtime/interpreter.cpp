@@ -25,7 +25,7 @@ Interpreter::Interpreter(const Program& program)
     : program_(program),
       tensors_(program.num_tensors),
       values_(program.num_values),
-      keep_written_(lazy_check_enabled()),
+      keep_written_(program.options.check_lazy),
       fold_on_(program.host_fold) {}
 
 bool Interpreter::fail(const char* fmt, ...) {

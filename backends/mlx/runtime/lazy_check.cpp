@@ -19,12 +19,6 @@ std::atomic<uint64_t> g_checked_calls{0};
 
 }  // namespace
 
-bool lazy_check_enabled() {
-  // Read per call, not once: a test flips it between programs in one process.
-  const char* v = std::getenv("ETMLX_CHECK_LAZY");
-  return v != nullptr && std::strcmp(v, "1") == 0;
-}
-
 static int64_t count_premature(const std::vector<mx::array>& outputs, const std::vector<mx::array>& seeded) {
   std::unordered_set<uintptr_t> seeds;
   for (const auto& a : seeded) seeds.insert(a.id());

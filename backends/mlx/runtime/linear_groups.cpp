@@ -74,8 +74,7 @@ size_t plan_linear_groups(Program& p) {
   p.rope_partner.clear();
   p.fuse_nodes = false;
   if (p.kernels == nullptr || p.kernels->quantized_matmul_group == nullptr) return 0;
-  const char* env = std::getenv("ETMLX_FUSE_LINEARS");
-  if (env != nullptr && std::strcmp(env, "0") == 0) return 0;
+  if (!p.options.fuse_linears) return 0;  // ETMLX_FUSE_LINEARS=0: the instructions one by one (tests' reference)
   const auto* instrs = p.graph->instructions();
   if (instrs == nullptr) return 0;
   p.fuse_nodes = true;

@@ -493,6 +493,11 @@ Error load_program(const void* data, size_t size, const executorch::runtime::Nam
     ET_LOG(Error, "etmlx: %s", device_error.c_str());
     return Error::InvalidArgument;
   }
+  options::LoadOptions load_options = options::read_load();
+  if (!load_options.error.empty()) {
+    ET_LOG(Error, "etmlx: %s", load_options.error.c_str());
+    return Error::InvalidArgument;
+  }
   uint64_t len = 0;
   Error err = check_header(data, size, &len);
   if (err != Error::Ok) return err;
@@ -542,6 +547,17 @@ Error load_program(const void* data, size_t size, const executorch::runtime::Nam
     ET_LOG(Error, "etmlx: graph declares %u value slots (max %u)", nv, kMaxValueSlots);
     return Error::InvalidProgram;
   }
+  // Chosen at export (it changes the results), so read from the program, never from the process.
+  kernels::ActivationPrecision activations = kernels::ActivationPrecision::int16;
+  switch (g->qmm_activations()) {
+    case fb::QmmActivations::Int16: activations = kernels::ActivationPrecision::int16; break;
+    case fb::QmmActivations::Int8: activations = kernels::ActivationPrecision::int8; break;
+    case fb::QmmActivations::Float32: activations = kernels::ActivationPrecision::float32; break;
+    default:
+      ET_LOG(Error, "etmlx: graph asks for quantized-product activations %d, not int16 (0), int8 (1) or float32 (2)",
+             static_cast<int>(g->qmm_activations()));
+      return Error::InvalidProgram;
+  }
   if (!check_io(g->inputs(), "input", nt, nv) || !check_io(g->outputs(), "output", nt, nv)) {
     return Error::InvalidProgram;
   }
@@ -560,6 +576,8 @@ Error load_program(const void* data, size_t size, const executorch::runtime::Nam
   p.graph = g;
   p.num_tensors = nt;
   p.num_values = nv;
+  p.activations = activations;
+  p.options = std::move(load_options);
 
   const auto* consts = g->constants();
   const size_t nconst = consts ? consts->size() : 0;
@@ -625,18 +643,13 @@ Error load_program(const void* data, size_t size, const executorch::runtime::Nam
 
   if (!check_quantized_constants(p)) return Error::InvalidProgram;
 
-  std::string kernel_error;
-  p.kernels = kernels::select_kernels(mx::default_device(), &kernel_error);
-  if (p.kernels == nullptr) {
-    ET_LOG(Error, "etmlx: %s", kernel_error.c_str());
-    return Error::InvalidArgument;
-  }
-  p.host_fold = HostFold::enabled_on(mx::default_device());
-  // Reported only when asked for (ETMLX_CPU_WIDEN set): an unconditional line would reach every
+  p.kernels = &kernels::select_kernels(mx::default_device(), p.options.kernels);
+  p.host_fold = HostFold::enabled_on(mx::default_device(), p.options.host_fold);
+  // Reported only when asked for (ETMLX_CPU_WIDEN=1): an unconditional line would reach every
   // `etmlx generate` user's terminal. Not for a plain step: its weights are its program's arrays, widened or not
   // there; widening them here would keep a second, float32 copy.
   if (const size_t widened = share == nullptr ? widen_cpu_matmul_weights(p) : 0;
-      widened != 0 && std::getenv("ETMLX_CPU_WIDEN") != nullptr) {
+      widened != 0 && p.options.report_widened) {
     ET_LOG(Info, "etmlx: %zu half-precision linear weights widened to float32 at load", widened);
   }
 

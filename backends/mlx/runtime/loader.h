@@ -18,6 +18,7 @@
 
 #include "dtypes.h"
 #include "kernels/kernel_set.h"
+#include "options.h"
 
 namespace etmlx {
 
@@ -45,6 +46,10 @@ struct Program {
   std::vector<uint32_t> mutable_slots;
   std::vector<uint32_t> mutable_initial;
 
+  // How the CPU kernel set rounds the activations of quantized products: the blob's Graph.qmm_activations.
+  kernels::ActivationPrecision activations = kernels::ActivationPrecision::int16;
+  // The load options (ETMLX_KERNELS, ETMLX_FUSE_LINEARS, ...: options.h), read when this program loaded.
+  options::LoadOptions options;
   // The kernel variants for the device the program was loaded on (kernels/kernel_set.h).
   const kernels::KernelSet* kernels = nullptr;
   // Whether its calls fold small host-known arithmetic (host_fold.h; decided by the device at load).

@@ -4,10 +4,12 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <limits>
 #include <optional>
+
+#include "options.h"
 
 namespace etmlx {
 
@@ -40,12 +42,7 @@ std::optional<uint64_t> checked_numel(const Dims& shape, bool skip_minus_one = f
 inline uint64_t max_array_bytes() {
   static const uint64_t limit = [] {
     uint64_t bytes = kMaxArrayBytes;
-    if (const char* env = std::getenv("ETMLX_MAX_ARRAY_BYTES"); env != nullptr && *env != '\0') {
-      char* end = nullptr;
-      const unsigned long long v = std::strtoull(env, &end, 10);
-      if (end != nullptr && *end == '\0' && v > 0 && v < bytes) bytes = v;
-      return bytes;
-    }
+    if (const uint64_t asked = options::process().max_array_bytes; asked != 0) return std::min(asked, bytes);
     const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
     if (pages > 0 && page > 0 && static_cast<uint64_t>(pages) < bytes / static_cast<uint64_t>(page)) {
       bytes = static_cast<uint64_t>(pages) * static_cast<uint64_t>(page);

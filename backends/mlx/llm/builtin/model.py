@@ -37,6 +37,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 from backends.mlx.llm.builtin.corpus import CORPUS_PATH, split_documents
 from backends.mlx.llm.builtin.tokenizer import train_tokenizer
 from backends.mlx.llm.builtin.training import TrainingPlan, token_stream, train
+from backends.mlx.runtime import options
 
 CHECKPOINT_NAME = "builtin-llama"
 DRAFT_CHECKPOINT_NAME = "builtin-llama-draft"
@@ -105,8 +106,8 @@ DRAFT_RECIPE = BuiltinRecipe(hidden_size=64, num_layers=1, num_heads=2, num_kv_h
 
 def default_cache_dir() -> Path:
     """$ETMLX_CACHE_DIR, else $XDG_CACHE_HOME/etmlx, else ~/.cache/etmlx."""
-    if os.environ.get("ETMLX_CACHE_DIR"):
-        return Path(os.environ["ETMLX_CACHE_DIR"])
+    if (asked := options.cache_dir()) is not None:
+        return asked
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "etmlx"
 

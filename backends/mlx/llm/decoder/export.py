@@ -54,7 +54,8 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
                    batch: int = 1, seeded: bool = True, tokenizer=None,
                    progress: Optional[Callable[[str], None]] = None, external_weights: bool = False,
                    pipelined: bool | None = None, verify: bool = True, draft_tokens: int = 0,
-                   propose_tokens: int = 0, tool_call_format: str | None = None) -> ExportResult:
+                   propose_tokens: int = 0, tool_call_format: str | None = None,
+                   qmm_activations: str = "int16") -> ExportResult:
     """Write `out` (.pte) holding the program, its DecoderMeta and, given one (a transformers tokenizer or
     a directory holding one), the tokenizer: the one file is all a decode loop needs. `external_weights`:
     the weights go to `out` with suffix .ptd instead (the runners load it from beside the .pte).
@@ -65,7 +66,8 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
     `draft_tokens` K > 0: a program that verifies up to K drafted tokens per call (speculative_head.py);
     pipelined, its calls without drafts need not wait for their outputs (pipelined_verify.py).
     `propose_tokens` K > 1: a draft model's program returning K tokens per call (proposer.py).
-    `tool_call_format`: the call syntax of tool calls (tool_formats.py; default: detected from the chat template)."""
+    `tool_call_format`: the call syntax of tool calls (tool_formats.py; default: detected from the chat template).
+    `qmm_activations`: export_to_pte's (int16, int8 or float32 activations in the CPU's quantized products)."""
     if tool_call_format:
         check_format(tool_call_format)  # before the export's minutes
     config = config or SamplerConfig()
@@ -145,7 +147,8 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
     plain_step = (PlainStep(switch=lambda on: setattr(head, "plain_step", on), when="verify")
                   if draft_tokens and batch == 1 else None)
     result = export_to_pte(program, example, kwargs, dynamic_shapes=dynamic, progress=progress, named_data=blobs,
-                           weights="external" if external_weights else "pte", plain_step=plain_step)
+                           weights="external" if external_weights else "pte", plain_step=plain_step,
+                           qmm_activations=qmm_activations)
     result.save(Path(out))
     if verify:
         say = progress or (lambda _stage: None)

@@ -36,12 +36,14 @@ def export_checkpoint(model: str | Path, out: str | Path | None = None, *, revis
                       seeded: bool = True, pipelined: bool | None = None, verify: bool = True,
                       draft_tokens: int = 0, propose_tokens: int = 0, external_weights: bool = False,
                       progress: Optional[Callable[[str], None]] = None, adapter: str | Path | None = None,
-                      tool_call_format: str | None = None):
+                      tool_call_format: str | None = None, qmm_activations: str = "int16"):
     """Export the causal LM at `model` (a local directory or a Hugging Face repo id) to `out` (default:
     NAME.pte in the current directory), which holds the program when this returns its ExportResult.
     `adapter`: a LoRA adapter directory (mlx-lm's or PEFT's) fused into the weights (llm/lora/).
     `tool_call_format`: the tool-call syntax stored in the program (default: detected from the chat template;
-    llm/decoder/tool_formats.py)."""
+    llm/decoder/tool_formats.py).
+    `qmm_activations`: int16 (default), int8 or float32 activations in the CPU's quantized products, recorded in
+    the program (exporter/export.py)."""
     from backends.mlx.llm.checkpoint_source import check_weight_files, default_pte_name, resolve_checkpoint
 
     say = progress or (lambda stage: None)
@@ -85,7 +87,8 @@ def export_checkpoint(model: str | Path, out: str | Path | None = None, *, revis
     result = export_decoder(torch_model, out, max_seq_len, config=config, batch=batch, seeded=seeded,
                             tokenizer=tokenizer, progress=say, external_weights=external_weights,
                             pipelined=pipelined, verify=verify, draft_tokens=draft_tokens,
-                            propose_tokens=propose_tokens, tool_call_format=tool_call_format)
+                            propose_tokens=propose_tokens, tool_call_format=tool_call_format,
+                            qmm_activations=qmm_activations)
     say("done")
     return result
 

@@ -914,6 +914,39 @@ inline const char *EnumNameSlotKind(SlotKind e) {
   return EnumNamesSlotKind()[index];
 }
 
+enum class QmmActivations : uint8_t {
+  Int16 = 0,
+  Int8 = 1,
+  Float32 = 2,
+  MIN = Int16,
+  MAX = Float32
+};
+
+inline const QmmActivations (&EnumValuesQmmActivations())[3] {
+  static const QmmActivations values[] = {
+    QmmActivations::Int16,
+    QmmActivations::Int8,
+    QmmActivations::Float32
+  };
+  return values;
+}
+
+inline const char * const *EnumNamesQmmActivations() {
+  static const char * const names[4] = {
+    "Int16",
+    "Int8",
+    "Float32",
+    nullptr
+  };
+  return names;
+}
+
+inline const char *EnumNameQmmActivations(QmmActivations e) {
+  if (::flatbuffers::IsOutRange(e, QmmActivations::Int16, QmmActivations::Float32)) return "";
+  const size_t index = static_cast<size_t>(e);
+  return EnumNamesQmmActivations()[index];
+}
+
 FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(4) Tid FLATBUFFERS_FINAL_CLASS {
  private:
   uint32_t idx_;
@@ -5305,7 +5338,8 @@ struct Graph FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
     VT_MUTABLE_BUFFERS = 14,
     VT_INSTRUCTIONS = 16,
     VT_PLAIN_STEP = 18,
-    VT_PLAIN_STEP_WHEN = 20
+    VT_PLAIN_STEP_WHEN = 20,
+    VT_QMM_ACTIVATIONS = 22
   };
   uint32_t num_tensors() const {
     return GetField<uint32_t>(VT_NUM_TENSORS, 0);
@@ -5334,6 +5368,9 @@ struct Graph FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   int32_t plain_step_when() const {
     return GetField<int32_t>(VT_PLAIN_STEP_WHEN, -1);
   }
+  backends::mlx::serialization::generated::fb::QmmActivations qmm_activations() const {
+    return static_cast<backends::mlx::serialization::generated::fb::QmmActivations>(GetField<uint8_t>(VT_QMM_ACTIVATIONS, 0));
+  }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
     return VerifyTableStart(verifier) &&
@@ -5357,6 +5394,7 @@ struct Graph FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
            VerifyOffset(verifier, VT_PLAIN_STEP) &&
            verifier.VerifyVector(plain_step()) &&
            VerifyField<int32_t>(verifier, VT_PLAIN_STEP_WHEN, 4) &&
+           VerifyField<uint8_t>(verifier, VT_QMM_ACTIVATIONS, 1) &&
            verifier.EndTable();
   }
 };
@@ -5392,6 +5430,9 @@ struct GraphBuilder {
   void add_plain_step_when(int32_t plain_step_when) {
     fbb_.AddElement<int32_t>(Graph::VT_PLAIN_STEP_WHEN, plain_step_when, -1);
   }
+  void add_qmm_activations(backends::mlx::serialization::generated::fb::QmmActivations qmm_activations) {
+    fbb_.AddElement<uint8_t>(Graph::VT_QMM_ACTIVATIONS, static_cast<uint8_t>(qmm_activations), 0);
+  }
   explicit GraphBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
         : fbb_(_fbb) {
     start_ = fbb_.StartTable();
@@ -5413,7 +5454,8 @@ inline ::flatbuffers::Offset<Graph> CreateGraph(
     ::flatbuffers::Offset<::flatbuffers::Vector<::flatbuffers::Offset<backends::mlx::serialization::generated::fb::MutableBuffer>>> mutable_buffers = 0,
     ::flatbuffers::Offset<::flatbuffers::Vector<::flatbuffers::Offset<backends::mlx::serialization::generated::fb::Instruction>>> instructions = 0,
     ::flatbuffers::Offset<::flatbuffers::Vector<uint8_t>> plain_step = 0,
-    int32_t plain_step_when = -1) {
+    int32_t plain_step_when = -1,
+    backends::mlx::serialization::generated::fb::QmmActivations qmm_activations = backends::mlx::serialization::generated::fb::QmmActivations::Int16) {
   GraphBuilder builder_(_fbb);
   builder_.add_plain_step_when(plain_step_when);
   builder_.add_plain_step(plain_step);
@@ -5424,6 +5466,7 @@ inline ::flatbuffers::Offset<Graph> CreateGraph(
   builder_.add_constants(constants);
   builder_.add_num_values(num_values);
   builder_.add_num_tensors(num_tensors);
+  builder_.add_qmm_activations(qmm_activations);
   return builder_.Finish();
 }
 
@@ -5437,7 +5480,8 @@ inline ::flatbuffers::Offset<Graph> CreateGraphDirect(
     const std::vector<::flatbuffers::Offset<backends::mlx::serialization::generated::fb::MutableBuffer>> *mutable_buffers = nullptr,
     const std::vector<::flatbuffers::Offset<backends::mlx::serialization::generated::fb::Instruction>> *instructions = nullptr,
     const std::vector<uint8_t> *plain_step = nullptr,
-    int32_t plain_step_when = -1) {
+    int32_t plain_step_when = -1,
+    backends::mlx::serialization::generated::fb::QmmActivations qmm_activations = backends::mlx::serialization::generated::fb::QmmActivations::Int16) {
   auto constants__ = constants ? _fbb.CreateVector<::flatbuffers::Offset<backends::mlx::serialization::generated::fb::Constant>>(*constants) : 0;
   auto inputs__ = inputs ? _fbb.CreateVector<::flatbuffers::Offset<backends::mlx::serialization::generated::fb::IoSpec>>(*inputs) : 0;
   auto outputs__ = outputs ? _fbb.CreateVector<::flatbuffers::Offset<backends::mlx::serialization::generated::fb::IoSpec>>(*outputs) : 0;
@@ -5454,7 +5498,8 @@ inline ::flatbuffers::Offset<Graph> CreateGraphDirect(
       mutable_buffers__,
       instructions__,
       plain_step__,
-      plain_step_when);
+      plain_step_when,
+      qmm_activations);
 }
 
 template <bool B>

@@ -16,6 +16,7 @@
 #include "kernels/attention.h"
 #include "kernels/host_kernel.h"
 #include "kernels/thread_pool.h"
+#include "options.h"
 
 namespace etmlx::kernels {
 
@@ -30,22 +31,7 @@ constexpr int kMinQueryRows = 16;
 // ETMLX_BLAS=reference is the batch-invariant mode (docs/cpu-kernels.md): a request's bits must not depend on
 // the call it shares, but the call's width (set by the longest prompt in it) picks this path or MLX's, whose
 // softmaxes round differently. That mode keeps MLX's attention at every width.
-bool batch_invariant() {
-  static const bool on = [] {
-    const char* mode = std::getenv("ETMLX_BLAS");
-    return mode != nullptr && std::strcmp(mode, "reference") == 0;
-  }();
-  return on;
-}
-
-// ETMLX_DECODE_ATTENTION=0 keeps MLX's ops for decode steps (for A/B runs).
-bool decode_attention_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("ETMLX_DECODE_ATTENTION");
-    return v == nullptr || std::strcmp(v, "0") != 0;
-  }();
-  return on;
-}
+bool batch_invariant() { return options::process().blas_reference; }
 
 }  // namespace
 
@@ -611,7 +597,7 @@ bool decode_loop_applies(const mx::array& q, const mx::array& k, const mx::array
                          const std::optional<mx::array>& mask, int key_end) {
   return q.dtype() == mx::float32 && (avx512_ok() || avx2_ok()) && !batch_invariant() && q.shape(2) < kMinQueryRows &&
          k.dtype() == mx::float32 && v.dtype() == mx::float32 && key_end >= 1 &&
-         (!mask || mask->dtype() == mx::bool_ || mask->dtype() == mx::float32) && decode_attention_enabled();
+         (!mask || mask->dtype() == mx::bool_ || mask->dtype() == mx::float32);
 }
 
 }  // namespace

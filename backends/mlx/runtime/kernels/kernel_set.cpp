@@ -18,7 +18,8 @@ mx::array device_addmm(const mx::array& bias, const mx::array& a, const mx::arra
 }
 
 mx::array device_quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
-                                  const mx::array& biases, int group_size, int bits) {
+                                  const mx::array& biases, int group_size, int bits, ActivationPrecision) {
+  // MLX's own kernels: the activations as they are, whatever the program's CPU precision.
   return mx::quantized_matmul(x, w, scales, biases, /*transpose=*/true, group_size, bits, "affine");
 }
 
@@ -40,13 +41,10 @@ const KernelSet& device_kernels() {
   return set;
 }
 
-const KernelSet* select_kernels(const mx::Device& device, std::string* error) {
-  const char* forced = std::getenv("ETMLX_KERNELS");
-  if (forced == nullptr || forced[0] == '\0') return device == mx::Device::cpu ? &cpu_kernels() : &device_kernels();
-  if (std::strcmp(forced, "cpu") == 0) return &cpu_kernels();
-  if (std::strcmp(forced, "device") == 0) return &device_kernels();
-  *error = std::string("ETMLX_KERNELS=") + forced + " is not \"cpu\" or \"device\"";
-  return nullptr;
+const KernelSet& select_kernels(const mx::Device& device, options::Kernels forced) {
+  if (forced == options::Kernels::cpu) return cpu_kernels();
+  if (forced == options::Kernels::device) return device_kernels();
+  return device == mx::Device::cpu ? cpu_kernels() : device_kernels();
 }
 
 }  // namespace etmlx::kernels

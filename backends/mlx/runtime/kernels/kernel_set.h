@@ -21,6 +21,7 @@
 #include "kernels/norms.h"
 #include "kernels/rope.h"
 #include "kernels/quantized_matmul.h"
+#include "options.h"
 #include "kernels/sigmoid.h"
 #include "kernels/silu_product.h"
 
@@ -51,9 +52,9 @@ struct KernelSet {
 const KernelSet& cpu_kernels();
 const KernelSet& device_kernels();
 
-// The set for `device`: cpu_kernels() on the CPU, device_kernels() elsewhere. ETMLX_KERNELS=cpu or
-// =device overrides it (device on a CPU build runs the GPU formulation, so tests can check it
-// there). Returns nullptr and sets *error for any other value.
-const KernelSet* select_kernels(const mlx::core::Device& device, std::string* error);
+// The set for `device`: cpu_kernels() on the CPU, device_kernels() elsewhere, unless `forced`
+// (ETMLX_KERNELS=cpu or =device, options.h) names one (device on a CPU build runs the GPU formulation,
+// so tests can check it there).
+const KernelSet& select_kernels(const mlx::core::Device& device, options::Kernels forced);
 
 }  // namespace etmlx::kernels

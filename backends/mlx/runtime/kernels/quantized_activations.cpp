@@ -8,16 +8,6 @@
 
 namespace etmlx::kernels {
 
-ActivationPrecision activation_precision() {
-  static const ActivationPrecision p = [] {
-    const char* env = std::getenv("ETMLX_QMM_ACTIVATIONS");
-    if (env != nullptr && std::strcmp(env, "float32") == 0) return ActivationPrecision::float32;
-    if (env != nullptr && std::strcmp(env, "int8") == 0) return ActivationPrecision::int8;
-    return ActivationPrecision::int16;
-  }();
-  return p;
-}
-
 const char* activation_precision_name(ActivationPrecision p) {
   switch (p) {
     case ActivationPrecision::float32: return "float32";

@@ -17,7 +17,8 @@
 // weight to a float and decodes at ~16 GB/s of weights, under the ~23 GB/s one core can read; the integer
 // loop reads at that bandwidth, with the same greedy tokens on the benchmark model. (mlx-lm runs a bf16
 // checkpoint's activations in bf16: 2^-9 of each value, far coarser than this.)
-// ETMLX_QMM_ACTIVATIONS=float32|int16|int8 picks one for the process; a kernel that has no integer variant
+// A program carries its choice (schema.fbs Graph.qmm_activations, set at export: export_to_pte(qmm_activations=),
+// `etmlx export --qmm-activations`), since it changes the program's results; a kernel that has no integer variant
 // on this CPU (the few-row loop: AVX-512 VNNI, or AVX2 at 4 bits, whose vpmaddubsw would saturate on 8-bit
 // weights; the many-row GEMM: AVX-512 VNNI only; or a group size it does not handle) computes in float32, and
 // kernels_info() says what the few-row loop and the GEMM run.
@@ -29,8 +30,6 @@ namespace etmlx::kernels {
 
 enum class ActivationPrecision : uint8_t { float32, int16, int8 };
 
-// From ETMLX_QMM_ACTIVATIONS, read once (unset or unknown: the default).
-ActivationPrecision activation_precision();
 const char* activation_precision_name(ActivationPrecision p);
 
 // The largest |q| of a precision's integers: 32512 (int16) or 127 (int8).

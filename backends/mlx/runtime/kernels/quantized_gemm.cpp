@@ -156,19 +156,10 @@ void pack_panels(const float* x, int m, int k, float* panels) {
   parallel_for(blocks, 1, range);
 }
 
-// ETMLX_QMM_GEMM=blas: every many-row product takes the dequantize-then-BLAS path (for A/B runs).
-bool blas_asked() {
-  static const bool asked = [] {
-    const char* gemm = std::getenv("ETMLX_QMM_GEMM");
-    return gemm != nullptr && std::strcmp(gemm, "blas") == 0;
-  }();
-  return asked;
-}
-
 // The AVX2 integer GEMM serves where the few-row loop in use is AVX2's (so ETMLX_QMM_ISA=scalar keeps the
-// dequantize-then-BLAS path) and nothing asked for that path.
+// dequantize-then-BLAS path).
 bool avx2_integer(int bits, int group) {
-  static const bool ok = !blas_asked() && std::strcmp(quantized_rows_isa(), "avx2") == 0;
+  static const bool ok = std::strcmp(quantized_rows_isa(), "avx2") == 0;
   return ok && quantized_gemm_avx2_available(bits, group);
 }
 
@@ -179,23 +170,23 @@ bool quantized_gemm_available() {
     if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))) {
       return false;
     }
-    return !blas_asked() && std::strcmp(quantized_rows_isa(), "avx512") == 0;
+    return std::strcmp(quantized_rows_isa(), "avx512") == 0;
   }();
   return ok;
 }
 
-bool quantized_gemm_integer(int bits, int group) {
-  if (activation_precision() == ActivationPrecision::float32) return false;
+bool quantized_gemm_integer(int bits, int group, ActivationPrecision p) {
+  if (p == ActivationPrecision::float32) return false;
   return (quantized_gemm_available() && quantized_gemm_vnni_available(bits, group)) || avx2_integer(bits, group);
 }
 
-void quantized_gemm(const float* x, int m, const QuantizedMatrix& w, float* out) {
-  if (quantized_gemm_integer(w.bits, w.group)) {
+void quantized_gemm(const float* x, int m, const QuantizedMatrix& w, ActivationPrecision p, float* out) {
+  if (quantized_gemm_integer(w.bits, w.group, p)) {
     // Integer activations (quantized_gemm_vnni.h, quantized_gemm_avx2.h).
     if (quantized_gemm_available() && quantized_gemm_vnni_available(w.bits, w.group)) {
-      quantized_gemm_vnni(x, m, w, activation_precision(), out);
+      quantized_gemm_vnni(x, m, w, p, out);
     } else {
-      quantized_gemm_avx2(x, m, w, activation_precision(), out);
+      quantized_gemm_avx2(x, m, w, p, out);
     }
     return;
   }
@@ -232,8 +223,8 @@ void quantized_gemm(const float* x, int m, const QuantizedMatrix& w, float* out)
 
 namespace etmlx::kernels {
 bool quantized_gemm_available() { return false; }
-bool quantized_gemm_integer(int, int) { return false; }
-void quantized_gemm(const float*, int, const QuantizedMatrix&, float*) { std::abort(); }
+bool quantized_gemm_integer(int, int, ActivationPrecision) { return false; }
+void quantized_gemm(const float*, int, const QuantizedMatrix&, ActivationPrecision, float*) { std::abort(); }
 }  // namespace etmlx::kernels
 
 #endif

@@ -12,17 +12,17 @@
 
 namespace etmlx::kernels {
 
-// True when this CPU runs the tiled kernel (AVX-512F) and nothing asked for the old path:
-// ETMLX_QMM_GEMM=blas (for A/B runs) or an ETMLX_QMM_ISA other than avx512 (the variant tests).
+// True when this CPU runs the tiled kernel (AVX-512F) and ETMLX_QMM_ISA (the variant tests) did not
+// force a few-row loop other than avx512.
 bool quantized_gemm_available();
 
 // True when an integer-activation GEMM (quantized_gemm_vnni.h on AVX-512 VNNI, quantized_gemm_avx2.h where the
-// few-row loop is AVX2's) computes quantized_gemm() for W's bits and group at the activation precision in use.
-bool quantized_gemm_integer(int bits, int group);
+// few-row loop is AVX2's) computes quantized_gemm() for W's bits and group at precision `p` (not float32).
+bool quantized_gemm_integer(int bits, int group, ActivationPrecision p);
 
 // out [m, w.n] row-major = x [m, w.k] row-major . W^T; needs quantized_gemm_available() or
-// quantized_gemm_integer(w.bits, w.group). With ETMLX_QMM_ACTIVATIONS=int16|int8 (int16 by default), an
-// integer-activation kernel where one handles the layout; else the float32 tiles above.
-void quantized_gemm(const float* x, int m, const QuantizedMatrix& w, float* out);
+// quantized_gemm_integer(w.bits, w.group, p). At p = int16 or int8 (the program's), an integer-activation kernel
+// where one handles the layout; else the float32 tiles above.
+void quantized_gemm(const float* x, int m, const QuantizedMatrix& w, ActivationPrecision p, float* out);
 
 }  // namespace etmlx::kernels

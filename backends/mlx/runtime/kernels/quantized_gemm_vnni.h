@@ -1,5 +1,5 @@
 // The many-row quantized product (quantized_gemm.h) with integer activations (quantized_activations.h:
-// ETMLX_QMM_ACTIVATIONS=int16|int8) on AVX-512 VNNI:
+// the program's int16 or int8) on AVX-512 VNNI:
 //
 //   out[m, n] = sum over groups g of scale[n, g] * step[m, g] * (sum_i qw[n, i] * q[m, i])
 //                                    + bias[n, g] * (sum_i x[m, i])

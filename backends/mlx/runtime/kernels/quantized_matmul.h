@@ -9,7 +9,8 @@
 //           dequantized to float32 and multiplied by BLAS). Results round once to x's dtype, as MLX does.
 //           With float32 activations only the order of the additions differs from mx::quantized_matmul;
 //           with integer ones (quantized_activations.h, the default on AVX-512 VNNI CPUs) each product
-//           is within the bound stated there.
+//           is within the bound stated there. `activations` is the program's (Graph.qmm_activations);
+//           the device variant ignores it.
 #pragma once
 
 #include <optional>
@@ -17,17 +18,19 @@
 
 #include <mlx/array.h>
 
+#include "kernels/quantized_activations.h"
+
 namespace etmlx::kernels {
 
 // x [..., K] float32/float16/bfloat16; w uint32 [N, K * bits / 32]; scales and biases [N, K / group]
 // in x's dtype (the caller checks the layout: quantized_layout.h). Returns [..., N] in x's dtype.
 using QuantizedMatmulFn = mlx::core::array (*)(const mlx::core::array& x, const mlx::core::array& w,
                                                const mlx::core::array& scales, const mlx::core::array& biases,
-                                               int group_size, int bits);
+                                               int group_size, int bits, ActivationPrecision activations);
 
 mlx::core::array quantized_matmul_cpu(const mlx::core::array& x, const mlx::core::array& w,
                                       const mlx::core::array& scales, const mlx::core::array& biases,
-                                      int group_size, int bits);
+                                      int group_size, int bits, ActivationPrecision activations);
 
 // One linear of a group that reads the same input: its packed weights, scales, biases (layout
 // checked by the caller) and an optional bias [N] added to each result row.
@@ -52,11 +55,12 @@ struct QuantizedLinear {
 // order), its reshaped and transposed copies.
 using QuantizedMatmulGroupFn = std::vector<mlx::core::array> (*)(const mlx::core::array& x,
                                                                  const std::vector<QuantizedLinear>& group,
-                                                                 int group_size, int bits, bool silu_mul);
+                                                                 int group_size, int bits, bool silu_mul,
+                                                                 ActivationPrecision activations);
 
 std::vector<mlx::core::array> quantized_matmul_group_cpu(const mlx::core::array& x,
                                                          const std::vector<QuantizedLinear>& group, int group_size,
-                                                         int bits, bool silu_mul);
+                                                         int bits, bool silu_mul, ActivationPrecision activations);
 
 // A decode step's output projection, the residual add after it and the RMSNorm of the sum, as one node:
 // {x @ dequantize(w)^T, residual + that, rms_norm_cpu(sum)} with the bits of quantized_matmul_cpu, mx::add
@@ -67,6 +71,6 @@ std::vector<mlx::core::array> quantized_matmul_add_rms_norm_cpu(const mlx::core:
                                                                 const mlx::core::array& biases, int group_size,
                                                                 int bits, const mlx::core::array& residual,
                                                                 const std::optional<mlx::core::array>& weight,
-                                                                float eps);
+                                                                float eps, ActivationPrecision activations);
 
 }  // namespace etmlx::kernels

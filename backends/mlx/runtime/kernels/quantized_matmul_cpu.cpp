@@ -29,15 +29,9 @@ namespace {
 //   verify call): ~24 vs ~34; at 3 and 4 positions the two are within the noise. (One 896 x 4864 linear whose
 //   weights stay in cache put the crossover at 6: in a model the weights come from memory);
 // - else from 16: W dequantized to float32 tiles (or for BLAS), whose cost pays off only over many rows.
-// ETMLX_QMM_GEMM_ROWS=N moves both crossovers to N (for measuring them).
 constexpr int kIntegerGemmRows = kMaxRows + 1, kFloatGemmRows = 16;
-bool many_rows(int m, int bits, int group) {
-  static const int forced = [] {
-    const char* env = std::getenv("ETMLX_QMM_GEMM_ROWS");
-    return env && *env ? std::max(1, std::atoi(env)) : 0;
-  }();
-  if (forced) return m >= forced;
-  return m >= (quantized_gemm_integer(bits, group) ? kIntegerGemmRows : kFloatGemmRows);
+bool many_rows(int m, int bits, int group, ActivationPrecision p) {
+  return m >= (quantized_gemm_integer(bits, group, p) ? kIntegerGemmRows : kFloatGemmRows);
 }
 
 ScaleType scale_type(mx::Dtype t) {
@@ -62,9 +56,9 @@ int grain_for(int n, int64_t work_per_row) {
 }
 
 // out [m, N] float32 = x [m, K] float32 . W^T.
-void dot_rows(const float* x, int m, const QuantizedMatrix& w, float* out) {
+void dot_rows(const float* x, int m, const QuantizedMatrix& w, ActivationPrecision p, float* out) {
   PreparedActivations prepared;
-  prepared.prepare(x, m, w.k, w.bits, w.group);
+  prepared.prepare(x, m, w.k, w.bits, w.group, p);
   auto range = [&](int begin, int end) {
     for (int r0 = 0; r0 < m; r0 += kMaxRows) {
       quantized_dot_rows(w, prepared.rows(r0, std::min(kMaxRows, m - r0)), begin, end,
@@ -80,7 +74,7 @@ std::atomic<long long> grouped_nodes{0}, silu_epilogues{0}, matmul_add_norms{0};
 }  // namespace
 
 mx::array quantized_matmul_cpu(const mx::array& x, const mx::array& w, const mx::array& scales,
-                               const mx::array& biases, int group_size, int bits) {
+                               const mx::array& biases, int group_size, int bits, ActivationPrecision activations) {
   const mx::Dtype dtype = x.dtype();
   const int k = x.shape(-1), n = w.shape(0);
   const int m = k == 0 ? 0 : static_cast<int>(x.size() / k);
@@ -89,19 +83,20 @@ mx::array quantized_matmul_cpu(const mx::array& x, const mx::array& w, const mx:
   if (m == 0 || k == 0) return mx::zeros(out_shape, dtype);
   std::vector<mx::array> weights{contiguous_operand(w), contiguous_operand(scales),
                                  contiguous_operand(biases)};
-  if (many_rows(m, bits, group_size) && (quantized_gemm_available() || quantized_gemm_integer(bits, group_size))) {
+  if (many_rows(m, bits, group_size, activations) &&
+      (quantized_gemm_available() || quantized_gemm_integer(bits, group_size, activations))) {
     // Prefill on AVX-512 (W dequantized in tiles per pool thread, or integer activations on VNNI) or with
     // integer activations on AVX2 (quantized_gemm.h).
     const mx::array x32 = mx::reshape(mx::astype(x, mx::float32), {m, k});
     std::vector<mx::array> inputs{mx::contiguous(x32)};
     inputs.insert(inputs.end(), weights.begin(), weights.end());
-    auto gemm = [m, group_size, bits](const std::vector<mx::array>& in, mx::array& out) {
-      quantized_gemm(in[0].data<float>(), m, matrix_of(in, 1, group_size, bits), out.data<float>());
+    auto gemm = [m, group_size, bits, activations](const std::vector<mx::array>& in, mx::array& out) {
+      quantized_gemm(in[0].data<float>(), m, matrix_of(in, 1, group_size, bits), activations, out.data<float>());
     };
     const mx::array out32 = host_kernel("QuantizedGemmCpu", {m, n}, mx::float32, std::move(inputs), gemm);
     return mx::astype(mx::reshape(out32, out_shape), dtype);
   }
-  if (many_rows(m, bits, group_size)) {
+  if (many_rows(m, bits, group_size, activations)) {
     const mx::array x32 = mx::reshape(mx::astype(x, mx::float32), {m, k});
     auto dequantize = [group_size, bits](const std::vector<mx::array>& in, mx::array& out) {
       const QuantizedMatrix wm = matrix_of(in, 0, group_size, bits);
@@ -118,9 +113,9 @@ mx::array quantized_matmul_cpu(const mx::array& x, const mx::array& w, const mx:
   // Few rows (decode): x in any shape [..., k] and layout, the result made in its final shape.
   std::vector<mx::array> inputs{mx::astype(x, mx::float32)};
   inputs.insert(inputs.end(), weights.begin(), weights.end());
-  auto loop = [m, group_size, bits](const std::vector<mx::array>& in, mx::array& out) {
+  auto loop = [m, group_size, bits, activations](const std::vector<mx::array>& in, mx::array& out) {
     std::vector<float> copy;
-    dot_rows(float_rows(in[0], copy), m, matrix_of(in, 1, group_size, bits), out.data<float>());
+    dot_rows(float_rows(in[0], copy), m, matrix_of(in, 1, group_size, bits), activations, out.data<float>());
   };
   return mx::astype(host_kernel("QuantizedMatmulCpu", out_shape, mx::float32, std::move(inputs), loop), dtype);
 }
@@ -128,13 +123,13 @@ mx::array quantized_matmul_cpu(const mx::array& x, const mx::array& w, const mx:
 std::vector<mx::array> quantized_matmul_add_rms_norm_cpu(const mx::array& x, const mx::array& w, const mx::array& scales,
                                                          const mx::array& biases, int group_size, int bits,
                                                          const mx::array& residual, const std::optional<mx::array>& weight,
-                                                         float eps) {
+                                                         float eps, ActivationPrecision activations) {
   if (x.dtype() != mx::float32 || residual.dtype() != mx::float32 || x.ndim() == 0) return {};
   const int k = x.shape(-1), n = w.shape(0);
   const int m = k == 0 ? 0 : static_cast<int>(x.size() / k);
   mx::Shape out_shape = x.shape();
   out_shape.back() = n;
-  if (m == 0 || many_rows(m, bits, group_size) || residual.shape() != out_shape) return {};
+  if (m == 0 || many_rows(m, bits, group_size, activations) || residual.shape() != out_shape) return {};
   if (weight && (weight->dtype() != mx::float32 || weight->ndim() != 1 || weight->shape(0) != n ||
                  weight->status() != mx::array::Status::available || !weight->flags().row_contiguous)) {
     return {};
@@ -142,10 +137,11 @@ std::vector<mx::array> quantized_matmul_add_rms_norm_cpu(const mx::array& x, con
   std::vector<mx::array> inputs{x, contiguous_operand(w), contiguous_operand(scales),
                                 contiguous_operand(biases), residual};
   if (weight) inputs.push_back(*weight);
-  auto loop = [m, n, group_size, bits, eps](const std::vector<mx::array>& in, std::vector<mx::array>& out) {
+  auto loop = [m, n, group_size, bits, eps, activations](const std::vector<mx::array>& in,
+                                                         std::vector<mx::array>& out) {
     std::vector<float> copy, res_copy;
     float* p = out[0].data<float>();
-    dot_rows(float_rows(in[0], copy), m, matrix_of(in, 1, group_size, bits), p);
+    dot_rows(float_rows(in[0], copy), m, matrix_of(in, 1, group_size, bits), activations, p);
     // Then, on this thread, as the Add and RmsNorm nodes would: one float32 add each, the norm's row loop.
     const float* r = float_rows(in[4], res_copy);
     float* sum = out[1].data<float>();
@@ -161,11 +157,12 @@ std::vector<mx::array> quantized_matmul_add_rms_norm_cpu(const mx::array& x, con
 }
 
 std::vector<mx::array> quantized_matmul_group_cpu(const mx::array& x, const std::vector<QuantizedLinear>& group,
-                                                  int group_size, int bits, bool silu_mul) {
+                                                  int group_size, int bits, bool silu_mul,
+                                                  ActivationPrecision activations) {
   if (x.dtype() != mx::float32 || group.empty()) return {};
   const int k = x.ndim() == 0 ? 0 : x.shape(-1);
   const int m = k == 0 ? 0 : static_cast<int>(x.size() / k);
-  if (m == 0 || many_rows(m, bits, group_size)) return {};
+  if (m == 0 || many_rows(m, bits, group_size, activations)) return {};
   // Operands: x, then per linear w, scales, biases and its bias when it has one.
   std::vector<mx::array> inputs{x};
   std::vector<mx::Shape> shapes;
@@ -202,15 +199,15 @@ std::vector<mx::array> quantized_matmul_group_cpu(const mx::array& x, const std:
     shapes.push_back(*l.view_shape);
     shapes.push_back(std::move(t));
   }
-  auto loop = [m, k, total, group_size, bits, first, with_bias, silu, viewed, perms](const std::vector<mx::array>& in,
-                                                                                     std::vector<mx::array>& out) {
+  auto loop = [m, k, total, group_size, bits, first, with_bias, silu, viewed, perms, activations](
+                  const std::vector<mx::array>& in, std::vector<mx::array>& out) {
     std::vector<QuantizedMatrix> ws;
     for (int f : first) ws.push_back(matrix_of(in, f, group_size, bits));
     std::vector<float> copy;
     const float* xr = float_rows(in[0], copy);
     // As dot_rows, x prepared once for every matrix; the pool splits the concatenated output rows.
     PreparedActivations prepared;
-    prepared.prepare(xr, m, k, bits, group_size);
+    prepared.prepare(xr, m, k, bits, group_size, activations);
     auto range = [&](int begin, int end) {
       for (size_t i = 0, offset = 0; i < ws.size() && static_cast<int>(offset) < end; offset += ws[i].n, ++i) {
         const int lo = std::max(begin, static_cast<int>(offset)) - static_cast<int>(offset);
@@ -260,16 +257,17 @@ extern "C" __attribute__((visibility("default"))) const char* etmlx_quantized_ro
   return etmlx::kernels::quantized_rows_isa();
 }
 
-// The few-row loop's activation precision for the usual layout (4 bits, group 64) on this CPU.
+// The few-row loop's activation precision for the usual layout (4 bits, group 64) on this CPU, in a program
+// exported with the default (int16) activations.
 extern "C" __attribute__((visibility("default"))) const char* etmlx_quantized_activations() {
-  return etmlx::kernels::activation_precision_name(etmlx::kernels::rows_precision(4, 64));
+  using etmlx::kernels::ActivationPrecision;
+  return etmlx::kernels::activation_precision_name(etmlx::kernels::rows_precision(4, 64, ActivationPrecision::int16));
 }
 
 // The many-row product's (prefill's) for the same layout: integer only where an integer GEMM runs (AVX-512 VNNI, AVX2).
 extern "C" __attribute__((visibility("default"))) const char* etmlx_quantized_gemm_activations() {
-  return etmlx::kernels::quantized_gemm_integer(4, 64)
-             ? etmlx::kernels::activation_precision_name(etmlx::kernels::activation_precision())
-             : "float32";
+  return etmlx::kernels::quantized_gemm_integer(4, 64, etmlx::kernels::ActivationPrecision::int16) ? "int16"
+                                                                                                 : "float32";
 }
 
 extern "C" __attribute__((visibility("default"))) long long etmlx_grouped_linear_nodes() {

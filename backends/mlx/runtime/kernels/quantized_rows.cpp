@@ -2,12 +2,15 @@
 #include "kernels/quantized_rows.h"
 
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
+#include <string>
 #include <vector>
 
 #include "kernels/quantized_rows_variants.h"
+#include "options.h"
 
 namespace etmlx::kernels {
 
@@ -68,17 +71,16 @@ namespace {
 const RowsVariant& chosen();  // below: the variant in use
 }  // namespace
 
-ActivationPrecision rows_precision(int bits, int group) {
-  const ActivationPrecision wanted = activation_precision();
+ActivationPrecision rows_precision(int bits, int group, ActivationPrecision wanted) {
   if (wanted == ActivationPrecision::float32 || (bits != 4 && bits != 8) || group % kIntBlock != 0) {
     return ActivationPrecision::float32;
   }
   return chosen().integer_rows && bits <= chosen().integer_max_bits ? wanted : ActivationPrecision::float32;
 }
 
-void PreparedActivations::prepare(const float* x, int m, int k, int bits, int group) {
+void PreparedActivations::prepare(const float* x, int m, int k, int bits, int group, ActivationPrecision wanted) {
   k_ = k, groups_ = k / group;
-  precision_ = rows_precision(bits, group);
+  precision_ = rows_precision(bits, group, wanted);
   sums_.resize(static_cast<size_t>(m) * groups_);
   if (precision_ == ActivationPrecision::float32) {
     xp_.resize(static_cast<size_t>(m) * k);
@@ -214,15 +216,16 @@ void dequantize_scalar_any(const QuantizedMatrix& w, int n_begin, int n_end, flo
 
 const RowsVariant& chosen() {
   static const RowsVariant* v = [] {
-    const char* forced = std::getenv("ETMLX_QMM_ISA");
+    const std::string& forced = options::process().qmm_isa;  // ETMLX_QMM_ISA
     const RowsVariant* best = avx512_rows();
     if (!best) best = avx2_rows();
     if (!best) best = neon_rows();
     if (!best) best = &scalar_rows();
-    if (forced == nullptr || forced[0] == '\0') return best;
+    if (forced.empty()) return best;
     for (const RowsVariant* c : {avx512_rows(), avx2_rows(), neon_rows(), &scalar_rows()}) {
-      if (c != nullptr && std::strcmp(c->name, forced) == 0) return c;
+      if (c != nullptr && forced == c->name) return c;
     }
+    std::fprintf(stderr, "etmlx: ETMLX_QMM_ISA=%s: this CPU has no such loop; using %s\n", forced.c_str(), best->name);
     return best;
   }();
   return *v;

@@ -70,15 +70,15 @@ void prepare_activations(const float* x, int m, int k, int bits, int group, floa
 void prepare_integer_activations(const float* x, int m, int k, int bits, int group, ActivationPrecision precision,
                                  int8_t* hi, int8_t* lo, float* steps, float* residuals, float* sums);
 
-// The precision the few-row loop runs for W's bits and group on this CPU: activation_precision() where
+// The precision the few-row loop runs for W's bits and group on this CPU: `wanted` (the program's) where
 // the variant in use has integer loops for them (AVX-512 with VNNI, or AVX2 at 4 bits; groups a multiple of
 // 64), else float32.
-ActivationPrecision rows_precision(int bits, int group);
+ActivationPrecision rows_precision(int bits, int group, ActivationPrecision wanted);
 
 // A call's activation rows, prepared once for every matrix of its shape that reads them.
 class PreparedActivations {
  public:
-  void prepare(const float* x, int m, int k, int bits, int group);
+  void prepare(const float* x, int m, int k, int bits, int group, ActivationPrecision wanted);
   // Rows [first, first + count) (count <= kMaxRows).
   PreparedRows rows(int first, int count) const;
 

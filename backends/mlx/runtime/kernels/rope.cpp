@@ -32,11 +32,8 @@ mx::array rope_fast(const mx::array& x, const mx::array& offset, const mx::array
   return mx::fast::rope(x, x.shape(-1), /*traditional=*/false, std::nullopt, 1.0f, offset, freqs);
 }
 
-bool use_fast_rope(bool preferred) {
-  const char* env = std::getenv("ETMLX_FAST_ROPE");
-  if (env != nullptr && env[0] == '1') return true;
-  if (env != nullptr && env[0] == '0') return false;
-  return preferred;
+bool use_fast_rope(bool preferred, options::Forced forced) {
+  return forced == options::Forced::unset ? preferred : forced == options::Forced::on;
 }
 
 }  // namespace etmlx::kernels

@@ -13,6 +13,8 @@
 
 #include <mlx/array.h>
 
+#include "options.h"
+
 namespace etmlx::kernels {
 
 // x [..., D] floating with D even; cos and sin [..., D] in x's dtype, broadcastable to x.
@@ -31,8 +33,8 @@ long long rope_pair_nodes();
 // x [B, H, L, D]; offset integer, 0-d or [B]; freqs [D / 2] float32 (the inverse frequencies).
 mlx::core::array rope_fast(const mlx::core::array& x, const mlx::core::array& offset, const mlx::core::array& freqs);
 
-// ETMLX_FAST_ROPE=1 or 0 overrides `preferred` (the kernel set's choice); read per call, so
-// tests can run the kernel path on the CPU.
-bool use_fast_rope(bool preferred);
+// `forced` (ETMLX_FAST_ROPE=1 or 0 at the program's load, options.h) overrides `preferred` (the kernel
+// set's choice), so tests can run the kernel path on the CPU.
+bool use_fast_rope(bool preferred, options::Forced forced);
 
 }  // namespace etmlx::kernels

@@ -23,6 +23,8 @@
 #define ETMLX_CPU_RELAX() ((void)0)
 #endif
 
+#include "options.h"
+
 namespace etmlx::kernels {
 
 namespace {
@@ -45,15 +47,8 @@ int machine_threads() {
 }
 
 int configured_threads() {
-  const char* env = std::getenv("ETMLX_NUM_THREADS");
-  if (env != nullptr && env[0] != '\0') {
-    char* end = nullptr;
-    const long n = std::strtol(env, &end, 10);
-    if (end != env && *end == '\0' && n >= 1 && n <= 1024) return static_cast<int>(n);
-    std::fprintf(stderr, "etmlx: ETMLX_NUM_THREADS=%s is not a thread count from 1 to 1024; using %d\n", env,
-                 machine_threads());
-  }
-  return machine_threads();
+  const int n = options::process().num_threads;  // ETMLX_NUM_THREADS
+  return n > 0 ? n : machine_threads();
 }
 
 // A job is open from when run() publishes it until the caller has taken its last chunk; a worker

@@ -14,6 +14,7 @@
 #include <mach-o/dyld.h>  // _NSGetExecutablePath
 #endif
 
+#include "options.h"
 #include "tokenizer_plugin.h"
 
 namespace etmlx {
@@ -59,7 +60,7 @@ class MutedStderr {
 // The plugin: $ETMLX_TEXT_TOKENIZER_PLUGIN if set, else the file CMake builds
 // next to this program.
 std::filesystem::path plugin_path() {
-  if (const char* env = std::getenv("ETMLX_TEXT_TOKENIZER_PLUGIN"); env && *env) return env;
+  if (const std::string& path = options::process().text_tokenizer_plugin; !path.empty()) return path;
   std::string exe;
 #ifdef __APPLE__
   char buf[PATH_MAX];

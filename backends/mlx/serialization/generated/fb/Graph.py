@@ -201,8 +201,15 @@ class Graph(object):
             return self._tab.Get(flatbuffers.number_types.Int32Flags, o + self._tab.Pos)
         return -1
 
+    # Graph
+    def QmmActivations(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(22))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint8Flags, o + self._tab.Pos)
+        return 0
+
 def GraphStart(builder):
-    builder.StartObject(9)
+    builder.StartObject(10)
 
 def Start(builder):
     GraphStart(builder)
@@ -297,6 +304,12 @@ def GraphAddPlainStepWhen(builder, plainStepWhen):
 def AddPlainStepWhen(builder, plainStepWhen):
     GraphAddPlainStepWhen(builder, plainStepWhen)
 
+def GraphAddQmmActivations(builder, qmmActivations):
+    builder.PrependUint8Slot(9, qmmActivations, 0)
+
+def AddQmmActivations(builder, qmmActivations):
+    GraphAddQmmActivations(builder, qmmActivations)
+
 def GraphEnd(builder):
     return builder.EndObject()
 
@@ -326,6 +339,7 @@ class GraphT(object):
         instructions = None,
         plainStep = None,
         plainStepWhen = -1,
+        qmmActivations = 0,
     ):
         self.numTensors = numTensors  # type: int
         self.numValues = numValues  # type: int
@@ -336,6 +350,7 @@ class GraphT(object):
         self.instructions = instructions  # type: Optional[List[backends.mlx.serialization.generated.fb.Instruction.InstructionT]]
         self.plainStep = plainStep  # type: Optional[List[int]]
         self.plainStepWhen = plainStepWhen  # type: int
+        self.qmmActivations = qmmActivations  # type: int
 
     @classmethod
     def InitFromBuf(cls, buf, pos):
@@ -408,6 +423,7 @@ class GraphT(object):
             else:
                 self.plainStep = graph.PlainStepAsNumpy()
         self.plainStepWhen = graph.PlainStepWhen()
+        self.qmmActivations = graph.QmmActivations()
 
     # GraphT
     def Pack(self, builder):
@@ -475,5 +491,6 @@ class GraphT(object):
         if self.plainStep is not None:
             GraphAddPlainStep(builder, plainStep)
         GraphAddPlainStepWhen(builder, self.plainStepWhen)
+        GraphAddQmmActivations(builder, self.qmmActivations)
         graph = GraphEnd(builder)
         return graph
