@@ -111,7 +111,8 @@ def _qmm(args) -> int:
 def _tools(args) -> int:
     from benchmarks import tools
 
-    return tools.main(args.cache_dir, args.json, repeats=args.repeats or 30)
+    return tools.main(args.cache_dir, args.json, repeats=args.repeats or 30, hidden=args.hidden, layers=args.layers,
+                      batch=args.batch, max_seq_len=args.max_seq_len)
 
 
 def _gpu_kit(args) -> int:
@@ -192,6 +193,11 @@ def add_parsers(bench: argparse.ArgumentParser) -> None:
 
     p = sub.add_parser("tools", help="tool calls that parse and validate, and TTFT with 20 tools vs none")
     _common(p, repeats="30", cache=True)
+    p.add_argument("--hidden", type=int, default=32, help="the random model's width (default 32: a tiny model)")
+    p.add_argument("--layers", type=int, default=1, help="its layers (default 1; --hidden 896 --layers 24 steps at "
+                   "about a third of a 0.5B model's cost)")
+    p.add_argument("--batch", type=int, default=4, help="rows of the program (default 4)")
+    p.add_argument("--max-seq-len", type=int, default=8192, help="positions (default 8192; the 20 tools take 3,416)")
     p.set_defaults(func=_tools)
 
     p = sub.add_parser("gpu-kit", help="programs, inputs and a manifest for a GPU host (gpu_device.py runs them)")

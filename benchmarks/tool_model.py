@@ -53,13 +53,14 @@ def tool_tokenizer():
     return tok
 
 
-def export_tool_model(out: Path, max_seq_len: int, batch: int = 4) -> Path:
-    """The tiny model with the mask input (constrained calls) and this tokenizer, exported to `out`."""
+def export_tool_model(out: Path, max_seq_len: int, batch: int = 4, hidden: int = 32, layers: int = 1) -> Path:
+    """The tiny model with the mask input (constrained calls) and this tokenizer, exported to `out`; `hidden` and
+    `layers` give it a real model's step cost (`etmlx bench tools --hidden 896 --layers 24`)."""
     from backends.mlx.llm.decoder.export import export_decoder
     from backends.mlx.llm.sampler.config import SamplerConfig
 
     tok = tool_tokenizer()
-    model = tiny_llama(len(tok), tok.eos_token_id, hidden=32, layers=1)
+    model = tiny_llama(len(tok), tok.eos_token_id, hidden=hidden, layers=layers)
     model.config.max_position_embeddings = max_seq_len  # the prompts hold the tools (RoPE positions are computed)
     export_decoder(model, Path(out), max_seq_len, batch=batch, tokenizer=tok,
                    config=SamplerConfig(top_k=True, logit_bias=4, allowed_mask=True))

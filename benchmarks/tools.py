@@ -96,7 +96,8 @@ def _ttft(client, tools, repeats: int, rounds: int = 3) -> dict:
     return {**times, "ratio": tooled / base}
 
 
-def main(cache_dir: str, json_path: str | None = None, requests: int = 50, repeats: int = 30) -> int:
+def main(cache_dir: str, json_path: str | None = None, requests: int = 50, repeats: int = 30, *, hidden: int = 32,
+         layers: int = 1, batch: int = 4, max_seq_len: int = MAX_SEQ_LEN) -> int:
     import openai
 
     from benchmarks.tool_model import export_tool_model
@@ -104,10 +105,10 @@ def main(cache_dir: str, json_path: str | None = None, requests: int = 50, repea
 
     cache = Path(cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
-    pte = cache / f"tools-tiny-{MAX_SEQ_LEN}.pte"
+    pte = cache / f"tools-h{hidden}-l{layers}-b{batch}-s{max_seq_len}.pte"
     if not pte.is_file():
         print(f"exporting the tiny tool program to {pte}", flush=True)
-        export_tool_model(pte, MAX_SEQ_LEN)
+        export_tool_model(pte, max_seq_len, batch=batch, hidden=hidden, layers=layers)
     server = ServerThread(pte, model_name="tools").start()
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=600)
