@@ -23,7 +23,8 @@ def _git(repo: Path, *args: str) -> str:
 def clone(tmp_path_factory) -> Path:
     repo = tmp_path_factory.mktemp("clone") / "repo"
     subprocess.run(["git", "clone", "--quiet", "--no-checkout", str(ROOT), str(repo)], check=True)
-    _git(repo, "checkout", "--quiet", "HEAD", "--", ".ci")
+    _git(repo, "fetch", "--quiet", str(ROOT), "HEAD")  # the checkout's commit, on a branch or detached
+    _git(repo, "checkout", "--quiet", "-B", "base", "FETCH_HEAD")
     (repo / ".ci" / "check-commit-subjects").write_bytes((ROOT / CHECK).read_bytes())  # the working copy's rule
     return repo
 
@@ -39,7 +40,7 @@ def test_the_history_passes(clone):
 @pytest.mark.parametrize("length, passes", [(72, True), (73, False), (200, False)])
 def test_a_new_subject_is_held_to_72_characters(clone, length, passes):
     branch = f"subject-{length}"
-    _git(clone, "checkout", "--quiet", "-B", branch, "origin/HEAD")
+    _git(clone, "checkout", "--quiet", "-B", branch, "base")
     _git(clone, "commit", "--quiet", "--allow-empty", "-m", "x" * length, "-m", "a body may be any length " * 10)
     result = _check(clone)
     assert (result.returncode == 0) == passes, result.stderr
