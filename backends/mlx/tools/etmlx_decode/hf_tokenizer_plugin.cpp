@@ -17,9 +17,33 @@
 
 #include <pytorch/tokenizers/hf_tokenizer.h>
 
+#include "json_lite.h"
+#include "long_runs.h"
 #include "tokenizer_plugin.h"
 
 namespace {
+
+// The longest run of one kind (long_runs.h) handed to the tokenizer at once:
+// pytorch_tokenizers' std::regex matcher recurses per character of a match and
+// overflowed the stack at ~40,000; 4,096 leaves it ten times the room.
+constexpr size_t kMaxRun = 4096;
+
+// The text of tokenizer.json's added tokens (its special tokens among them),
+// which must not be cut apart; none if the file does not parse.
+std::vector<std::string> added_tokens(const std::string& tokenizer_json) {
+  std::vector<std::string> out;
+  std::string error;
+  const auto root = etmlx::json::parse(tokenizer_json, &error);
+  const etmlx::json::Value* added = root ? root->find("added_tokens") : nullptr;
+  if (!added) return out;
+  for (const auto& token : added->items) {
+    const etmlx::json::Value* content = token.find("content");
+    if (content && content->kind == etmlx::json::Value::Kind::String && content->text.size() > 1) {
+      out.push_back(content->text);
+    }
+  }
+  return out;
+}
 
 class HfTextTokenizer final : public etmlx::TextTokenizer {
  public:
@@ -52,17 +76,21 @@ class HfTextTokenizer final : public etmlx::TextTokenizer {
                std::to_string(static_cast<int>(status)) + ")";
       return false;
     }
+    added_ = added_tokens(files.at("tokenizer.json"));
     return true;
   }
 
   bool encode(const std::string& text, std::vector<int64_t>* ids, std::string* error) const override {
-    const auto out = tok_.encode(text, /*bos=*/0, /*eos=*/0);
-    if (!out.ok()) {
-      *error = "the tokenizer cannot encode the prompt (pytorch_tokenizers error " +
-               std::to_string(static_cast<int>(out.error())) + ")";
-      return false;
+    ids->clear();
+    for (const std::string_view piece : etmlx::split_long_runs(text, kMaxRun, added_)) {
+      const auto out = tok_.encode(std::string(piece), /*bos=*/0, /*eos=*/0);
+      if (!out.ok()) {
+        *error = "the tokenizer cannot encode the prompt (pytorch_tokenizers error " +
+                 std::to_string(static_cast<int>(out.error())) + ")";
+        return false;
+      }
+      ids->insert(ids->end(), out->begin(), out->end());
     }
-    ids->assign(out->begin(), out->end());
     return true;
   }
 
@@ -73,6 +101,7 @@ class HfTextTokenizer final : public etmlx::TextTokenizer {
 
  private:
   tokenizers::HFTokenizer tok_;
+  std::vector<std::string> added_;
 };
 
 }  // namespace
