@@ -52,7 +52,8 @@ class Conversation:
                 _say(f"[this message makes a {len(ids)}-token prompt: with room for a reply it does not fit the "
                      f"program's max_seq_len {self.max_seq_len}; not sent]")
                 return None
-            self.turns = self.turns[2:]  # the oldest user message and its reply
+            # the oldest user message and its reply, never the new message (resumed turns may be odd)
+            self.turns = self.turns[min(2, len(self.turns) - 1):]
             _say(f"[the conversation is full (max_seq_len {self.max_seq_len}): dropped the oldest exchange]")
 
     def answered(self, reply: str) -> None:
@@ -71,12 +72,28 @@ class Conversation:
         _, held, metadata = cache_file.load(path, decoder)
         try:
             turns = json.loads(metadata["etmlx.chat.turns"])
-            if not all(isinstance(t, dict) and set(t) == {"role", "content"} for t in turns):
+            if not isinstance(turns, list) or not all(
+                    isinstance(t, dict) and set(t) == {"role", "content"} and isinstance(t["role"], str)
+                    and isinstance(t["content"], str) for t in turns):
                 raise ValueError
-        except (KeyError, ValueError, TypeError):
+        except (KeyError, ValueError, TypeError, RecursionError):
             raise ValueError(f"{path} holds no etmlx chat (saved by another tool?)") from None
+        self._check_template(path, turns)
         self.turns = turns
         return held
+
+    def _check_template(self, path, turns: list[dict]) -> None:
+        """Saved turns (with this run's system prompt) must be a conversation the chat template renders."""
+        import jinja2
+
+        from backends.mlx.llm.decoder.prompt import chat_text
+
+        if not self.system + turns:
+            return
+        try:
+            chat_text(self.tokenizer, self.system + turns)
+        except (ValueError, TypeError, jinja2.TemplateError) as exc:
+            raise ValueError(f"{path} holds messages the chat template refuses: {exc}") from None
 
 
 def run_chat(args, params) -> int:
