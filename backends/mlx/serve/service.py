@@ -4,11 +4,12 @@ bridge from engine events (engine thread) to an asyncio queue (the handler's loo
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from backends.mlx.llm.decoder.meta import DecoderMeta
 from backends.mlx.llm.sampler.params import SamplingParams
+from backends.mlx.serve.body_parse import BodyParser
 from backends.mlx.serve.engine import Engine, EngineRequest, TokenEvent
 from backends.mlx.serve.grammar_compiler import GrammarCompiler
 
@@ -33,6 +34,7 @@ class Service:
     max_prompt_bytes: int = 4 * 1024 * 1024  # prompt text of one request (UTF-8 bytes)
     lmtp_inflight: int = 8  # unfinished streams per LMTP connection
     grammar: GrammarCompiler | None = None  # structured output: request grammars to matchers, off the loop
+    bodies: BodyParser = field(default_factory=lambda: BodyParser(65_536))  # HTTP bodies to JSON, off the loop
 
     async def stream_rows(self, requests: list[tuple[list[int], SamplingParams, int, dict]], keys: list
                           ) -> AsyncIterator[tuple[object, TokenEvent, int]]:
