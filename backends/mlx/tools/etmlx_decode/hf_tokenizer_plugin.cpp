@@ -17,7 +17,6 @@
 
 #include <pytorch/tokenizers/hf_tokenizer.h>
 
-#include "json_lite.h"
 #include "long_runs.h"
 #include "tokenizer_plugin.h"
 
@@ -28,22 +27,20 @@ namespace {
 // overflowed the stack at ~40,000; 4,096 leaves it ten times the room.
 constexpr size_t kMaxRun = 4096;
 
-// The text of tokenizer.json's added tokens (its special tokens among them),
-// which must not be cut apart; none if the file does not parse.
-std::vector<std::string> added_tokens(const std::string& tokenizer_json) {
-  std::vector<std::string> out;
-  std::string error;
-  const auto root = etmlx::json::parse(tokenizer_json, &error);
-  const etmlx::json::Value* added = root ? root->find("added_tokens") : nullptr;
-  if (!added) return out;
-  for (const auto& token : added->items) {
-    const etmlx::json::Value* content = token.find("content");
-    if (content && content->kind == etmlx::json::Value::Kind::String && content->text.size() > 1) {
-      out.push_back(content->text);
+// HFTokenizer with the added tokens it matches in raw text readable (its base
+// keeps them in a protected member): a cut must not split one.
+class AddedTokensTokenizer final : public tokenizers::HFTokenizer {
+ public:
+  std::vector<std::string> added_tokens() const {
+    std::vector<std::string> out;
+    if (!special_token_map_) return out;
+    for (size_t i = 0; i < special_token_map_->size(); ++i) {
+      const auto [text, id] = special_token_map_->getElement(i);
+      if (text.size() > 1) out.emplace_back(text);
     }
+    return out;
   }
-  return out;
-}
+};
 
 class HfTextTokenizer final : public etmlx::TextTokenizer {
  public:
@@ -76,7 +73,7 @@ class HfTextTokenizer final : public etmlx::TextTokenizer {
                std::to_string(static_cast<int>(status)) + ")";
       return false;
     }
-    added_ = added_tokens(files.at("tokenizer.json"));
+    added_ = tok_.added_tokens();
     return true;
   }
 
@@ -100,7 +97,7 @@ class HfTextTokenizer final : public etmlx::TextTokenizer {
   }
 
  private:
-  tokenizers::HFTokenizer tok_;
+  AddedTokensTokenizer tok_;
   std::vector<std::string> added_;
 };
 
