@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from backends.mlx.llm.checkpoint_source import CheckpointSourceError, default_pte_name, resolve_checkpoint
+from helpers import run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 REPO_ID = "etmlx-test/tiny-llama"
@@ -122,3 +123,16 @@ def test_local_directory_and_bad_names(tmp_path):
         resolve_checkpoint(str(tmp_path / "file.bin"))
     with pytest.raises(CheckpointSourceError, match="neither a local directory nor a Hugging Face repo id"):
         resolve_checkpoint("bad name!/x")
+
+
+def test_an_empty_model_name_is_refused_not_the_current_directory(tmp_path, monkeypatch):
+    """Path("") is ".": `--model ""` loaded the current directory (here a checkpoint-looking one) silently."""
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    for name in ("", "  "):
+        with pytest.raises(CheckpointSourceError, match="--model is empty"):
+            resolve_checkpoint(name)
+        with pytest.raises(CheckpointSourceError, match="--model is empty"):
+            default_pte_name(name)
+    ran = run_cli("export", "--model", "", "--out", tmp_path / "m.pte")
+    assert ran.returncode == 2 and "--model is empty" in ran.stderr and len(ran.stderr.strip().splitlines()) == 1

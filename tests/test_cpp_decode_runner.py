@@ -359,3 +359,39 @@ def test_the_pipelined_flag_comes_from_the_metadata(pte, decoder, tmp_path):
     done = _run(_with_meta(pte, tmp_path / "wrong.pte", unpiped.to_bytes()), "--prompt-ids", "7,1,33,20",
                 "--max-tokens", 8)
     assert done.returncode != 0 or _ids(done) != expected
+
+
+@pytest.mark.parametrize("text", ["a" * 1_000_000, "\U0001f642" * 1_000_000, " " * 1_000_000 + "a",
+                                  ("word " * 300 + "x" * 8_190 + "<|eos|>" + "y" * 9_000) * 3],
+                         ids=["one_word", "emoji", "spaces", "runs_around_a_special_token"])
+def test_a_million_characters_without_a_break_tokenize(text_pte, tmp_path, text):
+    """The tokenizer library's std::regex matcher recursed once per character of a pre-token and overflowed
+    the stack at ~40,000 (SIGSEGV): runs over 4,096 bytes are cut (long_runs.h). The prompt is tokenized (its
+    token count is the error naming the program's 48-token input) as the Python tokenizer counts it, a special
+    token inside a long run stays whole (the x run puts a cut at 8,192 bytes, inside '<|eos|>', unless it
+    moves)."""
+    pte, tokenizer = text_pte
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(text, encoding="utf-8")
+    done = _run(pte, "--prompt-file", prompt, "--max-tokens", 2)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
+    expected = len(tokenizer(text, add_special_tokens=True)["input_ids"])
+    assert f"prompt ({expected} tokens) is longer than the program's {MAX_SEQ_LEN}-token input" in lines[0]
+
+
+def test_a_long_prediction_tokenizes(tmp_path_factory, text_pte):
+    """--prediction @FILE goes through the same tokenizer: a million emoji are drafts, the tokens unchanged."""
+    from backends.mlx.llm.builtin.tiny_model import tiny_llama
+
+    _, tokenizer = text_pte
+    root = tmp_path_factory.mktemp("cpp_prediction")
+    model = tiny_llama(len(tokenizer), tokenizer.eos_token_id, hidden=32, layers=1, seed=2)
+    export_decoder(model, root / "draft.pte", MAX_SEQ_LEN, tokenizer=tokenizer, draft_tokens=2, verify=False)
+    prediction = root / "prediction.txt"
+    prediction.write_text("\U0001f642" * 1_000_000, encoding="utf-8")
+    plain = _run(root / "draft.pte", "--prompt", "One morning", "--max-tokens", 8, "--draft", "none", "--json")
+    drafted = _run(root / "draft.pte", "--prompt", "One morning", "--max-tokens", 8, "--prediction",
+                   f"@{prediction}", "--json")
+    assert plain.returncode == 0 and drafted.returncode == 0, drafted.stderr[-2000:]
+    assert json.loads(drafted.stdout)["tokens"] == json.loads(plain.stdout)["tokens"]

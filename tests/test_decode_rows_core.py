@@ -136,6 +136,37 @@ def test_drafts_are_bounded_by_the_call_and_accepted_drafts_advance_the_row():
     assert core.tokens(0, lib.OUTPUT) == [4, 5, 7] and core.tokens(0, lib.HELD) == [1, 2, 3, 4, 5]
 
 
+def test_each_event_counts_the_drafts_up_to_its_own_token():
+    """A verifying call's events: an accepted draft is one proposed and accepted, the call's own token settles
+    the rest (rejected). A reply cut after a draft (a stop string, Predicted Outputs' usage) thus counts only
+    the drafts it returned; every event carried the whole call's counts (8 accepted for 1 token)."""
+    core = _core(batch=1, max_seq_len=32, draft_tokens=4)
+    _start(core, 0, [1, 2, 3], max_tokens=20)
+    core.set_drafts(0, [4, 5, 6, 8])
+    core.layout()
+    events = core.read([7], [3])  # three of four drafts accepted, then the call's own token
+    assert [e["token"] for e in events] == [4, 5, 6, 7]
+    assert [(e["proposed"], e["accepted"]) for e in events] == [(1, 1), (2, 2), (3, 3), (4, 3)]
+    core.set_drafts(0, [12, 10])
+    core.layout()
+    events = core.read([11], [2])
+    assert [(e["proposed"], e["accepted"]) for e in events] == [(5, 4), (6, 5), (6, 5)]
+    row = core.row(0)
+    assert (row["proposed"], row["accepted"]) == (6, 5)
+
+
+def test_a_row_ending_inside_a_call_totals_its_drafts_up_to_the_end():
+    core = _core(batch=1, max_seq_len=32, draft_tokens=4, eos=(5,))
+    _start(core, 0, [1, 2, 3], max_tokens=20)
+    core.set_drafts(0, [4, 5, 6, 8])
+    core.layout()
+    events = core.read([7], [4])  # all four accepted, but the second is the end-of-sequence token
+    assert [(e["token"], e["proposed"], e["accepted"]) for e in events] == [(4, 1, 1), (5, 2, 2)]
+    assert lib.FINISH[events[-1]["finish"]] == "stop"
+    row = core.row(0, ended=True)
+    assert (row["proposed"], row["accepted"]) == (2, 2)
+
+
 def test_bad_requests_get_one_line_errors():
     core = _core(batch=2)
     with pytest.raises(DecodeRowsError, match=r"no row 5 \(the program has 2\)"):

@@ -5,6 +5,9 @@ file is refused by another program, as is a non-cache file."""
 
 from __future__ import annotations
 
+import json
+import struct
+
 import pytest
 import torch
 
@@ -108,3 +111,105 @@ def test_ring_programs_are_refused(programs, tmp_path):
     model.meta.ring_cache = True  # as a sliding-window model's export records it
     with pytest.raises(ValueError, match="ring cache"):
         etmlx.save_prompt_cache(tmp_path / "c.safetensors", cache)
+
+
+def _saved(programs, tmp_path):
+    """A model of the plain program and a file it saved (six tokens generated after PROMPT)."""
+    model = etmlx.load(programs["plain"])
+    cache = etmlx.make_prompt_cache(model)
+    list(etmlx.stream_generate(model, PROMPT, 6, prompt_cache=cache, **_no_eos(model)))
+    path = tmp_path / "saved.safetensors"
+    etmlx.save_prompt_cache(path, cache)
+    return model, path
+
+
+def _parts(path):
+    data = path.read_bytes()
+    size = struct.unpack("<Q", data[:8])[0]
+    return json.loads(data[8:8 + size]), bytearray(data[8 + size:])
+
+
+def _write(path, header: dict | bytes, body: bytes, checksum: bool = True):
+    """A file with this header and body; `checksum`: with the checksum it needs (to reach the later checks)."""
+    if isinstance(header, dict):
+        if checksum:
+            header["__metadata__"].pop("checksum", None)
+            header["__metadata__"]["checksum"] = cache_file._checksum(header, bytes(body))
+        header = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(body))
+    return path
+
+
+def _refused(path, model, match):
+    with pytest.raises(ValueError, match=match) as info:
+        etmlx.load_prompt_cache(path, model)
+    assert "\n" not in str(info.value)
+
+
+def test_a_saved_file_loads_and_a_flipped_bit_in_its_kv_is_refused(programs, tmp_path):
+    """The checksum covers the keys and values: one byte (0.777 -> 2.6e38 in the attack) or every sign flipped
+    was a different reply with exit 0; now the file is refused. The unaltered file loads (the control)."""
+    model, path = _saved(programs, tmp_path)
+    header, body = _parts(path)
+    start, end = header["kv.0"]["data_offsets"]
+    assert end > start
+    etmlx.load_prompt_cache(path, etmlx.load(programs["plain"]))  # the control: the file as saved loads
+    flipped = bytearray(body)
+    flipped[start + 3] ^= 0x40  # a float32's exponent byte
+    _refused(_write(tmp_path / "flip.safetensors", json.loads(json.dumps(header)), flipped, checksum=False),
+             model, "checksum does not match")
+    negated = bytearray(body)
+    kv = torch.frombuffer(negated, dtype=torch.uint8)[start:end].view(torch.float32)
+    kv.neg_()
+    _refused(_write(tmp_path / "neg.safetensors", json.loads(json.dumps(header)), negated, checksum=False),
+             model, "checksum does not match")
+    header.setdefault("__metadata__", {})["positions"] = "1"  # the metadata is covered too
+    _refused(_write(tmp_path / "meta.safetensors", header, body, checksum=False), model, "checksum does not match")
+
+
+def test_a_header_nested_too_deeply_is_refused(programs, tmp_path):
+    model, _ = _saved(programs, tmp_path)
+    _refused(_write(tmp_path / "list.safetensors", b"[" * 2_000_000, b""), model, "nested too deeply")
+    deep = b'{"__metadata__": ' + b'{"a": ' * 200_000 + b"1" + b"}" * 200_001
+    _refused(_write(tmp_path / "meta.safetensors", deep, b""), model, "nested too deeply")
+
+
+@pytest.mark.parametrize("attack, match", [
+    # as the attack's [-2, -53, 32]: the element count still matches the byte range
+    (lambda h, b: h["kv.0"].update(shape=[-1, -h["kv.0"]["shape"][0], h["kv.0"]["shape"][1] * h["kv.0"]["shape"][2]]),
+     "tensor 'kv.0' is described wrongly"),
+    (lambda h, b: h["kv.0"].update(shape=[1.5]), "tensor 'kv.0' is described wrongly"),
+    (lambda h, b: h["kv.0"].update(dtype="F64"), "tensor 'kv.0' is described wrongly"),
+    (lambda h, b: h["kv.0"].update(data_offsets=[0, -1]), "tensor 'kv.0' is described wrongly"),
+    (lambda h, b: h["kv.0"].update(extra=1), "tensor 'kv.0' is described wrongly"),
+    (lambda h, b: h["__metadata__"].update(positions="abc"), "'positions' must be a count of tokens, got 'abc'"),
+    (lambda h, b: h["__metadata__"].update(positions="-1"), "'positions' must be a count"),
+    (lambda h, b: h["__metadata__"].update(positions="99999"), "99999 positions for 16 tokens"),
+    (lambda h, b: h.update({"kv.99": h["kv.0"]}), "overlap|not this program's"),
+    (lambda h, b: h.pop("kv.1"), "unaccounted|not this program's"),
+    (lambda h, b: h["__metadata__"].update(nested="x") or h["__metadata__"].__setitem__("n", 1),
+     "__metadata__ is not a table of strings"),
+], ids=["negative_dims", "float_dim", "dtype", "offsets", "extra_key", "positions_text", "positions_negative",
+        "positions_past_tokens", "extra_tensor", "missing_tensor", "metadata_number"])
+def test_each_field_is_checked_before_use(programs, tmp_path, attack, match):
+    """Files whose checksum matches (an attacker can compute it) but whose fields are wrong: one line each."""
+    model, path = _saved(programs, tmp_path)
+    header, body = _parts(path)
+    attack(header, body)
+    _refused(_write(tmp_path / "bad.safetensors", header, body), model, match)
+
+
+def test_kv_and_tokens_must_fit_the_program(programs, tmp_path):
+    model, path = _saved(programs, tmp_path)
+    header, body = _parts(path)
+    shape = header["kv.0"]["shape"]
+    header["kv.0"]["shape"] = [shape[0] * 2, shape[1], shape[2] // 2]  # the same bytes, another layout
+    if shape[2] % 2 == 0:
+        _refused(_write(tmp_path / "kv.safetensors", header, body), model, "KV tensor 0 is")
+    header, body = _parts(path)
+    start, end = header["tokens"]["data_offsets"]
+    body[start:start + 8] = struct.pack("<q", model.meta.vocab_size)
+    _refused(_write(tmp_path / "ids.safetensors", header, body), model, rf"ids in \[0, {model.meta.vocab_size}\)")
+    header, body = _parts(path)
+    header["__metadata__"].pop("checksum")
+    _refused(_write(tmp_path / "none.safetensors", json.dumps(header).encode(), body), model, "no checksum")

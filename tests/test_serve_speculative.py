@@ -337,3 +337,42 @@ def test_lmtp_generate_drafts_by_prompt_lookup(server, programs, tokenizer):
     tokens = [e["token"] for kind, payload in messages if kind == "TOKEN" for e in payload
               if e.get("token") is not None]
     assert tokens == plain
+
+
+def _stop_in(tokenizer, plain: list[int], first: int) -> tuple[str, int]:
+    """A stop string from a token of `plain` at or after `first` (whole characters), and how many tokens are
+    fed until the text holds it; drafts of the prediction go on past it."""
+    for j in range(first, TOKENS - K):
+        stop = tokenizer.decode(plain[j:j + 1]).strip()
+        if stop and "\ufffd" not in stop:
+            upto = next(m for m in range(1, TOKENS + 1) if stop in tokenizer.decode(plain[:m]))
+            if upto < TOKENS - K:
+                return stop, upto
+    raise AssertionError(f"no stop string in {tokenizer.decode(plain)!r}")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("where", ["early", "later"])
+def test_prediction_counts_end_at_the_stop_string(server, programs, tokenizer, stream, where):
+    """A stop string ends the reply, perhaps inside a verifying call whose accepted drafts run past it: usage
+    counts the drafts behind the returned text only (test_decode_rows_core.py checks the counts per token), so
+    every accepted prediction token is a returned token (it counted 8 accepted for 1 completion token)."""
+    prompt = f"{where} {stream}: once upon a time"
+    prompt_ids = prompt_rules.encode_prompt(tokenizer, prompt)
+    params = _params(tokenizer, "greedy")
+    plain = _plain_tokens(programs, prompt_ids, params)
+    plain_text = tokenizer.decode(plain)
+    stop, upto = _stop_in(tokenizer, plain, 1 if where == "early" else 6)
+    body = dict(model="draft", prompt=prompt, max_tokens=TOKENS, logit_bias=_no_eos(tokenizer), stop=[stop],
+                extra_body={"prediction": {"type": "content", "content": plain_text}}, temperature=0)
+    if stream:
+        chunks = list(_client(server).completions.create(stream=True, stream_options={"include_usage": True},
+                                                         **body))
+        text, usage = "".join(c.choices[0].text for c in chunks if c.choices), chunks[-1].usage
+    else:
+        r = _client(server).completions.create(**body)
+        text, usage = r.choices[0].text, r.usage
+    assert text == plain_text[:plain_text.index(stop)]
+    assert usage.completion_tokens == upto
+    accepted, _ = _counts(usage)
+    assert accepted <= upto

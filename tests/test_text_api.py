@@ -185,6 +185,44 @@ def test_chat_resumes_a_conversation_kept_in_a_file(exported, tmp_path):
     assert first.stdout + resumed.stdout == both.stdout  # the second turn as without a restart
 
 
+def _with_turns(store: Path, turns: list[dict]) -> None:
+    """The chat file `store` with other saved turns (and the checksum they need: an editor can compute it)."""
+    from backends.mlx.llm.decoder import cache_file
+
+    tensors, metadata = cache_file._read_safetensors(store)
+    cache_file._write_safetensors(store, tensors, {**metadata, "user.etmlx.chat.turns": json.dumps(turns)})
+
+
+@pytest.mark.subprocess
+def test_chat_refuses_saved_turns_its_template_refuses(exported, tmp_path):
+    """Roles the built-in template does not know (a tool message) were a jinja2 traceback at the next turn."""
+    pte, _, _ = exported
+    store = tmp_path / "chat.safetensors"
+    assert _run("-m", "etmlx", "chat", str(pte), "-m", "3", "--prompt-cache", str(store),
+                stdin="Hello\n").returncode == 0
+    _with_turns(store, [{"role": "system", "content": "Be brief."}, {"role": "tool", "content": "42"}])
+    ran = _run("-m", "etmlx", "chat", str(pte), "-m", "3", "--prompt-cache", str(store), stdin="Hello\n")
+    assert ran.returncode == 2 and "Traceback" not in ran.stderr, ran.stderr[-2000:]
+    assert "holds messages the chat template refuses" in ran.stderr and len(ran.stderr.strip().splitlines()) == 1
+    _with_turns(store, [{"role": "user", "content": 7}])
+    ran = _run("-m", "etmlx", "chat", str(pte), "-m", "3", "--prompt-cache", str(store), stdin="Hello\n")
+    assert ran.returncode == 2 and "holds no etmlx chat" in ran.stderr, ran.stderr[-2000:]
+
+
+@pytest.mark.subprocess
+def test_chat_resumed_with_a_turn_too_long_to_keep_drops_it(exported, tmp_path):
+    """A saved message that alone fills the cache: the next turn drops it, not the new message too (which
+    was "messages must be a non-empty list")."""
+    pte, _, _ = exported
+    store = tmp_path / "chat.safetensors"
+    assert _run("-m", "etmlx", "chat", str(pte), "-m", "3", "--prompt-cache", str(store),
+                stdin="Hello\n").returncode == 0
+    _with_turns(store, [{"role": "user", "content": "Mira went to the mill. " * 200}])
+    ran = _run("-m", "etmlx", "chat", str(pte), "-m", "3", "--prompt-cache", str(store), stdin="Hello\n")
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert "dropped the oldest exchange" in ran.stderr and ran.stdout.strip()
+
+
 @pytest.mark.subprocess
 def test_chat_drops_the_oldest_exchange_when_full(exported):
     pte, _, _ = exported

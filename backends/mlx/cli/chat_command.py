@@ -89,12 +89,32 @@ class Conversation:
         _, held, metadata = cache_file.load(path, decoder)
         try:
             turns = json.loads(metadata["etmlx.chat.turns"])
-            if not all(isinstance(t, dict) and {"role", "content"} <= set(t) for t in turns):
+            if not isinstance(turns, list) or not all(
+                    isinstance(t, dict) and {"role", "content"} <= set(t) and isinstance(t["role"], str)
+                    and isinstance(t["content"], (str, type(None))) for t in turns):
                 raise ValueError
-        except (KeyError, ValueError, TypeError):
+        except (KeyError, ValueError, TypeError, RecursionError):
             raise ValueError(f"{path} holds no etmlx chat (saved by another tool?)") from None
+        self._check_template(path, turns)
         self.turns = turns
         return held
+
+    def _check_template(self, path, turns: list[dict]) -> None:
+        """Saved turns (with this run's system prompt) must be a conversation the chat template renders."""
+        import jinja2
+
+        from backends.mlx.llm.decoder.prompt import chat_text
+        from backends.mlx.llm.decoder.tool_prompt import tool_chat_text
+
+        if not self.system + turns:
+            return
+        try:
+            if self.tools is None:
+                chat_text(self.tokenizer, self.system + turns)
+            else:  # turns with tool calls and results
+                tool_chat_text(self.tokenizer, self.system + turns, self.tools.tools, self.tools.fmt)
+        except (ValueError, TypeError, jinja2.TemplateError) as exc:
+            raise ValueError(f"{path} holds messages the chat template refuses: {exc}") from None
 
 
 def run_chat(args, params) -> int:

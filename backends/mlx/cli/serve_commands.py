@@ -15,7 +15,8 @@ def _serve(args) -> int:
     grammar = GrammarLimits(**{name: getattr(args, name) for name in GRAMMAR_FLAGS})
     limits = ServeLimits(step_timeout=args.step_timeout or None, restart_attempts=args.restart_attempts,
                          request_timeout=args.request_timeout, max_queue=args.max_queue,
-                         lmtp_inflight=args.lmtp_inflight, max_prompt_bytes=args.max_prompt_bytes, grammar=grammar)
+                         lmtp_inflight=args.lmtp_inflight, max_prompt_bytes=args.max_prompt_bytes,
+                         max_body_values=args.max_body_values, grammar=grammar)
     try:
         limits.check()
     except ValueError as exc:
@@ -66,6 +67,9 @@ def add_parsers(sub) -> None:
                        help="unfinished streams per LMTP connection (default 2 x the rows)")
     serve.add_argument("--max-prompt-bytes", type=int, default=4 * 1024 * 1024,
                        help="largest prompt text (UTF-8 bytes) of one request; beyond it HTTP 413 (default 4 MiB)")
+    serve.add_argument("--max-body-values", type=int, default=None,
+                       help="most JSON values in one request body; beyond it HTTP 400 (default: 65536 or 4 x the "
+                            "program's max_seq_len, whichever is larger)")
     from backends.mlx.llm.decoder.grammar_limits import GrammarLimits
 
     group = serve.add_argument_group("structured output limits (a request over one is a 400 naming it)")

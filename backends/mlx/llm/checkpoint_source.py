@@ -30,8 +30,15 @@ def is_local(name: str) -> bool:
             or "\\" in name)
 
 
+def check_named(model: str, flag: str = "--model") -> None:
+    """An empty name is no checkpoint (Path("") is the current directory, which would load silently)."""
+    if not isinstance(model, str) or not model.strip():
+        raise CheckpointSourceError(f"{flag} is empty: give a checkpoint directory or a Hugging Face repo id")
+
+
 def default_pte_name(model: str) -> str:
     """`--out` when it is left out: the repo's or directory's name, e.g. Qwen2.5-0.5B-Instruct.pte."""
+    check_named(model)
     path = Path(model).expanduser()
     name = path.resolve().name if is_local(model) else model.rstrip("/").split("/")[-1]
     if not name:
@@ -43,6 +50,7 @@ def resolve_checkpoint(model: str, revision: str | None = None, *, flag: str = "
                        files: tuple[str, ...] = CHECKPOINT_FILES) -> Path:
     """The local directory holding `model`: the directory itself, or the cached snapshot of a repo id
     (downloaded first unless it is cached or HF_HUB_OFFLINE=1)."""
+    check_named(model, flag)
     if is_local(model):
         path = Path(model).expanduser()
         if not path.is_dir():

@@ -356,13 +356,23 @@ bool DecodeRows::take_verified(RowState& row, int64_t slot, int64_t accepted, in
   written.insert(written.end(), fresh.begin(), fresh.end());
   wrote(slot, row.pos, written);
   fresh.push_back(token);
+  // Each event counts the drafts up to its own token: an accepted draft is one proposed and accepted, the
+  // call's last token settles the rest (rejected). A row that ends early (a stop string, EOS, max_tokens)
+  // thus reports only the drafts behind the output it returned.
+  const int64_t proposed_before = row.proposed, accepted_before = row.accepted;
   row.proposed += static_cast<int64_t>(row.drafts.size());
   row.accepted += n;
-  for (int64_t t : fresh) {
-    RowEvent event{slot, t, Finish::None, Failure::None, 0, row.cached, row.proposed, row.accepted};
+  for (size_t j = 0; j < fresh.size(); ++j) {
+    const bool draft = static_cast<int64_t>(j) < n;
+    const int64_t so_far = static_cast<int64_t>(j) + 1;
+    RowEvent event{slot, fresh[j], Finish::None, Failure::None, 0, row.cached,
+                   draft ? proposed_before + so_far : row.proposed, draft ? accepted_before + so_far : row.accepted};
     const bool goes_on = check(row, slot, event, advance);
     events.push_back(event);
-    if (!goes_on) return false;
+    if (!goes_on) {  // the row's totals (DraftStats) end where its output does
+      row.proposed = event.proposed, row.accepted = event.accepted;
+      return false;
+    }
   }
   row.pos += static_cast<int64_t>(row.feed.size()) + n;
   row.output.insert(row.output.end(), fresh.begin(), fresh.end());

@@ -90,7 +90,7 @@ struct RowEvent {
   Failure failure = Failure::None;
   int64_t detail = 0;  // Forced: the token that was to be forced; Grammar: the rejected token
   int64_t cached = 0;  // prompt tokens the row's cache held (not prefilled)
-  int64_t proposed = 0, accepted = 0;  // draft-verifying programs: the row's drafts so far, and accepted
+  int64_t proposed = 0, accepted = 0;  // draft-verifying programs: the row's drafts up to this token, and accepted
 };
 
 // The one-line error of a failed event (Python's TokenEvent.error).

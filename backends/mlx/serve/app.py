@@ -26,6 +26,7 @@ from aiohttp import web
 from backends.mlx.llm.decoder.grammar_limits import GrammarLimits
 from backends.mlx.llm.decoder.meta import DecoderMeta
 from backends.mlx.llm.decoder.tokenizer_files import load_tokenizer
+from backends.mlx.serve.body_parse import BodyParser
 from backends.mlx.serve.engine import Engine
 from backends.mlx.serve.grammar_compiler import GrammarCompiler
 from backends.mlx.serve.service import Service
@@ -42,6 +43,7 @@ class ServeLimits:
     max_queue: int | None = None  # requests waiting for a row; None: 8 x the rows
     lmtp_inflight: int | None = None  # unfinished streams per LMTP connection; None: 2 x the rows
     max_prompt_bytes: int = 4 * 1024 * 1024  # a request's prompt text (UTF-8); beyond it 413
+    max_body_values: int | None = None  # JSON values of one body (serve/body_parse.py); None: max(65536, 4 x max_seq_len)
     grammar: GrammarLimits = field(default_factory=GrammarLimits)  # structured output's limits (400 beyond)
 
     def check(self) -> None:
@@ -50,7 +52,8 @@ class ServeLimits:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds, got {value}")
-        for name, low in (("restart_attempts", 0), ("max_queue", 1), ("lmtp_inflight", 1), ("max_prompt_bytes", 1)):
+        for name, low in (("restart_attempts", 0), ("max_queue", 1), ("lmtp_inflight", 1), ("max_prompt_bytes", 1),
+                          ("max_body_values", 1)):
             value = getattr(self, name)
             if value is not None and value < low:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
@@ -74,7 +77,8 @@ def load_service(pte: Path, max_batch: int | None = None, model_name: str | None
     return Service(meta=meta, tokenizer=tokenizer, engine=engine, model_name=model_name or pte.stem,
                    max_prompt_bytes=limits.max_prompt_bytes,
                    lmtp_inflight=limits.lmtp_inflight or 2 * engine.usable,
-                   grammar=GrammarCompiler(pte, meta, limits.grammar))
+                   grammar=GrammarCompiler(pte, meta, limits.grammar),
+                   bodies=BodyParser(limits.max_body_values or max(65_536, 4 * meta.max_seq_len)))
 
 
 def make_app(service: Service) -> web.Application:
@@ -134,6 +138,8 @@ class Server:
         await asyncio.get_running_loop().run_in_executor(None, self.service.engine.program.close)
         if self.service.grammar is not None:
             self.service.grammar.close()
+        if self.service.bodies is not None:
+            self.service.bodies.close()
 
 
 def serve(pte: Path, host: str = "127.0.0.1", port: int = 8000, max_batch: int | None = None,

@@ -18,7 +18,6 @@ from backends.mlx.serve import openai_format as fmt
 from backends.mlx.serve.api_errors import ApiError
 from backends.mlx.serve.choice_text import ChoiceText, Piece
 from backends.mlx.serve.engine import QueueFull
-from backends.mlx.serve.json_text import parse_json_text
 from backends.mlx.serve.openai_params import (Job, build_job, chat_prompt, check_model, check_unsupported,
                                               completion_prompt, prediction_text, prediction_tokens,
                                               prompt_text_bytes)
@@ -34,13 +33,9 @@ def error_response(error: ApiError) -> web.Response:
     return web.json_response(error.body(), status=error.status, headers=error.headers)
 
 
-async def _body(request: web.Request) -> dict:
-    raw = await request.read()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ApiError(f"the request body is not valid UTF-8 (byte {exc.start})") from None
-    body = parse_json_text(text, "the request body", ApiError)
+async def _body(request: web.Request, service: Service) -> dict:
+    # read here, parsed off the event loop when large (serve/body_parse.py)
+    body = await service.bodies.parse(await request.read(), ApiError)
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
     return body
@@ -71,7 +66,7 @@ class OpenAIRoutes:
     async def _handle(self, request: web.Request, chat: bool) -> web.StreamResponse:
         service = self.service
         try:
-            body = await _body(request)
+            body = await _body(request, service)
             check_model(body, service.model_name)
             check_unsupported(body)
             tools = tool_request(body, chat, service)  # serve/tool_params.py

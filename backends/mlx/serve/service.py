@@ -10,6 +10,7 @@ from typing import AsyncIterator
 
 from backends.mlx.llm.decoder.meta import DecoderMeta
 from backends.mlx.llm.sampler.params import SamplingParams
+from backends.mlx.serve.body_parse import BodyParser
 from backends.mlx.serve.engine import Engine, EngineRequest, TokenEvent
 from backends.mlx.serve.grammar_compiler import GrammarCompiler
 
@@ -35,6 +36,7 @@ class Service:
     lmtp_inflight: int = 8  # unfinished streams per LMTP connection
     grammar: GrammarCompiler | None = None  # structured output: request grammars to matchers, off the loop
     tool_requests: OrderedDict = field(default_factory=OrderedDict)  # recent checked tool fields (tool_params.py)
+    bodies: BodyParser = field(default_factory=lambda: BodyParser(65_536))  # HTTP bodies to JSON, off the loop
 
     async def stream_rows(self, requests: list[tuple[list[int], SamplingParams, int, dict]], keys: list
                           ) -> AsyncIterator[tuple[object, TokenEvent, int]]:

@@ -9,6 +9,12 @@ generation of the conversation prefills only what follows them.
 
 Ring programs (a sliding-window layer keeping `window` slots, DecoderMeta.ring_cache) are refused: a ring
 slot holds the latest position that maps to it, so a row's slots are not its positions.
+
+A file is input like any other: its header is parsed within limits (size, nesting), every field is checked
+before use (names, dtypes, shapes, offsets, positions, token ids, the KV tensors against the program's
+buffers), and a SHA-256 over the header and all tensor bytes (metadata "checksum") must match, so a flipped
+bit in the keys and values is refused instead of silently changing the reply. Each failure is a one-line
+ValueError.
 """
 
 from __future__ import annotations
@@ -24,11 +30,12 @@ import torch
 from backends.mlx.llm.decoder.decode_rows import common_prefix
 from backends.mlx.runtime.runner import weights_beside
 
-FORMAT = "etmlx-prompt-cache/1"
+FORMAT = "etmlx-prompt-cache/2"  # /2: with the checksum
 _CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64"}
 _DTYPES = {code: dtype for dtype, code in _CODES.items()}
 _MAX_HEADER = 1 << 24  # a safetensors header is JSON of the tensors' names, shapes and offsets
 _USER = "user."  # prefix of the caller's metadata keys in the file's metadata
+_CHECKSUM = "checksum"  # metadata key: sha256 of the header without it and of the tensor bytes (_checksum)
 _digests: dict[tuple, str] = {}  # (path, size, mtime) -> sha256: a program is hashed once per process
 
 
@@ -49,13 +56,22 @@ def program_identity(pte: Path) -> str:
     return digest.hexdigest()
 
 
+def _checksum(header: dict, body) -> str:
+    """What the metadata's checksum holds: SHA-256 of the header (canonical JSON, without the checksum) and of
+    the tensor bytes."""
+    digest = hashlib.sha256(json.dumps(header, sort_keys=True, separators=(",", ":")).encode())
+    digest.update(body)
+    return digest.hexdigest()
+
+
 def _write_safetensors(path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    header, offset, blobs = {"__metadata__": metadata}, 0, []
+    header, offset, blobs = {"__metadata__": dict(metadata)}, 0, []
     for name, t in tensors.items():
         blob = t.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes() if t.numel() else b""
         header[name] = {"dtype": _CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(blob)]}
         offset += len(blob)
         blobs.append(blob)
+    header["__metadata__"][_CHECKSUM] = _checksum(header, b"".join(blobs))
     text = json.dumps(header).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-aligned, as the format asks
     tmp = Path(str(path) + ".tmp")
@@ -67,7 +83,8 @@ def _write_safetensors(path, tensors: dict[str, torch.Tensor], metadata: dict[st
 
 
 def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The tensors and metadata of a safetensors file; ValueError (one line) for anything else."""
+    """The tensors and metadata of a safetensors file written by _write_safetensors, its checksum verified;
+    ValueError (one line) for anything else."""
     bad = f"{path} is not a prompt cache file"
     data = path.read_bytes()
     if len(data) < 8:
@@ -79,23 +96,54 @@ def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, st
         header = json.loads(data[8:8 + size])
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise ValueError(f"{bad}: its header is not JSON") from None
+    except RecursionError:  # json's parser stops at the interpreter's recursion limit
+        raise ValueError(f"{bad}: its header is nested too deeply") from None
     if not isinstance(header, dict):
         raise ValueError(f"{bad}: its header is not a table")
-    metadata = header.pop("__metadata__", {}) or {}
-    body, tensors = memoryview(data)[8 + size:], {}
-    for name, spec in header.items():
-        try:
-            dtype, shape, (start, end) = _DTYPES[spec["dtype"]], [int(d) for d in spec["shape"]], spec["data_offsets"]
-            count = 1
-            for d in shape:
-                count *= d
-            if not 0 <= start <= end <= len(body) or end - start != count * torch.empty(0, dtype=dtype).element_size():
-                raise ValueError
-        except (KeyError, TypeError, ValueError):
-            raise ValueError(f"{bad}: tensor {name!r} is described wrongly") from None
+    metadata = header.get("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                 for k, v in metadata.items()):
+        raise ValueError(f"{bad}: its __metadata__ is not a table of strings")
+    body = memoryview(data)[8 + size:]
+    specs = {name: _tensor_spec(bad, name, spec, len(body)) for name, spec in header.items() if name != "__metadata__"}
+    ends = sorted((start, end) for _, _, start, end in specs.values())
+    if any(a[1] > b[0] for a, b in zip(ends, ends[1:])) or (ends[-1][1] if ends else 0) != len(body):
+        raise ValueError(f"{bad}: its tensors overlap or leave bytes unaccounted for")
+    stored = metadata.pop(_CHECKSUM, None)
+    if stored is None:
+        raise ValueError(f"{bad}: it has no checksum (metadata {_CHECKSUM!r})")
+    if stored != _checksum(header, body):
+        raise ValueError(f"{path}: the checksum does not match its contents (the file was altered or damaged)")
+    tensors = {}
+    for name, (dtype, shape, start, end) in specs.items():
         raw = torch.frombuffer(bytearray(body[start:end]), dtype=torch.uint8) if end > start else torch.empty(0, dtype=torch.uint8)
         tensors[name] = raw.view(dtype).reshape(shape)
     return tensors, metadata
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _tensor_spec(bad: str, name: str, spec, body_size: int) -> tuple[torch.dtype, list[int], int, int]:
+    """(dtype, shape, start, end) of a header entry, each checked: a known dtype, dims >= 0, offsets inside the
+    body spanning exactly the shape's bytes."""
+    wrong = f"{bad}: tensor {name!r} is described wrongly"
+    if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "data_offsets"}:
+        raise ValueError(wrong)
+    dtype, shape, offsets = _DTYPES.get(spec["dtype"]) if isinstance(spec["dtype"], str) else None, spec["shape"], \
+        spec["data_offsets"]
+    if dtype is None or not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape) \
+            or len(shape) > 8 or not isinstance(offsets, list) or len(offsets) != 2 \
+            or not all(_is_int(o) for o in offsets):
+        raise ValueError(wrong)
+    count = 1
+    for d in shape:
+        count *= d
+    start, end = offsets
+    if not 0 <= start <= end <= body_size or end - start != count * torch.empty(0, dtype=dtype).element_size():
+        raise ValueError(wrong)
+    return dtype, shape, start, end
 
 
 def check_no_rings(model, what: str) -> None:
@@ -133,16 +181,12 @@ def load(path, model) -> tuple[list[int], int, dict[str, str]]:
         raise FileNotFoundError(f"prompt cache: no such file {path}")
     check_no_rings(model, "loaded")
     tensors, meta = _read_safetensors(path)
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT or "tokens" not in tensors:
+    if meta.get("format") != FORMAT or "tokens" not in tensors:
         raise ValueError(f"{path} is not an etmlx prompt cache ({FORMAT!r} expected)")
     if meta.get("program") != program_identity(model.pte):
         raise ValueError(f"{path} was saved from another program than {model.pte}: load it into the program it "
                          "came from (same .pte file)")
-    tokens = [int(t) for t in tensors["tokens"].tolist()]
-    held = int(meta.get("positions", "0"))
-    if not 0 <= held <= min(len(tokens), model.meta.max_seq_len):
-        raise ValueError(f"{path}: {held} positions for {len(tokens)} tokens")
-    entries = [tensors[f"kv.{k}"] for k in range(sum(1 for name in tensors if name.startswith("kv.")))]
+    tokens, held, entries = _checked_contents(path, tensors, meta, model)
     rows = model.rows
     if rows.active:
         raise RuntimeError("a generation of this model is unfinished: exhaust or close() it before loading")
@@ -152,3 +196,31 @@ def load(path, model) -> tuple[list[int], int, dict[str, str]]:
     rows.caches.hold(slot, tokens[:held])
     rows.caches.taken(slot)
     return tokens, held, {k[len(_USER):]: v for k, v in meta.items() if k.startswith(_USER)}
+
+
+def _checked_contents(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str], model):
+    """(tokens, positions, KV entries) of a read file, each checked against `model`'s program."""
+    buffers, vocab = model.method.state.buffers, model.meta.vocab_size
+    names = {"tokens"} | {f"kv.{k}" for k in range(len(buffers))}
+    if set(tensors) != names:
+        raise ValueError(f"{path}: tensors {sorted(tensors)[:8]} are not this program's (tokens and "
+                         f"kv.0..kv.{len(buffers) - 1})")
+    ids = tensors["tokens"]
+    if ids.dtype != torch.int64 or ids.dim() != 1:
+        raise ValueError(f"{path}: 'tokens' must be a list of int64 token ids, is {list(ids.shape)} {ids.dtype}")
+    if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < vocab):
+        raise ValueError(f"{path}: its tokens must be ids in [0, {vocab})")
+    tokens = ids.tolist()
+    text = meta.get("positions", "")
+    if not (text.isascii() and text.isdigit() and len(text) < 10):
+        raise ValueError(f"{path}: 'positions' must be a count of tokens, got {text[:40]!r}")
+    held = int(text)
+    if not held <= min(len(tokens), model.meta.max_seq_len):
+        raise ValueError(f"{path}: {held} positions for {len(tokens)} tokens")
+    entries = [tensors[f"kv.{k}"] for k in range(len(buffers))]
+    for k, (t, b) in enumerate(zip(entries, buffers)):
+        want = [b.shape[1], held, b.shape[3]]
+        if list(t.shape) != want or t.dtype != b.dtype:
+            raise ValueError(f"{path}: KV tensor {k} is {list(t.shape)} {t.dtype}, this program's needs {want} "
+                             f"{b.dtype}")
+    return tokens, held, entries

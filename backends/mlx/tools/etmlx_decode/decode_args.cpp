@@ -3,11 +3,15 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
 
 namespace etmlx {
 
 const char kDecodeUsage[] =
-    "usage: etmlx_decode FILE.pte (--prompt TEXT | --prompt-ids 1,2,3) [--max-tokens N]\n"
+    "usage: etmlx_decode FILE.pte (--prompt TEXT | --prompt-file FILE | --prompt-ids 1,2,3)\n"
+    "                    [--max-tokens N]\n"
     "                    [--temperature T] [--seed S] [--KNOB VALUE ...] [--eos ID[,ID...]]\n"
     "                    [--mask-file FILE | --choice-ids 1,2;3] [--weights FILE.ptd]\n"
     "                    [--draft ngram | --prediction TEXT|@FILE | --prediction-ids 1,2,3 |\n"
@@ -17,6 +21,7 @@ const char kDecodeUsage[] =
     "backend: one prefill call, then one call per token with seed S + step.\n"
     "  --prompt       prompt text, tokenized with the tokenizer inside FILE.pte (plus the\n"
     "                 special tokens it adds, e.g. BOS); the output is then text\n"
+    "  --prompt-file  the prompt text read from FILE (for text longer than a command line takes)\n"
     "  --prompt-ids   comma-separated prompt token ids (this or --prompt is required)\n"
     "  --max-tokens   tokens to generate, >= 1 (default 64)\n"
     "  --temperature  >= 0; 0 = greedy (default 0)\n"
@@ -116,6 +121,16 @@ bool parse_decode_args(int argc, char** argv, DecodeArgs* out, std::string* erro
         have_prompt = true;
       } else if (name == "--prompt") {
         out->prompt_text = value;
+      } else if (name == "--prompt-file") {
+        std::error_code ec;
+        std::ifstream in(value, std::ios::binary);
+        if (!std::filesystem::is_regular_file(value, ec) || !in) {
+          *error = "--prompt-file: cannot read '" + value + "'";
+          return false;
+        }
+        std::stringstream text;
+        text << in.rdbuf();  // (an empty file sets only `text`'s failbit)
+        out->prompt_text = text.str();
       } else if (name == "--max-tokens") {
         if (!parse_int(value, &out->max_tokens) || out->max_tokens < 1) {
           *error = "--max-tokens must be an integer >= 1, got '" + value + "'";

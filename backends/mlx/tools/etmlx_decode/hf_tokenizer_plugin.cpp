@@ -17,9 +17,30 @@
 
 #include <pytorch/tokenizers/hf_tokenizer.h>
 
+#include "long_runs.h"
 #include "tokenizer_plugin.h"
 
 namespace {
+
+// The longest run of one kind (long_runs.h) handed to the tokenizer at once:
+// pytorch_tokenizers' std::regex matcher recurses per character of a match and
+// overflowed the stack at ~40,000; 4,096 leaves it ten times the room.
+constexpr size_t kMaxRun = 4096;
+
+// HFTokenizer with the added tokens it matches in raw text readable (its base
+// keeps them in a protected member): a cut must not split one.
+class AddedTokensTokenizer final : public tokenizers::HFTokenizer {
+ public:
+  std::vector<std::string> added_tokens() const {
+    std::vector<std::string> out;
+    if (!special_token_map_) return out;
+    for (size_t i = 0; i < special_token_map_->size(); ++i) {
+      const auto [text, id] = special_token_map_->getElement(i);
+      if (text.size() > 1) out.emplace_back(text);
+    }
+    return out;
+  }
+};
 
 class HfTextTokenizer final : public etmlx::TextTokenizer {
  public:
@@ -52,17 +73,21 @@ class HfTextTokenizer final : public etmlx::TextTokenizer {
                std::to_string(static_cast<int>(status)) + ")";
       return false;
     }
+    added_ = tok_.added_tokens();
     return true;
   }
 
   bool encode(const std::string& text, std::vector<int64_t>* ids, std::string* error) const override {
-    const auto out = tok_.encode(text, /*bos=*/0, /*eos=*/0);
-    if (!out.ok()) {
-      *error = "the tokenizer cannot encode the prompt (pytorch_tokenizers error " +
-               std::to_string(static_cast<int>(out.error())) + ")";
-      return false;
+    ids->clear();
+    for (const std::string_view piece : etmlx::split_long_runs(text, kMaxRun, added_)) {
+      const auto out = tok_.encode(std::string(piece), /*bos=*/0, /*eos=*/0);
+      if (!out.ok()) {
+        *error = "the tokenizer cannot encode the prompt (pytorch_tokenizers error " +
+                 std::to_string(static_cast<int>(out.error())) + ")";
+        return false;
+      }
+      ids->insert(ids->end(), out->begin(), out->end());
     }
-    ids->assign(out->begin(), out->end());
     return true;
   }
 
@@ -72,7 +97,8 @@ class HfTextTokenizer final : public etmlx::TextTokenizer {
   }
 
  private:
-  tokenizers::HFTokenizer tok_;
+  AddedTokensTokenizer tok_;
+  std::vector<std::string> added_;
 };
 
 }  // namespace
