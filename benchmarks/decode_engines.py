@@ -138,7 +138,7 @@ class XnnpackEngine:
 
 class LlamaCppEngine:
     """llama.cpp through llama-cpp-python (`make bench-deps`), on a GGUF of the same float weights
-    (bench/gguf_checkpoint.py). It feeds token ids; its own sampler picks (greedy at temperature 0)."""
+    (benchmarks/gguf_checkpoint.py). It feeds token ids; its own sampler picks (greedy at temperature 0)."""
 
     def __init__(self, gguf_path: Path, n_ctx: int = 1024, threads: int | None = None):
         import os

@@ -9,7 +9,7 @@ SHAPES), converts it with `mlx_lm.convert -q` (group 64; int4 and/or int8), and 
                  to float32, its bfloat16 scales and biases kept, as etmlx's export does)
   mlx_lm_bflo    the same integers with every float parameter cast to bfloat16 (bfloat16 activations)
   llama_cpp_*    llama.cpp (llama-cpp-python, `make bench-deps`) on the same float weights written as GGUF:
-                 Q4_0 and F16 beside int4, Q8_0 beside int8 (bench/gguf_checkpoint.py); skipped, with a line
+                 Q4_0 and F16 beside int4, Q8_0 beside int8 (benchmarks/gguf_checkpoint.py); skipped, with a line
                  saying so, when llama_cpp is not installed
 
 Per engine: prefill tok/s of a 64- and a 512-token prompt (the 64-token prefill is also the time to the first

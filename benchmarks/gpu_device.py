@@ -1,4 +1,4 @@
-"""Runs a GPU kit (bench/gpu_kit.py) on the GPU host: etmlx's C++ tools on the GPU and the CPU, and mlx-lm on
+"""Runs a GPU kit (benchmarks/gpu_kit.py) on the GPU host: etmlx's C++ tools on the GPU and the CPU, and mlx-lm on
 the GPU, in one process tree, and prints one table (JSON of everything with --json).
 
 Needs only python3 with numpy, mlx (a CUDA or Metal build) and mlx-lm: it imports nothing of etmlx, so
@@ -44,7 +44,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def median_ms(fn, repeats: int, warmup: int = 3) -> float:
-    # bench/timing.py's timer, repeated on purpose: this script imports nothing of etmlx (timing.py imports
+    # benchmarks/timing.py's timer, repeated on purpose: this script imports nothing of etmlx (timing.py imports
     # torch, which a GPU host may lack).
     for _ in range(warmup):
         fn()

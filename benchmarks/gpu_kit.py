@@ -1,7 +1,7 @@
 """`etmlx bench gpu-kit --out DIR`: everything a GPU host needs to measure etmlx there, made here.
 
 A GPU host (a CUDA machine lent for minutes, a Mac) may have no torch 2.13 or ExecuTorch Python, so no
-exporter: this writes the programs, their inputs and a manifest into DIR, and `bench/gpu_device.py`
+exporter: this writes the programs, their inputs and a manifest into DIR, and `benchmarks/gpu_device.py`
 (numpy + mlx + mlx-lm only, no etmlx import) runs them there with the C++ tools (`etmlx_bench`,
 `etmlx_decode`, each once per device through ETMLX_DEVICE=gpu|cpu) against mlx-lm on the same device:
 
@@ -11,7 +11,7 @@ exporter: this writes the programs, their inputs and a manifest into DIR, and `b
             same weights exported with --draft-tokens 8, which `etmlx_bench --drafts` times as Predicted
             Outputs (its own greedy continuation) and without drafts, against the plain program
   sampler   sampler-only programs (temperature; top-k 50 + top-p 0.9; top-p 0.9) at T=0.8 over LM-shaped
-            logits (bench/sampler_features.py), with each input's bytes (`etmlx_bench --inputs`), and the
+            logits (benchmarks/sampler_features.py), with each input's bytes (`etmlx_bench --inputs`), and the
             one-read-of-the-logits program as the floor
 
 The manifest (`manifest.json`) lists each item with the settings both sides use.
@@ -117,7 +117,7 @@ def build(out: Path, cache_dir: Path = Path("out/bench"), log=print, size: dict 
           sampler_shapes=SAMPLER_SHAPES, shapes=(), binaries: bool = False) -> Path:
     """size, sampler_shapes: smaller ones make a kit in seconds (the tests); shapes: names of
     checkpoints.SHAPES to add as real-size decoders; binaries: the C++ tools, their libraries,
-    gpu_device.py and gpu_host_arrays.py go into the kit too (bench/gpu_binaries.py), so the GPU host needs only it and MLX's wheel."""
+    gpu_device.py and gpu_host_arrays.py go into the kit too (benchmarks/gpu_binaries.py), so the GPU host needs only it and MLX's wheel."""
     out.mkdir(parents=True, exist_ok=True)
     if binaries:  # first: a missing build fails before minutes of exports
         copied = copy_binaries(out / "bin")

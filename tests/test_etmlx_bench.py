@@ -134,7 +134,7 @@ def test_draft_program_runs_with_every_draft_source(tmp_path):
 def test_draft_model_and_prompt_ids(tmp_path):
     """--draft-model: a plain program of the same weights drafts for the draft-verifying one (every greedy draft
     right, the plain tokens), its own calls reported; --prompt-ids runs that prompt; sequence_tokens_per_s is
-    reported for both kinds of program. The C++ half of `etmlx bench speculative` (bench/speculative_cpp.py)
+    reported for both kinds of program. The C++ half of `etmlx bench speculative` (benchmarks/speculative_cpp.py)
     runs the same way and checks the tokens."""
     from benchmarks import speculative_cpp
 
@@ -257,7 +257,7 @@ def test_etmlx_device_picks_the_device_or_says_why_not(tmp_path):
 
 
 def test_gpu_kit_runs_with_the_device_script(tmp_path):
-    """`etmlx bench gpu-kit` + bench/gpu_device.py end to end, with the CPU standing in for the GPU: a kit of a tiny
+    """`etmlx bench gpu-kit` + benchmarks/gpu_device.py end to end, with the CPU standing in for the GPU: a kit of a tiny
     checkpoint, every item measured, and the engines' tokens compared (same device twice: all equal)."""
     import sys
 
