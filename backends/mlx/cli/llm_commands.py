@@ -172,4 +172,11 @@ def add_parsers(sub) -> None:
     add_draft_flags(chat, prediction=False)
     chat.add_argument("--prompt-cache", metavar="FILE", help="keep the conversation (messages and KV cache) in FILE: "
                       "resumed from it when it exists, saved after each reply")
+    chat.add_argument("--tools", metavar="FILE", help="a JSON file of OpenAI tools ([{\"type\": \"function\", "
+                      "\"function\": {name, description, parameters}}]): the model may call them; each call is shown "
+                      "and its result read from stdin, or from --tool-exec")
+    chat.add_argument("--tool-choice", default="auto", metavar="MODE",
+                      help="auto (default), required, none, or a function's name (the first answer of each turn)")
+    chat.add_argument("--tool-exec", metavar="COMMAND", help="runs each call: the call as JSON ({\"name\", "
+                      "\"arguments\"}) on its stdin, its stdout the result")
     chat.set_defaults(func=run_chat)

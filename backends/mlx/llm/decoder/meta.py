@@ -125,7 +125,10 @@ def _pack(meta: "DecoderMeta") -> bytes:
         if f.name == "sampler":
             sampler = DecoderSamplerT()
             for key, v in value.items():
-                setattr(sampler, _checked_attr(sampler, key, "sampler"), v)
+                attr = _checked_attr(sampler, key, "sampler")
+                if isinstance(getattr(sampler, attr), bool):  # a feature switch: any truthy value turns it on
+                    v = bool(v)
+                setattr(sampler, attr, v)
             value = sampler
         elif f.name == "knobs":
             value = [_knob_table(k) for k in value]
