@@ -100,8 +100,8 @@ def main(cache_dir: str, json_path: str | None = None, requests: int = 50, repea
          layers: int = 1, batch: int = 4, max_seq_len: int = MAX_SEQ_LEN) -> int:
     import openai
 
-    from benchmarks.tool_model import export_tool_model
     from backends.mlx.serve.app import ServerThread
+    from benchmarks.tool_model import export_tool_model, use_format
 
     cache = Path(cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
@@ -114,8 +114,6 @@ def main(cache_dir: str, json_path: str | None = None, requests: int = 50, repea
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=600)
         tools = _tools(TOOL_COUNT)
         result = {"validity": _validity(client, server.service, tools[:4], requests)}
-        from benchmarks.tool_model import use_format
-
         use_format(server.service, "hermes")
         result["ttft"] = _ttft(client, tools, repeats)
     finally:

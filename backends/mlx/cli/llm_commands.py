@@ -10,11 +10,9 @@ from pathlib import Path
 
 from backends.mlx.cli.draft_flags import add_draft_flags
 from backends.mlx.cli.knob_flags import add_knob_arguments, params_from_args
-from backends.mlx.llm.decoder.tool_formats import FORMATS as TOOL_FORMATS
-from backends.mlx.llm.sampler.knobs import FEATURE_FLAGS, parse_features
-
 from backends.mlx.llm.decoder.from_checkpoint import DEFAULT_SAMPLER as DEFAULT_FEATURES
 from backends.mlx.llm.decoder.from_checkpoint import SAMPLER_CHOICES as FEATURES
+from backends.mlx.llm.decoder.tool_formats import FORMATS as TOOL_FORMATS
 
 # export_checkpoint's options that are flags here: its messages name the option, the CLI says the flag.
 _EXPORT_OPTIONS = ("dtype", "quantize", "logprobs", "draft_tokens", "propose_tokens", "out", "sampler", "adapter")
