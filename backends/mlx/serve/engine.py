@@ -84,6 +84,8 @@ class EngineRequest:
     # Draft-verifying programs: the row's draft source (draft_sources.py); None: prompt lookup (set by check).
     # Ignored by plain programs.
     draft: object | None = None
+    # Vision-language programs: the prompt's images (PIL, RGB, checked by serve/image_parts.py), in prompt order.
+    images: list = field(default_factory=list)
 
 
 class Engine(ProgramGrammar):
