@@ -7,13 +7,16 @@ from __future__ import annotations
 import base64
 import io
 import struct
+import subprocess
+import sys
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image, features
 
-from backends.mlx.llm.vision.images import ImageInputError, ImageLimits, image_digest, load_image
+from backends.mlx.llm.vision.images import MAX_BYTES_PER_PIXEL, ImageInputError, ImageLimits, image_digest, load_image
 
 ORIENTATION = 0x0112
 
@@ -228,3 +231,53 @@ def test_the_digest_keys_on_size_and_pixels():
     flat = Image.frombytes("RGB", (23, 37), image.tobytes())  # the same bytes, another shape
     assert image_digest(flat) != image_digest(image)
     assert len(image_digest(image)) == 64
+
+
+PEAK_PROBE = """
+import sys
+from backends.mlx.llm.vision.images import ImageLimits, load_image
+
+def status(key):
+    return next(int(line.split()[1]) for line in open('/proc/self/status') if line.startswith(key + ':'))
+
+data = open(sys.argv[1], 'rb').read()
+open('/proc/self/clear_refs', 'w').write('5')  # the peak (VmHWM) starts again from the current RSS
+before = status('VmRSS')
+image = load_image(data, ImageLimits(max_bytes=1 << 30))
+print((status('VmHWM') - before) * 1024 / (image.width * image.height))
+"""
+
+def _large(mode: str, side: int) -> tuple[Image.Image, dict]:
+    """A side x side image in `mode`, smooth (a small file) with some noise (real decoding work)."""
+    y, x = np.mgrid[0:side, 0:side]
+    base = ((x + y) % 256).astype(np.uint8)
+    base[::7, ::5] = np.random.default_rng(0).integers(0, 256, base[::7, ::5].shape, dtype=np.uint8)
+    if mode == "I;16":
+        return Image.fromarray(base.astype(np.uint16) * 257), {}
+    grey = Image.fromarray(base)
+    if mode == "P":
+        return grey.convert("P"), {"transparency": 0}
+    exif = Image.Exif()
+    exif[ORIENTATION] = 6
+    return Image.merge(mode, [grey] * len(mode)), ({"exif": exif} if mode in ("RGB", "CMYK") else {})
+
+
+@pytest.mark.subprocess
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="measures the peak through Linux's /proc")
+@pytest.mark.parametrize("mode, fmt", [("RGB", "PNG"), ("RGB", "JPEG"), ("CMYK", "JPEG"), ("RGBA", "PNG"),
+                                       ("LA", "PNG"),
+                                       ("P", "PNG"), ("I;16", "PNG")])
+def test_loading_stays_within_the_stated_memory(tmp_path, mode, fmt):
+    """Peak RSS growth while loading a 3000 x 3000 image, in a fresh interpreter (Linux: the peak reset through
+    /proc/self/clear_refs), per pixel: at most MAX_BYTES_PER_PIXEL (the docs' and the server's memory statement)."""
+
+    image, save = _large(mode, 3000)
+    path = tmp_path / f"large.{fmt.lower()}"
+    image.save(path, format=fmt, **save)
+    repo = Path(__file__).resolve().parents[1]
+    ran = subprocess.run([sys.executable, "-c", PEAK_PROBE, str(path)], cwd=repo, capture_output=True, text=True,
+                         env={"PYTHONPATH": str(repo), "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    per_pixel = float(ran.stdout.strip())
+    print(f"{mode} {fmt}: {per_pixel:.1f} bytes per pixel")
+    assert 1 < per_pixel <= MAX_BYTES_PER_PIXEL

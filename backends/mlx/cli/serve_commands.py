@@ -84,7 +84,7 @@ def add_parsers(sub) -> None:
                         help="encoded size of one image (default 20 MiB)")
     images.add_argument("--max-image-pixels", type=int, default=4096 * 4096,
                         help="width x height of one image, checked before decoding (default 4096 x 4096); "
-                             "decoding one takes at most 14 bytes per pixel, two at a time")
+                             "decoding one takes at most 12 bytes per pixel, two at a time")
     from backends.mlx.llm.decoder.grammar_limits import GrammarLimits
 
     group = serve.add_argument_group("structured output limits (a request over one is a 400 naming it)")

@@ -11,8 +11,8 @@ checkpoint's processor decides the resolution). URLs:
 Each image part becomes {"type": "image"} (the transformers chat-template convention) and its image joins the
 request's `images`, in prompt order. Checks on the event loop are cheap (shapes, the count, the URL scheme); reading
 and decoding (llm/vision/images.py: formats, sizes, corrupt data) run in worker threads, at most `decoders` images at
-once, so the server's memory for decoding stays under decoders x 14 x max_pixels bytes (images.py's
-MAX_BYTES_PER_PIXEL; 448 MiB by default) and /health and
+once, so the server's memory for decoding stays under decoders x 12 x max_pixels bytes (images.py's
+MAX_BYTES_PER_PIXEL; 384 MiB by default) and /health and
 other streams keep going. Each problem is one ApiError (HTTP 400) naming the part.
 """
 

@@ -6,10 +6,10 @@ Pillow only parses with those plugins, so a TIFF, HEIC, PSD, ... is refused by n
 Checks, in order: the encoded size (ImageLimits.max_bytes; a data URL's before its base64 is decoded), the format,
 the size the header declares (ImageLimits.max_pixels, before any pixel is decoded: a 20,000 x 20,000 PNG of a few
 KiB is refused here), then the decode itself (corrupt or truncated data). Memory (MAX_BYTES_PER_PIXEL): loading
-one image holds at most 14 bytes per pixel of its declared size (Pillow stores up to 4 per pixel, and a conversion
-holds the decoded image and its RGB copy), 224 MiB at the default 4096 x 4096; the RGB result keeps 4 per pixel.
-Measured peak RSS growth at 4096 x 4096: plain RGB PNG 4.1 bytes per pixel, palette GIF 5.3, rotated JPEG or CMYK
-8.2, 16-bit grey 8.1, RGBA 9.1, palette with transparency 10.1, grey with alpha 13.1.
+one image holds at most 12 bytes per pixel of its declared size (Pillow stores up to 4 per pixel; a conversion
+holds the decoded image and its copy, and frees the decoded one at once), 192 MiB at the default 4096 x 4096; the
+RGB result keeps 4 per pixel. Measured peak RSS growth (tests/test_image_input.py): plain RGB PNG 4.1 bytes per
+pixel, rotated JPEG or CMYK 8.3, 16-bit grey 8.2, RGBA, grey with alpha or a palette with transparency 9.2.
 
 Normalised as transformers' image processors do: EXIF orientation applied (a phone photo stands up as shown),
 transparency (an alpha band or a palette's transparent colour) composited onto white, palette / grey / CMYK
@@ -31,7 +31,7 @@ from PIL import Image, ImageOps
 
 ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 ORIENTATION = 0x0112  # the EXIF tag
-MAX_BYTES_PER_PIXEL = 14  # memory while loading one image, per pixel of max_pixels (see the docstring)
+MAX_BYTES_PER_PIXEL = 12  # memory while loading one image, per declared pixel (see the docstring; measured <= 9.2)
 ALLOWED_TEXT = "PNG, JPEG, WebP, GIF or BMP"
 # Leading bytes of formats that are refused, so the message can name them (they are never parsed).
 _KNOWN_OTHERS = [(b"II*\x00", "TIFF"), (b"MM\x00*", "TIFF"), (b"8BPS", "PSD"), (b"%PDF", "PDF"),
@@ -48,7 +48,7 @@ class ImageInputError(ValueError):
 @dataclass(frozen=True)
 class ImageLimits:
     max_bytes: int = 20 * 1024 * 1024  # encoded size of one image (a file, bytes, a data URL's payload)
-    max_pixels: int = 4096 * 4096  # width x height the header declares; loading one takes at most 14 bytes each
+    max_pixels: int = 4096 * 4096  # width x height the header declares; loading one takes at most 12 bytes each
 
     def check(self) -> None:
         for name in ("max_bytes", "max_pixels"):
@@ -127,7 +127,7 @@ def _check_pixels(size: tuple[int, int], limits: ImageLimits) -> None:
 
 def _grey16_to_rgb(image: Image.Image) -> Image.Image:
     """16- or 32-bit grey (Pillow modes I;16*, I) to 8-bit RGB, scaling 0..65535 to 0..255 (rounded)."""
-    values = np.asarray(image, dtype=np.uint32)  # one copy, worked on in place
+    values = np.asarray(image, dtype=np.uint32)  # one copy, worked on in place (the caller frees `image`)
     np.minimum(values, 65535, out=values)
     values *= 255
     values += 32767
@@ -156,12 +156,22 @@ def to_rgb(image: Image.Image, owned: bool = False) -> Image.Image:
     if image.mode.startswith("I;16") or image.mode == "I":
         return _grey16_to_rgb(image)
     if "A" in image.getbands() or image.info.get("transparency") is not None:
-        rgba = image if image.mode == "RGBA" else image.convert("RGBA")
+        rgba = image if image.mode == "RGBA" else _converted(image, "RGBA", owned)
         # pasting through the alpha band onto white gives alpha_composite's pixels without its two RGBA copies
         out = Image.new("RGB", rgba.size, (255, 255, 255))
         out.paste(rgba, mask=rgba.getchannel("A"))
+        if owned:
+            rgba.close()
         return out
-    return image if image.mode == "RGB" else image.convert("RGB")
+    return image if image.mode == "RGB" else _converted(image, "RGB", owned)
+
+
+def _converted(image: Image.Image, mode: str, owned: bool) -> Image.Image:
+    """`image` in `mode`; an owned image's pixels are freed at once (close() drops them), not when it goes."""
+    out = image.convert(mode)
+    if owned:
+        image.close()
+    return out
 
 
 def _decode(data: bytes, limits: ImageLimits) -> Image.Image:
