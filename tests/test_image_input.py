@@ -265,8 +265,7 @@ def _large(mode: str, side: int) -> tuple[Image.Image, dict]:
 @pytest.mark.subprocess
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="measures the peak through Linux's /proc")
 @pytest.mark.parametrize("mode, fmt", [("RGB", "PNG"), ("RGB", "JPEG"), ("CMYK", "JPEG"), ("RGBA", "PNG"),
-                                       ("LA", "PNG"),
-                                       ("P", "PNG"), ("I;16", "PNG")])
+                                       ("LA", "PNG"), ("P", "PNG"), ("I;16", "PNG")])
 def test_loading_stays_within_the_stated_memory(tmp_path, mode, fmt):
     """Peak RSS growth while loading a 3000 x 3000 image, in a fresh interpreter (Linux: the peak reset through
     /proc/self/clear_refs), per pixel: at most MAX_BYTES_PER_PIXEL (the docs' and the server's memory statement)."""
