@@ -163,3 +163,17 @@ def test_bad_images_are_refused():
         preprocess([Image.new("RGBA", (40, 10))], config)
     with pytest.raises(PreprocessError, match="no images"):
         preprocess([], config)
+
+
+def test_a_preprocessor_config_json_as_checkpoints_write_it():
+    """Qwen2-VL-2B-Instruct's preprocessor_config.json keeps min_pixels / max_pixels beside no `size`; the
+    processor built from the same keys gives the same values."""
+    config = {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2VLProcessor",
+              "min_pixels": 3136, "max_pixels": 200 * 28 * 28, "patch_size": 14, "temporal_patch_size": 2,
+              "merge_size": 2, "do_rescale": True, "rescale_factor": 0.00392156862745098, "do_normalize": True,
+              "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+              "resample": 3, "do_convert_rgb": True, "do_resize": True}
+    reference = _reference("Qwen2VLImageProcessorPil", {k: v for k, v in config.items()
+                                                        if k not in ("image_processor_type", "processor_class")})
+    images = [IMAGES[0], IMAGES[7]]
+    _compare(preprocess(images, config), reference(images, return_tensors="np"), ["image_grid_thw"])
