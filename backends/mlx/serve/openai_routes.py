@@ -72,16 +72,16 @@ class OpenAIRoutes:
             body = await _body(request, service)
             check_model(body, service.model_name)
             check_unsupported(body)
-            images = []
-            if chat:  # image_url parts: counted here, decoded off the event loop (serve/image_parts.py)
+            sources, images = [], []
+            if chat:  # image_url parts: counted here, decoded below once the cheap checks pass (serve/image_parts.py)
                 messages, sources = image_parts(body.get("messages"))
                 service.images.check_count(len(sources), service.model_name)
-                if sources:
-                    images = await service.images.decode(sources)
-                    body = {**body, "messages": messages}
             tools = tool_request(body, chat, service)  # serve/tool_params.py
             predicted = prediction_text(body)
             service.check_prompt_size(prompt_text_bytes(body, chat) + len((predicted or "").encode("utf-8")))
+            if sources:  # off the event loop, a few at a time
+                images = await service.images.decode(sources)
+                body = {**body, "messages": messages}
             # Templating and tokenizing a large prompt take a while: off the event loop.
             prompt = await (service.off_loop(chat_prompt, body, service.tokenizer, tools) if chat
                             else service.off_loop(completion_prompt, body, service.tokenizer, service.meta))
