@@ -5,6 +5,9 @@ real checkpoints; unknown processors and unsupported settings refused in one lin
 
 from __future__ import annotations
 
+import functools
+import types
+
 import numpy as np
 import pytest
 import transformers
@@ -35,6 +38,8 @@ CASES = {
     "clip defaults": ("CLIPImageProcessorPil", {}),
     "llava padded to a square": ("LlavaImageProcessorPil", {"do_pad": True, "size": {"shortest_edge": 336},
                                                             "crop_size": {"height": 336, "width": 336}}),
+    "llava-next (anyres)": ("LlavaNextImageProcessorPil", {"size": {"shortest_edge": 336},
+                                                           "crop_size": {"height": 336, "width": 336}}),
     "siglip 384": ("SiglipImageProcessorPil", {"size": {"height": 384, "width": 384}}),
     "gemma 3": ("Gemma3ImageProcessorPil", {"size": {"height": 896, "width": 896}, "do_pan_and_scan": False}),
     "idefics3 defaults": ("Idefics3ImageProcessorPil", {}),
@@ -63,7 +68,8 @@ def _compare(ours, theirs, names):
 def _extras(cls_name: str) -> list[str]:
     return {"Idefics3ImageProcessorPil": ["pixel_attention_mask", "rows", "cols"],
             "SmolVLMImageProcessorPil": ["pixel_attention_mask", "rows", "cols"],
-            "Qwen2VLImageProcessorPil": ["image_grid_thw"], "Gemma3ImageProcessorPil": ["num_crops"]}.get(cls_name, [])
+            "Qwen2VLImageProcessorPil": ["image_grid_thw"], "Gemma3ImageProcessorPil": ["num_crops"],
+            "LlavaNextImageProcessorPil": ["image_sizes"]}.get(cls_name, [])
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -141,7 +147,7 @@ def test_llava_and_gemma3_image_tokens():
 
 
 @pytest.mark.parametrize("config, words", [
-    ({"image_processor_type": "LlavaNextImageProcessor"}, ["LlavaNextImageProcessor", "not supported"]),
+    ({"image_processor_type": "LlavaOnevisionImageProcessor"}, ["LlavaOnevisionImageProcessor", "not supported"]),
     ({}, ["None", "not supported"]),
     ({"image_processor_type": "Gemma3ImageProcessor", "do_pan_and_scan": True}, ["pan and scan"]),
     ({"image_processor_type": "CLIPImageProcessor", "size": {"longest_edge": 300}}, ["size"]),
@@ -177,3 +183,16 @@ def test_a_preprocessor_config_json_as_checkpoints_write_it():
                                                         if k not in ("image_processor_type", "processor_class")})
     images = [IMAGES[0], IMAGES[7]]
     _compare(preprocess(images, config), reference(images, return_tensors="np"), ["image_grid_thw"])
+
+
+def test_llava_next_image_tokens_are_the_processors():
+    """Each image's feature count from LlavaNextProcessor's own formula (base tile, unpadded grid, newlines)."""
+    image_processor = _reference("LlavaNextImageProcessorPil", CASES["llava-next (anyres)"][1])
+    settings = {"patch_size": 14, "num_additional_image_tokens": 1, "vision_feature_select_strategy": "default"}
+    theirs = types.SimpleNamespace(image_processor=image_processor, **settings)
+    theirs._get_unpadded_features = functools.partial(transformers.LlavaNextProcessor._get_unpadded_features, theirs)
+    ours = preprocess(IMAGES, {"image_processor": image_processor.to_dict(), **settings})
+    expected = [transformers.LlavaNextProcessor._get_number_of_features(theirs, i.height, i.width, 336, 336) - 1
+                for i in IMAGES]
+    assert ours.image_tokens == expected
+    assert len(set(expected)) > 2  # the sizes reach different grids

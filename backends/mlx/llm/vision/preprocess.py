@@ -7,6 +7,9 @@ families, by `image_processor_type`:
 
 - CLIPImageProcessor / LlavaImageProcessor (LLaVA 1.5): shortest edge resized, centre crop (LLaVA's optional
   pad to a square of the mean colour first); pixel_values [N, 3, H, W].
+- LlavaNextImageProcessor (LLaVA-NeXT, "anyres"): the whole image resized to a square plus the tiles of the
+  grid pinpoint that fits it best (resized into it, padded black, cut); pixel_values [N, 1 + tiles, 3, H, W] (zero
+  tiles pad images with fewer), image_sizes [N, 2].
 - SiglipImageProcessor / Gemma3ImageProcessor (Gemma 3): resized to a fixed size; Gemma 3's num_crops [N] (pan and
   scan is refused).
 - Idefics3ImageProcessor / SmolVLMImageProcessor: longest edge resized, then (image splitting) resized to
@@ -52,6 +55,8 @@ DEFAULTS = {
                               "image_mean": OPENAI_CLIP_MEAN, "image_std": OPENAI_CLIP_STD},
 }
 DEFAULTS["LlavaImageProcessor"] = {**DEFAULTS["CLIPImageProcessor"], "do_pad": False}
+DEFAULTS["LlavaNextImageProcessor"] = {**DEFAULTS["CLIPImageProcessor"], "do_pad": True, "image_grid_pinpoints": [
+    [336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]}
 DEFAULTS["SmolVLMImageProcessor"] = DEFAULTS["Idefics3ImageProcessor"]  # the same processor under SmolVLM's name
 # Processor-level keys (processor.to_dict()) that say how many tokens an image takes.
 PROCESSOR_KEYS = ("image_seq_len", "image_seq_length", "patch_size", "num_additional_image_tokens",
@@ -142,20 +147,23 @@ def _square_pad(image: Image.Image, mean) -> Image.Image:
     return square
 
 
+def _clip_resize(image: Image.Image, size: dict, resample, name: str) -> Image.Image:
+    if "shortest_edge" in size and "longest_edge" not in size:
+        height, width = _shortest_edge_size(image.height, image.width, size["shortest_edge"])
+    elif "height" in size and "width" in size:
+        height, width = size["height"], size["width"]
+    else:
+        raise PreprocessError(f"size {size} is not supported for {name} (shortest_edge, or height and width)")
+    return _resize(image, height, width, resample)
+
+
 def _clip(images: list[Image.Image], s: dict, name: str) -> ImageBatch:
     out = []
     for image in images:
         if name == "LlavaImageProcessor" and s.get("do_pad"):
             image = _square_pad(image, s["image_mean"])
         if s["do_resize"]:
-            size = s["size"]
-            if "shortest_edge" in size and "longest_edge" not in size:
-                height, width = _shortest_edge_size(image.height, image.width, size["shortest_edge"])
-            elif "height" in size and "width" in size:
-                height, width = size["height"], size["width"]
-            else:
-                raise PreprocessError(f"size {size} is not supported for {name} (shortest_edge, or height and width)")
-            image = _resize(image, height, width, s["resample"])
+            image = _clip_resize(image, s["size"], s["resample"], name)
         if s.get("do_center_crop"):
             crop = s["crop_size"]
             image = _center_crop(np.asarray(image), crop["height"], crop["width"])
@@ -172,6 +180,75 @@ def _llava_tokens(batch: ImageBatch, s: dict) -> list[int] | None:
     if s.get("vision_feature_select_strategy") == "default":  # the class token is dropped
         tokens -= 1
     return [tokens] * len(batch.pixel_values)
+
+
+# ---- LLaVA-NeXT ----
+
+def best_resolution(height: int, width: int, pinpoints) -> tuple[int, int]:
+    """The (height, width) of `pinpoints` that keeps the most of the image, then wastes the least."""
+    best, most, waste = None, 0, math.inf
+    for h, w in pinpoints:
+        scale = min(w / width, h / height)
+        kept = min(int(width * scale) * int(height * scale), width * height)
+        if kept > most or kept == most and h * w - kept < waste:
+            best, most, waste = (h, w), kept, h * w - kept
+    return best
+
+
+def _fit_size(height: int, width: int, target: tuple[int, int]) -> tuple[int, int]:
+    """The image's size scaled to fit inside `target` (the side that binds exact, the other rounded up)."""
+    th, tw = target
+    if tw / width < th / height:
+        return min(math.ceil(height * tw / width), th), tw
+    return th, min(math.ceil(width * th / height), tw)
+
+
+def _llava_next(images: list[Image.Image], s: dict, name: str) -> ImageBatch:
+    size, crop = s["size"], s.get("crop_size") or {}
+    square = (size["height"], size["width"]) if "height" in size else (size["shortest_edge"],) * 2
+    tile = crop.get("height") or size.get("height") or size["shortest_edge"]
+    per_image, sizes = [], []
+    for image in images:
+        target = best_resolution(image.height, image.width, s["image_grid_pinpoints"])
+        fitted = _resize(image, *_fit_size(image.height, image.width, target), s["resample"])
+        canvas = np.zeros((*target, 3), dtype=np.uint8)  # black around it, the fitted image centred
+        top, left = (target[0] - fitted.height) // 2, (target[1] - fitted.width) // 2
+        canvas[top:top + fitted.height, left:left + fitted.width] = np.asarray(fitted)
+        pieces = [np.asarray(_resize(image, *square, s["resample"]))]
+        pieces += [canvas[y:y + tile, x:x + tile] for y in range(0, target[0], tile) for x in range(0, target[1], tile)]
+        out = []
+        for piece in pieces:
+            if s["do_resize"]:
+                piece = _clip_resize(Image.fromarray(piece), size, s["resample"], name)
+            if s.get("do_center_crop"):
+                piece = _center_crop(np.asarray(piece), crop["height"], crop["width"])
+            out.append(_normalised(piece, s))
+        per_image.append(np.stack(out))
+        sizes.append([image.height, image.width])
+    if s.get("do_pad"):
+        most = max(len(p) for p in per_image)
+        per_image = [np.concatenate([p, np.zeros((most - len(p), *p.shape[1:]), np.float32)]) for p in per_image]
+    elif len({p.shape for p in per_image}) > 1:
+        raise PreprocessError(f"{name} without do_pad gives images different tile counts: one image per prompt")
+    batch = ImageBatch(np.stack(per_image), {"image_sizes": np.array(sizes, dtype=np.int64)})
+    if s.get("patch_size"):
+        height, width = batch.pixel_values.shape[-2:]
+        batch.image_tokens = [_llava_next_tokens(h, w, height, width, s) for h, w in sizes]
+    return batch
+
+
+def _llava_next_tokens(orig_height: int, orig_width: int, height: int, width: int, s: dict) -> int:
+    """LLaVA-NeXT's image features: the base tile's patches, then the grid's patches with the padding rows or
+    columns dropped, one newline per row."""
+    patch = s["patch_size"]
+    best_h, best_w = best_resolution(orig_height, orig_width, s["image_grid_pinpoints"])
+    rows, cols = height // patch * (best_h // height), width // patch * (best_w // width)
+    if orig_width / orig_height > cols / rows:
+        rows -= (rows - int(round(orig_height * (cols / orig_width), 7))) // 2 * 2
+    else:
+        cols -= (cols - int(round(orig_width * (rows / orig_height), 7))) // 2 * 2
+    tokens = rows * cols + rows + (height // patch) * (width // patch) + s.get("num_additional_image_tokens", 0)
+    return tokens - (s.get("vision_feature_select_strategy") == "default")
 
 
 def _siglip(images: list[Image.Image], s: dict, name: str) -> ImageBatch:
@@ -310,7 +387,8 @@ def _qwen2_vl(images: list[Image.Image], s: dict, name: str) -> ImageBatch:
     return ImageBatch(np.concatenate(patches).astype(np.float32, copy=False), {"image_grid_thw": grid}, tokens)
 
 
-FAMILIES = {"CLIPImageProcessor": _clip, "LlavaImageProcessor": _clip, "SiglipImageProcessor": _siglip,
+FAMILIES = {"CLIPImageProcessor": _clip, "LlavaImageProcessor": _clip, "LlavaNextImageProcessor": _llava_next,
+            "SiglipImageProcessor": _siglip,
             "Gemma3ImageProcessor": _siglip, "Idefics3ImageProcessor": _idefics3,
             "SmolVLMImageProcessor": _idefics3, "Qwen2VLImageProcessor": _qwen2_vl}
 
