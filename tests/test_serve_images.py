@@ -300,3 +300,21 @@ def test_health_answers_while_bad_images_are_posted(server, takes_images):
     print(f"/health p99 {p99 * 1000:.1f} ms over {len(latencies)} probes; one decode of the heavy image "
           f"{one_decode * 1000:.0f} ms")
     assert len(latencies) >= 3 and p99 < one_decode
+
+
+@pytest.mark.server
+def test_lmtp_bad_images_are_stream_errors_naming_the_image(server, takes_images):
+    two = [_url(_png()), _url(_truncated())]
+    frames = ['GENERATE ' + json.dumps({"stream_id": 1, "prompt": [1, 2], "images": two}),
+              'GENERATE ' + json.dumps({"stream_id": 2, "prompt": [1, 2], "images": "data:image/png;base64,AA"}),
+              'GENERATE ' + json.dumps({"stream_id": 3, "prompt": [1, 2], "images": [_url(_png())] * 3}),
+              'MODEL_INFO {"stream_id": 4}']
+    done = lambda ms: (any(k == "MSG" for k, _ in ms)  # noqa: E731
+                       and {e["stream_id"] for k, p in ms if k == "TOKEN" for e in p if e["finish_reason"]}
+                       >= {1, 2, 3})
+    messages = asyncio.run(lmtp_exchange(server, frames, done))
+    errors = {e["stream_id"]: e["error"] for k, p in messages if k == "TOKEN" for e in p if e.get("error")}
+    assert errors[1].startswith("images[1]: the PNG image is corrupt or truncated"), errors
+    assert errors[2] == "'images' must be a list of image URLs (data:image/...;base64,...)"
+    assert "has 3 images; this server takes at most 2" in errors[3]
+    assert next(p for k, p in messages if k == "MSG")["model_info"]["max_images"] == 2
