@@ -47,6 +47,9 @@ class LayerShape:
     window: Optional[int] = None  # sliding window (keys within `window` positions of the query), None: full
     attended: bool = False  # the layer called etmlx_attention (False: the model has attention code of its own)
     softcap: Optional[float] = None  # tanh soft-capping of the scores (Gemma 2)
+    # attention got the keys and values the cache returned, unchanged (False: the model computes its keys from the
+    # cached tensors, as multi-head latent attention does; a quantized cache then cannot stand in for them)
+    attends_cache: bool = True
 
 
 @dataclass
@@ -62,6 +65,7 @@ class ForwardState:
     key_positions: dict = field(default_factory=dict)  # ring layer -> [B, W + L] position of each key
     # layer -> its quantized keys and values to attend over (k, k_scales, k_biases, v, v_scales, v_biases)
     quantized: dict = field(default_factory=dict)
+    returned: dict = field(default_factory=dict)  # probe: layer -> the (key, value) the cache returned
 
     def last_positions(self) -> torch.Tensor:
         """[B, 1]: each row's last real token's position."""
@@ -106,6 +110,7 @@ class ProgramCache(Cache):
         state = self.state
         if state.probe is not None:
             state.probe.setdefault(layer_idx, LayerShape(key.shape[1], key.shape[-1], value.shape[-1], key.dtype))
+            state.returned[layer_idx] = (key, value)
             return key, value
         k_cache, v_cache = self.owner.layer_cache(layer_idx)
         if self.owner.kv_quant is not None:
@@ -218,6 +223,8 @@ def etmlx_attention(module, query, key, value, attention_mask, scaling=None, dro
             cache.state.probe[layer].window = sliding_window
             cache.state.probe[layer].attended = True
             cache.state.probe[layer].softcap = softcap
+            returned = cache.state.returned.get(layer, (None, None))
+            cache.state.probe[layer].attends_cache = key is returned[0] and value is returned[1]
     layer = getattr(module, "layer_idx", None)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     quantized = cache.state.quantized.get(layer)

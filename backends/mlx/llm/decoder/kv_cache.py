@@ -158,6 +158,9 @@ class StaticCacheLM(nn.Module):
             raise ValueError(f"{name} attends with its own code over the returned cache: --kv-bits needs "
                              "etmlx's attention (a model on transformers' attention interface)")
         for i, shape in sorted(self.layers.items()):
+            if not shape.attends_cache:
+                raise ValueError(f"{name} computes its attention's keys and values from what it caches (layer {i}; "
+                                 "multi-head latent attention): --kv-bits does not support it")
             if shape.softcap is not None:
                 raise ValueError(f"{name} soft-caps its attention scores (layer {i}): --kv-bits does not "
                                  "support soft-capped attention")
