@@ -231,22 +231,22 @@ bool Interpreter::exec_quantized_sdpa(const fb::QuantizedSdpaNode& n) {
     }
     return write(n.out(), kernels::sdpa(*q, k, v, n.scale(), false, mask, end));
   }
-  // Query heads grouped under their key/value head: [B, Hkv, R, L, D] against the cache [B, Hkv, 1, S, .].
+  // Query heads grouped under their key/value head as rows of one product: [B, Hkv, R * L, D] against the cache
+  // [B, Hkv, S, .] (a broadcast cache axis would have MLX copy the cache once per query head).
   const int repeats = heads / kv_heads;
   mx::array grouped = mx::reshape(mx::multiply(*q, mx::array(n.scale(), q->dtype())),
-                                  {batch, kv_heads, repeats, query_len, dim});
-  for (auto& a : cache) a = mx::expand_dims(a, 2);
+                                  {batch, kv_heads, repeats * query_len, dim});
   mx::array scores = mx::quantized_matmul(grouped, cache[0], cache[1], cache[2], true, group, bits);
   if (mask) {
     mx::array m = *mask;
     while (m.ndim() < 4) m = mx::expand_dims(m, 0);
-    if (m.shape(1) == heads) {
-      m = mx::reshape(m, {m.shape(0), kv_heads, repeats, m.shape(2), m.shape(3)});
-    } else if (m.shape(1) == 1) {
-      m = mx::expand_dims(m, 2);
-    } else {
+    if (m.shape(1) != 1 && m.shape(1) != heads) {
       return fail("mask's head axis is %d, neither 1 nor the %d query heads", m.shape(1), heads);
     }
+    const int rows = m.shape(0), span = m.shape(3);
+    m = m.shape(1) == 1 ? mx::expand_dims(m, 1) : mx::reshape(m, {rows, kv_heads, repeats, m.shape(2), span});
+    m = mx::broadcast_to(m, {rows, kv_heads, repeats, query_len, span});
+    m = mx::reshape(m, {rows, kv_heads, repeats * query_len, span});
     scores = m.dtype() == mx::bool_
                  ? mx::where(m, scores, mx::array(-std::numeric_limits<float>::infinity(), scores.dtype()))
                  : mx::add(scores, m);
