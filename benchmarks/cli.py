@@ -39,6 +39,14 @@ def _agreement(args) -> int:
 
 def _decode(args) -> int:
     dtypes = tuple(d.strip() for d in args.dtypes.split(",") if d.strip())
+    if args.context or args.kv_bits or args.layers or args.vocab:
+        from benchmarks import long_context
+
+        if not (args.shape and args.context):
+            raise ValueError("etmlx bench decode: --context, --kv-bits, --layers and --vocab go with --shape and "
+                             "--context")
+        return long_context.main(args.shape, long_context.parse_contexts(args.context), args.kv_bits, args.layers,
+                                 args.vocab, args.activations, args.cache_dir, args.json)
     if args.shape:
         from benchmarks import decode_shapes
 
@@ -153,6 +161,14 @@ def add_parsers(bench: argparse.ArgumentParser) -> None:
     p.add_argument("--quantized-dtype", choices=("float32", "bfloat16"),
                    help="--shape: the mlx-lm directory's scales, biases and norms (float32 default; bfloat16 as "
                    "published 4-bit models carry them)")
+    p.add_argument("--context", help="--shape: long prompts instead, comma-separated lengths (1k,8k,32k): "
+                   "prefill and decode tok/s and memory against the KV cache per length (benchmarks/long_context.py)")
+    p.add_argument("--kv-bits", type=int, choices=[8, 4], default=0, help="--context: a quantized KV cache")
+    p.add_argument("--layers", type=int, help="--context: only this many of the shape's layers (the report "
+                   "extrapolates the cache per layer to the full depth)")
+    p.add_argument("--vocab", type=int, help="--context: a smaller vocabulary than the shape's (weights only)")
+    p.add_argument("--activations", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="--context: the program's float dtype, its float KV cache's and the scales' (default float32)")
     p.set_defaults(func=_decode)
 
     p = sub.add_parser("serve", help="tokens/s and time to first token for concurrent streams")

@@ -1,7 +1,8 @@
 """A prompt cache saved to a file and loaded into a freshly loaded program (etmlx.save_prompt_cache /
 load_prompt_cache, llm/decoder/cache_file.py): the next turn's greedy and seeded tokens are those of the whole
 conversation computed fresh, its prefill covers only the new tokens (counted from the program's inputs), and a
-file is refused by another program, as is a non-cache file."""
+file is refused by another program, as is a non-cache file. A --kv-bits program's quantized cache goes through the
+file the same way."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import etmlx
 from backends.mlx.llm.decoder import cache_file
 from backends.mlx.llm.decoder.export import export_decoder
 from backends.mlx.llm.sampler.config import SamplerConfig
+from backends.mlx.llm.builtin.tiny_model import tiny_llama
 from serve_helpers import eager_model
 
 PROMPT = [5, 17, 42, 9, 77, 3, 120, 64, 8, 2]
@@ -31,6 +33,10 @@ def programs(tmp_path_factory):
         paths[name] = out / f"{name}.pte"
         export_decoder(model, paths[name], 64, config=CONFIG, batch=batch, tokenizer=tokenizer, pipelined=pipelined,
                        verify=False)
+    # --kv-bits 4: the file holds the packed keys and values (uint8) and their scales and biases; head size 32
+    paths["kv4"] = out / "kv4.pte"
+    export_decoder(tiny_llama(len(tokenizer), tokenizer.eos_token_id, hidden=128), paths["kv4"], 64, config=CONFIG,
+                   batch=2, tokenizer=tokenizer, pipelined=True, verify=False, kv_bits=4, kv_group_size=32)
     return paths
 
 
@@ -50,7 +56,7 @@ def _no_eos(model, **sampling):
     return {"logit_bias": {model.meta.eos_token_ids[0]: -100}, **sampling}
 
 
-@pytest.mark.parametrize("program", ["plain", "pipelined"])
+@pytest.mark.parametrize("program", ["plain", "pipelined", "kv4"])
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 1.0, "seed": 7, "top_k": 40, "repetition_penalty": 1.2}],
                          ids=["greedy", "seeded"])
 def test_a_cache_loaded_from_a_file_gives_the_fresh_tokens_and_prefills_only_the_new_ones(programs, tmp_path, program,
@@ -70,10 +76,14 @@ def test_a_cache_loaded_from_a_file_gives_the_fresh_tokens_and_prefills_only_the
     responses = list(etmlx.stream_generate(restored_model, MORE, 8, prompt_cache=restored,
                                            **_no_eos(model, **sampling)))
     # unpipelined: the last reply token was sampled, never fed; pipelined: fed back to the device too
-    held = len(PROMPT) + len(first) - (0 if program == "pipelined" else 1)
+    held = len(PROMPT) + len(first) - (0 if program in ("pipelined", "kv4") else 1)
     assert responses[-1].cached_tokens == held
     prefill = max(calls[0])  # the row's first call: every token it was not given from the file
     assert prefill == len(PROMPT) + len(first) + len(MORE) - held
+
+    if program == "kv4":  # the quantized cache as the program holds it: packed bytes, then float scales and biases
+        entries, _ = cache_file._read_safetensors(path)
+        assert [entries[f"kv.{k}"].dtype for k in range(6)] == [torch.uint8, torch.float32, torch.float32] * 2
 
     if program == "plain" and sampling:  # the file is plain safetensors: the library reads the same tensors
         safetensors = pytest.importorskip("safetensors.torch")

@@ -44,7 +44,7 @@ def run_export(args) -> int:
             seeded=args.seeded, pipelined=args.pipelined, verify=args.verify, draft_tokens=args.draft_tokens,
             propose_tokens=args.propose_tokens, external_weights=args.external_weights, progress=_progress(),
             adapter=args.adapter, tool_call_format=args.tool_call_format,
-            qmm_activations=args.qmm_activations)
+            qmm_activations=args.qmm_activations, kv_bits=args.kv_bits, kv_group_size=args.kv_group_size)
     except (ValueError, IsADirectoryError) as exc:  # the option names of the Python API, as this command's flags
         raise type(exc)(_as_flags(str(exc))) from None
     from backends.mlx.exporter.export import weights_path
@@ -107,6 +107,11 @@ def add_parsers(sub) -> None:
                         help="write the weights to FILE.ptd beside FILE.pte (ExecuTorch's external data file); "
                              "generate, serve and etmlx_decode load it from there (etmlx_decode --weights too)")
     export.add_argument("--max-seq-len", type=int, default=256, help="KV cache length (default 256)")
+    export.add_argument("--kv-bits", type=int, choices=[8, 4], default=0,
+                        help="store the KV cache MLX-affine quantized to 8 or 4 bits (as mlx-lm's --kv-bits), "
+                             "attention over it in the program (default: float, the --dtype)")
+    export.add_argument("--kv-group-size", type=int, default=64,
+                        help="--kv-bits: head-dimension values per scale and bias, 32, 64 (default) or 128")
     export.add_argument("--batch", type=int, default=1, help="rows per call (default 1; a server uses more)")
     seeding = export.add_mutually_exclusive_group()
     seeding.add_argument("--seeded", dest="seeded", action="store_true", default=True,

@@ -54,7 +54,8 @@ def _inspect(args) -> int:
     except (FileNotFoundError, ValueError):  # not a decoder program: nothing more to say
         return 0
     print(f"decoder: max_seq_len {meta.max_seq_len}, vocab {meta.vocab_size}, batch {meta.batch}, tool-call format "
-          f"{meta.tool_call_format or '(not stored: detected from the chat template when served)'}")
+          f"{meta.tool_call_format or '(not stored: detected from the chat template when served)'}, KV cache "
+          f"{f'{meta.kv_bits}-bit (group {meta.kv_group_size})' if meta.kv_bits else meta.dtype}")
     return 0
 
 

@@ -3,6 +3,8 @@
 // the kernels in kernels/attention.h, norms.h and rope.h.
 #include <cstdlib>
 #include <cstring>
+#include <limits>
+#include <vector>
 
 #include <mlx/ops.h>
 
@@ -40,13 +42,19 @@ bool broadcasts_to(const mx::array& t, const mx::array& x) {
 // Keys [0, end) when the node's proven window leaves fewer than S of them, else S.
 bool Interpreter::sdpa_window_end(const fb::SdpaNode& n, int batch, int query_len, int keys, int* end,
                                   bool* all_visible) {
+  // (A causal node has L == S by definition; a window is only ever proven from a mask.)
+  return key_window_end(n.window() && !n.causal(), n.window_base(), n.window_shift(), n.window_per_query(), batch,
+                        query_len, keys, end, all_visible);
+}
+
+bool Interpreter::key_window_end(bool window, const fb::Tid* window_base, int64_t shift, bool per_query, int batch,
+                                 int query_len, int keys, int* end, bool* all_visible) {
   *end = keys;
   *all_visible = false;
-  // (A causal node has L == S by definition; a window is only ever proven from a mask.)
-  if (!n.window() || n.causal()) return true;
+  if (!window) return true;
   const mx::array* base = nullptr;
-  if (n.window_base() != nullptr) {
-    base = read(n.window_base());
+  if (window_base != nullptr) {
+    base = read(window_base);
     if (!base) return false;
     if (!integer_vector(*base)) return fail("window_base must be a non-empty 1-d integer tensor");
   }
@@ -64,8 +72,8 @@ bool Interpreter::sdpa_window_end(const fb::SdpaNode& n, int batch, int query_le
   // first = start + shift: for a single query that is every key of [0, end), provided it sees a key
   // (first >= 0) and none was cut off past S.
   int64_t first = *start, e = 0;
-  const int64_t extra = n.window_per_query() ? query_len : 1;
-  if (__builtin_add_overflow(first, n.window_shift(), &first) || __builtin_add_overflow(first, extra, &e)) return true;
+  const int64_t extra = per_query ? query_len : 1;
+  if (__builtin_add_overflow(first, shift, &first) || __builtin_add_overflow(first, extra, &e)) return true;
   if (e >= 1 && e < keys) *end = static_cast<int>(e);
   *all_visible = query_len == 1 && first >= 0 && e <= keys;
   return true;
@@ -144,6 +152,108 @@ bool Interpreter::exec_sdpa(const fb::SdpaNode& n) {
   // cuDNN, whose plan per key count made an H200's 9-query verify calls slower (3.4-3.9 -> 4.7-4.8 ms).
   if (all_visible) return write(n.out(), kernels::sdpa(*q, *k, *v, n.scale(), false, std::nullopt, end));
   return write(n.out(), kernels::sdpa(*q, *k, *v, n.scale(), n.causal(), mask, end));
+}
+
+// Few query rows (a decode step) multiply the packed cache directly (mx::quantized_matmul, as mlx-lm's
+// quantized attention); more (a prefill) dequantize the keys they attend to and run the float attention,
+// whose products go to BLAS: MLX's CPU quantized matmul is a plain loop, far slower at a prefill's sizes.
+constexpr int kQuantizedAttentionRows = 16;
+
+bool Interpreter::exec_quantized_sdpa(const fb::QuantizedSdpaNode& n) {
+  const mx::array* q = read(n.q());
+  if (!q) return false;
+  const mx::array* packed[2] = {read(n.k()), nullptr};
+  if (!packed[0]) return false;
+  const mx::array* ks = read(n.k_scales());
+  if (!ks) return false;
+  const mx::array* kb = read(n.k_biases());
+  if (!kb) return false;
+  packed[1] = read(n.v());
+  if (!packed[1]) return false;
+  const mx::array* vs = read(n.v_scales());
+  if (!vs) return false;
+  const mx::array* vb = read(n.v_biases());
+  if (!vb) return false;
+  const int bits = n.bits(), group = n.group_size();
+  if (bits != 4 && bits != 8) return fail("bits must be 4 or 8, got %d", bits);
+  if (group != 32 && group != 64 && group != 128) return fail("group_size must be 32, 64 or 128, got %d", group);
+  if (q->ndim() != 4 || !mx::issubdtype(q->dtype(), mx::floating)) return fail("q must be 4-d floating");
+  const int batch = q->shape(0), heads = q->shape(1), dim = q->shape(3);
+  const mx::array* parts[6] = {packed[0], ks, kb, packed[1], vs, vb};
+  const int kv_heads = packed[0]->shape(1), keys = packed[0]->ndim() == 4 ? packed[0]->shape(2) : -1;
+  if (dim % group != 0) return fail("head size %d is not a multiple of group_size %d", dim, group);
+  for (int i = 0; i < 6; ++i) {
+    const mx::array& a = *parts[i];
+    const bool words = i % 3 == 0;
+    const int last = words ? dim * bits / 8 : dim / group;
+    if (a.ndim() != 4 || a.shape(0) != batch || a.shape(1) != kv_heads || a.shape(2) != keys || a.shape(3) != last) {
+      return fail("cache operand %d must be [%d, %d, %d, %d]", i, batch, kv_heads, keys, last);
+    }
+    if (words ? a.dtype() != mx::uint8 : a.dtype() != q->dtype()) {
+      return fail("cache operand %d is %s: the packed cache is uint8, its scales and biases in q's dtype", i,
+                  mlx_dtype_name(a.dtype()));
+    }
+  }
+  if (kv_heads == 0 || heads % kv_heads != 0) return fail("has %d query heads for %d key/value heads", heads, kv_heads);
+  std::optional<mx::array> mask;
+  if (n.mask() != nullptr) {
+    const mx::array* m = read(n.mask());
+    if (!m) return false;
+    if (m->ndim() > 4) return fail("mask has %d dims (at most 4)", static_cast<int>(m->ndim()));
+    mask = m->dtype() == mx::bool_ ? *m : mx::astype(*m, q->dtype());
+  }
+  const int query_len = q->shape(2);
+  int end = keys;
+  bool all_visible = false;
+  if (!key_window_end(n.window(), n.window_base(), n.window_shift(), n.window_per_query(), batch, query_len, keys,
+                      &end, &all_visible)) {
+    return false;
+  }
+  // The keys [0, end) of every cache operand (and of a mask over all S keys); the packed bytes as MLX's words.
+  std::vector<mx::array> cache;
+  for (int i = 0; i < 6; ++i) {
+    mx::array a = *parts[i];
+    if (end < keys) a = mx::slice(a, {0, 0, 0, 0}, {batch, kv_heads, end, a.shape(3)});
+    if (i % 3 == 0) a = mx::view(mx::contiguous(a), mx::uint32);
+    cache.push_back(std::move(a));
+  }
+  if (mask && end < keys && mask->ndim() >= 1 && mask->shape(-1) == keys) {
+    mx::Shape stop = mask->shape();
+    stop.back() = end;
+    mask = mx::slice(*mask, mx::Shape(mask->ndim(), 0), stop);
+  }
+  if (all_visible) mask = std::nullopt;
+  if (query_len * (heads / kv_heads) > kQuantizedAttentionRows) {
+    mx::array k = mx::dequantize(cache[0], cache[1], cache[2], group, bits);
+    mx::array v = mx::dequantize(cache[3], cache[4], cache[5], group, bits);
+    if (program_.kernels == &kernels::cpu_kernels()) {
+      return write(n.out(), kernels::sdpa_cpu(*q, k, v, n.scale(), false, mask, end));
+    }
+    return write(n.out(), kernels::sdpa(*q, k, v, n.scale(), false, mask, end));
+  }
+  // Query heads grouped under their key/value head as rows of one product: [B, Hkv, R * L, D] against the cache
+  // [B, Hkv, S, .] (a broadcast cache axis would have MLX copy the cache once per query head).
+  const int repeats = heads / kv_heads;
+  mx::array grouped = mx::reshape(mx::multiply(*q, mx::array(n.scale(), q->dtype())),
+                                  {batch, kv_heads, repeats * query_len, dim});
+  mx::array scores = mx::quantized_matmul(grouped, cache[0], cache[1], cache[2], true, group, bits);
+  if (mask) {
+    mx::array m = *mask;
+    while (m.ndim() < 4) m = mx::expand_dims(m, 0);
+    if (m.shape(1) != 1 && m.shape(1) != heads) {
+      return fail("mask's head axis is %d, neither 1 nor the %d query heads", m.shape(1), heads);
+    }
+    const int rows = m.shape(0), span = m.shape(3);
+    m = m.shape(1) == 1 ? mx::expand_dims(m, 1) : mx::reshape(m, {rows, kv_heads, repeats, m.shape(2), span});
+    m = mx::broadcast_to(m, {rows, kv_heads, repeats, query_len, span});
+    m = mx::reshape(m, {rows, kv_heads, repeats * query_len, span});
+    scores = m.dtype() == mx::bool_
+                 ? mx::where(m, scores, mx::array(-std::numeric_limits<float>::infinity(), scores.dtype()))
+                 : mx::add(scores, m);
+  }
+  mx::array weights = mx::softmax(scores, std::vector<int>{-1}, true);
+  mx::array out = mx::quantized_matmul(weights, cache[3], cache[4], cache[5], false, group, bits);
+  return write(n.out(), mx::reshape(out, {batch, heads, query_len, dim}));
 }
 
 bool Interpreter::norm_operand(const fb::Tid* t, const mx::array& x, const char* what,

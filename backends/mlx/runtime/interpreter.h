@@ -91,6 +91,10 @@ class Interpreter {
   // *all_visible: the node's proven key window shows that over keys [0, end) its mask hides nothing (one
   // row, one query), so attention may run without it.
   bool sdpa_window_end(const fb::SdpaNode& n, int batch, int query_len, int keys, int* end, bool* all_visible);
+  // sdpa_window_end's rule over a node's window fields (SdpaNode's, QuantizedSdpaNode's).
+  bool key_window_end(bool window, const fb::Tid* window_base, int64_t shift, bool per_query, int batch,
+                      int query_len, int keys, int* end, bool* all_visible);
+  bool exec_quantized_sdpa(const fb::QuantizedSdpaNode& n);  // exec_fused.cpp
   bool exec_rms_norm(const fb::RmsNormNode& n);  // exec_fused.cpp
   bool exec_layer_norm(const fb::LayerNormNode& n);  // exec_fused.cpp
   bool exec_rope(const fb::RopeNode& n);  // exec_fused.cpp

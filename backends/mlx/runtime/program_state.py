@@ -1,7 +1,8 @@
 """The host's access to a loaded program's KV cache (program_state.cpp, through ctypes).
 
 A decoder program's KV cache is the delegate's mutable state: one buffer per layer's keys and values,
-[rows, kv_heads, slots, head_dim] (llm/decoder/kv_cache.py). `ProgramState` reads a row's first n
+[rows, kv_heads, slots, head_dim] (llm/decoder/kv_cache.py; with --kv-bits, the packed bytes, scales and biases
+each such a buffer, their last size not the head's). `ProgramState` reads a row's first n
 positions of every buffer into host tensors, writes them back, and copies them from one row to another
 inside the state. runner.load_method finds the state of the method it loads (`LoadedMethod.state`).
 
@@ -16,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# uint8: the packed keys and values of a --kv-bits program (llm/decoder/kv_quant.py)
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "uint8": torch.uint8}
 _MAX_CLAIM = 64
 
 

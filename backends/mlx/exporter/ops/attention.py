@@ -1,8 +1,13 @@
-"""scaled_dot_product_attention, kept whole and lowered to MLX's fused attention kernel."""
+"""scaled_dot_product_attention, kept whole and lowered to MLX's fused attention kernel; mlx::quantized_sdpa
+(attention over a quantized KV cache) to QuantizedSdpaNode."""
 
 from __future__ import annotations
 
 import math
+
+import torch
+
+import backends.mlx.custom_kernel_ops  # noqa: F401  (registers mlx::quantized_sdpa)
 
 from backends.mlx.exporter.builder.program_builder import BuildError
 from backends.mlx.exporter.builder.registry import REGISTRY
@@ -72,3 +77,17 @@ def _key_window_fields(b, mask, q, k) -> dict:
         except BuildError:  # the start positions have no tensor slot of their own (absorbed by a fusion)
             return {}
     return fields
+
+
+@REGISTRY.register(torch.ops.mlx.quantized_sdpa.default)
+def _quantized_sdpa(b, node):
+    """mlx::quantized_sdpa (custom_kernel_ops/quantized_attention.py) -> QuantizedSdpaNode, with SdpaNode's key
+    window when the mask proves one (the packed cache has the keys on the same axis)."""
+    q, k, k_scales, k_biases, v, v_scales, v_biases, mask, scale, group_size, bits = node.args
+    fields = dict(q=b.tid(q), k=b.tid(k), k_scales=b.tid(k_scales), k_biases=b.tid(k_biases), v=b.tid(v),
+                  v_scales=b.tid(v_scales), v_biases=b.tid(v_biases), scale=float(scale),
+                  group_size=int(group_size), bits=int(bits))
+    if mask is not None:
+        fields["mask"] = b.tid(mask)
+        fields.update(_key_window_fields(b, mask, q, k))
+    return b.op("QuantizedSdpaNode", **fields)

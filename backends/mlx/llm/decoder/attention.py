@@ -26,6 +26,9 @@ import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 
+import backends.mlx.custom_kernel_ops  # noqa: F401  (registers mlx::quantized_sdpa)
+from backends.mlx.llm.decoder import kv_quant
+
 IMPLEMENTATION = "etmlx"
 
 # Keywords models pass to the attention function that do not change its result in inference.
@@ -44,6 +47,9 @@ class LayerShape:
     window: Optional[int] = None  # sliding window (keys within `window` positions of the query), None: full
     attended: bool = False  # the layer called etmlx_attention (False: the model has attention code of its own)
     softcap: Optional[float] = None  # tanh soft-capping of the scores (Gemma 2)
+    # attention got the keys and values the cache returned, unchanged (False: the model computes its keys from the
+    # cached tensors, as multi-head latent attention does; a quantized cache then cannot stand in for them)
+    attends_cache: bool = True
 
 
 @dataclass
@@ -57,6 +63,9 @@ class ForwardState:
     gather: Optional[torch.Tensor] = None
     masks: dict = field(default_factory=dict)
     key_positions: dict = field(default_factory=dict)  # ring layer -> [B, W + L] position of each key
+    # layer -> its quantized keys and values to attend over (k, k_scales, k_biases, v, v_scales, v_biases)
+    quantized: dict = field(default_factory=dict)
+    returned: dict = field(default_factory=dict)  # probe: layer -> the (key, value) the cache returned
 
     def last_positions(self) -> torch.Tensor:
         """[B, 1]: each row's last real token's position."""
@@ -101,8 +110,11 @@ class ProgramCache(Cache):
         state = self.state
         if state.probe is not None:
             state.probe.setdefault(layer_idx, LayerShape(key.shape[1], key.shape[-1], value.shape[-1], key.dtype))
+            state.returned[layer_idx] = (key, value)
             return key, value
         k_cache, v_cache = self.owner.layer_cache(layer_idx)
+        if self.owner.kv_quant is not None:
+            return self._update_quantized(layer_idx, key, value, k_cache, v_cache)
         if self.owner.ring_window(layer_idx) is not None:
             return self._update_ring(layer_idx, key, value, k_cache, v_cache)
         batch, heads, length, _ = key.shape
@@ -135,6 +147,42 @@ class ProgramCache(Cache):
             kept = torch.where(from_new, new.gather(2, index.expand(shape)), ring)
             ring.scatter_(2, every.expand(shape), kept)
         return keys, values
+
+    def _update_quantized(self, layer_idx, key, value, k_parts, v_parts):
+        """The quantized cache (kv_quant.py): the new keys and values are quantized, written as _update_ring or
+        the full cache's scatter writes floats, and attention (etmlx_attention) reads the layer's packed keys and
+        values from `state.quantized`. transformers gets the new float keys and values back, unused by etmlx's
+        attention."""
+        state, setting = self.state, self.owner.kv_quant
+        parts = [kv_quant.quantize(t, setting, k_parts[1].dtype) for t in (key, value)]
+        if self.owner.ring_window(layer_idx) is not None:
+            window = k_parts[0].shape[2]
+            start = state.positions[:, :1]
+            slot = torch.arange(window).view(1, -1)
+            held = start - 1 - torch.remainder(start - 1 - slot, window)
+            state.key_positions[layer_idx] = torch.cat([held, state.positions], dim=1)
+            # Attention over the ring as it was plus the new entries, then each slot keeps its latest position.
+            state.quantized[layer_idx] = [torch.cat([old, new], dim=2) for kind, new_kind in zip((k_parts, v_parts),
+                                                                                                   parts)
+                                          for old, new in zip(kind, new_kind)]
+            last = state.last_positions()
+            latest = last - torch.remainder(last - slot, window)
+            from_new = (latest >= start).view(latest.shape[0], 1, window, 1)
+            index = (latest - start).clamp(min=0).view(latest.shape[0], 1, window, 1)
+            every = slot.view(1, 1, window, 1)
+            for kind, new_kind in zip((k_parts, v_parts), parts):
+                for ring, new in zip(kind, new_kind):
+                    shape = (new.shape[0], new.shape[1], window, new.shape[-1])
+                    kept = torch.where(from_new, new.gather(2, index.expand(shape)), ring)
+                    ring.scatter_(2, every.expand(shape), kept)
+            return key, value
+        batch, heads, length, _ = key.shape
+        slots = state.positions.view(batch, 1, length, 1)
+        for kind, new_kind in zip((k_parts, v_parts), parts):
+            for buffer, new in zip(kind, new_kind):
+                buffer.scatter_(2, slots.expand(batch, heads, length, new.shape[-1]), new)
+        state.quantized[layer_idx] = [*k_parts, *v_parts]
+        return key, value
 
     def mask(self, layer_idx, key_length: int, window: Optional[int]) -> torch.Tensor:
         """[B, 1, L, S] bool: query (row b, index l) may see key s. A full cache's slot s holds position s: its
@@ -175,8 +223,17 @@ def etmlx_attention(module, query, key, value, attention_mask, scaling=None, dro
             cache.state.probe[layer].window = sliding_window
             cache.state.probe[layer].attended = True
             cache.state.probe[layer].softcap = softcap
-    mask = cache.mask(getattr(module, "layer_idx", None), key.shape[2], sliding_window)
+            returned = cache.state.returned.get(layer, (None, None))
+            cache.state.probe[layer].attends_cache = key is returned[0] and value is returned[1]
+    layer = getattr(module, "layer_idx", None)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    quantized = cache.state.quantized.get(layer)
+    if quantized is not None:  # --kv-bits: over the packed cache (custom_kernel_ops/quantized_attention.py)
+        setting = cache.owner.kv_quant
+        mask = cache.mask(layer, quantized[0].shape[2], sliding_window)
+        out = torch.ops.mlx.quantized_sdpa(query, *quantized, mask, float(scale), setting.group_size, setting.bits)
+        return out.transpose(1, 2).contiguous(), None
+    mask = cache.mask(layer, key.shape[2], sliding_window)
     if softcap is None:
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
                                                                enable_gqa=key.shape[1] != heads)

@@ -7,6 +7,10 @@ program's identity (the SHA-256 of its .pte and .ptd). Loading writes the entrie
 values would mean nothing there) and records the tokens in the row's cache (runtime/decode_rows.h), so the next
 generation of the conversation prefills only what follows them.
 
+A --kv-bits program's cache is its packed keys and values and their scales and biases (kv_quant.py), each a
+buffer of the same [rows, heads, positions, .] form: the file holds them as the program does (uint8 and float),
+and each is checked against its buffer's dtype and shape like a float cache's.
+
 Ring programs (a sliding-window layer keeping `window` slots, DecoderMeta.ring_cache) are refused: a ring
 slot holds the latest position that maps to it, so a row's slots are not its positions.
 
@@ -31,7 +35,8 @@ from backends.mlx.llm.decoder.decode_rows import common_prefix
 from backends.mlx.runtime.runner import weights_beside
 
 FORMAT = "etmlx-prompt-cache/2"  # /2: with the checksum
-_CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64"}
+# uint8: a --kv-bits program's packed keys and values (llm/decoder/kv_quant.py), beside their float scales and biases
+_CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64", torch.uint8: "U8"}
 _DTYPES = {code: dtype for dtype, code in _CODES.items()}
 _MAX_HEADER = 1 << 24  # a safetensors header is JSON of the tensors' names, shapes and offsets
 _USER = "user."  # prefix of the caller's metadata keys in the file's metadata

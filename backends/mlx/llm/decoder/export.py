@@ -29,6 +29,8 @@ from backends.mlx.llm.decoder.tool_formats import check_format, detect_format
 from backends.mlx.llm.decoder.tokenizer_files import as_tokenizer, prompt_affixes, tokenizer_blobs
 from backends.mlx.llm.sampler.export import knob_examples
 from backends.mlx.llm.decoder.kv_cache import StaticCacheLM
+from backends.mlx.llm.decoder.kv_quant import kv_quant
+from backends.mlx.llm.decoder.kv_reference import KvCacheReference
 from backends.mlx.llm.decoder.model_support import float_dtype
 from backends.mlx.llm.decoder.pipelined import FedBackSteps
 from backends.mlx.llm.decoder.pipelined_verify import DeliveredOrFedBack
@@ -55,7 +57,7 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
                    progress: Optional[Callable[[str], None]] = None, external_weights: bool = False,
                    pipelined: bool | None = None, verify: bool = True, draft_tokens: int = 0,
                    propose_tokens: int = 0, tool_call_format: str | None = None,
-                   qmm_activations: str = "int16") -> ExportResult:
+                   qmm_activations: str = "int16", kv_bits: int = 0, kv_group_size: int = 64) -> ExportResult:
     """Write `out` (.pte) holding the program, its DecoderMeta and, given one (a transformers tokenizer or
     a directory holding one), the tokenizer: the one file is all a decode loop needs. `external_weights`:
     the weights go to `out` with suffix .ptd instead (the runners load it from beside the .pte).
@@ -67,9 +69,12 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
     pipelined, its calls without drafts need not wait for their outputs (pipelined_verify.py).
     `propose_tokens` K > 1: a draft model's program returning K tokens per call (proposer.py).
     `tool_call_format`: the call syntax of tool calls (tool_formats.py; default: detected from the chat template).
-    `qmm_activations`: export_to_pte's (int16, int8 or float32 activations in the CPU's quantized products)."""
+    `qmm_activations`: export_to_pte's (int16, int8 or float32 activations in the CPU's quantized products).
+    `kv_bits` 4 or 8: the KV cache stored MLX-affine quantized in groups of `kv_group_size` (kv_quant.py);
+    the check then runs against the eager model over the same quantized cache (kv_reference.py)."""
     if tool_call_format:
         check_format(tool_call_format)  # before the export's minutes
+    kv_quant(kv_bits, kv_group_size)  # 4 or 8 bits only in a program (2 is the eager reference's control)
     config = config or SamplerConfig()
     if config.expose_counts:
         raise ValueError("expose_counts is for sampler tests, not decoder programs")
@@ -93,7 +98,8 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
     if draft_tokens >= max_seq_len:
         raise ValueError(f"--draft-tokens {draft_tokens} must be below max_seq_len {max_seq_len}")
     model = model.eval()
-    lm = StaticCacheLM(model, max_seq_len=max_seq_len, batch=batch, rings=not (draft_tokens or propose_tokens))
+    lm = StaticCacheLM(model, max_seq_len=max_seq_len, batch=batch, rings=not (draft_tokens or propose_tokens),
+                       kv_bits=kv_bits, kv_group_size=kv_group_size)
     vocab = model.config.vocab_size
     if pipelined is None:
         pipelined = not config.allowed_mask
@@ -138,6 +144,8 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
                              prompt_affixes=prompt_affixes(tokenizer) if tokenizer is not None else ([], []),
                              pipelined=pipelined, draft_tokens=draft_tokens, propose_tokens=propose_tokens,
                              ring_cache=any(lm.ring_window(i) is not None for i in lm.layers))
+    if kv_bits:
+        meta.kv_bits, meta.kv_group_size = kv_bits, kv_group_size
     # the tool-call syntax: given, else the one the chat template teaches (tool_formats.detect_format)
     meta.tool_call_format = (tool_call_format if tool_call_format else
                              detect_format(getattr(tokenizer, "chat_template", None)) if tokenizer is not None else "")
@@ -153,7 +161,8 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
     if verify:
         say = progress or (lambda _stage: None)
         say("verifying the program against the eager model")
-        say(_verified(model, Path(out), external_weights, draft_tokens, propose_tokens).summary())
+        reference = KvCacheReference(model, kv_bits, kv_group_size) if kv_bits else model
+        say(_verified(reference, Path(out), external_weights, draft_tokens, propose_tokens).summary())
     return result
 
 

@@ -36,14 +36,17 @@ def export_checkpoint(model: str | Path, out: str | Path | None = None, *, revis
                       seeded: bool = True, pipelined: bool | None = None, verify: bool = True,
                       draft_tokens: int = 0, propose_tokens: int = 0, external_weights: bool = False,
                       progress: Optional[Callable[[str], None]] = None, adapter: str | Path | None = None,
-                      tool_call_format: str | None = None, qmm_activations: str = "int16"):
+                      tool_call_format: str | None = None, qmm_activations: str = "int16", kv_bits: int = 0,
+                      kv_group_size: int = 64):
     """Export the causal LM at `model` (a local directory or a Hugging Face repo id) to `out` (default:
     NAME.pte in the current directory), which holds the program when this returns its ExportResult.
     `adapter`: a LoRA adapter directory (mlx-lm's or PEFT's) fused into the weights (llm/lora/).
     `tool_call_format`: the tool-call syntax stored in the program (default: detected from the chat template;
     llm/decoder/tool_formats.py).
     `qmm_activations`: int16 (default), int8 or float32 activations in the CPU's quantized products, recorded in
-    the program (exporter/export.py)."""
+    the program (exporter/export.py).
+    `kv_bits` 8 or 4: the KV cache stored MLX-affine quantized, `kv_group_size` values per scale and bias
+    (llm/decoder/kv_quant.py); 0: float."""
     from backends.mlx.llm.checkpoint_source import check_weight_files, default_pte_name, resolve_checkpoint
 
     say = progress or (lambda stage: None)
@@ -52,6 +55,9 @@ def export_checkpoint(model: str | Path, out: str | Path | None = None, *, revis
     if quantize is not None and quantize not in SCHEMES:
         raise ValueError(f"quantize must be one of {', '.join(SCHEMES)}, got {quantize!r}")
     config = sampler_config(sampler, logprobs, logprobs_mode)
+    from backends.mlx.llm.decoder.kv_quant import kv_quant
+
+    kv_quant(kv_bits, kv_group_size)  # before the checkpoint loads
     if draft_tokens < 0:
         raise ValueError(f"draft_tokens must be >= 0, got {draft_tokens}")
     if propose_tokens < 0:
@@ -88,7 +94,7 @@ def export_checkpoint(model: str | Path, out: str | Path | None = None, *, revis
                             tokenizer=tokenizer, progress=say, external_weights=external_weights,
                             pipelined=pipelined, verify=verify, draft_tokens=draft_tokens,
                             propose_tokens=propose_tokens, tool_call_format=tool_call_format,
-                            qmm_activations=qmm_activations)
+                            qmm_activations=qmm_activations, kv_bits=kv_bits, kv_group_size=kv_group_size)
     say("done")
     return result
 

@@ -31,6 +31,7 @@ from torch import nn
 from backends.mlx.llm import experts
 from backends.mlx.llm.decoder import attention
 from backends.mlx.llm.decoder.attention import ForwardState, ProgramCache
+from backends.mlx.llm.decoder.kv_quant import check_head_dim, kv_quant
 from backends.mlx.llm.decoder.model_support import check_layer_windows, check_model, float_dtype, position_limit
 
 
@@ -73,12 +74,16 @@ def _last_positions(_module, _args, output):
 
 
 class StaticCacheLM(nn.Module):
-    def __init__(self, model: nn.Module, max_seq_len: int, batch: int = 1, rings: bool = True):
+    def __init__(self, model: nn.Module, max_seq_len: int, batch: int = 1, rings: bool = True, kv_bits: int = 0,
+                 kv_group_size: int = 64):
         """`rings=False` keeps every layer's cache full-length (a sliding window is then only a mask): a
         program that writes positions it may later reject (speculative verification) needs that, since a ring
-        slot written for a rejected position has lost the older position it held."""
+        slot written for a rejected position has lost the older position it held.
+        `kv_bits` 4 or 8: the keys and values are stored MLX-affine quantized in groups of `kv_group_size`
+        (kv_quant.py); 0 keeps them in the model's float dtype."""
         super().__init__()
         self.rings = rings
+        self.kv_quant = kv_quant(kv_bits, kv_group_size, reference=True)
         check_model(model)
         if not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool) or max_seq_len < 1:
             raise ValueError(f"max_seq_len must be a positive int, got {max_seq_len!r}")
@@ -106,13 +111,24 @@ class StaticCacheLM(nn.Module):
         self.uses_attention_interface = attended.pop()
         if self.uses_attention_interface:
             check_layer_windows(model.config, {i: shape.window for i, shape in self.layers.items()})
+        if self.kv_quant is not None:
+            self._check_quantizable()
         for i, shape in sorted(self.layers.items()):
             # A sliding-window layer narrower than the cache keeps a ring of `window` slots (attention.py).
             slots = self.ring_window(i) or max_seq_len
-            self.register_buffer(f"k_cache_{i}", torch.zeros(batch, shape.kv_heads, slots, shape.key_dim,
-                                                             dtype=shape.dtype))
-            self.register_buffer(f"v_cache_{i}", torch.zeros(batch, shape.kv_heads, slots, shape.value_dim,
-                                                             dtype=shape.dtype))
+            for name, dim in (("k", shape.key_dim), ("v", shape.value_dim)):
+                if self.kv_quant is None:
+                    self.register_buffer(f"{name}_cache_{i}", torch.zeros(batch, shape.kv_heads, slots, dim,
+                                                                          dtype=shape.dtype))
+                    continue
+                # The packed integers, then one scale and one bias per group (kv_quant.py), each [B, Hkv, S, .]:
+                # the positions on axis 2, as the host's state access and the prompt cache file expect.
+                q = self.kv_quant
+                self.register_buffer(f"{name}_cache_{i}", torch.zeros(batch, shape.kv_heads, slots,
+                                                                      q.packed_dim(dim), dtype=torch.uint8))
+                for part in ("scales", "biases"):
+                    self.register_buffer(f"{name}_{part}_{i}", torch.zeros(batch, shape.kv_heads, slots,
+                                                                           q.groups(dim), dtype=shape.dtype))
 
     def _probe(self) -> dict:
         """One eager token through the model records each layer's key/value shape and sliding window."""
@@ -135,8 +151,33 @@ class StaticCacheLM(nn.Module):
             return None
         return layer.window
 
+    def _check_quantizable(self) -> None:
+        """One-line refusals of what the quantized cache does not run."""
+        name = type(self.model).__name__
+        if not self.uses_attention_interface:
+            raise ValueError(f"{name} attends with its own code over the returned cache: --kv-bits needs "
+                             "etmlx's attention (a model on transformers' attention interface)")
+        for i, shape in sorted(self.layers.items()):
+            if not shape.attends_cache:
+                raise ValueError(f"{name} computes its attention's keys and values from what it caches (layer {i}; "
+                                 "multi-head latent attention): --kv-bits does not support it")
+            if shape.softcap is not None:
+                raise ValueError(f"{name} soft-caps its attention scores (layer {i}): --kv-bits does not "
+                                 "support soft-capped attention")
+            check_head_dim(self.kv_quant, shape.key_dim, "key")
+            check_head_dim(self.kv_quant, shape.value_dim, "value")
+
     def layer_cache(self, i: int):
-        return getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")
+        """Layer i's (keys, values): each a float buffer, or with --kv-bits a (packed, scales, biases) triple."""
+        if self.kv_quant is None:
+            return getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")
+        return tuple(tuple(getattr(self, f"{name}_{part}_{i}") for part in ("cache", "scales", "biases"))
+                     for name in ("k", "v"))
+
+    def cache_bytes(self) -> int:
+        """The bytes of every layer's KV cache buffers (what the program holds for its cache)."""
+        return sum(b.numel() * b.element_size() for n, b in self.named_buffers()
+                   if n.startswith(("k_", "v_")) and n.rsplit("_", 1)[-1].isdigit())
 
     def _run(self, tokens, state: ForwardState):
         cache = ProgramCache(self, state)

@@ -200,6 +200,10 @@ class DecoderMeta:
     # from the chat template at export or given with --tool-call-format. "": exported before the field (the
     # server detects it from the template then).
     tool_call_format: str = ""
+    # The KV cache's quantization (--kv-bits, llm/decoder/kv_quant.py): 4 or 8 bits, kv_group_size values of the
+    # head dimension per scale and bias; 0: a float cache in `dtype`.
+    kv_bits: int = 0
+    kv_group_size: int = 0
 
     @classmethod
     def build(cls, *, max_seq_len, vocab_size, batch, eos_token_ids, seeded, config: SamplerConfig, dtype,
@@ -253,6 +257,9 @@ class DecoderMeta:
         for name in ("draft_tokens", "propose_tokens"):
             if getattr(meta, name) < 0:
                 raise ValueError(f"{where}: {name} must be an int >= 0, got {getattr(meta, name)!r}")
+        if meta.kv_bits not in (0, 4, 8) or (meta.kv_bits and meta.kv_group_size not in (32, 64, 128)):
+            raise ValueError(f"{where}: kv_bits {meta.kv_bits!r} / kv_group_size {meta.kv_group_size!r} are not a "
+                             "KV cache setting (0, or 4 or 8 bits in groups of 32, 64 or 128)")
         if meta.verify_min_width not in (1, 2):
             raise ValueError(f"{where}: verify_min_width must be 1 or 2, got {meta.verify_min_width!r}")
         return meta

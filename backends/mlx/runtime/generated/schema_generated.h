@@ -152,6 +152,9 @@ struct GatherMmNodeBuilder;
 struct GatherQmmNode;
 struct GatherQmmNodeBuilder;
 
+struct QuantizedSdpaNode;
+struct QuantizedSdpaNodeBuilder;
+
 struct Instruction;
 struct InstructionBuilder;
 
@@ -598,11 +601,12 @@ enum class Node : uint8_t {
   GatherQmmNode = 40,
   ConvNode = 41,
   PadNode = 42,
+  QuantizedSdpaNode = 43,
   MIN = NONE,
-  MAX = PadNode
+  MAX = QuantizedSdpaNode
 };
 
-inline const Node (&EnumValuesNode())[43] {
+inline const Node (&EnumValuesNode())[44] {
   static const Node values[] = {
     Node::NONE,
     Node::UnaryNode,
@@ -646,13 +650,14 @@ inline const Node (&EnumValuesNode())[43] {
     Node::GatherMmNode,
     Node::GatherQmmNode,
     Node::ConvNode,
-    Node::PadNode
+    Node::PadNode,
+    Node::QuantizedSdpaNode
   };
   return values;
 }
 
 inline const char * const *EnumNamesNode() {
-  static const char * const names[44] = {
+  static const char * const names[45] = {
     "NONE",
     "UnaryNode",
     "BinaryNode",
@@ -696,13 +701,14 @@ inline const char * const *EnumNamesNode() {
     "GatherQmmNode",
     "ConvNode",
     "PadNode",
+    "QuantizedSdpaNode",
     nullptr
   };
   return names;
 }
 
 inline const char *EnumNameNode(Node e) {
-  if (::flatbuffers::IsOutRange(e, Node::NONE, Node::PadNode)) return "";
+  if (::flatbuffers::IsOutRange(e, Node::NONE, Node::QuantizedSdpaNode)) return "";
   const size_t index = static_cast<size_t>(e);
   return EnumNamesNode()[index];
 }
@@ -877,6 +883,10 @@ template<> struct NodeTraits<backends::mlx::serialization::generated::fb::ConvNo
 
 template<> struct NodeTraits<backends::mlx::serialization::generated::fb::PadNode> {
   static const Node enum_value = Node::PadNode;
+};
+
+template<> struct NodeTraits<backends::mlx::serialization::generated::fb::QuantizedSdpaNode> {
+  static const Node enum_value = Node::QuantizedSdpaNode;
 };
 
 template <bool B = false>
@@ -4652,6 +4662,206 @@ inline ::flatbuffers::Offset<GatherQmmNode> CreateGatherQmmNode(
   return builder_.Finish();
 }
 
+struct QuantizedSdpaNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef QuantizedSdpaNodeBuilder Builder;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_Q = 4,
+    VT_K = 6,
+    VT_K_SCALES = 8,
+    VT_K_BIASES = 10,
+    VT_V = 12,
+    VT_V_SCALES = 14,
+    VT_V_BIASES = 16,
+    VT_MASK = 18,
+    VT_SCALE = 20,
+    VT_GROUP_SIZE = 22,
+    VT_BITS = 24,
+    VT_OUT = 26,
+    VT_WINDOW = 28,
+    VT_WINDOW_BASE = 30,
+    VT_WINDOW_SHIFT = 32,
+    VT_WINDOW_PER_QUERY = 34
+  };
+  const backends::mlx::serialization::generated::fb::Tid *q() const {
+    return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_Q);
+  }
+  const backends::mlx::serialization::generated::fb::Tid *k() const {
+    return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_K);
+  }
+  const backends::mlx::serialization::generated::fb::Tid *k_scales() const {
+    return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_K_SCALES);
+  }
+  const backends::mlx::serialization::generated::fb::Tid *k_biases() const {
+    return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_K_BIASES);
+  }
+  const backends::mlx::serialization::generated::fb::Tid *v() const {
+    return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_V);
+  }
+  const backends::mlx::serialization::generated::fb::Tid *v_scales() const {
+    return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_V_SCALES);
+  }
+  const backends::mlx::serialization::generated::fb::Tid *v_biases() const {
+    return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_V_BIASES);
+  }
+  const backends::mlx::serialization::generated::fb::Tid *mask() const {
+    return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_MASK);
+  }
+  float scale() const {
+    return GetField<float>(VT_SCALE, 0.0f);
+  }
+  int32_t group_size() const {
+    return GetField<int32_t>(VT_GROUP_SIZE, 64);
+  }
+  int32_t bits() const {
+    return GetField<int32_t>(VT_BITS, 4);
+  }
+  const backends::mlx::serialization::generated::fb::Tid *out() const {
+    return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_OUT);
+  }
+  bool window() const {
+    return GetField<uint8_t>(VT_WINDOW, 0) != 0;
+  }
+  const backends::mlx::serialization::generated::fb::Tid *window_base() const {
+    return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_WINDOW_BASE);
+  }
+  int64_t window_shift() const {
+    return GetField<int64_t>(VT_WINDOW_SHIFT, 0);
+  }
+  bool window_per_query() const {
+    return GetField<uint8_t>(VT_WINDOW_PER_QUERY, 0) != 0;
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_Q, 4) &&
+           VerifyFieldRequired<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_K, 4) &&
+           VerifyFieldRequired<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_K_SCALES, 4) &&
+           VerifyFieldRequired<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_K_BIASES, 4) &&
+           VerifyFieldRequired<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_V, 4) &&
+           VerifyFieldRequired<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_V_SCALES, 4) &&
+           VerifyFieldRequired<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_V_BIASES, 4) &&
+           VerifyField<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_MASK, 4) &&
+           VerifyField<float>(verifier, VT_SCALE, 4) &&
+           VerifyField<int32_t>(verifier, VT_GROUP_SIZE, 4) &&
+           VerifyField<int32_t>(verifier, VT_BITS, 4) &&
+           VerifyFieldRequired<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_OUT, 4) &&
+           VerifyField<uint8_t>(verifier, VT_WINDOW, 1) &&
+           VerifyField<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_WINDOW_BASE, 4) &&
+           VerifyField<int64_t>(verifier, VT_WINDOW_SHIFT, 8) &&
+           VerifyField<uint8_t>(verifier, VT_WINDOW_PER_QUERY, 1) &&
+           verifier.EndTable();
+  }
+};
+
+struct QuantizedSdpaNodeBuilder {
+  typedef QuantizedSdpaNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_q(const backends::mlx::serialization::generated::fb::Tid *q) {
+    fbb_.AddStruct(QuantizedSdpaNode::VT_Q, q);
+  }
+  void add_k(const backends::mlx::serialization::generated::fb::Tid *k) {
+    fbb_.AddStruct(QuantizedSdpaNode::VT_K, k);
+  }
+  void add_k_scales(const backends::mlx::serialization::generated::fb::Tid *k_scales) {
+    fbb_.AddStruct(QuantizedSdpaNode::VT_K_SCALES, k_scales);
+  }
+  void add_k_biases(const backends::mlx::serialization::generated::fb::Tid *k_biases) {
+    fbb_.AddStruct(QuantizedSdpaNode::VT_K_BIASES, k_biases);
+  }
+  void add_v(const backends::mlx::serialization::generated::fb::Tid *v) {
+    fbb_.AddStruct(QuantizedSdpaNode::VT_V, v);
+  }
+  void add_v_scales(const backends::mlx::serialization::generated::fb::Tid *v_scales) {
+    fbb_.AddStruct(QuantizedSdpaNode::VT_V_SCALES, v_scales);
+  }
+  void add_v_biases(const backends::mlx::serialization::generated::fb::Tid *v_biases) {
+    fbb_.AddStruct(QuantizedSdpaNode::VT_V_BIASES, v_biases);
+  }
+  void add_mask(const backends::mlx::serialization::generated::fb::Tid *mask) {
+    fbb_.AddStruct(QuantizedSdpaNode::VT_MASK, mask);
+  }
+  void add_scale(float scale) {
+    fbb_.AddElement<float>(QuantizedSdpaNode::VT_SCALE, scale, 0.0f);
+  }
+  void add_group_size(int32_t group_size) {
+    fbb_.AddElement<int32_t>(QuantizedSdpaNode::VT_GROUP_SIZE, group_size, 64);
+  }
+  void add_bits(int32_t bits) {
+    fbb_.AddElement<int32_t>(QuantizedSdpaNode::VT_BITS, bits, 4);
+  }
+  void add_out(const backends::mlx::serialization::generated::fb::Tid *out) {
+    fbb_.AddStruct(QuantizedSdpaNode::VT_OUT, out);
+  }
+  void add_window(bool window) {
+    fbb_.AddElement<uint8_t>(QuantizedSdpaNode::VT_WINDOW, static_cast<uint8_t>(window), 0);
+  }
+  void add_window_base(const backends::mlx::serialization::generated::fb::Tid *window_base) {
+    fbb_.AddStruct(QuantizedSdpaNode::VT_WINDOW_BASE, window_base);
+  }
+  void add_window_shift(int64_t window_shift) {
+    fbb_.AddElement<int64_t>(QuantizedSdpaNode::VT_WINDOW_SHIFT, window_shift, 0);
+  }
+  void add_window_per_query(bool window_per_query) {
+    fbb_.AddElement<uint8_t>(QuantizedSdpaNode::VT_WINDOW_PER_QUERY, static_cast<uint8_t>(window_per_query), 0);
+  }
+  explicit QuantizedSdpaNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<QuantizedSdpaNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<QuantizedSdpaNode>(end);
+    fbb_.Required(o, QuantizedSdpaNode::VT_Q);
+    fbb_.Required(o, QuantizedSdpaNode::VT_K);
+    fbb_.Required(o, QuantizedSdpaNode::VT_K_SCALES);
+    fbb_.Required(o, QuantizedSdpaNode::VT_K_BIASES);
+    fbb_.Required(o, QuantizedSdpaNode::VT_V);
+    fbb_.Required(o, QuantizedSdpaNode::VT_V_SCALES);
+    fbb_.Required(o, QuantizedSdpaNode::VT_V_BIASES);
+    fbb_.Required(o, QuantizedSdpaNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<QuantizedSdpaNode> CreateQuantizedSdpaNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const backends::mlx::serialization::generated::fb::Tid *q = nullptr,
+    const backends::mlx::serialization::generated::fb::Tid *k = nullptr,
+    const backends::mlx::serialization::generated::fb::Tid *k_scales = nullptr,
+    const backends::mlx::serialization::generated::fb::Tid *k_biases = nullptr,
+    const backends::mlx::serialization::generated::fb::Tid *v = nullptr,
+    const backends::mlx::serialization::generated::fb::Tid *v_scales = nullptr,
+    const backends::mlx::serialization::generated::fb::Tid *v_biases = nullptr,
+    const backends::mlx::serialization::generated::fb::Tid *mask = nullptr,
+    float scale = 0.0f,
+    int32_t group_size = 64,
+    int32_t bits = 4,
+    const backends::mlx::serialization::generated::fb::Tid *out = nullptr,
+    bool window = false,
+    const backends::mlx::serialization::generated::fb::Tid *window_base = nullptr,
+    int64_t window_shift = 0,
+    bool window_per_query = false) {
+  QuantizedSdpaNodeBuilder builder_(_fbb);
+  builder_.add_window_shift(window_shift);
+  builder_.add_window_base(window_base);
+  builder_.add_out(out);
+  builder_.add_bits(bits);
+  builder_.add_group_size(group_size);
+  builder_.add_scale(scale);
+  builder_.add_mask(mask);
+  builder_.add_v_biases(v_biases);
+  builder_.add_v_scales(v_scales);
+  builder_.add_v(v);
+  builder_.add_k_biases(k_biases);
+  builder_.add_k_scales(k_scales);
+  builder_.add_k(k);
+  builder_.add_q(q);
+  builder_.add_window_per_query(window_per_query);
+  builder_.add_window(window);
+  return builder_.Finish();
+}
+
 struct Instruction FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef InstructionBuilder Builder;
   enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
@@ -4790,6 +5000,9 @@ struct Instruction FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   }
   const backends::mlx::serialization::generated::fb::PadNode *node_as_PadNode() const {
     return node_type() == backends::mlx::serialization::generated::fb::Node::PadNode ? static_cast<const backends::mlx::serialization::generated::fb::PadNode *>(node()) : nullptr;
+  }
+  const backends::mlx::serialization::generated::fb::QuantizedSdpaNode *node_as_QuantizedSdpaNode() const {
+    return node_type() == backends::mlx::serialization::generated::fb::Node::QuantizedSdpaNode ? static_cast<const backends::mlx::serialization::generated::fb::QuantizedSdpaNode *>(node()) : nullptr;
   }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
@@ -4967,6 +5180,10 @@ template<> inline const backends::mlx::serialization::generated::fb::ConvNode *I
 
 template<> inline const backends::mlx::serialization::generated::fb::PadNode *Instruction::node_as<backends::mlx::serialization::generated::fb::PadNode>() const {
   return node_as_PadNode();
+}
+
+template<> inline const backends::mlx::serialization::generated::fb::QuantizedSdpaNode *Instruction::node_as<backends::mlx::serialization::generated::fb::QuantizedSdpaNode>() const {
+  return node_as_QuantizedSdpaNode();
 }
 
 struct InstructionBuilder {
@@ -5674,6 +5891,10 @@ inline bool VerifyNode(::flatbuffers::VerifierTemplate<B> &verifier, const void 
     }
     case Node::PadNode: {
       auto ptr = reinterpret_cast<const backends::mlx::serialization::generated::fb::PadNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Node::QuantizedSdpaNode: {
+      auto ptr = reinterpret_cast<const backends::mlx::serialization::generated::fb::QuantizedSdpaNode *>(obj);
       return verifier.VerifyTable(ptr);
     }
     default: return true;

@@ -46,6 +46,7 @@ class Node(object):
     GatherQmmNode = 40
     ConvNode = 41
     PadNode = 42
+    QuantizedSdpaNode = 43
 
 def NodeCreator(unionType, table):
     from flatbuffers.table import Table
@@ -177,4 +178,7 @@ def NodeCreator(unionType, table):
     if unionType == Node.PadNode:
         import backends.mlx.serialization.generated.fb.PadNode
         return backends.mlx.serialization.generated.fb.PadNode.PadNodeT.InitFromBuf(table.Bytes, table.Pos)
+    if unionType == Node.QuantizedSdpaNode:
+        import backends.mlx.serialization.generated.fb.QuantizedSdpaNode
+        return backends.mlx.serialization.generated.fb.QuantizedSdpaNode.QuantizedSdpaNodeT.InitFromBuf(table.Bytes, table.Pos)
     return None
