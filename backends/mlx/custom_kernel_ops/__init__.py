@@ -1,3 +1,3 @@
 """torch custom ops that the etmlx delegate lowers (importing registers them)."""
 
-from backends.mlx.custom_kernel_ops import allowed_mask, experts, filter_threshold, quantized, sample  # noqa: F401
+from backends.mlx.custom_kernel_ops import allowed_mask, collectives, experts, filter_threshold, quantized, sample  # noqa: F401

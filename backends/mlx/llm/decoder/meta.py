@@ -200,6 +200,10 @@ class DecoderMeta:
     # from the chat template at export or given with --tool-call-format. "": exported before the field (the
     # server detects it from the template then).
     tool_call_format: str = ""
+    # A tensor-parallel program (--tensor-parallel N, llm/distributed/): N files, one per rank, and this is rank
+    # `rank`'s; every rank runs the same steps (docs/distributed.md). 1: a plain program.
+    ranks: int = 1
+    rank: int = 0
 
     @classmethod
     def build(cls, *, max_seq_len, vocab_size, batch, eos_token_ids, seeded, config: SamplerConfig, dtype,

@@ -471,7 +471,9 @@ struct DecoderMeta FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
     VT_RING_CACHE = 38,
     VT_VERIFY_MIN_WIDTH = 40,
     VT_PROPOSE_TOKENS = 42,
-    VT_TOOL_CALL_FORMAT = 44
+    VT_TOOL_CALL_FORMAT = 44,
+    VT_RANKS = 46,
+    VT_RANK = 48
   };
   int64_t max_seq_len() const {
     return GetField<int64_t>(VT_MAX_SEQ_LEN, 0);
@@ -536,6 +538,12 @@ struct DecoderMeta FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   const ::flatbuffers::String *tool_call_format() const {
     return GetPointer<const ::flatbuffers::String *>(VT_TOOL_CALL_FORMAT);
   }
+  int64_t ranks() const {
+    return GetField<int64_t>(VT_RANKS, 1LL);
+  }
+  int64_t rank() const {
+    return GetField<int64_t>(VT_RANK, 0);
+  }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
     return VerifyTableStart(verifier) &&
@@ -575,6 +583,8 @@ struct DecoderMeta FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
            VerifyField<int64_t>(verifier, VT_PROPOSE_TOKENS, 8) &&
            VerifyOffset(verifier, VT_TOOL_CALL_FORMAT) &&
            verifier.VerifyString(tool_call_format()) &&
+           VerifyField<int64_t>(verifier, VT_RANKS, 8) &&
+           VerifyField<int64_t>(verifier, VT_RANK, 8) &&
            verifier.EndTable();
   }
 };
@@ -646,6 +656,12 @@ struct DecoderMetaBuilder {
   void add_tool_call_format(::flatbuffers::Offset<::flatbuffers::String> tool_call_format) {
     fbb_.AddOffset(DecoderMeta::VT_TOOL_CALL_FORMAT, tool_call_format);
   }
+  void add_ranks(int64_t ranks) {
+    fbb_.AddElement<int64_t>(DecoderMeta::VT_RANKS, ranks, 1LL);
+  }
+  void add_rank(int64_t rank) {
+    fbb_.AddElement<int64_t>(DecoderMeta::VT_RANK, rank, 0);
+  }
   explicit DecoderMetaBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
         : fbb_(_fbb) {
     start_ = fbb_.StartTable();
@@ -680,8 +696,12 @@ inline ::flatbuffers::Offset<DecoderMeta> CreateDecoderMeta(
     ::flatbuffers::Optional<bool> ring_cache = ::flatbuffers::nullopt,
     int64_t verify_min_width = 0,
     int64_t propose_tokens = 0,
-    ::flatbuffers::Offset<::flatbuffers::String> tool_call_format = 0) {
+    ::flatbuffers::Offset<::flatbuffers::String> tool_call_format = 0,
+    int64_t ranks = 1LL,
+    int64_t rank = 0) {
   DecoderMetaBuilder builder_(_fbb);
+  builder_.add_rank(rank);
+  builder_.add_ranks(ranks);
   builder_.add_propose_tokens(propose_tokens);
   builder_.add_verify_min_width(verify_min_width);
   builder_.add_draft_tokens(draft_tokens);
@@ -728,7 +748,9 @@ inline ::flatbuffers::Offset<DecoderMeta> CreateDecoderMetaDirect(
     ::flatbuffers::Optional<bool> ring_cache = ::flatbuffers::nullopt,
     int64_t verify_min_width = 0,
     int64_t propose_tokens = 0,
-    const char *tool_call_format = nullptr) {
+    const char *tool_call_format = nullptr,
+    int64_t ranks = 1LL,
+    int64_t rank = 0) {
   auto eos_token_ids__ = eos_token_ids ? _fbb.CreateVector<int64_t>(*eos_token_ids) : 0;
   auto dtype__ = dtype ? _fbb.CreateString(dtype) : 0;
   auto model_type__ = model_type ? _fbb.CreateString(model_type) : 0;
@@ -762,7 +784,9 @@ inline ::flatbuffers::Offset<DecoderMeta> CreateDecoderMetaDirect(
       ring_cache,
       verify_min_width,
       propose_tokens,
-      tool_call_format__);
+      tool_call_format__,
+      ranks,
+      rank);
 }
 
 inline const backends::mlx::serialization::generated::fb::DecoderMeta *GetDecoderMeta(const void *buf) {

@@ -48,6 +48,8 @@ NODE_TAGS = {
     'GatherQmmNode': 40,
     'ConvNode': 41,
     'PadNode': 42,
+    'AllSumNode': 43,
+    'AllGatherNode': 44,
 }
 
 # union member name -> {field: schema type}, in declaration order
@@ -94,4 +96,6 @@ NODE_FIELDS = {
     'GatherQmmNode': {'x': 'Tid', 'w': 'Tid', 'scales': 'Tid', 'biases': 'Tid', 'indices': 'Tid', 'group_size': 'int', 'bits': 'int', 'out': 'Tid'},
     'ConvNode': {'x': 'Tid', 'w': 'Tid', 'stride': '[int]', 'padding_lo': '[int]', 'padding_hi': '[int]', 'kernel_dilation': '[int]', 'input_dilation': '[int]', 'groups': 'int', 'flip': 'bool', 'out': 'Tid'},
     'PadNode': {'x': 'Tid', 'axes': '[int]', 'low': '[int]', 'high': '[int]', 'value': 'double', 'out': 'Tid'},
+    'AllSumNode': {'x': 'Tid', 'out': 'Tid'},
+    'AllGatherNode': {'x': 'Tid', 'out': 'Tid'},
 }

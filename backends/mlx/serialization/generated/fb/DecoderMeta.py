@@ -283,8 +283,22 @@ class DecoderMeta(object):
             return self._tab.String(o + self._tab.Pos)
         return None
 
+    # DecoderMeta
+    def Ranks(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(46))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int64Flags, o + self._tab.Pos)
+        return 1
+
+    # DecoderMeta
+    def Rank(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(48))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int64Flags, o + self._tab.Pos)
+        return 0
+
 def DecoderMetaStart(builder):
-    builder.StartObject(21)
+    builder.StartObject(23)
 
 def Start(builder):
     DecoderMetaStart(builder)
@@ -451,6 +465,18 @@ def DecoderMetaAddToolCallFormat(builder, toolCallFormat):
 def AddToolCallFormat(builder, toolCallFormat):
     DecoderMetaAddToolCallFormat(builder, toolCallFormat)
 
+def DecoderMetaAddRanks(builder, ranks):
+    builder.PrependInt64Slot(21, ranks, 1)
+
+def AddRanks(builder, ranks):
+    DecoderMetaAddRanks(builder, ranks)
+
+def DecoderMetaAddRank(builder, rank):
+    builder.PrependInt64Slot(22, rank, 0)
+
+def AddRank(builder, rank):
+    DecoderMetaAddRank(builder, rank)
+
 def DecoderMetaEnd(builder):
     return builder.EndObject()
 
@@ -490,6 +516,8 @@ class DecoderMetaT(object):
         verifyMinWidth = 0,
         proposeTokens = 0,
         toolCallFormat = None,
+        ranks = 1,
+        rank = 0,
     ):
         self.maxSeqLen = maxSeqLen  # type: int
         self.vocabSize = vocabSize  # type: int
@@ -512,6 +540,8 @@ class DecoderMetaT(object):
         self.verifyMinWidth = verifyMinWidth  # type: int
         self.proposeTokens = proposeTokens  # type: int
         self.toolCallFormat = toolCallFormat  # type: Optional[str]
+        self.ranks = ranks  # type: int
+        self.rank = rank  # type: int
 
     @classmethod
     def InitFromBuf(cls, buf, pos):
@@ -587,6 +617,8 @@ class DecoderMetaT(object):
         self.verifyMinWidth = decoderMeta.VerifyMinWidth()
         self.proposeTokens = decoderMeta.ProposeTokens()
         self.toolCallFormat = decoderMeta.ToolCallFormat()
+        self.ranks = decoderMeta.Ranks()
+        self.rank = decoderMeta.Rank()
 
     # DecoderMetaT
     def Pack(self, builder):
@@ -684,5 +716,7 @@ class DecoderMetaT(object):
         DecoderMetaAddProposeTokens(builder, self.proposeTokens)
         if self.toolCallFormat is not None:
             DecoderMetaAddToolCallFormat(builder, toolCallFormat)
+        DecoderMetaAddRanks(builder, self.ranks)
+        DecoderMetaAddRank(builder, self.rank)
         decoderMeta = DecoderMetaEnd(builder)
         return decoderMeta

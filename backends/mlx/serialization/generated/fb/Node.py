@@ -46,6 +46,8 @@ class Node(object):
     GatherQmmNode = 40
     ConvNode = 41
     PadNode = 42
+    AllSumNode = 43
+    AllGatherNode = 44
 
 def NodeCreator(unionType, table):
     from flatbuffers.table import Table
@@ -177,4 +179,10 @@ def NodeCreator(unionType, table):
     if unionType == Node.PadNode:
         import backends.mlx.serialization.generated.fb.PadNode
         return backends.mlx.serialization.generated.fb.PadNode.PadNodeT.InitFromBuf(table.Bytes, table.Pos)
+    if unionType == Node.AllSumNode:
+        import backends.mlx.serialization.generated.fb.AllSumNode
+        return backends.mlx.serialization.generated.fb.AllSumNode.AllSumNodeT.InitFromBuf(table.Bytes, table.Pos)
+    if unionType == Node.AllGatherNode:
+        import backends.mlx.serialization.generated.fb.AllGatherNode
+        return backends.mlx.serialization.generated.fb.AllGatherNode.AllGatherNodeT.InitFromBuf(table.Bytes, table.Pos)
     return None
