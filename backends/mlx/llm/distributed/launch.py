@@ -7,7 +7,7 @@ is the run's (it owns the terminal); the other ranks' stdout is dropped and thei
 rank reports "ready" and then every token it produced to its own file in a temporary directory
 (runtime/options.py RANK_LOG, written by RankProgress), which the launcher uses twice: as a heartbeat (no rank
 reporting anything for `timeout` seconds ends the run: a hung rank blocks the others in their next collective)
-and, at the end, to check that every rank produced the same tokens (the sampler runs on each rank from the same
+(until every rank is ready, LOAD_TIMEOUT_S, at least `timeout`) and, at the end, to check that every rank produced the same tokens (the sampler runs on each rank from the same
 logits and seed, so they must agree). A rank that exits with an error or dies ends the run at once: the others
 are killed and one line says which rank and why."""
 
@@ -27,6 +27,8 @@ from pathlib import Path
 from backends.mlx.runtime import options
 
 DEFAULT_TIMEOUT_S = 120.0
+# Until every rank has loaded its program (imports, weights, joining the group): loading is slower than a step.
+LOAD_TIMEOUT_S = 600.0
 POLL_S = 0.05
 
 
@@ -147,7 +149,8 @@ def _watch(procs: list, directory: Path, timeout: float) -> None:
     sizes, last = {}, time.monotonic()
     while True:
         codes = [proc.poll() for proc in procs]
-        for rank, code in enumerate(codes):
+        # A rank killed by a signal first: the ranks it leaves inside a collective may fail on their own after it.
+        for rank, code in sorted(enumerate(codes), key=lambda rc: (rc[1] or 0) >= 0):
             if code is not None and code != 0:
                 why = _last_line(directory / f"rank{rank}.stderr") if rank else ""
                 raise RankFailure(f"rank {rank} of {len(procs)} {_status(code)}"
@@ -159,8 +162,9 @@ def _watch(procs: list, directory: Path, timeout: float) -> None:
             size = path.stat().st_size
             if sizes.get(path) != size:
                 sizes[path], last = size, now
-        if now - last > timeout:
+        limit = timeout if len(sizes) == len(procs) else max(timeout, LOAD_TIMEOUT_S)
+        if now - last > limit:
             waiting = [str(r) for r, code in enumerate(codes) if code is None]
-            raise RankFailure(f"no rank made progress for {timeout:g} s (rank(s) {', '.join(waiting)} still "
+            raise RankFailure(f"no rank made progress for {limit:g} s (rank(s) {', '.join(waiting)} still "
                               "running: one hangs or waits for a rank that does); the run is ended")
         time.sleep(POLL_S)
