@@ -21,7 +21,8 @@ from backends.mlx.llm.decoder.loop import Decoder
 from backends.mlx.llm.decoder.tensor_parallel import export_tensor_parallel
 from backends.mlx.llm.distributed.launch import loopback_hostfile
 from backends.mlx.llm.distributed.rank_files import rank_file
-from backends.mlx.llm.distributed.shard import check_shardable
+from backends.mlx.llm.decoder.kv_cache import StaticCacheLM
+from backends.mlx.llm.distributed.shard import check_shardable, decoder_layers, sharded_paths
 from backends.mlx.llm.quantize.affine import quantize_model
 from backends.mlx.llm.sampler.params import SamplingParams
 from backends.mlx.runtime.load_errors import LoadError
@@ -41,12 +42,18 @@ def _model(family: str, quantized: bool):
 
     common = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=128, bos_token_id=None, eos_token_id=None)
+    configs = {
+        "llama": lambda: T.LlamaConfig(**common),
+        "qwen3": lambda: T.Qwen3Config(**common, head_dim=32),
+        "gemma3": lambda: T.Gemma3TextConfig(**common, head_dim=32, sliding_window=4, query_pre_attn_scalar=32,
+                                             layer_types=["sliding_attention", "full_attention"],
+                                             tie_word_embeddings=False),
+        # every layer's MLP an experts block: the experts stay whole on each rank, the attention is split
+        "qwen3moe": lambda: T.Qwen3MoeConfig(**common, head_dim=32, num_experts=4, num_experts_per_tok=2,
+                                             moe_intermediate_size=64),
+    }
     torch.manual_seed(3)
-    if family == "llama":
-        model = T.LlamaForCausalLM(T.LlamaConfig(**common))
-    else:
-        model = T.Qwen3ForCausalLM(T.Qwen3Config(**common, head_dim=32))
-    model = model.eval()
+    model = T.AutoModelForCausalLM.from_config(configs[family]()).eval()
     with torch.no_grad():  # flatter logits: seeded sampling then differs from greedy (checked)
         model.lm_head.weight.mul_(0.3)
     if quantized:
@@ -58,7 +65,7 @@ _BUILT: dict = {}
 
 
 def _programs(name: str, tmp_path_factory):
-    """(eager model, one-rank .pte, 2-rank .pte) for "llama", "llama-int8", "qwen3", "qwen3-int8", built once."""
+    """(eager model, one-rank .pte, 2-rank .pte) of a family (-int8: quantized to 8 bits first), built once."""
     if name not in _BUILT:
         family, _, scheme = name.partition("-")
         model = _model(family, scheme == "int8")
@@ -72,7 +79,7 @@ def _programs(name: str, tmp_path_factory):
     return _BUILT[name]
 
 
-@pytest.fixture(scope="module", params=["llama", "llama-int8", "qwen3", "qwen3-int8"])
+@pytest.fixture(scope="module", params=["llama", "llama-int8", "qwen3", "qwen3-int8", "gemma3", "qwen3moe"])
 def programs(request, tmp_path_factory):
     return _programs(request.param, tmp_path_factory)
 
@@ -157,15 +164,15 @@ def test_each_rank_holds_about_half_the_sharded_weights(programs, tmp_path):
     ranks = _rank_processes(LOAD, [rank_file(tp, 0), rank_file(tp, 1)], tmp_path)
     whole = int(alone[1].split()[-1])
     per_rank = [int(out.split()[-1]) for _, out, _ in ranks]
-    # Replicated on every rank: the embedding, the head and the norms; everything else (the layers' linears and
-    # their KV caches) is split in two.
-    replicated = _bytes([t for module in (model.get_input_embeddings(), model.lm_head)
-                         for t in list(module.parameters()) + list(module.buffers())]
-                        + [p for n, p in model.named_parameters() if "norm" in n])
-    expected = (replicated + (whole - replicated) / 2) / whole
+    # Split in two: the sharded linears (shard.py's paths) and the KV caches; the rest (embedding, head, norms,
+    # experts) is replicated on every rank.
+    sharded = sum(_bytes(list(layer.get_submodule(path).parameters()) + list(layer.get_submodule(path).buffers()))
+                  for layer in decoder_layers(model) for path in sum(sharded_paths(layer), ()))
+    caches = _bytes(StaticCacheLM(model, MAX_SEQ_LEN).buffers(recurse=False))  # the KV caches only
+    expected = (whole - (sharded + caches) / 2) / whole
     for got in per_rank:
-        assert abs(got / whole - expected) < 0.03, (got, whole, expected)
-    assert max(per_rank) / whole < 0.75
+        assert abs(got / whole - expected) < 0.02, (got, whole, expected)
+    assert sharded > whole / 4  # a model whose split is visible in the measurement
 
 
 def test_a_program_of_two_ranks_is_refused_by_a_group_of_one(llama):
@@ -240,3 +247,32 @@ def test_models_that_do_not_split_are_refused_by_name():
         check_shardable(gpt2, 2)
     with pytest.raises(ValueError, match="2 key/value heads do not split over 4 ranks"):
         check_shardable(_model("llama", False), 4)
+
+
+class _Collectives(torch.nn.Module):
+    """Rank r scales x by r + 1: all_gather stacks the ranks' values in rank order, all_sum adds them."""
+
+    def __init__(self, rank: int):
+        super().__init__()
+        self.scale = float(rank + 1)
+
+    def forward(self, x):
+        y = x * self.scale
+        return torch.ops.mlx.all_gather(y, 2), torch.ops.mlx.all_sum(y)
+
+
+def test_collective_nodes_run_over_the_group(tmp_path):
+    from backends.mlx.exporter.export import export_to_pte
+
+    x = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    files = []
+    for rank in range(2):
+        files.append(export_to_pte(_Collectives(rank), (x,), rank=(rank, 2, "collectives")).save(tmp_path / f"c{rank}.pte"))
+    code = ("import torch\nfrom backends.mlx.runtime.runner import run\n"
+            f"gathered, summed = run(path, [torch.arange(6, dtype=torch.float32).reshape(2, 3)])\n"
+            "print('OUT', gathered.flatten().tolist(), summed.flatten().tolist())")
+    results = _rank_processes(code, files, tmp_path / "hosts")
+    for code_, out, err in results:
+        assert code_ == 0, err
+        line = next(line for line in out.splitlines() if line.startswith("OUT"))
+        assert line == "OUT " + " ".join(map(str, [torch.cat([x, 2 * x]).flatten().tolist(), (3 * x).flatten().tolist()]))

@@ -10,8 +10,12 @@ step without exchanging tokens. Quantized layers (llm/quantize, also an mlx-lm c
 packed: rows for column sharding, whole groups of columns for row sharding, so each rank's weights are the
 one-rank program's bytes, cut.
 
-Families: those whose decoder layers are transformers' Llama layout (self_attn.{q,k,v,o}_proj,
-mlp.{gate,up,down}_proj), checked by name in FAMILIES; others are refused by name."""
+A mixture-of-experts layer (Qwen3-MoE) keeps its router and experts whole on every rank (experts replicated, not
+expert-parallel): only its attention is split, and every rank computes the same expert outputs from the same
+all-summed hidden state. Its weights then shrink by the attention's share only.
+
+Families: those whose decoder layers are transformers' Llama layout (self_attn.{q,k,v,o}_proj, and
+mlp.{gate,up,down}_proj or an experts block), checked by name in FAMILIES; others are refused by name."""
 
 from __future__ import annotations
 
@@ -24,9 +28,25 @@ import backends.mlx.custom_kernel_ops  # noqa: F401  (registers mlx::all_sum)
 from backends.mlx.llm.quantize.modules import QuantizedLinear
 
 # model_type -> tested with token equality against the one-rank program (tests/test_distributed.py).
-FAMILIES = ("llama", "qwen3")
-COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
-ROW = ("self_attn.o_proj", "mlp.down_proj")
+FAMILIES = ("llama", "qwen3", "gemma3_text", "qwen3_moe")
+ATTENTION_COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+ATTENTION_ROW = ("self_attn.o_proj",)
+MLP_COLUMN = ("mlp.gate_proj", "mlp.up_proj")
+MLP_ROW = ("mlp.down_proj",)
+
+
+def _dense_mlp(layer: nn.Module) -> bool:
+    """Whether the layer's MLP is a gated dense one (else an experts block, replicated)."""
+    mlp = getattr(layer, "mlp", None)
+    return all(isinstance(getattr(mlp, name, None), (nn.Linear, QuantizedLinear))
+               for name in ("gate_proj", "up_proj", "down_proj"))
+
+
+def sharded_paths(layer: nn.Module) -> tuple[tuple, tuple]:
+    """(column-sharded, row-sharded) submodule paths of a decoder layer."""
+    if _dense_mlp(layer):
+        return ATTENTION_COLUMN + MLP_COLUMN, ATTENTION_ROW + MLP_ROW
+    return ATTENTION_COLUMN, ATTENTION_ROW
 
 
 class AllSumLinear(nn.Module):
@@ -42,7 +62,7 @@ class AllSumLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def _layers(model: nn.Module) -> nn.ModuleList:
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
     base = getattr(model, model.base_model_prefix, None)
     layers = getattr(base, "layers", None)
     if not isinstance(layers, nn.ModuleList):
@@ -59,13 +79,16 @@ def check_shardable(model: nn.Module, ranks: int) -> None:
     if family not in FAMILIES:
         raise ValueError(f"tensor_parallel: {family or type(model).__name__} models are not sharded yet "
                          f"(sharded: {', '.join(FAMILIES)})")
-    for name, count in (("attention heads", config.num_attention_heads),
-                        ("key/value heads", getattr(config, "num_key_value_heads", None) or config.num_attention_heads),
-                        ("MLP width", config.intermediate_size)):
+    layers = decoder_layers(model)
+    counts = [("attention heads", config.num_attention_heads),
+              ("key/value heads", getattr(config, "num_key_value_heads", None) or config.num_attention_heads)]
+    counts += [("MLP width", width) for width in sorted({layer.mlp.gate_proj.weight.shape[0] for layer in layers
+                                                          if _dense_mlp(layer)})]
+    for name, count in counts:
         if count % ranks:
             raise ValueError(f"tensor_parallel {ranks}: the model's {count} {name} do not split over {ranks} ranks")
-    for i, layer in enumerate(_layers(model)):
-        for path in ROW:
+    for i, layer in enumerate(layers):
+        for path in sharded_paths(layer)[1]:
             linear = layer.get_submodule(path)
             if isinstance(linear, QuantizedLinear):
                 columns = linear.scales.shape[-1] * linear.group_size
@@ -123,12 +146,13 @@ def shard_model(model: nn.Module, rank: int, ranks: int) -> nn.Module:
     # Every tensor is shared, not copied: the sharded layers are replaced below, the rest is replicated.
     memo = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
     part = copy.deepcopy(model, memo)
-    for layer in _layers(part):
-        for path in COLUMN:
+    for layer in decoder_layers(part):
+        column, row = sharded_paths(layer)
+        for path in column:
             owner, name = path.rsplit(".", 1)
             module = layer.get_submodule(owner)
             setattr(module, name, _column_sharded(getattr(module, name), rank, ranks))
-        for path in ROW:
+        for path in row:
             owner, name = path.rsplit(".", 1)
             module = layer.get_submodule(owner)
             setattr(module, name, _row_sharded(getattr(module, name), rank, ranks))
