@@ -7,8 +7,8 @@ starts them), loads, prefills the same prompt and decodes `steps` greedy tokens 
 Reported, per rank and for the one-rank program:
   weight bytes     MLX's active memory after the load (the weights and the KV cache), and its ratio to one rank's
   decode tok/s     steps / time after the first token; the N-rank / one-rank ratio
-  bytes sent/token what the process wrote (/proc/self/io wchar: the ring's sockets, plus a few bytes of progress)
-                   during the timed decode, per token, against the all-sum floor 2 x layers x hidden x 4 B
+  bytes sent/token what the rank's TCP sockets (the ring's) sent during the timed decode (TCP_INFO bytes acked
+                   by the peer), per token, against the all-sum floor 2 x layers x hidden x 4 B
   collectives      the time 2 x layers all_sums of one token's hidden state take alone (mx.distributed.all_sum
                    on the same group, evaluated one by one as the decode's chain does), per token
 The ranks must produce the one-rank program's tokens (checked). On this 2-core host N ranks share the cores, so
@@ -42,8 +42,23 @@ import mlx.core as mx
 from backends.mlx.llm.decoder.loop import Decoder
 from backends.mlx.llm.sampler.params import SamplingParams
 
-def wchar():
-    return int(dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())["wchar"])
+def tcp_bytes_sent():
+    # Bytes the peers acknowledged on this process's TCP sockets (struct tcp_info's tcpi_bytes_acked, offset 120):
+    # what the ring backend sent; on the loopback every byte is acknowledged within the step.
+    import os, socket, struct
+    total = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            sock = socket.socket(fileno=os.dup(int(fd)))
+        except OSError:
+            continue
+        with sock:
+            if sock.type == socket.SOCK_STREAM and sock.family in (socket.AF_INET, socket.AF_INET6):
+                info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 192)
+                total += struct.unpack_from("Q", info, 120)[0]
+    return total
 
 decoder = Decoder(Path(path))
 active = mx.get_active_memory()
@@ -51,10 +66,10 @@ list(decoder.stream(prompt, steps, SamplingParams(), stop_at_eos=False))  # warm
 times, tokens, io = [], [], []
 for step in decoder.stream(prompt, steps, SamplingParams(), stop_at_eos=False):
     times.append(time.perf_counter())
-    io.append(wchar())
+    io.append(tcp_bytes_sent())
     tokens.append(step.token)
 result = dict(active=active, tokens=tokens, decode_tps=(steps - 1) / (times[-1] - times[0]),
-              wchar_per_token=(io[-1] - io[0]) / (steps - 1))
+              sent_per_token=(io[-1] - io[0]) / (steps - 1))
 group = mx.distributed.init()
 if group.size() > 1:
     x = mx.zeros((1, 1, hidden), dtype=mx.float32)
@@ -75,6 +90,7 @@ def _export(shape: dict, ranks: int, out: Path, max_seq_len: int, log) -> tuple[
     from backends.mlx.llm.decoder.export import export_decoder
     from backends.mlx.llm.decoder.tensor_parallel import export_tensor_parallel
 
+    out.mkdir(parents=True, exist_ok=True)
     one, tp = out / "one.pte", out / f"tp{ranks}.pte"
     if one.is_file() and tp.is_file():
         return one, tp
@@ -145,7 +161,7 @@ def run(ranks: int = 2, quick: bool = False, steps: int | None = None, cache_dir
                       file_bytes=one.stat().st_size),
         per_rank=[dict(rank=r, active_bytes=res["active"], weight_ratio=round(res["active"] / alone["active"], 3),
                        file_bytes=rank_file(tp, r).stat().st_size, decode_tps=round(res["decode_tps"], 1),
-                       bytes_sent_per_token=round(res["wchar_per_token"]),
+                       bytes_sent_per_token=round(res["sent_per_token"]),
                        collective_ms_per_token=round(1e3 * res["collective_s_per_token"], 3))
                   for r, res in enumerate(per_rank)],
         all_sum_floor_bytes_per_token=floor,
