@@ -276,3 +276,17 @@ def test_collective_nodes_run_over_the_group(tmp_path):
         assert code_ == 0, err
         line = next(line for line in out.splitlines() if line.startswith("OUT"))
         assert line == "OUT " + " ".join(map(str, [torch.cat([x, 2 * x]).flatten().tolist(), (3 * x).flatten().tolist()]))
+
+
+def test_etmlx_export_writes_a_verified_file_per_rank(tmp_path):
+    """The command line: a checkpoint directory, quantized, then sharded; the export runs the ranks to check them."""
+    _model("qwen3", False).save_pretrained(tmp_path / "ckpt")
+    out = tmp_path / "m.pte"
+    done = _etmlx("export", "--model", tmp_path / "ckpt", "--tensor-parallel", 2, "--quantize", "int8",
+                  "--max-seq-len", MAX_SEQ_LEN, "--out", out, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "greedy tokens match" in done.stderr and out.is_file() and rank_file(out, 1).is_file()
+    bad = _etmlx("export", "--model", tmp_path / "ckpt", "--tensor-parallel", 3, "--out", tmp_path / "b.pte")
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines()[-1] == ("etmlx: error: --tensor-parallel 3: the model's 4 attention heads "
+                                                   "do not split over 3 ranks")
