@@ -38,6 +38,14 @@ def _agreement(args) -> int:
 
 
 def _decode(args) -> int:
+    if args.tensor_parallel:
+        from benchmarks import decode_tensor_parallel
+
+        if args.shape or args.quantized_dtype or args.dtypes != DEFAULT_DECODE_DTYPES:
+            raise ValueError("etmlx bench decode: --tensor-parallel measures its own float32 model: drop --shape, "
+                             "--dtypes and --quantized-dtype")
+        return decode_tensor_parallel.main(args.json, ranks=args.tensor_parallel, quick=args.quick,
+                                           cache_dir=args.cache_dir)
     dtypes = tuple(d.strip() for d in args.dtypes.split(",") if d.strip())
     if args.context or args.kv_bits or args.layers or args.vocab:
         from benchmarks import long_context
@@ -169,6 +177,8 @@ def add_parsers(bench: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab", type=int, help="--context: a smaller vocabulary than the shape's (weights only)")
     p.add_argument("--activations", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="--context: the program's float dtype, its float KV cache's and the scales' (default float32)")
+    p.add_argument("--tensor-parallel", type=int, metavar="N", help="an N-rank tensor-parallel program against the "
+                   "one-rank program: weight bytes per rank, decode speed, bytes exchanged and time in collectives")
     p.set_defaults(func=_decode)
 
     p = sub.add_parser("serve", help="tokens/s and time to first token for concurrent streams")

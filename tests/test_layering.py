@@ -19,7 +19,7 @@ LAYERS = [
     "runtime",
     "custom_kernel_ops",
     "exporter.edge_target", "exporter.dtypes", "exporter.fusion", "exporter.builder", "exporter.ops", "exporter",
-    "llm", "llm.sampler", "llm.decoder", "llm.builtin",
+    "llm", "llm.sampler", "llm.distributed", "llm.decoder", "llm.builtin",
     "serve",
     "cli",
 ]

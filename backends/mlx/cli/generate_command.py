@@ -25,6 +25,12 @@ def run_generate(args, params) -> int:
     pte = pte_path(args)
     if not pte.is_file():  # before the decoder's imports (torch, ~2 s): a typo fails at once
         raise FileNotFoundError(f"{pte} does not exist")
+    from backends.mlx.cli.ranks import rank_program, start_ranks
+
+    ranks = rank_program(pte, args)
+    if ranks and start_ranks(ranks, args):
+        return 0
+    pte = ranks.file if ranks else pte
     from backends.mlx.cli.draft_flags import speculation_from_args
     from backends.mlx.llm.decoder.speculation import load_decoder
     from backends.mlx.llm.decoder.text_generation import stream_text
@@ -34,6 +40,7 @@ def run_generate(args, params) -> int:
     drafts = speculation_from_args(args, decoder)
     if constraint is not None:
         decoder.matcher(constraint)  # a bad schema / regex / grammar, or no mask input: one line, before decoding
+    progress = ranks.progress() if ranks else None
     prompt = prompt_ids(args, decoder)
     if args.stop and not decoder.has_tokenizer:
         decoder.tokenizer  # raises, naming the missing tokenizer: stop strings need text
@@ -44,6 +51,8 @@ def run_generate(args, params) -> int:
                                 speculation=drafts):
         last = response
         tokens.append(response.token)
+        if progress is not None:
+            progress.say(str(response.token))
         if response.logprob is not None:
             logprobs.append(response.logprob)
             tops.append(response.top_logprobs)

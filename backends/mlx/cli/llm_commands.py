@@ -15,7 +15,8 @@ from backends.mlx.llm.decoder.from_checkpoint import SAMPLER_CHOICES as FEATURES
 from backends.mlx.llm.decoder.tool_formats import FORMATS as TOOL_FORMATS
 
 # export_checkpoint's options that are flags here: its messages name the option, the CLI says the flag.
-_EXPORT_OPTIONS = ("dtype", "quantize", "logprobs", "draft_tokens", "propose_tokens", "out", "sampler", "adapter")
+_EXPORT_OPTIONS = ("dtype", "quantize", "logprobs", "draft_tokens", "propose_tokens", "out", "sampler", "adapter",
+                   "tensor_parallel")
 
 
 def _progress():
@@ -44,7 +45,8 @@ def run_export(args) -> int:
             seeded=args.seeded, pipelined=args.pipelined, verify=args.verify, draft_tokens=args.draft_tokens,
             propose_tokens=args.propose_tokens, external_weights=args.external_weights, progress=_progress(),
             adapter=args.adapter, tool_call_format=args.tool_call_format,
-            qmm_activations=args.qmm_activations, kv_bits=args.kv_bits, kv_group_size=args.kv_group_size)
+            qmm_activations=args.qmm_activations, kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
+            tensor_parallel=args.tensor_parallel)
     except (ValueError, IsADirectoryError) as exc:  # the option names of the Python API, as this command's flags
         raise type(exc)(_as_flags(str(exc))) from None
     from backends.mlx.exporter.export import weights_path
@@ -55,6 +57,8 @@ def run_export(args) -> int:
     ptd = weights_path(out)
     if args.external_weights and ptd.is_file():
         written += f" and {ptd} ({ptd.stat().st_size / 1e6:.1f} MB)"
+    if args.tensor_parallel > 1:
+        written += f" and {args.tensor_parallel - 1} more rank file(s) beside it ({out.stem}.rankR{out.suffix})"
     print(f"wrote {written}: {result.summary()}")
     return 0
 
@@ -69,6 +73,15 @@ def _text_flags(parser, max_tokens: int) -> None:
                         help="the same as --temperature")
     parser.add_argument("--system-prompt", help="system message for the chat template")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def _rank_flags(parser) -> None:
+    """A tensor-parallel program's run (docs/distributed.md)."""
+    parser.add_argument("--hostfile", metavar="FILE", help="a tensor-parallel program: MLX's ring hostfile (JSON, "
+                        "one list of \"ip:port\" per rank) for the ranks started here; default: free loopback ports")
+    parser.add_argument("--rank-timeout", type=float, default=120.0, metavar="S",
+                        help="a tensor-parallel program: end the run when no rank progresses for S seconds "
+                             "(default 120)")
 
 
 def run_generate(args) -> int:
@@ -148,6 +161,9 @@ def add_parsers(sub) -> None:
     export.add_argument("--tool-call-format", choices=TOOL_FORMATS, default=None,
                         help="the call syntax of tool calls (default: detected from the chat template; generic for a "
                              "template without tools)")
+    export.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                        help="split the model over N ranks (processes or devices; docs/distributed.md): one file per "
+                             "rank, OUT.pte for rank 0 and OUT.rankR.pte; `etmlx generate OUT.pte` starts the ranks")
     export.set_defaults(func=run_export)
 
     generate = sub.add_parser("generate", help="decode on the device from an exported .pte, streaming text")
@@ -166,6 +182,7 @@ def add_parsers(sub) -> None:
     structured.add_argument("--choice", metavar="A,B,C", help="the output is one of these comma-separated strings")
     structured.add_argument("--grammar", metavar="FILE", help="the output matches this Lark or GBNF grammar")
     add_draft_flags(generate, prediction=True)  # --draft-tokens programs decode speculatively: same tokens
+    _rank_flags(generate)
     generate.set_defaults(func=run_generate)
 
     chat = sub.add_parser("chat", help="a multi-turn conversation with an exported .pte (lines from stdin, replies "

@@ -116,6 +116,7 @@ def main(argv=None) -> int:
 
         reexec_with_mimalloc()
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what a tensor-parallel run's ranks are started with
     quiet.install(verbose=args.verbose)
     if getattr(args, "out", None):
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

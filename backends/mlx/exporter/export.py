@@ -23,7 +23,7 @@ from backends.mlx.exporter.partitioner import MLXPartitioner
 from backends.mlx.exporter.plain_step import (PlainStep, PlainStepError, delegate_output_positions,
                                               drop_plain_step_specs, plain_step_specs)
 from backends.mlx.exporter.unused_state import drop_unused_state
-from backends.mlx.exporter.preprocess import ACTIVATIONS_SPEC, FUSE_SPEC, QMM_ACTIVATIONS, WEIGHTS_SPEC
+from backends.mlx.exporter.preprocess import ACTIVATIONS_SPEC, FUSE_SPEC, QMM_ACTIVATIONS, RANK_SPEC, WEIGHTS_SPEC
 
 _NOT_OPS = {"executorch_call_delegate", "getitem"}
 
@@ -143,6 +143,7 @@ def export_to_pte(
     weights: str = "pte",
     plain_step: Optional[PlainStep] = None,
     qmm_activations: str = "int16",
+    rank: Optional[tuple[int, int, str]] = None,
 ) -> ExportResult:
     """`progress`, if given, is called with the name of each stage as it starts. `fuse=False` keeps
     RMSNorm / LayerNorm / rotary subgraphs as separate ops (for comparisons). `named_data` (key ->
@@ -153,7 +154,8 @@ def export_to_pte(
     `plain_step`: the module traced a second time in its plain mode, stored in the blob for calls without
     drafts (plain_step.py). `qmm_activations`: how the CPU kernel set rounds the activations of quantized linears,
     recorded in the program: "int16" (the default), "int8" (faster, other tokens) or "float32"
-    (runtime/kernels/quantized_activations.h)."""
+    (runtime/kernels/quantized_activations.h). `rank`: (rank, ranks, group id) of one rank's file of a
+    tensor-parallel program (llm/distributed/), recorded in the blob; None: a one-rank program."""
     say = progress or (lambda _stage: None)
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -174,6 +176,8 @@ def export_to_pte(
     specs = [CompileSpec(WEIGHTS_SPEC, weights.encode())] + ([] if fuse else [CompileSpec(FUSE_SPEC, b"0")])
     if qmm_activations != "int16":
         specs.append(CompileSpec(ACTIVATIONS_SPEC, qmm_activations.encode()))
+    if rank is not None:
+        specs.append(CompileSpec(RANK_SPEC, "/".join(map(str, rank)).encode("ascii")))
     plain_specs, plain_data, plain_outputs = [], None, None
     if plain_step is not None:
         say("tracing and lowering the plain step")

@@ -28,6 +28,10 @@ WEIGHTS_SPEC = "etmlx.weights"
 ACTIVATIONS_SPEC = "etmlx.qmm_activations"
 QMM_ACTIVATIONS = ("int16", "int8", "float32")
 
+# CompileSpec(RANK_SPEC, b"RANK/RANKS/GROUP_ID"): one rank's file of a tensor-parallel program (schema.fbs
+# Graph.ranks, rank, group_id; llm/distributed/); a one-rank program when absent.
+RANK_SPEC = "etmlx.rank"
+
 
 def fusion_enabled(compile_specs: List[CompileSpec]) -> bool:
     for spec in compile_specs:
@@ -59,6 +63,17 @@ def qmm_activations(compile_specs: List[CompileSpec]) -> str:
     return "int16"
 
 
+def rank_of(compile_specs: List[CompileSpec]) -> tuple[int, int, str]:
+    """(rank, ranks, group id) of RANK_SPEC; (0, 1, "") for a one-rank program."""
+    for spec in compile_specs:
+        if spec.key == RANK_SPEC:
+            rank, ranks, group_id = bytes(spec.value).decode("ascii").split("/", 2)
+            if not (0 <= int(rank) < int(ranks)):
+                raise ValueError(f"compile spec {RANK_SPEC}: rank {rank} of {ranks} ranks")
+            return int(rank), int(ranks), group_id
+    return 0, 1, ""
+
+
 @final
 class EtmlxBackend(BackendDetails):
     @staticmethod
@@ -66,6 +81,7 @@ class EtmlxBackend(BackendDetails):
         weights = WeightStore(weights_placement(compile_specs))
         graph = ProgramBuilder(edge_program, fuse=fusion_enabled(compile_specs), weights=weights).build()
         graph.qmmActivations = QMM_ACTIVATIONS.index(qmm_activations(compile_specs))
+        graph.rank, graph.ranks, graph.groupId = rank_of(compile_specs)
         attach_plain_step(graph, compile_specs)
         return PreprocessResult(processed_bytes=serialize(graph), data_store_output=weights.output())
 

@@ -118,6 +118,8 @@ class Interpreter {
                               const mlx::core::array** biases_out, int* columns, int ndim = 2);
   bool exec_gather_mm(const fb::GatherMmNode& n);  // exec_experts.cpp
   bool exec_gather_qmm(const fb::GatherQmmNode& n);  // exec_experts.cpp
+  bool exec_all_sum(const fb::AllSumNode& n);  // exec_distributed.cpp
+  bool exec_all_gather(const fb::AllGatherNode& n);  // exec_distributed.cpp
   // An expert node's x and indices, checked against the E experts and their input features; the
   // indices clamped into [0, E) (exec_experts.cpp).
   bool read_expert_operands(const fb::Tid* x_tid, const fb::Tid* indices_tid, int experts, int in_features,

@@ -1,5 +1,7 @@
 #include "loader.h"
 
+#include "distributed_group.h"
+
 #include "host_fold.h"
 #include "cpu_weights.h"
 #include "linear_groups.h"
@@ -570,7 +572,20 @@ Error load_program(const void* data, size_t size, const executorch::runtime::Nam
     }
   }
 
+  // Before the weights: a file of another rank or export is refused without copying them.
+  std::optional<mx::distributed::Group> group;
+  if (share != nullptr) {
+    group = share->group;
+  } else {
+    std::string group_error;
+    if (!join_group(*g, &group, &group_error)) {
+      ET_LOG(Error, "etmlx: %s", group_error.c_str());
+      return Error::InvalidProgram;
+    }
+  }
+
   Program p;
+  p.group = std::move(group);
   p.payload = payload;
   p.payload_size = static_cast<size_t>(len);
   p.graph = g;

@@ -10,11 +10,13 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include <executorch/runtime/core/error.h>
 #include <executorch/runtime/core/named_data_map.h>
 #include <mlx/array.h>
+#include <mlx/distributed/distributed.h>
 
 #include "dtypes.h"
 #include "kernels/kernel_set.h"
@@ -84,6 +86,9 @@ struct Program {
   // In a plain step: for each of its inputs, the index of its program's input it reads (empty otherwise).
   // Its mutable buffers are in its program's order, so both index the same state.
   std::vector<uint32_t> input_from;
+  // A tensor-parallel program's rank group (distributed_group.h), joined at load; a plain step shares its
+  // program's. Empty for a one-rank program.
+  std::optional<mlx::core::distributed::Group> group;
 };
 
 // `data`/`size` is the whole processed blob (16-byte header + flatbuffer).

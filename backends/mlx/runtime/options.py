@@ -25,6 +25,9 @@ ALLOCATOR = "ETMLX_ALLOCATOR"  # mimalloc (default) | system: the `etmlx` comman
 # Internal: set by the `etmlx` command for the process it re-executes with mimalloc preloaded (the caller's own
 # LD_PRELOAD, restored there for the processes it starts); never set by hand.
 LD_PRELOAD_BEFORE = "_ETMLX_LD_PRELOAD_BEFORE"
+# Internal: set by the launcher of a tensor-parallel run (llm/distributed/launch.py) for each rank it starts: the
+# directory where the rank reports its progress (rank{r}.log: "ready", then one token id per line); never set by hand.
+RANK_LOG = "_ETMLX_RANK_LOG"
 
 _ALLOCATORS = ("mimalloc", "system")
 
@@ -43,6 +46,12 @@ def backend_lib() -> Path | None:
 def runner_lib() -> Path | None:
     """$ETMLX_RUNNER_LIB, or None (the runner library built or installed next to the runtime package)."""
     value = _value(RUNNER_LIB)
+    return Path(value) if value else None
+
+
+def rank_log() -> Path | None:
+    """$_ETMLX_RANK_LOG, or None (not a rank started by etmlx's launcher)."""
+    value = _value(RANK_LOG)
     return Path(value) if value else None
 
 

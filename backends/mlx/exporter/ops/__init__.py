@@ -3,6 +3,7 @@
 from backends.mlx.exporter.ops import (  # noqa: F401
     attention,
     cast,
+    collectives,
     comparison,
     convolution,
     creation,

@@ -57,7 +57,8 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
                    progress: Optional[Callable[[str], None]] = None, external_weights: bool = False,
                    pipelined: bool | None = None, verify: bool = True, draft_tokens: int = 0,
                    propose_tokens: int = 0, tool_call_format: str | None = None,
-                   qmm_activations: str = "int16", kv_bits: int = 0, kv_group_size: int = 64) -> ExportResult:
+                   qmm_activations: str = "int16", kv_bits: int = 0, kv_group_size: int = 64,
+                   rank: tuple[int, int, str] | None = None) -> ExportResult:
     """Write `out` (.pte) holding the program, its DecoderMeta and, given one (a transformers tokenizer or
     a directory holding one), the tokenizer: the one file is all a decode loop needs. `external_weights`:
     the weights go to `out` with suffix .ptd instead (the runners load it from beside the .pte).
@@ -71,7 +72,9 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
     `tool_call_format`: the call syntax of tool calls (tool_formats.py; default: detected from the chat template).
     `qmm_activations`: export_to_pte's (int16, int8 or float32 activations in the CPU's quantized products).
     `kv_bits` 4 or 8: the KV cache stored MLX-affine quantized in groups of `kv_group_size` (kv_quant.py);
-    the check then runs against the eager model over the same quantized cache (kv_reference.py)."""
+    the check then runs against the eager model over the same quantized cache (kv_reference.py).
+    `rank`: (rank, ranks, group id) when `model` is one rank's part of a tensor-parallel program
+    (llm/distributed/export.py, which verifies the ranks together: a rank cannot run alone)."""
     if tool_call_format:
         check_format(tool_call_format)  # before the export's minutes
     kv_quant(kv_bits, kv_group_size)  # 4 or 8 bits only in a program (2 is the eager reference's control)
@@ -147,6 +150,8 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
     if kv_bits:
         meta.kv_bits, meta.kv_group_size = kv_bits, kv_group_size
     # the tool-call syntax: given, else the one the chat template teaches (tool_formats.detect_format)
+    if rank is not None:
+        meta.rank, meta.ranks = rank[0], rank[1]
     meta.tool_call_format = (tool_call_format if tool_call_format else
                              detect_format(getattr(tokenizer, "chat_template", None)) if tokenizer is not None else "")
     blobs[META_KEY] = meta.to_bytes()
@@ -156,7 +161,7 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
                   if draft_tokens and batch == 1 else None)
     result = export_to_pte(program, example, kwargs, dynamic_shapes=dynamic, progress=progress, named_data=blobs,
                            weights="external" if external_weights else "pte", plain_step=plain_step,
-                           qmm_activations=qmm_activations)
+                           qmm_activations=qmm_activations, rank=rank)
     result.save(Path(out))
     if verify:
         say = progress or (lambda _stage: None)

@@ -37,7 +37,7 @@ def export_checkpoint(model: str | Path, out: str | Path | None = None, *, revis
                       draft_tokens: int = 0, propose_tokens: int = 0, external_weights: bool = False,
                       progress: Optional[Callable[[str], None]] = None, adapter: str | Path | None = None,
                       tool_call_format: str | None = None, qmm_activations: str = "int16", kv_bits: int = 0,
-                      kv_group_size: int = 64):
+                      kv_group_size: int = 64, tensor_parallel: int = 1):
     """Export the causal LM at `model` (a local directory or a Hugging Face repo id) to `out` (default:
     NAME.pte in the current directory), which holds the program when this returns its ExportResult.
     `adapter`: a LoRA adapter directory (mlx-lm's or PEFT's) fused into the weights (llm/lora/).
@@ -46,7 +46,9 @@ def export_checkpoint(model: str | Path, out: str | Path | None = None, *, revis
     `qmm_activations`: int16 (default), int8 or float32 activations in the CPU's quantized products, recorded in
     the program (exporter/export.py).
     `kv_bits` 8 or 4: the KV cache stored MLX-affine quantized, `kv_group_size` values per scale and bias
-    (llm/decoder/kv_quant.py); 0: float."""
+    (llm/decoder/kv_quant.py); 0: float.
+    `tensor_parallel` N > 1: a program split over N ranks, one file per rank (`out` rank 0's, OUT.rankR.pte the
+    others'; llm/decoder/tensor_parallel.py, docs/distributed.md)."""
     from backends.mlx.llm.checkpoint_source import check_weight_files, default_pte_name, resolve_checkpoint
 
     say = progress or (lambda stage: None)
@@ -58,6 +60,12 @@ def export_checkpoint(model: str | Path, out: str | Path | None = None, *, revis
     from backends.mlx.llm.decoder.kv_quant import kv_quant
 
     kv_quant(kv_bits, kv_group_size)  # before the checkpoint loads
+    if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
+        raise ValueError(f"tensor_parallel must be an int >= 1, got {tensor_parallel!r}")
+    if tensor_parallel > 1 and (draft_tokens or propose_tokens):
+        raise ValueError("tensor_parallel: draft-verifying and proposing programs are not sharded yet")
+    if tensor_parallel > 1 and kv_bits:
+        raise ValueError("tensor_parallel: a quantized KV cache (kv_bits) is not sharded yet")
     if draft_tokens < 0:
         raise ValueError(f"draft_tokens must be >= 0, got {draft_tokens}")
     if propose_tokens < 0:
@@ -90,11 +98,18 @@ def export_checkpoint(model: str | Path, out: str | Path | None = None, *, revis
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     else:
         say("no tokenizer in the checkpoint: generate will need --prompt-ids")
-    result = export_decoder(torch_model, out, max_seq_len, config=config, batch=batch, seeded=seeded,
-                            tokenizer=tokenizer, progress=say, external_weights=external_weights,
-                            pipelined=pipelined, verify=verify, draft_tokens=draft_tokens,
-                            propose_tokens=propose_tokens, tool_call_format=tool_call_format,
-                            qmm_activations=qmm_activations, kv_bits=kv_bits, kv_group_size=kv_group_size)
+    options = dict(config=config, batch=batch, seeded=seeded, tokenizer=tokenizer, progress=say,
+                   external_weights=external_weights, pipelined=pipelined, verify=verify,
+                   tool_call_format=tool_call_format, qmm_activations=qmm_activations, kv_bits=kv_bits,
+                   kv_group_size=kv_group_size)
+    if tensor_parallel > 1:
+        from backends.mlx.llm.decoder.tensor_parallel import export_tensor_parallel
+
+        # Quantized before sharding (above): each rank's packed weights are the one-rank program's, cut.
+        result = export_tensor_parallel(torch_model, out, tensor_parallel, max_seq_len=max_seq_len, **options)
+    else:
+        result = export_decoder(torch_model, out, max_seq_len, draft_tokens=draft_tokens,
+                                propose_tokens=propose_tokens, **options)
     say("done")
     return result
 

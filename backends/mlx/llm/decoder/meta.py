@@ -204,6 +204,10 @@ class DecoderMeta:
     # head dimension per scale and bias; 0: a float cache in `dtype`.
     kv_bits: int = 0
     kv_group_size: int = 0
+    # A tensor-parallel program (--tensor-parallel N, llm/distributed/): N files, one per rank, and this is rank
+    # `rank`'s; every rank runs the same steps (docs/distributed.md). 1: a plain program.
+    ranks: int = 1
+    rank: int = 0
 
     @classmethod
     def build(cls, *, max_seq_len, vocab_size, batch, eos_token_ids, seeded, config: SamplerConfig, dtype,

@@ -21,6 +21,8 @@ from backends.mlx.llm.decoder.draft_sources import DraftBudget, NgramDraft, Pred
 from backends.mlx.llm.decoder.loop import Decoder, Step
 from backends.mlx.llm.decoder.meta import DecoderMeta
 from backends.mlx.llm.decoder.speculative import SpeculativeDecoder
+from backends.mlx.llm.distributed.launch import group_rank
+from backends.mlx.llm.distributed.rank_files import rank_file
 
 DRAFTS = ("ngram", "none")  # `draft=` / --draft: prompt lookup, or no drafts
 PLAIN_HINT = "needs a program exported with --draft-tokens K"
@@ -31,6 +33,8 @@ def load_decoder(pte: Path) -> Decoder | SpeculativeDecoder:
     if not pte.is_file():
         raise FileNotFoundError(f"{pte} does not exist")
     meta = DecoderMeta.load(pte)
+    if meta.ranks > 1 and meta.rank == 0:  # a tensor-parallel program: this process's rank's file (under mlx.launch)
+        pte = rank_file(pte, group_rank())
     return SpeculativeDecoder(pte, meta) if meta.draft_tokens else Decoder(pte)
 
 

@@ -473,7 +473,9 @@ struct DecoderMeta FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
     VT_PROPOSE_TOKENS = 42,
     VT_TOOL_CALL_FORMAT = 44,
     VT_KV_BITS = 46,
-    VT_KV_GROUP_SIZE = 48
+    VT_KV_GROUP_SIZE = 48,
+    VT_RANKS = 50,
+    VT_RANK = 52
   };
   int64_t max_seq_len() const {
     return GetField<int64_t>(VT_MAX_SEQ_LEN, 0);
@@ -544,6 +546,12 @@ struct DecoderMeta FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   int64_t kv_group_size() const {
     return GetField<int64_t>(VT_KV_GROUP_SIZE, 0);
   }
+  int64_t ranks() const {
+    return GetField<int64_t>(VT_RANKS, 1LL);
+  }
+  int64_t rank() const {
+    return GetField<int64_t>(VT_RANK, 0);
+  }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
     return VerifyTableStart(verifier) &&
@@ -585,6 +593,8 @@ struct DecoderMeta FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
            verifier.VerifyString(tool_call_format()) &&
            VerifyField<int64_t>(verifier, VT_KV_BITS, 8) &&
            VerifyField<int64_t>(verifier, VT_KV_GROUP_SIZE, 8) &&
+           VerifyField<int64_t>(verifier, VT_RANKS, 8) &&
+           VerifyField<int64_t>(verifier, VT_RANK, 8) &&
            verifier.EndTable();
   }
 };
@@ -662,6 +672,12 @@ struct DecoderMetaBuilder {
   void add_kv_group_size(int64_t kv_group_size) {
     fbb_.AddElement<int64_t>(DecoderMeta::VT_KV_GROUP_SIZE, kv_group_size, 0);
   }
+  void add_ranks(int64_t ranks) {
+    fbb_.AddElement<int64_t>(DecoderMeta::VT_RANKS, ranks, 1LL);
+  }
+  void add_rank(int64_t rank) {
+    fbb_.AddElement<int64_t>(DecoderMeta::VT_RANK, rank, 0);
+  }
   explicit DecoderMetaBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
         : fbb_(_fbb) {
     start_ = fbb_.StartTable();
@@ -698,8 +714,12 @@ inline ::flatbuffers::Offset<DecoderMeta> CreateDecoderMeta(
     int64_t propose_tokens = 0,
     ::flatbuffers::Offset<::flatbuffers::String> tool_call_format = 0,
     int64_t kv_bits = 0,
-    int64_t kv_group_size = 0) {
+    int64_t kv_group_size = 0,
+    int64_t ranks = 1LL,
+    int64_t rank = 0) {
   DecoderMetaBuilder builder_(_fbb);
+  builder_.add_rank(rank);
+  builder_.add_ranks(ranks);
   builder_.add_kv_group_size(kv_group_size);
   builder_.add_kv_bits(kv_bits);
   builder_.add_propose_tokens(propose_tokens);
@@ -750,7 +770,9 @@ inline ::flatbuffers::Offset<DecoderMeta> CreateDecoderMetaDirect(
     int64_t propose_tokens = 0,
     const char *tool_call_format = nullptr,
     int64_t kv_bits = 0,
-    int64_t kv_group_size = 0) {
+    int64_t kv_group_size = 0,
+    int64_t ranks = 1LL,
+    int64_t rank = 0) {
   auto eos_token_ids__ = eos_token_ids ? _fbb.CreateVector<int64_t>(*eos_token_ids) : 0;
   auto dtype__ = dtype ? _fbb.CreateString(dtype) : 0;
   auto model_type__ = model_type ? _fbb.CreateString(model_type) : 0;
@@ -786,7 +808,9 @@ inline ::flatbuffers::Offset<DecoderMeta> CreateDecoderMetaDirect(
       propose_tokens,
       tool_call_format__,
       kv_bits,
-      kv_group_size);
+      kv_group_size,
+      ranks,
+      rank);
 }
 
 inline const backends::mlx::serialization::generated::fb::DecoderMeta *GetDecoderMeta(const void *buf) {

@@ -155,6 +155,12 @@ struct GatherQmmNodeBuilder;
 struct QuantizedSdpaNode;
 struct QuantizedSdpaNodeBuilder;
 
+struct AllSumNode;
+struct AllSumNodeBuilder;
+
+struct AllGatherNode;
+struct AllGatherNodeBuilder;
+
 struct Instruction;
 struct InstructionBuilder;
 
@@ -602,11 +608,13 @@ enum class Node : uint8_t {
   ConvNode = 41,
   PadNode = 42,
   QuantizedSdpaNode = 43,
+  AllSumNode = 44,
+  AllGatherNode = 45,
   MIN = NONE,
-  MAX = QuantizedSdpaNode
+  MAX = AllGatherNode
 };
 
-inline const Node (&EnumValuesNode())[44] {
+inline const Node (&EnumValuesNode())[46] {
   static const Node values[] = {
     Node::NONE,
     Node::UnaryNode,
@@ -651,13 +659,15 @@ inline const Node (&EnumValuesNode())[44] {
     Node::GatherQmmNode,
     Node::ConvNode,
     Node::PadNode,
-    Node::QuantizedSdpaNode
+    Node::QuantizedSdpaNode,
+    Node::AllSumNode,
+    Node::AllGatherNode
   };
   return values;
 }
 
 inline const char * const *EnumNamesNode() {
-  static const char * const names[45] = {
+  static const char * const names[47] = {
     "NONE",
     "UnaryNode",
     "BinaryNode",
@@ -702,13 +712,15 @@ inline const char * const *EnumNamesNode() {
     "ConvNode",
     "PadNode",
     "QuantizedSdpaNode",
+    "AllSumNode",
+    "AllGatherNode",
     nullptr
   };
   return names;
 }
 
 inline const char *EnumNameNode(Node e) {
-  if (::flatbuffers::IsOutRange(e, Node::NONE, Node::QuantizedSdpaNode)) return "";
+  if (::flatbuffers::IsOutRange(e, Node::NONE, Node::AllGatherNode)) return "";
   const size_t index = static_cast<size_t>(e);
   return EnumNamesNode()[index];
 }
@@ -887,6 +899,14 @@ template<> struct NodeTraits<backends::mlx::serialization::generated::fb::PadNod
 
 template<> struct NodeTraits<backends::mlx::serialization::generated::fb::QuantizedSdpaNode> {
   static const Node enum_value = Node::QuantizedSdpaNode;
+};
+
+template<> struct NodeTraits<backends::mlx::serialization::generated::fb::AllSumNode> {
+  static const Node enum_value = Node::AllSumNode;
+};
+
+template<> struct NodeTraits<backends::mlx::serialization::generated::fb::AllGatherNode> {
+  static const Node enum_value = Node::AllGatherNode;
 };
 
 template <bool B = false>
@@ -4862,6 +4882,114 @@ inline ::flatbuffers::Offset<QuantizedSdpaNode> CreateQuantizedSdpaNode(
   return builder_.Finish();
 }
 
+struct AllSumNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef AllSumNodeBuilder Builder;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_X = 4,
+    VT_OUT = 6
+  };
+  const backends::mlx::serialization::generated::fb::Tid *x() const {
+    return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_X);
+  }
+  const backends::mlx::serialization::generated::fb::Tid *out() const {
+    return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_X, 4) &&
+           VerifyFieldRequired<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct AllSumNodeBuilder {
+  typedef AllSumNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_x(const backends::mlx::serialization::generated::fb::Tid *x) {
+    fbb_.AddStruct(AllSumNode::VT_X, x);
+  }
+  void add_out(const backends::mlx::serialization::generated::fb::Tid *out) {
+    fbb_.AddStruct(AllSumNode::VT_OUT, out);
+  }
+  explicit AllSumNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<AllSumNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<AllSumNode>(end);
+    fbb_.Required(o, AllSumNode::VT_X);
+    fbb_.Required(o, AllSumNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<AllSumNode> CreateAllSumNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const backends::mlx::serialization::generated::fb::Tid *x = nullptr,
+    const backends::mlx::serialization::generated::fb::Tid *out = nullptr) {
+  AllSumNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_x(x);
+  return builder_.Finish();
+}
+
+struct AllGatherNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef AllGatherNodeBuilder Builder;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_X = 4,
+    VT_OUT = 6
+  };
+  const backends::mlx::serialization::generated::fb::Tid *x() const {
+    return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_X);
+  }
+  const backends::mlx::serialization::generated::fb::Tid *out() const {
+    return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_X, 4) &&
+           VerifyFieldRequired<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct AllGatherNodeBuilder {
+  typedef AllGatherNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_x(const backends::mlx::serialization::generated::fb::Tid *x) {
+    fbb_.AddStruct(AllGatherNode::VT_X, x);
+  }
+  void add_out(const backends::mlx::serialization::generated::fb::Tid *out) {
+    fbb_.AddStruct(AllGatherNode::VT_OUT, out);
+  }
+  explicit AllGatherNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<AllGatherNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<AllGatherNode>(end);
+    fbb_.Required(o, AllGatherNode::VT_X);
+    fbb_.Required(o, AllGatherNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<AllGatherNode> CreateAllGatherNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const backends::mlx::serialization::generated::fb::Tid *x = nullptr,
+    const backends::mlx::serialization::generated::fb::Tid *out = nullptr) {
+  AllGatherNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_x(x);
+  return builder_.Finish();
+}
+
 struct Instruction FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef InstructionBuilder Builder;
   enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
@@ -5003,6 +5131,12 @@ struct Instruction FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   }
   const backends::mlx::serialization::generated::fb::QuantizedSdpaNode *node_as_QuantizedSdpaNode() const {
     return node_type() == backends::mlx::serialization::generated::fb::Node::QuantizedSdpaNode ? static_cast<const backends::mlx::serialization::generated::fb::QuantizedSdpaNode *>(node()) : nullptr;
+  }
+  const backends::mlx::serialization::generated::fb::AllSumNode *node_as_AllSumNode() const {
+    return node_type() == backends::mlx::serialization::generated::fb::Node::AllSumNode ? static_cast<const backends::mlx::serialization::generated::fb::AllSumNode *>(node()) : nullptr;
+  }
+  const backends::mlx::serialization::generated::fb::AllGatherNode *node_as_AllGatherNode() const {
+    return node_type() == backends::mlx::serialization::generated::fb::Node::AllGatherNode ? static_cast<const backends::mlx::serialization::generated::fb::AllGatherNode *>(node()) : nullptr;
   }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
@@ -5184,6 +5318,14 @@ template<> inline const backends::mlx::serialization::generated::fb::PadNode *In
 
 template<> inline const backends::mlx::serialization::generated::fb::QuantizedSdpaNode *Instruction::node_as<backends::mlx::serialization::generated::fb::QuantizedSdpaNode>() const {
   return node_as_QuantizedSdpaNode();
+}
+
+template<> inline const backends::mlx::serialization::generated::fb::AllSumNode *Instruction::node_as<backends::mlx::serialization::generated::fb::AllSumNode>() const {
+  return node_as_AllSumNode();
+}
+
+template<> inline const backends::mlx::serialization::generated::fb::AllGatherNode *Instruction::node_as<backends::mlx::serialization::generated::fb::AllGatherNode>() const {
+  return node_as_AllGatherNode();
 }
 
 struct InstructionBuilder {
@@ -5556,7 +5698,10 @@ struct Graph FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
     VT_INSTRUCTIONS = 16,
     VT_PLAIN_STEP = 18,
     VT_PLAIN_STEP_WHEN = 20,
-    VT_QMM_ACTIVATIONS = 22
+    VT_QMM_ACTIVATIONS = 22,
+    VT_RANKS = 24,
+    VT_RANK = 26,
+    VT_GROUP_ID = 28
   };
   uint32_t num_tensors() const {
     return GetField<uint32_t>(VT_NUM_TENSORS, 0);
@@ -5588,6 +5733,15 @@ struct Graph FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   backends::mlx::serialization::generated::fb::QmmActivations qmm_activations() const {
     return static_cast<backends::mlx::serialization::generated::fb::QmmActivations>(GetField<uint8_t>(VT_QMM_ACTIVATIONS, 0));
   }
+  int32_t ranks() const {
+    return GetField<int32_t>(VT_RANKS, 1);
+  }
+  int32_t rank() const {
+    return GetField<int32_t>(VT_RANK, 0);
+  }
+  const ::flatbuffers::String *group_id() const {
+    return GetPointer<const ::flatbuffers::String *>(VT_GROUP_ID);
+  }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
     return VerifyTableStart(verifier) &&
@@ -5612,6 +5766,10 @@ struct Graph FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
            verifier.VerifyVector(plain_step()) &&
            VerifyField<int32_t>(verifier, VT_PLAIN_STEP_WHEN, 4) &&
            VerifyField<uint8_t>(verifier, VT_QMM_ACTIVATIONS, 1) &&
+           VerifyField<int32_t>(verifier, VT_RANKS, 4) &&
+           VerifyField<int32_t>(verifier, VT_RANK, 4) &&
+           VerifyOffset(verifier, VT_GROUP_ID) &&
+           verifier.VerifyString(group_id()) &&
            verifier.EndTable();
   }
 };
@@ -5650,6 +5808,15 @@ struct GraphBuilder {
   void add_qmm_activations(backends::mlx::serialization::generated::fb::QmmActivations qmm_activations) {
     fbb_.AddElement<uint8_t>(Graph::VT_QMM_ACTIVATIONS, static_cast<uint8_t>(qmm_activations), 0);
   }
+  void add_ranks(int32_t ranks) {
+    fbb_.AddElement<int32_t>(Graph::VT_RANKS, ranks, 1);
+  }
+  void add_rank(int32_t rank) {
+    fbb_.AddElement<int32_t>(Graph::VT_RANK, rank, 0);
+  }
+  void add_group_id(::flatbuffers::Offset<::flatbuffers::String> group_id) {
+    fbb_.AddOffset(Graph::VT_GROUP_ID, group_id);
+  }
   explicit GraphBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
         : fbb_(_fbb) {
     start_ = fbb_.StartTable();
@@ -5672,8 +5839,14 @@ inline ::flatbuffers::Offset<Graph> CreateGraph(
     ::flatbuffers::Offset<::flatbuffers::Vector<::flatbuffers::Offset<backends::mlx::serialization::generated::fb::Instruction>>> instructions = 0,
     ::flatbuffers::Offset<::flatbuffers::Vector<uint8_t>> plain_step = 0,
     int32_t plain_step_when = -1,
-    backends::mlx::serialization::generated::fb::QmmActivations qmm_activations = backends::mlx::serialization::generated::fb::QmmActivations::Int16) {
+    backends::mlx::serialization::generated::fb::QmmActivations qmm_activations = backends::mlx::serialization::generated::fb::QmmActivations::Int16,
+    int32_t ranks = 1,
+    int32_t rank = 0,
+    ::flatbuffers::Offset<::flatbuffers::String> group_id = 0) {
   GraphBuilder builder_(_fbb);
+  builder_.add_group_id(group_id);
+  builder_.add_rank(rank);
+  builder_.add_ranks(ranks);
   builder_.add_plain_step_when(plain_step_when);
   builder_.add_plain_step(plain_step);
   builder_.add_instructions(instructions);
@@ -5698,13 +5871,17 @@ inline ::flatbuffers::Offset<Graph> CreateGraphDirect(
     const std::vector<::flatbuffers::Offset<backends::mlx::serialization::generated::fb::Instruction>> *instructions = nullptr,
     const std::vector<uint8_t> *plain_step = nullptr,
     int32_t plain_step_when = -1,
-    backends::mlx::serialization::generated::fb::QmmActivations qmm_activations = backends::mlx::serialization::generated::fb::QmmActivations::Int16) {
+    backends::mlx::serialization::generated::fb::QmmActivations qmm_activations = backends::mlx::serialization::generated::fb::QmmActivations::Int16,
+    int32_t ranks = 1,
+    int32_t rank = 0,
+    const char *group_id = nullptr) {
   auto constants__ = constants ? _fbb.CreateVector<::flatbuffers::Offset<backends::mlx::serialization::generated::fb::Constant>>(*constants) : 0;
   auto inputs__ = inputs ? _fbb.CreateVector<::flatbuffers::Offset<backends::mlx::serialization::generated::fb::IoSpec>>(*inputs) : 0;
   auto outputs__ = outputs ? _fbb.CreateVector<::flatbuffers::Offset<backends::mlx::serialization::generated::fb::IoSpec>>(*outputs) : 0;
   auto mutable_buffers__ = mutable_buffers ? _fbb.CreateVector<::flatbuffers::Offset<backends::mlx::serialization::generated::fb::MutableBuffer>>(*mutable_buffers) : 0;
   auto instructions__ = instructions ? _fbb.CreateVector<::flatbuffers::Offset<backends::mlx::serialization::generated::fb::Instruction>>(*instructions) : 0;
   auto plain_step__ = plain_step ? _fbb.CreateVector<uint8_t>(*plain_step) : 0;
+  auto group_id__ = group_id ? _fbb.CreateString(group_id) : 0;
   return backends::mlx::serialization::generated::fb::CreateGraph(
       _fbb,
       num_tensors,
@@ -5716,7 +5893,10 @@ inline ::flatbuffers::Offset<Graph> CreateGraphDirect(
       instructions__,
       plain_step__,
       plain_step_when,
-      qmm_activations);
+      qmm_activations,
+      ranks,
+      rank,
+      group_id__);
 }
 
 template <bool B>
@@ -5895,6 +6075,14 @@ inline bool VerifyNode(::flatbuffers::VerifierTemplate<B> &verifier, const void 
     }
     case Node::QuantizedSdpaNode: {
       auto ptr = reinterpret_cast<const backends::mlx::serialization::generated::fb::QuantizedSdpaNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Node::AllSumNode: {
+      auto ptr = reinterpret_cast<const backends::mlx::serialization::generated::fb::AllSumNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Node::AllGatherNode: {
+      auto ptr = reinterpret_cast<const backends::mlx::serialization::generated::fb::AllGatherNode *>(obj);
       return verifier.VerifyTable(ptr);
     }
     default: return true;

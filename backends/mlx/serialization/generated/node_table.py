@@ -49,6 +49,8 @@ NODE_TAGS = {
     'ConvNode': 41,
     'PadNode': 42,
     'QuantizedSdpaNode': 43,
+    'AllSumNode': 44,
+    'AllGatherNode': 45,
 }
 
 # union member name -> {field: schema type}, in declaration order
@@ -96,4 +98,6 @@ NODE_FIELDS = {
     'ConvNode': {'x': 'Tid', 'w': 'Tid', 'stride': '[int]', 'padding_lo': '[int]', 'padding_hi': '[int]', 'kernel_dilation': '[int]', 'input_dilation': '[int]', 'groups': 'int', 'flip': 'bool', 'out': 'Tid'},
     'PadNode': {'x': 'Tid', 'axes': '[int]', 'low': '[int]', 'high': '[int]', 'value': 'double', 'out': 'Tid'},
     'QuantizedSdpaNode': {'q': 'Tid', 'k': 'Tid', 'k_scales': 'Tid', 'k_biases': 'Tid', 'v': 'Tid', 'v_scales': 'Tid', 'v_biases': 'Tid', 'mask': 'Tid', 'scale': 'float', 'group_size': 'int', 'bits': 'int', 'out': 'Tid', 'window': 'bool', 'window_base': 'Tid', 'window_shift': 'long', 'window_per_query': 'bool'},
+    'AllSumNode': {'x': 'Tid', 'out': 'Tid'},
+    'AllGatherNode': {'x': 'Tid', 'out': 'Tid'},
 }

@@ -297,8 +297,22 @@ class DecoderMeta(object):
             return self._tab.Get(flatbuffers.number_types.Int64Flags, o + self._tab.Pos)
         return 0
 
+    # DecoderMeta
+    def Ranks(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(50))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int64Flags, o + self._tab.Pos)
+        return 1
+
+    # DecoderMeta
+    def Rank(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(52))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int64Flags, o + self._tab.Pos)
+        return 0
+
 def DecoderMetaStart(builder):
-    builder.StartObject(23)
+    builder.StartObject(25)
 
 def Start(builder):
     DecoderMetaStart(builder)
@@ -477,6 +491,18 @@ def DecoderMetaAddKvGroupSize(builder, kvGroupSize):
 def AddKvGroupSize(builder, kvGroupSize):
     DecoderMetaAddKvGroupSize(builder, kvGroupSize)
 
+def DecoderMetaAddRanks(builder, ranks):
+    builder.PrependInt64Slot(23, ranks, 1)
+
+def AddRanks(builder, ranks):
+    DecoderMetaAddRanks(builder, ranks)
+
+def DecoderMetaAddRank(builder, rank):
+    builder.PrependInt64Slot(24, rank, 0)
+
+def AddRank(builder, rank):
+    DecoderMetaAddRank(builder, rank)
+
 def DecoderMetaEnd(builder):
     return builder.EndObject()
 
@@ -518,6 +544,8 @@ class DecoderMetaT(object):
         toolCallFormat = None,
         kvBits = 0,
         kvGroupSize = 0,
+        ranks = 1,
+        rank = 0,
     ):
         self.maxSeqLen = maxSeqLen  # type: int
         self.vocabSize = vocabSize  # type: int
@@ -542,6 +570,8 @@ class DecoderMetaT(object):
         self.toolCallFormat = toolCallFormat  # type: Optional[str]
         self.kvBits = kvBits  # type: int
         self.kvGroupSize = kvGroupSize  # type: int
+        self.ranks = ranks  # type: int
+        self.rank = rank  # type: int
 
     @classmethod
     def InitFromBuf(cls, buf, pos):
@@ -619,6 +649,8 @@ class DecoderMetaT(object):
         self.toolCallFormat = decoderMeta.ToolCallFormat()
         self.kvBits = decoderMeta.KvBits()
         self.kvGroupSize = decoderMeta.KvGroupSize()
+        self.ranks = decoderMeta.Ranks()
+        self.rank = decoderMeta.Rank()
 
     # DecoderMetaT
     def Pack(self, builder):
@@ -718,5 +750,7 @@ class DecoderMetaT(object):
             DecoderMetaAddToolCallFormat(builder, toolCallFormat)
         DecoderMetaAddKvBits(builder, self.kvBits)
         DecoderMetaAddKvGroupSize(builder, self.kvGroupSize)
+        DecoderMetaAddRanks(builder, self.ranks)
+        DecoderMetaAddRank(builder, self.rank)
         decoderMeta = DecoderMetaEnd(builder)
         return decoderMeta

@@ -208,8 +208,29 @@ class Graph(object):
             return self._tab.Get(flatbuffers.number_types.Uint8Flags, o + self._tab.Pos)
         return 0
 
+    # Graph
+    def Ranks(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(24))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int32Flags, o + self._tab.Pos)
+        return 1
+
+    # Graph
+    def Rank(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(26))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int32Flags, o + self._tab.Pos)
+        return 0
+
+    # Graph
+    def GroupId(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(28))
+        if o != 0:
+            return self._tab.String(o + self._tab.Pos)
+        return None
+
 def GraphStart(builder):
-    builder.StartObject(10)
+    builder.StartObject(13)
 
 def Start(builder):
     GraphStart(builder)
@@ -310,6 +331,24 @@ def GraphAddQmmActivations(builder, qmmActivations):
 def AddQmmActivations(builder, qmmActivations):
     GraphAddQmmActivations(builder, qmmActivations)
 
+def GraphAddRanks(builder, ranks):
+    builder.PrependInt32Slot(10, ranks, 1)
+
+def AddRanks(builder, ranks):
+    GraphAddRanks(builder, ranks)
+
+def GraphAddRank(builder, rank):
+    builder.PrependInt32Slot(11, rank, 0)
+
+def AddRank(builder, rank):
+    GraphAddRank(builder, rank)
+
+def GraphAddGroupId(builder, groupId):
+    builder.PrependUOffsetTRelativeSlot(12, flatbuffers.number_types.UOffsetTFlags.py_type(groupId), 0)
+
+def AddGroupId(builder, groupId):
+    GraphAddGroupId(builder, groupId)
+
 def GraphEnd(builder):
     return builder.EndObject()
 
@@ -340,6 +379,9 @@ class GraphT(object):
         plainStep = None,
         plainStepWhen = -1,
         qmmActivations = 0,
+        ranks = 1,
+        rank = 0,
+        groupId = None,
     ):
         self.numTensors = numTensors  # type: int
         self.numValues = numValues  # type: int
@@ -351,6 +393,9 @@ class GraphT(object):
         self.plainStep = plainStep  # type: Optional[List[int]]
         self.plainStepWhen = plainStepWhen  # type: int
         self.qmmActivations = qmmActivations  # type: int
+        self.ranks = ranks  # type: int
+        self.rank = rank  # type: int
+        self.groupId = groupId  # type: Optional[str]
 
     @classmethod
     def InitFromBuf(cls, buf, pos):
@@ -424,6 +469,9 @@ class GraphT(object):
                 self.plainStep = graph.PlainStepAsNumpy()
         self.plainStepWhen = graph.PlainStepWhen()
         self.qmmActivations = graph.QmmActivations()
+        self.ranks = graph.Ranks()
+        self.rank = graph.Rank()
+        self.groupId = graph.GroupId()
 
     # GraphT
     def Pack(self, builder):
@@ -475,6 +523,8 @@ class GraphT(object):
                 for i in reversed(range(len(self.plainStep))):
                     builder.PrependUint8(self.plainStep[i])
                 plainStep = builder.EndVector()
+        if self.groupId is not None:
+            groupId = builder.CreateString(self.groupId)
         GraphStart(builder)
         GraphAddNumTensors(builder, self.numTensors)
         GraphAddNumValues(builder, self.numValues)
@@ -492,5 +542,9 @@ class GraphT(object):
             GraphAddPlainStep(builder, plainStep)
         GraphAddPlainStepWhen(builder, self.plainStepWhen)
         GraphAddQmmActivations(builder, self.qmmActivations)
+        GraphAddRanks(builder, self.ranks)
+        GraphAddRank(builder, self.rank)
+        if self.groupId is not None:
+            GraphAddGroupId(builder, groupId)
         graph = GraphEnd(builder)
         return graph

@@ -47,6 +47,8 @@ class Node(object):
     ConvNode = 41
     PadNode = 42
     QuantizedSdpaNode = 43
+    AllSumNode = 44
+    AllGatherNode = 45
 
 def NodeCreator(unionType, table):
     from flatbuffers.table import Table
@@ -181,4 +183,10 @@ def NodeCreator(unionType, table):
     if unionType == Node.QuantizedSdpaNode:
         import backends.mlx.serialization.generated.fb.QuantizedSdpaNode
         return backends.mlx.serialization.generated.fb.QuantizedSdpaNode.QuantizedSdpaNodeT.InitFromBuf(table.Bytes, table.Pos)
+    if unionType == Node.AllSumNode:
+        import backends.mlx.serialization.generated.fb.AllSumNode
+        return backends.mlx.serialization.generated.fb.AllSumNode.AllSumNodeT.InitFromBuf(table.Bytes, table.Pos)
+    if unionType == Node.AllGatherNode:
+        import backends.mlx.serialization.generated.fb.AllGatherNode
+        return backends.mlx.serialization.generated.fb.AllGatherNode.AllGatherNodeT.InitFromBuf(table.Bytes, table.Pos)
     return None
