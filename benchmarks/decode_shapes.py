@@ -86,10 +86,13 @@ def llama_cpp_available() -> bool:
     return True
 
 
+GNU_TIME = Path("/usr/bin/time")
+
+
 def export_in_child(checkpoint: Path, pte: Path, max_seq_len: int, log, extra: list[str] = ()) -> dict:
-    """`etmlx export --model checkpoint [extra flags]` in a fresh process: its wall time and peak RSS (wait4's
-    ru_maxrss). `pte` is a decode_programs.cached_pte path: older exports of the same engine name (other sources,
-    other lengths) are removed first."""
+    """`etmlx export --model checkpoint [extra flags]` in a fresh process: its wall time and peak RSS (GNU
+    time's, else wait4's ru_maxrss). `pte` is a decode_programs.cached_pte path: older exports of the same engine
+    name (other sources, other lengths) are removed first."""
     info_path = Path(str(pte) + ".export.json")
     if pte.is_file() and info_path.is_file():
         log(f"  etmlx: cached {pte} (export figures from when it was made)")
@@ -99,6 +102,12 @@ def export_in_child(checkpoint: Path, pte: Path, max_seq_len: int, log, extra: l
     command = [str(Path(sys.executable).parent / "etmlx"), "export", "--model", str(checkpoint), "--out", str(pte),
                "--max-seq-len", str(max_seq_len), *extra]
     log(f"  etmlx: {' '.join(command[1:])}")
+    # A child's ru_maxrss starts from this process's own RSS (Linux keeps the forked parent's high-water mark
+    # across exec): GNU time's child starts from time's few MB, so its figure is the export's alone.
+    rss_file = Path(str(pte) + ".rss")
+    timed = GNU_TIME.is_file()
+    if timed:
+        command = [str(GNU_TIME), "-f", "%M", "-o", str(rss_file), *command]
     start = time.perf_counter()
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output = child.stdout.read()
@@ -106,7 +115,9 @@ def export_in_child(checkpoint: Path, pte: Path, max_seq_len: int, log, extra: l
     wall = time.perf_counter() - start
     if os.waitstatus_to_exitcode(status) != 0:
         raise RuntimeError(f"etmlx export failed:\n{output[-3000:]}")
-    info = {"export_wall_s": wall, "export_peak_rss_bytes": usage.ru_maxrss * 1024}
+    peak_kb = int(rss_file.read_text().strip().splitlines()[-1]) if timed else usage.ru_maxrss
+    rss_file.unlink(missing_ok=True)
+    info = {"export_wall_s": wall, "export_peak_rss_bytes": peak_kb * 1024}
     info_path.write_text(json.dumps(info))
     log(f"  etmlx: exported in {wall:.1f} s, peak RSS {info['export_peak_rss_bytes'] / 1e6:.0f} MB")
     return info
@@ -308,12 +319,13 @@ def format_report(report: dict) -> str:
     for d in report["dtypes"]:
         e = d["export"]
         if "peak_rss_over_weights" in e:
-            lines.append(f"{d['dtype']:<5} etmlx export of the mlx-lm directory: peak RSS {e['peak_rss_over_weights']:.2f}x "
-                         f"its {e['weight_bytes'] / 1e6:.0f} MB of weights (target <= 1.3x)")
+            lines.append(f"{d['dtype']:<5} etmlx export of the mlx-lm directory: peak RSS "
+                         f"{e['peak_rss_over_weights']:.2f}x its {e['weight_bytes'] / 1e6:.0f} MB of weights "
+                         "(target <= 1.3x)")
     e = report.get("bf16_export")
     if e:
-        lines.append(f"bf16  etmlx export --quantize int4 of the bfloat16 checkpoint: {e['export_wall_s']:.0f} s, peak RSS "
-                     f"{e['export_peak_rss_bytes'] / 1e6:.0f} MB, {e['peak_rss_over_weights']:.2f}x its "
+        lines.append(f"bf16  etmlx export --quantize int4 of the bfloat16 checkpoint: {e['export_wall_s']:.0f} s, "
+                     f"peak RSS {e['export_peak_rss_bytes'] / 1e6:.0f} MB, {e['peak_rss_over_weights']:.2f}x its "
                      f"{e['weight_bytes'] / 1e6:.0f} MB (target <= 1.5x)")
     if report.get("packed"):
         lines.append("llama.cpp not measured: a packed shape has no float weights to write its GGUF from")
