@@ -34,7 +34,15 @@ SHAPES = {
     "llama-3.2-1b": dict(architecture="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
                          num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                          tie_word_embeddings=True, rope_theta=500000.0),
+    # meta-llama/Llama-3.1-8B (its rope scaling left out): built packed (PACKED_SHAPES)
+    "llama-3.1-8b": dict(architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                         tie_word_embeddings=False, rope_theta=500000.0),
 }
+# Shapes whose float32 checkpoint would not fit in memory (32 GB at 8B): their mlx-lm directory is written
+# packed, 4-bit with bfloat16 scales, from random integers (benchmarks/packed_checkpoint.py); there are no float
+# weights, so llama.cpp (whose GGUF is written from them) is not measured on them.
+PACKED_SHAPES = ("llama-3.1-8b",)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 ARCHITECTURES = ("llama", "qwen2")
@@ -187,3 +195,58 @@ def cached_quantized(float_dir: Path, scheme: str, cache_dir: Path, float_dtype:
                 dtype=float_dtype if cast else None)
     marker.write_text(json.dumps(source))  # last: a directory without it is converted again
     return directory
+
+
+def cached_bfloat16(float_dir: Path) -> Path:
+    """The float32 checkpoint `float_dir` as a bfloat16 Hugging Face checkpoint (`<float_dir>-bfloat16`), as
+    releases ship: each tensor read from the mapped file and cast alone, written in shards of at most SHARD_BYTES,
+    so the conversion holds one shard, not the model."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    float_dir = Path(float_dir)
+    directory = float_dir.parent / f"{float_dir.name}-bfloat16"
+    marker = directory / "bench_source.json"
+    source = {"float": (float_dir / "bench_spec.json").read_text(), "dtype": "bfloat16"}
+    if marker.is_file() and json.loads(marker.read_text()) == source:
+        return directory
+    if directory.exists():
+        shutil.rmtree(directory)
+    directory.mkdir(parents=True)
+    shards, shard, size = [], {}, 0
+    for path in sorted(float_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                tensor = f.get_tensor(key)
+                shard[key] = tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
+                size += shard[key].numel() * shard[key].element_size()
+                if size >= SHARD_BYTES:
+                    shards.append(_write_shard(directory, len(shards), shard, save_file))
+                    shard, size = {}, 0
+    if shard:
+        shards.append(_write_shard(directory, len(shards), shard, save_file))
+    names = {}
+    for n, keys in enumerate(shards):
+        final = f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
+        (directory / f"part-{n}.safetensors").rename(directory / final)
+        names.update({key: final for key in keys})
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": names}))
+    config = json.loads((float_dir / "config.json").read_text())
+    config.update(torch_dtype="bfloat16", dtype="bfloat16")
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    for name in float_dir.iterdir():
+        if name.suffix != ".safetensors" and name.name not in ("config.json", "model.safetensors.index.json") \
+                and name.is_file():
+            shutil.copy(name, directory / name.name)
+    marker.write_text(json.dumps(source))  # last: a directory without it is converted again
+    return directory
+
+
+SHARD_BYTES = 1 << 30
+
+
+def _write_shard(directory: Path, n: int, shard: dict, save_file) -> list:
+    save_file(shard, str(directory / f"part-{n}.safetensors"), metadata={"format": "pt"})
+    return list(shard)

@@ -62,7 +62,10 @@ def _decode(args) -> int:
             raise ValueError("etmlx bench decode: --quick and --shape exclude each other")
         dtypes = dtypes if args.dtypes != DEFAULT_DECODE_DTYPES else ("int4",)
         return decode_shapes.main(args.shape, args.json, dtypes=dtypes, repeats=args.repeats,
-                                  cache_dir=args.cache_dir, quantized_float_dtype=args.quantized_dtype or "float32")
+                                  cache_dir=args.cache_dir, quantized_float_dtype=args.quantized_dtype or "float32",
+                                  bf16_export=args.bf16_export)
+    if args.bf16_export:
+        raise ValueError("etmlx bench decode: --bf16-export applies to --shape")
     if args.quantized_dtype:
         raise ValueError("etmlx bench decode: --quantized-dtype applies to --shape")
     from benchmarks import decode
@@ -163,7 +166,8 @@ def add_parsers(bench: argparse.ArgumentParser) -> None:
     _common(p, repeats="3 generations", cache=True)
     p.add_argument("--quick", action="store_true", help="a tiny model and short runs (CI smoke)")
     p.add_argument("--shape", help=SHAPE_HELP + ", against mlx-lm and llama.cpp (make bench-deps), with the "
-                   "memory-bandwidth floor; --dtypes int4 (default), int8 or both")
+                   "memory-bandwidth floor; --dtypes int4 (default), int8 or both; or llama-3.1-8b, written packed "
+                   "with bfloat16 scales (no float checkpoint, no llama.cpp)")
     p.add_argument("--dtypes", default=DEFAULT_DECODE_DTYPES,
                    help="comma-separated weight dtypes: float32, bfloat16, int4, int8")
     p.add_argument("--quantized-dtype", choices=("float32", "bfloat16"),
@@ -179,6 +183,9 @@ def add_parsers(bench: argparse.ArgumentParser) -> None:
                    help="--context: the program's float dtype, its float KV cache's and the scales' (default float32)")
     p.add_argument("--tensor-parallel", type=int, metavar="N", help="an N-rank tensor-parallel program against the "
                    "one-rank program: weight bytes per rank, decode speed, bytes exchanged and time in collectives")
+    p.add_argument("--bf16-export", action="store_true",
+                   help="--shape: also export the shape's bfloat16 checkpoint with --quantize int4 and report its "
+                   "peak RSS over the checkpoint's bytes")
     p.set_defaults(func=_decode)
 
     p = sub.add_parser("serve", help="tokens/s and time to first token for concurrent streams")

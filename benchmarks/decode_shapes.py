@@ -37,7 +37,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -46,6 +46,7 @@ from benchmarks import decode_memory as memory
 from benchmarks import decode_programs as programs
 from benchmarks.decode import common_prefix
 from benchmarks import checkpoints as ckpt
+from benchmarks import packed_checkpoint as packed
 
 GGUF_TYPES = {"int4": ("Q4_0", "F16"), "int8": ("Q8_0",)}
 SLOW_DECODE_TOKENS_PER_S = 5.0
@@ -63,6 +64,8 @@ class ShapeSettings:
     # The mlx-lm directory's scales, biases and norms: float32 (the float checkpoint's) or bfloat16 (mlx_lm.convert
     # --dtype bfloat16, as published 4-bit models have them: 0.5 bits a weight fewer at group 64).
     quantized_float_dtype: str = "float32"
+    # Also export the shape's bfloat16 checkpoint with --quantize int4 and report its peak RSS (--bf16-export).
+    bf16_export: bool = False
 
     def __post_init__(self):
         if self.quantized_float_dtype not in ckpt.QUANTIZED_FLOAT_DTYPES:
@@ -83,10 +86,13 @@ def llama_cpp_available() -> bool:
     return True
 
 
+GNU_TIME = Path("/usr/bin/time")
+
+
 def export_in_child(checkpoint: Path, pte: Path, max_seq_len: int, log, extra: list[str] = ()) -> dict:
-    """`etmlx export --model checkpoint [extra flags]` in a fresh process: its wall time and peak RSS (wait4's
-    ru_maxrss). `pte` is a decode_programs.cached_pte path: older exports of the same engine name (other sources,
-    other lengths) are removed first."""
+    """`etmlx export --model checkpoint [extra flags]` in a fresh process: its wall time and peak RSS (GNU
+    time's, else wait4's ru_maxrss). `pte` is a decode_programs.cached_pte path: older exports of the same engine
+    name (other sources, other lengths) are removed first."""
     info_path = Path(str(pte) + ".export.json")
     if pte.is_file() and info_path.is_file():
         log(f"  etmlx: cached {pte} (export figures from when it was made)")
@@ -96,6 +102,12 @@ def export_in_child(checkpoint: Path, pte: Path, max_seq_len: int, log, extra: l
     command = [str(Path(sys.executable).parent / "etmlx"), "export", "--model", str(checkpoint), "--out", str(pte),
                "--max-seq-len", str(max_seq_len), *extra]
     log(f"  etmlx: {' '.join(command[1:])}")
+    # A child's ru_maxrss starts from this process's own RSS (Linux keeps the forked parent's high-water mark
+    # across exec): GNU time's child starts from time's few MB, so its figure is the export's alone.
+    rss_file = Path(str(pte) + ".rss")
+    timed = GNU_TIME.is_file()
+    if timed:
+        command = [str(GNU_TIME), "-f", "%M", "-o", str(rss_file), *command]
     start = time.perf_counter()
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output = child.stdout.read()
@@ -103,7 +115,9 @@ def export_in_child(checkpoint: Path, pte: Path, max_seq_len: int, log, extra: l
     wall = time.perf_counter() - start
     if os.waitstatus_to_exitcode(status) != 0:
         raise RuntimeError(f"etmlx export failed:\n{output[-3000:]}")
-    info = {"export_wall_s": wall, "export_peak_rss_bytes": usage.ru_maxrss * 1024}
+    peak_kb = int(rss_file.read_text().strip().splitlines()[-1]) if timed else usage.ru_maxrss
+    rss_file.unlink(missing_ok=True)
+    info = {"export_wall_s": wall, "export_peak_rss_bytes": peak_kb * 1024}
     info_path.write_text(json.dumps(info))
     log(f"  etmlx: exported in {wall:.1f} s, peak RSS {info['export_peak_rss_bytes'] / 1e6:.0f} MB")
     return info
@@ -127,14 +141,27 @@ def _engines(files: dict, max_seq_len: int) -> list:
     return made
 
 
-def measure(settings: ShapeSettings, spec: ckpt.CheckpointSpec, float_dir: Path, dtype: str, cache_dir: Path,
+def with_weight_ratio(export: dict, weight_bytes: int, log) -> dict:
+    """The export figures and its peak RSS over the checkpoint's weight bytes (issue 51's target: 1.3x for an
+    mlx-lm directory, 1.5x for a bfloat16 checkpoint quantized at export)."""
+    ratio = export["export_peak_rss_bytes"] / weight_bytes
+    log(f"  etmlx: export peak RSS {ratio:.2f}x the checkpoint's {weight_bytes / 1e6:.0f} MB of weights")
+    return {**export, "weight_bytes": weight_bytes, "peak_rss_over_weights": ratio}
+
+
+def measure(settings: ShapeSettings, spec: ckpt.CheckpointSpec, float_dir: Path | None, dtype: str, cache_dir: Path,
             with_llama_cpp: bool, log) -> dict:
-    quantized_dir = ckpt.cached_quantized(float_dir, dtype, cache_dir, settings.quantized_float_dtype)
+    """float_dir None: a packed shape (checkpoints.PACKED_SHAPES), its mlx-lm directory written directly."""
+    if float_dir is None:
+        quantized_dir = packed.cached(spec, cache_dir, ckpt.QUANTIZED[dtype])
+    else:
+        quantized_dir = ckpt.cached_quantized(float_dir, dtype, cache_dir, settings.quantized_float_dtype)
     log(f"{dtype}: {quantized_dir}")
     pte = programs.cached_pte(quantized_dir, "etmlx", settings.max_seq_len)
-    export = export_in_child(quantized_dir, pte, settings.max_seq_len, log)
+    export = with_weight_ratio(export_in_child(quantized_dir, pte, settings.max_seq_len, log),
+                               packed.weight_bytes(quantized_dir), log)
     files = {"etmlx": pte, "mlx_lm": quantized_dir, "mlx_lm_bflo": quantized_dir}
-    if with_llama_cpp:
+    if with_llama_cpp and float_dir is not None:
         from benchmarks.gguf_checkpoint import cached_gguf
 
         for qtype in GGUF_TYPES[dtype]:
@@ -200,14 +227,24 @@ def run(shape: str, dtypes=("int4",), settings: ShapeSettings = ShapeSettings(),
 
     spec = ckpt.CheckpointSpec(**ckpt.SHAPES[shape], dtype="float32", seed=settings.seed)
     start = time.perf_counter()
-    float_dir = ckpt.cached(spec, Path(cache_dir))
-    log(f"{shape}: {spec.parameters / 1e6:.0f}M parameters, checkpoint {float_dir} ({time.perf_counter() - start:.0f} s)")
-    with_llama_cpp = llama_cpp_available()
-    if not with_llama_cpp:
+    packed_shape = shape in ckpt.PACKED_SHAPES
+    if packed_shape:  # no float checkpoint: the directories are written packed, with bfloat16 scales
+        float_dir, settings = None, replace(settings, quantized_float_dtype="bfloat16")
+        log(f"{shape}: {spec.parameters / 1e6:.0f}M parameters, written packed (no float checkpoint; "
+            "llama.cpp, whose GGUF comes from float weights, is not measured)")
+    else:
+        float_dir = ckpt.cached(spec, Path(cache_dir))
+        log(f"{shape}: {spec.parameters / 1e6:.0f}M parameters, checkpoint {float_dir} "
+            f"({time.perf_counter() - start:.0f} s)")
+    with_llama_cpp = llama_cpp_available() and not packed_shape
+    if not with_llama_cpp and not packed_shape:
         log("llama.cpp baseline skipped: llama_cpp / gguf not installed (make bench-deps)")
     threads = len(os.sched_getaffinity(0))
     bandwidth = read_bandwidth_gbs(threads)
     per_dtype = [measure(settings, spec, float_dir, d, Path(cache_dir), with_llama_cpp, log) for d in dtypes]
+    bf16_export = None
+    if settings.bf16_export and not packed_shape:
+        bf16_export = export_bfloat16(spec, float_dir, settings, Path(cache_dir), log)
     bandwidth = max(bandwidth, read_bandwidth_gbs(threads))  # again after the runs: the better of two
     import mlx.core as mx
 
@@ -215,7 +252,18 @@ def run(shape: str, dtypes=("int4",), settings: ShapeSettings = ShapeSettings(),
                f"etmlx kernels {kernels_info()}")
     return {"shape": shape, "spec": asdict(spec), "parameters": spec.parameters, "settings": asdict(settings),
             "machine": machine, "read_bandwidth_gbs": bandwidth, "dtypes": per_dtype,
-            "llama_cpp": with_llama_cpp}
+            "llama_cpp": with_llama_cpp, "packed": packed_shape, "bf16_export": bf16_export}
+
+
+def export_bfloat16(spec: ckpt.CheckpointSpec, float_dir: Path, settings: ShapeSettings, cache_dir: Path,
+                    log) -> dict:
+    """`etmlx export --quantize int4` of the shape's bfloat16 Hugging Face checkpoint (the float32 one cast,
+    tensor by tensor): its wall time and peak RSS over the checkpoint's bytes (target: 1.5x)."""
+    bf16_dir = ckpt.cached_bfloat16(float_dir)
+    log(f"bfloat16 checkpoint: {bf16_dir}")
+    pte = programs.cached_pte(bf16_dir, "etmlx-int4", settings.max_seq_len)
+    export = export_in_child(bf16_dir, pte, settings.max_seq_len, log, ["--quantize", "int4"])
+    return with_weight_ratio(export, packed.weight_bytes(bf16_dir), log)
 
 
 def _num(value, width: int) -> str:
@@ -268,14 +316,27 @@ def format_report(report: dict) -> str:
         if d["slow_prefill_once"]:
             lines.append(f"{d['dtype']:<5} {', '.join(d['slow_prefill_once'])}: timed once, not {s['repeats']} times "
                          f"and only the {min(lens)}-token prefill (it decodes under {SLOW_DECODE_TOKENS_PER_S:.0f} tok/s)")
-    if not report["llama_cpp"]:
+    for d in report["dtypes"]:
+        e = d["export"]
+        if "peak_rss_over_weights" in e:
+            lines.append(f"{d['dtype']:<5} etmlx export of the mlx-lm directory: peak RSS "
+                         f"{e['peak_rss_over_weights']:.2f}x its {e['weight_bytes'] / 1e6:.0f} MB of weights "
+                         "(target <= 1.3x)")
+    e = report.get("bf16_export")
+    if e:
+        lines.append(f"bf16  etmlx export --quantize int4 of the bfloat16 checkpoint: {e['export_wall_s']:.0f} s, "
+                     f"peak RSS {e['export_peak_rss_bytes'] / 1e6:.0f} MB, {e['peak_rss_over_weights']:.2f}x its "
+                     f"{e['weight_bytes'] / 1e6:.0f} MB (target <= 1.5x)")
+    if report.get("packed"):
+        lines.append("llama.cpp not measured: a packed shape has no float weights to write its GGUF from")
+    elif not report["llama_cpp"]:
         lines.append("llama.cpp not measured: run `make bench-deps` (llama-cpp-python built from source, gguf)")
     return "\n".join(lines)
 
 
 def main(shape: str, json_path: str | None = None, dtypes=("int4",), repeats: int | None = None,
-         cache_dir: str = "out/bench", quantized_float_dtype: str = "float32") -> int:
-    settings = ShapeSettings(quantized_float_dtype=quantized_float_dtype,
+         cache_dir: str = "out/bench", quantized_float_dtype: str = "float32", bf16_export: bool = False) -> int:
+    settings = ShapeSettings(quantized_float_dtype=quantized_float_dtype, bf16_export=bf16_export,
                              **({} if repeats is None else {"repeats": repeats}))
     report = run(shape, tuple(dtypes), settings, Path(cache_dir))
     print(format_report(report))

@@ -65,6 +65,9 @@ def _shape_item(shape: str, out: Path, cache_dir: Path, log) -> dict:
     """A published model's shape (checkpoints.SHAPES), 4-bit: the etmlx .pte only (a real-size mlx-lm
     directory would double what travels), so mlx-lm runs the same config with its own random 4-bit weights
     there: a speed comparison, no token comparison."""
+    if shape in ckpt.PACKED_SHAPES:  # its float32 checkpoint would not fit in memory
+        raise ValueError(f"--shape {shape} is built packed for `etmlx bench decode --shape` only; this benchmark "
+                         "needs its float checkpoint")
     fields = dict(ckpt.SHAPES[shape])
     spec = ckpt.CheckpointSpec(**fields)
     mlx_dir = ckpt.cached_quantized(ckpt.cached(spec, cache_dir), "int4", cache_dir)

@@ -27,6 +27,9 @@ MAX_SEQ_LEN = 576  # as bench decode --shape: its programs are shared
 
 
 def _programs(shape: str, cache_dir: Path, draft_tokens: int, log) -> tuple[Path, Path]:
+    if shape in ckpt.PACKED_SHAPES:  # its float32 checkpoint would not fit in memory
+        raise ValueError(f"--shape {shape} is built packed for `etmlx bench decode --shape` only; this benchmark "
+                         "needs its float checkpoint")
     spec = ckpt.CheckpointSpec(**ckpt.SHAPES[shape], dtype="float32", seed=0)
     quantized_dir = ckpt.cached_quantized(ckpt.cached(spec, cache_dir), SCHEME, cache_dir)
     log(f"{shape}: {spec.parameters / 1e6:.0f}M parameters, {SCHEME}: {quantized_dir}")

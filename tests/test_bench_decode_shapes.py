@@ -2,6 +2,7 @@
 GGUF files written for its llama.cpp baseline read back to the weights they came from."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,7 +25,8 @@ def report(tmp_path_factory):
     # and which lengths the report has must not depend on timing.
     slow, decode_shapes.SLOW_DECODE_TOKENS_PER_S = decode_shapes.SLOW_DECODE_TOKENS_PER_S, 0.0
     try:
-        settings = decode_shapes.ShapeSettings(prompt_lens=(8, 16), steps=4, repeats=1, max_seq_len=32)
+        settings = decode_shapes.ShapeSettings(prompt_lens=(8, 16), steps=4, repeats=1, max_seq_len=32,
+                                               bf16_export=True)
         return decode_shapes.run("tiny-qwen2", ("int4",), settings, cache, log=lambda *_: None)
     finally:
         ckpt.SHAPES = original
@@ -41,6 +43,21 @@ def test_report_has_every_engine_and_the_floor(report):
     assert decode_shapes.floor_tokens_per_s(report, d) > 0
     text = decode_shapes.format_report(report)
     assert "bandwidth floor" in text and "etmlx decode / bandwidth floor" in text
+
+
+def test_report_has_the_export_rss_over_the_weights(report):
+    """The export's peak RSS over the directory's safetensors bytes, and (--bf16-export) that of the bfloat16
+    checkpoint exported with --quantize int4, whose bytes are half the float32 checkpoint's."""
+    (d,) = report["dtypes"]
+    e, b = d["export"], report["bf16_export"]
+    assert e["peak_rss_over_weights"] == pytest.approx(e["export_peak_rss_bytes"] / e["weight_bytes"])
+    float_bytes = sum(f.stat().st_size for f in ckpt.cached(ckpt.CheckpointSpec(**TINY, architecture="qwen2",
+                                                                                rope_theta=1e6),
+                                                            Path(d["checkpoint"]).parent).glob("*.safetensors"))
+    assert b["weight_bytes"] == pytest.approx(float_bytes / 2, rel=0.05)
+    assert b["peak_rss_over_weights"] == pytest.approx(b["export_peak_rss_bytes"] / b["weight_bytes"])
+    text = decode_shapes.format_report(report)
+    assert "export of the mlx-lm directory: peak RSS" in text and "of the bfloat16 checkpoint" in text
 
 
 def test_etmlx_decodes_mlx_lm_tokens_from_the_same_integers(report):

@@ -22,6 +22,7 @@ from backends.mlx.exporter.edge_target import aten_target
 from backends.mlx.exporter.partitioner import MLXPartitioner
 from backends.mlx.exporter.plain_step import (PlainStep, PlainStepError, delegate_output_positions,
                                               drop_plain_step_specs, plain_step_specs)
+from backends.mlx.exporter import shared_constants
 from backends.mlx.exporter.unused_state import drop_unused_state
 from backends.mlx.exporter.preprocess import ACTIVATIONS_SPEC, FUSE_SPEC, QMM_ACTIVATIONS, RANK_SPEC, WEIGHTS_SPEC
 
@@ -178,6 +179,15 @@ def export_to_pte(
         specs.append(CompileSpec(ACTIVATIONS_SPEC, qmm_activations.encode()))
     if rank is not None:
         specs.append(CompileSpec(RANK_SPEC, "/".join(map(str, rank)).encode("ascii")))
+    # Lowering and serializing deep-copy the program several times: its weights are shared, not cloned
+    # (shared_constants.py).
+    with shared_constants.shared(ep):
+        return _lowered(ep, module, args, kwargs, dynamic_shapes, strict, specs, plain_step, named_data, weights,
+                        say)
+
+
+def _lowered(ep, module, args, kwargs, dynamic_shapes, strict, specs, plain_step, named_data, weights,
+             say) -> ExportResult:
     plain_specs, plain_data, plain_outputs = [], None, None
     if plain_step is not None:
         say("tracing and lowering the plain step")

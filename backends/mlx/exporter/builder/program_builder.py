@@ -204,7 +204,9 @@ class ProgramBuilder:
     def _add_mutable_buffer(self, name: str) -> int:
         """State the delegate keeps across calls, starting from the buffer's exported value."""
         initial = len(self.constants)
-        self.add_constant(self._constant_value(name))
+        # A copy: the store reads a constant's bytes in place until the file is written (weights.TensorBytes),
+        # and an eager call of the module before that would write new state into the buffer itself.
+        self.add_constant(self._constant_value(name).clone())
         slot = self.new_tensor()
         mb = fbc.MutableBufferT()
         mb.slot = _tid(slot)

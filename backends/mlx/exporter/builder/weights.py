@@ -7,6 +7,8 @@ the runtime does with them at load on each device (a copy on the CPU and CUDA bu
 Each key ends in the CRC-32 of its bytes, which the runtime checks at load (runtime/named_constant.cpp): a
 damaged or shifted weight is a load error naming the constant, not different tokens. Small constants
 (scalars, norms' epsilons, masks) stay inline: a named entry costs a key, a segment entry and padding.
+The store holds each weight's bytes where the tensor has them (TensorBytes), not a copy: at real size a copy
+was one more time the weights in memory until the file was written (docs/weights.md).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import hashlib
 import zlib
 
 import torch
+from executorch.exir._serialize._cord import FileBackedData
 from executorch.exir._serialize._named_data_store import NamedDataStore, NamedDataStoreOutput
 
 PLACEMENTS = ("inline", "pte", "external")
@@ -47,12 +50,44 @@ class WeightStore:
             return None
         # A uint8 view of the tensor's own storage: hashing and the store's one copy read it in place.
         raw = tensor.reshape(-1).view(torch.uint8).numpy()
-        digest = hashlib.sha256(memoryview(raw)).hexdigest()[:40]
+        sha256 = hashlib.sha256(memoryview(raw)).digest()
+        digest = sha256.hex()[:40]
         key = f"{KEY_PREFIX}{digest}-{nbytes}-{zlib.crc32(memoryview(raw)):08x}"
         tag = EXTERNAL_TAG if self.placement == "external" else None
-        self.store.add_named_data(key, raw.tobytes(), alignment=ALIGNMENT, external_tag=tag)
+        self.store.add_named_data(key, TensorBytes(raw, sha256), alignment=ALIGNMENT, external_tag=tag)
         self.count += 1
         return key
 
     def output(self) -> NamedDataStoreOutput | None:
         return self.store.get_named_data_store_output() if self.count else None
+
+
+class TensorBytes(FileBackedData):
+    """A tensor's bytes as ExecuTorch's serializer takes a buffer, read in place: the store and the `.pte`
+    writer (`Cord.write_to_file`) accept `bytes` or FileBackedData, whose interface (length, prefix, sha256,
+    to_bytes, write_to_file) this implements over the tensor's own memory (an mmap of the checkpoint for an
+    mlx-lm directory), so no copy of the weights is made. The tensor must not change until the program is
+    written: the exporter's constants are the module's, which nothing writes during an export."""
+
+    def __init__(self, raw, sha256: bytes | None = None):
+        # No FileBackedData.__init__: there is no file (and so nothing to remove when closed).
+        self._view = memoryview(raw).cast("B")
+        self._raw = raw  # keeps the tensor's storage alive
+        self._path = None
+        self._size = self._view.nbytes
+        self._sha256 = sha256  # the store compares digests to share identical buffers
+        self._finalizer = None
+
+    def prefix(self, size: int) -> bytes:
+        return self._view[:size].tobytes()
+
+    def sha256(self) -> bytes:
+        if self._sha256 is None:
+            self._sha256 = hashlib.sha256(self._view).digest()
+        return self._sha256
+
+    def to_bytes(self) -> bytes:
+        return self._view.tobytes()
+
+    def write_to_file(self, outfile) -> None:
+        outfile.write(self._view)

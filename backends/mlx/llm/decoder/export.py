@@ -35,6 +35,7 @@ from backends.mlx.llm.decoder.model_support import float_dtype
 from backends.mlx.llm.decoder.pipelined import FedBackSteps
 from backends.mlx.llm.decoder.pipelined_verify import DeliveredOrFedBack
 from backends.mlx.llm.decoder.proposer import ProposingHead, verify_proposer
+from backends.mlx.llm.decoder.resident_pages import release
 from backends.mlx.llm.decoder.speculative_head import DraftVerifyingHead
 from backends.mlx.llm.decoder.speculative_verify import verify_draft_program
 from backends.mlx.llm.decoder.verify import VerificationError, VerificationReport, verify_decoder
@@ -165,6 +166,9 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
     result.save(Path(out))
     if verify:
         say = progress or (lambda _stage: None)
+        # The eager model's weights mapped from the checkpoint are read again, page by page, by the reference
+        # forward; meanwhile the runtime holds its own copy of them (resident_pages.py).
+        release(model)
         say("verifying the program against the eager model")
         reference = KvCacheReference(model, kv_bits, kv_group_size) if kv_bits else model
         say(_verified(reference, Path(out), external_weights, draft_tokens, propose_tokens).summary())

@@ -18,6 +18,7 @@ within LOGPROB_FACTOR x the tolerance (a log-softmax moves by up to twice its in
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -107,6 +108,10 @@ def verify_decoder(model: torch.nn.Module, pte: Path, steps: int = DECODE_STEPS,
     report = VerificationReport(steps=0, dtype=dtype, quantized=is_quantized(model))
     logprob_errors = []
     steps = list(decoder.stream(prompt, generated, SamplingParams(), stop_at_eos=False))
+    # The runtime's copy of the weights is freed before the eager forward reads the model's: at real size the
+    # two together would be twice the weights (docs/weights.md).
+    del decoder
+    gc.collect()
     # One causal forward over the prompt and the program's tokens gives, at each position, the logits of a
     # full-sequence forward over that prefix: the per-step reference without a cache, for one call's cost.
     ids = prompt + [step.token for step in steps[:-1]]

@@ -1,0 +1,83 @@
+"""`etmlx export` of an mlx-lm 4-bit directory grows its peak RSS by at most 1.3x the weights it adds.
+
+Two random packed directories (benchmarks/packed_checkpoint.py, bfloat16 scales, as mlx-community publishes them)
+differ only in their number of layers; each is exported (with its verification) by the `etmlx` command in a child
+process, and the peak RSS of the two (GNU time's maximum resident set size) is compared: the difference over the
+difference of their safetensors bytes is what each weight byte costs the export, with what does not grow with
+the weights (the interpreter, torch, the vocabulary-sized head's blocks) subtracted, as measured in the same run.
+Issue 51's target is 1.3x the weights at 8B, where that fixed part is small. Before the export read the weights
+in place (lowering cloned every weight, the named data held another copy, and the eager model's pages stayed
+resident while the written program loaded its own copy) this ratio was 3.08; now 1.18 (2026-11-28). The
+control: a child that reads the same files and copies them once must exceed the bound, so the measurement sees a
+copy of the weights.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import checkpoints as ckpt
+from benchmarks import packed_checkpoint as packed
+
+pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
+
+BOUND = 1.3  # issue 51: export peak RSS <= 1.3x the weights of an mlx-lm directory
+# Llama-3.2-1B's layer (34 MB at 4 bits) under a small vocabulary: the layers dominate what differs.
+LAYER = dict(vocab_size=4096, hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
+             num_key_value_heads=8)
+FEW, MANY = 2, 10
+ETMLX = Path(sys.executable).parent / "etmlx"
+TIME = Path("/usr/bin/time")
+# The weights read into memory and copied once, both held: what the export did before (about 2x here).
+COPY = ("import sys, pathlib\n"
+        "read = [f.read_bytes() for f in sorted(pathlib.Path(sys.argv[1]).glob('*.safetensors'))]\n"
+        "copied = [bytearray(b) for b in read]")
+
+
+def _peak_rss(command: list[str]) -> int:
+    """The command's peak RSS, by GNU time: a child's ru_maxrss read here with wait4 would start from this
+    process's own (Linux keeps the larger of the forked parent's and the exec'd program's), time's child from
+    time's few MB."""
+    assert TIME.is_file(), "/usr/bin/time (GNU time) is needed to measure the peak RSS"
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    done = subprocess.run([str(TIME), "-f", "%M", *command], capture_output=True, text=True, env=env, timeout=1100)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    return int(done.stderr.strip().splitlines()[-1]) * 1024
+
+
+def _directory(tmp_path: Path, layers: int) -> Path:
+    spec = ckpt.CheckpointSpec(**LAYER, num_hidden_layers=layers)
+    return packed.cached(spec, tmp_path / "checkpoints")
+
+
+@pytest.fixture(scope="module")
+def directories(tmp_path_factory):
+    root = tmp_path_factory.mktemp("export-memory")
+    return root, _directory(root, FEW), _directory(root, MANY)
+
+
+def _ratio(directories, command) -> tuple[float, int]:
+    _, few, many = directories
+    added = packed.weight_bytes(many) - packed.weight_bytes(few)
+    grown = _peak_rss(command(many)) - _peak_rss(command(few))
+    return grown / added, added
+
+
+@pytest.mark.timeout(1200)
+def test_export_peak_rss_grows_by_at_most_the_target_times_the_weights(directories):
+    root = directories[0]
+    ratio, added = _ratio(directories, lambda d: [str(ETMLX), "export", "--model", str(d), "--out",
+                                                  str(root / f"{d.name}.pte"), "--max-seq-len", "64"])
+    assert added > 250e6
+    assert ratio <= BOUND, (f"export peak RSS grew {ratio:.2f}x the {added / 1e6:.0f} MB of weights added "
+                            f"(bound {BOUND})")
+
+
+def test_a_copy_of_the_weights_exceeds_the_bound(directories):
+    ratio, _ = _ratio(directories, lambda d: [sys.executable, "-c", COPY, str(d)])
+    assert ratio > BOUND, f"holding the mapped weights and a copy grew only {ratio:.2f}x: the measure misses a copy"
