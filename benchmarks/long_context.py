@@ -1,6 +1,6 @@
 """`etmlx bench decode --shape NAME --context 1k,8k,32k [--kv-bits 4] [--layers N] [--vocab V]`: long prompts.
 
-A random model of the shape (benchmarks/checkpoints.py SHAPES, plus llama-3.1-8b here), its linears quantized to
+A random model of the shape (benchmarks/checkpoints.py SHAPES), its linears quantized to
 int4 (group 64, as mlx_lm.convert -q), exported once with max_seq_len = the longest context + the decode steps,
 KV cache float (the model dtype) or --kv-bits 8/4 (llm/decoder/kv_quant.py). Per context, a fresh child process
 loads the program, prefills the prompt in chunks of PREFILL_CHUNK tokens (the program's calls at their own start
@@ -25,9 +25,6 @@ from pathlib import Path
 
 import torch
 
-LLAMA_31_8B = dict(architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                   num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                   tie_word_embeddings=False, rope_theta=500000.0)
 PREFILL_CHUNK = 512
 STEPS = 16
 
@@ -49,7 +46,7 @@ def parse_contexts(text: str) -> list[int]:
 def _shape(name: str) -> dict:
     from benchmarks.checkpoints import SHAPES
 
-    shapes = {**SHAPES, "llama-3.1-8b": LLAMA_31_8B}
+    shapes = SHAPES
     if name not in shapes:
         raise ValueError(f"unknown shape {name!r} (one of {', '.join(sorted(shapes))})")
     return dict(shapes[name])
