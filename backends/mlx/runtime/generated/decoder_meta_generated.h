@@ -471,7 +471,12 @@ struct DecoderMeta FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
     VT_RING_CACHE = 38,
     VT_VERIFY_MIN_WIDTH = 40,
     VT_PROPOSE_TOKENS = 42,
-    VT_TOOL_CALL_FORMAT = 44
+    VT_TOOL_CALL_FORMAT = 44,
+    VT_IMAGE_TOKEN_ID = 46,
+    VT_IMAGE_TOKENS = 48,
+    VT_IMAGE_EMBED_DIM = 50,
+    VT_VISION_METHOD = 52,
+    VT_IMAGE_SIZE = 54
   };
   int64_t max_seq_len() const {
     return GetField<int64_t>(VT_MAX_SEQ_LEN, 0);
@@ -536,6 +541,21 @@ struct DecoderMeta FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   const ::flatbuffers::String *tool_call_format() const {
     return GetPointer<const ::flatbuffers::String *>(VT_TOOL_CALL_FORMAT);
   }
+  int64_t image_token_id() const {
+    return GetField<int64_t>(VT_IMAGE_TOKEN_ID, -1LL);
+  }
+  int64_t image_tokens() const {
+    return GetField<int64_t>(VT_IMAGE_TOKENS, 0);
+  }
+  int64_t image_embed_dim() const {
+    return GetField<int64_t>(VT_IMAGE_EMBED_DIM, 0);
+  }
+  const ::flatbuffers::String *vision_method() const {
+    return GetPointer<const ::flatbuffers::String *>(VT_VISION_METHOD);
+  }
+  const ::flatbuffers::Vector<int64_t> *image_size() const {
+    return GetPointer<const ::flatbuffers::Vector<int64_t> *>(VT_IMAGE_SIZE);
+  }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
     return VerifyTableStart(verifier) &&
@@ -575,6 +595,13 @@ struct DecoderMeta FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
            VerifyField<int64_t>(verifier, VT_PROPOSE_TOKENS, 8) &&
            VerifyOffset(verifier, VT_TOOL_CALL_FORMAT) &&
            verifier.VerifyString(tool_call_format()) &&
+           VerifyField<int64_t>(verifier, VT_IMAGE_TOKEN_ID, 8) &&
+           VerifyField<int64_t>(verifier, VT_IMAGE_TOKENS, 8) &&
+           VerifyField<int64_t>(verifier, VT_IMAGE_EMBED_DIM, 8) &&
+           VerifyOffset(verifier, VT_VISION_METHOD) &&
+           verifier.VerifyString(vision_method()) &&
+           VerifyOffset(verifier, VT_IMAGE_SIZE) &&
+           verifier.VerifyVector(image_size()) &&
            verifier.EndTable();
   }
 };
@@ -646,6 +673,21 @@ struct DecoderMetaBuilder {
   void add_tool_call_format(::flatbuffers::Offset<::flatbuffers::String> tool_call_format) {
     fbb_.AddOffset(DecoderMeta::VT_TOOL_CALL_FORMAT, tool_call_format);
   }
+  void add_image_token_id(int64_t image_token_id) {
+    fbb_.AddElement<int64_t>(DecoderMeta::VT_IMAGE_TOKEN_ID, image_token_id, -1LL);
+  }
+  void add_image_tokens(int64_t image_tokens) {
+    fbb_.AddElement<int64_t>(DecoderMeta::VT_IMAGE_TOKENS, image_tokens, 0);
+  }
+  void add_image_embed_dim(int64_t image_embed_dim) {
+    fbb_.AddElement<int64_t>(DecoderMeta::VT_IMAGE_EMBED_DIM, image_embed_dim, 0);
+  }
+  void add_vision_method(::flatbuffers::Offset<::flatbuffers::String> vision_method) {
+    fbb_.AddOffset(DecoderMeta::VT_VISION_METHOD, vision_method);
+  }
+  void add_image_size(::flatbuffers::Offset<::flatbuffers::Vector<int64_t>> image_size) {
+    fbb_.AddOffset(DecoderMeta::VT_IMAGE_SIZE, image_size);
+  }
   explicit DecoderMetaBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
         : fbb_(_fbb) {
     start_ = fbb_.StartTable();
@@ -680,14 +722,24 @@ inline ::flatbuffers::Offset<DecoderMeta> CreateDecoderMeta(
     ::flatbuffers::Optional<bool> ring_cache = ::flatbuffers::nullopt,
     int64_t verify_min_width = 0,
     int64_t propose_tokens = 0,
-    ::flatbuffers::Offset<::flatbuffers::String> tool_call_format = 0) {
+    ::flatbuffers::Offset<::flatbuffers::String> tool_call_format = 0,
+    int64_t image_token_id = -1LL,
+    int64_t image_tokens = 0,
+    int64_t image_embed_dim = 0,
+    ::flatbuffers::Offset<::flatbuffers::String> vision_method = 0,
+    ::flatbuffers::Offset<::flatbuffers::Vector<int64_t>> image_size = 0) {
   DecoderMetaBuilder builder_(_fbb);
+  builder_.add_image_embed_dim(image_embed_dim);
+  builder_.add_image_tokens(image_tokens);
+  builder_.add_image_token_id(image_token_id);
   builder_.add_propose_tokens(propose_tokens);
   builder_.add_verify_min_width(verify_min_width);
   builder_.add_draft_tokens(draft_tokens);
   builder_.add_batch(batch);
   builder_.add_vocab_size(vocab_size);
   builder_.add_max_seq_len(max_seq_len);
+  builder_.add_image_size(image_size);
+  builder_.add_vision_method(vision_method);
   builder_.add_tool_call_format(tool_call_format);
   builder_.add_prompt_suffix_ids(prompt_suffix_ids);
   builder_.add_prompt_prefix_ids(prompt_prefix_ids);
@@ -728,7 +780,12 @@ inline ::flatbuffers::Offset<DecoderMeta> CreateDecoderMetaDirect(
     ::flatbuffers::Optional<bool> ring_cache = ::flatbuffers::nullopt,
     int64_t verify_min_width = 0,
     int64_t propose_tokens = 0,
-    const char *tool_call_format = nullptr) {
+    const char *tool_call_format = nullptr,
+    int64_t image_token_id = -1LL,
+    int64_t image_tokens = 0,
+    int64_t image_embed_dim = 0,
+    const char *vision_method = nullptr,
+    const std::vector<int64_t> *image_size = nullptr) {
   auto eos_token_ids__ = eos_token_ids ? _fbb.CreateVector<int64_t>(*eos_token_ids) : 0;
   auto dtype__ = dtype ? _fbb.CreateString(dtype) : 0;
   auto model_type__ = model_type ? _fbb.CreateString(model_type) : 0;
@@ -740,6 +797,8 @@ inline ::flatbuffers::Offset<DecoderMeta> CreateDecoderMetaDirect(
   auto prompt_prefix_ids__ = prompt_prefix_ids ? _fbb.CreateVector<int64_t>(*prompt_prefix_ids) : 0;
   auto prompt_suffix_ids__ = prompt_suffix_ids ? _fbb.CreateVector<int64_t>(*prompt_suffix_ids) : 0;
   auto tool_call_format__ = tool_call_format ? _fbb.CreateString(tool_call_format) : 0;
+  auto vision_method__ = vision_method ? _fbb.CreateString(vision_method) : 0;
+  auto image_size__ = image_size ? _fbb.CreateVector<int64_t>(*image_size) : 0;
   return backends::mlx::serialization::generated::fb::CreateDecoderMeta(
       _fbb,
       max_seq_len,
@@ -762,7 +821,12 @@ inline ::flatbuffers::Offset<DecoderMeta> CreateDecoderMetaDirect(
       ring_cache,
       verify_min_width,
       propose_tokens,
-      tool_call_format__);
+      tool_call_format__,
+      image_token_id,
+      image_tokens,
+      image_embed_dim,
+      vision_method__,
+      image_size__);
 }
 
 inline const backends::mlx::serialization::generated::fb::DecoderMeta *GetDecoderMeta(const void *buf) {

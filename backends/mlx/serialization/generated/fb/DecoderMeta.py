@@ -283,8 +283,63 @@ class DecoderMeta(object):
             return self._tab.String(o + self._tab.Pos)
         return None
 
+    # DecoderMeta
+    def ImageTokenId(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(46))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int64Flags, o + self._tab.Pos)
+        return -1
+
+    # DecoderMeta
+    def ImageTokens(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(48))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int64Flags, o + self._tab.Pos)
+        return 0
+
+    # DecoderMeta
+    def ImageEmbedDim(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(50))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int64Flags, o + self._tab.Pos)
+        return 0
+
+    # DecoderMeta
+    def VisionMethod(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(52))
+        if o != 0:
+            return self._tab.String(o + self._tab.Pos)
+        return None
+
+    # DecoderMeta
+    def ImageSize(self, j):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(54))
+        if o != 0:
+            a = self._tab.Vector(o)
+            return self._tab.Get(flatbuffers.number_types.Int64Flags, a + flatbuffers.number_types.UOffsetTFlags.py_type(j * 8))
+        return 0
+
+    # DecoderMeta
+    def ImageSizeAsNumpy(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(54))
+        if o != 0:
+            return self._tab.GetVectorAsNumpy(flatbuffers.number_types.Int64Flags, o)
+        return 0
+
+    # DecoderMeta
+    def ImageSizeLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(54))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # DecoderMeta
+    def ImageSizeIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(54))
+        return o == 0
+
 def DecoderMetaStart(builder):
-    builder.StartObject(21)
+    builder.StartObject(26)
 
 def Start(builder):
     DecoderMetaStart(builder)
@@ -451,6 +506,42 @@ def DecoderMetaAddToolCallFormat(builder, toolCallFormat):
 def AddToolCallFormat(builder, toolCallFormat):
     DecoderMetaAddToolCallFormat(builder, toolCallFormat)
 
+def DecoderMetaAddImageTokenId(builder, imageTokenId):
+    builder.PrependInt64Slot(21, imageTokenId, -1)
+
+def AddImageTokenId(builder, imageTokenId):
+    DecoderMetaAddImageTokenId(builder, imageTokenId)
+
+def DecoderMetaAddImageTokens(builder, imageTokens):
+    builder.PrependInt64Slot(22, imageTokens, 0)
+
+def AddImageTokens(builder, imageTokens):
+    DecoderMetaAddImageTokens(builder, imageTokens)
+
+def DecoderMetaAddImageEmbedDim(builder, imageEmbedDim):
+    builder.PrependInt64Slot(23, imageEmbedDim, 0)
+
+def AddImageEmbedDim(builder, imageEmbedDim):
+    DecoderMetaAddImageEmbedDim(builder, imageEmbedDim)
+
+def DecoderMetaAddVisionMethod(builder, visionMethod):
+    builder.PrependUOffsetTRelativeSlot(24, flatbuffers.number_types.UOffsetTFlags.py_type(visionMethod), 0)
+
+def AddVisionMethod(builder, visionMethod):
+    DecoderMetaAddVisionMethod(builder, visionMethod)
+
+def DecoderMetaAddImageSize(builder, imageSize):
+    builder.PrependUOffsetTRelativeSlot(25, flatbuffers.number_types.UOffsetTFlags.py_type(imageSize), 0)
+
+def AddImageSize(builder, imageSize):
+    DecoderMetaAddImageSize(builder, imageSize)
+
+def DecoderMetaStartImageSizeVector(builder, numElems):
+    return builder.StartVector(8, numElems, 8)
+
+def StartImageSizeVector(builder, numElems):
+    return DecoderMetaStartImageSizeVector(builder, numElems)
+
 def DecoderMetaEnd(builder):
     return builder.EndObject()
 
@@ -490,6 +581,11 @@ class DecoderMetaT(object):
         verifyMinWidth = 0,
         proposeTokens = 0,
         toolCallFormat = None,
+        imageTokenId = -1,
+        imageTokens = 0,
+        imageEmbedDim = 0,
+        visionMethod = None,
+        imageSize = None,
     ):
         self.maxSeqLen = maxSeqLen  # type: int
         self.vocabSize = vocabSize  # type: int
@@ -512,6 +608,11 @@ class DecoderMetaT(object):
         self.verifyMinWidth = verifyMinWidth  # type: int
         self.proposeTokens = proposeTokens  # type: int
         self.toolCallFormat = toolCallFormat  # type: Optional[str]
+        self.imageTokenId = imageTokenId  # type: int
+        self.imageTokens = imageTokens  # type: int
+        self.imageEmbedDim = imageEmbedDim  # type: int
+        self.visionMethod = visionMethod  # type: Optional[str]
+        self.imageSize = imageSize  # type: Optional[List[int]]
 
     @classmethod
     def InitFromBuf(cls, buf, pos):
@@ -587,6 +688,17 @@ class DecoderMetaT(object):
         self.verifyMinWidth = decoderMeta.VerifyMinWidth()
         self.proposeTokens = decoderMeta.ProposeTokens()
         self.toolCallFormat = decoderMeta.ToolCallFormat()
+        self.imageTokenId = decoderMeta.ImageTokenId()
+        self.imageTokens = decoderMeta.ImageTokens()
+        self.imageEmbedDim = decoderMeta.ImageEmbedDim()
+        self.visionMethod = decoderMeta.VisionMethod()
+        if not decoderMeta.ImageSizeIsNone():
+            if np is None:
+                self.imageSize = []
+                for i in range(decoderMeta.ImageSizeLength()):
+                    self.imageSize.append(decoderMeta.ImageSize(i))
+            else:
+                self.imageSize = decoderMeta.ImageSizeAsNumpy()
 
     # DecoderMetaT
     def Pack(self, builder):
@@ -650,6 +762,16 @@ class DecoderMetaT(object):
                 promptSuffixIds = builder.EndVector()
         if self.toolCallFormat is not None:
             toolCallFormat = builder.CreateString(self.toolCallFormat)
+        if self.visionMethod is not None:
+            visionMethod = builder.CreateString(self.visionMethod)
+        if self.imageSize is not None:
+            if np is not None and type(self.imageSize) is np.ndarray:
+                imageSize = builder.CreateNumpyVector(self.imageSize)
+            else:
+                DecoderMetaStartImageSizeVector(builder, len(self.imageSize))
+                for i in reversed(range(len(self.imageSize))):
+                    builder.PrependInt64(self.imageSize[i])
+                imageSize = builder.EndVector()
         DecoderMetaStart(builder)
         DecoderMetaAddMaxSeqLen(builder, self.maxSeqLen)
         DecoderMetaAddVocabSize(builder, self.vocabSize)
@@ -684,5 +806,12 @@ class DecoderMetaT(object):
         DecoderMetaAddProposeTokens(builder, self.proposeTokens)
         if self.toolCallFormat is not None:
             DecoderMetaAddToolCallFormat(builder, toolCallFormat)
+        DecoderMetaAddImageTokenId(builder, self.imageTokenId)
+        DecoderMetaAddImageTokens(builder, self.imageTokens)
+        DecoderMetaAddImageEmbedDim(builder, self.imageEmbedDim)
+        if self.visionMethod is not None:
+            DecoderMetaAddVisionMethod(builder, visionMethod)
+        if self.imageSize is not None:
+            DecoderMetaAddImageSize(builder, imageSize)
         decoderMeta = DecoderMetaEnd(builder)
         return decoderMeta
