@@ -37,6 +37,7 @@ from backends.mlx.llm.decoder.proposer import ProposingHead, verify_proposer
 from backends.mlx.llm.decoder.speculative_head import DraftVerifyingHead
 from backends.mlx.llm.decoder.speculative_verify import verify_draft_program
 from backends.mlx.llm.decoder.verify import VerificationError, VerificationReport, verify_decoder
+from backends.mlx.llm.decoder.verify_vision import verify_with_image
 from backends.mlx.llm.sampler.config import SamplerConfig
 from backends.mlx.llm.sampler.head import SamplingHead
 
@@ -192,6 +193,8 @@ def _verified(model, out: Path, external_weights: bool, draft_tokens: int, propo
             return verify_proposer(model, out)
         if draft_tokens:
             return verify_draft_program(model, out)
+        if vision_encoder(model) is not None:
+            return verify_with_image(model, out)
         return verify_decoder(model, out)
     except VerificationError as exc:
         # A program known to be wrong is not left where a loop would load it.
