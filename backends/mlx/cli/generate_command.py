@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from backends.mlx.cli.prompt_args import constraint_from_args, prompt_ids
+from backends.mlx.cli.prompt_args import constraint_from_args, prompt_and_images
 
 
 def pte_path(args) -> Path:
@@ -34,14 +34,14 @@ def run_generate(args, params) -> int:
     drafts = speculation_from_args(args, decoder)
     if constraint is not None:
         decoder.matcher(constraint)  # a bad schema / regex / grammar, or no mask input: one line, before decoding
-    prompt = prompt_ids(args, decoder)
+    prompt, images = prompt_and_images(args, decoder)
     if args.stop and not decoder.has_tokenizer:
         decoder.tokenizer  # raises, naming the missing tokenizer: stop strings need text
     tokenizer = decoder.tokenizer if decoder.has_tokenizer else None
     tokens, logprobs, tops, text = [], [], [], []
     last = None
     for response in stream_text(decoder, prompt, args.max_tokens, params, args.stop, tokenizer, constraint,
-                                speculation=drafts):
+                                speculation=drafts, images=images):
         last = response
         tokens.append(response.token)
         if response.logprob is not None:
