@@ -145,3 +145,36 @@ def test_a_text_only_program_refuses_images(tmp_path):
     program = etmlx.load(tmp_path / "t.pte")
     with pytest.raises(ValueError, match="takes no images: it was exported from a text-only model"):
         list(program.stream([1, 2, 3], 2, images=[_image(0)]))
+
+
+def test_the_server_engine_decodes_a_request_with_an_image(llava):
+    from backends.mlx.llm.decoder.meta import DecoderMeta
+    from backends.mlx.llm.sampler.params import SamplingParams
+    from backends.mlx.runtime.runner import load_method
+    from backends.mlx.serve.engine import Engine, EngineRequest
+
+    directory, pte = llava
+    meta = DecoderMeta.load(pte)
+    engine = Engine(load_method(pte), meta, pte=pte)
+    engine.running = True  # driven by hand, one loop turn at a time (as tests/test_serve_engine.py)
+    image = _image(0)
+    _, inputs, expected = _reference(directory, image)
+    prompt = inputs.input_ids[0].tolist()
+    results = []
+    for _ in range(2):  # the same image twice: the second reuses the cached prefix and the encoded image
+        events = []
+        engine.submit(EngineRequest(list(prompt), SamplingParams(), STEPS, events.append, stop_at_eos=False,
+                                    images=[image.copy()]))
+        for _ in range(4 * STEPS):
+            if events and events[-1].finish_reason:
+                break
+            engine._drain()
+            engine._admit()
+            if engine.active_rows:
+                engine._step()
+        results.append(events)
+    assert [e.token for e in results[0]] == expected
+    assert [e.token for e in results[1]] == expected
+    assert results[1][0].cached_tokens == len(prompt) - 1 and engine.images.encoded == 1
+    with pytest.raises(ValueError, match="image positions but no images"):
+        engine.submit(EngineRequest(list(prompt), SamplingParams(), STEPS, lambda e: None))

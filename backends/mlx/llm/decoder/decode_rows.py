@@ -70,7 +70,7 @@ class Sequence:
     draft: object | None = None  # draft-verifying programs: the row's draft source (draft_sources.py), or None
     # vision-language programs: the prompt's image positions and embeddings (image_encoder.PromptImages); the
     # prompt then holds image keys (>= the vocabulary) at those positions
-    images: object | None = None
+    prompt_images: object | None = None
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -294,8 +294,8 @@ class DecodeRows:
             image_embeds = torch.zeros(*tokens.shape, self.meta.image_embed_dim)
             for slot, kind in enumerate(per_row["kinds"]):
                 row = self.rows[slot]
-                if kind == lib.REQUEST and getattr(row.request, "images", None) is not None:
-                    row.request.images.fill(image_embeds, slot, int(per_row["start_pos"][slot]))
+                if kind == lib.REQUEST and getattr(row.request, "prompt_images", None) is not None:
+                    row.request.prompt_images.fill(image_embeds, slot, int(per_row["start_pos"][slot]))
         return step_inputs(self.meta, tokens, per_row["start_pos"],
                            per_row["lengths"], params, per_row["seeds"], [bool(f) for f in per_row["first"]],
                            masks=masks, drafts=drafts if self.meta.draft_tokens else None,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import tempfile
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,11 @@ class PromptImages:
         out[row, columns[inside]] = self.embeds[inside]
 
 
+def plain_ids(meta: DecoderMeta, ids: list[int]) -> list[int]:
+    """`ids` with image keys turned back into the image token (what the program is fed)."""
+    return [meta.image_token_id if t >= meta.vocab_size else t for t in ids]
+
+
 def image_digest(image) -> bytes:
     """The content of an RGB PIL image: its size and pixels (the input layer's digest replaces this at merge)."""
     h = hashlib.sha256(f"{image.mode}:{image.size}".encode())
@@ -72,8 +78,11 @@ def _processor(pte: Path):
 
 
 class ImageEncoder:
+    """Not thread-safe: a caller on several threads holds `lock` around `prompt` / `encode`."""
+
     def __init__(self, pte: Path, meta: DecoderMeta):
         self.pte, self.meta = Path(pte), meta
+        self.lock = threading.Lock()
         self.method = load_method(self.pte, meta.vision_method)
         self._processor = None
         self._kept: OrderedDict[bytes, torch.Tensor] = OrderedDict()

@@ -137,7 +137,7 @@ class Decoder(ProgramTokenizer, ProgramGrammar):
         elif self.meta.takes_images and self.meta.image_token_id in prompt:
             raise ValueError("the prompt has image positions but no images were given")
         matcher = self.matcher(constraint) if constraint is not None else None
-        request = Sequence(prompt, params, max_tokens, stop_at_eos, matcher=matcher, images=prompt_images)
+        request = Sequence(prompt, params, max_tokens, stop_at_eos, matcher=matcher, prompt_images=prompt_images)
         with closing(decode_alone(self.rows, self.method.execute, request, reuse, self._started)) as events:
             for event in events:  # closing: a caller that stops early frees the row at once
                 yield Step(event.token, event.logprob, event.top)
