@@ -41,11 +41,11 @@ def llava(tmp_path_factory):
     return directory, out
 
 
-def _reference(directory, image):
-    """transformers' processor inputs and greedy tokens for the chat with `image`."""
+def _reference(directory, image, messages=None):
+    """transformers' processor inputs and greedy tokens for the chat with `image` (default: _messages())."""
     processor = T.AutoProcessor.from_pretrained(str(directory))
     model = T.AutoModelForImageTextToText.from_pretrained(str(directory)).eval()
-    text = processor.apply_chat_template(_messages(), add_generation_prompt=True)
+    text = processor.apply_chat_template(messages or _messages(), add_generation_prompt=True)
     inputs = processor(text=text, images=image, return_tensors="pt")
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False)
@@ -68,6 +68,36 @@ def test_greedy_tokens_with_an_image_equal_transformers(llava):
         assert got == expected, (seed, got, expected)
         tokens[seed] = got
     assert tokens[0] != tokens[1]  # control: the image decides the tokens
+
+
+def test_generate_image_flag_decodes_transformers_tokens(llava, tmp_path, capsys):
+    import json
+
+    directory, pte = llava
+    _image(0).save(tmp_path / "a.png")
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "t99 t3"}]}]
+    _, _, expected = _reference(directory, _image(0), messages)
+    capsys.readouterr()
+    assert main(["generate", str(pte), "-p", "t99 t3", "--image", str(tmp_path / "a.png"), "-m", str(STEPS),
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokens"] == expected
+
+
+def test_bad_images_are_one_line_errors(llava, tmp_path, capsys):
+    import etmlx
+
+    _, pte = llava
+    (tmp_path / "bad.png").write_bytes(b"\x89PNG\r\n\x1a\n truncated")
+    rc = main(["generate", str(pte), "-p", "t1", "--image", str(tmp_path / "bad.png")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1].startswith("etmlx: error: --image ") and "cannot read the image" in err[-1], err
+    program = etmlx.load(pte)
+    with pytest.raises(ValueError, match="image part without an image"):
+        etmlx.generate(program, _messages(), 2)
+    with pytest.raises(ValueError, match="1 image\\(s\\) given beyond the messages' image parts"):
+        etmlx.generate(program, _messages(_image(0)), 2, images=[_image(1)])
+    with pytest.raises(ValueError, match="the prompt has 0 image token\\(s\\) for 1 image"):
+        etmlx.generate(program, "t1 t2", 2, images=[_image(1)])
 
 
 def test_int8_tokens_are_the_float_models_choices(llava, tmp_path):
