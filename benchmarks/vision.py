@@ -83,25 +83,25 @@ def _programs(shape: str, cache_dir: Path, say) -> tuple[Path, Path, Path]:
     return checkpoint, vlm, text
 
 
-def _first_token_etmlx(decoder, image) -> float:
+def _first_token_etmlx(decoder, image) -> tuple[float, int]:
+    """(seconds from the image to the first token, the token)."""
     from backends.mlx.llm.decoder.image_prompt import image_chat_prompt
 
     start = time.perf_counter()
     ids, images = image_chat_prompt(decoder.tokenizer, decoder.meta, _messages(image))
-    for _ in decoder.stream(ids, 1, images=images, reuse=True):
-        pass
-    return time.perf_counter() - start
+    token = [step.token for step in decoder.stream(ids, 1, images=images, reuse=True)][0]
+    return time.perf_counter() - start, token
 
 
-def _first_token_transformers(model, processor, image) -> float:
+def _first_token_transformers(model, processor, image) -> tuple[float, int]:
     import torch
 
     start = time.perf_counter()
     text = processor.apply_chat_template(_messages(None), add_generation_prompt=True)
     inputs = processor(text=text, images=image, return_tensors="pt")
     with torch.no_grad():
-        model.generate(**inputs, max_new_tokens=1, do_sample=False)
-    return time.perf_counter() - start
+        out = model.generate(**inputs, max_new_tokens=1, do_sample=False)
+    return time.perf_counter() - start, int(out[0, -1])
 
 
 def _decode_rate(decoder, ids, images=None) -> float:
@@ -135,8 +135,8 @@ def main(json_path=None, shape: str = "0.5b", repeats: int = 3, cache_dir="out/b
     checkpoint, vlm_pte, text_pte = _programs(shape, Path(cache_dir), say)
     vlm = Decoder(vlm_pte)
     _first_token_etmlx(vlm, _image(100))  # loads the image processor and the vision method
-    etmlx_s = [_first_token_etmlx(vlm, _image(seed)) for seed in range(repeats)]
-    again_s = [_first_token_etmlx(vlm, _image(0)) for _ in range(repeats)]
+    etmlx_runs = [_first_token_etmlx(vlm, _image(seed)) for seed in range(repeats)]
+    again_s = [_first_token_etmlx(vlm, _image(0))[0] for _ in range(repeats)]
     encoder = vlm.images
     start = time.perf_counter()
     encoder.encode(_image(200))
@@ -144,7 +144,8 @@ def main(json_path=None, shape: str = "0.5b", repeats: int = 3, cache_dir="out/b
     model = T.AutoModelForImageTextToText.from_pretrained(str(checkpoint)).eval()
     processor = T.AutoProcessor.from_pretrained(str(checkpoint))
     _first_token_transformers(model, processor, _image(100))
-    eager_s = [_first_token_transformers(model, processor, _image(seed)) for seed in range(repeats)]
+    eager_runs = [_first_token_transformers(model, processor, _image(seed)) for seed in range(repeats)]
+    etmlx_s, eager_s = [s for s, _ in etmlx_runs], [s for s, _ in eager_runs]
     del model
 
     from backends.mlx.llm.decoder.image_prompt import image_chat_prompt
@@ -164,6 +165,8 @@ def main(json_path=None, shape: str = "0.5b", repeats: int = 3, cache_dir="out/b
         "image_first_token_s": {"etmlx": statistics.median(etmlx_s), "transformers": statistics.median(eager_s),
                                 "etmlx_same_image_again": statistics.median(again_s)},
         "etmlx_encode_s": encode_s,
+        # greedy first tokens per image, both engines (random weights: near ties may differ at real shapes)
+        "first_tokens": {"etmlx": [t for _, t in etmlx_runs], "transformers": [t for _, t in eager_runs]},
         "decode_tokens_per_s": {"vlm": vlm_rate, "text_only": text_rate},
         "peak_rss_bytes": rss["peak_rss_bytes"], "weights_bytes": weights,
     }
@@ -173,6 +176,8 @@ def main(json_path=None, shape: str = "0.5b", repeats: int = 3, cache_dir="out/b
     print(f"  etmlx {first['etmlx'] * 1e3:.0f} ms (vision method alone {encode_s * 1e3:.0f} ms), transformers "
           f"{first['transformers'] * 1e3:.0f} ms: {first['etmlx'] / first['transformers']:.2f}x; the same image again "
           f"{first['etmlx_same_image_again'] * 1e3:.0f} ms")
+    same = sum(a == b for a, b in zip(record["first_tokens"]["etmlx"], record["first_tokens"]["transformers"]))
+    print(f"  first tokens equal transformers' for {same} of {repeats} images")
     print(f"decode: VLM program {vlm_rate:.1f} tok/s vs its decoder exported text-only {text_rate:.1f} tok/s "
           f"({vlm_rate / text_rate:.3f}x)")
     print(f"peak RSS {rss['peak_rss_bytes'] / 2**20:.0f} MiB vs weights {weights / 2**20:.0f} MiB "
