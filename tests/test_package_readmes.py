@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "backends" / "mlx"
 # folder (from the repository root) -> what its README must name: Python modules, C++ headers, or subfolders
 FOLDERS = {f"backends/mlx/{folder}": kind for folder, kind in {
-    "llm": "py", "llm/decoder": "py", "llm/sampler": "py", "llm/quantize": "py", "custom_kernel_ops": "py",
+    "llm": "py", "llm/decoder": "py", "llm/sampler": "py", "llm/quantize": "py", "llm/vision": "py", "custom_kernel_ops": "py",
     "serialization": "py", "runtime": "py", "runtime/kernels": "h", "serve": "py", "cli": "py",
     "exporter": "py", "exporter/fusion": "py", "tools": "dir",
 }.items()} | {"benchmarks": "py"}  # benchmarks/: outside the package

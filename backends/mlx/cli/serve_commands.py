@@ -13,10 +13,14 @@ def _serve(args) -> int:
     from backends.mlx.serve.app import ServeLimits, serve
 
     grammar = GrammarLimits(**{name: getattr(args, name) for name in GRAMMAR_FLAGS})
+    from backends.mlx.llm.vision.images import ImageLimits
+
     limits = ServeLimits(step_timeout=args.step_timeout or None, restart_attempts=args.restart_attempts,
                          request_timeout=args.request_timeout, max_queue=args.max_queue,
                          lmtp_inflight=args.lmtp_inflight, max_prompt_bytes=args.max_prompt_bytes,
-                         max_body_values=args.max_body_values, grammar=grammar)
+                         max_body_values=args.max_body_values, grammar=grammar, max_images=args.max_images,
+                         image=ImageLimits(max_bytes=args.max_image_bytes, max_pixels=args.max_image_pixels),
+                         allow_local_images=args.allow_local_images)
     try:
         limits.check()
     except ValueError as exc:
@@ -70,6 +74,17 @@ def add_parsers(sub) -> None:
     serve.add_argument("--max-body-values", type=int, default=None,
                        help="most JSON values in one request body; beyond it HTTP 400 (default: 65536 or 4 x the "
                             "program's max_seq_len, whichever is larger)")
+    images = serve.add_argument_group("image input (vision-language programs; a request over a limit is a 400)")
+    images.add_argument("--allow-local-images", metavar="DIR", default=None,
+                        help="let requests name image files (file:///path or a path) inside DIR; default: data: "
+                             "URLs only (remote URLs are never fetched)")
+    images.add_argument("--max-images", type=int, default=None,
+                        help="images per request (default: the program's limit, else 8)")
+    images.add_argument("--max-image-bytes", type=int, default=20 * 1024 * 1024,
+                        help="encoded size of one image (default 20 MiB)")
+    images.add_argument("--max-image-pixels", type=int, default=4096 * 4096,
+                        help="width x height of one image, checked before decoding (default 4096 x 4096); "
+                             "decoding one takes at most 12 bytes per pixel, two at a time")
     from backends.mlx.llm.decoder.grammar_limits import GrammarLimits
 
     group = serve.add_argument_group("structured output limits (a request over one is a 400 naming it)")

@@ -4,8 +4,9 @@ over WebSocket) and optionally LMTP lines over plain TCP; stop cleanly on SIGINT
     etmlx serve FILE.pte [--host 127.0.0.1] [--port 8000] [--max-batch N] [--lmtp-port P] [limits]
 
 Limits (ServeLimits): the per-step deadline and restart attempts of the program worker, an optional
-per-request deadline, the admission queue, the prompt size and a request grammar's limits
-(llm/decoder/grammar_limits.py: sizes, depths, choices, compile time and memory).
+per-request deadline, the admission queue, the prompt size, a request grammar's limits
+(llm/decoder/grammar_limits.py: sizes, depths, choices, compile time and memory) and image input's
+(serve/image_parts.py: images per request, bytes and pixels per image, local files).
 
 `ServerThread` runs the same server on a background thread (tests, benchmarks).
 """
@@ -26,9 +27,11 @@ from aiohttp import web
 from backends.mlx.llm.decoder.grammar_limits import GrammarLimits
 from backends.mlx.llm.decoder.meta import DecoderMeta
 from backends.mlx.llm.decoder.tokenizer_files import load_tokenizer
+from backends.mlx.llm.vision.images import ImageLimits
 from backends.mlx.serve.body_parse import BodyParser
 from backends.mlx.serve.engine import Engine
 from backends.mlx.serve.grammar_compiler import GrammarCompiler
+from backends.mlx.serve.image_parts import DEFAULT_MAX_IMAGES, ImageInputs
 from backends.mlx.serve.service import Service
 from backends.mlx.serve.supervisor import SupervisedProgram
 
@@ -45,15 +48,21 @@ class ServeLimits:
     max_prompt_bytes: int = 4 * 1024 * 1024  # a request's prompt text (UTF-8); beyond it 413
     max_body_values: int | None = None  # JSON values of one body (serve/body_parse.py); None: max(65536, 4 x max_seq_len)
     grammar: GrammarLimits = field(default_factory=GrammarLimits)  # structured output's limits (400 beyond)
+    max_images: int | None = None  # images per request; None: the program's (DecoderMeta.max_images) or 8
+    image: ImageLimits = field(default_factory=ImageLimits)  # bytes and pixels of one image (400 beyond)
+    allow_local_images: Path | None = None  # image files under this directory may be named; None: none
 
     def check(self) -> None:
         self.grammar.check()
+        self.image.check()
+        if self.allow_local_images is not None and not Path(self.allow_local_images).is_dir():
+            raise ValueError(f"--allow-local-images: {self.allow_local_images} is not a directory")
         for name in ("step_timeout", "request_timeout"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds, got {value}")
         for name, low in (("restart_attempts", 0), ("max_queue", 1), ("lmtp_inflight", 1), ("max_prompt_bytes", 1),
-                          ("max_body_values", 1)):
+                          ("max_body_values", 1), ("max_images", 1)):
             value = getattr(self, name)
             if value is not None and value < low:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
@@ -78,7 +87,16 @@ def load_service(pte: Path, max_batch: int | None = None, model_name: str | None
                    max_prompt_bytes=limits.max_prompt_bytes,
                    lmtp_inflight=limits.lmtp_inflight or 2 * engine.usable,
                    grammar=GrammarCompiler(pte, meta, limits.grammar),
-                   bodies=BodyParser(limits.max_body_values or max(65_536, 4 * meta.max_seq_len)))
+                   bodies=BodyParser(limits.max_body_values or max(65_536, 4 * meta.max_seq_len)),
+                   images=image_inputs(meta, limits))
+
+
+def image_inputs(meta: DecoderMeta, limits: ServeLimits) -> ImageInputs:
+    """What image input the server takes: none for a text-only program (every image a 400 saying so)."""
+    local = Path(limits.allow_local_images).resolve() if limits.allow_local_images is not None else None
+    return ImageInputs(takes_images=bool(getattr(meta, "takes_images", False)),
+                       max_images=limits.max_images or getattr(meta, "max_images", None) or DEFAULT_MAX_IMAGES,
+                       local_dir=local, limits=limits.image)
 
 
 def make_app(service: Service) -> web.Application:
@@ -86,8 +104,9 @@ def make_app(service: Service) -> web.Application:
     from backends.mlx.serve.openai_routes import OpenAIRoutes
 
     # The body may hold the largest prompt allowed plus the rest of the request (JSON escapes
-    # can make a prompt's text up to 6x longer; such bodies are refused with 413 by aiohttp).
-    app = web.Application(client_max_size=service.max_prompt_bytes * 2 + 1024 * 1024)
+    # can make a prompt's text up to 6x longer; such bodies are refused with 413 by aiohttp), and the most
+    # images a request may carry as data URLs (none for a text-only program).
+    app = web.Application(client_max_size=service.max_prompt_bytes * 2 + 1024 * 1024 + service.images.body_bytes())
     OpenAIRoutes(service).add_to(app)
     lmtp = LmtpRoutes(service)
     lmtp.add_to(app)

@@ -85,9 +85,9 @@ class EngineRequest:
     # Draft-verifying programs: the row's draft source (draft_sources.py); None: prompt lookup (set by check).
     # Ignored by plain programs.
     draft: object | None = None
-    # A vision-language program's RGB PIL images, in the order of the prompt's image positions (the HTTP layer
-    # sets them); check encodes them into prompt_images and keys the prompt's image positions by their content
-    # (image_encoder.py), so the prompt cache reuses a prefix only where the same image sat.
+    # Vision-language programs: the prompt's images (PIL, RGB, checked by serve/image_parts.py), in prompt order;
+    # check encodes them into prompt_images and keys the prompt's image positions by their content
+    # (llm/decoder/image_encoder.py), so the prompt cache reuses a prefix only where the same image sat.
     images: list = field(default_factory=list)
     prompt_images: object | None = None
 

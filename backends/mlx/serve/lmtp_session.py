@@ -9,6 +9,10 @@ In:  GENERATE {"stream_id", "prompt": [ids] or "text", "max_tokens", "top_logpro
               "response_format" / "structured_outputs", and "tools" / "tool_choice" / "parallel_tool_calls" as in
               /v1/chat/completions: the tokens follow the call syntax (MODEL_INFO's tool_call_format) and
               the client, which renders the prompt, parses the calls
+              "images": [URL, ...] for a vision-language program: data:image/...;base64, URLs (local files as
+              `--allow-local-images` allows; serve/image_parts.py), in the order of the image placeholders the
+              prompt holds (the client renders the prompt: its placeholders are the chat template's); a program
+              that takes no images refuses them; MODEL_INFO's "max_images" says how many (0: none)
      SCORE    {"stream_id", "prompt": [ids], "scored": [ids]}  logprob of each scored token
      MODEL_INFO {"stream_id"}
 Out: TOKEN [{"token", "stream_id", "logprob", "finish_reason", "top_logprobs": {"id": lp}}, ...]
@@ -36,6 +40,7 @@ from backends.mlx.llm.sampler.knobs import USER_KNOBS, enabled
 from backends.mlx.llm.sampler.params import SamplingParams
 from backends.mlx.serve.api_errors import ApiError
 from backends.mlx.serve.engine import EngineRequest, TokenEvent
+from backends.mlx.serve.image_parts import generate_sources
 from backends.mlx.serve.json_text import parse_json_text
 from backends.mlx.serve.structured_params import constraint_from_body, structured_rows
 from backends.mlx.serve.tool_params import tool_request, tool_rows
@@ -138,7 +143,8 @@ class LmtpSession:
             "logprobs": config.logprobs, "sampler": [i.name for k in USER_KNOBS if k.feature and enabled(k, config)
                                                        for i in k.program_inputs],
             "score": bool(config.logprobs and config.logprobs_mode == "raw" and config.logit_bias),
-            "tool_call_format": tool_format(meta, self.service.tokenizer)})
+            "tool_call_format": tool_format(meta, self.service.tokenizer),
+            "max_images": self.service.images.max_images if self.service.images.takes_images else 0})
 
     def _check_new(self, stream_id, payload) -> None:
         if stream_id in self.streams:
@@ -160,6 +166,12 @@ class LmtpSession:
             except UnicodeEncodeError as exc:
                 raise LmtpError(f"the prompt is not valid Unicode (a lone surrogate at character {exc.start})") \
                     from None
+        try:  # images: counted here, decoded off the event loop (serve/image_parts.py)
+            sources = generate_sources(payload.get("images"))
+            self.service.images.check_count(len(sources), self.service.model_name)
+            images = await self.service.images.decode(sources) if sources else []
+        except ApiError as exc:
+            raise LmtpError(exc.message) from None
         # Tokenizing a large text prompt takes a while: off the event loop.
         prompt = await self.service.off_loop(prompt_ids, text, self.service.tokenizer, meta.vocab_size)
         params = generate_params(payload)
@@ -174,8 +186,8 @@ class LmtpSession:
         room = meta.max_seq_len - len(prompt)
         max_tokens = payload.get("max_tokens", max(1, min(32, room)))  # a too-long prompt is reported as such
         self._submit(stream_id, EngineRequest(prompt, params, max_tokens, queue_sink(self.loop, self.events,
-                                                                                     stream_id), **extra),
-                     scoring=False)
+                                                                                     stream_id), images=images,
+                                              **extra), scoring=False)
         if top is not None:
             self.top[stream_id] = top
 

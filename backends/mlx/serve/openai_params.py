@@ -74,6 +74,7 @@ class Job:
     stream: bool = False
     include_usage: bool = False
     prediction: list[int] | None = None  # Predicted Outputs: the expected output's tokens (draft programs' drafts)
+    images: list = field(default_factory=list)  # the chat's images (PIL, RGB), in prompt order (image_parts.py)
 
 
 def _number(body: dict, name: str, default, low=None, high=None, *, integer=False, low_open=False):

@@ -4,6 +4,8 @@ Each choice (n) is its own engine row. A choice that hits a stop string is cance
 at once; a client that goes away mid-request cancels all its rows (the write fails, or aiohttp
 cancels the handler). OpenAI's `prediction` (Predicted Outputs) gives each row of a draft-verifying
 program its own PredictionDraft; a plain program serves it without drafts (usage counts 0).
+Chat `image_url` parts (serve/image_parts.py) become {"type": "image"} parts and the rows' `images`; a program
+that takes no images refuses them (400).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from backends.mlx.serve import openai_format as fmt
 from backends.mlx.serve.api_errors import ApiError
 from backends.mlx.serve.choice_text import ChoiceText, Piece
 from backends.mlx.serve.engine import QueueFull
+from backends.mlx.serve.image_parts import image_parts
 from backends.mlx.serve.openai_params import (Job, build_job, chat_prompt, check_model, check_unsupported,
                                               completion_prompt, prediction_text, prediction_tokens,
                                               prompt_text_bytes)
@@ -69,13 +72,21 @@ class OpenAIRoutes:
             body = await _body(request, service)
             check_model(body, service.model_name)
             check_unsupported(body)
+            sources, images = [], []
+            if chat:  # image_url parts: counted here, decoded below once the cheap checks pass (serve/image_parts.py)
+                messages, sources = image_parts(body.get("messages"))
+                service.images.check_count(len(sources), service.model_name)
             tools = tool_request(body, chat, service)  # serve/tool_params.py
             predicted = prediction_text(body)
             service.check_prompt_size(prompt_text_bytes(body, chat) + len((predicted or "").encode("utf-8")))
+            if sources:  # off the event loop, a few at a time
+                images = await service.images.decode(sources)
+                body = {**body, "messages": messages}
             # Templating and tokenizing a large prompt take a while: off the event loop.
             prompt = await (service.off_loop(chat_prompt, body, service.tokenizer, tools) if chat
                             else service.off_loop(completion_prompt, body, service.tokenizer, service.meta))
             job = build_job(body, service.meta, prompt, chat=chat)
+            job.images = images
             if predicted is not None:
                 job.prediction = await service.off_loop(prediction_tokens, predicted, service.tokenizer, service.meta)
             parses = tools is not None and tools.parses  # markers are special tokens: keep their text
@@ -87,6 +98,8 @@ class OpenAIRoutes:
                       or await structured_rows(service, constraint, len(job.choices), body))
             if job.prediction is not None:  # each row its own source: it follows its own output
                 extras = [{**extra, "draft": PredictionDraft(job.prediction)} for extra in extras]
+            if images:
+                extras = [{**extra, "images": images} for extra in extras]
             rows = [(prompt, params, job.max_tokens, extra) for params, extra in zip(job.choices, extras)]
             events = service.stream_rows(rows, list(range(len(rows))))
             first = await _first(events)  # submission errors surface here, before any response starts

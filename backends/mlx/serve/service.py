@@ -13,6 +13,7 @@ from backends.mlx.llm.sampler.params import SamplingParams
 from backends.mlx.serve.body_parse import BodyParser
 from backends.mlx.serve.engine import Engine, EngineRequest, TokenEvent
 from backends.mlx.serve.grammar_compiler import GrammarCompiler
+from backends.mlx.serve.image_parts import ImageInputs
 
 
 class PromptTooLarge(ValueError):
@@ -37,6 +38,7 @@ class Service:
     grammar: GrammarCompiler | None = None  # structured output: request grammars to matchers, off the loop
     tool_requests: OrderedDict = field(default_factory=OrderedDict)  # recent checked tool fields (tool_params.py)
     bodies: BodyParser = field(default_factory=lambda: BodyParser(65_536))  # HTTP bodies to JSON, off the loop
+    images: ImageInputs = field(default_factory=ImageInputs)  # what image input the program takes, from where
 
     async def stream_rows(self, requests: list[tuple[list[int], SamplingParams, int, dict]], keys: list
                           ) -> AsyncIterator[tuple[object, TokenEvent, int]]:

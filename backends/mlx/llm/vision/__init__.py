@@ -1,0 +1,1 @@
+"""Image input for vision-language programs: loading images safely, and the checkpoint processors ' preprocessing."""
