@@ -16,8 +16,7 @@ where the same image sat. DecodeRows.call_inputs turns keys back into the image 
 
 from __future__ import annotations
 
-import hashlib
-import tempfile
+import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -26,6 +25,8 @@ from pathlib import Path
 import torch
 
 from backends.mlx.llm.decoder.meta import PROCESSOR_PREFIX, DecoderMeta
+from backends.mlx.llm.vision.images import image_digest
+from backends.mlx.llm.vision.preprocess import preprocess
 from backends.mlx.runtime.pte_metadata import named_data
 from backends.mlx.runtime.runner import load_method
 
@@ -52,29 +53,18 @@ def plain_ids(meta: DecoderMeta, ids: list[int]) -> list[int]:
     return [meta.image_token_id if t >= meta.vocab_size else t for t in ids]
 
 
-def image_digest(image) -> bytes:
-    """The content of an RGB PIL image: its size and pixels (the input layer's digest replaces this at merge)."""
-    h = hashlib.sha256(f"{image.mode}:{image.size}".encode())
-    h.update(image.tobytes())
-    return h.digest()
+def pixel_inputs(images: list, processor: dict) -> torch.Tensor:
+    """[N, C, H, W] float32 pixel values as the checkpoint's image processor makes them (llm/vision/preprocess.py)."""
+    return torch.from_numpy(preprocess(images, processor).pixel_values).float()
 
 
-def pixel_inputs(images: list, processor) -> torch.Tensor:
-    """[N, C, H, W] float32 pixel values as the checkpoint's image processor makes them (the input layer's
-    preprocess replaces this at merge)."""
-    return processor(images=images, return_tensors="pt")["pixel_values"].float()
-
-
-def _processor(pte: Path):
-    from transformers import AutoImageProcessor
-
+def _processor(pte: Path) -> dict:
+    """The image processor's configuration stored in the program (vision_export.PROCESSOR_FILES)."""
     blobs = named_data(pte, prefix=PROCESSOR_PREFIX)
-    if not blobs:
-        raise ValueError(f"{pte} carries no image processor config: re-export it")
-    with tempfile.TemporaryDirectory(prefix="etmlx-processor-") as tmp:
-        for key, data in blobs.items():
-            (Path(tmp) / key[len(PROCESSOR_PREFIX):]).write_bytes(data)
-        return AutoImageProcessor.from_pretrained(tmp)
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        if PROCESSOR_PREFIX + name in blobs:
+            return json.loads(blobs[PROCESSOR_PREFIX + name])
+    raise ValueError(f"{pte} carries no image processor config: re-export it")
 
 
 class ImageEncoder:
@@ -85,10 +75,10 @@ class ImageEncoder:
         self.lock = threading.Lock()
         self.method = load_method(self.pte, meta.vision_method)
         self._processor = None
-        self._kept: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self._kept: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.encoded = 0  # images run through the vision method (not found among the kept ones)
 
-    def encode(self, image) -> tuple[bytes, torch.Tensor]:
+    def encode(self, image) -> tuple[str, torch.Tensor]:
         """(digest, embeddings [T, D]) of one RGB PIL image."""
         digest = image_digest(image)
         if digest in self._kept:
@@ -117,7 +107,7 @@ class ImageEncoder:
         keyed, vectors = list(ids), []
         for n, image in enumerate(images):
             digest, embeds = self.encode(image)
-            base = int.from_bytes(digest[:8], "little")
+            base = int(digest[:16], 16)
             for k in range(meta.image_tokens):
                 at = positions[n * meta.image_tokens + k]
                 keyed[at] = meta.vocab_size + (base + k) % KEY_SPACE

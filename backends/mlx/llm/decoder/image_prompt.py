@@ -11,29 +11,9 @@ where an image part is), and each image token then becomes the image_tokens posi
 
 from __future__ import annotations
 
-import io
-from pathlib import Path
-
 from backends.mlx.llm.decoder.meta import DecoderMeta
+from backends.mlx.llm.vision.images import load_image  # noqa: F401 (callers take it from here with the prompt rules)
 from backends.mlx.llm.decoder.prompt import ROLES_HINT, has_chat_template
-
-
-def load_image(source):
-    """An RGB PIL image from a PIL image, a path or bytes (the input layer's limits replace this at merge)."""
-    from PIL import Image, UnidentifiedImageError
-
-    if isinstance(source, Image.Image):
-        return source.convert("RGB")
-    try:
-        if isinstance(source, (bytes, bytearray)):
-            with Image.open(io.BytesIO(bytes(source))) as image:
-                return image.convert("RGB")
-        if isinstance(source, (str, Path)):
-            with Image.open(Path(source)) as image:
-                return image.convert("RGB")
-    except (OSError, UnidentifiedImageError) as exc:
-        raise ValueError(f"cannot read the image: {exc}") from None
-    raise TypeError(f"an image must be a PIL image, a path or bytes, got {type(source).__name__}")
 
 
 def refuse_text_only(meta: DecoderMeta, pte) -> None:
