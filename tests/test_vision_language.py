@@ -208,3 +208,34 @@ def test_the_server_engine_decodes_a_request_with_an_image(llava):
     assert results[1][0].cached_tokens == len(prompt) - 1 and engine.images.encoded == 1
     with pytest.raises(ValueError, match="image positions but no images"):
         engine.submit(EngineRequest(list(prompt), SamplingParams(), STEPS, lambda e: None))
+
+
+@pytest.mark.server
+def test_a_chat_request_with_an_image_url_decodes_transformers_tokens(llava):
+    import base64
+    import io
+    import json
+    import urllib.request
+
+    from backends.mlx.serve.app import ServerThread
+
+    directory, pte = llava
+    image = _image(0)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "t99 t3"}]}]
+    _, _, expected = _reference(directory, image, messages)
+    png = io.BytesIO()
+    image.save(png, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                      {"type": "text", "text": "t99 t3"}]}],
+            "max_tokens": STEPS, "temperature": 0}
+    server = ServerThread(pte, model_name="llava", lmtp_port=None).start()
+    try:
+        for _ in range(2):  # the second: the same image, from the prompt cache
+            request = urllib.request.Request(server.url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                             headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=120) as response:
+                out = json.loads(response.read())
+            assert out["choices"][0]["message"]["content"].split() == [f"t{t}" for t in expected], out
+    finally:
+        server.stop()
