@@ -208,6 +208,19 @@ def test_the_server_engine_decodes_a_request_with_an_image(llava):
     assert results[1][0].cached_tokens == len(prompt) - 1 and engine.images.encoded == 1
     with pytest.raises(ValueError, match="image positions but no images"):
         engine.submit(EngineRequest(list(prompt), SamplingParams(), STEPS, lambda e: None))
+    # one placeholder per image (an LMTP client's prompt): expanded to the image's positions, the same tokens
+    image_id = meta.image_token_id
+    short = [t for i, t in enumerate(prompt) if t != image_id or prompt[i - 1] != image_id]
+    events = []
+    engine.submit(EngineRequest(short, SamplingParams(), STEPS, events.append, stop_at_eos=False, images=[image]))
+    for _ in range(4 * STEPS):
+        if events and events[-1].finish_reason:
+            break
+        engine._drain()
+        engine._admit()
+        if engine.active_rows:
+            engine._step()
+    assert short.count(image_id) == 1 and [e.token for e in events] == expected
 
 
 @pytest.mark.server

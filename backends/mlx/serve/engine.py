@@ -48,6 +48,7 @@ from backends.mlx.llm.decoder.constraints import Constraint, ConstraintError, Ma
 from backends.mlx.llm.decoder.decode_rows import FORCE_BIAS, DecodeRows, TokenEvent  # noqa: F401 (re-exported)
 from backends.mlx.llm.decoder.draft_sources import NgramDraft
 from backends.mlx.llm.decoder.image_encoder import ImageEncoder, plain_ids
+from backends.mlx.llm.decoder.image_prompt import expand_images
 from backends.mlx.llm.decoder.loop import check_prompt
 from backends.mlx.llm.decoder.meta import DecoderMeta
 from backends.mlx.llm.sampler.params import SamplingParams
@@ -154,6 +155,7 @@ class Engine(ProgramGrammar):
         check_prompt(self.meta, plain_ids(self.meta, request.prompt) if keyed else request.prompt, request.max_tokens)
         if request.images and not keyed:
             request.prompt, request.prompt_images = self._encode(request.prompt, request.images)
+            check_prompt(self.meta, plain_ids(self.meta, request.prompt), request.max_tokens)  # images expanded
         elif self.meta.takes_images and not keyed and self.meta.image_token_id in request.prompt:
             raise ValueError("the prompt has image positions but no images were given")
         if request.forced is not None:
@@ -180,6 +182,8 @@ class Engine(ProgramGrammar):
             if self.pte is None:
                 raise ValueError("images need the program's file (Engine(pte=...)) to load its vision method")
             self.images = ImageEncoder(self.pte, self.meta)
+        if prompt.count(self.meta.image_token_id) == len(images):  # one placeholder per image (an LMTP client's)
+            prompt = expand_images(self.meta, prompt, len(images))
         with self.images.lock:
             return self.images.prompt(prompt, list(images))
 
