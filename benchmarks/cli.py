@@ -115,6 +115,12 @@ def _gemm(args) -> int:
     return cpu_gemm.main(args.json)
 
 
+def _vision(args) -> int:
+    from benchmarks import vision
+
+    return vision.main(args.json, shape=args.shape, repeats=args.repeats or 3, cache_dir=args.cache_dir)
+
+
 def _prompt_cache(args) -> int:
     from benchmarks import prompt_cache
 
@@ -219,6 +225,11 @@ def add_parsers(bench: argparse.ArgumentParser) -> None:
     p = sub.add_parser("qmm", help="the CPU quantized matmul vs mx::quantized_matmul")
     _common(p, repeats="default")
     p.set_defaults(func=_qmm)
+
+    p = sub.add_parser("vision", help="image + first token vs transformers, VLM vs text-only decode, peak RSS")
+    _common(p, repeats="3", cache=True)
+    p.add_argument("--shape", default="0.5b", help="0.5b (default: ~0.5B LLaVA-shaped, 448x448) or tiny")
+    p.set_defaults(func=_vision)
 
     p = sub.add_parser("prompt-cache", help="what the prompt cache saves on the built-in model")
     _common(p, repeats="3", cache=True)

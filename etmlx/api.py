@@ -2,6 +2,9 @@
 
 A prompt is text (tokenized as the tokenizer's own template frames it: see llm/decoder/prompt.py),
 a list of chat messages ({"role", "content"}: rendered by the chat template), or a list of token ids.
+A vision-language program takes images: message content parts {"type": "image", "image": PIL image | path |
+bytes}, or {"type": "image"} parts filled in order from `images=[...]` (with text or ids, `images=` fills the
+prompt's image tokens); llm/decoder/image_prompt.py.
 Sampling options are SamplingParams' fields (temperature, seed, top_k, top_p, min_p, the penalties,
 logit_bias); the defaults are off, so the default is greedy decoding.
 
@@ -18,6 +21,8 @@ import dataclasses
 from pathlib import Path
 from typing import Iterator
 
+from backends.mlx.llm.decoder.image_prompt import (expand_images, has_image_parts, image_chat_prompt, load_image,
+                                                   refuse_text_only)
 from backends.mlx.llm.decoder.loop import Decoder
 from backends.mlx.llm.decoder.prompt import chat_prompt, encode_prompt
 from backends.mlx.llm.decoder.speculation import load_decoder, speculation
@@ -100,6 +105,21 @@ def _prompt_ids(model: Model, prompt) -> list[int]:
     raise TypeError("prompt must be text, a list of chat messages ({'role', 'content'}) or a list of token ids")
 
 
+def _prompt_and_images(model: Model, prompt, images) -> tuple[list[int], list]:
+    """The prompt ids with each image's positions, and the RGB images in prompt order."""
+    images = list(images or ())
+    chat = isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt)
+    if not images and not (chat and has_image_parts(prompt)):
+        return _prompt_ids(model, prompt), []
+    refuse_text_only(model.meta, getattr(model, "pte", "the program"))
+    if chat:
+        return image_chat_prompt(model.tokenizer, model.meta, prompt, images)
+    ids = _prompt_ids(model, prompt)
+    if isinstance(prompt, str):  # text names each image once (the image token); ids hold their positions already
+        ids = expand_images(model.meta, ids, len(images))
+    return ids, [load_image(image) for image in images]
+
+
 def _params(sampling: dict) -> SamplingParams:
     known = {f.name for f in dataclasses.fields(SamplingParams)}
     unknown = sorted(set(sampling) - known)
@@ -110,27 +130,32 @@ def _params(sampling: dict) -> SamplingParams:
 
 def stream_generate(model: Model, prompt, max_tokens: int | None = None, *, stop=(),
                     prompt_cache: PromptCache | None = None, prediction=None, draft: str | None = None,
-                    num_draft_tokens: int | None = None, draft_model=None, **sampling) -> Iterator[Response]:
+                    num_draft_tokens: int | None = None, draft_model=None, images=None,
+                    **sampling) -> Iterator[Response]:
     """Yield a Response per generated token: `.text` (the new piece of text), `.token`, `.logprobs`
     (token id -> logprob, when the program was exported with --logprobs N), `.finish_reason` (on the last:
     "stop" or "length"), and prompt/generation token counts and rates. With `prompt_cache`, `prompt` is
     what follows the conversation so far, and `.cached_tokens` says how much of it was not prefilled.
     On a --draft-tokens program: `prediction` (text or token ids), `draft` ("ngram", the default, or "none"),
     `draft_model` (a plain .pte path, or a DraftModel) and `num_draft_tokens` choose the drafts, and `.proposed_draft_tokens` / `.accepted_draft_tokens` count
-    them so far; on a plain program they are a ValueError."""
+    them so far; on a plain program they are a ValueError. `images`: a vision-language program's images (PIL
+    images, paths or bytes) for the prompt's image parts without one (see the module's docstring)."""
     _check_model(model)
     if prompt_cache is not None and (not isinstance(prompt_cache, PromptCache) or prompt_cache.model is not model):
         raise TypeError("prompt_cache must be make_prompt_cache(model) of this same model")
     drafts = speculation(model, prediction, draft, num_draft_tokens, draft_model=draft_model)
-    ids = _prompt_ids(model, prompt)
+    ids, pictures = _prompt_and_images(model, prompt, images)
     if prompt_cache is not None:
+        if model.meta.takes_images and model.meta.image_token_id in prompt_cache.tokens:
+            raise ValueError("this prompt_cache conversation holds an image from an earlier turn: continue it "
+                             "without the cache, giving the whole conversation and its images")
         ids = prompt_cache.tokens + ids
     params = _params(sampling)
     if max_tokens is None:
         max_tokens = max(1, min(DEFAULT_MAX_TOKENS, model.meta.max_seq_len - len(ids)))
     tokenizer = model.tokenizer if model.has_tokenizer else None
     responses = stream_text(model, ids, max_tokens, params, stop, tokenizer, reuse=prompt_cache is not None,
-                            speculation=drafts)
+                            speculation=drafts, images=pictures)
     return responses if prompt_cache is None else _recorded(responses, ids, prompt_cache)
 
 

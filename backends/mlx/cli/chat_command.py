@@ -13,6 +13,8 @@ the first turn after a restart prefills only itself.
 --tools FILE lets the model call functions (llm/decoder/tool_turn.py): each call is shown on stderr and its result
 read from stdin (or from --tool-exec COMMAND, which gets the call as JSON on stdin), then the model answers again
 with the results, up to MAX_TOOL_ROUNDS times a turn.
+--image PATH (repeatable; a vision-language program) puts the images before the first message's text; later turns
+re-render them, and the prompt cache, keyed by their content, keeps them prefilled.
 """
 
 from __future__ import annotations
@@ -31,8 +33,12 @@ def _say(msg: str) -> None:
 
 
 class Conversation:
-    def __init__(self, tokenizer, max_seq_len: int, max_tokens: int, system_prompt: str | None = None, tools=None):
+    def __init__(self, tokenizer, max_seq_len: int, max_tokens: int, system_prompt: str | None = None, tools=None,
+                 meta=None, images=()):
         self.tokenizer, self.max_seq_len = tokenizer, max_seq_len
+        # --image: a vision-language program's images (`meta` its DecoderMeta), parts of the first user message
+        self.meta, self.pending = meta, list(images)
+        self.images: list = []  # the images of the last rendered prompt, in order
         self.tools = tools  # a ToolRequest: the prompt renders them, and calls and results are turns
         # room kept for each reply: the reply limit, but at most a quarter of the cache, so that a
         # long limit does not leave room for only the newest message
@@ -46,13 +52,23 @@ class Conversation:
     def prompt_for(self, text: str) -> list[int] | None:
         """The prompt ids with `text` as the next user turn, dropping the oldest exchanges to fit; None
         (and the turn not kept) when the message alone does not fit."""
-        self.turns.append({"role": "user", "content": text})
+        content = text
+        if self.pending:
+            content = [{"type": "image", "image": image} for image in self.pending] + [{"type": "text", "text": text}]
+            self.pending = []
+        self.turns.append({"role": "user", "content": content})
         return self.fit()
 
     def render(self) -> list[int]:
         from backends.mlx.llm.decoder.prompt import chat_prompt
         from backends.mlx.llm.decoder.tool_prompt import tool_chat_prompt
 
+        self.images = []
+        if any(isinstance(t["content"], list) for t in self.turns):
+            from backends.mlx.llm.decoder.image_prompt import image_chat_prompt
+
+            ids, self.images = image_chat_prompt(self.tokenizer, self.meta, self.system + self.turns)
+            return ids
         if self.tools is None:
             return chat_prompt(self.tokenizer, self.system + self.turns)
         return tool_chat_prompt(self.tokenizer, self.system + self.turns, self.tools.tools, self.tools.fmt)
@@ -133,8 +149,10 @@ def run_chat(args, params) -> int:
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     tools = _tools_from_args(args, decoder)
-    chat = Conversation(tokenizer, decoder.meta.max_seq_len, args.max_tokens, args.system_prompt, tools)
     store = getattr(args, "prompt_cache", None)
+    images = _images_from_args(args, decoder, tools, store)
+    chat = Conversation(tokenizer, decoder.meta.max_seq_len, args.max_tokens, args.system_prompt, tools,
+                        meta=decoder.meta, images=images)
     if store:
         from backends.mlx.llm.decoder.cache_file import check_no_rings
 
@@ -175,7 +193,8 @@ def run_chat(args, params) -> int:
             continue
         budget = min(args.max_tokens, decoder.meta.max_seq_len - len(prompt))
         reply, last, ids = [], None, []
-        for last in stream_text(decoder, prompt, budget, params, args.stop, tokenizer, reuse=True, speculation=drafts):
+        for last in stream_text(decoder, prompt, budget, params, args.stop, tokenizer, reuse=True, speculation=drafts,
+                                images=chat.images):
             reply.append(last.text)
             ids.append(last.token)
             print(last.text, end="", flush=True)
@@ -188,6 +207,18 @@ def run_chat(args, params) -> int:
     if drafts is not None:
         _say(f"[speculative decoding: {accepted} of {proposed} drafted tokens accepted]")
     return 0
+
+
+def _images_from_args(args, decoder, tools, store) -> list:
+    if not getattr(args, "image", None):
+        return []
+    from backends.mlx.cli.prompt_args import read_image
+    from backends.mlx.llm.decoder.image_prompt import load_image, refuse_text_only
+
+    refuse_text_only(decoder.meta, decoder.pte)
+    if tools is not None or store:
+        raise ValueError("--image with --tools or --prompt-cache is not supported")
+    return [read_image(path, load_image) for path in args.image]
 
 
 def _tools_from_args(args, decoder):

@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from backends.mlx.cli.prompt_args import constraint_from_args, prompt_ids
+from backends.mlx.cli.prompt_args import constraint_from_args, prompt_and_images
 
 
 def pte_path(args) -> Path:
@@ -41,14 +41,14 @@ def run_generate(args, params) -> int:
     if constraint is not None:
         decoder.matcher(constraint)  # a bad schema / regex / grammar, or no mask input: one line, before decoding
     progress = ranks.progress() if ranks else None
-    prompt = prompt_ids(args, decoder)
+    prompt, images = prompt_and_images(args, decoder)
     if args.stop and not decoder.has_tokenizer:
         decoder.tokenizer  # raises, naming the missing tokenizer: stop strings need text
     tokenizer = decoder.tokenizer if decoder.has_tokenizer else None
     tokens, logprobs, tops, text = [], [], [], []
     last = None
     for response in stream_text(decoder, prompt, args.max_tokens, params, args.stop, tokenizer, constraint,
-                                speculation=drafts):
+                                speculation=drafts, images=images):
         last = response
         tokens.append(response.token)
         if progress is not None:

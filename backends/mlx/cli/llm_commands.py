@@ -73,6 +73,9 @@ def _text_flags(parser, max_tokens: int) -> None:
                         help="the same as --temperature")
     parser.add_argument("--system-prompt", help="system message for the chat template")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--image", action="append", default=[], metavar="PATH",
+                        help="an image for a vision-language program (repeatable), placed before the (first) "
+                             "message's text")
 
 
 def _rank_flags(parser) -> None:

@@ -29,6 +29,36 @@ def prompt_ids(args, decoder) -> list[int]:
     return encode_prompt(tokenizer, text)
 
 
+def prompt_and_images(args, decoder) -> tuple[list[int], list]:
+    """prompt_ids, and the RGB images of --image (repeatable): through the chat template they come before the
+    text, each as an image part; raw text (--ignore-chat-template) and --prompt-ids name each image's place
+    with the image token (ids: its positions, as many as the program's image_tokens)."""
+    paths = getattr(args, "image", None) or []
+    if not paths:
+        return prompt_ids(args, decoder), []
+    from backends.mlx.llm.decoder.image_prompt import expand_images, image_chat_prompt, load_image, refuse_text_only
+    from backends.mlx.llm.decoder.prompt import has_chat_template
+
+    refuse_text_only(decoder.meta, decoder.pte)
+    images = [read_image(path, load_image) for path in paths]
+    if args.prompt_ids is not None:
+        return prompt_ids(args, decoder), images
+    tokenizer = decoder.tokenizer
+    if not args.ignore_chat_template and has_chat_template(tokenizer):
+        text = sys.stdin.read() if args.prompt == "-" else args.prompt
+        system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt is not None else []
+        parts = [{"type": "image", "image": image} for image in images] + [{"type": "text", "text": text}]
+        return image_chat_prompt(tokenizer, decoder.meta, system + [{"role": "user", "content": parts}])
+    return expand_images(decoder.meta, prompt_ids(args, decoder), len(images)), images
+
+
+def read_image(path, load_image):
+    try:
+        return load_image(Path(path))
+    except ValueError as exc:
+        raise ValueError(f"--image {path}: {exc}") from None
+
+
 def constraint_from_args(args):
     """--json-schema FILE | --regex R | --choice a,b,c | --grammar FILE as a Constraint (None: unconstrained)."""
     from backends.mlx.llm.decoder.constraints import Constraint

@@ -145,6 +145,7 @@ def export_to_pte(
     plain_step: Optional[PlainStep] = None,
     qmm_activations: str = "int16",
     rank: Optional[tuple[int, int, str]] = None,
+    methods: Optional[dict] = None,
 ) -> ExportResult:
     """`progress`, if given, is called with the name of each stage as it starts. `fuse=False` keeps
     RMSNorm / LayerNorm / rotary subgraphs as separate ops (for comparisons). `named_data` (key ->
@@ -156,7 +157,9 @@ def export_to_pte(
     drafts (plain_step.py). `qmm_activations`: how the CPU kernel set rounds the activations of quantized linears,
     recorded in the program: "int16" (the default), "int8" (faster, other tokens) or "float32"
     (runtime/kernels/quantized_activations.h). `rank`: (rank, ranks, group id) of one rank's file of a
-    tensor-parallel program (llm/distributed/), recorded in the blob; None: a one-rank program."""
+    tensor-parallel program (llm/distributed/), recorded in the blob; None: a one-rank program.
+    `methods`: more methods in the same program, name -> (module, example args), traced with static shapes and lowered whole (a vision-language program's vision method); their
+    ops outside the delegate are counted with the main method's."""
     say = progress or (lambda _stage: None)
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -194,14 +197,26 @@ def _lowered(ep, module, args, kwargs, dynamic_shapes, strict, specs, plain_step
         plain_specs, plain_data, plain_outputs = _lowered_plain_step(module, args, kwargs, dynamic_shapes, strict,
                                                                      specs, plain_step)
     partitioner = MLXPartitioner(specs + plain_specs)
+    programs, partitioners = {"forward": ep}, {"forward": [partitioner]}
+    for name, (extra, extra_args) in (methods or {}).items():
+        say(f"tracing the {name} method")
+        with torch.no_grad():
+            programs[name] = torch.export.export(extra.eval(), extra_args, strict=strict)
+        drop_unused_state(programs[name])
+        partitioners[name] = [MLXPartitioner(specs)]
     say("lowering to the etmlx delegate")
     edge = to_edge_transform_and_lower(
-        ep, partitioner=[partitioner], compile_config=EdgeCompileConfig(_check_ir_validity=False)
+        programs if methods else ep, partitioner=partitioners if methods else [partitioner],
+        compile_config=EdgeCompileConfig(_check_ir_validity=False)
     )
     # Lowering can leave more unread state behind (a rotary table whose use a fused node replaced).
     for method in edge.methods:
         drop_unused_state(edge.exported_program(method))
     calls, outside = count_outside(edge.exported_program())
+    for name in methods or {}:
+        extra_calls, extra_outside = count_outside(edge.exported_program(name))
+        calls += extra_calls
+        outside += extra_outside
     if plain_data is not None:  # weights the plain step reads that the program does not (the same keys dedupe)
         if delegate_output_positions(edge.exported_program()) != plain_outputs:
             raise PlainStepError("the plain step returns its outputs in another order than the program")
@@ -219,5 +234,6 @@ def _lowered(ep, module, args, kwargs, dynamic_shapes, strict, specs, plain_step
     host_state = list(partitioner.shared_state)
     init = [InitializedMutableBufferPass([t.replace(".", "_") for t in host_state])] if host_state else []
     program = edge.to_executorch(ExecutorchBackendConfig(passes=init))
-    return ExportResult(program=program, delegated_calls=calls, outside=outside, reasons=dict(partitioner.reasons),
+    reasons = {name: why for parts in partitioners.values() for name, why in parts[0].reasons.items()}
+    return ExportResult(program=program, delegated_calls=calls, outside=outside, reasons=reasons,
                         weights=weights, host_state=host_state)

@@ -47,6 +47,8 @@ import torch
 from backends.mlx.llm.decoder.constraints import Constraint, ConstraintError, Matcher, ProgramGrammar
 from backends.mlx.llm.decoder.decode_rows import FORCE_BIAS, DecodeRows, TokenEvent  # noqa: F401 (re-exported)
 from backends.mlx.llm.decoder.draft_sources import NgramDraft
+from backends.mlx.llm.decoder.image_encoder import ImageEncoder, plain_ids
+from backends.mlx.llm.decoder.image_prompt import expand_images
 from backends.mlx.llm.decoder.loop import check_prompt
 from backends.mlx.llm.decoder.meta import DecoderMeta
 from backends.mlx.llm.sampler.params import SamplingParams
@@ -84,8 +86,11 @@ class EngineRequest:
     # Draft-verifying programs: the row's draft source (draft_sources.py); None: prompt lookup (set by check).
     # Ignored by plain programs.
     draft: object | None = None
-    # Vision-language programs: the prompt's images (PIL, RGB, checked by serve/image_parts.py), in prompt order.
+    # Vision-language programs: the prompt's images (PIL, RGB, checked by serve/image_parts.py), in prompt order;
+    # check encodes them into prompt_images and keys the prompt's image positions by their content
+    # (llm/decoder/image_encoder.py), so the prompt cache reuses a prefix only where the same image sat.
     images: list = field(default_factory=list)
+    prompt_images: object | None = None
 
 
 class Engine(ProgramGrammar):
@@ -107,6 +112,7 @@ class Engine(ProgramGrammar):
         self.meta = meta
         self.pte = pte
         self._vocabulary = None  # llguidance's view of the tokenizer, built on the first constrained request
+        self.images: ImageEncoder | None = None  # a vision-language program's, loaded on the first image
         # cross-row reuse where the program can copy a row's KV entries into another (decode_rows.py)
         copy_rows = program.copy_rows if getattr(program, "can_copy_rows", False) else None
         self.core = DecodeRows(meta, prompt_cache=prompt_cache, copy_rows=copy_rows)
@@ -145,7 +151,13 @@ class Engine(ProgramGrammar):
     def check(self, request: EngineRequest) -> None:
         """Raise ValueError/TypeError for a request the program cannot run (before it is queued)."""
         request.params.check(self.meta.config, self.meta.vocab_size)
-        check_prompt(self.meta, request.prompt, request.max_tokens)
+        keyed = request.prompt_images is not None  # checked before: its image positions carry keys
+        check_prompt(self.meta, plain_ids(self.meta, request.prompt) if keyed else request.prompt, request.max_tokens)
+        if request.images and not keyed:
+            request.prompt, request.prompt_images = self._encode(request.prompt, request.images)
+            check_prompt(self.meta, plain_ids(self.meta, request.prompt), request.max_tokens)  # images expanded
+        elif self.meta.takes_images and not keyed and self.meta.image_token_id in request.prompt:
+            raise ValueError("the prompt has image positions but no images were given")
         if request.forced is not None:
             config = self.meta.config
             if not config.logprobs or config.logprobs_mode != "raw" or config.logit_bias < 1:
@@ -160,6 +172,20 @@ class Engine(ProgramGrammar):
             # ConstraintError (a ValueError) names a bad schema/regex/grammar, a program without the mask or a
             # pipelined one (ProgramGrammar.vocabulary)
             request.matcher = self.matcher(request.constraint)
+
+    def _encode(self, prompt: list[int], images: list):
+        """(keyed prompt, PromptImages): the images through the program's vision method, in this process, kept by
+        content (a repeated image is not encoded again)."""
+        if not self.meta.takes_images:
+            raise ValueError("this program takes no images: it was exported from a text-only model")
+        if self.images is None:
+            if self.pte is None:
+                raise ValueError("images need the program's file (Engine(pte=...)) to load its vision method")
+            self.images = ImageEncoder(self.pte, self.meta)
+        if prompt.count(self.meta.image_token_id) == len(images):  # one placeholder per image (an LMTP client's)
+            prompt = expand_images(self.meta, prompt, len(images))
+        with self.images.lock:
+            return self.images.prompt(prompt, list(images))
 
     def submit(self, request: EngineRequest) -> int:
         self.submit_all([request])

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from backends.mlx.llm.decoder import prompt as prompt_rules
 from backends.mlx.llm.decoder.meta import DecoderMeta
 from backends.mlx.llm.decoder.tool_calls import ToolRequest
+from backends.mlx.llm.decoder.image_prompt import image_chat_prompt
 from backends.mlx.llm.decoder.tool_prompt import tool_chat_prompt
 from backends.mlx.llm.sampler.knobs import SEED_LIMIT, USER_KNOBS, Knob, KnobError
 from backends.mlx.llm.sampler.params import SamplingParams
@@ -210,14 +211,20 @@ def build_job(body: dict, meta: DecoderMeta, prompt: list[int], *, chat: bool) -
                include_usage=bool((stream_options or {}).get("include_usage", False)))
 
 
-def chat_prompt(body: dict, tokenizer, tools: ToolRequest | None = None) -> list[int]:
+def chat_prompt(body: dict, tokenizer, tools: ToolRequest | None = None, meta: DecoderMeta | None = None,
+                images=()) -> list[int]:
     """The chat's prompt ids; with `tools` (serve/tool_params.py), the tools and earlier calls and results rendered
-    in the program's tool-call format (llm/decoder/tool_prompt.py)."""
+    in the program's tool-call format (llm/decoder/tool_prompt.py). `images`: the RGB images of the messages'
+    {"type": "image"} parts (serve/image_parts.py), each expanded to its positions (llm/decoder/image_prompt.py)."""
     if tokenizer is None:
         raise ApiError("chat needs a tokenizer and this .pte has none", param="messages")
     if not prompt_rules.has_chat_template(tokenizer):
         raise ApiError("this model's tokenizer has no chat template: use /v1/completions", param="messages")
     try:
+        if images:
+            if tools is not None:
+                raise ValueError("tools with images are not supported")
+            return image_chat_prompt(tokenizer, meta, body.get("messages"), images)[0]
         if tools is not None:
             return tool_chat_prompt(tokenizer, body.get("messages"), tools.tools, tools.fmt)
         return prompt_rules.chat_prompt(tokenizer, body.get("messages"))

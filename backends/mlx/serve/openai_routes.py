@@ -83,7 +83,7 @@ class OpenAIRoutes:
                 images = await service.images.decode(sources)
                 body = {**body, "messages": messages}
             # Templating and tokenizing a large prompt take a while: off the event loop.
-            prompt = await (service.off_loop(chat_prompt, body, service.tokenizer, tools) if chat
+            prompt = await (service.off_loop(chat_prompt, body, service.tokenizer, tools, service.meta, images) if chat
                             else service.off_loop(completion_prompt, body, service.tokenizer, service.meta))
             job = build_job(body, service.meta, prompt, chat=chat)
             job.images = images

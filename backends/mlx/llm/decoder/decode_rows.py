@@ -68,6 +68,9 @@ class Sequence:
     forced: list[int] | None = None  # scoring: the tokens to force, one per step
     matcher: Matcher | None = None  # structured output: the grammar state
     draft: object | None = None  # draft-verifying programs: the row's draft source (draft_sources.py), or None
+    # vision-language programs: the prompt's image positions and embeddings (image_encoder.PromptImages); the
+    # prompt then holds image keys (>= the vocabulary) at those positions
+    prompt_images: object | None = None
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -284,10 +287,19 @@ class DecodeRows:
             else:  # an idle row's throwaway token, or a pipelined scored row's extra step: greedy
                 params.append(SamplingParams())
             drafts.append(row.last_drafts if kind != lib.IDLE and row is not None else [])
-        return step_inputs(self.meta, torch.tensor(tokens, dtype=torch.int64), per_row["start_pos"],
+        tokens = torch.tensor(tokens, dtype=torch.int64)
+        image_embeds = None
+        if self.meta.takes_images:  # image keys back to the image token; each row's image embeddings
+            tokens = torch.where(tokens >= self.meta.vocab_size, self.meta.image_token_id, tokens)
+            image_embeds = torch.zeros(*tokens.shape, self.meta.image_embed_dim)
+            for slot, kind in enumerate(per_row["kinds"]):
+                row = self.rows[slot]
+                if kind == lib.REQUEST and getattr(row.request, "prompt_images", None) is not None:
+                    row.request.prompt_images.fill(image_embeds, slot, int(per_row["start_pos"][slot]))
+        return step_inputs(self.meta, tokens, per_row["start_pos"],
                            per_row["lengths"], params, per_row["seeds"], [bool(f) for f in per_row["first"]],
                            masks=masks, drafts=drafts if self.meta.draft_tokens else None,
-                           deliver=bool(per_row["deliver"][0]))
+                           deliver=bool(per_row["deliver"][0]), image_embeds=image_embeds)
 
     def read(self, outputs) -> list[tuple[int, object, TokenEvent]]:
         """Apply a call's outputs: (slot, request, event) for each row that got a token or failed, in

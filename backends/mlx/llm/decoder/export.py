@@ -24,14 +24,15 @@ import torch
 
 from backends.mlx.exporter.export import ExportResult, export_to_pte, weights_path
 from backends.mlx.exporter.plain_step import PlainStep
-from backends.mlx.llm.decoder.meta import META_KEY, TOKENIZER_PREFIX, DecoderMeta
+from backends.mlx.llm.decoder.meta import META_KEY, PROCESSOR_PREFIX, TOKENIZER_PREFIX, DecoderMeta
 from backends.mlx.llm.decoder.tool_formats import check_format, detect_format
 from backends.mlx.llm.decoder.tokenizer_files import as_tokenizer, prompt_affixes, tokenizer_blobs
 from backends.mlx.llm.sampler.export import knob_examples
 from backends.mlx.llm.decoder.kv_cache import StaticCacheLM
 from backends.mlx.llm.decoder.kv_quant import kv_quant
 from backends.mlx.llm.decoder.kv_reference import KvCacheReference
-from backends.mlx.llm.decoder.model_support import float_dtype
+from backends.mlx.llm.decoder.model_support import float_dtype, text_config
+from backends.mlx.llm.decoder.vision_export import vision_encoder, vision_spec
 from backends.mlx.llm.decoder.pipelined import FedBackSteps
 from backends.mlx.llm.decoder.pipelined_verify import DeliveredOrFedBack
 from backends.mlx.llm.decoder.proposer import ProposingHead, verify_proposer
@@ -39,18 +40,32 @@ from backends.mlx.llm.decoder.resident_pages import release
 from backends.mlx.llm.decoder.speculative_head import DraftVerifyingHead
 from backends.mlx.llm.decoder.speculative_verify import verify_draft_program
 from backends.mlx.llm.decoder.verify import VerificationError, VerificationReport, verify_decoder
+from backends.mlx.llm.decoder.verify_vision import verify_with_image
 from backends.mlx.llm.sampler.config import SamplerConfig
 from backends.mlx.llm.sampler.head import SamplingHead
 
 
 def _eos_ids(model) -> list[int]:
     ids = []
-    for source in (getattr(model, "generation_config", None), model.config):
+    vocab = text_config(model.config).vocab_size
+    for source in (getattr(model, "generation_config", None), model.config, text_config(model.config)):
         eos = getattr(source, "eos_token_id", None) if source is not None else None
         for value in ([eos] if isinstance(eos, int) else list(eos or [])):
-            if value not in ids and 0 <= value < model.config.vocab_size:
+            if value not in ids and 0 <= value < vocab:
                 ids.append(value)
     return ids
+
+
+class ImageInputs(torch.nn.Module):
+    """A vision-language decoder's model inputs: tokens, start_pos, lengths, image_embeds (positional, so the
+    program takes them in that order, before the sampler's)."""
+
+    def __init__(self, lm: StaticCacheLM):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, tokens, start_pos, lengths, image_embeds):
+        return self.lm(tokens, start_pos, lengths, image_embeds=image_embeds)
 
 
 def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, config: SamplerConfig | None = None,
@@ -59,7 +74,8 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
                    pipelined: bool | None = None, verify: bool = True, draft_tokens: int = 0,
                    propose_tokens: int = 0, tool_call_format: str | None = None,
                    qmm_activations: str = "int16", kv_bits: int = 0, kv_group_size: int = 64,
-                   rank: tuple[int, int, str] | None = None) -> ExportResult:
+                   rank: tuple[int, int, str] | None = None,
+                   processor_files: dict[str, bytes] | None = None) -> ExportResult:
     """Write `out` (.pte) holding the program, its DecoderMeta and, given one (a transformers tokenizer or
     a directory holding one), the tokenizer: the one file is all a decode loop needs. `external_weights`:
     the weights go to `out` with suffix .ptd instead (the runners load it from beside the .pte).
@@ -75,7 +91,10 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
     `kv_bits` 4 or 8: the KV cache stored MLX-affine quantized in groups of `kv_group_size` (kv_quant.py);
     the check then runs against the eager model over the same quantized cache (kv_reference.py).
     `rank`: (rank, ranks, group id) when `model` is one rank's part of a tensor-parallel program
-    (llm/distributed/export.py, which verifies the ranks together: a rank cannot run alone)."""
+    (llm/distributed/export.py, which verifies the ranks together: a rank cannot run alone).
+
+    A vision-language model (vision_export.py) gets its vision method beside the decoder, and the decoder an
+    image_embeds input; `processor_files` (file name -> bytes: its image processor's config) go into the program."""
     if tool_call_format:
         check_format(tool_call_format)  # before the export's minutes
     kv_quant(kv_bits, kv_group_size)  # 4 or 8 bits only in a program (2 is the eager reference's control)
@@ -102,16 +121,25 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
     if draft_tokens >= max_seq_len:
         raise ValueError(f"--draft-tokens {draft_tokens} must be below max_seq_len {max_seq_len}")
     model = model.eval()
+    encoder = vision_encoder(model)
+    if encoder is not None:
+        if draft_tokens or propose_tokens:
+            raise ValueError("--draft-tokens / --propose-tokens: not supported for vision-language programs")
+        if not processor_files:
+            raise ValueError("a vision-language checkpoint needs its image processor's config "
+                             "(processor_config.json or preprocessor_config.json) to export")
+        if kv_bits:
+            raise ValueError("--kv-bits: not supported for vision-language programs yet")
     lm = StaticCacheLM(model, max_seq_len=max_seq_len, batch=batch, rings=not (draft_tokens or propose_tokens),
                        kv_bits=kv_bits, kv_group_size=kv_group_size)
-    vocab = model.config.vocab_size
+    vocab = text_config(model.config).vocab_size
     if pipelined is None:
         pipelined = not config.allowed_mask
     if draft_tokens:
         head = DraftVerifyingHead(lm, config, batch=batch, vocab=vocab, draft_tokens=draft_tokens)
         program = DeliveredOrFedBack(head, batch) if pipelined else head
     else:
-        head = SamplingHead(lm, config, batch=batch, vocab=vocab)
+        head = SamplingHead(ImageInputs(lm) if encoder is not None else lm, config, batch=batch, vocab=vocab)
         program = FedBackSteps(head, config, batch) if pipelined else head
         if propose_tokens:
             program = ProposingHead(head, propose_tokens, max_seq_len)
@@ -120,11 +148,15 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
     example = (torch.ones(batch, max_seq_len, dtype=torch.int64), torch.zeros(batch, dtype=torch.int64),
                torch.full((batch,), max_seq_len, dtype=torch.int64))
     kwargs = {"temperature": torch.ones(batch)}
+    vision = vision_spec(model, encoder) if encoder is not None else None
     if seeded:
         kwargs["seed"] = torch.zeros(batch, dtype=torch.int64)
     examples = knob_examples(config, batch, per_row=True, vocab=vocab)
     kwargs.update({name: examples[name] for name in config.knob_names()})
     dynamic = {"args": ({1: length}, None, None), **{name: None for name in kwargs}}
+    if vision is not None:  # [B, L, D]: the image embedding at each image-token position (kv_cache.py)
+        example = example + (torch.zeros(batch, max_seq_len, vision[2]),)
+        dynamic["args"] = dynamic["args"] + ({1: length},)
     if draft_tokens:  # DraftVerifyingHead names its inputs (SamplingHead takes *args)
         example = example + (torch.zeros(batch, draft_tokens + 1, dtype=torch.int64),)
         # One row: G is dynamic (1..K+1), a call pays for the drafts it carries (none: one column, as a plain
@@ -147,7 +179,7 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
                              tokenizer=TOKENIZER_PREFIX if blobs else None,
                              prompt_affixes=prompt_affixes(tokenizer) if tokenizer is not None else ([], []),
                              pipelined=pipelined, draft_tokens=draft_tokens, propose_tokens=propose_tokens,
-                             ring_cache=any(lm.ring_window(i) is not None for i in lm.layers))
+                             ring_cache=any(lm.ring_window(i) is not None for i in lm.layers), vision=vision)
     if kv_bits:
         meta.kv_bits, meta.kv_group_size = kv_bits, kv_group_size
     # the tool-call syntax: given, else the one the chat template teaches (tool_formats.detect_format)
@@ -156,13 +188,16 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
     meta.tool_call_format = (tool_call_format if tool_call_format else
                              detect_format(getattr(tokenizer, "chat_template", None)) if tokenizer is not None else "")
     blobs[META_KEY] = meta.to_bytes()
+    blobs.update({PROCESSOR_PREFIX + name: data for name, data in (processor_files or {}).items()})
+    methods = {vision[3]: (encoder, (torch.zeros(1, *vision[4]),))} if vision is not None else None
     # A one-row draft program's call without drafts (verify [1, 1]) runs the plain step stored beside it, the
     # plain program's graph over the same state (exporter/plain_step.py); with more rows verify is [B, K + 1].
     plain_step = (PlainStep(switch=lambda on: setattr(head, "plain_step", on), when="verify")
                   if draft_tokens and batch == 1 else None)
     result = export_to_pte(program, example, kwargs, dynamic_shapes=dynamic, progress=progress, named_data=blobs,
                            weights="external" if external_weights else "pte", plain_step=plain_step,
-                           qmm_activations=qmm_activations, rank=rank)
+                           qmm_activations=qmm_activations, rank=rank,
+                           methods=methods)
     result.save(Path(out))
     if verify:
         say = progress or (lambda _stage: None)
@@ -181,6 +216,8 @@ def _verified(model, out: Path, external_weights: bool, draft_tokens: int, propo
             return verify_proposer(model, out)
         if draft_tokens:
             return verify_draft_program(model, out)
+        if vision_encoder(model) is not None:
+            return verify_with_image(model, out)
         return verify_decoder(model, out)
     except VerificationError as exc:
         # A program known to be wrong is not left where a loop would load it.

@@ -90,6 +90,7 @@ def export_checkpoint(model: str | Path, out: str | Path | None = None, *, revis
     from transformers import AutoTokenizer
 
     from backends.mlx.llm.decoder.export import export_decoder
+    from backends.mlx.llm.decoder.vision_export import PROCESSOR_FILES
 
     torch_model = _load_model(model_dir, getattr(torch, DTYPES[dtype]), quantize, group_size, quantize_embeddings,
                               say, lora)
@@ -98,10 +99,12 @@ def export_checkpoint(model: str | Path, out: str | Path | None = None, *, revis
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     else:
         say("no tokenizer in the checkpoint: generate will need --prompt-ids")
+    processor_files = {name: (model_dir / name).read_bytes() for name in PROCESSOR_FILES
+                       if (model_dir / name).is_file()}
     options = dict(config=config, batch=batch, seeded=seeded, tokenizer=tokenizer, progress=say,
                    external_weights=external_weights, pipelined=pipelined, verify=verify,
                    tool_call_format=tool_call_format, qmm_activations=qmm_activations, kv_bits=kv_bits,
-                   kv_group_size=kv_group_size)
+                   kv_group_size=kv_group_size, processor_files=processor_files)
     if tensor_parallel > 1:
         from backends.mlx.llm.decoder.tensor_parallel import export_tensor_parallel
 
@@ -118,9 +121,10 @@ def _load_model(model_dir: Path, dtype, quantize: str | None, group_size: int, e
     """A float checkpoint (quantized with `quantize`), or an mlx-lm quantized one as it is; the LoRA adapter
     `lora` fused into its weights (before quantizing)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     from backends.mlx.llm.checkpoint_source import stored_dtype_name
+    from backends.mlx.llm.decoder.model_support import check_vision_family, is_vision_language
     from backends.mlx.llm.quantize.mlx_checkpoint import load_mlx_quantized, quantization_config
 
     if quantization_config(model_dir) is not None:
@@ -129,9 +133,11 @@ def _load_model(model_dir: Path, dtype, quantize: str | None, group_size: int, e
                              "drop --quantize")
         say(f"loading the mlx-lm quantized checkpoint {model_dir} ({dtype} activations)")
         return _fused(load_mlx_quantized(model_dir, dtype), lora, say)
+    config = AutoConfig.from_pretrained(str(model_dir))
+    check_vision_family(config)  # before the minutes of loading: a vision tower etmlx does not export is refused
+    loader = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
     say(f"loading {model_dir} as {dtype}")
-    model = _fused(AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="eager"),
-                   lora, say)
+    model = _fused(loader.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="eager"), lora, say)
     if quantize is not None:
         from backends.mlx.llm.quantize.affine import quantize_model
 

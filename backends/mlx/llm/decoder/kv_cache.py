@@ -9,6 +9,11 @@ attention interfaces:
     logits = lm(tokens [B, L], start_pos [B])                 # -> [B, L, V]
     logits = lm(tokens [B, L], start_pos [B], lengths [B])    # -> [B, V] at index lengths-1 per row
     logits = lm(tokens [B, L], start_pos [B], lengths [B], gather=index [B, G])  # -> [B, G, V] at those indices
+    logits = lm(tokens, start_pos, lengths, image_embeds=E [B, L, D])  # a vision-language model (below)
+
+A vision-language model (LLaVA: the checkpoint's whole ...ForConditionalGeneration) takes image embeddings: the
+positions whose token is the config's image_token_id get E's vector there in place of the token's embedding, as
+the family's forward merges its vision features (then its own forward runs on those input embeddings).
 
 Row b's tokens sit at cache positions start_pos[b] .. start_pos[b]+L-1; each query attends to the cached
 positions <= its own (and within its layer's sliding window). Rows are independent sequences at their own
@@ -179,9 +184,13 @@ class StaticCacheLM(nn.Module):
         return sum(b.numel() * b.element_size() for n, b in self.named_buffers()
                    if n.startswith(("k_", "v_")) and n.rsplit("_", 1)[-1].isdigit())
 
-    def _run(self, tokens, state: ForwardState):
+    def _run(self, tokens, state: ForwardState, image_embeds=None):
         cache = ProgramCache(self, state)
-        kwargs = {}
+        kwargs = {"input_ids": tokens}
+        if image_embeds is not None:
+            image = (tokens == self.model.config.image_token_id).unsqueeze(-1)
+            text = self.model.get_input_embeddings()(tokens)
+            kwargs = {"inputs_embeds": torch.where(image, image_embeds.to(text.dtype), text)}
         if state.probe is not None or not self.uses_attention_interface:
             # A model with its own attention code (Falcon) adds this mask to its scores.
             keys = 1 if state.probe is not None else self.max_seq_len
@@ -190,16 +199,16 @@ class StaticCacheLM(nn.Module):
             kwargs["attention_mask"] = torch.zeros(visible.shape, dtype=dtype).masked_fill(
                 ~visible, torch.finfo(dtype).min)
         with cache, _etmlx_settings(self.model.config):
-            out = self.model(input_ids=tokens, position_ids=state.positions, past_key_values=cache, use_cache=True,
-                             **kwargs)
+            out = self.model(position_ids=state.positions, past_key_values=cache, use_cache=True, **kwargs)
         return out.logits
 
     def forward(self, tokens: torch.Tensor, start_pos: torch.Tensor, lengths: torch.Tensor | None = None,
-                gather: torch.Tensor | None = None):
-        """gather [B, G] (token indices per row): the logits of those tokens, [B, G, V]."""
+                gather: torch.Tensor | None = None, image_embeds: torch.Tensor | None = None):
+        """gather [B, G] (token indices per row): the logits of those tokens, [B, G, V]. image_embeds [B, L, D]:
+        a vision-language model's image embedding at each image-token position."""
         batch, length = tokens.shape
         positions = start_pos.unsqueeze(1) + torch.arange(length).unsqueeze(0)  # [B, L]
-        logits = self._run(tokens, ForwardState(positions=positions, lengths=lengths, gather=gather))
+        logits = self._run(tokens, ForwardState(positions=positions, lengths=lengths, gather=gather), image_embeds)
         if gather is not None:
             return logits
         return logits[:, 0] if lengths is not None else logits

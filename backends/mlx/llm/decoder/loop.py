@@ -25,6 +25,7 @@ from typing import Iterator
 from backends.mlx.llm.decoder.constraints import Constraint, ConstraintError, Matcher, ProgramGrammar
 from backends.mlx.llm.decoder.decode_rows import DecodeRows, Row, Sequence, TokenEvent
 from backends.mlx.llm.decoder.draft_sources import DraftBudget
+from backends.mlx.llm.decoder.image_encoder import ImageEncoder, PromptImages
 from backends.mlx.llm.decoder.meta import DecoderMeta
 from backends.mlx.llm.decoder.tokenizer_files import ProgramTokenizer
 from backends.mlx.llm.sampler.params import SamplingParams
@@ -106,17 +107,37 @@ class Decoder(ProgramTokenizer, ProgramGrammar):
         self.rows = DecodeRows(self.meta, copy_rows=self.method.copy_rows if self.method.can_copy_rows else None)
         self.last_cached = 0
         self.last_slot = 0
+        self._images: ImageEncoder | None = None
+
+    @property
+    def images(self) -> ImageEncoder:
+        """A vision-language program's image encoder (its vision method, loaded on first use)."""
+        if not self.meta.takes_images:
+            raise ValueError(f"{self.pte} takes no images: it was exported from a text-only model")
+        if self._images is None:
+            self._images = ImageEncoder(self.pte, self.meta)
+        return self._images
 
     def stream(self, prompt_ids, max_tokens: int, params: SamplingParams | None = None,
-               stop_at_eos: bool = True, constraint: Constraint | None = None, reuse: bool = False) -> Iterator[Step]:
+               stop_at_eos: bool = True, constraint: Constraint | None = None, reuse: bool = False,
+               images=None) -> Iterator[Step]:
         """With a constraint the output matches it (ending with EOS once complete), or stops at max_tokens.
         `reuse`: start from the longest prefix of the prompt that a row's KV cache still holds from an
-        earlier generation (runtime/decode_rows.h); `last_cached` then says how many prompt tokens were not prefilled."""
+        earlier generation (runtime/decode_rows.h); `last_cached` then says how many prompt tokens were not prefilled.
+        `images`: a vision-language program's RGB PIL images, in the order of the prompt's image positions
+        (image_prompt.py builds such prompts), or their PromptImages already encoded."""
         params = params or SamplingParams()
         params.check(self.meta.config, self.meta.vocab_size)
         prompt = check_prompt(self.meta, prompt_ids, max_tokens)
+        prompt_images = None
+        if isinstance(images, PromptImages):
+            prompt_images = images
+        elif images:
+            prompt, prompt_images = self.images.prompt(prompt, list(images))
+        elif self.meta.takes_images and self.meta.image_token_id in prompt:
+            raise ValueError("the prompt has image positions but no images were given")
         matcher = self.matcher(constraint) if constraint is not None else None
-        request = Sequence(prompt, params, max_tokens, stop_at_eos, matcher=matcher)
+        request = Sequence(prompt, params, max_tokens, stop_at_eos, matcher=matcher, prompt_images=prompt_images)
         with closing(decode_alone(self.rows, self.method.execute, request, reuse, self._started)) as events:
             for event in events:  # closing: a caller that stops early frees the row at once
                 yield Step(event.token, event.logprob, event.top)

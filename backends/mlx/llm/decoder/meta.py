@@ -43,11 +43,15 @@ DRAFT_OUTPUTS = ["accepted", "token"]
 # and returns `fed` [B], the token each row's column 0 used in place of FED_BACK.
 DELIVER_INPUT = "deliver"
 FED_OUTPUT = "fed"
+# Vision-language programs (vision_export.py) take this after the model inputs: [B, L, D] float32, the image
+# embedding of each position whose token is DecoderMeta.image_token_id (other positions' values are unread).
+IMAGE_INPUT = "image_embeds"
 # Named-data keys; tools/etmlx_decode/program_metadata.cpp reads the same ones.
 META_KEY = "etmlx/decoder_meta"  # a DecoderMeta flatbuffer (decoder_meta.fbs, file identifier FILE_IDENTIFIER)
 FILE_IDENTIFIER = b"EMDM"
 OLD_META_KEY = "etmlx/decoder_meta.json"  # the JSON of older exports: refused, named in the message
 TOKENIZER_PREFIX = "etmlx/tokenizer/"  # + a file name save_pretrained wrote (tokenizer.json, ...)
+PROCESSOR_PREFIX = "etmlx/processor/"  # + the image processor's config file (vision-language programs)
 # Inputs that are int64 (ExecuTorch ScalarType 4); the rest are float32 (6).
 _INT_INPUTS = {"tokens", "start_pos", "lengths", DRAFT_INPUT, "seed", "top_k", "penalty_reset", "penalty_add", "bias_ids"}
 _INT32_INPUTS = {"allowed_mask"}
@@ -208,12 +212,23 @@ class DecoderMeta:
     # `rank`'s; every rank runs the same steps (docs/distributed.md). 1: a plain program.
     ranks: int = 1
     rank: int = 0
+    # Vision-language programs (vision_export.py): the token id an image's positions carry in the prompt, how many
+    # positions one image takes, the width of the image_embeds input, the method that turns pixels [N, *image_size]
+    # into embeddings [N, image_tokens, image_embed_dim]; the image processor's settings are named data under
+    # PROCESSOR_PREFIX. -1 / "": a text-only program.
+    image_token_id: int = -1
+    image_tokens: int = 0
+    image_embed_dim: int = 0
+    vision_method: str = ""
+    image_size: list[int] = field(default_factory=list)
 
     @classmethod
     def build(cls, *, max_seq_len, vocab_size, batch, eos_token_ids, seeded, config: SamplerConfig, dtype,
               model_type="", tokenizer=None, prompt_affixes=([], []), pipelined=False,
-              draft_tokens=0, ring_cache=None, verify_min_width=1, propose_tokens=0) -> "DecoderMeta":
-        model_inputs = MODEL_INPUTS + ([DRAFT_INPUT] if draft_tokens else [])
+              draft_tokens=0, ring_cache=None, verify_min_width=1, propose_tokens=0, vision=None) -> "DecoderMeta":
+        """`vision`: a vision-language program's (image_token_id, image_tokens, image_embed_dim, vision_method,
+        image_size)."""
+        model_inputs = MODEL_INPUTS + ([IMAGE_INPUT] if vision else []) + ([DRAFT_INPUT] if draft_tokens else [])
         if draft_tokens and pipelined:
             model_inputs.append(DELIVER_INPUT)
         inputs = model_inputs + ["temperature"] + (["seed"] if seeded else []) + config.knob_names()
@@ -229,7 +244,14 @@ class DecoderMeta:
                    inputs=inputs, outputs=outputs, knobs=knob_metadata(),
                    prompt_prefix_ids=list(prompt_affixes[0]), prompt_suffix_ids=list(prompt_affixes[1]),
                    pipelined=pipelined, draft_tokens=draft_tokens, ring_cache=ring_cache,
-                   verify_min_width=verify_min_width, propose_tokens=propose_tokens)
+                   verify_min_width=verify_min_width, propose_tokens=propose_tokens,
+                   **(dict(zip(("image_token_id", "image_tokens", "image_embed_dim", "vision_method", "image_size"),
+                               vision)) if vision else {}))
+
+    @property
+    def takes_images(self) -> bool:
+        """Whether the program has a vision method and takes image embeddings."""
+        return bool(self.vision_method)
 
     @property
     def config(self) -> SamplerConfig:
@@ -295,6 +317,8 @@ class DecoderMeta:
             expected = (self.batch, widths[name]) if name in widths else (self.batch,)
             if name == "allowed_mask" and self.draft_tokens:  # a mask per verified position: [B, G, words]
                 expected = (self.batch, self.draft_tokens + 1, widths[name])
+            if name == IMAGE_INPUT:
+                expected = (self.batch, self.max_seq_len, self.image_embed_dim)
             if tuple(sizes) != expected:
                 raise ValueError(f"{pte}: input {name!r} is {list(sizes)} in the program but the metadata implies "
                                  f"{list(expected)} (batch {self.batch}, max_seq_len {self.max_seq_len}): metadata "

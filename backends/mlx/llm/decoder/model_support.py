@@ -21,7 +21,29 @@ TESTED = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "olmo", "gemma", "gemma2
           "smollm3", "starcoder2", "phi", "phi3", "olmo2", "stablelm", "cohere", "gpt_neox", "falcon", "qwen2_moe",
           "qwen3_moe", "mixtral", "deepseek_v3")
 
+# Vision-language families exported whole, vision method included (vision_export.py), tested against transformers'
+# greedy tokens with an image (tests/test_vision_language.py). Any other checkpoint with a vision tower is refused:
+# exporting its text part alone would silently drop what users send it.
+VISION_TESTED = ("llava",)
+
 _LAYER_TYPES = {"full_attention", "sliding_attention"}
+
+
+def is_vision_language(config) -> bool:
+    return getattr(config, "vision_config", None) is not None
+
+
+def text_config(config):
+    """The decoder's config: a vision-language model's text_config, else the config itself."""
+    return config.text_config if is_vision_language(config) else config
+
+
+def check_vision_family(config) -> None:
+    """A checkpoint with a vision tower is one etmlx exports whole, or refused by its model_type."""
+    kind = getattr(config, "model_type", "?")
+    if is_vision_language(config) and kind not in VISION_TESTED:
+        raise ValueError(f"model_type {kind!r} is a vision-language model etmlx does not export yet (supported: "
+                         f"{', '.join(VISION_TESTED)}); its text part alone would ignore images")
 
 
 def _truthy(config, name) -> bool:
@@ -35,6 +57,7 @@ def check_model(model: nn.Module) -> None:
     if config is None or not hasattr(model, "base_model_prefix"):
         raise ValueError(f"{type(model).__name__} has no `config`: not a transformers causal LM")
     kind = getattr(config, "model_type", "?")
+    check_vision_family(config)
     accepted = inspect.signature(model.forward).parameters
     if "past_key_values" not in accepted or "position_ids" not in accepted:
         raise ValueError(f"{type(model).__name__} (model_type {kind!r}) takes no KV cache and positions "
@@ -64,6 +87,7 @@ def check_layer_windows(config, windows: dict) -> None:
 
 
 def position_limit(config) -> Optional[int]:
+    config = getattr(config, "text_config", None) or config  # a vision-language model's decoder
     return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
 
 

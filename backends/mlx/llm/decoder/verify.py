@@ -51,12 +51,15 @@ class VerificationReport:
     quantized: bool
     near_ties: list[str] = field(default_factory=list)
     max_logprob_error: float | None = None  # None: the program returns no logprobs
+    vision_error: float | None = None  # a vision-language program's vision method against eager (max |error|)
 
     def summary(self) -> str:
         kind = f"{self.dtype}{', quantized' if self.quantized else ''}"
         line = f"verified against the eager model ({kind}): {self.steps} greedy tokens match"
         if self.max_logprob_error is not None:
             line += f", logprobs within {self.max_logprob_error:.2g}"
+        if self.vision_error is not None:
+            line += f" with an image (vision method within {self.vision_error:.2g} of eager)"
         if self.near_ties:
             line += f"; near ties (either token is right): {'; '.join(self.near_ties)}"
         return line
@@ -91,7 +94,8 @@ def _step_name(k: int) -> str:
 def verify_decoder(model: torch.nn.Module, pte: Path, steps: int = DECODE_STEPS,
                    prompt_tokens: int = PROMPT_TOKENS) -> VerificationReport:
     """Run `pte` (prefill + `steps` greedy steps) and compare with `model`, the eager module it was
-    exported from; raise VerificationError naming the first divergent step."""
+    exported from; raise VerificationError naming the first divergent step. (A vision-language program's
+    check, with an image, is verify_vision.py's.)"""
     decoder = Decoder(Path(pte))
     meta = decoder.meta
     generated = 1 + steps
@@ -103,11 +107,19 @@ def verify_decoder(model: torch.nn.Module, pte: Path, steps: int = DECODE_STEPS,
         raise VerificationError(f"max_seq_len {meta.max_seq_len} leaves no room for a prompt and a token: "
                                 "nothing to verify (pass verify=False / --no-verify)")
     prompt = verification_prompt(meta.vocab_size, min(prompt_tokens, room))
+    return compare_greedy(model, decoder, prompt, generated)
+
+
+def compare_greedy(model: torch.nn.Module, decoder, prompt: list[int], generated: int, images=None,
+                   reference=None) -> VerificationReport:
+    """The program's `generated` greedy tokens after `prompt` (with `images`: Decoder.stream's) against the eager
+    argmax; `reference(ids)`: the eager logits [len(ids), V] (default: model(ids))."""
+    pte = decoder.pte
     relative = tolerance(model)
     dtype = str(activation_dtype(model)).replace("torch.", "")
     report = VerificationReport(steps=0, dtype=dtype, quantized=is_quantized(model))
     logprob_errors = []
-    steps = list(decoder.stream(prompt, generated, SamplingParams(), stop_at_eos=False))
+    steps = list(decoder.stream(prompt, generated, SamplingParams(), stop_at_eos=False, images=images))
     # The runtime's copy of the weights is freed before the eager forward reads the model's: at real size the
     # two together would be twice the weights (docs/weights.md).
     del decoder
@@ -116,7 +128,8 @@ def verify_decoder(model: torch.nn.Module, pte: Path, steps: int = DECODE_STEPS,
     # full-sequence forward over that prefix: the per-step reference without a cache, for one call's cost.
     ids = prompt + [step.token for step in steps[:-1]]
     with torch.no_grad():
-        all_logits = model(torch.tensor([ids])).logits[0, len(prompt) - 1:].float()
+        logits = reference(ids) if reference is not None else model(torch.tensor([ids])).logits[0]
+        all_logits = logits[len(prompt) - 1:].float()
     for k, (step, logits) in enumerate(zip(steps, all_logits)):
         tol = relative * max(1.0, float(logits.abs().max()))
         expected = int(logits.argmax())

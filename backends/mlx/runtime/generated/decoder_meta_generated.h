@@ -475,7 +475,12 @@ struct DecoderMeta FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
     VT_KV_BITS = 46,
     VT_KV_GROUP_SIZE = 48,
     VT_RANKS = 50,
-    VT_RANK = 52
+    VT_RANK = 52,
+    VT_IMAGE_TOKEN_ID = 54,
+    VT_IMAGE_TOKENS = 56,
+    VT_IMAGE_EMBED_DIM = 58,
+    VT_VISION_METHOD = 60,
+    VT_IMAGE_SIZE = 62
   };
   int64_t max_seq_len() const {
     return GetField<int64_t>(VT_MAX_SEQ_LEN, 0);
@@ -552,6 +557,21 @@ struct DecoderMeta FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   int64_t rank() const {
     return GetField<int64_t>(VT_RANK, 0);
   }
+  int64_t image_token_id() const {
+    return GetField<int64_t>(VT_IMAGE_TOKEN_ID, -1LL);
+  }
+  int64_t image_tokens() const {
+    return GetField<int64_t>(VT_IMAGE_TOKENS, 0);
+  }
+  int64_t image_embed_dim() const {
+    return GetField<int64_t>(VT_IMAGE_EMBED_DIM, 0);
+  }
+  const ::flatbuffers::String *vision_method() const {
+    return GetPointer<const ::flatbuffers::String *>(VT_VISION_METHOD);
+  }
+  const ::flatbuffers::Vector<int64_t> *image_size() const {
+    return GetPointer<const ::flatbuffers::Vector<int64_t> *>(VT_IMAGE_SIZE);
+  }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
     return VerifyTableStart(verifier) &&
@@ -595,6 +615,13 @@ struct DecoderMeta FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
            VerifyField<int64_t>(verifier, VT_KV_GROUP_SIZE, 8) &&
            VerifyField<int64_t>(verifier, VT_RANKS, 8) &&
            VerifyField<int64_t>(verifier, VT_RANK, 8) &&
+           VerifyField<int64_t>(verifier, VT_IMAGE_TOKEN_ID, 8) &&
+           VerifyField<int64_t>(verifier, VT_IMAGE_TOKENS, 8) &&
+           VerifyField<int64_t>(verifier, VT_IMAGE_EMBED_DIM, 8) &&
+           VerifyOffset(verifier, VT_VISION_METHOD) &&
+           verifier.VerifyString(vision_method()) &&
+           VerifyOffset(verifier, VT_IMAGE_SIZE) &&
+           verifier.VerifyVector(image_size()) &&
            verifier.EndTable();
   }
 };
@@ -678,6 +705,21 @@ struct DecoderMetaBuilder {
   void add_rank(int64_t rank) {
     fbb_.AddElement<int64_t>(DecoderMeta::VT_RANK, rank, 0);
   }
+  void add_image_token_id(int64_t image_token_id) {
+    fbb_.AddElement<int64_t>(DecoderMeta::VT_IMAGE_TOKEN_ID, image_token_id, -1LL);
+  }
+  void add_image_tokens(int64_t image_tokens) {
+    fbb_.AddElement<int64_t>(DecoderMeta::VT_IMAGE_TOKENS, image_tokens, 0);
+  }
+  void add_image_embed_dim(int64_t image_embed_dim) {
+    fbb_.AddElement<int64_t>(DecoderMeta::VT_IMAGE_EMBED_DIM, image_embed_dim, 0);
+  }
+  void add_vision_method(::flatbuffers::Offset<::flatbuffers::String> vision_method) {
+    fbb_.AddOffset(DecoderMeta::VT_VISION_METHOD, vision_method);
+  }
+  void add_image_size(::flatbuffers::Offset<::flatbuffers::Vector<int64_t>> image_size) {
+    fbb_.AddOffset(DecoderMeta::VT_IMAGE_SIZE, image_size);
+  }
   explicit DecoderMetaBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
         : fbb_(_fbb) {
     start_ = fbb_.StartTable();
@@ -716,8 +758,16 @@ inline ::flatbuffers::Offset<DecoderMeta> CreateDecoderMeta(
     int64_t kv_bits = 0,
     int64_t kv_group_size = 0,
     int64_t ranks = 1LL,
-    int64_t rank = 0) {
+    int64_t rank = 0,
+    int64_t image_token_id = -1LL,
+    int64_t image_tokens = 0,
+    int64_t image_embed_dim = 0,
+    ::flatbuffers::Offset<::flatbuffers::String> vision_method = 0,
+    ::flatbuffers::Offset<::flatbuffers::Vector<int64_t>> image_size = 0) {
   DecoderMetaBuilder builder_(_fbb);
+  builder_.add_image_embed_dim(image_embed_dim);
+  builder_.add_image_tokens(image_tokens);
+  builder_.add_image_token_id(image_token_id);
   builder_.add_rank(rank);
   builder_.add_ranks(ranks);
   builder_.add_kv_group_size(kv_group_size);
@@ -728,6 +778,8 @@ inline ::flatbuffers::Offset<DecoderMeta> CreateDecoderMeta(
   builder_.add_batch(batch);
   builder_.add_vocab_size(vocab_size);
   builder_.add_max_seq_len(max_seq_len);
+  builder_.add_image_size(image_size);
+  builder_.add_vision_method(vision_method);
   builder_.add_tool_call_format(tool_call_format);
   builder_.add_prompt_suffix_ids(prompt_suffix_ids);
   builder_.add_prompt_prefix_ids(prompt_prefix_ids);
@@ -772,7 +824,12 @@ inline ::flatbuffers::Offset<DecoderMeta> CreateDecoderMetaDirect(
     int64_t kv_bits = 0,
     int64_t kv_group_size = 0,
     int64_t ranks = 1LL,
-    int64_t rank = 0) {
+    int64_t rank = 0,
+    int64_t image_token_id = -1LL,
+    int64_t image_tokens = 0,
+    int64_t image_embed_dim = 0,
+    const char *vision_method = nullptr,
+    const std::vector<int64_t> *image_size = nullptr) {
   auto eos_token_ids__ = eos_token_ids ? _fbb.CreateVector<int64_t>(*eos_token_ids) : 0;
   auto dtype__ = dtype ? _fbb.CreateString(dtype) : 0;
   auto model_type__ = model_type ? _fbb.CreateString(model_type) : 0;
@@ -784,6 +841,8 @@ inline ::flatbuffers::Offset<DecoderMeta> CreateDecoderMetaDirect(
   auto prompt_prefix_ids__ = prompt_prefix_ids ? _fbb.CreateVector<int64_t>(*prompt_prefix_ids) : 0;
   auto prompt_suffix_ids__ = prompt_suffix_ids ? _fbb.CreateVector<int64_t>(*prompt_suffix_ids) : 0;
   auto tool_call_format__ = tool_call_format ? _fbb.CreateString(tool_call_format) : 0;
+  auto vision_method__ = vision_method ? _fbb.CreateString(vision_method) : 0;
+  auto image_size__ = image_size ? _fbb.CreateVector<int64_t>(*image_size) : 0;
   return backends::mlx::serialization::generated::fb::CreateDecoderMeta(
       _fbb,
       max_seq_len,
@@ -810,7 +869,12 @@ inline ::flatbuffers::Offset<DecoderMeta> CreateDecoderMetaDirect(
       kv_bits,
       kv_group_size,
       ranks,
-      rank);
+      rank,
+      image_token_id,
+      image_tokens,
+      image_embed_dim,
+      vision_method__,
+      image_size__);
 }
 
 inline const backends::mlx::serialization::generated::fb::DecoderMeta *GetDecoderMeta(const void *buf) {

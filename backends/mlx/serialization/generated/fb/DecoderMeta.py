@@ -311,8 +311,63 @@ class DecoderMeta(object):
             return self._tab.Get(flatbuffers.number_types.Int64Flags, o + self._tab.Pos)
         return 0
 
+    # DecoderMeta
+    def ImageTokenId(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(54))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int64Flags, o + self._tab.Pos)
+        return -1
+
+    # DecoderMeta
+    def ImageTokens(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(56))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int64Flags, o + self._tab.Pos)
+        return 0
+
+    # DecoderMeta
+    def ImageEmbedDim(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(58))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int64Flags, o + self._tab.Pos)
+        return 0
+
+    # DecoderMeta
+    def VisionMethod(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(60))
+        if o != 0:
+            return self._tab.String(o + self._tab.Pos)
+        return None
+
+    # DecoderMeta
+    def ImageSize(self, j):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(62))
+        if o != 0:
+            a = self._tab.Vector(o)
+            return self._tab.Get(flatbuffers.number_types.Int64Flags, a + flatbuffers.number_types.UOffsetTFlags.py_type(j * 8))
+        return 0
+
+    # DecoderMeta
+    def ImageSizeAsNumpy(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(62))
+        if o != 0:
+            return self._tab.GetVectorAsNumpy(flatbuffers.number_types.Int64Flags, o)
+        return 0
+
+    # DecoderMeta
+    def ImageSizeLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(62))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # DecoderMeta
+    def ImageSizeIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(62))
+        return o == 0
+
 def DecoderMetaStart(builder):
-    builder.StartObject(25)
+    builder.StartObject(30)
 
 def Start(builder):
     DecoderMetaStart(builder)
@@ -503,6 +558,42 @@ def DecoderMetaAddRank(builder, rank):
 def AddRank(builder, rank):
     DecoderMetaAddRank(builder, rank)
 
+def DecoderMetaAddImageTokenId(builder, imageTokenId):
+    builder.PrependInt64Slot(25, imageTokenId, -1)
+
+def AddImageTokenId(builder, imageTokenId):
+    DecoderMetaAddImageTokenId(builder, imageTokenId)
+
+def DecoderMetaAddImageTokens(builder, imageTokens):
+    builder.PrependInt64Slot(26, imageTokens, 0)
+
+def AddImageTokens(builder, imageTokens):
+    DecoderMetaAddImageTokens(builder, imageTokens)
+
+def DecoderMetaAddImageEmbedDim(builder, imageEmbedDim):
+    builder.PrependInt64Slot(27, imageEmbedDim, 0)
+
+def AddImageEmbedDim(builder, imageEmbedDim):
+    DecoderMetaAddImageEmbedDim(builder, imageEmbedDim)
+
+def DecoderMetaAddVisionMethod(builder, visionMethod):
+    builder.PrependUOffsetTRelativeSlot(28, flatbuffers.number_types.UOffsetTFlags.py_type(visionMethod), 0)
+
+def AddVisionMethod(builder, visionMethod):
+    DecoderMetaAddVisionMethod(builder, visionMethod)
+
+def DecoderMetaAddImageSize(builder, imageSize):
+    builder.PrependUOffsetTRelativeSlot(29, flatbuffers.number_types.UOffsetTFlags.py_type(imageSize), 0)
+
+def AddImageSize(builder, imageSize):
+    DecoderMetaAddImageSize(builder, imageSize)
+
+def DecoderMetaStartImageSizeVector(builder, numElems):
+    return builder.StartVector(8, numElems, 8)
+
+def StartImageSizeVector(builder, numElems):
+    return DecoderMetaStartImageSizeVector(builder, numElems)
+
 def DecoderMetaEnd(builder):
     return builder.EndObject()
 
@@ -546,6 +637,11 @@ class DecoderMetaT(object):
         kvGroupSize = 0,
         ranks = 1,
         rank = 0,
+        imageTokenId = -1,
+        imageTokens = 0,
+        imageEmbedDim = 0,
+        visionMethod = None,
+        imageSize = None,
     ):
         self.maxSeqLen = maxSeqLen  # type: int
         self.vocabSize = vocabSize  # type: int
@@ -572,6 +668,11 @@ class DecoderMetaT(object):
         self.kvGroupSize = kvGroupSize  # type: int
         self.ranks = ranks  # type: int
         self.rank = rank  # type: int
+        self.imageTokenId = imageTokenId  # type: int
+        self.imageTokens = imageTokens  # type: int
+        self.imageEmbedDim = imageEmbedDim  # type: int
+        self.visionMethod = visionMethod  # type: Optional[str]
+        self.imageSize = imageSize  # type: Optional[List[int]]
 
     @classmethod
     def InitFromBuf(cls, buf, pos):
@@ -651,6 +752,17 @@ class DecoderMetaT(object):
         self.kvGroupSize = decoderMeta.KvGroupSize()
         self.ranks = decoderMeta.Ranks()
         self.rank = decoderMeta.Rank()
+        self.imageTokenId = decoderMeta.ImageTokenId()
+        self.imageTokens = decoderMeta.ImageTokens()
+        self.imageEmbedDim = decoderMeta.ImageEmbedDim()
+        self.visionMethod = decoderMeta.VisionMethod()
+        if not decoderMeta.ImageSizeIsNone():
+            if np is None:
+                self.imageSize = []
+                for i in range(decoderMeta.ImageSizeLength()):
+                    self.imageSize.append(decoderMeta.ImageSize(i))
+            else:
+                self.imageSize = decoderMeta.ImageSizeAsNumpy()
 
     # DecoderMetaT
     def Pack(self, builder):
@@ -714,6 +826,16 @@ class DecoderMetaT(object):
                 promptSuffixIds = builder.EndVector()
         if self.toolCallFormat is not None:
             toolCallFormat = builder.CreateString(self.toolCallFormat)
+        if self.visionMethod is not None:
+            visionMethod = builder.CreateString(self.visionMethod)
+        if self.imageSize is not None:
+            if np is not None and type(self.imageSize) is np.ndarray:
+                imageSize = builder.CreateNumpyVector(self.imageSize)
+            else:
+                DecoderMetaStartImageSizeVector(builder, len(self.imageSize))
+                for i in reversed(range(len(self.imageSize))):
+                    builder.PrependInt64(self.imageSize[i])
+                imageSize = builder.EndVector()
         DecoderMetaStart(builder)
         DecoderMetaAddMaxSeqLen(builder, self.maxSeqLen)
         DecoderMetaAddVocabSize(builder, self.vocabSize)
@@ -752,5 +874,12 @@ class DecoderMetaT(object):
         DecoderMetaAddKvGroupSize(builder, self.kvGroupSize)
         DecoderMetaAddRanks(builder, self.ranks)
         DecoderMetaAddRank(builder, self.rank)
+        DecoderMetaAddImageTokenId(builder, self.imageTokenId)
+        DecoderMetaAddImageTokens(builder, self.imageTokens)
+        DecoderMetaAddImageEmbedDim(builder, self.imageEmbedDim)
+        if self.visionMethod is not None:
+            DecoderMetaAddVisionMethod(builder, visionMethod)
+        if self.imageSize is not None:
+            DecoderMetaAddImageSize(builder, imageSize)
         decoderMeta = DecoderMetaEnd(builder)
         return decoderMeta

@@ -1,0 +1,116 @@
+"""A vision-language program's images to the decoder's image embeddings, and the prompt cache's key for them.
+
+    encoder = ImageEncoder(pte, meta)
+    keyed, images = encoder.prompt(prompt_ids, [pil_image, ...])
+    Decoder.stream(...): Sequence(prompt=keyed, images=images)
+
+Pixels come from the checkpoint's image processor (its config travels in the program, PROCESSOR_PREFIX), then
+the program's vision method ([1, C, H, W] -> [1, T, D]). Encoded images are kept by content (a digest of the
+pixels), so a second question about the same image does not encode it again.
+
+The prompt cache (runtime/decode_rows.h) matches token ids; every image's positions carry the same image token, so
+two images would look alike to it. `prompt` therefore returns the ids with each image position replaced by a key
+>= the vocabulary, drawn from the image's digest and the position within the image: a cached prefix is reused only
+where the same image sat. DecodeRows.call_inputs turns keys back into the image token before a call.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from backends.mlx.llm.decoder.meta import PROCESSOR_PREFIX, DecoderMeta
+from backends.mlx.llm.vision.images import image_digest
+from backends.mlx.llm.vision.preprocess import preprocess
+from backends.mlx.runtime.pte_metadata import named_data
+from backends.mlx.runtime.runner import load_method
+
+KEY_SPACE = 1 << 52  # keys: vocab + [0, KEY_SPACE), exact in int64 and in a float64 (ctypes, JSON)
+ENCODED_KEPT = 16  # images whose embeddings are kept (~T * D * 4 bytes each)
+
+
+@dataclass
+class PromptImages:
+    """A request's image positions in its prompt and the embedding at each."""
+
+    positions: torch.Tensor  # [n] int64
+    embeds: torch.Tensor  # [n, D] float32
+
+    def fill(self, out: torch.Tensor, row: int, start: int) -> None:
+        """Write the embeddings of positions start .. start + out.shape[1] - 1 into out[row] ([B, L, D])."""
+        columns = self.positions - start
+        inside = (columns >= 0) & (columns < out.shape[1])
+        out[row, columns[inside]] = self.embeds[inside]
+
+
+def plain_ids(meta: DecoderMeta, ids: list[int]) -> list[int]:
+    """`ids` with image keys turned back into the image token (what the program is fed)."""
+    return [meta.image_token_id if t >= meta.vocab_size else t for t in ids]
+
+
+def pixel_inputs(images: list, processor: dict) -> torch.Tensor:
+    """[N, C, H, W] float32 pixel values as the checkpoint's image processor makes them (llm/vision/preprocess.py)."""
+    return torch.from_numpy(preprocess(images, processor).pixel_values).float()
+
+
+def _processor(pte: Path) -> dict:
+    """The image processor's configuration stored in the program (vision_export.PROCESSOR_FILES)."""
+    blobs = named_data(pte, prefix=PROCESSOR_PREFIX)
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        if PROCESSOR_PREFIX + name in blobs:
+            return json.loads(blobs[PROCESSOR_PREFIX + name])
+    raise ValueError(f"{pte} carries no image processor config: re-export it")
+
+
+class ImageEncoder:
+    """Not thread-safe: a caller on several threads holds `lock` around `prompt` / `encode`."""
+
+    def __init__(self, pte: Path, meta: DecoderMeta):
+        self.pte, self.meta = Path(pte), meta
+        self.lock = threading.Lock()
+        self.method = load_method(self.pte, meta.vision_method)
+        self._processor = None
+        self._kept: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.encoded = 0  # images run through the vision method (not found among the kept ones)
+
+    def encode(self, image) -> tuple[str, torch.Tensor]:
+        """(digest, embeddings [T, D]) of one RGB PIL image."""
+        digest = image_digest(image)
+        if digest in self._kept:
+            self._kept.move_to_end(digest)
+            return digest, self._kept[digest]
+        if self._processor is None:
+            self._processor = _processor(self.pte)
+        pixels = pixel_inputs([image], self._processor)
+        if list(pixels.shape[1:]) != list(self.meta.image_size):
+            raise ValueError(f"the image processor made pixels {list(pixels.shape[1:])}, the vision method takes "
+                             f"{self.meta.image_size}")
+        embeds = self.method.execute([pixels.contiguous()])[0][0].float()
+        self.encoded += 1
+        self._kept[digest] = embeds
+        if len(self._kept) > ENCODED_KEPT:
+            self._kept.popitem(last=False)
+        return digest, embeds
+
+    def prompt(self, ids: list[int], images: list) -> tuple[list[int], PromptImages]:
+        """(ids keyed by image content for the prompt cache, the images' positions and embeddings)."""
+        meta = self.meta
+        positions = [i for i, t in enumerate(ids) if t == meta.image_token_id]
+        if len(positions) != len(images) * meta.image_tokens:
+            raise ValueError(f"the prompt has {len(positions)} image positions; {len(images)} image(s) take "
+                             f"{len(images) * meta.image_tokens}")
+        keyed, vectors = list(ids), []
+        for n, image in enumerate(images):
+            digest, embeds = self.encode(image)
+            base = int(digest[:16], 16)
+            for k in range(meta.image_tokens):
+                at = positions[n * meta.image_tokens + k]
+                keyed[at] = meta.vocab_size + (base + k) % KEY_SPACE
+            vectors.append(embeds)
+        embeds = torch.cat(vectors) if vectors else torch.zeros(0, meta.image_embed_dim)
+        return keyed, PromptImages(torch.tensor(positions, dtype=torch.int64), embeds)

@@ -1,0 +1,52 @@
+"""The export check of a vision-language program (verify.py's, with an image).
+
+The vision method on seeded random pixels must give the eager vision forward's embeddings (within verify.py's
+tolerance, relative to their largest magnitude); then the decoder, given those embeddings at a prompt's image
+positions, must decode the eager model's greedy tokens for the same pixels (model(input_ids, pixel_values)).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from backends.mlx.llm.decoder.image_encoder import PromptImages
+from backends.mlx.llm.decoder.loop import Decoder
+from backends.mlx.llm.decoder.verify import (DECODE_STEPS, PROMPT_SEED, VerificationError, VerificationReport,
+                                             compare_greedy, tolerance, verification_prompt)
+from backends.mlx.llm.decoder.vision_export import vision_encoder
+
+TEXT_TOKENS = 8  # around the image: half before, half after
+
+
+def verify_with_image(model: torch.nn.Module, pte: Path, steps: int = DECODE_STEPS) -> VerificationReport:
+    """Raise VerificationError naming what differs; the report says how close the vision method came."""
+    decoder = Decoder(Path(pte))
+    meta = decoder.meta
+    generated = 1 + steps
+    image = meta.image_token_id
+    text = [t if t != image else (t + 1) % meta.vocab_size for t in verification_prompt(meta.vocab_size, TEXT_TOKENS)]
+    prompt = text[:TEXT_TOKENS // 2] + [image] * meta.image_tokens + text[TEXT_TOKENS // 2:]
+    if len(prompt) + generated > meta.max_seq_len:
+        raise VerificationError(f"max_seq_len {meta.max_seq_len} leaves no room to verify with an image "
+                                f"({meta.image_tokens} image tokens + {TEXT_TOKENS} + {generated}): raise it or "
+                                "pass verify=False / --no-verify")
+    pixels = torch.randn(1, *meta.image_size, generator=torch.Generator().manual_seed(PROMPT_SEED))
+    got = decoder.images.method.execute([pixels])[0][0].float()
+    with torch.no_grad():
+        want = vision_encoder(model)(pixels)[0].float()
+    error = float((got - want).abs().max())
+    tol = tolerance(model) * max(1.0, float(want.abs().max()))
+    if not error <= tol:
+        raise VerificationError(f"{pte}'s vision method differs from the eager vision forward: max error {error:.4g} > "
+                                f"tolerance {tol:.3g}")
+    positions = torch.tensor([i for i, t in enumerate(prompt) if t == image], dtype=torch.int64)
+
+    def reference(ids):
+        return model(input_ids=torch.tensor([ids]), pixel_values=pixels).logits[0]
+
+    report = compare_greedy(model, decoder, prompt, generated, images=PromptImages(positions, got),
+                            reference=reference)
+    report.vision_error = error
+    return report

@@ -1,0 +1,69 @@
+"""The vision method of a vision-language program: pixels to the embeddings the decoder takes at image positions.
+
+A vision-language `.pte` holds two methods over one file: `forward`, the decoder (kv_cache.py's StaticCacheLM
+around the checkpoint's whole ...ForConditionalGeneration, taking `image_embeds` [B, L, D] beside the tokens), and
+`vision` (VISION_METHOD): pixel values [N, C, H, W], as the checkpoint's image processor makes them, to
+embeddings [N, T, D], T the image tokens one image takes in the prompt. Both are the family's own transformers
+forward: the vision method is the model's get_image_features (vision tower, feature layer and selection,
+projector), so what the decoder receives at the image positions is what the family's forward would merge there.
+
+    encoder = vision_encoder(model)          # None for a text-only model
+    encoder(pixels [N, C, H, W]) -> [N, T, D] float32
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from backends.mlx.llm.decoder.model_support import check_vision_family, is_vision_language
+
+VISION_METHOD = "vision"
+# The image processor's files a checkpoint may carry (transformers 5 writes processor_config.json, holding the
+# image processor's settings; older checkpoints preprocessor_config.json): stored in the program as they are.
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+
+
+class LlavaVision(nn.Module):
+    """LLaVA 1.5: CLIP vision tower, the configured feature layer (its CLS position dropped under the "default"
+    strategy), the MLP projector."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        config = self.model.config
+        out = self.model.model.get_image_features(pixel_values=pixel_values,
+                                                  vision_feature_layer=config.vision_feature_layer,
+                                                  vision_feature_select_strategy=config.vision_feature_select_strategy)
+        return torch.stack(list(out.pooler_output)).float()
+
+
+ENCODERS = {"llava": LlavaVision}
+
+
+def vision_encoder(model: nn.Module) -> nn.Module | None:
+    """The vision method's module for a vision-language model; None for a text-only one."""
+    config = model.config
+    if not is_vision_language(config):
+        return None
+    check_vision_family(config)
+    return ENCODERS[config.model_type](model).eval()
+
+
+def image_shape(model: nn.Module) -> list[int]:
+    """One image's pixel input [C, H, W], from the vision config."""
+    vision = model.config.vision_config
+    size = vision.image_size
+    height, width = (size, size) if isinstance(size, int) else tuple(size)
+    return [getattr(vision, "num_channels", 3), height, width]
+
+
+def vision_spec(model: nn.Module, encoder: nn.Module) -> tuple:
+    """DecoderMeta.build's `vision`: (image_token_id, image_tokens, image_embed_dim, VISION_METHOD, image_size),
+    the token count and width read from one eager call."""
+    shape = image_shape(model)
+    with torch.no_grad():
+        probe = encoder(torch.zeros(1, *shape))
+    return model.config.image_token_id, int(probe.shape[1]), int(probe.shape[2]), VISION_METHOD, shape

@@ -1,0 +1,65 @@
+"""Random-weight vision-language checkpoints (model, tokenizer, processor, chat template) that tests and
+`etmlx bench vision` build: transformers' own classes from configs, saved with save_pretrained.
+
+The tokenizer is a word-level one over "t0".."t{V-1}" plus the image token "<image>" (id V): prompts are written as
+those words, so every id is chosen by the test. The chat template renders text parts as they are and an image
+part as "<image>", which the processor (and etmlx) expand to the image's positions.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+IMAGE_TOKEN = "<image>"
+CHAT_TEMPLATE = ("{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }} {% else %}"
+                 "{% for c in m['content'] %}{% if c['type'] == 'image' %}<image> {% else %}{{ c['text'] }} "
+                 "{% endif %}{% endfor %}{% endif %}{% endfor %}")
+# Sharp weights (as tests/test_model_families.py): at transformers' default init the logits are nearly flat.
+TINY_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2)
+TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32,
+                   patch_size=8, initializer_range=0.2)
+
+
+def word_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    vocab[IMAGE_TOKEN] = vocab_size
+    core = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="t0",
+                                        extra_special_tokens={"image_token": IMAGE_TOKEN})
+    tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    return tokenizer
+
+
+def build_llava(directory: Path, vocab_size: int = 128, text: dict | None = None, vision: dict | None = None,
+                seed: int = 7) -> Path:
+    """A LLaVA 1.5 checkpoint (CLIP vision tower, MLP projector, Llama decoder) with its processor in
+    `directory`; the text vocabulary is `vocab_size` words, the image token id vocab_size."""
+    import torch
+    import transformers as T
+
+    text = {**TINY_TEXT, **(text or {})}
+    vision = {**TINY_VISION, **(vision or {})}
+    # the embedding holds the image token's row too (LLaVA embeds it, then overwrites it)
+    text_config = T.LlamaConfig(vocab_size=vocab_size + 2, tie_word_embeddings=False, pad_token_id=0,
+                                bos_token_id=None, eos_token_id=None, **text)
+    vision_config = T.CLIPVisionConfig(projection_dim=vision["hidden_size"], **vision)
+    config = T.LlavaConfig(vision_config=vision_config, text_config=text_config, image_token_id=vocab_size,
+                           projector_hidden_act="gelu", vision_feature_layer=-2,
+                           vision_feature_select_strategy="default",
+                           image_seq_length=(vision["image_size"] // vision["patch_size"]) ** 2)
+    torch.manual_seed(seed)
+    model = T.LlavaForConditionalGeneration(config).eval()
+    size = vision["image_size"]
+    processor = T.LlavaProcessor(
+        image_processor=T.CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size}),
+        tokenizer=word_tokenizer(vocab_size), patch_size=vision["patch_size"], vision_feature_select_strategy="default",
+        num_additional_image_tokens=1, chat_template=CHAT_TEMPLATE)
+    directory = Path(directory)
+    model.save_pretrained(directory)
+    processor.save_pretrained(directory)
+    return directory
