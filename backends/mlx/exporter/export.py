@@ -158,8 +158,9 @@ def export_to_pte(
     recorded in the program: "int16" (the default), "int8" (faster, other tokens) or "float32"
     (runtime/kernels/quantized_activations.h). `rank`: (rank, ranks, group id) of one rank's file of a
     tensor-parallel program (llm/distributed/), recorded in the blob; None: a one-rank program.
-    `methods`: more methods in the same program, name -> (module, example args), traced with static shapes and lowered whole (a vision-language program's vision method); their
-    ops outside the delegate are counted with the main method's."""
+    `methods`: more methods in the same program, name -> (module, example args), traced with static shapes and
+    lowered whole (a vision-language program's vision method); their ops outside the delegate are counted with the
+    main method's."""
     say = progress or (lambda _stage: None)
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
