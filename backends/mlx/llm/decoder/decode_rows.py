@@ -68,6 +68,7 @@ class Sequence:
     forced: list[int] | None = None  # scoring: the tokens to force, one per step
     matcher: Matcher | None = None  # structured output: the grammar state
     draft: object | None = None  # draft-verifying programs: the row's draft source (draft_sources.py), or None
+    adapter: int = 0  # switchable adapters: the `adapter` input's value for the row (DecoderMeta.adapter_index)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -161,6 +162,8 @@ class DecodeRows:
         program's state (LoadedMethod.copy_rows); with it, a request reuses the longest prefix any row holds,
         busy or free (cross-row reuse), not only the one its own row holds. Never for ring programs."""
         self.meta = meta
+        if meta.adapters:  # another row's KV cache may come from another adapter: no cross-row copies
+            copy_rows = None
         ring = meta.ring_cache is not False  # programs exported before the field may keep rings
         self.core = RowsCore(meta.batch, meta.max_seq_len, ring=ring, prompt_cache=prompt_cache,
                              pipelined=bool(meta.pipelined), draft_tokens=int(meta.draft_tokens or 0),
@@ -170,6 +173,8 @@ class DecodeRows:
         self.caches = RowCaches(self.core, meta.batch, ring, prompt_cache)
         # A --propose-tokens program's last call: each row's K tokens (proposer.py); the rows read column 0.
         self.proposals: list[list[int]] = []
+        # Switchable adapters: the adapter each row's cache was written with; a request on another starts afresh.
+        self.cache_adapters = [0] * meta.batch
 
     @property
     def active(self) -> int:
@@ -199,7 +204,12 @@ class DecodeRows:
     def start(self, slot: int, request, reuse: bool = True, budget: DraftBudget | None = None) -> Row:
         """Row `slot` takes `request` (its prompt checked: loop.check_prompt); with `reuse`, from the
         longest prefix the slot's cache (or, with cross-row reuse, another row's) holds. `budget`: a
-        draft-verifying program's drafts per call for the row (default: a DraftBudget of up to K)."""
+        draft-verifying program's drafts per call for the row (default: a DraftBudget of up to K).
+        A request on another adapter than the one the slot's cache was written with reuses none of it."""
+        adapter = getattr(request, "adapter", 0)
+        if adapter != self.cache_adapters[slot]:
+            self.core.set_held(slot, [])
+            self.cache_adapters[slot] = adapter
         self.core.start(slot, list(request.prompt), request.max_tokens, request.stop_at_eos, request.forced,
                         request.params.seed, request.matcher is not None, reuse,
                         copy=self._copy if self.copy_rows is not None else None)
@@ -274,9 +284,10 @@ class DecodeRows:
         """The program inputs of the next call; `only`: that row alone (the others idle), to find which
         row a value that cannot be laid out belongs to."""
         tokens, per_row = self.core.layout(only)
-        params, drafts = [], []
+        params, drafts, adapters = [], [], []
         for slot, kind in enumerate(per_row["kinds"]):
             row = self.rows[slot]
+            adapters.append(getattr(row.request, "adapter", 0) if kind != lib.IDLE and row is not None else 0)
             if kind == lib.REQUEST:
                 params.append(row.request.params)
             elif kind == lib.FORCED:  # greedy with the step's scored token pushed to the top
@@ -287,7 +298,7 @@ class DecodeRows:
         return step_inputs(self.meta, torch.tensor(tokens, dtype=torch.int64), per_row["start_pos"],
                            per_row["lengths"], params, per_row["seeds"], [bool(f) for f in per_row["first"]],
                            masks=masks, drafts=drafts if self.meta.draft_tokens else None,
-                           deliver=bool(per_row["deliver"][0]))
+                           deliver=bool(per_row["deliver"][0]), adapters=adapters)
 
     def read(self, outputs) -> list[tuple[int, object, TokenEvent]]:
         """Apply a call's outputs: (slot, request, event) for each row that got a token or failed, in

@@ -24,7 +24,8 @@ import torch
 
 from backends.mlx.exporter.export import ExportResult, export_to_pte, weights_path
 from backends.mlx.exporter.plain_step import PlainStep
-from backends.mlx.llm.decoder.meta import META_KEY, TOKENIZER_PREFIX, DecoderMeta
+from backends.mlx.llm.decoder.adapter_input import AdapterInput
+from backends.mlx.llm.decoder.meta import ADAPTER_INPUT, META_KEY, TOKENIZER_PREFIX, DecoderMeta
 from backends.mlx.llm.decoder.tool_formats import check_format, detect_format
 from backends.mlx.llm.decoder.tokenizer_files import as_tokenizer, prompt_affixes, tokenizer_blobs
 from backends.mlx.llm.sampler.export import knob_examples
@@ -55,7 +56,7 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
                    progress: Optional[Callable[[str], None]] = None, external_weights: bool = False,
                    pipelined: bool | None = None, verify: bool = True, draft_tokens: int = 0,
                    propose_tokens: int = 0, tool_call_format: str | None = None,
-                   qmm_activations: str = "int16") -> ExportResult:
+                   qmm_activations: str = "int16", adapters=None) -> ExportResult:
     """Write `out` (.pte) holding the program, its DecoderMeta and, given one (a transformers tokenizer or
     a directory holding one), the tokenizer: the one file is all a decode loop needs. `external_weights`:
     the weights go to `out` with suffix .ptd instead (the runners load it from beside the .pte).
@@ -67,7 +68,9 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
     pipelined, its calls without drafts need not wait for their outputs (pipelined_verify.py).
     `propose_tokens` K > 1: a draft model's program returning K tokens per call (proposer.py).
     `tool_call_format`: the call syntax of tool calls (tool_formats.py; default: detected from the chat template).
-    `qmm_activations`: export_to_pte's (int16, int8 or float32 activations in the CPU's quantized products)."""
+    `qmm_activations`: export_to_pte's (int16, int8 or float32 activations in the CPU's quantized products).
+    `adapters`: the AttachedAdapters of switchable LoRA adapters already in `model` (llm/lora/switchable.py): the
+    program takes the per-row `adapter` input after the model inputs (adapter_input.py)."""
     if tool_call_format:
         check_format(tool_call_format)  # before the export's minutes
     config = config or SamplerConfig()
@@ -90,6 +93,8 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
         if propose_tokens >= max_seq_len:
             raise ValueError(f"--propose-tokens {propose_tokens} must be below max_seq_len {max_seq_len}")
         pipelined = False
+    if adapters is not None and (draft_tokens or propose_tokens):
+        raise ValueError("adapters: switchable adapters need a plain program (not --draft-tokens or --propose-tokens)")
     if draft_tokens >= max_seq_len:
         raise ValueError(f"--draft-tokens {draft_tokens} must be below max_seq_len {max_seq_len}")
     model = model.eval()
@@ -109,7 +114,11 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
     # The example is as long as the cache: ExecuTorch sizes a dynamic input's buffer from it.
     example = (torch.ones(batch, max_seq_len, dtype=torch.int64), torch.zeros(batch, dtype=torch.int64),
                torch.full((batch,), max_seq_len, dtype=torch.int64))
-    kwargs = {"temperature": torch.ones(batch)}
+    kwargs = {}
+    if adapters is not None:  # before the head's keywords, as AdapterInput's signature orders them
+        program = AdapterInput(program, adapters.choice)
+        kwargs[ADAPTER_INPUT] = torch.zeros(batch, dtype=torch.int64)
+    kwargs["temperature"] = torch.ones(batch)
     if seeded:
         kwargs["seed"] = torch.zeros(batch, dtype=torch.int64)
     examples = knob_examples(config, batch, per_row=True, vocab=vocab)
@@ -137,7 +146,8 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
                              tokenizer=TOKENIZER_PREFIX if blobs else None,
                              prompt_affixes=prompt_affixes(tokenizer) if tokenizer is not None else ([], []),
                              pipelined=pipelined, draft_tokens=draft_tokens, propose_tokens=propose_tokens,
-                             ring_cache=any(lm.ring_window(i) is not None for i in lm.layers))
+                             ring_cache=any(lm.ring_window(i) is not None for i in lm.layers),
+                             adapters=adapters.names if adapters is not None else ())
     # the tool-call syntax: given, else the one the chat template teaches (tool_formats.detect_format)
     meta.tool_call_format = (tool_call_format if tool_call_format else
                              detect_format(getattr(tokenizer, "chat_template", None)) if tokenizer is not None else "")

@@ -36,10 +36,13 @@ def export_checkpoint(model: str | Path, out: str | Path | None = None, *, revis
                       seeded: bool = True, pipelined: bool | None = None, verify: bool = True,
                       draft_tokens: int = 0, propose_tokens: int = 0, external_weights: bool = False,
                       progress: Optional[Callable[[str], None]] = None, adapter: str | Path | None = None,
-                      tool_call_format: str | None = None, qmm_activations: str = "int16"):
+                      tool_call_format: str | None = None, qmm_activations: str = "int16",
+                      adapters: dict | None = None):
     """Export the causal LM at `model` (a local directory or a Hugging Face repo id) to `out` (default:
     NAME.pte in the current directory), which holds the program when this returns its ExportResult.
     `adapter`: a LoRA adapter directory (mlx-lm's or PEFT's) fused into the weights (llm/lora/).
+    `adapters`: {name: directory} of LoRA adapters kept unfused, each request choosing one by name (or none) per
+    row (llm/lora/switchable.py); with `adapter` too, that one is fused into the base first.
     `tool_call_format`: the tool-call syntax stored in the program (default: detected from the chat template;
     llm/decoder/tool_formats.py).
     `qmm_activations`: int16 (default), int8 or float32 activations in the CPU's quantized products, recorded in
@@ -69,6 +72,14 @@ def export_checkpoint(model: str | Path, out: str | Path | None = None, *, revis
         from backends.mlx.llm.lora.adapter_files import read_adapter
 
         lora = read_adapter(adapter)  # its files and config now; its shapes against the model once loaded
+    switchable = None
+    if adapters is not None:
+        from backends.mlx.llm.lora.adapter_files import read_adapter
+        from backends.mlx.llm.lora.switchable import check_names
+
+        if draft_tokens or propose_tokens:
+            raise ValueError("adapters: switchable adapters need a plain program (not draft_tokens or propose_tokens)")
+        switchable = {name: read_adapter(adapters[name]) for name in check_names(adapters)}
     model_dir = resolve_checkpoint(str(model), revision)  # a local directory, or a Hub repo id
     check_weight_files(model_dir)  # a truncated or foreign weights file: one line, not transformers' traceback
 
@@ -79,6 +90,12 @@ def export_checkpoint(model: str | Path, out: str | Path | None = None, *, revis
 
     torch_model = _load_model(model_dir, getattr(torch, DTYPES[dtype]), quantize, group_size, quantize_embeddings,
                               say, lora)
+    attached = None
+    if switchable is not None:
+        from backends.mlx.llm.lora.switchable import attach_adapters
+
+        attached = attach_adapters(torch_model, switchable)
+        say(f"keeping {len(switchable)} adapters switchable ({', '.join(switchable)}) on {attached.layers} layers")
     tokenizer = None
     if any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -88,7 +105,7 @@ def export_checkpoint(model: str | Path, out: str | Path | None = None, *, revis
                             tokenizer=tokenizer, progress=say, external_weights=external_weights,
                             pipelined=pipelined, verify=verify, draft_tokens=draft_tokens,
                             propose_tokens=propose_tokens, tool_call_format=tool_call_format,
-                            qmm_activations=qmm_activations)
+                            qmm_activations=qmm_activations, adapters=attached)
     say("done")
     return result
 

@@ -108,15 +108,18 @@ class Decoder(ProgramTokenizer, ProgramGrammar):
         self.last_slot = 0
 
     def stream(self, prompt_ids, max_tokens: int, params: SamplingParams | None = None,
-               stop_at_eos: bool = True, constraint: Constraint | None = None, reuse: bool = False) -> Iterator[Step]:
-        """With a constraint the output matches it (ending with EOS once complete), or stops at max_tokens.
+               stop_at_eos: bool = True, constraint: Constraint | None = None, reuse: bool = False,
+               adapter: str | None = None) -> Iterator[Step]:
+        """`adapter`: the name of a switchable LoRA adapter of the program (DecoderMeta.adapters) the
+        generation runs with; None, the base model. With a constraint the output matches it (ending with EOS once complete), or stops at max_tokens.
         `reuse`: start from the longest prefix of the prompt that a row's KV cache still holds from an
         earlier generation (runtime/decode_rows.h); `last_cached` then says how many prompt tokens were not prefilled."""
         params = params or SamplingParams()
         params.check(self.meta.config, self.meta.vocab_size)
         prompt = check_prompt(self.meta, prompt_ids, max_tokens)
+        index = self.meta.adapter_index(adapter)
         matcher = self.matcher(constraint) if constraint is not None else None
-        request = Sequence(prompt, params, max_tokens, stop_at_eos, matcher=matcher)
+        request = Sequence(prompt, params, max_tokens, stop_at_eos, matcher=matcher, adapter=index)
         with closing(decode_alone(self.rows, self.method.execute, request, reuse, self._started)) as events:
             for event in events:  # closing: a caller that stops early frees the row at once
                 yield Step(event.token, event.logprob, event.top)
@@ -155,11 +158,11 @@ class Decoder(ProgramTokenizer, ProgramGrammar):
         return Step(event.token, event.logprob, event.top)
 
     def generate(self, prompt_ids, max_tokens: int, params: SamplingParams | None = None,
-                 constraint: Constraint | None = None) -> Generation:
+                 constraint: Constraint | None = None, adapter: str | None = None) -> Generation:
         out = Generation(prompt_tokens=len(list(prompt_ids)))
         start = time.perf_counter()
         decode_start = start
-        for step in self.stream(prompt_ids, max_tokens, params, constraint=constraint):
+        for step in self.stream(prompt_ids, max_tokens, params, constraint=constraint, adapter=adapter):
             if not out.tokens:
                 decode_start = time.perf_counter()
                 out.first_token_s = decode_start - start

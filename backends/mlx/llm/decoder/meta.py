@@ -42,6 +42,9 @@ DRAFT_OUTPUTS = ["accepted", "token"]
 # (true: the call returns its own outputs; false: the previous call's token, without waiting for this one)
 # and returns `fed` [B], the token each row's column 0 used in place of FED_BACK.
 DELIVER_INPUT = "deliver"
+# Programs exported with switchable LoRA adapters (llm/lora/switchable.py) take this after the model inputs:
+# [B] int64, per row 0 (no adapter) or i, the i-th name of DecoderMeta.adapters.
+ADAPTER_INPUT = "adapter"
 FED_OUTPUT = "fed"
 # Named-data keys; tools/etmlx_decode/program_metadata.cpp reads the same ones.
 META_KEY = "etmlx/decoder_meta"  # a DecoderMeta flatbuffer (decoder_meta.fbs, file identifier FILE_IDENTIFIER)
@@ -49,7 +52,7 @@ FILE_IDENTIFIER = b"EMDM"
 OLD_META_KEY = "etmlx/decoder_meta.json"  # the JSON of older exports: refused, named in the message
 TOKENIZER_PREFIX = "etmlx/tokenizer/"  # + a file name save_pretrained wrote (tokenizer.json, ...)
 # Inputs that are int64 (ExecuTorch ScalarType 4); the rest are float32 (6).
-_INT_INPUTS = {"tokens", "start_pos", "lengths", DRAFT_INPUT, "seed", "top_k", "penalty_reset", "penalty_add", "bias_ids"}
+_INT_INPUTS = {"tokens", "start_pos", "lengths", DRAFT_INPUT, ADAPTER_INPUT, "seed", "top_k", "penalty_reset", "penalty_add", "bias_ids"}
 _INT32_INPUTS = {"allowed_mask"}
 _BOOL_INPUTS = {DELIVER_INPUT}
 _LONG, _FLOAT, _INT, _BOOL = 4, 6, 3, 11
@@ -200,14 +203,19 @@ class DecoderMeta:
     # from the chat template at export or given with --tool-call-format. "": exported before the field (the
     # server detects it from the template then).
     tool_call_format: str = ""
+    # Switchable LoRA adapters (etmlx export --adapters NAME=DIR,...): the `adapter` input's value i > 0 applies
+    # the i-th name's; [] for a program without them.
+    adapters: list[str] = field(default_factory=list)
 
     @classmethod
     def build(cls, *, max_seq_len, vocab_size, batch, eos_token_ids, seeded, config: SamplerConfig, dtype,
               model_type="", tokenizer=None, prompt_affixes=([], []), pipelined=False,
-              draft_tokens=0, ring_cache=None, verify_min_width=1, propose_tokens=0) -> "DecoderMeta":
+              draft_tokens=0, ring_cache=None, verify_min_width=1, propose_tokens=0, adapters=()) -> "DecoderMeta":
         model_inputs = MODEL_INPUTS + ([DRAFT_INPUT] if draft_tokens else [])
         if draft_tokens and pipelined:
             model_inputs.append(DELIVER_INPUT)
+        if adapters:
+            model_inputs.append(ADAPTER_INPUT)
         inputs = model_inputs + ["temperature"] + (["seed"] if seeded else []) + config.knob_names()
         outputs = ["token"] + (["logprob", "top_ids", "top_logprobs"] if config.logprobs else [])
         if propose_tokens:
@@ -221,11 +229,21 @@ class DecoderMeta:
                    inputs=inputs, outputs=outputs, knobs=knob_metadata(),
                    prompt_prefix_ids=list(prompt_affixes[0]), prompt_suffix_ids=list(prompt_affixes[1]),
                    pipelined=pipelined, draft_tokens=draft_tokens, ring_cache=ring_cache,
-                   verify_min_width=verify_min_width, propose_tokens=propose_tokens)
+                   verify_min_width=verify_min_width, propose_tokens=propose_tokens, adapters=list(adapters))
 
     @property
     def config(self) -> SamplerConfig:
         return SamplerConfig(**self.sampler)
+
+    def adapter_index(self, name: str | None) -> int:
+        """The `adapter` input's value for adapter `name` (None or "": 0, no adapter); ValueError naming the
+        program's adapters for an unknown one."""
+        if not name:
+            return 0
+        if name in self.adapters:
+            return self.adapters.index(name) + 1
+        known = f"its adapters are {', '.join(self.adapters)}" if self.adapters else "it has no switchable adapters"
+        raise ValueError(f"adapter {name!r} is not in this program ({known})")
 
     @property
     def tokenizer_embedded(self) -> bool:

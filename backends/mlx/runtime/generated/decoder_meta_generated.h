@@ -471,7 +471,8 @@ struct DecoderMeta FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
     VT_RING_CACHE = 38,
     VT_VERIFY_MIN_WIDTH = 40,
     VT_PROPOSE_TOKENS = 42,
-    VT_TOOL_CALL_FORMAT = 44
+    VT_TOOL_CALL_FORMAT = 44,
+    VT_ADAPTERS = 46
   };
   int64_t max_seq_len() const {
     return GetField<int64_t>(VT_MAX_SEQ_LEN, 0);
@@ -536,6 +537,9 @@ struct DecoderMeta FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   const ::flatbuffers::String *tool_call_format() const {
     return GetPointer<const ::flatbuffers::String *>(VT_TOOL_CALL_FORMAT);
   }
+  const ::flatbuffers::Vector<::flatbuffers::Offset<::flatbuffers::String>> *adapters() const {
+    return GetPointer<const ::flatbuffers::Vector<::flatbuffers::Offset<::flatbuffers::String>> *>(VT_ADAPTERS);
+  }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
     return VerifyTableStart(verifier) &&
@@ -575,6 +579,9 @@ struct DecoderMeta FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
            VerifyField<int64_t>(verifier, VT_PROPOSE_TOKENS, 8) &&
            VerifyOffset(verifier, VT_TOOL_CALL_FORMAT) &&
            verifier.VerifyString(tool_call_format()) &&
+           VerifyOffset(verifier, VT_ADAPTERS) &&
+           verifier.VerifyVector(adapters()) &&
+           verifier.VerifyVectorOfStrings(adapters()) &&
            verifier.EndTable();
   }
 };
@@ -646,6 +653,9 @@ struct DecoderMetaBuilder {
   void add_tool_call_format(::flatbuffers::Offset<::flatbuffers::String> tool_call_format) {
     fbb_.AddOffset(DecoderMeta::VT_TOOL_CALL_FORMAT, tool_call_format);
   }
+  void add_adapters(::flatbuffers::Offset<::flatbuffers::Vector<::flatbuffers::Offset<::flatbuffers::String>>> adapters) {
+    fbb_.AddOffset(DecoderMeta::VT_ADAPTERS, adapters);
+  }
   explicit DecoderMetaBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
         : fbb_(_fbb) {
     start_ = fbb_.StartTable();
@@ -680,7 +690,8 @@ inline ::flatbuffers::Offset<DecoderMeta> CreateDecoderMeta(
     ::flatbuffers::Optional<bool> ring_cache = ::flatbuffers::nullopt,
     int64_t verify_min_width = 0,
     int64_t propose_tokens = 0,
-    ::flatbuffers::Offset<::flatbuffers::String> tool_call_format = 0) {
+    ::flatbuffers::Offset<::flatbuffers::String> tool_call_format = 0,
+    ::flatbuffers::Offset<::flatbuffers::Vector<::flatbuffers::Offset<::flatbuffers::String>>> adapters = 0) {
   DecoderMetaBuilder builder_(_fbb);
   builder_.add_propose_tokens(propose_tokens);
   builder_.add_verify_min_width(verify_min_width);
@@ -688,6 +699,7 @@ inline ::flatbuffers::Offset<DecoderMeta> CreateDecoderMeta(
   builder_.add_batch(batch);
   builder_.add_vocab_size(vocab_size);
   builder_.add_max_seq_len(max_seq_len);
+  builder_.add_adapters(adapters);
   builder_.add_tool_call_format(tool_call_format);
   builder_.add_prompt_suffix_ids(prompt_suffix_ids);
   builder_.add_prompt_prefix_ids(prompt_prefix_ids);
@@ -728,7 +740,8 @@ inline ::flatbuffers::Offset<DecoderMeta> CreateDecoderMetaDirect(
     ::flatbuffers::Optional<bool> ring_cache = ::flatbuffers::nullopt,
     int64_t verify_min_width = 0,
     int64_t propose_tokens = 0,
-    const char *tool_call_format = nullptr) {
+    const char *tool_call_format = nullptr,
+    const std::vector<::flatbuffers::Offset<::flatbuffers::String>> *adapters = nullptr) {
   auto eos_token_ids__ = eos_token_ids ? _fbb.CreateVector<int64_t>(*eos_token_ids) : 0;
   auto dtype__ = dtype ? _fbb.CreateString(dtype) : 0;
   auto model_type__ = model_type ? _fbb.CreateString(model_type) : 0;
@@ -740,6 +753,7 @@ inline ::flatbuffers::Offset<DecoderMeta> CreateDecoderMetaDirect(
   auto prompt_prefix_ids__ = prompt_prefix_ids ? _fbb.CreateVector<int64_t>(*prompt_prefix_ids) : 0;
   auto prompt_suffix_ids__ = prompt_suffix_ids ? _fbb.CreateVector<int64_t>(*prompt_suffix_ids) : 0;
   auto tool_call_format__ = tool_call_format ? _fbb.CreateString(tool_call_format) : 0;
+  auto adapters__ = adapters ? _fbb.CreateVector<::flatbuffers::Offset<::flatbuffers::String>>(*adapters) : 0;
   return backends::mlx::serialization::generated::fb::CreateDecoderMeta(
       _fbb,
       max_seq_len,
@@ -762,7 +776,8 @@ inline ::flatbuffers::Offset<DecoderMeta> CreateDecoderMetaDirect(
       ring_cache,
       verify_min_width,
       propose_tokens,
-      tool_call_format__);
+      tool_call_format__,
+      adapters__);
 }
 
 inline const backends::mlx::serialization::generated::fb::DecoderMeta *GetDecoderMeta(const void *buf) {

@@ -283,8 +283,28 @@ class DecoderMeta(object):
             return self._tab.String(o + self._tab.Pos)
         return None
 
+    # DecoderMeta
+    def Adapters(self, j):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(46))
+        if o != 0:
+            a = self._tab.Vector(o)
+            return self._tab.String(a + flatbuffers.number_types.UOffsetTFlags.py_type(j * 4))
+        return ""
+
+    # DecoderMeta
+    def AdaptersLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(46))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # DecoderMeta
+    def AdaptersIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(46))
+        return o == 0
+
 def DecoderMetaStart(builder):
-    builder.StartObject(21)
+    builder.StartObject(22)
 
 def Start(builder):
     DecoderMetaStart(builder)
@@ -451,6 +471,18 @@ def DecoderMetaAddToolCallFormat(builder, toolCallFormat):
 def AddToolCallFormat(builder, toolCallFormat):
     DecoderMetaAddToolCallFormat(builder, toolCallFormat)
 
+def DecoderMetaAddAdapters(builder, adapters):
+    builder.PrependUOffsetTRelativeSlot(21, flatbuffers.number_types.UOffsetTFlags.py_type(adapters), 0)
+
+def AddAdapters(builder, adapters):
+    DecoderMetaAddAdapters(builder, adapters)
+
+def DecoderMetaStartAdaptersVector(builder, numElems):
+    return builder.StartVector(4, numElems, 4)
+
+def StartAdaptersVector(builder, numElems):
+    return DecoderMetaStartAdaptersVector(builder, numElems)
+
 def DecoderMetaEnd(builder):
     return builder.EndObject()
 
@@ -490,6 +522,7 @@ class DecoderMetaT(object):
         verifyMinWidth = 0,
         proposeTokens = 0,
         toolCallFormat = None,
+        adapters = None,
     ):
         self.maxSeqLen = maxSeqLen  # type: int
         self.vocabSize = vocabSize  # type: int
@@ -512,6 +545,7 @@ class DecoderMetaT(object):
         self.verifyMinWidth = verifyMinWidth  # type: int
         self.proposeTokens = proposeTokens  # type: int
         self.toolCallFormat = toolCallFormat  # type: Optional[str]
+        self.adapters = adapters  # type: Optional[List[Optional[str]]]
 
     @classmethod
     def InitFromBuf(cls, buf, pos):
@@ -587,6 +621,10 @@ class DecoderMetaT(object):
         self.verifyMinWidth = decoderMeta.VerifyMinWidth()
         self.proposeTokens = decoderMeta.ProposeTokens()
         self.toolCallFormat = decoderMeta.ToolCallFormat()
+        if not decoderMeta.AdaptersIsNone():
+            self.adapters = []
+            for i in range(decoderMeta.AdaptersLength()):
+                self.adapters.append(decoderMeta.Adapters(i))
 
     # DecoderMetaT
     def Pack(self, builder):
@@ -650,6 +688,14 @@ class DecoderMetaT(object):
                 promptSuffixIds = builder.EndVector()
         if self.toolCallFormat is not None:
             toolCallFormat = builder.CreateString(self.toolCallFormat)
+        if self.adapters is not None:
+            adapterslist = []
+            for i in range(len(self.adapters)):
+                adapterslist.append(builder.CreateString(self.adapters[i]))
+            DecoderMetaStartAdaptersVector(builder, len(self.adapters))
+            for i in reversed(range(len(self.adapters))):
+                builder.PrependUOffsetTRelative(adapterslist[i])
+            adapters = builder.EndVector()
         DecoderMetaStart(builder)
         DecoderMetaAddMaxSeqLen(builder, self.maxSeqLen)
         DecoderMetaAddVocabSize(builder, self.vocabSize)
@@ -684,5 +730,7 @@ class DecoderMetaT(object):
         DecoderMetaAddProposeTokens(builder, self.proposeTokens)
         if self.toolCallFormat is not None:
             DecoderMetaAddToolCallFormat(builder, toolCallFormat)
+        if self.adapters is not None:
+            DecoderMetaAddAdapters(builder, adapters)
         decoderMeta = DecoderMetaEnd(builder)
         return decoderMeta
