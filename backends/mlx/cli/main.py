@@ -55,6 +55,8 @@ def _inspect(args) -> int:
         return 0
     print(f"decoder: max_seq_len {meta.max_seq_len}, vocab {meta.vocab_size}, batch {meta.batch}, tool-call format "
           f"{meta.tool_call_format or '(not stored: detected from the chat template when served)'}")
+    if meta.adapters:
+        print(f"switchable adapters: {', '.join(meta.adapters)} (--adapter-name NAME, or model BASE:NAME when served)")
     return 0
 
 

@@ -84,6 +84,8 @@ class EngineRequest:
     # Draft-verifying programs: the row's draft source (draft_sources.py); None: prompt lookup (set by check).
     # Ignored by plain programs.
     draft: object | None = None
+    # Switchable adapters: the row's `adapter` input (DecoderMeta.adapter_index); 0, the base model.
+    adapter: int = 0
 
 
 class Engine(ProgramGrammar):

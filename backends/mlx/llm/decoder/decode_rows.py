@@ -136,8 +136,9 @@ class _CacheRow:
 class RowCaches:
     """The prompt cache as the core keeps it: the token at each cache position of each row (decode_rows.h)."""
 
-    def __init__(self, core: RowsCore, batch: int, ring: bool, enabled: bool):
+    def __init__(self, core: RowsCore, batch: int, ring: bool, enabled: bool, adapters: list[int] | None):
         self._core, self.ring, self.enabled = core, ring, enabled
+        self._adapters = adapters  # DecodeRows.cache_adapters
         self.rows = [_CacheRow(core, slot) for slot in range(batch)]
 
     def reusable(self, slot: int, prompt: list[int]) -> int:
@@ -148,8 +149,11 @@ class RowCaches:
         return self._core.tokens(slot, lib.HELD)
 
     def hold(self, slot: int, tokens: list[int]) -> None:
-        """Row `slot`'s cache now holds `tokens` at positions 0.. (a prompt cache loaded from a file)."""
+        """Row `slot`'s cache now holds `tokens` at positions 0.. (a prompt cache loaded from a file). Its
+        adapter is unknown: no request reuses it on a program with switchable adapters."""
         self._core.set_held(slot, tokens)
+        if self._adapters is not None:
+            self._adapters[slot] = -1
 
     def taken(self, slot: int) -> None:
         """A request took the row now (its least-recently-used clock)."""
@@ -170,11 +174,12 @@ class DecodeRows:
                              eos=list(meta.eos_token_ids), copies=copy_rows is not None)
         self.copy_rows = copy_rows if self.core.copies else None
         self.rows: list[Row | None] = [None] * meta.batch
-        self.caches = RowCaches(self.core, meta.batch, ring, prompt_cache)
-        # A --propose-tokens program's last call: each row's K tokens (proposer.py); the rows read column 0.
-        self.proposals: list[list[int]] = []
         # Switchable adapters: the adapter each row's cache was written with; a request on another starts afresh.
         self.cache_adapters = [0] * meta.batch
+        self.caches = RowCaches(self.core, meta.batch, ring, prompt_cache,
+                                self.cache_adapters if meta.adapters else None)
+        # A --propose-tokens program's last call: each row's K tokens (proposer.py); the rows read column 0.
+        self.proposals: list[list[int]] = []
 
     @property
     def active(self) -> int:

@@ -74,12 +74,11 @@ def export_checkpoint(model: str | Path, out: str | Path | None = None, *, revis
         lora = read_adapter(adapter)  # its files and config now; its shapes against the model once loaded
     switchable = None
     if adapters is not None:
-        from backends.mlx.llm.lora.adapter_files import read_adapter
-        from backends.mlx.llm.lora.switchable import check_names
+        from backends.mlx.llm.lora.switchable import read_adapters
 
         if draft_tokens or propose_tokens:
             raise ValueError("adapters: switchable adapters need a plain program (not draft_tokens or propose_tokens)")
-        switchable = {name: read_adapter(adapters[name]) for name in check_names(adapters)}
+        switchable = read_adapters(adapters)  # files and configs now; shapes against the model once loaded
     model_dir = resolve_checkpoint(str(model), revision)  # a local directory, or a Hub repo id
     check_weight_files(model_dir)  # a truncated or foreign weights file: one line, not transformers' traceback
 

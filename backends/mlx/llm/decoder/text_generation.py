@@ -42,11 +42,13 @@ class Response:
 
 
 def stream_text(decoder, prompt_ids: list[int], max_tokens: int, params=None, stop=(),
-                tokenizer=None, constraint=None, reuse: bool = False, speculation=None) -> Iterator[Response]:
+                tokenizer=None, constraint=None, reuse: bool = False, speculation=None,
+                adapter: str | None = None) -> Iterator[Response]:
     """Responses for one generation; `tokenizer` None gives '' texts (token ids only); `constraint`
     (constraints.Constraint) makes the output match a schema, regex, choice or grammar; `reuse`: start
     from what the program's row caches hold of the prompt (Decoder.stream). `speculation`
-    (speculation.Speculation): `decoder` is a SpeculativeDecoder, decoded with these drafts."""
+    (speculation.Speculation): `decoder` is a SpeculativeDecoder, decoded with these drafts. `adapter`: a
+    switchable LoRA adapter's name (Decoder.stream)."""
     stops = StopStrings(stop)
     if stops.stops and tokenizer is None:
         raise ValueError("stop strings need text: this program has no tokenizer")
@@ -54,7 +56,8 @@ def stream_text(decoder, prompt_ids: list[int], max_tokens: int, params=None, st
     if speculation is not None:
         steps = speculation.steps(decoder, prompt_ids, max_tokens, params, constraint=constraint, reuse=reuse)
     else:
-        steps = decoder.stream(prompt_ids, max_tokens, params, constraint=constraint, reuse=reuse)
+        steps = decoder.stream(prompt_ids, max_tokens, params, constraint=constraint, reuse=reuse,
+                               **({"adapter": adapter} if adapter else {}))
     with closing(steps):  # leaving early (a stop string) ends the decoder's generation now, not at collection
         yield from _responses(decoder, steps, prompt_ids, max_tokens, stops, detok, speculation is not None)
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from backends.mlx.llm.lora.adapter_files import Adapter
+from backends.mlx.llm.lora.adapter_files import Adapter, read_adapter
 from backends.mlx.llm.lora.fuse import target_layer
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -55,6 +55,17 @@ def parse_adapters(spec: str) -> dict[str, str]:
         pairs[name] = path
     check_names(names)
     return pairs
+
+
+def read_adapters(paths: dict) -> dict[str, Adapter]:
+    """{name: Adapter} of {name: directory}; a bad name or adapter is one ValueError "adapters: NAME=DIR: ..."."""
+    adapters = {}
+    for name in check_names(paths):
+        try:
+            adapters[name] = read_adapter(paths[name])
+        except ValueError as exc:
+            raise ValueError(f"adapters: {name}={str(exc).removeprefix('adapter ')}") from None
+    return adapters
 
 
 class AdapterChoice:
@@ -102,13 +113,13 @@ class AttachedAdapters:
 def attach_adapters(model: nn.Module, adapters: dict[str, Adapter]) -> AttachedAdapters:
     """Wrap every layer an adapter targets in a SwitchableLora, in place. Every adapter's shapes are checked
     against the model first (fuse.py's checks: a layer it lacks, an update of another shape): one ValueError
-    "adapter DIR: ..." before any layer changes."""
+    "adapters: NAME=DIR: ..." before any layer changes."""
     names = check_names(adapters)
     targets: dict[str, nn.Module] = {}
     per_layer: dict[str, dict[int, object]] = {}
     for slot, name in enumerate(names, start=1):
         adapter = adapters[name]
-        where = f"adapter {adapter.path}:"
+        where = f"adapters: {name}={adapter.path}:"
         for update in adapter.updates:
             targets[update.module] = target_layer(model, update, where)
             per_layer.setdefault(update.module, {})[slot] = update
