@@ -17,6 +17,7 @@ from backends.mlx.cli.main import main
 from backends.mlx.llm.decoder.decode_rows import DecodeRows, Sequence
 from backends.mlx.llm.decoder.loop import Decoder
 from backends.mlx.llm.sampler.params import SamplingParams
+from helpers import etmlx_decode_json
 
 # Whole decoder exports: the slow tier (make test), not make test-fast.
 pytestmark = pytest.mark.slow
@@ -59,9 +60,11 @@ def test_each_adapter_decodes_as_fused_and_as_its_library(tmp_path, family):
     assert export(base_dir, tmp_path / "fused-b.pte", "--adapter", str(mlx)) == mlx_tokens
 
 
+@pytest.mark.subprocess
 def test_rows_on_different_adapters_share_a_call(tmp_path):
     """A 3-row program: rows on a, b and none in the same calls (the same prompt, so only the adapter input tells
-    them apart) each get the tokens they get alone; the prompt cache is not reused across adapters."""
+    them apart) each get the tokens they get alone; the prompt cache is not reused across adapters; the C++
+    etmlx_decode runs the program's base model."""
     base_dir = checkpoint(tmp_path / "base")
     peft, mlx = _adapters(tmp_path, base_dir)
     decoder = _switchable(base_dir, tmp_path / "batch.pte", peft, mlx, "--batch", "3")
@@ -85,6 +88,7 @@ def test_rows_on_different_adapters_share_a_call(tmp_path):
     assert decoder.last_cached == 0
     assert [s.token for s in decoder.stream(PROMPT, STEPS, reuse=True, adapter="a")] == alone["a"]
     assert decoder.last_cached == len(PROMPT) - 1  # the same adapter reuses it (the last token is fed again)
+    assert etmlx_decode_json(tmp_path / "batch.pte", PROMPT, STEPS)["tokens"] == alone[None]
 
 
 def test_adapters_on_a_quantized_base_decode_as_mlx_lm(tmp_path):
