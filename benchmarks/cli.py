@@ -140,6 +140,13 @@ def _tools(args) -> int:
                       batch=args.batch, max_seq_len=args.max_seq_len)
 
 
+def _adapters(args) -> int:
+    from benchmarks import adapters
+
+    return adapters.main(args.json, dtype=args.dtype, rank=args.rank, repeats=args.repeats or 3, quick=args.quick,
+                         cache_dir=args.cache_dir)
+
+
 def _gpu_kit(args) -> int:
     from benchmarks import gpu_kit
 
@@ -217,6 +224,13 @@ def add_parsers(bench: argparse.ArgumentParser) -> None:
     _common(p, repeats="3", cache=True)
     p.add_argument("--shape", help=SHAPE_HELP + ": its 4-bit program with --draft-tokens 8 against the plain one")
     p.set_defaults(func=_speculative)
+
+    p = sub.add_parser("adapters", help="decode speed with two switchable LoRA adapters vs the fused program")
+    _common(p, repeats="3", cache=True)
+    p.add_argument("--dtype", default="int4", help="int4 (default), int8 or float32")
+    p.add_argument("--rank", type=int, default=8, help="the adapters' rank (default 8)")
+    p.add_argument("--quick", action="store_true", help="a tiny model (CI smoke)")
+    p.set_defaults(func=_adapters)
 
     p = sub.add_parser("gemm", help="CPU matrix products: the stock wheel vs the OpenBLAS route")
     _common(p)

@@ -130,7 +130,7 @@ def _params(sampling: dict) -> SamplingParams:
 
 def stream_generate(model: Model, prompt, max_tokens: int | None = None, *, stop=(),
                     prompt_cache: PromptCache | None = None, prediction=None, draft: str | None = None,
-                    num_draft_tokens: int | None = None, draft_model=None, images=None,
+                    num_draft_tokens: int | None = None, draft_model=None, images=None, adapter: str | None = None,
                     **sampling) -> Iterator[Response]:
     """Yield a Response per generated token: `.text` (the new piece of text), `.token`, `.logprobs`
     (token id -> logprob, when the program was exported with --logprobs N), `.finish_reason` (on the last:
@@ -139,8 +139,11 @@ def stream_generate(model: Model, prompt, max_tokens: int | None = None, *, stop
     On a --draft-tokens program: `prediction` (text or token ids), `draft` ("ngram", the default, or "none"),
     `draft_model` (a plain .pte path, or a DraftModel) and `num_draft_tokens` choose the drafts, and `.proposed_draft_tokens` / `.accepted_draft_tokens` count
     them so far; on a plain program they are a ValueError. `images`: a vision-language program's images (PIL
-    images, paths or bytes) for the prompt's image parts without one (see the module's docstring)."""
+    images, paths or bytes) for the prompt's image parts without one (see the module's docstring). `adapter`: the name of
+    one of the program's switchable LoRA adapters (`etmlx export --adapters`); None, the base model."""
     _check_model(model)
+    if adapter is not None:
+        model.meta.adapter_index(adapter)  # an unknown name fails here, not at the first token
     if prompt_cache is not None and (not isinstance(prompt_cache, PromptCache) or prompt_cache.model is not model):
         raise TypeError("prompt_cache must be make_prompt_cache(model) of this same model")
     drafts = speculation(model, prediction, draft, num_draft_tokens, draft_model=draft_model)
@@ -155,7 +158,7 @@ def stream_generate(model: Model, prompt, max_tokens: int | None = None, *, stop
         max_tokens = max(1, min(DEFAULT_MAX_TOKENS, model.meta.max_seq_len - len(ids)))
     tokenizer = model.tokenizer if model.has_tokenizer else None
     responses = stream_text(model, ids, max_tokens, params, stop, tokenizer, reuse=prompt_cache is not None,
-                            speculation=drafts, images=pictures)
+                            speculation=drafts, images=pictures, adapter=adapter)
     return responses if prompt_cache is None else _recorded(responses, ids, prompt_cache)
 
 
@@ -207,7 +210,10 @@ def _tool_reply(model, messages, max_tokens, stop, tools, tool_choice, parallel,
                                                       ("prediction", "draft", "num_draft_tokens", "draft_model")):
         raise ValueError("generate(tools=...) takes the conversation whole: no prompt_cache or draft options")
     sampling = {k: v for k, v in options.items() if k not in ("prompt_cache", "prediction", "draft",
-                                                              "num_draft_tokens", "draft_model")}
+                                                              "num_draft_tokens", "draft_model", "adapter")}
+    adapter = options.get("adapter")
+    if adapter is not None:
+        model.meta.adapter_index(adapter)
     if not isinstance(tool_choice, str):
         raise TypeError("tool_choice must be 'auto', 'required', 'none' or a function's name")
     choice, name = (tool_choice, None) if tool_choice in ("auto", "required", "none") else ("function", tool_choice)
@@ -215,7 +221,7 @@ def _tool_reply(model, messages, max_tokens, stop, tools, tool_choice, parallel,
                           tool_format(model.meta, model.tokenizer))
     show = (lambda piece: print(piece, end="", flush=True)) if verbose else None
     reply, _, _ = tool_turn(model, messages, request, max_tokens or DEFAULT_MAX_TOKENS, _params(sampling), stop,
-                            on_text=show)
+                            on_text=show, adapter=adapter)
     if verbose:
         for call in reply.tool_calls:
             print(f"\n[tool call] {call.name}({call.arguments_json})", flush=True)

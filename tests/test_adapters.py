@@ -10,124 +10,35 @@ import numpy as np
 import pytest
 import torch
 
-import backends.mlx  # noqa: F401  (before mlx.core: routes MLX's CPU GEMMs)
-import mlx.core as mx
+from adapter_helpers import (TARGETS, checkpoint, distinct, export, mlx_lm_adapter, mlx_lm_fused, mlx_lm_greedy,
+                             peft_adapter, torch_greedy)
 from backends.mlx.cli.main import main
-from backends.mlx.llm.decoder.loop import Decoder
-from benchmarks.checkpoints import save_tokenizer
 
 # Whole decoder exports: the slow tier (make test), not make test-fast.
 pytestmark = pytest.mark.slow
-
-STEPS = 32
-PROMPT = [5, 17, 99, 3, 42]
-TARGETS = ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")
-
-
-def _checkpoint(directory, hidden: int = 128):
-    """A small random Llama with a wider-than-default init (argmaxes far from ties) and a tokenizer."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    torch.manual_seed(3)
-    LlamaForCausalLM(config).eval().save_pretrained(directory)
-    # transformers 5 writes rope_theta inside rope_parameters only, where mlx-lm does not look.
-    saved = json.loads((directory / "config.json").read_text())
-    saved["rope_theta"] = saved["rope_parameters"]["rope_theta"]
-    (directory / "config.json").write_text(json.dumps(saved))
-    save_tokenizer(config.vocab_size, directory)
-    return directory
-
-
-def _peft_adapter(base_dir, directory, rank: int = 4, alpha: int = 16):
-    """A PEFT LoRA adapter with random A and B (init_lora_weights=False: B is not zero, so it changes tokens)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(7)
-    base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=[t.split(".")[-1] for t in TARGETS],
-                        init_lora_weights=False, rank_pattern={"down_proj": 2 * rank})
-    get_peft_model(base, config).save_pretrained(str(directory))
-    return directory
-
-
-def _mlx_lm_adapter(directory, hidden: int = 128, rank: int = 4, scale: float = 2.0, seed: int = 11):
-    """An adapter in mlx-lm's layout (what mlx_lm.lora saves): lora_a [in, r], lora_b [r, out] per layer."""
-    shapes = {"self_attn.q_proj": (hidden, hidden), "self_attn.v_proj": (hidden, 64), "mlp.down_proj": (256, hidden)}
-    rng = np.random.default_rng(seed)
-    weights = {}
-    for layer in range(2):
-        for key in TARGETS:
-            fan_in, fan_out = shapes[key]
-            name = f"model.layers.{layer}.{key}"
-            weights[f"{name}.lora_a"] = mx.array(rng.uniform(-1, 1, (fan_in, rank)).astype(np.float32) / fan_in ** 0.5)
-            weights[f"{name}.lora_b"] = mx.array(rng.normal(0, 0.05, (rank, fan_out)).astype(np.float32))
-    directory.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(directory / "adapters.safetensors"), weights)
-    config = {"fine_tune_type": "lora", "num_layers": 2,
-              "lora_parameters": {"rank": rank, "scale": scale, "dropout": 0.0, "keys": list(TARGETS)}}
-    (directory / "adapter_config.json").write_text(json.dumps(config))
-    return directory
-
-
-def _export(model_dir, out, *flags, steps: int = STEPS):
-    assert main(["export", "--model", str(model_dir), "--out", str(out), "--max-seq-len", "96", *flags]) == 0
-    return Decoder(out).generate(PROMPT, steps).tokens
-
-
-def _torch_greedy(model) -> list[int]:
-    ids = torch.tensor([PROMPT])
-    with torch.no_grad():
-        for _ in range(STEPS):
-            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return ids[0, len(PROMPT):].tolist()
-
-
-def _mlx_lm_greedy(model, steps: int = STEPS) -> list[int]:
-    from mlx_lm.generate import generate_step
-
-    greedy = lambda logits: mx.argmax(logits, axis=-1)
-    return [int(t) for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=steps, sampler=greedy)]
-
-
-def _mlx_lm_fused(model):
-    """What `mlx_lm.fuse` does to the LoRA layers of a model loaded with its adapter (mlx_lm/fuse.py)."""
-    from mlx.utils import tree_unflatten
-
-    fused = [(name, module.fuse()) for name, module in model.named_modules() if hasattr(module, "fuse")]
-    model.update_modules(tree_unflatten(fused))
-    return model
-
-
-def _distinct(tokens, base):
-    assert len(set(tokens)) > 6, f"degenerate reference, the comparison would say little: {tokens}"
-    assert tokens != base, "the adapter does not change the tokens: the test would not see it ignored"
 
 
 def test_peft_adapter_decodes_to_transformers_peft_tokens(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    base_dir = _checkpoint(tmp_path / "base")
-    adapter = _peft_adapter(base_dir, tmp_path / "peft")
+    base_dir = checkpoint(tmp_path / "base")
+    adapter = peft_adapter(base_dir, tmp_path / "peft")
     base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32).eval()
-    base_tokens = _torch_greedy(base)
-    expected = _torch_greedy(PeftModel.from_pretrained(base, str(adapter)).eval())  # unfused: x + s * B(A(x))
-    _distinct(expected, base_tokens)
-    assert _export(base_dir, tmp_path / "peft.pte", "--adapter", str(adapter)) == expected
+    base_tokens = torch_greedy(base)
+    expected = torch_greedy(PeftModel.from_pretrained(base, str(adapter)).eval())  # unfused: x + s * B(A(x))
+    distinct(expected, base_tokens)
+    assert export(base_dir, tmp_path / "peft.pte", "--adapter", str(adapter)) == expected
 
 
 def test_mlx_lm_adapter_decodes_to_mlx_lm_tokens(tmp_path):
     from mlx_lm import load
 
-    base_dir = _checkpoint(tmp_path / "base")
-    adapter = _mlx_lm_adapter(tmp_path / "mlx-adapter")
-    expected = _mlx_lm_greedy(load(str(base_dir), adapter_path=str(adapter))[0])
-    _distinct(expected, _mlx_lm_greedy(load(str(base_dir))[0]))
-    assert _export(base_dir, tmp_path / "mlx.pte", "--adapter", str(adapter)) == expected
+    base_dir = checkpoint(tmp_path / "base")
+    adapter = mlx_lm_adapter(tmp_path / "mlx-adapter")
+    expected = mlx_lm_greedy(load(str(base_dir), adapter_path=str(adapter))[0])
+    distinct(expected, mlx_lm_greedy(load(str(base_dir))[0]))
+    assert export(base_dir, tmp_path / "mlx.pte", "--adapter", str(adapter)) == expected
 
 
 def test_adapter_on_a_quantized_checkpoint_is_fused_as_mlx_lm_fuses(tmp_path):
@@ -135,18 +46,18 @@ def test_adapter_on_a_quantized_checkpoint_is_fused_as_mlx_lm_fuses(tmp_path):
     are those of mlx-lm's fused model."""
     from mlx_lm import convert, load
 
-    base_dir = _checkpoint(tmp_path / "base")
+    base_dir = checkpoint(tmp_path / "base")
     quantized = tmp_path / "q4"
     convert(str(base_dir), str(quantized), quantize=True, q_group_size=64, q_bits=4, dtype="float32")
-    adapter = _mlx_lm_adapter(tmp_path / "mlx-adapter")
-    theirs = _mlx_lm_fused(load(str(quantized), adapter_path=str(adapter))[0])
+    adapter = mlx_lm_adapter(tmp_path / "mlx-adapter")
+    theirs = mlx_lm_fused(load(str(quantized), adapter_path=str(adapter))[0])
     _assert_same_fused_tensors(quantized, adapter, theirs)
     # 24 steps: the 28th is a near tie in mlx-lm's own logits (its top two 2.7e-4 apart), which float32
     # rounding may break either way.
     steps = 24
-    expected = _mlx_lm_greedy(theirs, steps)
-    _distinct(expected, _mlx_lm_greedy(load(str(quantized))[0], steps))
-    assert _export(quantized, tmp_path / "q.pte", "--adapter", str(adapter), steps=steps) == expected
+    expected = mlx_lm_greedy(theirs, steps)
+    distinct(expected, mlx_lm_greedy(load(str(quantized))[0], steps))
+    assert export(quantized, tmp_path / "q.pte", "--adapter", str(adapter), steps=steps) == expected
 
 
 def test_adapter_is_fused_before_quantizing(tmp_path):
@@ -155,15 +66,15 @@ def test_adapter_is_fused_before_quantizing(tmp_path):
     import mlx.nn as nn
     from mlx_lm import load
 
-    base_dir = _checkpoint(tmp_path / "base")
-    adapter = _mlx_lm_adapter(tmp_path / "mlx-adapter")
-    theirs = _mlx_lm_fused(load(str(base_dir), adapter_path=str(adapter))[0])
+    base_dir = checkpoint(tmp_path / "base")
+    adapter = mlx_lm_adapter(tmp_path / "mlx-adapter")
+    theirs = mlx_lm_fused(load(str(base_dir), adapter_path=str(adapter))[0])
     nn.quantize(theirs, group_size=64, bits=4)
-    expected = _mlx_lm_greedy(theirs)
+    expected = mlx_lm_greedy(theirs)
     unfused = load(str(base_dir))[0]
     nn.quantize(unfused, group_size=64, bits=4)
-    _distinct(expected, _mlx_lm_greedy(unfused))
-    assert _export(base_dir, tmp_path / "fq.pte", "--adapter", str(adapter), "--quantize", "int4") == expected
+    distinct(expected, mlx_lm_greedy(unfused))
+    assert export(base_dir, tmp_path / "fq.pte", "--adapter", str(adapter), "--quantize", "int4") == expected
 
 
 def _assert_same_fused_tensors(quantized, adapter, theirs):
@@ -192,7 +103,7 @@ def _error(capsys, model_dir, tmp_path, adapter) -> str:
 def test_bad_adapters_are_refused_in_one_line(tmp_path, capsys):
     from safetensors.torch import load_file, save_file
 
-    base_dir = _checkpoint(tmp_path / "base")
+    base_dir = checkpoint(tmp_path / "base")
     assert "not a directory" in _error(capsys, base_dir, tmp_path, tmp_path / "nowhere")
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -202,19 +113,19 @@ def test_bad_adapters_are_refused_in_one_line(tmp_path, capsys):
     with pytest.raises(ValueError, match=r"^adapter \S+: holds neither adapters.safetensors"):  # the Python API's name
         etmlx.export(base_dir, tmp_path / "bad.pte", adapter=empty)
 
-    no_config = _mlx_lm_adapter(tmp_path / "no-config")
+    no_config = mlx_lm_adapter(tmp_path / "no-config")
     (no_config / "adapter_config.json").unlink()
     assert "no adapter_config.json" in _error(capsys, base_dir, tmp_path, no_config)
 
     # The config's rank is not the weights' rank.
-    rank = _mlx_lm_adapter(tmp_path / "rank")
+    rank = mlx_lm_adapter(tmp_path / "rank")
     config = json.loads((rank / "adapter_config.json").read_text())
     config["lora_parameters"]["rank"] = 8
     (rank / "adapter_config.json").write_text(json.dumps(config))
     assert "rank mismatch: its weights have rank 4, adapter_config.json says 8" in _error(capsys, base_dir, tmp_path,
                                                                                             rank)
     # A and B of different ranks.
-    peft = _peft_adapter(base_dir, tmp_path / "peft")
+    peft = peft_adapter(base_dir, tmp_path / "peft")
     tensors = load_file(str(peft / "adapter_model.safetensors"))
     name = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
     tensors[name] = tensors[name][:, :3].contiguous()
@@ -223,22 +134,22 @@ def test_bad_adapters_are_refused_in_one_line(tmp_path, capsys):
         _error(capsys, base_dir, tmp_path, peft)
 
     # An adapter trained on a wider base model: its shapes are not this model's.
-    wide = _mlx_lm_adapter(tmp_path / "wide", hidden=192)
+    wide = mlx_lm_adapter(tmp_path / "wide", hidden=192)
     assert "model.layers.0.mlp.down_proj: its update is 192x256 (out x in) but the base layer is 128x256" in \
         _error(capsys, base_dir, tmp_path, wide)
     # A layer this model does not have.
-    foreign = _mlx_lm_adapter(tmp_path / "foreign")
+    foreign = mlx_lm_adapter(tmp_path / "foreign")
     tensors = load_file(str(foreign / "adapters.safetensors"))
     tensors = {k.replace("self_attn", "attn"): v for k, v in tensors.items()}
     save_file(tensors, str(foreign / "adapters.safetensors"))
     assert "model.layers.0.attn.q_proj is not a layer of this llama model" in \
         _error(capsys, base_dir, tmp_path, foreign)
 
-    dora = _mlx_lm_adapter(tmp_path / "dora")
+    dora = mlx_lm_adapter(tmp_path / "dora")
     config = json.loads((dora / "adapter_config.json").read_text())
     (dora / "adapter_config.json").write_text(json.dumps({**config, "fine_tune_type": "dora"}))
     assert "fine_tune_type 'dora' is not supported" in _error(capsys, base_dir, tmp_path, dora)
-    truncated = _mlx_lm_adapter(tmp_path / "truncated")
+    truncated = mlx_lm_adapter(tmp_path / "truncated")
     data = (truncated / "adapters.safetensors").read_bytes()
     (truncated / "adapters.safetensors").write_bytes(data[: len(data) // 2])
     assert "adapters.safetensors is not a readable safetensors file" in _error(capsys, base_dir, tmp_path, truncated)

@@ -142,6 +142,7 @@ def run_chat(args, params) -> int:
 
     decoder = load_decoder(pte_path(args))
     drafts = speculation_from_args(args, decoder)  # None: a plain program
+    decoder.meta.adapter_index(args.adapter_name)  # an unknown adapter: one line, before the conversation
     tokenizer = decoder.tokenizer  # raises, naming the missing tokenizer
     if not has_chat_template(tokenizer):
         raise ValueError(f"{decoder.pte}'s tokenizer has no chat template: use etmlx generate "
@@ -194,7 +195,7 @@ def run_chat(args, params) -> int:
         budget = min(args.max_tokens, decoder.meta.max_seq_len - len(prompt))
         reply, last, ids = [], None, []
         for last in stream_text(decoder, prompt, budget, params, args.stop, tokenizer, reuse=True, speculation=drafts,
-                                images=chat.images):
+                                images=chat.images, adapter=args.adapter_name):
             reply.append(last.text)
             ids.append(last.token)
             print(last.text, end="", flush=True)
@@ -272,7 +273,8 @@ def _tool_exchange(chat: Conversation, decoder, args, params, tools) -> None:
         if chat.fit() is None:
             return
         reply, _, _ = tool_turn(decoder, chat.system + chat.turns, request, args.max_tokens, params, args.stop,
-                                on_text=lambda piece: print(piece, end="", flush=True), reuse=True)
+                                on_text=lambda piece: print(piece, end="", flush=True), reuse=True,
+                                adapter=args.adapter_name)
         print(flush=True)
         chat.turns.append(reply.message())
         if not reply.tool_calls:

@@ -38,6 +38,7 @@ def run_generate(args, params) -> int:
     constraint = constraint_from_args(args)
     decoder = load_decoder(pte)  # a --draft-tokens program decodes speculatively: the same tokens
     drafts = speculation_from_args(args, decoder)
+    decoder.meta.adapter_index(args.adapter_name)  # an unknown adapter: one line, before decoding
     if constraint is not None:
         decoder.matcher(constraint)  # a bad schema / regex / grammar, or no mask input: one line, before decoding
     progress = ranks.progress() if ranks else None
@@ -48,7 +49,8 @@ def run_generate(args, params) -> int:
     tokens, logprobs, tops, text = [], [], [], []
     last = None
     for response in stream_text(decoder, prompt, args.max_tokens, params, args.stop, tokenizer, constraint,
-                                speculation=drafts, images=images):
+                                speculation=drafts, images=images,
+                                adapter=args.adapter_name):
         last = response
         tokens.append(response.token)
         if progress is not None:

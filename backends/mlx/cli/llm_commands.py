@@ -16,7 +16,7 @@ from backends.mlx.llm.decoder.tool_formats import FORMATS as TOOL_FORMATS
 
 # export_checkpoint's options that are flags here: its messages name the option, the CLI says the flag.
 _EXPORT_OPTIONS = ("dtype", "quantize", "logprobs", "draft_tokens", "propose_tokens", "out", "sampler", "adapter",
-                   "tensor_parallel")
+                   "tensor_parallel", "adapters")
 
 
 def _progress():
@@ -30,7 +30,7 @@ def _progress():
 
 def _as_flags(message: str) -> str:
     """'draft_tokens must be ...' -> '--draft-tokens must be ...' (only the leading option name)."""
-    option = message.split(" ", 1)[0]
+    option = message.split(" ", 1)[0].removesuffix(":")  # "adapters: ..." too
     return "--" + option.replace("_", "-") + message[len(option):] if option in _EXPORT_OPTIONS else message
 
 
@@ -46,7 +46,7 @@ def run_export(args) -> int:
             propose_tokens=args.propose_tokens, external_weights=args.external_weights, progress=_progress(),
             adapter=args.adapter, tool_call_format=args.tool_call_format,
             qmm_activations=args.qmm_activations, kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
-            tensor_parallel=args.tensor_parallel)
+            tensor_parallel=args.tensor_parallel, adapters=_adapters(args.adapters))
     except (ValueError, IsADirectoryError) as exc:  # the option names of the Python API, as this command's flags
         raise type(exc)(_as_flags(str(exc))) from None
     from backends.mlx.exporter.export import weights_path
@@ -63,6 +63,12 @@ def run_export(args) -> int:
     return 0
 
 
+def _adapters(spec: str | None) -> dict | None:
+    from backends.mlx.llm.lora.switchable import parse_adapters
+
+    return parse_adapters(spec) if spec is not None else None
+
+
 def _text_flags(parser, max_tokens: int) -> None:
     """What generate and chat share besides the knobs (cli/knob_flags.py); short names as mlx_lm.generate spells them."""
     parser.add_argument("pte", nargs="?", help="a .pte written by `etmlx export`")
@@ -76,6 +82,8 @@ def _text_flags(parser, max_tokens: int) -> None:
     parser.add_argument("--image", action="append", default=[], metavar="PATH",
                         help="an image for a vision-language program (repeatable), placed before the (first) "
                              "message's text")
+    parser.add_argument("--adapter-name", metavar="NAME", help="run on this switchable LoRA adapter of the program "
+                        "(exported with --adapters NAME=DIR,...; `etmlx inspect` lists them); default: the base model")
 
 
 def _rank_flags(parser) -> None:
@@ -161,6 +169,9 @@ def add_parsers(sub) -> None:
                              "unpipelined; default 0: one token per call")
     export.add_argument("--adapter", metavar="DIR", help="a LoRA adapter directory (mlx-lm's adapters.safetensors or "
                         "PEFT's adapter_model.safetensors, with adapter_config.json) fused into the weights")
+    export.add_argument("--adapters", metavar="NAME=DIR,...", help="LoRA adapters kept unfused beside the base "
+                        "weights, each request choosing one by name (generate/chat --adapter-name, the server's "
+                        "model BASE:NAME) or none; names: letters, digits, '.', '_', '-'")
     export.add_argument("--tool-call-format", choices=TOOL_FORMATS, default=None,
                         help="the call syntax of tool calls (default: detected from the chat template; generic for a "
                              "template without tools)")

@@ -56,6 +56,8 @@ def _inspect(args) -> int:
     print(f"decoder: max_seq_len {meta.max_seq_len}, vocab {meta.vocab_size}, batch {meta.batch}, tool-call format "
           f"{meta.tool_call_format or '(not stored: detected from the chat template when served)'}, KV cache "
           f"{f'{meta.kv_bits}-bit (group {meta.kv_group_size})' if meta.kv_bits else meta.dtype}")
+    if meta.adapters:
+        print(f"switchable adapters: {', '.join(meta.adapters)} (--adapter-name NAME, or model BASE:NAME when served)")
     return 0
 
 

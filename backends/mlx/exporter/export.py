@@ -187,11 +187,11 @@ def export_to_pte(
     # (shared_constants.py).
     with shared_constants.shared(ep):
         return _lowered(ep, module, args, kwargs, dynamic_shapes, strict, specs, plain_step, named_data, weights,
-                        say)
+                        say, methods)
 
 
 def _lowered(ep, module, args, kwargs, dynamic_shapes, strict, specs, plain_step, named_data, weights,
-             say) -> ExportResult:
+             say, methods) -> ExportResult:
     plain_specs, plain_data, plain_outputs = [], None, None
     if plain_step is not None:
         say("tracing and lowering the plain step")

@@ -91,6 +91,8 @@ class EngineRequest:
     # (llm/decoder/image_encoder.py), so the prompt cache reuses a prefix only where the same image sat.
     images: list = field(default_factory=list)
     prompt_images: object | None = None
+    # Switchable adapters: the row's `adapter` input (DecoderMeta.adapter_index); 0, the base model.
+    adapter: int = 0
 
 
 class Engine(ProgramGrammar):

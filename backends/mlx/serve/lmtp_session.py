@@ -14,6 +14,8 @@ In:  GENERATE {"stream_id", "prompt": [ids] or "text", "max_tokens", "top_logpro
               prompt holds (the client renders the prompt: its placeholders are the chat template's); a program
               that takes no images refuses them; MODEL_INFO's "max_images" says how many (0: none)
      SCORE    {"stream_id", "prompt": [ids], "scored": [ids]}  logprob of each scored token
+     GENERATE and SCORE take "model": "BASE:NAME" or "adapter": "NAME" to run on a switchable LoRA adapter
+              (MODEL_INFO's adapters); an unknown name is a stream error
      MODEL_INFO {"stream_id"}
 Out: TOKEN [{"token", "stream_id", "logprob", "finish_reason", "top_logprobs": {"id": lp}}, ...]
      carries every token that arrived since the last send, of all streams interleaved (order
@@ -42,6 +44,7 @@ from backends.mlx.serve.api_errors import ApiError
 from backends.mlx.serve.engine import EngineRequest, TokenEvent
 from backends.mlx.serve.image_parts import generate_sources
 from backends.mlx.serve.json_text import parse_json_text
+from backends.mlx.serve.openai_params import check_model
 from backends.mlx.serve.structured_params import constraint_from_body, structured_rows
 from backends.mlx.serve.tool_params import tool_request, tool_rows
 from backends.mlx.serve.service import Service, queue_sink
@@ -143,21 +146,28 @@ class LmtpSession:
             "logprobs": config.logprobs, "sampler": [i.name for k in USER_KNOBS if k.feature and enabled(k, config)
                                                        for i in k.program_inputs],
             "score": bool(config.logprobs and config.logprobs_mode == "raw" and config.logit_bias),
-            "tool_call_format": tool_format(meta, self.service.tokenizer),
+            "tool_call_format": tool_format(meta, self.service.tokenizer), "adapters": list(meta.adapters),
             "max_images": self.service.images.max_images if self.service.images.takes_images else 0})
 
-    def _check_new(self, stream_id, payload) -> None:
+    def _check_new(self, stream_id, payload) -> int:
+        """Checks a new stream; its adapter index (0: the base model)."""
         if stream_id in self.streams:
             raise LmtpError(f"stream {stream_id!r} is still running")
         if len(self.streams) >= self.service.lmtp_inflight:
             raise LmtpError(f"this connection has {len(self.streams)} unfinished streams (the limit): wait for one "
                             "to finish")
         model = payload.get("model")
-        if model not in (None, "", self.service.model_name):
-            raise LmtpError(f"unknown model {model!r}: this server serves {self.service.model_name!r}")
+        if model == "":
+            payload = {**payload, "model": None}
+        try:  # "model": "BASE:NAME" or "adapter": "NAME" picks a switchable adapter, as the OpenAI endpoints take it
+            return check_model(payload, self.service.model_name, self.service.meta)
+        except ApiError as exc:
+            if exc.status == 404:
+                raise LmtpError(f"unknown model {model!r}: this server serves {self.service.model_name!r}") from None
+            raise LmtpError(exc.message) from None
 
     async def _generate(self, stream_id, payload) -> None:
-        self._check_new(stream_id, payload)
+        adapter = self._check_new(stream_id, payload)
         meta = self.service.meta
         text = payload.get("prompt")
         if isinstance(text, str):
@@ -187,19 +197,19 @@ class LmtpSession:
         max_tokens = payload.get("max_tokens", max(1, min(32, room)))  # a too-long prompt is reported as such
         self._submit(stream_id, EngineRequest(prompt, params, max_tokens, queue_sink(self.loop, self.events,
                                                                                      stream_id), images=images,
-                                              **extra), scoring=False)
+                                              **extra, adapter=adapter), scoring=False)
         if top is not None:
             self.top[stream_id] = top
 
     async def _score(self, stream_id, payload) -> None:
-        self._check_new(stream_id, payload)
+        adapter = self._check_new(stream_id, payload)
         meta = self.service.meta
         prompt = _ids(payload.get("prompt"), "prompt", meta.vocab_size)
         scored = _ids(payload.get("scored"), "scored", meta.vocab_size)
         if not scored:
             raise LmtpError("'scored' is empty: give the tokens to score")
         request = EngineRequest(prompt, SamplingParams(), len(scored), queue_sink(self.loop, self.events, stream_id),
-                                stop_at_eos=False, forced=list(scored))
+                                stop_at_eos=False, forced=list(scored), adapter=adapter)
         self._submit(stream_id, request, scoring=True)
 
     def _submit(self, stream_id, request: EngineRequest, scoring: bool) -> None:

@@ -101,11 +101,26 @@ def _flag(body: dict, name: str, default=False) -> bool:
     return value
 
 
-def check_model(body: dict, model_name: str) -> None:
-    model = body.get("model")
-    if model is not None and model != model_name:
+def check_model(body: dict, model_name: str, meta: DecoderMeta) -> int:
+    """The request's adapter index (0: the base model): a switchable adapter is named as "model": "BASE:NAME"
+    or with an "adapter": "NAME" field (both: the same name)."""
+    model, field = body.get("model"), body.get("adapter")
+    name = None
+    if isinstance(model, str) and model.startswith(model_name + ":") and meta.adapters:
+        name = model[len(model_name) + 1:]
+    elif model is not None and model != model_name:
         raise ApiError(f"The model '{model}' does not exist; this server serves '{model_name}'", status=404,
                        param="model", code="model_not_found")
+    if field is not None:
+        if not isinstance(field, str):
+            raise ApiError(f"'adapter' must be a string (an adapter's name), got {field!r}", param="adapter")
+        if name is not None and field != name:
+            raise ApiError(f"'adapter' is {field!r} but 'model' names adapter {name!r}", param="adapter")
+        name = field
+    try:
+        return meta.adapter_index(name)
+    except ValueError as exc:
+        raise ApiError(str(exc), param="adapter" if field is not None else "model") from None
 
 
 def _stops(body: dict) -> list[str]:

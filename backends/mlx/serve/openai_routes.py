@@ -57,8 +57,9 @@ class OpenAIRoutes:
     async def models(self, request: web.Request) -> web.Response:
         meta = self.service.meta
         return web.json_response({"object": "list", "data": [
-            {"id": self.service.model_name, "object": "model", "created": _STARTED, "owned_by": "etmlx",
-             "max_model_len": meta.max_seq_len}]})
+            {"id": name, "object": "model", "created": _STARTED, "owned_by": "etmlx", "max_model_len": meta.max_seq_len}
+            # each switchable adapter as a model of its own, BASE:NAME
+            for name in [self.service.model_name] + [f"{self.service.model_name}:{a}" for a in meta.adapters]]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, chat=False)
@@ -70,7 +71,7 @@ class OpenAIRoutes:
         service = self.service
         try:
             body = await _body(request, service)
-            check_model(body, service.model_name)
+            adapter = check_model(body, service.model_name, service.meta)
             check_unsupported(body)
             sources, images = [], []
             if chat:  # image_url parts: counted here, decoded below once the cheap checks pass (serve/image_parts.py)
@@ -100,6 +101,8 @@ class OpenAIRoutes:
                 extras = [{**extra, "draft": PredictionDraft(job.prediction)} for extra in extras]
             if images:
                 extras = [{**extra, "images": images} for extra in extras]
+            if adapter:
+                extras = [{**extra, "adapter": adapter} for extra in extras]
             rows = [(prompt, params, job.max_tokens, extra) for params, extra in zip(job.choices, extras)]
             events = service.stream_rows(rows, list(range(len(rows))))
             first = await _first(events)  # submission errors surface here, before any response starts

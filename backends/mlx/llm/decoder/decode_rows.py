@@ -71,6 +71,7 @@ class Sequence:
     # vision-language programs: the prompt's image positions and embeddings (image_encoder.PromptImages); the
     # prompt then holds image keys (>= the vocabulary) at those positions
     prompt_images: object | None = None
+    adapter: int = 0  # switchable adapters: the `adapter` input's value for the row (DecoderMeta.adapter_index)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -138,8 +139,9 @@ class _CacheRow:
 class RowCaches:
     """The prompt cache as the core keeps it: the token at each cache position of each row (decode_rows.h)."""
 
-    def __init__(self, core: RowsCore, batch: int, ring: bool, enabled: bool):
+    def __init__(self, core: RowsCore, batch: int, ring: bool, enabled: bool, adapters: list[int] | None):
         self._core, self.ring, self.enabled = core, ring, enabled
+        self._adapters = adapters  # DecodeRows.cache_adapters
         self.rows = [_CacheRow(core, slot) for slot in range(batch)]
 
     def reusable(self, slot: int, prompt: list[int]) -> int:
@@ -150,8 +152,11 @@ class RowCaches:
         return self._core.tokens(slot, lib.HELD)
 
     def hold(self, slot: int, tokens: list[int]) -> None:
-        """Row `slot`'s cache now holds `tokens` at positions 0.. (a prompt cache loaded from a file)."""
+        """Row `slot`'s cache now holds `tokens` at positions 0.. (a prompt cache loaded from a file). Its
+        adapter is unknown: no request reuses it on a program with switchable adapters."""
         self._core.set_held(slot, tokens)
+        if self._adapters is not None:
+            self._adapters[slot] = -1
 
     def taken(self, slot: int) -> None:
         """A request took the row now (its least-recently-used clock)."""
@@ -164,13 +169,18 @@ class DecodeRows:
         program's state (LoadedMethod.copy_rows); with it, a request reuses the longest prefix any row holds,
         busy or free (cross-row reuse), not only the one its own row holds. Never for ring programs."""
         self.meta = meta
+        if meta.adapters:  # another row's KV cache may come from another adapter: no cross-row copies
+            copy_rows = None
         ring = meta.ring_cache is not False  # programs exported before the field may keep rings
         self.core = RowsCore(meta.batch, meta.max_seq_len, ring=ring, prompt_cache=prompt_cache,
                              pipelined=bool(meta.pipelined), draft_tokens=int(meta.draft_tokens or 0),
                              eos=list(meta.eos_token_ids), copies=copy_rows is not None)
         self.copy_rows = copy_rows if self.core.copies else None
         self.rows: list[Row | None] = [None] * meta.batch
-        self.caches = RowCaches(self.core, meta.batch, ring, prompt_cache)
+        # Switchable adapters: the adapter each row's cache was written with; a request on another starts afresh.
+        self.cache_adapters = [0] * meta.batch
+        self.caches = RowCaches(self.core, meta.batch, ring, prompt_cache,
+                                self.cache_adapters if meta.adapters else None)
         # A --propose-tokens program's last call: each row's K tokens (proposer.py); the rows read column 0.
         self.proposals: list[list[int]] = []
 
@@ -202,7 +212,12 @@ class DecodeRows:
     def start(self, slot: int, request, reuse: bool = True, budget: DraftBudget | None = None) -> Row:
         """Row `slot` takes `request` (its prompt checked: loop.check_prompt); with `reuse`, from the
         longest prefix the slot's cache (or, with cross-row reuse, another row's) holds. `budget`: a
-        draft-verifying program's drafts per call for the row (default: a DraftBudget of up to K)."""
+        draft-verifying program's drafts per call for the row (default: a DraftBudget of up to K).
+        A request on another adapter than the one the slot's cache was written with reuses none of it."""
+        adapter = getattr(request, "adapter", 0)
+        if adapter != self.cache_adapters[slot]:
+            self.core.set_held(slot, [])
+            self.cache_adapters[slot] = adapter
         self.core.start(slot, list(request.prompt), request.max_tokens, request.stop_at_eos, request.forced,
                         request.params.seed, request.matcher is not None, reuse,
                         copy=self._copy if self.copy_rows is not None else None)
@@ -277,9 +292,10 @@ class DecodeRows:
         """The program inputs of the next call; `only`: that row alone (the others idle), to find which
         row a value that cannot be laid out belongs to."""
         tokens, per_row = self.core.layout(only)
-        params, drafts = [], []
+        params, drafts, adapters = [], [], []
         for slot, kind in enumerate(per_row["kinds"]):
             row = self.rows[slot]
+            adapters.append(getattr(row.request, "adapter", 0) if kind != lib.IDLE and row is not None else 0)
             if kind == lib.REQUEST:
                 params.append(row.request.params)
             elif kind == lib.FORCED:  # greedy with the step's scored token pushed to the top
@@ -299,7 +315,8 @@ class DecodeRows:
         return step_inputs(self.meta, tokens, per_row["start_pos"],
                            per_row["lengths"], params, per_row["seeds"], [bool(f) for f in per_row["first"]],
                            masks=masks, drafts=drafts if self.meta.draft_tokens else None,
-                           deliver=bool(per_row["deliver"][0]), image_embeds=image_embeds)
+                           deliver=bool(per_row["deliver"][0]), image_embeds=image_embeds,
+                           adapters=adapters)
 
     def read(self, outputs) -> list[tuple[int, object, TokenEvent]]:
         """Apply a call's outputs: (slot, request, event) for each row that got a token or failed, in

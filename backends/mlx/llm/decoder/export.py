@@ -24,7 +24,8 @@ import torch
 
 from backends.mlx.exporter.export import ExportResult, export_to_pte, weights_path
 from backends.mlx.exporter.plain_step import PlainStep
-from backends.mlx.llm.decoder.meta import META_KEY, PROCESSOR_PREFIX, TOKENIZER_PREFIX, DecoderMeta
+from backends.mlx.llm.decoder.adapter_input import AdapterInput
+from backends.mlx.llm.decoder.meta import ADAPTER_INPUT, META_KEY, PROCESSOR_PREFIX, TOKENIZER_PREFIX, DecoderMeta
 from backends.mlx.llm.decoder.tool_formats import check_format, detect_format
 from backends.mlx.llm.decoder.tokenizer_files import as_tokenizer, prompt_affixes, tokenizer_blobs
 from backends.mlx.llm.sampler.export import knob_examples
@@ -75,7 +76,7 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
                    propose_tokens: int = 0, tool_call_format: str | None = None,
                    qmm_activations: str = "int16", kv_bits: int = 0, kv_group_size: int = 64,
                    rank: tuple[int, int, str] | None = None,
-                   processor_files: dict[str, bytes] | None = None) -> ExportResult:
+                   processor_files: dict[str, bytes] | None = None, adapters=None) -> ExportResult:
     """Write `out` (.pte) holding the program, its DecoderMeta and, given one (a transformers tokenizer or
     a directory holding one), the tokenizer: the one file is all a decode loop needs. `external_weights`:
     the weights go to `out` with suffix .ptd instead (the runners load it from beside the .pte).
@@ -94,7 +95,10 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
     (llm/distributed/export.py, which verifies the ranks together: a rank cannot run alone).
 
     A vision-language model (vision_export.py) gets its vision method beside the decoder, and the decoder an
-    image_embeds input; `processor_files` (file name -> bytes: its image processor's config) go into the program."""
+    image_embeds input; `processor_files` (file name -> bytes: its image processor's config) go into the program.
+
+    `adapters`: the AttachedAdapters of switchable LoRA adapters already in `model` (llm/lora/switchable.py): the
+    program takes the per-row `adapter` input after the model inputs (adapter_input.py)."""
     if tool_call_format:
         check_format(tool_call_format)  # before the export's minutes
     kv_quant(kv_bits, kv_group_size)  # 4 or 8 bits only in a program (2 is the eager reference's control)
@@ -118,6 +122,8 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
         if propose_tokens >= max_seq_len:
             raise ValueError(f"--propose-tokens {propose_tokens} must be below max_seq_len {max_seq_len}")
         pipelined = False
+    if adapters is not None and (draft_tokens or propose_tokens):
+        raise ValueError("adapters: switchable adapters need a plain program (not --draft-tokens or --propose-tokens)")
     if draft_tokens >= max_seq_len:
         raise ValueError(f"--draft-tokens {draft_tokens} must be below max_seq_len {max_seq_len}")
     model = model.eval()
@@ -130,6 +136,8 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
                              "(processor_config.json or preprocessor_config.json) to export")
         if kv_bits:
             raise ValueError("--kv-bits: not supported for vision-language programs yet")
+        if adapters is not None:
+            raise ValueError("adapters: switchable adapters are not supported for vision-language programs yet")
     lm = StaticCacheLM(model, max_seq_len=max_seq_len, batch=batch, rings=not (draft_tokens or propose_tokens),
                        kv_bits=kv_bits, kv_group_size=kv_group_size)
     vocab = text_config(model.config).vocab_size
@@ -147,7 +155,11 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
     # The example is as long as the cache: ExecuTorch sizes a dynamic input's buffer from it.
     example = (torch.ones(batch, max_seq_len, dtype=torch.int64), torch.zeros(batch, dtype=torch.int64),
                torch.full((batch,), max_seq_len, dtype=torch.int64))
-    kwargs = {"temperature": torch.ones(batch)}
+    kwargs = {}
+    if adapters is not None:  # before the head's keywords, as AdapterInput's signature orders them
+        program = AdapterInput(program, adapters.choice)
+        kwargs[ADAPTER_INPUT] = torch.zeros(batch, dtype=torch.int64)
+    kwargs["temperature"] = torch.ones(batch)
     vision = vision_spec(model, encoder) if encoder is not None else None
     if seeded:
         kwargs["seed"] = torch.zeros(batch, dtype=torch.int64)
@@ -179,7 +191,8 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
                              tokenizer=TOKENIZER_PREFIX if blobs else None,
                              prompt_affixes=prompt_affixes(tokenizer) if tokenizer is not None else ([], []),
                              pipelined=pipelined, draft_tokens=draft_tokens, propose_tokens=propose_tokens,
-                             ring_cache=any(lm.ring_window(i) is not None for i in lm.layers), vision=vision)
+                             ring_cache=any(lm.ring_window(i) is not None for i in lm.layers), vision=vision,
+                             adapters=adapters.names if adapters is not None else ())
     if kv_bits:
         meta.kv_bits, meta.kv_group_size = kv_bits, kv_group_size
     # the tool-call syntax: given, else the one the chat template teaches (tool_formats.detect_format)

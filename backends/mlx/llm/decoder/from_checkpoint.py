@@ -37,10 +37,13 @@ def export_checkpoint(model: str | Path, out: str | Path | None = None, *, revis
                       draft_tokens: int = 0, propose_tokens: int = 0, external_weights: bool = False,
                       progress: Optional[Callable[[str], None]] = None, adapter: str | Path | None = None,
                       tool_call_format: str | None = None, qmm_activations: str = "int16", kv_bits: int = 0,
-                      kv_group_size: int = 64, tensor_parallel: int = 1):
+                      kv_group_size: int = 64, tensor_parallel: int = 1,
+                      adapters: dict | None = None):
     """Export the causal LM at `model` (a local directory or a Hugging Face repo id) to `out` (default:
     NAME.pte in the current directory), which holds the program when this returns its ExportResult.
     `adapter`: a LoRA adapter directory (mlx-lm's or PEFT's) fused into the weights (llm/lora/).
+    `adapters`: {name: directory} of LoRA adapters kept unfused, each request choosing one by name (or none) per
+    row (llm/lora/switchable.py); with `adapter` too, that one is fused into the base first.
     `tool_call_format`: the tool-call syntax stored in the program (default: detected from the chat template;
     llm/decoder/tool_formats.py).
     `qmm_activations`: int16 (default), int8 or float32 activations in the CPU's quantized products, recorded in
@@ -66,6 +69,8 @@ def export_checkpoint(model: str | Path, out: str | Path | None = None, *, revis
         raise ValueError("tensor_parallel: draft-verifying and proposing programs are not sharded yet")
     if tensor_parallel > 1 and kv_bits:
         raise ValueError("tensor_parallel: a quantized KV cache (kv_bits) is not sharded yet")
+    if tensor_parallel > 1 and adapters:
+        raise ValueError("tensor_parallel: switchable adapters are not sharded yet")
     if draft_tokens < 0:
         raise ValueError(f"draft_tokens must be >= 0, got {draft_tokens}")
     if propose_tokens < 0:
@@ -83,6 +88,13 @@ def export_checkpoint(model: str | Path, out: str | Path | None = None, *, revis
         from backends.mlx.llm.lora.adapter_files import read_adapter
 
         lora = read_adapter(adapter)  # its files and config now; its shapes against the model once loaded
+    switchable = None
+    if adapters is not None:
+        from backends.mlx.llm.lora.switchable import read_adapters
+
+        if draft_tokens or propose_tokens:
+            raise ValueError("adapters: switchable adapters need a plain program (not draft_tokens or propose_tokens)")
+        switchable = read_adapters(adapters)  # files and configs now; shapes against the model once loaded
     model_dir = resolve_checkpoint(str(model), revision)  # a local directory, or a Hub repo id
     check_weight_files(model_dir)  # a truncated or foreign weights file: one line, not transformers' traceback
 
@@ -94,6 +106,12 @@ def export_checkpoint(model: str | Path, out: str | Path | None = None, *, revis
 
     torch_model = _load_model(model_dir, getattr(torch, DTYPES[dtype]), quantize, group_size, quantize_embeddings,
                               say, lora)
+    attached = None
+    if switchable is not None:
+        from backends.mlx.llm.lora.switchable import attach_adapters
+
+        attached = attach_adapters(torch_model, switchable)
+        say(f"keeping {len(switchable)} adapters switchable ({', '.join(switchable)}) on {attached.layers} layers")
     tokenizer = None
     if any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -104,7 +122,7 @@ def export_checkpoint(model: str | Path, out: str | Path | None = None, *, revis
     options = dict(config=config, batch=batch, seeded=seeded, tokenizer=tokenizer, progress=say,
                    external_weights=external_weights, pipelined=pipelined, verify=verify,
                    tool_call_format=tool_call_format, qmm_activations=qmm_activations, kv_bits=kv_bits,
-                   kv_group_size=kv_group_size, processor_files=processor_files)
+                   kv_group_size=kv_group_size, processor_files=processor_files, adapters=attached)
     if tensor_parallel > 1:
         from backends.mlx.llm.decoder.tensor_parallel import export_tensor_parallel
 

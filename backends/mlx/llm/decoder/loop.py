@@ -120,8 +120,10 @@ class Decoder(ProgramTokenizer, ProgramGrammar):
 
     def stream(self, prompt_ids, max_tokens: int, params: SamplingParams | None = None,
                stop_at_eos: bool = True, constraint: Constraint | None = None, reuse: bool = False,
-               images=None) -> Iterator[Step]:
-        """With a constraint the output matches it (ending with EOS once complete), or stops at max_tokens.
+               images=None, adapter: str | None = None) -> Iterator[Step]:
+        """`adapter`: the name of a switchable LoRA adapter of the program (DecoderMeta.adapters) the
+        generation runs with; None, the base model.
+        With a constraint the output matches it (ending with EOS once complete), or stops at max_tokens.
         `reuse`: start from the longest prefix of the prompt that a row's KV cache still holds from an
         earlier generation (runtime/decode_rows.h); `last_cached` then says how many prompt tokens were not prefilled.
         `images`: a vision-language program's RGB PIL images, in the order of the prompt's image positions
@@ -136,8 +138,10 @@ class Decoder(ProgramTokenizer, ProgramGrammar):
             prompt, prompt_images = self.images.prompt(prompt, list(images))
         elif self.meta.takes_images and self.meta.image_token_id in prompt:
             raise ValueError("the prompt has image positions but no images were given")
+        index = self.meta.adapter_index(adapter)
         matcher = self.matcher(constraint) if constraint is not None else None
-        request = Sequence(prompt, params, max_tokens, stop_at_eos, matcher=matcher, prompt_images=prompt_images)
+        request = Sequence(prompt, params, max_tokens, stop_at_eos, matcher=matcher, prompt_images=prompt_images,
+                           adapter=index)
         with closing(decode_alone(self.rows, self.method.execute, request, reuse, self._started)) as events:
             for event in events:  # closing: a caller that stops early frees the row at once
                 yield Step(event.token, event.logprob, event.top)
@@ -176,11 +180,11 @@ class Decoder(ProgramTokenizer, ProgramGrammar):
         return Step(event.token, event.logprob, event.top)
 
     def generate(self, prompt_ids, max_tokens: int, params: SamplingParams | None = None,
-                 constraint: Constraint | None = None) -> Generation:
+                 constraint: Constraint | None = None, adapter: str | None = None) -> Generation:
         out = Generation(prompt_tokens=len(list(prompt_ids)))
         start = time.perf_counter()
         decode_start = start
-        for step in self.stream(prompt_ids, max_tokens, params, constraint=constraint):
+        for step in self.stream(prompt_ids, max_tokens, params, constraint=constraint, adapter=adapter):
             if not out.tokens:
                 decode_start = time.perf_counter()
                 out.first_token_s = decode_start - start

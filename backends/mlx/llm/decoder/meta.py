@@ -42,6 +42,9 @@ DRAFT_OUTPUTS = ["accepted", "token"]
 # (true: the call returns its own outputs; false: the previous call's token, without waiting for this one)
 # and returns `fed` [B], the token each row's column 0 used in place of FED_BACK.
 DELIVER_INPUT = "deliver"
+# Programs exported with switchable LoRA adapters (llm/lora/switchable.py) take this after the model inputs:
+# [B] int64, per row 0 (no adapter) or i, the i-th name of DecoderMeta.adapters.
+ADAPTER_INPUT = "adapter"
 FED_OUTPUT = "fed"
 # Vision-language programs (vision_export.py) take this after the model inputs: [B, L, D] float32, the image
 # embedding of each position whose token is DecoderMeta.image_token_id (other positions' values are unread).
@@ -53,7 +56,7 @@ OLD_META_KEY = "etmlx/decoder_meta.json"  # the JSON of older exports: refused, 
 TOKENIZER_PREFIX = "etmlx/tokenizer/"  # + a file name save_pretrained wrote (tokenizer.json, ...)
 PROCESSOR_PREFIX = "etmlx/processor/"  # + the image processor's config file (vision-language programs)
 # Inputs that are int64 (ExecuTorch ScalarType 4); the rest are float32 (6).
-_INT_INPUTS = {"tokens", "start_pos", "lengths", DRAFT_INPUT, "seed", "top_k", "penalty_reset", "penalty_add", "bias_ids"}
+_INT_INPUTS = {"tokens", "start_pos", "lengths", DRAFT_INPUT, ADAPTER_INPUT, "seed", "top_k", "penalty_reset", "penalty_add", "bias_ids"}
 _INT32_INPUTS = {"allowed_mask"}
 _BOOL_INPUTS = {DELIVER_INPUT}
 _LONG, _FLOAT, _INT, _BOOL = 4, 6, 3, 11
@@ -221,16 +224,22 @@ class DecoderMeta:
     image_embed_dim: int = 0
     vision_method: str = ""
     image_size: list[int] = field(default_factory=list)
+    # Switchable LoRA adapters (etmlx export --adapters NAME=DIR,...): the `adapter` input's value i > 0 applies
+    # the i-th name's; [] for a program without them.
+    adapters: list[str] = field(default_factory=list)
 
     @classmethod
     def build(cls, *, max_seq_len, vocab_size, batch, eos_token_ids, seeded, config: SamplerConfig, dtype,
               model_type="", tokenizer=None, prompt_affixes=([], []), pipelined=False,
-              draft_tokens=0, ring_cache=None, verify_min_width=1, propose_tokens=0, vision=None) -> "DecoderMeta":
+              draft_tokens=0, ring_cache=None, verify_min_width=1, propose_tokens=0, vision=None,
+              adapters=()) -> "DecoderMeta":
         """`vision`: a vision-language program's (image_token_id, image_tokens, image_embed_dim, vision_method,
         image_size)."""
         model_inputs = MODEL_INPUTS + ([IMAGE_INPUT] if vision else []) + ([DRAFT_INPUT] if draft_tokens else [])
         if draft_tokens and pipelined:
             model_inputs.append(DELIVER_INPUT)
+        if adapters:
+            model_inputs.append(ADAPTER_INPUT)
         inputs = model_inputs + ["temperature"] + (["seed"] if seeded else []) + config.knob_names()
         outputs = ["token"] + (["logprob", "top_ids", "top_logprobs"] if config.logprobs else [])
         if propose_tokens:
@@ -244,7 +253,7 @@ class DecoderMeta:
                    inputs=inputs, outputs=outputs, knobs=knob_metadata(),
                    prompt_prefix_ids=list(prompt_affixes[0]), prompt_suffix_ids=list(prompt_affixes[1]),
                    pipelined=pipelined, draft_tokens=draft_tokens, ring_cache=ring_cache,
-                   verify_min_width=verify_min_width, propose_tokens=propose_tokens,
+                   verify_min_width=verify_min_width, propose_tokens=propose_tokens, adapters=list(adapters),
                    **(dict(zip(("image_token_id", "image_tokens", "image_embed_dim", "vision_method", "image_size"),
                                vision)) if vision else {}))
 
@@ -256,6 +265,16 @@ class DecoderMeta:
     @property
     def config(self) -> SamplerConfig:
         return SamplerConfig(**self.sampler)
+
+    def adapter_index(self, name: str | None) -> int:
+        """The `adapter` input's value for adapter `name` (None or "": 0, no adapter); ValueError naming the
+        program's adapters for an unknown one."""
+        if not name:
+            return 0
+        if name in self.adapters:
+            return self.adapters.index(name) + 1
+        known = f"its adapters are {', '.join(self.adapters)}" if self.adapters else "it has no switchable adapters"
+        raise ValueError(f"adapter {name!r} is not in this program ({known})")
 
     @property
     def tokenizer_embedded(self) -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from backends.mlx.llm.decoder.meta import DELIVER_INPUT, DRAFT_INPUT, IMAGE_INPUT, DecoderMeta
+from backends.mlx.llm.decoder.meta import ADAPTER_INPUT, DELIVER_INPUT, DRAFT_INPUT, IMAGE_INPUT, DecoderMeta
 from backends.mlx.llm.sampler.knobs import KNOBS, enabled, width
 from backends.mlx.llm.sampler.params import SamplingParams
 
@@ -29,7 +29,7 @@ def verify_input(tokens: torch.Tensor, lengths, drafts: list, draft_tokens: int,
 def step_inputs(meta: DecoderMeta, tokens: torch.Tensor, start_pos, lengths, params: list[SamplingParams],
                 seeds: list[int], reset: list[bool], masks: list | None = None,
                 drafts: list | None = None, deliver: bool = True,
-                image_embeds: torch.Tensor | None = None) -> list[torch.Tensor]:
+                image_embeds: torch.Tensor | None = None, adapters: list[int] | None = None) -> list[torch.Tensor]:
     """The input list, in the program's order, for one call over meta.batch rows.
 
     seeds[b] is row b's seed for this call (the decode-step rules' schedule, runtime/decode_rows.h: its base
@@ -39,7 +39,9 @@ def step_inputs(meta: DecoderMeta, tokens: torch.Tensor, start_pos, lengths, par
     its last real tokens (default none); its masks[b] then holds one mask per verified position ([n + 1, words]:
     the grammar before the row's drafts, and after each), positions past them allowing every token.
     `deliver`: a pipelined draft-verifying program's call returns its own outputs (pipelined_verify.py).
-    `image_embeds` [B, L, D]: a vision-language program's image embeddings (zeros where none is given)."""
+    `image_embeds` [B, L, D]: a vision-language program's image embeddings (zeros where none is given).
+
+    adapters[b], for a program with switchable adapters (meta.adapters): row b's adapter index (default 0, none)."""
     batch = meta.batch
     if tokens.shape[0] != batch or len(params) != batch:
         raise ValueError(f"the program decodes {batch} row(s) per call, got {tokens.shape[0]}")
@@ -56,6 +58,8 @@ def step_inputs(meta: DecoderMeta, tokens: torch.Tensor, start_pos, lengths, par
         values[DRAFT_INPUT] = verify_input(tokens, lengths, drafts or [[] for _ in range(batch)], meta.draft_tokens,
                                             meta.verify_min_width)
         values[DELIVER_INPUT] = torch.full((batch,), bool(deliver), dtype=torch.bool)
+    if meta.adapters:
+        values[ADAPTER_INPUT] = torch.tensor(list(adapters) if adapters is not None else [0] * batch, dtype=torch.int64)
     for knob in KNOBS:
         if not enabled(knob, config):
             continue

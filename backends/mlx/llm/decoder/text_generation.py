@@ -42,12 +42,14 @@ class Response:
 
 
 def stream_text(decoder, prompt_ids: list[int], max_tokens: int, params=None, stop=(),
-                tokenizer=None, constraint=None, reuse: bool = False, speculation=None, images=None) -> Iterator[Response]:
+                tokenizer=None, constraint=None, reuse: bool = False, speculation=None, images=None,
+                adapter: str | None = None) -> Iterator[Response]:
     """Responses for one generation; `tokenizer` None gives '' texts (token ids only); `constraint`
     (constraints.Constraint) makes the output match a schema, regex, choice or grammar; `reuse`: start
     from what the program's row caches hold of the prompt (Decoder.stream). `speculation`
     (speculation.Speculation): `decoder` is a SpeculativeDecoder, decoded with these drafts. `images`: a
-    vision-language program's RGB images for the prompt's image positions (Decoder.stream)."""
+    vision-language program's RGB images for the prompt's image positions (Decoder.stream). `adapter`: a
+    switchable LoRA adapter's name (Decoder.stream)."""
     stops = StopStrings(stop)
     if stops.stops and tokenizer is None:
         raise ValueError("stop strings need text: this program has no tokenizer")
@@ -56,6 +58,8 @@ def stream_text(decoder, prompt_ids: list[int], max_tokens: int, params=None, st
         steps = speculation.steps(decoder, prompt_ids, max_tokens, params, constraint=constraint, reuse=reuse)
     else:
         extra = {"images": images} if images else {}
+        if adapter:
+            extra["adapter"] = adapter
         steps = decoder.stream(prompt_ids, max_tokens, params, constraint=constraint, reuse=reuse, **extra)
     with closing(steps):  # leaving early (a stop string) ends the decoder's generation now, not at collection
         yield from _responses(decoder, steps, prompt_ids, max_tokens, stops, detok, speculation is not None)

@@ -50,8 +50,9 @@ def tool_constraint(decoder, tools: ToolRequest):
 
 
 def tool_turn(decoder, messages, tools: ToolRequest, max_tokens: int, params=None, stop=(), on_text=None,
-              reuse: bool = False, speculation=None) -> tuple[ToolReply, list[int], list[int]]:
-    """(reply, prompt ids, generated ids). `on_text(piece)`: each piece of content as it streams."""
+              reuse: bool = False, speculation=None, adapter: str | None = None) -> tuple[ToolReply, list[int], list[int]]:
+    """(reply, prompt ids, generated ids). `on_text(piece)`: each piece of content as it streams. `adapter`: a
+    switchable LoRA adapter's name (Decoder.stream)."""
     tokenizer = decoder.tokenizer
     prompt = tool_chat_prompt(tokenizer, messages, tools.tools, tools.fmt)
     constraint = tool_constraint(decoder, tools)
@@ -76,7 +77,7 @@ def tool_turn(decoder, messages, tools: ToolRequest, max_tokens: int, params=Non
             on_text(shown)
 
     for last in stream_text(decoder, prompt, max_tokens, params, stop, tokenizer if stop else None, constraint, reuse=reuse,
-                            speculation=speculation):
+                            speculation=speculation, adapter=adapter):
         ids.append(last.token)
         if last.token not in eos:
             take(detok.add(last.token))

@@ -22,7 +22,7 @@ from backends.mlx.llm.quantize.modules import QuantizedLinear
 
 def fuse_adapter(model: nn.Module, adapter: Adapter) -> nn.Module:
     where = f"adapter {adapter.path}:"
-    targets = [(update, _target(model, update, where)) for update in adapter.updates]
+    targets = [(update, target_layer(model, update, where)) for update in adapter.updates]
     with torch.no_grad():
         for update, module in targets:
             if isinstance(module, QuantizedLinear):
@@ -38,7 +38,7 @@ def _conv1d(module: nn.Module) -> bool:
     return isinstance(module, Conv1D)
 
 
-def _target(model: nn.Module, update: LoraUpdate, where: str) -> nn.Module:
+def target_layer(model: nn.Module, update: LoraUpdate, where: str) -> nn.Module:
     try:
         module = model.get_submodule(update.module)
     except AttributeError:

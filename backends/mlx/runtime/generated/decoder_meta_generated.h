@@ -480,7 +480,8 @@ struct DecoderMeta FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
     VT_IMAGE_TOKENS = 56,
     VT_IMAGE_EMBED_DIM = 58,
     VT_VISION_METHOD = 60,
-    VT_IMAGE_SIZE = 62
+    VT_IMAGE_SIZE = 62,
+    VT_ADAPTERS = 64
   };
   int64_t max_seq_len() const {
     return GetField<int64_t>(VT_MAX_SEQ_LEN, 0);
@@ -572,6 +573,9 @@ struct DecoderMeta FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   const ::flatbuffers::Vector<int64_t> *image_size() const {
     return GetPointer<const ::flatbuffers::Vector<int64_t> *>(VT_IMAGE_SIZE);
   }
+  const ::flatbuffers::Vector<::flatbuffers::Offset<::flatbuffers::String>> *adapters() const {
+    return GetPointer<const ::flatbuffers::Vector<::flatbuffers::Offset<::flatbuffers::String>> *>(VT_ADAPTERS);
+  }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
     return VerifyTableStart(verifier) &&
@@ -622,6 +626,9 @@ struct DecoderMeta FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
            verifier.VerifyString(vision_method()) &&
            VerifyOffset(verifier, VT_IMAGE_SIZE) &&
            verifier.VerifyVector(image_size()) &&
+           VerifyOffset(verifier, VT_ADAPTERS) &&
+           verifier.VerifyVector(adapters()) &&
+           verifier.VerifyVectorOfStrings(adapters()) &&
            verifier.EndTable();
   }
 };
@@ -720,6 +727,9 @@ struct DecoderMetaBuilder {
   void add_image_size(::flatbuffers::Offset<::flatbuffers::Vector<int64_t>> image_size) {
     fbb_.AddOffset(DecoderMeta::VT_IMAGE_SIZE, image_size);
   }
+  void add_adapters(::flatbuffers::Offset<::flatbuffers::Vector<::flatbuffers::Offset<::flatbuffers::String>>> adapters) {
+    fbb_.AddOffset(DecoderMeta::VT_ADAPTERS, adapters);
+  }
   explicit DecoderMetaBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
         : fbb_(_fbb) {
     start_ = fbb_.StartTable();
@@ -763,7 +773,8 @@ inline ::flatbuffers::Offset<DecoderMeta> CreateDecoderMeta(
     int64_t image_tokens = 0,
     int64_t image_embed_dim = 0,
     ::flatbuffers::Offset<::flatbuffers::String> vision_method = 0,
-    ::flatbuffers::Offset<::flatbuffers::Vector<int64_t>> image_size = 0) {
+    ::flatbuffers::Offset<::flatbuffers::Vector<int64_t>> image_size = 0,
+    ::flatbuffers::Offset<::flatbuffers::Vector<::flatbuffers::Offset<::flatbuffers::String>>> adapters = 0) {
   DecoderMetaBuilder builder_(_fbb);
   builder_.add_image_embed_dim(image_embed_dim);
   builder_.add_image_tokens(image_tokens);
@@ -778,6 +789,7 @@ inline ::flatbuffers::Offset<DecoderMeta> CreateDecoderMeta(
   builder_.add_batch(batch);
   builder_.add_vocab_size(vocab_size);
   builder_.add_max_seq_len(max_seq_len);
+  builder_.add_adapters(adapters);
   builder_.add_image_size(image_size);
   builder_.add_vision_method(vision_method);
   builder_.add_tool_call_format(tool_call_format);
@@ -829,7 +841,8 @@ inline ::flatbuffers::Offset<DecoderMeta> CreateDecoderMetaDirect(
     int64_t image_tokens = 0,
     int64_t image_embed_dim = 0,
     const char *vision_method = nullptr,
-    const std::vector<int64_t> *image_size = nullptr) {
+    const std::vector<int64_t> *image_size = nullptr,
+    const std::vector<::flatbuffers::Offset<::flatbuffers::String>> *adapters = nullptr) {
   auto eos_token_ids__ = eos_token_ids ? _fbb.CreateVector<int64_t>(*eos_token_ids) : 0;
   auto dtype__ = dtype ? _fbb.CreateString(dtype) : 0;
   auto model_type__ = model_type ? _fbb.CreateString(model_type) : 0;
@@ -843,6 +856,7 @@ inline ::flatbuffers::Offset<DecoderMeta> CreateDecoderMetaDirect(
   auto tool_call_format__ = tool_call_format ? _fbb.CreateString(tool_call_format) : 0;
   auto vision_method__ = vision_method ? _fbb.CreateString(vision_method) : 0;
   auto image_size__ = image_size ? _fbb.CreateVector<int64_t>(*image_size) : 0;
+  auto adapters__ = adapters ? _fbb.CreateVector<::flatbuffers::Offset<::flatbuffers::String>>(*adapters) : 0;
   return backends::mlx::serialization::generated::fb::CreateDecoderMeta(
       _fbb,
       max_seq_len,
@@ -874,7 +888,8 @@ inline ::flatbuffers::Offset<DecoderMeta> CreateDecoderMetaDirect(
       image_tokens,
       image_embed_dim,
       vision_method__,
-      image_size__);
+      image_size__,
+      adapters__);
 }
 
 inline const backends::mlx::serialization::generated::fb::DecoderMeta *GetDecoderMeta(const void *buf) {

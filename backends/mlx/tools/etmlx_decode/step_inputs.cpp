@@ -96,6 +96,9 @@ std::optional<StepInputs> StepInputs::plan(const MethodMeta& meta,
     } else if (name == "deliver") {  // meta.py DELIVER_INPUT: a pipelined draft program's, [B] bool
       slot.role = Role::Deliver;
       if (!expect(ScalarType::Bool, "bool") || !per_row()) return std::nullopt;
+    } else if (name == "adapter") {  // meta.py ADAPTER_INPUT: switchable LoRA adapters, [B]; 0 = the base model
+      slot.role = Role::Knob;  // every row 0: this loop runs the base model (no flag picks an adapter yet)
+      if (!expect(ScalarType::Long, "int64") || !per_row()) return std::nullopt;
     } else if (name == "start_pos" || name == "lengths") {
       slot.role = name == "start_pos" ? Role::StartPos : Role::Lengths;
       if (!expect(ScalarType::Long, "int64") || !per_row()) return std::nullopt;

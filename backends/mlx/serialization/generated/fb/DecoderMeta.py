@@ -366,8 +366,28 @@ class DecoderMeta(object):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(62))
         return o == 0
 
+    # DecoderMeta
+    def Adapters(self, j):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(64))
+        if o != 0:
+            a = self._tab.Vector(o)
+            return self._tab.String(a + flatbuffers.number_types.UOffsetTFlags.py_type(j * 4))
+        return ""
+
+    # DecoderMeta
+    def AdaptersLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(64))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # DecoderMeta
+    def AdaptersIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(64))
+        return o == 0
+
 def DecoderMetaStart(builder):
-    builder.StartObject(30)
+    builder.StartObject(31)
 
 def Start(builder):
     DecoderMetaStart(builder)
@@ -594,6 +614,18 @@ def DecoderMetaStartImageSizeVector(builder, numElems):
 def StartImageSizeVector(builder, numElems):
     return DecoderMetaStartImageSizeVector(builder, numElems)
 
+def DecoderMetaAddAdapters(builder, adapters):
+    builder.PrependUOffsetTRelativeSlot(30, flatbuffers.number_types.UOffsetTFlags.py_type(adapters), 0)
+
+def AddAdapters(builder, adapters):
+    DecoderMetaAddAdapters(builder, adapters)
+
+def DecoderMetaStartAdaptersVector(builder, numElems):
+    return builder.StartVector(4, numElems, 4)
+
+def StartAdaptersVector(builder, numElems):
+    return DecoderMetaStartAdaptersVector(builder, numElems)
+
 def DecoderMetaEnd(builder):
     return builder.EndObject()
 
@@ -642,6 +674,7 @@ class DecoderMetaT(object):
         imageEmbedDim = 0,
         visionMethod = None,
         imageSize = None,
+        adapters = None,
     ):
         self.maxSeqLen = maxSeqLen  # type: int
         self.vocabSize = vocabSize  # type: int
@@ -673,6 +706,7 @@ class DecoderMetaT(object):
         self.imageEmbedDim = imageEmbedDim  # type: int
         self.visionMethod = visionMethod  # type: Optional[str]
         self.imageSize = imageSize  # type: Optional[List[int]]
+        self.adapters = adapters  # type: Optional[List[Optional[str]]]
 
     @classmethod
     def InitFromBuf(cls, buf, pos):
@@ -763,6 +797,10 @@ class DecoderMetaT(object):
                     self.imageSize.append(decoderMeta.ImageSize(i))
             else:
                 self.imageSize = decoderMeta.ImageSizeAsNumpy()
+        if not decoderMeta.AdaptersIsNone():
+            self.adapters = []
+            for i in range(decoderMeta.AdaptersLength()):
+                self.adapters.append(decoderMeta.Adapters(i))
 
     # DecoderMetaT
     def Pack(self, builder):
@@ -836,6 +874,14 @@ class DecoderMetaT(object):
                 for i in reversed(range(len(self.imageSize))):
                     builder.PrependInt64(self.imageSize[i])
                 imageSize = builder.EndVector()
+        if self.adapters is not None:
+            adapterslist = []
+            for i in range(len(self.adapters)):
+                adapterslist.append(builder.CreateString(self.adapters[i]))
+            DecoderMetaStartAdaptersVector(builder, len(self.adapters))
+            for i in reversed(range(len(self.adapters))):
+                builder.PrependUOffsetTRelative(adapterslist[i])
+            adapters = builder.EndVector()
         DecoderMetaStart(builder)
         DecoderMetaAddMaxSeqLen(builder, self.maxSeqLen)
         DecoderMetaAddVocabSize(builder, self.vocabSize)
@@ -881,5 +927,7 @@ class DecoderMetaT(object):
             DecoderMetaAddVisionMethod(builder, visionMethod)
         if self.imageSize is not None:
             DecoderMetaAddImageSize(builder, imageSize)
+        if self.adapters is not None:
+            DecoderMetaAddAdapters(builder, adapters)
         decoderMeta = DecoderMetaEnd(builder)
         return decoderMeta
