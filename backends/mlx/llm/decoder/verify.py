@@ -107,23 +107,22 @@ def verify_decoder(model: torch.nn.Module, pte: Path, steps: int = DECODE_STEPS,
         raise VerificationError(f"max_seq_len {meta.max_seq_len} leaves no room for a prompt and a token: "
                                 "nothing to verify (pass verify=False / --no-verify)")
     prompt = verification_prompt(meta.vocab_size, min(prompt_tokens, room))
-    return compare_greedy(model, decoder, prompt, generated)
+    steps = list(decoder.stream(prompt, generated, SamplingParams(), stop_at_eos=False))
+    # The runtime's copy of the weights is freed before the eager forward reads the model's: at real size the
+    # two together would be twice the weights (docs/weights.md). No other reference to the program may remain.
+    del decoder
+    gc.collect()
+    return compare_greedy(model, Path(pte), steps, prompt)
 
 
-def compare_greedy(model: torch.nn.Module, decoder, prompt: list[int], generated: int, images=None,
+def compare_greedy(model: torch.nn.Module, pte: Path, steps: list, prompt: list[int],
                    reference=None) -> VerificationReport:
-    """The program's `generated` greedy tokens after `prompt` (with `images`: Decoder.stream's) against the eager
-    argmax; `reference(ids)`: the eager logits [len(ids), V] (default: model(ids))."""
-    pte = decoder.pte
+    """The program's greedy `steps` (Decoder.stream's, after `prompt`) against the eager argmax; `reference(ids)`:
+    the eager logits [len(ids), V] (default: model(ids)). The caller frees its Decoder first."""
     relative = tolerance(model)
     dtype = str(activation_dtype(model)).replace("torch.", "")
     report = VerificationReport(steps=0, dtype=dtype, quantized=is_quantized(model))
     logprob_errors = []
-    steps = list(decoder.stream(prompt, generated, SamplingParams(), stop_at_eos=False, images=images))
-    # The runtime's copy of the weights is freed before the eager forward reads the model's: at real size the
-    # two together would be twice the weights (docs/weights.md).
-    del decoder
-    gc.collect()
     # One causal forward over the prompt and the program's tokens gives, at each position, the logits of a
     # full-sequence forward over that prefix: the per-step reference without a cache, for one call's cost.
     ids = prompt + [step.token for step in steps[:-1]]

@@ -7,6 +7,7 @@ positions, must decode the eager model's greedy tokens for the same pixels (mode
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import torch
@@ -16,6 +17,7 @@ from backends.mlx.llm.decoder.loop import Decoder
 from backends.mlx.llm.decoder.verify import (DECODE_STEPS, PROMPT_SEED, VerificationError, VerificationReport,
                                              compare_greedy, tolerance, verification_prompt)
 from backends.mlx.llm.decoder.vision_export import vision_encoder
+from backends.mlx.llm.sampler.params import SamplingParams
 
 TEXT_TOKENS = 8  # around the image: half before, half after
 
@@ -46,7 +48,10 @@ def verify_with_image(model: torch.nn.Module, pte: Path, steps: int = DECODE_STE
     def reference(ids):
         return model(input_ids=torch.tensor([ids]), pixel_values=pixels).logits[0]
 
-    report = compare_greedy(model, decoder, prompt, generated, images=PromptImages(positions, got),
-                            reference=reference)
+    steps = list(decoder.stream(prompt, generated, SamplingParams(), stop_at_eos=False,
+                                images=PromptImages(positions, got)))
+    del decoder  # the program's weights freed before the eager forward (verify.py)
+    gc.collect()
+    report = compare_greedy(model, Path(pte), steps, prompt, reference=reference)
     report.vision_error = error
     return report
