@@ -219,17 +219,19 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
         release(model)
         say("verifying the program against the eager model")
         reference = KvCacheReference(model, kv_bits, kv_group_size) if kv_bits else model
-        say(_verified(reference, Path(out), external_weights, draft_tokens, propose_tokens).summary())
+        say(_verified(reference, Path(out), external_weights, draft_tokens, propose_tokens,
+                      with_image=encoder is not None).summary())
     return result
 
 
-def _verified(model, out: Path, external_weights: bool, draft_tokens: int, propose_tokens: int) -> VerificationReport:
+def _verified(model, out: Path, external_weights: bool, draft_tokens: int, propose_tokens: int,
+              with_image: bool) -> VerificationReport:
     try:
         if propose_tokens:
             return verify_proposer(model, out)
         if draft_tokens:
             return verify_draft_program(model, out)
-        if vision_encoder(model) is not None:
+        if with_image:  # the vision method's check (verify_vision.py), from the encoder export built above
             return verify_with_image(model, out)
         return verify_decoder(model, out)
     except VerificationError as exc:

@@ -44,10 +44,9 @@ ENCODERS = {"llava": LlavaVision}
 
 
 def vision_encoder(model: nn.Module) -> nn.Module | None:
-    """The vision method's module for a vision-language model; None for a text-only one (or a wrapper without a
-    config, such as kv_reference.KvCacheReference around a text model)."""
-    config = getattr(model, "config", None)
-    if config is None or not is_vision_language(config):
+    """The vision method's module for a vision-language model; None for a text-only one."""
+    config = model.config
+    if not is_vision_language(config):
         return None
     check_vision_family(config)
     return ENCODERS[config.model_type](model).eval()
