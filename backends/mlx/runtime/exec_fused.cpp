@@ -110,6 +110,17 @@ bool Interpreter::sdpa_with_view(const fb::SdpaNode& n, const mx::array& q, cons
   return write(n.out(), std::move(outs[0]));
 }
 
+// An attention node's optional mask: at most 4-d; an additive mask is cast to the query dtype, a boolean one
+// stays boolean. False (after fail()) for a bad mask; an absent mask leaves *out empty.
+bool Interpreter::read_attention_mask(const fb::Tid* id, mx::Dtype dtype, std::optional<mx::array>* out) {
+  if (id == nullptr) return true;
+  const mx::array* m = read(id);
+  if (!m) return false;
+  if (m->ndim() > 4) return fail("mask has %d dims (at most 4)", static_cast<int>(m->ndim()));
+  *out = m->dtype() == mx::bool_ ? *m : mx::astype(*m, dtype);
+  return true;
+}
+
 bool Interpreter::exec_sdpa(const fb::SdpaNode& n) {
   const mx::array* q = read(n.q());
   if (!q) return false;
@@ -130,13 +141,7 @@ bool Interpreter::exec_sdpa(const fb::SdpaNode& n) {
     return fail("q, k and v shapes do not fit together");
   }
   std::optional<mx::array> mask;
-  if (n.mask() != nullptr) {
-    const mx::array* m = read(n.mask());
-    if (!m) return false;
-    if (m->ndim() > 4) return fail("mask has %d dims (at most 4)", static_cast<int>(m->ndim()));
-    // Additive masks must be in the query dtype; boolean ones stay boolean.
-    mask = m->dtype() == mx::bool_ ? *m : mx::astype(*m, q->dtype());
-  }
+  if (!read_attention_mask(n.mask(), q->dtype(), &mask)) return false;
   if (n.causal() && q->shape(2) != k->shape(2)) return fail("causal attention needs L == S");
   const int keys = k->shape(2);
   int end = keys;
@@ -196,12 +201,7 @@ bool Interpreter::exec_quantized_sdpa(const fb::QuantizedSdpaNode& n) {
   }
   if (kv_heads == 0 || heads % kv_heads != 0) return fail("has %d query heads for %d key/value heads", heads, kv_heads);
   std::optional<mx::array> mask;
-  if (n.mask() != nullptr) {
-    const mx::array* m = read(n.mask());
-    if (!m) return false;
-    if (m->ndim() > 4) return fail("mask has %d dims (at most 4)", static_cast<int>(m->ndim()));
-    mask = m->dtype() == mx::bool_ ? *m : mx::astype(*m, q->dtype());
-  }
+  if (!read_attention_mask(n.mask(), q->dtype(), &mask)) return false;
   const int query_len = q->shape(2);
   int end = keys;
   bool all_visible = false;

@@ -95,6 +95,8 @@ class Interpreter {
   bool key_window_end(bool window, const fb::Tid* window_base, int64_t shift, bool per_query, int batch,
                       int query_len, int keys, int* end, bool* all_visible);
   bool exec_quantized_sdpa(const fb::QuantizedSdpaNode& n);  // exec_fused.cpp
+  bool read_attention_mask(const fb::Tid* id, mlx::core::Dtype dtype,
+                           std::optional<mlx::core::array>* out);  // exec_fused.cpp
   bool exec_rms_norm(const fb::RmsNormNode& n);  // exec_fused.cpp
   bool exec_layer_norm(const fb::LayerNormNode& n);  // exec_fused.cpp
   bool exec_rope(const fb::RopeNode& n);  // exec_fused.cpp
