@@ -13,7 +13,8 @@ attention interfaces:
 
 A vision-language model (LLaVA: the checkpoint's whole ...ForConditionalGeneration) takes image embeddings: the
 positions whose token is the config's image_token_id get E's vector there in place of the token's embedding, as
-the family's forward merges its vision features (then its own forward runs on those input embeddings).
+the family's forward merges its vision features (then its own forward runs on those input embeddings). Gemma 3's
+image tokens also see their whole image (image_blocks.py).
 
 Row b's tokens sit at cache positions start_pos[b] .. start_pos[b]+L-1; each query attends to the cached
 positions <= its own (and within its layer's sliding window). Rows are independent sequences at their own
@@ -36,6 +37,7 @@ from torch import nn
 from backends.mlx.llm import experts
 from backends.mlx.llm.decoder import attention
 from backends.mlx.llm.decoder.attention import ForwardState, ProgramCache
+from backends.mlx.llm.decoder.image_blocks import bidirectional_images, image_limits
 from backends.mlx.llm.decoder.kv_quant import check_head_dim, kv_quant
 from backends.mlx.llm.decoder.model_support import check_layer_windows, check_model, float_dtype, position_limit
 
@@ -208,7 +210,10 @@ class StaticCacheLM(nn.Module):
         a vision-language model's image embedding at each image-token position."""
         batch, length = tokens.shape
         positions = start_pos.unsqueeze(1) + torch.arange(length).unsqueeze(0)  # [B, L]
-        logits = self._run(tokens, ForwardState(positions=positions, lengths=lengths, gather=gather), image_embeds)
+        state = ForwardState(positions=positions, lengths=lengths, gather=gather)
+        if image_embeds is not None and bidirectional_images(self.model.config):
+            state.image_limits = image_limits(tokens, positions, lengths, self.model.config.image_token_id)
+        logits = self._run(tokens, state, image_embeds)
         if gather is not None:
             return logits
         return logits[:, 0] if lengths is not None else logits

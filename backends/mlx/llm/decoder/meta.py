@@ -224,6 +224,10 @@ class DecoderMeta:
     image_embed_dim: int = 0
     vision_method: str = ""
     image_size: list[int] = field(default_factory=list)
+    # How prompt text names an image (gemma3_vision.py): [mark, before, image token, after], each mark the chat
+    # template writes becoming before + image token * image_tokens + after before tokenizing, as the checkpoint's
+    # processor does; []: the image token, expanded in ids (image_prompt.expand_images).
+    image_text: list[str] = field(default_factory=list)
     # Switchable LoRA adapters (etmlx export --adapters NAME=DIR,...): the `adapter` input's value i > 0 applies
     # the i-th name's; [] for a program without them.
     adapters: list[str] = field(default_factory=list)

@@ -2,7 +2,8 @@
 
 The vision method on seeded random pixels must give the eager vision forward's embeddings (within verify.py's
 tolerance, relative to their largest magnitude); then the decoder, given those embeddings at a prompt's image
-positions, must decode the eager model's greedy tokens for the same pixels (model(input_ids, pixel_values)).
+positions, must decode the eager model's greedy tokens for the same pixels (model(input_ids, pixel_values), with
+Gemma 3's token_type_ids marking the prompt's image positions: its images attend both ways, image_blocks.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from backends.mlx.llm.decoder.image_blocks import bidirectional_images
 from backends.mlx.llm.decoder.image_encoder import PromptImages
 from backends.mlx.llm.decoder.loop import Decoder
 from backends.mlx.llm.decoder.verify import (DECODE_STEPS, PROMPT_SEED, VerificationError, VerificationReport,
@@ -45,8 +47,13 @@ def verify_with_image(model: torch.nn.Module, pte: Path, steps: int = DECODE_STE
                                 f"tolerance {tol:.3g}")
     positions = torch.tensor([i for i, t in enumerate(prompt) if t == image], dtype=torch.int64)
 
+    marked = set(positions.tolist())
+
     def reference(ids):
-        return model(input_ids=torch.tensor([ids]), pixel_values=pixels).logits[0]
+        extra = {}
+        if bidirectional_images(model.config):  # the prompt's image tokens see their whole image (image_blocks.py)
+            extra["token_type_ids"] = torch.tensor([[int(i in marked) for i in range(len(ids))]])
+        return model(input_ids=torch.tensor([ids]), pixel_values=pixels, **extra).logits[0]
 
     steps = list(decoder.stream(prompt, generated, SamplingParams(), stop_at_eos=False,
                                 images=PromptImages(positions, got)))

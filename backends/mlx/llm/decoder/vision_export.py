@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from backends.mlx.llm.decoder.gemma3_vision import Gemma3Vision, gemma3_image_text
 from backends.mlx.llm.decoder.model_support import check_vision_family, is_vision_language
 
 VISION_METHOD = "vision"
@@ -40,7 +41,9 @@ class LlavaVision(nn.Module):
         return torch.stack(list(out.pooler_output)).float()
 
 
-ENCODERS = {"llava": LlavaVision}
+ENCODERS = {"llava": LlavaVision, "gemma3": Gemma3Vision}
+# How a family's prompt text names an image, beyond the image token expanded in ids (DecoderMeta.image_text).
+IMAGE_TEXT = {"gemma3": gemma3_image_text}
 
 
 def vision_encoder(model: nn.Module) -> nn.Module | None:
@@ -67,3 +70,13 @@ def vision_spec(model: nn.Module, encoder: nn.Module) -> tuple:
     with torch.no_grad():
         probe = encoder(torch.zeros(1, *shape))
     return model.config.image_token_id, int(probe.shape[1]), int(probe.shape[2]), VISION_METHOD, shape
+
+
+def image_text(model: nn.Module, tokenizer) -> list[str]:
+    """DecoderMeta.image_text of a vision-language model: [] where the image token is expanded in ids."""
+    rule = IMAGE_TEXT.get(getattr(model.config, "model_type", ""))
+    if rule is None:
+        return []
+    if tokenizer is None:
+        raise ValueError(f"a {model.config.model_type} program needs its tokenizer to name images in prompts")
+    return rule(tokenizer)
