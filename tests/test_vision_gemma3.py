@@ -40,7 +40,9 @@ def _messages(image=None, text="t99 t3"):
 def gemma3(tmp_path_factory):
     directory = build_gemma3(tmp_path_factory.mktemp("gemma3") / "ckpt")
     out = directory.parent / "f.pte"
-    assert main(["export", "--model", str(directory), "--out", str(out), "--max-seq-len", str(MAX_SEQ_LEN)]) == 0
+    # two rows: the server engine test prefills two prompts of different lengths (a padded row) in one call
+    assert main(["export", "--model", str(directory), "--out", str(out), "--max-seq-len", str(MAX_SEQ_LEN),
+                 "--batch", "2"]) == 0
     model = T.AutoModelForImageTextToText.from_pretrained(str(directory), attn_implementation="eager").eval()
     return directory, out, model, T.AutoProcessor.from_pretrained(str(directory))
 
@@ -158,3 +160,35 @@ def test_generate_image_flag_and_bad_marks(gemma3, tmp_path, capsys):
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokens"] == expected
     with pytest.raises(ValueError, match="the prompt has 2 image mark\\(s\\) '<start_of_image>' for 1 image"):
         etmlx.generate(etmlx.load(pte), _messages(_image(0), text="t3 <start_of_image>"), 2)
+
+
+def test_the_server_engine_prefills_two_images_in_one_call(gemma3):
+    from backends.mlx.llm.decoder.meta import DecoderMeta
+    from backends.mlx.llm.sampler.params import SamplingParams
+    from backends.mlx.runtime.runner import load_method
+    from backends.mlx.serve.engine import Engine, EngineRequest
+
+    _, pte, model, processor = gemma3
+    engine = Engine(load_method(pte), DecoderMeta.load(pte), pte=pte)
+    engine.running = True  # driven by hand, one loop turn at a time (as tests/test_serve_engine.py)
+    requests = []
+    for seed, text in zip(SEEDS, ("t5 t17", "t5 t17 t40 t41 t42")):  # the shorter row is padded in the prefill
+        messages = [{"role": "user", "content": [{"type": "text", "text": text}, {"type": "image"},
+                                                 {"type": "text", "text": "t99 t3"}]}]
+        inputs = _inputs(processor, _image(seed), messages)
+        events = []
+        engine.submit(EngineRequest(inputs.input_ids[0].tolist(), SamplingParams(), STEPS, events.append,
+                                    stop_at_eos=False, images=[_image(seed)]))
+        requests.append((events, _generate(model, inputs)))
+    engine._drain()
+    engine._admit()
+    assert engine.active_rows == 2  # both prefill in the next call
+    for _ in range(4 * STEPS):
+        if all(events and events[-1].finish_reason for events, _ in requests):
+            break
+        engine._drain()
+        engine._admit()
+        if engine.active_rows:
+            engine._step()
+    for events, expected in requests:
+        assert [e.token for e in events] == expected
