@@ -25,6 +25,7 @@ STEPS = 10
 MAX_SEQ_LEN = 64
 INT8_NATS = 0.2  # as tests/test_vision_language.py
 SEEDS = (0, 5)  # images whose greedy tokens differ, and differ again under a causal mask
+GENERATES_IMAGE_TOKEN = 1  # an image after which the model generates its own image token
 
 
 def _image(seed: int, size=(40, 48)) -> Image.Image:
@@ -79,6 +80,19 @@ def test_greedy_tokens_with_an_image_equal_transformers(gemma3):
         assert got == expected, (seed, got, expected)
         tokens[seed] = got
     assert tokens[SEEDS[0]] != tokens[SEEDS[1]]  # control: the image decides the tokens
+
+
+def test_a_generated_image_token_embeds_as_text(gemma3):
+    """With this image the model generates its own image token: as in transformers (whose decode steps carry no
+    pixels) that position embeds the token as text, not as a zero image vector (image_blocks.image_positions)."""
+    import etmlx
+
+    directory, pte, model, processor = gemma3
+    image = _image(GENERATES_IMAGE_TOKEN)
+    expected = _generate(model, _inputs(processor, image))
+    assert model.config.image_token_id in expected, expected  # control: the case this test is about happens
+    got = [r.token for r in etmlx.stream_generate(etmlx.load(pte), _messages(image), STEPS)]
+    assert got == expected
 
 
 def test_the_image_block_mask_gives_transformers_logits_and_causal_does_not(gemma3, monkeypatch):

@@ -22,16 +22,24 @@ def bidirectional_images(config) -> bool:
     return getattr(config, "model_type", None) in BIDIRECTIONAL_IMAGES
 
 
-def image_limits(tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor | None,
-                 image_token_id: int) -> torch.Tensor:
-    """[B, L] the last key position each query may see: positions, raised for an image token to its run's end.
+def image_positions(tokens: torch.Tensor, image_embeds: torch.Tensor, image_token_id: int) -> torch.Tensor:
+    """[B, L] bool: the positions that take an image embedding: the image token where the host gave a vector.
+
+    The token alone is not enough: a model may generate its image token, and then (as in transformers, whose
+    decode steps carry no pixels) that position embeds the token as text. The host leaves image_embeds zero
+    everywhere but at a prompt's image positions, and a projected image vector is never exactly zero."""
+    return (tokens == image_token_id) & image_embeds.ne(0).any(dim=-1)
+
+
+def image_limits(image: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
+    """[B, L] the last key position each query may see: positions, raised for an image position (`image`, from
+    image_positions) to its run's end.
 
     Two image tokens share a run when no other token lies between them, i.e. when as many non-image tokens precede
     both ([B, L, L] booleans, the size of the prefill's own attention mask; a decode step's is 1 x 1). A row's
     padding (index >= lengths) is never an image."""
-    length = tokens.shape[1]
+    length = image.shape[1]
     index = torch.arange(length).unsqueeze(0)
-    image = tokens == image_token_id
     if lengths is not None:
         image = image & (index < lengths.unsqueeze(1))
     texts_before = torch.cumsum((~image).to(torch.int32), dim=1)  # [B, L]

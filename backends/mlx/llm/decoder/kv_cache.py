@@ -37,7 +37,7 @@ from torch import nn
 from backends.mlx.llm import experts
 from backends.mlx.llm.decoder import attention
 from backends.mlx.llm.decoder.attention import ForwardState, ProgramCache
-from backends.mlx.llm.decoder.image_blocks import bidirectional_images, image_limits
+from backends.mlx.llm.decoder.image_blocks import bidirectional_images, image_limits, image_positions
 from backends.mlx.llm.decoder.kv_quant import check_head_dim, kv_quant
 from backends.mlx.llm.decoder.model_support import check_layer_windows, check_model, float_dtype, position_limit
 
@@ -190,7 +190,7 @@ class StaticCacheLM(nn.Module):
         cache = ProgramCache(self, state)
         kwargs = {"input_ids": tokens}
         if image_embeds is not None:
-            image = (tokens == self.model.config.image_token_id).unsqueeze(-1)
+            image = image_positions(tokens, image_embeds, self.model.config.image_token_id).unsqueeze(-1)
             text = self.model.get_input_embeddings()(tokens)
             kwargs = {"inputs_embeds": torch.where(image, image_embeds.to(text.dtype), text)}
         if state.probe is not None or not self.uses_attention_interface:
@@ -212,7 +212,8 @@ class StaticCacheLM(nn.Module):
         positions = start_pos.unsqueeze(1) + torch.arange(length).unsqueeze(0)  # [B, L]
         state = ForwardState(positions=positions, lengths=lengths, gather=gather)
         if image_embeds is not None and bidirectional_images(self.model.config):
-            state.image_limits = image_limits(tokens, positions, lengths, self.model.config.image_token_id)
+            image = image_positions(tokens, image_embeds, self.model.config.image_token_id)
+            state.image_limits = image_limits(image, positions, lengths)
         logits = self._run(tokens, state, image_embeds)
         if gather is not None:
             return logits
