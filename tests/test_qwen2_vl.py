@@ -157,3 +157,22 @@ def test_export_check_covers_the_vision_method_and_mrope(qwen, monkeypatch):
         model.model.visual.merger.mlp[2].weight.mul_(1.05)
     with pytest.raises(VerificationError, match="vision method differs from the eager vision forward"):
         verify_with_image(model, pte)
+
+
+def test_a_second_question_reuses_the_image_and_its_positions(qwen):
+    """The prompt cache's prefix (the image prefilled at its M-RoPE positions) and a longer question after it: the
+    tokens transformers gives the whole prompt."""
+    from backends.mlx.llm.decoder.loop import Decoder
+
+    directory, pte, model = qwen
+    decoder = Decoder(pte)
+    image = _image(0)
+    ids, images = image_chat_prompt(decoder.tokenizer, decoder.meta, _messages(image))
+    first = [s.token for s in decoder.stream(ids, STEPS, images=images, reuse=True)]
+    longer = [*_messages(image)[0]["content"], {"type": "text", "text": "t60 t61"}]
+    more = [{"role": "user", "content": longer}]
+    ids2, _ = image_chat_prompt(decoder.tokenizer, decoder.meta, more)
+    again = [s.token for s in decoder.stream(ids2, STEPS, images=[image.copy()], reuse=True)]
+    assert decoder.last_cached > 2 + TOKENS and decoder.images.encoded == 1  # past the image: neither encoded again
+    assert first == _generate(model, _inputs(directory, image, _messages(image)))
+    assert again == _generate(model, _inputs(directory, image, more))
