@@ -59,7 +59,8 @@ OLD_META_KEY = "etmlx/decoder_meta.json"  # the JSON of older exports: refused, 
 TOKENIZER_PREFIX = "etmlx/tokenizer/"  # + a file name save_pretrained wrote (tokenizer.json, ...)
 PROCESSOR_PREFIX = "etmlx/processor/"  # + the image processor's config file (vision-language programs)
 # Inputs that are int64 (ExecuTorch ScalarType 4); the rest are float32 (6).
-_INT_INPUTS = {"tokens", "start_pos", "lengths", DRAFT_INPUT, ADAPTER_INPUT, "seed", "top_k", "penalty_reset", "penalty_add", "bias_ids", ROPE_INPUT}
+_INT_INPUTS = {"tokens", "start_pos", "lengths", DRAFT_INPUT, ADAPTER_INPUT, "seed", "top_k", "penalty_reset", "penalty_add", "bias_ids",
+               ROPE_INPUT}
 _INT32_INPUTS = {"allowed_mask"}
 _BOOL_INPUTS = {DELIVER_INPUT}
 _LONG, _FLOAT, _INT, _BOOL = 4, 6, 3, 11

@@ -2,9 +2,9 @@
 
 The vision tower takes flattened patches and their grid (t, h, w). A program is exported for one grid: the one the
 checkpoint's image processor gives a PROBE_SIDE x PROBE_SIDE image (448 x 448 when the processor's pixel range holds
-it: 16 x 16 patches, 8 x 8 = 64 image tokens with the usual 14-pixel patches merged 2 x 2). An image the processor
-would give another grid is resized to the program's size first (aspect ratio not kept), so every image takes the same
-image_tokens positions; transformers' processor would give such an image another number of tokens.
+it: 32 x 32 patches, 16 x 16 = 256 image tokens with the usual 14-pixel patches merged 2 x 2). An image the
+processor would give another grid is resized to the program's size first (aspect ratio not kept), so every image
+takes the same image_tokens positions; transformers' processor would give such an image another number of tokens.
 
 Multimodal RoPE (M-RoPE, transformers' get_rope_index): every position has a rotary position per section (temporal,
 height, width). A text token's three are its cache position plus the row's shift so far; an image's tokens all sit
@@ -93,7 +93,8 @@ class Qwen2VLVision(nn.Module):
         return visual.merger(x).unsqueeze(0).float()
 
     def reference(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        out = self.model.model.get_image_features(pixel_values=pixel_values[0], image_grid_thw=torch.tensor([self.grid]))
+        grid = torch.tensor([self.grid])
+        out = self.model.model.get_image_features(pixel_values=pixel_values[0], image_grid_thw=grid)
         return torch.cat(list(out.pooler_output)).unsqueeze(0).float()
 
     def model_inputs(self, pixel_values: torch.Tensor, ids: list[int]) -> dict:
