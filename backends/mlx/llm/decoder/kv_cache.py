@@ -186,7 +186,7 @@ class StaticCacheLM(nn.Module):
         return sum(b.numel() * b.element_size() for n, b in self.named_buffers()
                    if n.startswith(("k_", "v_")) and n.rsplit("_", 1)[-1].isdigit())
 
-    def _run(self, tokens, state: ForwardState, image_embeds=None):
+    def _run(self, tokens, state: ForwardState, image_embeds=None, position_ids=None):
         cache = ProgramCache(self, state)
         kwargs = {"input_ids": tokens}
         if image_embeds is not None:
@@ -201,20 +201,23 @@ class StaticCacheLM(nn.Module):
             kwargs["attention_mask"] = torch.zeros(visible.shape, dtype=dtype).masked_fill(
                 ~visible, torch.finfo(dtype).min)
         with cache, _etmlx_settings(self.model.config):
-            out = self.model(position_ids=state.positions, past_key_values=cache, use_cache=True, **kwargs)
+            out = self.model(position_ids=state.positions if position_ids is None else position_ids,
+                             past_key_values=cache, use_cache=True, **kwargs)
         return out.logits
 
     def forward(self, tokens: torch.Tensor, start_pos: torch.Tensor, lengths: torch.Tensor | None = None,
-                gather: torch.Tensor | None = None, image_embeds: torch.Tensor | None = None):
+                gather: torch.Tensor | None = None, image_embeds: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None):
         """gather [B, G] (token indices per row): the logits of those tokens, [B, G, V]. image_embeds [B, L, D]:
-        a vision-language model's image embedding at each image-token position."""
+        a vision-language model's image embedding at each image-token position. position_ids: the rotary
+        positions the model takes where they are not the cache positions (Qwen2-VL's [3, B, L], qwen2_vl.py)."""
         batch, length = tokens.shape
         positions = start_pos.unsqueeze(1) + torch.arange(length).unsqueeze(0)  # [B, L]
         state = ForwardState(positions=positions, lengths=lengths, gather=gather)
         if image_embeds is not None and bidirectional_images(self.model.config):
             image = image_positions(tokens, image_embeds, self.model.config.image_token_id)
             state.image_limits = image_limits(image, positions, lengths)
-        logits = self._run(tokens, state, image_embeds)
+        logits = self._run(tokens, state, image_embeds, position_ids)
         if gather is not None:
             return logits
         return logits[:, 0] if lengths is not None else logits

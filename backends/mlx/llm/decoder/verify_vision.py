@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from backends.mlx.llm.decoder.image_blocks import bidirectional_images
-from backends.mlx.llm.decoder.image_encoder import PromptImages
+from backends.mlx.llm.decoder.image_encoder import PromptImages, processor_in
 from backends.mlx.llm.decoder.loop import Decoder
 from backends.mlx.llm.decoder.verify import (DECODE_STEPS, PROMPT_SEED, VerificationError, VerificationReport,
                                              compare_greedy, tolerance, verification_prompt)
@@ -38,8 +38,9 @@ def verify_with_image(model: torch.nn.Module, pte: Path, steps: int = DECODE_STE
                                 "pass verify=False / --no-verify")
     pixels = torch.randn(1, *meta.image_size, generator=torch.Generator().manual_seed(PROMPT_SEED))
     got = decoder.images.method.execute([pixels])[0][0].float()
-    with torch.no_grad():
-        want = vision_encoder(model)(pixels)[0].float()
+    encoder = vision_encoder(model, processor_in(pte))
+    with torch.no_grad():  # a family whose method is not transformers' own call has the call as `reference`
+        want = getattr(encoder, "reference", encoder)(pixels)[0].float()
     error = float((got - want).abs().max())
     tol = tolerance(model) * max(1.0, float(want.abs().max()))
     if not error <= tol:
@@ -50,10 +51,10 @@ def verify_with_image(model: torch.nn.Module, pte: Path, steps: int = DECODE_STE
     marked = set(positions.tolist())
 
     def reference(ids):
-        extra = {}
+        images = encoder.model_inputs(pixels, ids) if hasattr(encoder, "model_inputs") else {"pixel_values": pixels}
         if bidirectional_images(model.config):  # the prompt's image tokens see their whole image (image_blocks.py)
-            extra["token_type_ids"] = torch.tensor([[int(i in marked) for i in range(len(ids))]])
-        return model(input_ids=torch.tensor([ids]), pixel_values=pixels, **extra).logits[0]
+            images["token_type_ids"] = torch.tensor([[int(i in marked) for i in range(len(ids))]])
+        return model(input_ids=torch.tensor([ids]), **images).logits[0]
 
     steps = list(decoder.stream(prompt, generated, SamplingParams(), stop_at_eos=False,
                                 images=PromptImages(positions, got)))

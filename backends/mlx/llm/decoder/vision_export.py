@@ -41,18 +41,40 @@ class LlavaVision(nn.Module):
         return torch.stack(list(out.pooler_output)).float()
 
 
-ENCODERS = {"llava": LlavaVision, "gemma3": Gemma3Vision}
+def _qwen2_vl(model: nn.Module, processor: dict | None) -> nn.Module:
+    from backends.mlx.llm.decoder.qwen2_vl import Qwen2VLVision, grid_for
+
+    if processor is None:
+        raise ValueError("a Qwen2-VL vision method is exported for one image size: it needs the image processor's "
+                         "config")
+    return Qwen2VLVision(model, grid_for(processor))
+
+
+# model_type -> (model, the image processor's config or None) -> the vision method's module
+ENCODERS = {"llava": lambda model, _processor: LlavaVision(model),
+            "gemma3": lambda model, _processor: Gemma3Vision(model), "qwen2_vl": _qwen2_vl}
 # How a family's prompt text names an image, beyond the image token expanded in ids (DecoderMeta.image_text).
 IMAGE_TEXT = {"gemma3": gemma3_image_text}
 
 
-def vision_encoder(model: nn.Module) -> nn.Module | None:
-    """The vision method's module for a vision-language model; None for a text-only one."""
+def vision_encoder(model: nn.Module, processor: dict | None = None) -> nn.Module | None:
+    """The vision method's module for a vision-language model; None for a text-only one. `processor`: the
+    checkpoint's image processor config (families whose method takes one image size read it from there)."""
     config = model.config
     if not is_vision_language(config):
         return None
     check_vision_family(config)
-    return ENCODERS[config.model_type](model).eval()
+    return ENCODERS[config.model_type](model, processor).eval()
+
+
+def processor_config(files: dict[str, bytes] | None) -> dict | None:
+    """The image processor's config among a checkpoint's PROCESSOR_FILES (name -> bytes), as the program keeps it."""
+    import json
+
+    for name in PROCESSOR_FILES:
+        if files and name in files:
+            return json.loads(files[name])
+    return None
 
 
 def image_shape(model: nn.Module) -> list[int]:
@@ -65,8 +87,9 @@ def image_shape(model: nn.Module) -> list[int]:
 
 def vision_spec(model: nn.Module, encoder: nn.Module) -> tuple:
     """DecoderMeta.build's `vision`: (image_token_id, image_tokens, image_embed_dim, VISION_METHOD, image_size),
-    the token count and width read from one eager call."""
-    shape = image_shape(model)
+    the token count and width read from one eager call; image_size is the encoder's `pixel_shape` where it has one
+    (Qwen2-VL: [patches, values per patch])."""
+    shape = getattr(encoder, "pixel_shape", None) or image_shape(model)
     with torch.no_grad():
         probe = encoder(torch.zeros(1, *shape))
     return model.config.image_token_id, int(probe.shape[1]), int(probe.shape[2]), VISION_METHOD, shape
