@@ -49,8 +49,11 @@ def programs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(programs):
-    srv = ServerThread(programs[1], model_name="tp", limits=ServeLimits(rank_timeout=RANK_TIMEOUT)).start()
+def server(programs, tmp_path_factory):
+    # --hostfile's fixed loopback ports: a restarted group binds the same ports again (free ports: tested below)
+    hosts = loopback_hostfile(2, tmp_path_factory.mktemp("hosts"))
+    srv = ServerThread(programs[1], model_name="tp", limits=ServeLimits(rank_timeout=RANK_TIMEOUT),
+                       hostfile=hosts).start()
     yield srv
     srv.stop()
 
@@ -172,7 +175,7 @@ def test_a_rank_killed_or_stopped_mid_stream_ends_it_and_the_group_restarts(prog
     kind, error = events[-1]
     assert kind == "end" and error is not None
     assert ("rank 1 of 2 exited (killed by signal 9)" if how == "kill" else
-            f"of 2 within {RANK_TIMEOUT:g} s while program call") in error, error
+            f"of 2 within {RANK_TIMEOUT:g} s while running a call") in error, error
     assert _wait(lambda: _health(server) == 503 or supervisor.restarts > restarts)  # down, or already back
     assert _wait(lambda: supervisor.restarts == restarts + 1 and _health(server) == 200)
     assert not set(supervisor.worker.pids) & set(pids)
@@ -186,9 +189,8 @@ def test_a_rank_holding_another_ranks_file_is_refused_at_startup(programs, tmp_p
         os.symlink(path, tmp_path / path.name)
     rank_file(bad, 1).unlink()
     os.symlink(rank_file(tp, 0), rank_file(bad, 1))  # rank 1 would load rank 0's part
-    # --hostfile's addresses (here loopback ports) instead of free ones: the ranks are still started here.
-    with pytest.raises(ValueError) as refused:
-        load_service(bad, hostfile=loopback_hostfile(2, tmp_path))
+    with pytest.raises(ValueError) as refused:  # the ranks on free loopback ports
+        load_service(bad)
     message = str(refused.value)  # `etmlx serve` prints it as its one error line (cli/main.py)
     assert "\n" not in message
     assert message.startswith("rank 1 of 2: ") and \

@@ -3,7 +3,8 @@ over WebSocket) and optionally LMTP lines over plain TCP; stop cleanly on SIGINT
 
     etmlx serve FILE.pte [--host 127.0.0.1] [--port 8000] [--max-batch N] [--lmtp-port P] [limits]
 
-Limits (ServeLimits): the per-step deadline and restart attempts of the program worker, an optional
+Limits (ServeLimits): the per-step deadline and restart attempts of the program worker (and a tensor-parallel
+program's wait for every rank, serve/rank_group.py), an optional
 per-request deadline, the admission queue, the prompt size, a request grammar's limits
 (llm/decoder/grammar_limits.py: sizes, depths, choices, compile time and memory) and image input's
 (serve/image_parts.py: images per request, bytes and pixels per image, local files).

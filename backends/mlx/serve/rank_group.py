@@ -115,13 +115,16 @@ class RankGroup:
                             return [replies.get(r, (b"", b"")) for r in range(self.ranks)]
         return [replies[rank] for rank in range(self.ranks)]
 
-    def _call(self, kind: bytes, payload: bytes, what: str) -> list[tuple[bytes, bytes]]:
-        try:
-            for worker in self.workers:
+    def _call(self, kind: bytes, payload: bytes, what: str, failure: str) -> list[tuple[bytes, bytes]]:
+        """Every rank's reply to one frame. what: the step, for fault messages; failure: how a call that failed
+        on every rank alike is reported (the words a single worker uses)."""
+        for rank, worker in enumerate(self.workers):
+            try:
                 worker.send(kind, payload)
-        except WorkerDied as exc:
-            self.kill()
-            raise WorkerDied(f"a rank's {exc}; the rank group was stopped") from None
+            except WorkerDied:
+                self.kill()
+                raise WorkerDied(f"rank {rank} of {self.ranks} exited ({worker.exit_status()}) before {what}; the "
+                                 "rank group was stopped") from None
         replies = self._gather(self.step_timeout, what)
         errors = [rank for rank, (reply, _) in enumerate(replies) if reply == b"e"]
         if errors and len(errors) < self.ranks:  # the ranks no longer run the same steps: their state is unknown
@@ -129,11 +132,11 @@ class RankGroup:
             raise WorkerDied(f"rank {errors[0]} of {self.ranks} failed a call the others ran "
                              f"({replies[errors[0]][1].decode()}); the rank group was stopped")
         if errors:  # the same inputs failed on every rank alike (as they would on one)
-            raise RuntimeError(f"{what} failed: {replies[0][1].decode()}")
+            raise RuntimeError(f"{failure}: {replies[0][1].decode()}")
         return replies
 
     def execute(self, inputs) -> list[torch.Tensor]:
-        replies = self._call(b"i", _encode(inputs), "program call")
+        replies = self._call(b"i", _encode(inputs), "running a call", "program call failed")
         outputs = _decode(replies[0][1])
         for rank, (_, payload) in enumerate(replies[1:], start=1):
             theirs = _decode(payload)
@@ -145,7 +148,7 @@ class RankGroup:
         return outputs
 
     def copy_rows(self, src: int, dst: int, n: int) -> None:
-        self._call(b"c", pickle.dumps((int(src), int(dst), int(n))), "copying rows")
+        self._call(b"c", pickle.dumps((int(src), int(dst), int(n))), "copying rows", "copying rows failed")
 
     def kill(self) -> None:
         for worker in self.workers:
