@@ -3,19 +3,22 @@ the ranks over the loopback and feeds each the same calls; greedy and seeded com
 program's tokens (the Python Decoder, what `etmlx generate` runs); the prompt cache and structured output work
 unchanged; a rank killed or stopped mid-stream ends that stream with an error, /health is 503 while the group is
 down, the group is restarted and the next request gets the same tokens; a rank holding the wrong file is refused at
-startup in one line. Tiny Llama (hidden 64, 2 layers), one export per module."""
+startup in one line; the group's check that every rank sampled rank 0's tokens (fake ranks). Tiny Llama (hidden
+64, 2 layers), one export per module."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import tempfile
 import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 
 from backends.mlx.llm.builtin.tiny_model import tiny_llama, train_tokenizer
 from backends.mlx.llm.decoder.loop import Decoder
@@ -25,6 +28,8 @@ from backends.mlx.llm.sampler.config import SamplerConfig
 from backends.mlx.llm.sampler.params import SamplingParams
 from backends.mlx.llm.distributed.launch import loopback_hostfile
 from backends.mlx.serve.app import ServeLimits, ServerThread, load_service
+from backends.mlx.serve.program_worker import _HEADER, WorkerDied, _encode
+from backends.mlx.serve.rank_group import RankGroup
 from serve_helpers import MAX_SEQ_LEN, tiny_pte
 
 pytestmark = [pytest.mark.server, pytest.mark.subprocess]
@@ -209,3 +214,54 @@ def test_what_a_rank_group_cannot_serve_is_refused_before_starting(programs, mon
     monkeypatch.setenv("MLX_RANK", "0")  # under mlx.launch: each rank's server would have no inputs to run
     with pytest.raises(ValueError, match="starts its ranks itself: run it outside mlx.launch"):
         load_service(tp)
+
+
+class _FakeRank:
+    """A rank's worker as the group sees it: each frame sent is answered on a pipe with `outputs` (None: the rank
+    exits instead, closing its pipe)."""
+
+    def __init__(self, outputs):
+        self.outputs, self.killed = outputs, False
+        self._read, self._write = os.pipe()
+
+    def fileno(self) -> int:
+        return self._read
+
+    def send(self, kind: bytes, payload: bytes) -> None:
+        if self.outputs is None:
+            os.close(self._write)
+            return
+        body = b"o" + _encode(self.outputs)
+        os.write(self._write, _HEADER.pack(len(body)) + body)
+
+    def alive(self) -> bool:
+        return not self.killed
+
+    def kill(self) -> None:
+        self.killed = True
+
+    def exit_status(self, wait: float = 0.0) -> str:
+        return "killed by signal 9"
+
+
+def _group(*ranks: _FakeRank) -> RankGroup:
+    group = RankGroup.__new__(RankGroup)  # the call path only: no processes
+    group.ranks, group.step_timeout, group.workers = len(ranks), 5.0, list(ranks)
+    group._tmp = tempfile.TemporaryDirectory()
+    return group
+
+
+def test_the_group_returns_rank_0s_outputs_and_stops_on_a_rank_that_disagrees_or_exits():
+    token, logprob = torch.tensor([[7]]), torch.tensor([-0.5])
+    agree = _group(_FakeRank([token, logprob]), _FakeRank([token, logprob + 1e-7]))  # floats may differ in the ulp
+    outputs = agree.execute([torch.zeros(1)])
+    assert torch.equal(outputs[0], token) and torch.equal(outputs[1], logprob)
+    assert agree.alive()
+    other = _group(_FakeRank([token, logprob]), _FakeRank([token + 1, logprob]))  # the control: another token
+    with pytest.raises(WorkerDied, match="rank 1 of 2 sampled other tokens than rank 0"):
+        other.execute([torch.zeros(1)])
+    assert not any(rank.alive() for rank in other.workers)  # every rank stopped: the supervisor starts a new group
+    gone = _group(_FakeRank([token, logprob]), _FakeRank(None))
+    with pytest.raises(WorkerDied, match=r"rank 1 of 2 exited \(killed by signal 9\) while running a call"):
+        gone.execute([torch.zeros(1)])
+    assert not any(rank.alive() for rank in gone.workers)
