@@ -15,7 +15,8 @@ def _serve(args) -> int:
     grammar = GrammarLimits(**{name: getattr(args, name) for name in GRAMMAR_FLAGS})
     from backends.mlx.llm.vision.images import ImageLimits
 
-    limits = ServeLimits(step_timeout=args.step_timeout or None, restart_attempts=args.restart_attempts,
+    limits = ServeLimits(step_timeout=args.step_timeout or None, rank_timeout=args.rank_timeout or None,
+                         restart_attempts=args.restart_attempts,
                          request_timeout=args.request_timeout, max_queue=args.max_queue,
                          lmtp_inflight=args.lmtp_inflight, max_prompt_bytes=args.max_prompt_bytes,
                          max_body_values=args.max_body_values, grammar=grammar, max_images=args.max_images,
@@ -26,7 +27,8 @@ def _serve(args) -> int:
     except ValueError as exc:
         raise SystemExit(f"etmlx serve: {exc}") from None
     return serve(Path(args.pte), host=args.host, port=args.port, max_batch=args.max_batch,
-                 lmtp_port=args.lmtp_port, model_name=args.model_name, limits=limits)
+                 lmtp_port=args.lmtp_port, model_name=args.model_name, limits=limits,
+                 hostfile=Path(args.hostfile) if args.hostfile else None)
 
 
 def _lmtp_client(args) -> int:
@@ -60,6 +62,13 @@ def add_parsers(sub) -> None:
     serve.add_argument("--step-timeout", type=float, default=120.0,
                        help="seconds one program call may take; past it the worker is replaced and the rows of "
                             "that call fail (default 120; 0 = no limit)")
+    ranks = serve.add_argument_group("tensor-parallel programs (docs/distributed.md): the ranks are started here")
+    ranks.add_argument("--hostfile", metavar="FILE", help="MLX's ring hostfile (JSON, one list of \"ip:port\" per "
+                       "rank) for the ranks; default: free loopback ports")
+    ranks.add_argument("--rank-timeout", type=float, default=120.0, metavar="S",
+                       help="seconds a program call waits for every rank's answer; past it (a rank stopped or "
+                            "hung) the rank group is restarted and the rows of that call fail (default 120; 0 = "
+                            "no limit)")
     serve.add_argument("--restart-attempts", type=int, default=3,
                        help="tries to start a new program worker after one died; then the server exits 1 (default 3)")
     serve.add_argument("--request-timeout", type=float, default=None,

@@ -3,7 +3,8 @@ over WebSocket) and optionally LMTP lines over plain TCP; stop cleanly on SIGINT
 
     etmlx serve FILE.pte [--host 127.0.0.1] [--port 8000] [--max-batch N] [--lmtp-port P] [limits]
 
-Limits (ServeLimits): the per-step deadline and restart attempts of the program worker, an optional
+Limits (ServeLimits): the per-step deadline and restart attempts of the program worker (and a tensor-parallel
+program's wait for every rank, serve/rank_group.py), an optional
 per-request deadline, the admission queue, the prompt size, a request grammar's limits
 (llm/decoder/grammar_limits.py: sizes, depths, choices, compile time and memory) and image input's
 (serve/image_parts.py: images per request, bytes and pixels per image, local files).
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 import threading
@@ -41,6 +43,7 @@ log = logging.getLogger("etmlx.serve")
 @dataclass
 class ServeLimits:
     step_timeout: float | None = 120.0  # seconds one program call may take before the worker is replaced
+    rank_timeout: float | None = 120.0  # an N-rank program: seconds a call waits for every rank's answer
     restart_attempts: int = 3  # tries to start a new worker before the server exits non-zero
     request_timeout: float | None = None  # seconds a request may take (None: no limit)
     max_queue: int | None = None  # requests waiting for a row; None: 8 x the rows
@@ -57,7 +60,7 @@ class ServeLimits:
         self.image.check()
         if self.allow_local_images is not None and not Path(self.allow_local_images).is_dir():
             raise ValueError(f"--allow-local-images: {self.allow_local_images} is not a directory")
-        for name in ("step_timeout", "request_timeout"):
+        for name in ("step_timeout", "rank_timeout", "request_timeout"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds, got {value}")
@@ -69,18 +72,22 @@ class ServeLimits:
 
 
 def load_service(pte: Path, max_batch: int | None = None, model_name: str | None = None,
-                 limits: ServeLimits | None = None) -> Service:
+                 limits: ServeLimits | None = None, hostfile: Path | None = None) -> Service:
+    """hostfile: an N-rank program's ring addresses (MLX's JSON hostfile) for the ranks started here; default:
+    free loopback ports (serve/rank_group.py)."""
     limits = limits or ServeLimits()
     limits.check()
     pte = Path(pte)
     if not pte.is_file():
         raise FileNotFoundError(f"{pte} does not exist")
     meta = DecoderMeta.load(pte)
+    check_ranks(pte, meta, hostfile)
     if max_batch is not None and not 1 <= max_batch <= meta.batch:
         raise ValueError(f"--max-batch must be in [1, {meta.batch}]: {pte} was exported with batch {meta.batch} "
                          "(re-export with --batch N for more rows)")
     tokenizer = load_tokenizer(pte, meta)
-    program = SupervisedProgram.for_pte(pte, step_timeout=limits.step_timeout, attempts=limits.restart_attempts)
+    program = SupervisedProgram.for_pte(pte, step_timeout=limits.step_timeout, attempts=limits.restart_attempts,
+                                        ranks=meta.ranks, hostfile=hostfile, rank_timeout=limits.rank_timeout)
     engine = Engine(program, meta, max_batch=max_batch, request_timeout=limits.request_timeout,
                     max_queue=limits.max_queue, pte=pte).start()
     return Service(meta=meta, tokenizer=tokenizer, engine=engine, model_name=model_name or pte.stem,
@@ -89,6 +96,21 @@ def load_service(pte: Path, max_batch: int | None = None, model_name: str | None
                    grammar=GrammarCompiler(pte, meta, limits.grammar),
                    bodies=BodyParser(limits.max_body_values or max(65_536, 4 * meta.max_seq_len)),
                    images=image_inputs(meta, limits))
+
+
+def check_ranks(pte: Path, meta: DecoderMeta, hostfile: Path | None) -> None:
+    """What serving a program of meta.ranks ranks needs, checked before any worker starts (one line each)."""
+    if meta.ranks == 1:
+        if hostfile is not None:
+            raise ValueError(f"--hostfile: {pte} is a one-rank program")
+        return
+    if meta.rank != 0:
+        raise ValueError(f"{pte} is rank {meta.rank}'s file of a {meta.ranks}-rank program: serve rank 0's file "
+                         "(the one without .rankN)")
+    if "MLX_RANK" in os.environ:
+        # Each rank's worker is fed by this process (the front): a server per rank would have no inputs to run.
+        raise ValueError(f"{pte} is a {meta.ranks}-rank program and etmlx serve starts its ranks itself: run it "
+                         "outside mlx.launch (MLX_RANK is set), with --hostfile for the ranks' addresses")
 
 
 def image_inputs(meta: DecoderMeta, limits: ServeLimits) -> ImageInputs:
@@ -162,13 +184,14 @@ class Server:
 
 
 def serve(pte: Path, host: str = "127.0.0.1", port: int = 8000, max_batch: int | None = None,
-          lmtp_port: int | None = None, model_name: str | None = None, limits: ServeLimits | None = None) -> int:
+          lmtp_port: int | None = None, model_name: str | None = None, limits: ServeLimits | None = None,
+          hostfile: Path | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     # The engine thread's Python work between program calls holds the GIL; a short switch
     # interval bounds how long the event loop can wait for it.
     sys.setswitchinterval(0.001)
     started = time.perf_counter()
-    service = load_service(pte, max_batch, model_name, limits)
+    service = load_service(pte, max_batch, model_name, limits, hostfile)
 
     async def main() -> None:
         server = Server(service, host, port, lmtp_port)
@@ -205,8 +228,9 @@ class ServerThread:
     """The server on a background thread and event loop: start(), .port, stop()."""
 
     def __init__(self, pte: Path, host: str = "127.0.0.1", port: int = 0, max_batch: int | None = None,
-                 lmtp_port: int | None = None, model_name: str | None = None, limits: ServeLimits | None = None):
-        self.service = load_service(pte, max_batch, model_name, limits)
+                 lmtp_port: int | None = None, model_name: str | None = None, limits: ServeLimits | None = None,
+                 hostfile: Path | None = None):
+        self.service = load_service(pte, max_batch, model_name, limits, hostfile)
         self.server = Server(self.service, host, port, lmtp_port)
         self.loop = asyncio.new_event_loop()
         self._ready = threading.Event()

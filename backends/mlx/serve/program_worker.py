@@ -118,22 +118,35 @@ class ProgramWorker:
     step_timeout: seconds one call may take (None: no limit); past it the worker is killed and
     execute raises WorkerDied, as it does when the worker has exited."""
 
-    def __init__(self, pte: Path, step_timeout: float | None = None, load_timeout: float | None = 600.0):
+    def __init__(self, pte: Path, step_timeout: float | None = None, load_timeout: float | None = 600.0,
+                 env: dict | None = None, wait: bool = True):
+        """env: variables added to the worker's environment (a rank's MLX_RANK, MLX_HOSTFILE). wait=False: return
+        once started; the caller then reads the load reply (`loaded`), as a rank group does for all its ranks
+        at once (each rank's load waits for the others to join the group)."""
         pte = Path(pte)
         if not pte.is_file():
             raise FileNotFoundError(f"pte: no such file {pte}")
+        self.pte = pte
         self.step_timeout = step_timeout
+        self.can_copy_rows = False
         # The worker runs the decode steps: with mimalloc, as the `etmlx` command does (runtime/allocator.py).
         self._process = subprocess.Popen([sys.executable, "-m", "backends.mlx.serve.program_worker", str(pte)],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env_with_mimalloc())
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         env=env_with_mimalloc({**os.environ, **(env or {})}))
+        if not wait:
+            return
         try:
             kind, payload = self._reply(load_timeout)
         except WorkerDied as exc:
             raise RuntimeError(f"the program worker failed while loading {pte}: {exc}") from None
+        self.loaded(kind, payload)
+
+    def loaded(self, kind: bytes, payload: bytes) -> None:
+        """Take the worker's load reply: ready, or ValueError with its one-line reason (the worker closed)."""
         if kind != b"r":
             self.close()
             message = payload.decode()
-            raise ValueError(message if message.startswith("cannot load ") else f"cannot load {pte}: {message}")
+            raise ValueError(message if message.startswith("cannot load ") else f"cannot load {self.pte}: {message}")
         self.can_copy_rows = payload == b"c"
 
     @property
@@ -143,11 +156,28 @@ class ProgramWorker:
     def alive(self) -> bool:
         return self._process.poll() is None
 
+    def fileno(self) -> int:
+        """The pipe the worker's replies come on (frames: 4-byte length, kind byte, payload)."""
+        return self._process.stdout.fileno()
+
+    def send(self, kind: bytes, payload: bytes) -> None:
+        """One frame to the worker; WorkerDied (the worker killed) when it has gone."""
+        try:
+            _write(self._process.stdin, kind, payload)
+        except (BrokenPipeError, OSError, ValueError):
+            raise self._died("exited") from None
+
+    def exit_status(self, wait: float = 0.0) -> str:
+        """How the worker ended ("exit status None": still running after `wait` s)."""
+        try:
+            code = self._process.wait(timeout=wait) if wait else self._process.poll()
+        except subprocess.TimeoutExpired:
+            code = None
+        return f"killed by signal {-code}" if code is not None and code < 0 else f"exit status {code}"
+
     def _died(self, what: str) -> WorkerDied:
         self.kill()
-        code = self._process.returncode
-        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit status {code}"
-        return WorkerDied(f"the program worker {what} ({how})")
+        return WorkerDied(f"the program worker {what} ({self.exit_status()})")
 
     def _reply(self, timeout: float | None) -> tuple[bytes, bytes]:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -162,10 +192,7 @@ class ProgramWorker:
         return body[:1], body[1:]
 
     def execute(self, inputs) -> list[torch.Tensor]:
-        try:
-            _write(self._process.stdin, b"i", _encode(inputs))
-        except (BrokenPipeError, OSError, ValueError):
-            raise self._died("exited") from None
+        self.send(b"i", _encode(inputs))
         kind, payload = self._reply(self.step_timeout)
         if kind == b"e":
             raise RuntimeError(f"program call failed: {payload.decode()}")
@@ -173,10 +200,7 @@ class ProgramWorker:
 
     def copy_rows(self, src: int, dst: int, n: int) -> None:
         """Positions [0, n) of row src's KV cache into row dst, in the worker's program (LoadedMethod.copy_rows)."""
-        try:
-            _write(self._process.stdin, b"c", pickle.dumps((int(src), int(dst), int(n))))
-        except (BrokenPipeError, OSError, ValueError):
-            raise self._died("exited") from None
+        self.send(b"c", pickle.dumps((int(src), int(dst), int(n))))
         kind, payload = self._reply(self.step_timeout)
         if kind == b"e":
             raise RuntimeError(f"copying rows failed: {payload.decode()}")

@@ -1,4 +1,5 @@
-"""Keeps one program worker up: the engine's `program`, restarting the worker when it dies.
+"""Keeps one program worker up: the engine's `program`, restarting the worker when it dies. For an N-rank
+program the "worker" is the rank group (serve/rank_group.py): any rank lost stops and restarts all of them.
 
 A worker that exits or misses its step deadline raises WorkerDied out of `execute` (the engine
 fails the rows of that call: their caches lived in the worker). `recover()` then starts a new
@@ -12,9 +13,12 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from backends.mlx.serve.program_worker import ProgramWorker
+
+if TYPE_CHECKING:
+    from backends.mlx.serve.rank_group import RankGroup
 
 log = logging.getLogger("etmlx.serve")
 
@@ -24,7 +28,7 @@ class SupervisorGaveUp(RuntimeError):
 
 
 class SupervisedProgram:
-    def __init__(self, start: Callable[[], ProgramWorker], attempts: int = 3, pause: float = 0.5):
+    def __init__(self, start: Callable[[], "ProgramWorker | RankGroup"], attempts: int = 3, pause: float = 0.5):
         self._start = start
         self.attempts = attempts
         self.pause = pause
@@ -32,8 +36,16 @@ class SupervisedProgram:
         self.worker: ProgramWorker | None = start()
 
     @classmethod
-    def for_pte(cls, pte: Path, step_timeout: float | None = None, attempts: int = 3) -> "SupervisedProgram":
-        return cls(lambda: ProgramWorker(pte, step_timeout=step_timeout), attempts=attempts)
+    def for_pte(cls, pte: Path, step_timeout: float | None = None, attempts: int = 3, ranks: int = 1,
+                hostfile: Path | None = None, rank_timeout: float | None = None) -> "SupervisedProgram":
+        """ranks > 1: a tensor-parallel program, one worker per rank (serve/rank_group.py) started on `hostfile`'s
+        addresses (default: free loopback ports); a call waits at most min(step_timeout, rank_timeout) s."""
+        if ranks == 1:
+            return cls(lambda: ProgramWorker(pte, step_timeout=step_timeout), attempts=attempts)
+        from backends.mlx.serve.rank_group import RankGroup
+
+        deadline = min((t for t in (step_timeout, rank_timeout) if t is not None), default=None)
+        return cls(lambda: RankGroup(pte, ranks, step_timeout=deadline, hostfile=hostfile), attempts=attempts)
 
     @property
     def up(self) -> bool:

@@ -61,6 +61,9 @@ class ForwardState:
     # [B, G] token indices whose logits the head gets (speculative verification: the last accepted token and
     # the drafts after it); None: each row's last real token (lengths - 1), or every token without lengths
     gather: Optional[torch.Tensor] = None
+    # [B, L] the last key position each query sees (image_blocks.py: an image token sees its whole image); None:
+    # its own position (causal)
+    image_limits: Optional[torch.Tensor] = None
     masks: dict = field(default_factory=dict)
     key_positions: dict = field(default_factory=dict)  # ring layer -> [B, W + L] position of each key
     # layer -> its quantized keys and values to attend over (k, k_scales, k_biases, v, v_scales, v_biases)
@@ -194,12 +197,14 @@ class ProgramCache(Cache):
         if cache_key not in self.state.masks:
             batch, length = self.state.positions.shape
             q = self.state.positions.view(batch, 1, length, 1)
+            limits = self.state.image_limits
+            upper = q if limits is None else limits.view(batch, 1, length, 1)
             if ring:
                 k = self.state.key_positions[layer_idx].view(batch, 1, 1, -1)
-                visible = (k <= q) & (k >= 0)
+                visible = (k <= upper) & (k >= 0)
             else:
                 k = torch.arange(key_length).view(1, 1, 1, key_length)
-                visible = k <= q
+                visible = k <= upper
             if window is not None:
                 visible = visible & (k > q - window)
             self.state.masks[cache_key] = visible

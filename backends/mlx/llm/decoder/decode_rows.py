@@ -28,7 +28,8 @@ import torch
 
 from backends.mlx.llm.decoder.constraints import ConstraintError, Matcher, fill_masks
 from backends.mlx.llm.decoder.draft_sources import DraftBudget
-from backends.mlx.llm.decoder.meta import DecoderMeta
+from backends.mlx.llm.decoder.meta import ROPE_INPUT, DecoderMeta
+from backends.mlx.llm.decoder.qwen2_vl import rope_positions
 from backends.mlx.llm.decoder.step_inputs import step_inputs
 from backends.mlx.llm.sampler.knobs import mask_words
 from backends.mlx.llm.sampler.params import SamplingParams
@@ -312,11 +313,16 @@ class DecodeRows:
                 row = self.rows[slot]
                 if kind == lib.REQUEST and getattr(row.request, "prompt_images", None) is not None:
                     row.request.prompt_images.fill(image_embeds, slot, int(per_row["start_pos"][slot]))
+        rope = None
+        if ROPE_INPUT in self.meta.inputs:  # multimodal RoPE: each row's positions from its image positions
+            rope = torch.stack([rope_positions(getattr(row.request, "prompt_images", None) if row is not None else None,
+                                               self.meta.image_tokens, int(per_row["start_pos"][slot]), tokens.shape[1])
+                                for slot, row in enumerate(self.rows)])
         return step_inputs(self.meta, tokens, per_row["start_pos"],
                            per_row["lengths"], params, per_row["seeds"], [bool(f) for f in per_row["first"]],
                            masks=masks, drafts=drafts if self.meta.draft_tokens else None,
                            deliver=bool(per_row["deliver"][0]), image_embeds=image_embeds,
-                           adapters=adapters)
+                           adapters=adapters, rope_positions=rope)
 
     def read(self, outputs) -> list[tuple[int, object, TokenEvent]]:
         """Apply a call's outputs: (slot, request, event) for each row that got a token or failed, in

@@ -25,7 +25,8 @@ import torch
 from backends.mlx.exporter.export import ExportResult, export_to_pte, weights_path
 from backends.mlx.exporter.plain_step import PlainStep
 from backends.mlx.llm.decoder.adapter_input import AdapterInput
-from backends.mlx.llm.decoder.meta import ADAPTER_INPUT, META_KEY, PROCESSOR_PREFIX, TOKENIZER_PREFIX, DecoderMeta
+from backends.mlx.llm.decoder.meta import (ADAPTER_INPUT, IMAGE_INPUT, META_KEY, PROCESSOR_PREFIX, ROPE_INPUT,
+                                           TOKENIZER_PREFIX, DecoderMeta)
 from backends.mlx.llm.decoder.tool_formats import check_format, detect_format
 from backends.mlx.llm.decoder.tokenizer_files import as_tokenizer, prompt_affixes, tokenizer_blobs
 from backends.mlx.llm.sampler.export import knob_examples
@@ -33,7 +34,8 @@ from backends.mlx.llm.decoder.kv_cache import StaticCacheLM
 from backends.mlx.llm.decoder.kv_quant import kv_quant
 from backends.mlx.llm.decoder.kv_reference import KvCacheReference
 from backends.mlx.llm.decoder.model_support import float_dtype, text_config
-from backends.mlx.llm.decoder.vision_export import vision_encoder, vision_spec
+from backends.mlx.llm.decoder.qwen2_vl import MropeInputs, uses_mrope
+from backends.mlx.llm.decoder.vision_export import image_text, processor_config, vision_encoder, vision_spec
 from backends.mlx.llm.decoder.pipelined import FedBackSteps
 from backends.mlx.llm.decoder.pipelined_verify import DeliveredOrFedBack
 from backends.mlx.llm.decoder.proposer import ProposingHead, verify_proposer
@@ -127,7 +129,7 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
     if draft_tokens >= max_seq_len:
         raise ValueError(f"--draft-tokens {draft_tokens} must be below max_seq_len {max_seq_len}")
     model = model.eval()
-    encoder = vision_encoder(model)
+    encoder = vision_encoder(model, processor_config(processor_files))
     if encoder is not None:
         if draft_tokens or propose_tokens:
             raise ValueError("--draft-tokens / --propose-tokens: not supported for vision-language programs")
@@ -147,7 +149,8 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
         head = DraftVerifyingHead(lm, config, batch=batch, vocab=vocab, draft_tokens=draft_tokens)
         program = DeliveredOrFedBack(head, batch) if pipelined else head
     else:
-        head = SamplingHead(ImageInputs(lm) if encoder is not None else lm, config, batch=batch, vocab=vocab)
+        inputs = (MropeInputs(lm) if uses_mrope(model.config) else ImageInputs(lm)) if encoder is not None else lm
+        head = SamplingHead(inputs, config, batch=batch, vocab=vocab)
         program = FedBackSteps(head, config, batch) if pipelined else head
         if propose_tokens:
             program = ProposingHead(head, propose_tokens, max_seq_len)
@@ -169,6 +172,9 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
     if vision is not None:  # [B, L, D]: the image embedding at each image-token position (kv_cache.py)
         example = example + (torch.zeros(batch, max_seq_len, vision[2]),)
         dynamic["args"] = dynamic["args"] + ({1: length},)
+        if uses_mrope(model.config):  # [B, L, 3]: each token's rotary positions (qwen2_vl.py)
+            example = example + (torch.zeros(batch, max_seq_len, 3, dtype=torch.int64),)
+            dynamic["args"] = dynamic["args"] + ({1: length},)
     if draft_tokens:  # DraftVerifyingHead names its inputs (SamplingHead takes *args)
         example = example + (torch.zeros(batch, draft_tokens + 1, dtype=torch.int64),)
         # One row: G is dynamic (1..K+1), a call pays for the drafts it carries (none: one column, as a plain
@@ -193,8 +199,12 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
                              pipelined=pipelined, draft_tokens=draft_tokens, propose_tokens=propose_tokens,
                              ring_cache=any(lm.ring_window(i) is not None for i in lm.layers), vision=vision,
                              adapters=adapters.names if adapters is not None else ())
+    if vision is not None and uses_mrope(model.config):
+        meta.inputs.insert(meta.inputs.index(IMAGE_INPUT) + 1, ROPE_INPUT)
     if kv_bits:
         meta.kv_bits, meta.kv_group_size = kv_bits, kv_group_size
+    if encoder is not None:
+        meta.image_text = image_text(model, tokenizer)
     # the tool-call syntax: given, else the one the chat template teaches (tool_formats.detect_format)
     if rank is not None:
         meta.rank, meta.ranks = rank[0], rank[1]

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from backends.mlx.llm.decoder.meta import PROCESSOR_PREFIX, DecoderMeta
+from backends.mlx.llm.decoder.qwen2_vl import fixed_size_pixels
 from backends.mlx.llm.vision.images import image_digest
 from backends.mlx.llm.vision.preprocess import preprocess
 from backends.mlx.runtime.pte_metadata import named_data
@@ -58,7 +59,7 @@ def pixel_inputs(images: list, processor: dict) -> torch.Tensor:
     return torch.from_numpy(preprocess(images, processor).pixel_values).float()
 
 
-def _processor(pte: Path) -> dict:
+def processor_in(pte: Path) -> dict:
     """The image processor's configuration stored in the program (vision_export.PROCESSOR_FILES)."""
     blobs = named_data(pte, prefix=PROCESSOR_PREFIX)
     for name in ("processor_config.json", "preprocessor_config.json"):
@@ -85,8 +86,11 @@ class ImageEncoder:
             self._kept.move_to_end(digest)
             return digest, self._kept[digest]
         if self._processor is None:
-            self._processor = _processor(self.pte)
-        pixels = pixel_inputs([image], self._processor)
+            self._processor = processor_in(self.pte)
+        if len(self.meta.image_size) == 2:  # flattened patches (Qwen2-VL): at the program's one grid
+            pixels = fixed_size_pixels(image, self._processor, self.meta.image_size)
+        else:
+            pixels = pixel_inputs([image], self._processor)
         if list(pixels.shape[1:]) != list(self.meta.image_size):
             raise ValueError(f"the image processor made pixels {list(pixels.shape[1:])}, the vision method takes "
                              f"{self.meta.image_size}")

@@ -4,7 +4,8 @@ A message's content may be a list of parts, {"type": "text", "text": ...} and {"
 the part's "image" key: a PIL image, a path or bytes; or, with no such key, the next of the `images` given
 beside the messages). The chat template renders the parts (a vision-language template writes the image token
 where an image part is), and each image token then becomes the image_tokens positions one image takes
-(DecoderMeta.image_tokens), as the checkpoint's processor expands it.
+(DecoderMeta.image_tokens), as the checkpoint's processor expands it. A family whose processor replaces the mark
+in the text (Gemma 3: DecoderMeta.image_text) has it replaced there, before tokenizing.
 
     ids, images = image_chat_prompt(tokenizer, meta, messages)
 """
@@ -73,7 +74,23 @@ def image_chat_prompt(tokenizer, meta: DecoderMeta, messages, images=()) -> tupl
         raise ValueError("this model's tokenizer has no chat template: give raw text instead")
     clean, found = _parts(messages, list(images))
     text = tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=False)
+    if meta.image_text:
+        return expand_image_text(meta, tokenizer, text, len(found)), found
     return expand_images(meta, list(tokenizer.encode(text, add_special_tokens=False)), len(found)), found
+
+
+def expand_image_text(meta: DecoderMeta, tokenizer, text: str, count: int) -> list[int]:
+    """The ids of `text` with each image mark replaced by the image's full text (DecoderMeta.image_text)."""
+    mark, before, token, after = meta.image_text
+    marks = text.count(mark)
+    if marks != count:
+        raise ValueError(f"the prompt has {marks} image mark(s) {mark!r} for {count} image(s)")
+    ids = list(tokenizer.encode(text.replace(mark, before + token * meta.image_tokens + after),
+                                add_special_tokens=False))
+    if ids.count(meta.image_token_id) != count * meta.image_tokens:
+        raise ValueError(f"the prompt's text holds {ids.count(meta.image_token_id)} image positions; {count} "
+                         f"image(s) take {count * meta.image_tokens}")
+    return ids
 
 
 def has_image_parts(messages) -> bool:

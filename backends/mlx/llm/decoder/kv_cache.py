@@ -13,7 +13,8 @@ attention interfaces:
 
 A vision-language model (LLaVA: the checkpoint's whole ...ForConditionalGeneration) takes image embeddings: the
 positions whose token is the config's image_token_id get E's vector there in place of the token's embedding, as
-the family's forward merges its vision features (then its own forward runs on those input embeddings).
+the family's forward merges its vision features (then its own forward runs on those input embeddings). Gemma 3's
+image tokens also see their whole image (image_blocks.py).
 
 Row b's tokens sit at cache positions start_pos[b] .. start_pos[b]+L-1; each query attends to the cached
 positions <= its own (and within its layer's sliding window). Rows are independent sequences at their own
@@ -36,6 +37,7 @@ from torch import nn
 from backends.mlx.llm import experts
 from backends.mlx.llm.decoder import attention
 from backends.mlx.llm.decoder.attention import ForwardState, ProgramCache
+from backends.mlx.llm.decoder.image_blocks import bidirectional_images, image_limits, image_positions
 from backends.mlx.llm.decoder.kv_quant import check_head_dim, kv_quant
 from backends.mlx.llm.decoder.model_support import check_layer_windows, check_model, float_dtype, position_limit
 
@@ -184,11 +186,11 @@ class StaticCacheLM(nn.Module):
         return sum(b.numel() * b.element_size() for n, b in self.named_buffers()
                    if n.startswith(("k_", "v_")) and n.rsplit("_", 1)[-1].isdigit())
 
-    def _run(self, tokens, state: ForwardState, image_embeds=None):
+    def _run(self, tokens, state: ForwardState, image_embeds=None, position_ids=None):
         cache = ProgramCache(self, state)
         kwargs = {"input_ids": tokens}
         if image_embeds is not None:
-            image = (tokens == self.model.config.image_token_id).unsqueeze(-1)
+            image = image_positions(tokens, image_embeds, self.model.config.image_token_id).unsqueeze(-1)
             text = self.model.get_input_embeddings()(tokens)
             kwargs = {"inputs_embeds": torch.where(image, image_embeds.to(text.dtype), text)}
         if state.probe is not None or not self.uses_attention_interface:
@@ -199,16 +201,23 @@ class StaticCacheLM(nn.Module):
             kwargs["attention_mask"] = torch.zeros(visible.shape, dtype=dtype).masked_fill(
                 ~visible, torch.finfo(dtype).min)
         with cache, _etmlx_settings(self.model.config):
-            out = self.model(position_ids=state.positions, past_key_values=cache, use_cache=True, **kwargs)
+            out = self.model(position_ids=state.positions if position_ids is None else position_ids,
+                             past_key_values=cache, use_cache=True, **kwargs)
         return out.logits
 
     def forward(self, tokens: torch.Tensor, start_pos: torch.Tensor, lengths: torch.Tensor | None = None,
-                gather: torch.Tensor | None = None, image_embeds: torch.Tensor | None = None):
+                gather: torch.Tensor | None = None, image_embeds: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None):
         """gather [B, G] (token indices per row): the logits of those tokens, [B, G, V]. image_embeds [B, L, D]:
-        a vision-language model's image embedding at each image-token position."""
+        a vision-language model's image embedding at each image-token position. position_ids: the rotary
+        positions the model takes where they are not the cache positions (Qwen2-VL's [3, B, L], qwen2_vl.py)."""
         batch, length = tokens.shape
         positions = start_pos.unsqueeze(1) + torch.arange(length).unsqueeze(0)  # [B, L]
-        logits = self._run(tokens, ForwardState(positions=positions, lengths=lengths, gather=gather), image_embeds)
+        state = ForwardState(positions=positions, lengths=lengths, gather=gather)
+        if image_embeds is not None and bidirectional_images(self.model.config):
+            image = image_positions(tokens, image_embeds, self.model.config.image_token_id)
+            state.image_limits = image_limits(image, positions, lengths)
+        logits = self._run(tokens, state, image_embeds, position_ids)
         if gather is not None:
             return logits
         return logits[:, 0] if lengths is not None else logits

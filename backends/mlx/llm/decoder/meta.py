@@ -49,6 +49,9 @@ FED_OUTPUT = "fed"
 # Vision-language programs (vision_export.py) take this after the model inputs: [B, L, D] float32, the image
 # embedding of each position whose token is DecoderMeta.image_token_id (other positions' values are unread).
 IMAGE_INPUT = "image_embeds"
+# Programs with multimodal RoPE (Qwen2-VL, qwen2_vl.py) take this after image_embeds: [B, L, 3] int64, each token's
+# rotary position per section (temporal, height, width).
+ROPE_INPUT = "rope_positions"
 # Named-data keys; tools/etmlx_decode/program_metadata.cpp reads the same ones.
 META_KEY = "etmlx/decoder_meta"  # a DecoderMeta flatbuffer (decoder_meta.fbs, file identifier FILE_IDENTIFIER)
 FILE_IDENTIFIER = b"EMDM"
@@ -56,7 +59,8 @@ OLD_META_KEY = "etmlx/decoder_meta.json"  # the JSON of older exports: refused, 
 TOKENIZER_PREFIX = "etmlx/tokenizer/"  # + a file name save_pretrained wrote (tokenizer.json, ...)
 PROCESSOR_PREFIX = "etmlx/processor/"  # + the image processor's config file (vision-language programs)
 # Inputs that are int64 (ExecuTorch ScalarType 4); the rest are float32 (6).
-_INT_INPUTS = {"tokens", "start_pos", "lengths", DRAFT_INPUT, ADAPTER_INPUT, "seed", "top_k", "penalty_reset", "penalty_add", "bias_ids"}
+_INT_INPUTS = {"tokens", "start_pos", "lengths", DRAFT_INPUT, ADAPTER_INPUT, "seed", "top_k", "penalty_reset", "penalty_add", "bias_ids",
+               ROPE_INPUT}
 _INT32_INPUTS = {"allowed_mask"}
 _BOOL_INPUTS = {DELIVER_INPUT}
 _LONG, _FLOAT, _INT, _BOOL = 4, 6, 3, 11
@@ -224,6 +228,10 @@ class DecoderMeta:
     image_embed_dim: int = 0
     vision_method: str = ""
     image_size: list[int] = field(default_factory=list)
+    # How prompt text names an image (gemma3_vision.py): [mark, before, image token, after], each mark the chat
+    # template writes becoming before + image token * image_tokens + after before tokenizing, as the checkpoint's
+    # processor does; []: the image token, expanded in ids (image_prompt.expand_images).
+    image_text: list[str] = field(default_factory=list)
     # Switchable LoRA adapters (etmlx export --adapters NAME=DIR,...): the `adapter` input's value i > 0 applies
     # the i-th name's; [] for a program without them.
     adapters: list[str] = field(default_factory=list)
@@ -338,6 +346,8 @@ class DecoderMeta:
                 expected = (self.batch, self.draft_tokens + 1, widths[name])
             if name == IMAGE_INPUT:
                 expected = (self.batch, self.max_seq_len, self.image_embed_dim)
+            if name == ROPE_INPUT:
+                expected = (self.batch, self.max_seq_len, 3)
             if tuple(sizes) != expected:
                 raise ValueError(f"{pte}: input {name!r} is {list(sizes)} in the program but the metadata implies "
                                  f"{list(expected)} (batch {self.batch}, max_seq_len {self.max_seq_len}): metadata "

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from backends.mlx.llm.decoder.meta import ADAPTER_INPUT, DELIVER_INPUT, DRAFT_INPUT, IMAGE_INPUT, DecoderMeta
+from backends.mlx.llm.decoder.meta import (ADAPTER_INPUT, DELIVER_INPUT, DRAFT_INPUT, IMAGE_INPUT, ROPE_INPUT,
+                                           DecoderMeta)
 from backends.mlx.llm.sampler.knobs import KNOBS, enabled, width
 from backends.mlx.llm.sampler.params import SamplingParams
 
@@ -29,7 +30,8 @@ def verify_input(tokens: torch.Tensor, lengths, drafts: list, draft_tokens: int,
 def step_inputs(meta: DecoderMeta, tokens: torch.Tensor, start_pos, lengths, params: list[SamplingParams],
                 seeds: list[int], reset: list[bool], masks: list | None = None,
                 drafts: list | None = None, deliver: bool = True,
-                image_embeds: torch.Tensor | None = None, adapters: list[int] | None = None) -> list[torch.Tensor]:
+                image_embeds: torch.Tensor | None = None, adapters: list[int] | None = None,
+                rope_positions: torch.Tensor | None = None) -> list[torch.Tensor]:
     """The input list, in the program's order, for one call over meta.batch rows.
 
     seeds[b] is row b's seed for this call (the decode-step rules' schedule, runtime/decode_rows.h: its base
@@ -41,7 +43,9 @@ def step_inputs(meta: DecoderMeta, tokens: torch.Tensor, start_pos, lengths, par
     `deliver`: a pipelined draft-verifying program's call returns its own outputs (pipelined_verify.py).
     `image_embeds` [B, L, D]: a vision-language program's image embeddings (zeros where none is given).
 
-    adapters[b], for a program with switchable adapters (meta.adapters): row b's adapter index (default 0, none)."""
+    adapters[b], for a program with switchable adapters (meta.adapters): row b's adapter index (default 0, none).
+    `rope_positions` [B, L, 3], for a program with multimodal RoPE (qwen2_vl.py): each token's rotary positions
+    (default: its cache position in all three)."""
     batch = meta.batch
     if tokens.shape[0] != batch or len(params) != batch:
         raise ValueError(f"the program decodes {batch} row(s) per call, got {tokens.shape[0]}")
@@ -54,6 +58,11 @@ def step_inputs(meta: DecoderMeta, tokens: torch.Tensor, start_pos, lengths, par
     if meta.takes_images:
         values[IMAGE_INPUT] = (image_embeds if image_embeds is not None else
                                torch.zeros(*tokens.shape, meta.image_embed_dim)).contiguous()
+    if ROPE_INPUT in meta.inputs:
+        if rope_positions is None:
+            rope_positions = (values["start_pos"].view(-1, 1) + torch.arange(tokens.shape[1])).unsqueeze(2).expand(
+                -1, -1, 3)
+        values[ROPE_INPUT] = rope_positions.contiguous()
     if meta.draft_tokens:
         values[DRAFT_INPUT] = verify_input(tokens, lengths, drafts or [[] for _ in range(batch)], meta.draft_tokens,
                                             meta.verify_min_width)

@@ -2,7 +2,8 @@
 
 The vision method on seeded random pixels must give the eager vision forward's embeddings (within verify.py's
 tolerance, relative to their largest magnitude); then the decoder, given those embeddings at a prompt's image
-positions, must decode the eager model's greedy tokens for the same pixels (model(input_ids, pixel_values)).
+positions, must decode the eager model's greedy tokens for the same pixels (model(input_ids, pixel_values), with
+Gemma 3's token_type_ids marking the prompt's image positions: its images attend both ways, image_blocks.py).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from backends.mlx.llm.decoder.image_encoder import PromptImages
+from backends.mlx.llm.decoder.image_blocks import bidirectional_images
+from backends.mlx.llm.decoder.image_encoder import PromptImages, processor_in
 from backends.mlx.llm.decoder.loop import Decoder
 from backends.mlx.llm.decoder.verify import (DECODE_STEPS, PROMPT_SEED, VerificationError, VerificationReport,
                                              compare_greedy, tolerance, verification_prompt)
@@ -36,8 +38,9 @@ def verify_with_image(model: torch.nn.Module, pte: Path, steps: int = DECODE_STE
                                 "pass verify=False / --no-verify")
     pixels = torch.randn(1, *meta.image_size, generator=torch.Generator().manual_seed(PROMPT_SEED))
     got = decoder.images.method.execute([pixels])[0][0].float()
-    with torch.no_grad():
-        want = vision_encoder(model)(pixels)[0].float()
+    encoder = vision_encoder(model, processor_in(pte))
+    with torch.no_grad():  # a family whose method is not transformers' own call has the call as `reference`
+        want = getattr(encoder, "reference", encoder)(pixels)[0].float()
     error = float((got - want).abs().max())
     tol = tolerance(model) * max(1.0, float(want.abs().max()))
     if not error <= tol:
@@ -45,8 +48,13 @@ def verify_with_image(model: torch.nn.Module, pte: Path, steps: int = DECODE_STE
                                 f"tolerance {tol:.3g}")
     positions = torch.tensor([i for i, t in enumerate(prompt) if t == image], dtype=torch.int64)
 
+    marked = set(positions.tolist())
+
     def reference(ids):
-        return model(input_ids=torch.tensor([ids]), pixel_values=pixels).logits[0]
+        images = encoder.model_inputs(pixels, ids) if hasattr(encoder, "model_inputs") else {"pixel_values": pixels}
+        if bidirectional_images(model.config):  # the prompt's image tokens see their whole image (image_blocks.py)
+            images["token_type_ids"] = torch.tensor([[int(i in marked) for i in range(len(ids))]])
+        return model(input_ids=torch.tensor([ids]), **images).logits[0]
 
     steps = list(decoder.stream(prompt, generated, SamplingParams(), stop_at_eos=False,
                                 images=PromptImages(positions, got)))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from backends.mlx.llm.decoder.gemma3_vision import Gemma3Vision, gemma3_image_text
 from backends.mlx.llm.decoder.model_support import check_vision_family, is_vision_language
 
 VISION_METHOD = "vision"
@@ -40,16 +41,40 @@ class LlavaVision(nn.Module):
         return torch.stack(list(out.pooler_output)).float()
 
 
-ENCODERS = {"llava": LlavaVision}
+def _qwen2_vl(model: nn.Module, processor: dict | None) -> nn.Module:
+    from backends.mlx.llm.decoder.qwen2_vl import Qwen2VLVision, grid_for
+
+    if processor is None:
+        raise ValueError("a Qwen2-VL vision method is exported for one image size: it needs the image processor's "
+                         "config")
+    return Qwen2VLVision(model, grid_for(processor))
 
 
-def vision_encoder(model: nn.Module) -> nn.Module | None:
-    """The vision method's module for a vision-language model; None for a text-only one."""
+# model_type -> (model, the image processor's config or None) -> the vision method's module
+ENCODERS = {"llava": lambda model, _processor: LlavaVision(model),
+            "gemma3": lambda model, _processor: Gemma3Vision(model), "qwen2_vl": _qwen2_vl}
+# How a family's prompt text names an image, beyond the image token expanded in ids (DecoderMeta.image_text).
+IMAGE_TEXT = {"gemma3": gemma3_image_text}
+
+
+def vision_encoder(model: nn.Module, processor: dict | None = None) -> nn.Module | None:
+    """The vision method's module for a vision-language model; None for a text-only one. `processor`: the
+    checkpoint's image processor config (families whose method takes one image size read it from there)."""
     config = model.config
     if not is_vision_language(config):
         return None
     check_vision_family(config)
-    return ENCODERS[config.model_type](model).eval()
+    return ENCODERS[config.model_type](model, processor).eval()
+
+
+def processor_config(files: dict[str, bytes] | None) -> dict | None:
+    """The image processor's config among a checkpoint's PROCESSOR_FILES (name -> bytes), as the program keeps it."""
+    import json
+
+    for name in PROCESSOR_FILES:
+        if files and name in files:
+            return json.loads(files[name])
+    return None
 
 
 def image_shape(model: nn.Module) -> list[int]:
@@ -62,8 +87,19 @@ def image_shape(model: nn.Module) -> list[int]:
 
 def vision_spec(model: nn.Module, encoder: nn.Module) -> tuple:
     """DecoderMeta.build's `vision`: (image_token_id, image_tokens, image_embed_dim, VISION_METHOD, image_size),
-    the token count and width read from one eager call."""
-    shape = image_shape(model)
+    the token count and width read from one eager call; image_size is the encoder's `pixel_shape` where it has one
+    (Qwen2-VL: [patches, values per patch])."""
+    shape = getattr(encoder, "pixel_shape", None) or image_shape(model)
     with torch.no_grad():
         probe = encoder(torch.zeros(1, *shape))
     return model.config.image_token_id, int(probe.shape[1]), int(probe.shape[2]), VISION_METHOD, shape
+
+
+def image_text(model: nn.Module, tokenizer) -> list[str]:
+    """DecoderMeta.image_text of a vision-language model: [] where the image token is expanded in ids."""
+    rule = IMAGE_TEXT.get(getattr(model.config, "model_type", ""))
+    if rule is None:
+        return []
+    if tokenizer is None:
+        raise ValueError(f"a {model.config.model_type} program needs its tokenizer to name images in prompts")
+    return rule(tokenizer)

@@ -386,8 +386,28 @@ class DecoderMeta(object):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(64))
         return o == 0
 
+    # DecoderMeta
+    def ImageText(self, j):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(66))
+        if o != 0:
+            a = self._tab.Vector(o)
+            return self._tab.String(a + flatbuffers.number_types.UOffsetTFlags.py_type(j * 4))
+        return ""
+
+    # DecoderMeta
+    def ImageTextLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(66))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # DecoderMeta
+    def ImageTextIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(66))
+        return o == 0
+
 def DecoderMetaStart(builder):
-    builder.StartObject(31)
+    builder.StartObject(32)
 
 def Start(builder):
     DecoderMetaStart(builder)
@@ -626,6 +646,18 @@ def DecoderMetaStartAdaptersVector(builder, numElems):
 def StartAdaptersVector(builder, numElems):
     return DecoderMetaStartAdaptersVector(builder, numElems)
 
+def DecoderMetaAddImageText(builder, imageText):
+    builder.PrependUOffsetTRelativeSlot(31, flatbuffers.number_types.UOffsetTFlags.py_type(imageText), 0)
+
+def AddImageText(builder, imageText):
+    DecoderMetaAddImageText(builder, imageText)
+
+def DecoderMetaStartImageTextVector(builder, numElems):
+    return builder.StartVector(4, numElems, 4)
+
+def StartImageTextVector(builder, numElems):
+    return DecoderMetaStartImageTextVector(builder, numElems)
+
 def DecoderMetaEnd(builder):
     return builder.EndObject()
 
@@ -675,6 +707,7 @@ class DecoderMetaT(object):
         visionMethod = None,
         imageSize = None,
         adapters = None,
+        imageText = None,
     ):
         self.maxSeqLen = maxSeqLen  # type: int
         self.vocabSize = vocabSize  # type: int
@@ -707,6 +740,7 @@ class DecoderMetaT(object):
         self.visionMethod = visionMethod  # type: Optional[str]
         self.imageSize = imageSize  # type: Optional[List[int]]
         self.adapters = adapters  # type: Optional[List[Optional[str]]]
+        self.imageText = imageText  # type: Optional[List[Optional[str]]]
 
     @classmethod
     def InitFromBuf(cls, buf, pos):
@@ -801,6 +835,10 @@ class DecoderMetaT(object):
             self.adapters = []
             for i in range(decoderMeta.AdaptersLength()):
                 self.adapters.append(decoderMeta.Adapters(i))
+        if not decoderMeta.ImageTextIsNone():
+            self.imageText = []
+            for i in range(decoderMeta.ImageTextLength()):
+                self.imageText.append(decoderMeta.ImageText(i))
 
     # DecoderMetaT
     def Pack(self, builder):
@@ -882,6 +920,14 @@ class DecoderMetaT(object):
             for i in reversed(range(len(self.adapters))):
                 builder.PrependUOffsetTRelative(adapterslist[i])
             adapters = builder.EndVector()
+        if self.imageText is not None:
+            imageTextlist = []
+            for i in range(len(self.imageText)):
+                imageTextlist.append(builder.CreateString(self.imageText[i]))
+            DecoderMetaStartImageTextVector(builder, len(self.imageText))
+            for i in reversed(range(len(self.imageText))):
+                builder.PrependUOffsetTRelative(imageTextlist[i])
+            imageText = builder.EndVector()
         DecoderMetaStart(builder)
         DecoderMetaAddMaxSeqLen(builder, self.maxSeqLen)
         DecoderMetaAddVocabSize(builder, self.vocabSize)
@@ -929,5 +975,7 @@ class DecoderMetaT(object):
             DecoderMetaAddImageSize(builder, imageSize)
         if self.adapters is not None:
             DecoderMetaAddAdapters(builder, adapters)
+        if self.imageText is not None:
+            DecoderMetaAddImageText(builder, imageText)
         decoderMeta = DecoderMetaEnd(builder)
         return decoderMeta
