@@ -34,6 +34,11 @@ def rank_program(pte: Path, args) -> RankProgram | None:
         if getattr(args, "hostfile", None):
             raise ValueError(f"--hostfile: {pte} is a one-rank program")
         return None
+    if getattr(args, "draft_model", None) and getattr(args, "draft_model_cost", None) is None:
+        # Each rank runs this loop on its own: a draft count chosen from measured times could differ between ranks,
+        # whose calls must match. A fixed cost makes every rank choose the same counts.
+        raise ValueError(f"--draft-model on the {ranks}-rank program {pte} needs --draft-model-cost C (each rank "
+                         "must choose the same draft counts)")
     if meta.rank != 0:
         raise ValueError(f"{pte} is rank {meta.rank}'s file of a {ranks}-rank program: run rank 0's file (the one "
                          "without .rankN)")

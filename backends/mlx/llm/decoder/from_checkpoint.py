@@ -65,8 +65,8 @@ def export_checkpoint(model: str | Path, out: str | Path | None = None, *, revis
     kv_quant(kv_bits, kv_group_size)  # before the checkpoint loads
     if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
         raise ValueError(f"tensor_parallel must be an int >= 1, got {tensor_parallel!r}")
-    if tensor_parallel > 1 and (draft_tokens or propose_tokens):
-        raise ValueError("tensor_parallel: draft-verifying and proposing programs are not sharded yet")
+    if tensor_parallel > 1 and propose_tokens:  # a draft model is small: it runs whole beside the sharded target
+        raise ValueError("tensor_parallel: a draft model's proposing program is not sharded")
     if tensor_parallel > 1 and kv_bits:
         raise ValueError("tensor_parallel: a quantized KV cache (kv_bits) is not sharded yet")
     if tensor_parallel > 1 and adapters:
