@@ -14,6 +14,7 @@ from __future__ import annotations
 from backends.mlx.llm.decoder.meta import DecoderMeta
 from backends.mlx.llm.vision.images import load_image  # noqa: F401 (callers take it from here with the prompt rules)
 from backends.mlx.llm.decoder.prompt import ROLES_HINT, has_chat_template
+from backends.mlx.llm.decoder.tile_prompt import expand_tiles
 
 
 def refuse_text_only(meta: DecoderMeta, pte) -> None:
@@ -56,11 +57,15 @@ def _parts(messages, images: list) -> tuple[list[dict], list]:
     return clean, found
 
 
-def expand_images(meta: DecoderMeta, ids: list[int], count: int) -> list[int]:
-    """`ids` with each image token repeated to the positions one image takes; the tokens must match the images."""
+def expand_images(meta: DecoderMeta, ids: list[int], images: list) -> list[int]:
+    """`ids` with each image token expanded to the positions one image takes (a tiled family's: the image's tiles,
+    tile_prompt.py); the tokens must match the RGB images."""
+    count = len(images)
     marks = sum(1 for t in ids if t == meta.image_token_id)
     if marks != count:
         raise ValueError(f"the prompt has {marks} image token(s) for {count} image(s)")
+    if meta.image_prompt:
+        return expand_tiles(meta.image_prompt, ids, images, meta.image_token_id)
     out = []
     for t in ids:
         out.extend([t] * meta.image_tokens if t == meta.image_token_id else [t])
@@ -73,7 +78,7 @@ def image_chat_prompt(tokenizer, meta: DecoderMeta, messages, images=()) -> tupl
         raise ValueError("this model's tokenizer has no chat template: give raw text instead")
     clean, found = _parts(messages, list(images))
     text = tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=False)
-    return expand_images(meta, list(tokenizer.encode(text, add_special_tokens=False)), len(found)), found
+    return expand_images(meta, list(tokenizer.encode(text, add_special_tokens=False)), found), found
 
 
 def has_image_parts(messages) -> bool:

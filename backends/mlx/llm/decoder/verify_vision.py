@@ -36,8 +36,9 @@ def verify_with_image(model: torch.nn.Module, pte: Path, steps: int = DECODE_STE
                                 "pass verify=False / --no-verify")
     pixels = torch.randn(1, *meta.image_size, generator=torch.Generator().manual_seed(PROMPT_SEED))
     got = decoder.images.method.execute([pixels])[0][0].float()
+    encoder = vision_encoder(model)
     with torch.no_grad():
-        want = vision_encoder(model)(pixels)[0].float()
+        want = encoder(pixels)[0].float()
     error = float((got - want).abs().max())
     tol = tolerance(model) * max(1.0, float(want.abs().max()))
     if not error <= tol:
@@ -46,7 +47,9 @@ def verify_with_image(model: torch.nn.Module, pte: Path, steps: int = DECODE_STE
     positions = torch.tensor([i for i, t in enumerate(prompt) if t == image], dtype=torch.int64)
 
     def reference(ids):
-        return model(input_ids=torch.tensor([ids]), pixel_values=pixels).logits[0]
+        # a tiled family's forward takes pixels [1, tiles, C, H, W] (idefics3_vision.py)
+        eager = encoder.eager_pixels(pixels) if hasattr(encoder, "eager_pixels") else pixels
+        return model(input_ids=torch.tensor([ids]), pixel_values=eager).logits[0]
 
     steps = list(decoder.stream(prompt, generated, SamplingParams(), stop_at_eos=False,
                                 images=PromptImages(positions, got)))

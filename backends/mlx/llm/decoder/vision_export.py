@@ -16,7 +16,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from backends.mlx.llm.decoder.idefics3_vision import Idefics3Vision
 from backends.mlx.llm.decoder.model_support import check_vision_family, is_vision_language
+from backends.mlx.llm.decoder.tile_prompt import tile_prompt
 
 VISION_METHOD = "vision"
 # The image processor's files a checkpoint may carry (transformers 5 writes processor_config.json, holding the
@@ -40,7 +42,8 @@ class LlavaVision(nn.Module):
         return torch.stack(list(out.pooler_output)).float()
 
 
-ENCODERS = {"llava": LlavaVision}
+ENCODERS = {"llava": LlavaVision, "idefics3": Idefics3Vision, "smolvlm": Idefics3Vision}
+TILED = ("idefics3", "smolvlm")  # an image is several tiles, one vision call each (tile_prompt.py)
 
 
 def vision_encoder(model: nn.Module) -> nn.Module | None:
@@ -67,3 +70,15 @@ def vision_spec(model: nn.Module, encoder: nn.Module) -> tuple:
     with torch.no_grad():
         probe = encoder(torch.zeros(1, *shape))
     return model.config.image_token_id, int(probe.shape[1]), int(probe.shape[2]), VISION_METHOD, shape
+
+
+def image_prompt(model: nn.Module, tokenizer, processor_files: dict, tile_tokens: int) -> str:
+    """DecoderMeta.image_prompt: a tiled family's image prompt pieces as JSON (tile_prompt.py); "" for others."""
+    if model.config.model_type not in TILED:
+        return ""
+    if tokenizer is None:
+        raise ValueError(f"{model.config.model_type}: exporting needs the tokenizer (the image prompt's tokens)")
+    import json
+
+    name = next(n for n in PROCESSOR_FILES if n in processor_files)
+    return json.dumps(tile_prompt(tokenizer, json.loads(processor_files[name]), tile_tokens))

@@ -386,8 +386,15 @@ class DecoderMeta(object):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(64))
         return o == 0
 
+    # DecoderMeta
+    def ImagePrompt(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(66))
+        if o != 0:
+            return self._tab.String(o + self._tab.Pos)
+        return None
+
 def DecoderMetaStart(builder):
-    builder.StartObject(31)
+    builder.StartObject(32)
 
 def Start(builder):
     DecoderMetaStart(builder)
@@ -626,6 +633,12 @@ def DecoderMetaStartAdaptersVector(builder, numElems):
 def StartAdaptersVector(builder, numElems):
     return DecoderMetaStartAdaptersVector(builder, numElems)
 
+def DecoderMetaAddImagePrompt(builder, imagePrompt):
+    builder.PrependUOffsetTRelativeSlot(31, flatbuffers.number_types.UOffsetTFlags.py_type(imagePrompt), 0)
+
+def AddImagePrompt(builder, imagePrompt):
+    DecoderMetaAddImagePrompt(builder, imagePrompt)
+
 def DecoderMetaEnd(builder):
     return builder.EndObject()
 
@@ -675,6 +688,7 @@ class DecoderMetaT(object):
         visionMethod = None,
         imageSize = None,
         adapters = None,
+        imagePrompt = None,
     ):
         self.maxSeqLen = maxSeqLen  # type: int
         self.vocabSize = vocabSize  # type: int
@@ -707,6 +721,7 @@ class DecoderMetaT(object):
         self.visionMethod = visionMethod  # type: Optional[str]
         self.imageSize = imageSize  # type: Optional[List[int]]
         self.adapters = adapters  # type: Optional[List[Optional[str]]]
+        self.imagePrompt = imagePrompt  # type: Optional[str]
 
     @classmethod
     def InitFromBuf(cls, buf, pos):
@@ -801,6 +816,7 @@ class DecoderMetaT(object):
             self.adapters = []
             for i in range(decoderMeta.AdaptersLength()):
                 self.adapters.append(decoderMeta.Adapters(i))
+        self.imagePrompt = decoderMeta.ImagePrompt()
 
     # DecoderMetaT
     def Pack(self, builder):
@@ -882,6 +898,8 @@ class DecoderMetaT(object):
             for i in reversed(range(len(self.adapters))):
                 builder.PrependUOffsetTRelative(adapterslist[i])
             adapters = builder.EndVector()
+        if self.imagePrompt is not None:
+            imagePrompt = builder.CreateString(self.imagePrompt)
         DecoderMetaStart(builder)
         DecoderMetaAddMaxSeqLen(builder, self.maxSeqLen)
         DecoderMetaAddVocabSize(builder, self.vocabSize)
@@ -929,5 +947,7 @@ class DecoderMetaT(object):
             DecoderMetaAddImageSize(builder, imageSize)
         if self.adapters is not None:
             DecoderMetaAddAdapters(builder, adapters)
+        if self.imagePrompt is not None:
+            DecoderMetaAddImagePrompt(builder, imagePrompt)
         decoderMeta = DecoderMetaEnd(builder)
         return decoderMeta
