@@ -3,8 +3,8 @@
 A message's content may be a list of parts, {"type": "text", "text": ...} and {"type": "image"} (the image in
 the part's "image" key: a PIL image, a path or bytes; or, with no such key, the next of the `images` given
 beside the messages). The chat template renders the parts (a vision-language template writes the image token
-where an image part is), and each image token then becomes the image_tokens positions one image takes
-(DecoderMeta.image_tokens), as the checkpoint's processor expands it.
+where an image part is), and each image token then becomes the positions one image takes, as the checkpoint's
+processor expands it: DecoderMeta.image_tokens of them, or a tiled family's tiles (tile_prompt.py).
 
     ids, images = image_chat_prompt(tokenizer, meta, messages)
 """

@@ -3,7 +3,8 @@
 A vision-language `.pte` holds two methods over one file: `forward`, the decoder (kv_cache.py's StaticCacheLM
 around the checkpoint's whole ...ForConditionalGeneration, taking `image_embeds` [B, L, D] beside the tokens), and
 `vision` (VISION_METHOD): pixel values [N, C, H, W], as the checkpoint's image processor makes them, to
-embeddings [N, T, D], T the image tokens one image takes in the prompt. Both are the family's own transformers
+embeddings [N, T, D], T the image tokens one image takes in the prompt (Idefics3 / SmolVLM: one tile, an image
+being several, idefics3_vision.py). Both are the family's own transformers
 forward: the vision method is the model's get_image_features (vision tower, feature layer and selection,
 projector), so what the decoder receives at the image positions is what the family's forward would merge there.
 
