@@ -138,3 +138,18 @@ def test_export_check_covers_the_tile_vision_method(checkpoints, floats):
         model.model.connector.modality_projection.proj.weight.mul_(1.05)
     with pytest.raises(VerificationError, match="vision method differs from the eager vision forward"):
         verify_with_image(model, pte)
+
+
+def test_tiles_of_another_size_than_the_tower_are_refused(checkpoints, tmp_path, capsys):
+    import json
+    import shutil
+
+    directory = shutil.copytree(checkpoints["smolvlm"], tmp_path / "m")
+    config = json.loads((directory / "preprocessor_config.json").read_text())
+    config["max_image_size"] = {"longest_edge": 16}
+    (directory / "preprocessor_config.json").write_text(json.dumps(config))
+    assert main(["export", "--model", str(directory), "--out", str(tmp_path / "x.pte"), "--max-seq-len", "32",
+                 "--no-verify"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "etmlx: error: the image processor's tiles are 16 pixels, the vision tower takes 32: not supported"
+    assert not (tmp_path / "x.pte").exists()

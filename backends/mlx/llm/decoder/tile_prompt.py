@@ -24,11 +24,19 @@ KIND = "idefics3_tiles"
 FAKE, GLOBAL = "<fake_token_around_image>", "<global-img>"
 
 
+def _settings(processor: dict) -> dict:
+    processor = processor.get("image_processor", processor)  # processor_config.json nests it
+    return {**DEFAULTS[processor_type(processor)], **processor}
+
+
+def tile_size(processor: dict) -> int:
+    """The side of the processor's tiles."""
+    return _settings(processor)["max_image_size"]["longest_edge"]
+
+
 def max_grid(processor: dict) -> int:
     """The most tile rows (or columns) the processor cuts an image into."""
-    processor = processor.get("image_processor", processor)  # processor_config.json nests it
-    settings = {**DEFAULTS[processor_type(processor)], **processor}
-    return math.ceil(settings["size"]["longest_edge"] / settings["max_image_size"]["longest_edge"])
+    return math.ceil(_settings(processor)["size"]["longest_edge"] / tile_size(processor))
 
 
 def tile_prompt(tokenizer, processor: dict, image_seq_len: int) -> dict:

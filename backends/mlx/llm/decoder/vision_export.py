@@ -19,7 +19,7 @@ from torch import nn
 
 from backends.mlx.llm.decoder.idefics3_vision import Idefics3Vision
 from backends.mlx.llm.decoder.model_support import check_vision_family, is_vision_language
-from backends.mlx.llm.decoder.tile_prompt import tile_prompt
+from backends.mlx.llm.decoder.tile_prompt import tile_prompt, tile_size
 
 VISION_METHOD = "vision"
 # The image processor's files a checkpoint may carry (transformers 5 writes processor_config.json, holding the
@@ -82,4 +82,8 @@ def image_prompt(model: nn.Module, tokenizer, processor_files: dict, tile_tokens
     import json
 
     name = next(n for n in PROCESSOR_FILES if n in processor_files)
-    return json.dumps(tile_prompt(tokenizer, json.loads(processor_files[name]), tile_tokens))
+    processor = json.loads(processor_files[name])
+    tile, size = tile_size(processor), model.config.vision_config.image_size
+    if tile != size:  # the vision method's patch positions are those of a whole tower-sized tile
+        raise ValueError(f"the image processor's tiles are {tile} pixels, the vision tower takes {size}: not supported")
+    return json.dumps(tile_prompt(tokenizer, processor, tile_tokens))
