@@ -114,10 +114,10 @@ def _prompt_and_images(model: Model, prompt, images) -> tuple[list[int], list]:
     refuse_text_only(model.meta, getattr(model, "pte", "the program"))
     if chat:
         return image_chat_prompt(model.tokenizer, model.meta, prompt, images)
-    ids = _prompt_ids(model, prompt)
+    ids, images = _prompt_ids(model, prompt), [load_image(image) for image in images]
     if isinstance(prompt, str):  # text names each image once (the image token); ids hold their positions already
-        ids = expand_images(model.meta, ids, len(images))
-    return ids, [load_image(image) for image in images]
+        ids = expand_images(model.meta, ids, images)
+    return ids, images
 
 
 def _params(sampling: dict) -> SamplingParams:

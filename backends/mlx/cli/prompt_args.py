@@ -49,7 +49,7 @@ def prompt_and_images(args, decoder) -> tuple[list[int], list]:
         system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt is not None else []
         parts = [{"type": "image", "image": image} for image in images] + [{"type": "text", "text": text}]
         return image_chat_prompt(tokenizer, decoder.meta, system + [{"role": "user", "content": parts}])
-    return expand_images(decoder.meta, prompt_ids(args, decoder), len(images)), images
+    return expand_images(decoder.meta, prompt_ids(args, decoder), images), images
 
 
 def read_image(path, load_image):

@@ -185,7 +185,7 @@ class Engine(ProgramGrammar):
                 raise ValueError("images need the program's file (Engine(pte=...)) to load its vision method")
             self.images = ImageEncoder(self.pte, self.meta)
         if prompt.count(self.meta.image_token_id) == len(images):  # one placeholder per image (an LMTP client's)
-            prompt = expand_images(self.meta, prompt, len(images))
+            prompt = expand_images(self.meta, prompt, list(images))
         with self.images.lock:
             return self.images.prompt(prompt, list(images))
 

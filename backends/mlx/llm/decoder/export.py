@@ -35,7 +35,8 @@ from backends.mlx.llm.decoder.kv_quant import kv_quant
 from backends.mlx.llm.decoder.kv_reference import KvCacheReference
 from backends.mlx.llm.decoder.model_support import float_dtype, text_config
 from backends.mlx.llm.decoder.qwen2_vl import MropeInputs, uses_mrope
-from backends.mlx.llm.decoder.vision_export import image_text, processor_config, vision_encoder, vision_spec
+from backends.mlx.llm.decoder.vision_export import (image_prompt, image_text, processor_config, vision_encoder,
+                                                    vision_spec)
 from backends.mlx.llm.decoder.pipelined import FedBackSteps
 from backends.mlx.llm.decoder.pipelined_verify import DeliveredOrFedBack
 from backends.mlx.llm.decoder.proposer import ProposingHead, verify_proposer
@@ -205,6 +206,7 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
         meta.kv_bits, meta.kv_group_size = kv_bits, kv_group_size
     if encoder is not None:
         meta.image_text = image_text(model, tokenizer)
+        meta.image_prompt = image_prompt(model, tokenizer, processor_files, vision[1])
     # the tool-call syntax: given, else the one the chat template teaches (tool_formats.detect_format)
     if rank is not None:
         meta.rank, meta.ranks = rank[0], rank[1]

@@ -91,10 +91,13 @@ class ImageEncoder:
             pixels = fixed_size_pixels(image, self._processor, self.meta.image_size)
         else:
             pixels = pixel_inputs([image], self._processor)
-        if list(pixels.shape[1:]) != list(self.meta.image_size):
-            raise ValueError(f"the image processor made pixels {list(pixels.shape[1:])}, the vision method takes "
+        size = list(self.meta.image_size)
+        if list(pixels.shape[-len(size):]) != size:
+            raise ValueError(f"the image processor made pixels {list(pixels.shape[-len(size):])}, the vision method takes "
                              f"{self.meta.image_size}")
-        embeds = self.method.execute([pixels.contiguous()])[0][0].float()
+        # one call per tile (a tiled family's image is several, tile_prompt.py; others' one), in prompt order
+        tiles = pixels.reshape(-1, *size)
+        embeds = torch.cat([self.method.execute([tile[None].contiguous()])[0][0].float() for tile in tiles])
         self.encoded += 1
         self._kept[digest] = embeds
         if len(self._kept) > ENCODED_KEPT:
@@ -105,16 +108,19 @@ class ImageEncoder:
         """(ids keyed by image content for the prompt cache, the images' positions and embeddings)."""
         meta = self.meta
         positions = [i for i, t in enumerate(ids) if t == meta.image_token_id]
-        if len(positions) != len(images) * meta.image_tokens:
+        if not meta.image_prompt and len(positions) != len(images) * meta.image_tokens:
             raise ValueError(f"the prompt has {len(positions)} image positions; {len(images)} image(s) take "
                              f"{len(images) * meta.image_tokens}")
-        keyed, vectors = list(ids), []
-        for n, image in enumerate(images):
-            digest, embeds = self.encode(image)
+        encoded = [self.encode(image) for image in images]
+        taken = sum(len(embeds) for _, embeds in encoded)
+        if len(positions) != taken:  # a tiled family's: the images' tiles decide
+            raise ValueError(f"the prompt has {len(positions)} image positions; {len(images)} image(s) take {taken}")
+        keyed, vectors, at = list(ids), [], 0
+        for digest, embeds in encoded:
             base = int(digest[:16], 16)
-            for k in range(meta.image_tokens):
-                at = positions[n * meta.image_tokens + k]
-                keyed[at] = meta.vocab_size + (base + k) % KEY_SPACE
+            for k in range(len(embeds)):
+                keyed[positions[at]] = meta.vocab_size + (base + k) % KEY_SPACE
+                at += 1
             vectors.append(embeds)
         embeds = torch.cat(vectors) if vectors else torch.zeros(0, meta.image_embed_dim)
         return keyed, PromptImages(torch.tensor(positions, dtype=torch.int64), embeds)

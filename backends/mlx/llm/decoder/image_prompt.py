@@ -3,9 +3,9 @@
 A message's content may be a list of parts, {"type": "text", "text": ...} and {"type": "image"} (the image in
 the part's "image" key: a PIL image, a path or bytes; or, with no such key, the next of the `images` given
 beside the messages). The chat template renders the parts (a vision-language template writes the image token
-where an image part is), and each image token then becomes the image_tokens positions one image takes
-(DecoderMeta.image_tokens), as the checkpoint's processor expands it. A family whose processor replaces the mark
-in the text (Gemma 3: DecoderMeta.image_text) has it replaced there, before tokenizing.
+where an image part is), and each image token then becomes the positions one image takes, as the checkpoint's
+processor expands it: DecoderMeta.image_tokens of them, or a tiled family's tiles (tile_prompt.py). A family whose
+processor replaces the mark in the text (Gemma 3: DecoderMeta.image_text) has it replaced there, before tokenizing.
 
     ids, images = image_chat_prompt(tokenizer, meta, messages)
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 from backends.mlx.llm.decoder.meta import DecoderMeta
 from backends.mlx.llm.vision.images import load_image  # noqa: F401 (callers take it from here with the prompt rules)
 from backends.mlx.llm.decoder.prompt import ROLES_HINT, has_chat_template
+from backends.mlx.llm.decoder.tile_prompt import expand_tiles
 
 
 def refuse_text_only(meta: DecoderMeta, pte) -> None:
@@ -57,11 +58,15 @@ def _parts(messages, images: list) -> tuple[list[dict], list]:
     return clean, found
 
 
-def expand_images(meta: DecoderMeta, ids: list[int], count: int) -> list[int]:
-    """`ids` with each image token repeated to the positions one image takes; the tokens must match the images."""
+def expand_images(meta: DecoderMeta, ids: list[int], images: list) -> list[int]:
+    """`ids` with each image token expanded to the positions one image takes (a tiled family's: the image's tiles,
+    tile_prompt.py); the tokens must match the RGB images."""
+    count = len(images)
     marks = sum(1 for t in ids if t == meta.image_token_id)
     if marks != count:
         raise ValueError(f"the prompt has {marks} image token(s) for {count} image(s)")
+    if meta.image_prompt:
+        return expand_tiles(meta.image_prompt, ids, images, meta.image_token_id)
     out = []
     for t in ids:
         out.extend([t] * meta.image_tokens if t == meta.image_token_id else [t])
@@ -76,7 +81,7 @@ def image_chat_prompt(tokenizer, meta: DecoderMeta, messages, images=()) -> tupl
     text = tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=False)
     if meta.image_text:
         return expand_image_text(meta, tokenizer, text, len(found)), found
-    return expand_images(meta, list(tokenizer.encode(text, add_special_tokens=False)), len(found)), found
+    return expand_images(meta, list(tokenizer.encode(text, add_special_tokens=False)), found), found
 
 
 def expand_image_text(meta: DecoderMeta, tokenizer, text: str, count: int) -> list[int]:

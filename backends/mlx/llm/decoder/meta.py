@@ -235,6 +235,10 @@ class DecoderMeta:
     # Switchable LoRA adapters (etmlx export --adapters NAME=DIR,...): the `adapter` input's value i > 0 applies
     # the i-th name's; [] for a program without them.
     adapters: list[str] = field(default_factory=list)
+    # A family whose image takes a varying number of tiles (Idefics3 / SmolVLM: tile_prompt.py): how an image
+    # token expands, as JSON; then image_tokens are one tile's positions and the vision method encodes one tile.
+    # "": each image is image_tokens positions of image_token_id.
+    image_prompt: str = ""
 
     @classmethod
     def build(cls, *, max_seq_len, vocab_size, batch, eos_token_ids, seeded, config: SamplerConfig, dtype,

@@ -51,7 +51,9 @@ def verify_with_image(model: torch.nn.Module, pte: Path, steps: int = DECODE_STE
     marked = set(positions.tolist())
 
     def reference(ids):
-        images = encoder.model_inputs(pixels, ids) if hasattr(encoder, "model_inputs") else {"pixel_values": pixels}
+        # a tiled family's forward takes pixels [1, tiles, C, H, W] (idefics3_vision.py)
+        eager = encoder.eager_pixels(pixels) if hasattr(encoder, "eager_pixels") else pixels
+        images = encoder.model_inputs(eager, ids) if hasattr(encoder, "model_inputs") else {"pixel_values": eager}
         if bidirectional_images(model.config):  # the prompt's image tokens see their whole image (image_blocks.py)
             images["token_type_ids"] = torch.tensor([[int(i in marked) for i in range(len(ids))]])
         return model(input_ids=torch.tensor([ids]), **images).logits[0]

@@ -3,7 +3,8 @@
 A vision-language `.pte` holds two methods over one file: `forward`, the decoder (kv_cache.py's StaticCacheLM
 around the checkpoint's whole ...ForConditionalGeneration, taking `image_embeds` [B, L, D] beside the tokens), and
 `vision` (VISION_METHOD): pixel values [N, C, H, W], as the checkpoint's image processor makes them, to
-embeddings [N, T, D], T the image tokens one image takes in the prompt. Both are the family's own transformers
+embeddings [N, T, D], T the image tokens one image takes in the prompt (Idefics3 / SmolVLM: one tile, an image
+being several, idefics3_vision.py). Both are the family's own transformers
 forward: the vision method is the model's get_image_features (vision tower, feature layer and selection,
 projector), so what the decoder receives at the image positions is what the family's forward would merge there.
 
@@ -17,7 +18,9 @@ import torch
 from torch import nn
 
 from backends.mlx.llm.decoder.gemma3_vision import Gemma3Vision, gemma3_image_text
+from backends.mlx.llm.decoder.idefics3_vision import Idefics3Vision
 from backends.mlx.llm.decoder.model_support import check_vision_family, is_vision_language
+from backends.mlx.llm.decoder.tile_prompt import tile_prompt, tile_size
 
 VISION_METHOD = "vision"
 # The image processor's files a checkpoint may carry (transformers 5 writes processor_config.json, holding the
@@ -52,7 +55,10 @@ def _qwen2_vl(model: nn.Module, processor: dict | None) -> nn.Module:
 
 # model_type -> (model, the image processor's config or None) -> the vision method's module
 ENCODERS = {"llava": lambda model, _processor: LlavaVision(model),
-            "gemma3": lambda model, _processor: Gemma3Vision(model), "qwen2_vl": _qwen2_vl}
+            "gemma3": lambda model, _processor: Gemma3Vision(model), "qwen2_vl": _qwen2_vl,
+            "idefics3": lambda model, _processor: Idefics3Vision(model),
+            "smolvlm": lambda model, _processor: Idefics3Vision(model)}
+TILED = ("idefics3", "smolvlm")  # an image is several tiles, one vision call each (tile_prompt.py)
 # How a family's prompt text names an image, beyond the image token expanded in ids (DecoderMeta.image_text).
 IMAGE_TEXT = {"gemma3": gemma3_image_text}
 
@@ -103,3 +109,19 @@ def image_text(model: nn.Module, tokenizer) -> list[str]:
     if tokenizer is None:
         raise ValueError(f"a {model.config.model_type} program needs its tokenizer to name images in prompts")
     return rule(tokenizer)
+
+
+def image_prompt(model: nn.Module, tokenizer, processor_files: dict, tile_tokens: int) -> str:
+    """DecoderMeta.image_prompt: a tiled family's image prompt pieces as JSON (tile_prompt.py); "" for others."""
+    if model.config.model_type not in TILED:
+        return ""
+    if tokenizer is None:
+        raise ValueError(f"{model.config.model_type}: exporting needs the tokenizer (the image prompt's tokens)")
+    import json
+
+    name = next(n for n in PROCESSOR_FILES if n in processor_files)
+    processor = json.loads(processor_files[name])
+    tile, size = tile_size(processor), model.config.vision_config.image_size
+    if tile != size:  # the vision method's patch positions are those of a whole tower-sized tile
+        raise ValueError(f"the image processor's tiles are {tile} pixels, the vision tower takes {size}: not supported")
+    return json.dumps(tile_prompt(tokenizer, processor, tile_tokens))

@@ -482,7 +482,8 @@ struct DecoderMeta FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
     VT_VISION_METHOD = 60,
     VT_IMAGE_SIZE = 62,
     VT_ADAPTERS = 64,
-    VT_IMAGE_TEXT = 66
+    VT_IMAGE_TEXT = 66,
+    VT_IMAGE_PROMPT = 68
   };
   int64_t max_seq_len() const {
     return GetField<int64_t>(VT_MAX_SEQ_LEN, 0);
@@ -580,6 +581,9 @@ struct DecoderMeta FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   const ::flatbuffers::Vector<::flatbuffers::Offset<::flatbuffers::String>> *image_text() const {
     return GetPointer<const ::flatbuffers::Vector<::flatbuffers::Offset<::flatbuffers::String>> *>(VT_IMAGE_TEXT);
   }
+  const ::flatbuffers::String *image_prompt() const {
+    return GetPointer<const ::flatbuffers::String *>(VT_IMAGE_PROMPT);
+  }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
     return VerifyTableStart(verifier) &&
@@ -636,6 +640,8 @@ struct DecoderMeta FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
            VerifyOffset(verifier, VT_IMAGE_TEXT) &&
            verifier.VerifyVector(image_text()) &&
            verifier.VerifyVectorOfStrings(image_text()) &&
+           VerifyOffset(verifier, VT_IMAGE_PROMPT) &&
+           verifier.VerifyString(image_prompt()) &&
            verifier.EndTable();
   }
 };
@@ -740,6 +746,9 @@ struct DecoderMetaBuilder {
   void add_image_text(::flatbuffers::Offset<::flatbuffers::Vector<::flatbuffers::Offset<::flatbuffers::String>>> image_text) {
     fbb_.AddOffset(DecoderMeta::VT_IMAGE_TEXT, image_text);
   }
+  void add_image_prompt(::flatbuffers::Offset<::flatbuffers::String> image_prompt) {
+    fbb_.AddOffset(DecoderMeta::VT_IMAGE_PROMPT, image_prompt);
+  }
   explicit DecoderMetaBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
         : fbb_(_fbb) {
     start_ = fbb_.StartTable();
@@ -785,7 +794,8 @@ inline ::flatbuffers::Offset<DecoderMeta> CreateDecoderMeta(
     ::flatbuffers::Offset<::flatbuffers::String> vision_method = 0,
     ::flatbuffers::Offset<::flatbuffers::Vector<int64_t>> image_size = 0,
     ::flatbuffers::Offset<::flatbuffers::Vector<::flatbuffers::Offset<::flatbuffers::String>>> adapters = 0,
-    ::flatbuffers::Offset<::flatbuffers::Vector<::flatbuffers::Offset<::flatbuffers::String>>> image_text = 0) {
+    ::flatbuffers::Offset<::flatbuffers::Vector<::flatbuffers::Offset<::flatbuffers::String>>> image_text = 0,
+    ::flatbuffers::Offset<::flatbuffers::String> image_prompt = 0) {
   DecoderMetaBuilder builder_(_fbb);
   builder_.add_image_embed_dim(image_embed_dim);
   builder_.add_image_tokens(image_tokens);
@@ -800,6 +810,7 @@ inline ::flatbuffers::Offset<DecoderMeta> CreateDecoderMeta(
   builder_.add_batch(batch);
   builder_.add_vocab_size(vocab_size);
   builder_.add_max_seq_len(max_seq_len);
+  builder_.add_image_prompt(image_prompt);
   builder_.add_image_text(image_text);
   builder_.add_adapters(adapters);
   builder_.add_image_size(image_size);
@@ -855,7 +866,8 @@ inline ::flatbuffers::Offset<DecoderMeta> CreateDecoderMetaDirect(
     const char *vision_method = nullptr,
     const std::vector<int64_t> *image_size = nullptr,
     const std::vector<::flatbuffers::Offset<::flatbuffers::String>> *adapters = nullptr,
-    const std::vector<::flatbuffers::Offset<::flatbuffers::String>> *image_text = nullptr) {
+    const std::vector<::flatbuffers::Offset<::flatbuffers::String>> *image_text = nullptr,
+    const char *image_prompt = nullptr) {
   auto eos_token_ids__ = eos_token_ids ? _fbb.CreateVector<int64_t>(*eos_token_ids) : 0;
   auto dtype__ = dtype ? _fbb.CreateString(dtype) : 0;
   auto model_type__ = model_type ? _fbb.CreateString(model_type) : 0;
@@ -871,6 +883,7 @@ inline ::flatbuffers::Offset<DecoderMeta> CreateDecoderMetaDirect(
   auto image_size__ = image_size ? _fbb.CreateVector<int64_t>(*image_size) : 0;
   auto adapters__ = adapters ? _fbb.CreateVector<::flatbuffers::Offset<::flatbuffers::String>>(*adapters) : 0;
   auto image_text__ = image_text ? _fbb.CreateVector<::flatbuffers::Offset<::flatbuffers::String>>(*image_text) : 0;
+  auto image_prompt__ = image_prompt ? _fbb.CreateString(image_prompt) : 0;
   return backends::mlx::serialization::generated::fb::CreateDecoderMeta(
       _fbb,
       max_seq_len,
@@ -904,7 +917,8 @@ inline ::flatbuffers::Offset<DecoderMeta> CreateDecoderMetaDirect(
       vision_method__,
       image_size__,
       adapters__,
-      image_text__);
+      image_text__,
+      image_prompt__);
 }
 
 inline const backends::mlx::serialization::generated::fb::DecoderMeta *GetDecoderMeta(const void *buf) {

@@ -406,8 +406,15 @@ class DecoderMeta(object):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(66))
         return o == 0
 
+    # DecoderMeta
+    def ImagePrompt(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(68))
+        if o != 0:
+            return self._tab.String(o + self._tab.Pos)
+        return None
+
 def DecoderMetaStart(builder):
-    builder.StartObject(32)
+    builder.StartObject(33)
 
 def Start(builder):
     DecoderMetaStart(builder)
@@ -658,6 +665,12 @@ def DecoderMetaStartImageTextVector(builder, numElems):
 def StartImageTextVector(builder, numElems):
     return DecoderMetaStartImageTextVector(builder, numElems)
 
+def DecoderMetaAddImagePrompt(builder, imagePrompt):
+    builder.PrependUOffsetTRelativeSlot(32, flatbuffers.number_types.UOffsetTFlags.py_type(imagePrompt), 0)
+
+def AddImagePrompt(builder, imagePrompt):
+    DecoderMetaAddImagePrompt(builder, imagePrompt)
+
 def DecoderMetaEnd(builder):
     return builder.EndObject()
 
@@ -708,6 +721,7 @@ class DecoderMetaT(object):
         imageSize = None,
         adapters = None,
         imageText = None,
+        imagePrompt = None,
     ):
         self.maxSeqLen = maxSeqLen  # type: int
         self.vocabSize = vocabSize  # type: int
@@ -741,6 +755,7 @@ class DecoderMetaT(object):
         self.imageSize = imageSize  # type: Optional[List[int]]
         self.adapters = adapters  # type: Optional[List[Optional[str]]]
         self.imageText = imageText  # type: Optional[List[Optional[str]]]
+        self.imagePrompt = imagePrompt  # type: Optional[str]
 
     @classmethod
     def InitFromBuf(cls, buf, pos):
@@ -839,6 +854,7 @@ class DecoderMetaT(object):
             self.imageText = []
             for i in range(decoderMeta.ImageTextLength()):
                 self.imageText.append(decoderMeta.ImageText(i))
+        self.imagePrompt = decoderMeta.ImagePrompt()
 
     # DecoderMetaT
     def Pack(self, builder):
@@ -928,6 +944,8 @@ class DecoderMetaT(object):
             for i in reversed(range(len(self.imageText))):
                 builder.PrependUOffsetTRelative(imageTextlist[i])
             imageText = builder.EndVector()
+        if self.imagePrompt is not None:
+            imagePrompt = builder.CreateString(self.imagePrompt)
         DecoderMetaStart(builder)
         DecoderMetaAddMaxSeqLen(builder, self.maxSeqLen)
         DecoderMetaAddVocabSize(builder, self.vocabSize)
@@ -977,5 +995,7 @@ class DecoderMetaT(object):
             DecoderMetaAddAdapters(builder, adapters)
         if self.imageText is not None:
             DecoderMetaAddImageText(builder, imageText)
+        if self.imagePrompt is not None:
+            DecoderMetaAddImagePrompt(builder, imagePrompt)
         decoderMeta = DecoderMetaEnd(builder)
         return decoderMeta
