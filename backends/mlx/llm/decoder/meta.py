@@ -228,13 +228,13 @@ class DecoderMeta:
     image_embed_dim: int = 0
     vision_method: str = ""
     image_size: list[int] = field(default_factory=list)
+    # Switchable LoRA adapters (etmlx export --adapters NAME=DIR,...): the `adapter` input's value i > 0 applies
+    # the i-th name's; [] for a program without them.
+    adapters: list[str] = field(default_factory=list)
     # How prompt text names an image (gemma3_vision.py): [mark, before, image token, after], each mark the chat
     # template writes becoming before + image token * image_tokens + after before tokenizing, as the checkpoint's
     # processor does; []: the image token, expanded in ids (image_prompt.expand_images).
     image_text: list[str] = field(default_factory=list)
-    # Switchable LoRA adapters (etmlx export --adapters NAME=DIR,...): the `adapter` input's value i > 0 applies
-    # the i-th name's; [] for a program without them.
-    adapters: list[str] = field(default_factory=list)
     # A family whose image takes a varying number of tiles (Idefics3 / SmolVLM: tile_prompt.py): how an image
     # token expands, as JSON; then image_tokens are one tile's positions and the vision method encodes one tile.
     # "": each image is image_tokens positions of image_token_id.
