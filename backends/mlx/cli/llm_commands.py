@@ -4,6 +4,7 @@ generate_command.py and chat_command.py, which never import the exporter)."""
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
@@ -29,9 +30,13 @@ def _progress():
 
 
 def _as_flags(message: str) -> str:
-    """'draft_tokens must be ...' -> '--draft-tokens must be ...' (only the leading option name)."""
+    """'draft_tokens must be ...' -> '--draft-tokens must be ...': the leading option name, and the names with an
+    underscore (never English words) anywhere after it ('... with kv_bits' -> '... with --kv-bits')."""
     option = message.split(" ", 1)[0].removesuffix(":")  # "adapters: ..." too
-    return "--" + option.replace("_", "-") + message[len(option):] if option in _EXPORT_OPTIONS else message
+    if option in _EXPORT_OPTIONS:
+        message = "--" + option.replace("_", "-") + message[len(option):]
+    names = "|".join(name for name in (*_EXPORT_OPTIONS, "kv_bits") if "_" in name)
+    return re.sub(rf"(?<![\w-])({names})\b", lambda m: "--" + m.group(1).replace("_", "-"), message)
 
 
 def run_export(args) -> int:

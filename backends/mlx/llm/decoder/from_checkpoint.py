@@ -77,7 +77,7 @@ def export_checkpoint(model: str | Path, out: str | Path | None = None, *, revis
         raise ValueError(f"pipeline_parallel must be an int >= 1, got {pipeline_parallel!r}")
     if pipeline_parallel > 1:
         if tensor_parallel > 1:
-            raise ValueError("pipeline_parallel: combined with tensor_parallel is not built yet (choose one)")
+            raise ValueError("pipeline_parallel: not built together with tensor_parallel yet (choose one)")
         for option, value in (("draft_tokens", draft_tokens), ("propose_tokens", propose_tokens),
                               ("kv_bits", kv_bits), ("adapters", adapters)):
             if value:
