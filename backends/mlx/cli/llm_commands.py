@@ -94,11 +94,11 @@ def _text_flags(parser, max_tokens: int) -> None:
 
 
 def _rank_flags(parser) -> None:
-    """A tensor-parallel program's run (docs/distributed.md)."""
-    parser.add_argument("--hostfile", metavar="FILE", help="a tensor-parallel program: MLX's ring hostfile (JSON, "
+    """An N-rank (tensor- or pipeline-parallel) program's run (docs/distributed.md)."""
+    parser.add_argument("--hostfile", metavar="FILE", help="an N-rank program: MLX's ring hostfile (JSON, "
                         "one list of \"ip:port\" per rank) for the ranks started here; default: free loopback ports")
     parser.add_argument("--rank-timeout", type=float, default=120.0, metavar="S",
-                        help="a tensor-parallel program: end the run when no rank progresses for S seconds "
+                        help="an N-rank program: end the run when no rank progresses for S seconds "
                              "(default 120)")
 
 
