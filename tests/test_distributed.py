@@ -262,15 +262,21 @@ def test_models_that_do_not_split_are_refused_by_name():
 
 
 class _Collectives(torch.nn.Module):
-    """Rank r scales x by r + 1: all_gather stacks the ranks' values in rank order, all_sum adds them."""
+    """Rank r scales x by r + 1. Rank 0 sends its value + 1 to rank 1 (send returns what it sent), which receives it
+    (a value rank 1 never computes); all_gather stacks the ranks' values in rank order, all_sum adds them."""
 
     def __init__(self, rank: int):
         super().__init__()
+        self.rank = rank
         self.scale = float(rank + 1)
 
     def forward(self, x):
         y = x * self.scale
-        return torch.ops.mlx.all_gather(y, 2), torch.ops.mlx.all_sum(y)
+        passed = torch.ops.mlx.send(y + 1, 1) if self.rank == 0 else torch.ops.mlx.recv_like(y, 0)
+        # The collectives take `passed` in (adding zero): every rank runs them after the point-to-point step (a
+        # receive has no inputs, so nothing else would order it against them).
+        y = y + 0 * passed
+        return torch.ops.mlx.all_gather(y, 2), torch.ops.mlx.all_sum(y), passed
 
 
 def test_collective_nodes_run_over_the_group(tmp_path):
@@ -281,13 +287,14 @@ def test_collective_nodes_run_over_the_group(tmp_path):
     for rank in range(2):
         files.append(export_to_pte(_Collectives(rank), (x,), rank=(rank, 2, "collectives")).save(tmp_path / f"c{rank}.pte"))
     code = ("import torch\nfrom backends.mlx.runtime.runner import run\n"
-            f"gathered, summed = run(path, [torch.arange(6, dtype=torch.float32).reshape(2, 3)])\n"
-            "print('OUT', gathered.flatten().tolist(), summed.flatten().tolist())")
+            "outs = run(path, [torch.arange(6, dtype=torch.float32).reshape(2, 3)])\n"
+            "print('OUT', *(out.flatten().tolist() for out in outs))")
     results = _rank_processes(code, files, tmp_path / "hosts")
     for code_, out, err in results:
         assert code_ == 0, err
         line = next(line for line in out.splitlines() if line.startswith("OUT"))
-        assert line == "OUT " + " ".join(map(str, [torch.cat([x, 2 * x]).flatten().tolist(), (3 * x).flatten().tolist()]))
+        assert line == "OUT " + " ".join(map(str, [torch.cat([x, 2 * x]).flatten().tolist(), (3 * x).flatten().tolist(),
+                                                   (x + 1).flatten().tolist()]))
 
 
 def test_etmlx_export_writes_a_verified_file_per_rank(tmp_path):

@@ -12,6 +12,10 @@ so the KV cache holds only the block's layers), and:
   every rank, which samples the same token from them with the same seed, as a tensor-parallel program's ranks do.
   That costs a vocabulary's logits per step (vocab x 4 B for float32) beside hidden x 4 B per hop.
 
+Each stage's step is one chain (receive, layers, send, all_sum), so every rank meets its point-to-point step and the
+all_sum in the same order: MLX's receive has no inputs, and a graph where it were independent of a collective could
+run them in either order and deadlock against the other ranks.
+
 Families: those tested with token equality against the one-rank program (tests/test_pipeline_parallel.py)."""
 
 from __future__ import annotations
