@@ -38,14 +38,17 @@ def _agreement(args) -> int:
 
 
 def _decode(args) -> int:
-    if args.tensor_parallel:
-        from benchmarks import decode_tensor_parallel
+    if args.tensor_parallel or args.pipeline_parallel:
+        from benchmarks import decode_parallel
 
+        split = "tensor" if args.tensor_parallel else "pipeline"
+        if args.tensor_parallel and args.pipeline_parallel:
+            raise ValueError("etmlx bench decode: --tensor-parallel and --pipeline-parallel: choose one")
         if args.shape or args.quantized_dtype or args.dtypes != DEFAULT_DECODE_DTYPES:
-            raise ValueError("etmlx bench decode: --tensor-parallel measures its own float32 model: drop --shape, "
+            raise ValueError(f"etmlx bench decode: --{split}-parallel measures its own float32 model: drop --shape, "
                              "--dtypes and --quantized-dtype")
-        return decode_tensor_parallel.main(args.json, ranks=args.tensor_parallel, quick=args.quick,
-                                           cache_dir=args.cache_dir)
+        return decode_parallel.main(args.json, ranks=args.tensor_parallel or args.pipeline_parallel, quick=args.quick,
+                                    cache_dir=args.cache_dir, split=split)
     dtypes = tuple(d.strip() for d in args.dtypes.split(",") if d.strip())
     if args.context or args.kv_bits or args.layers or args.vocab:
         from benchmarks import long_context
@@ -196,6 +199,8 @@ def add_parsers(bench: argparse.ArgumentParser) -> None:
                    help="--context: the program's float dtype, its float KV cache's and the scales' (default float32)")
     p.add_argument("--tensor-parallel", type=int, metavar="N", help="an N-rank tensor-parallel program against the "
                    "one-rank program: weight bytes per rank, decode speed, bytes exchanged and time in collectives")
+    p.add_argument("--pipeline-parallel", type=int, metavar="N", help="an N-rank pipeline-parallel program (a block "
+                   "of layers per rank) against the one-rank program: weight bytes per rank, decode speed, bytes sent")
     p.add_argument("--bf16-export", action="store_true",
                    help="--shape: also export the shape's bfloat16 checkpoint with --quantize int4 and report its "
                    "peak RSS over the checkpoint's bytes")

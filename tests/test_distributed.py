@@ -1,7 +1,11 @@
 """Tensor-parallel programs (llm/distributed/, docs/distributed.md): 2 ranks over the loopback (MLX's ring backend)
 decode the tokens of the one-rank program, greedy and seeded, for tiny random Llama and Qwen3, float and int8;
 each rank holds about half of the sharded weights; a program is refused by a group of another size, by a rank
-holding another rank's file or another export's; a rank killed or stopped mid-run ends the run with one line."""
+holding another rank's file or another export's; a rank killed or stopped mid-run ends the run with one line.
+
+Pipeline-parallel programs (llm/distributed/pipeline.py) of the same models, one layer per rank, decode the one-rank
+program's tokens too (greedy and seeded; Llama float and int8, Qwen3, Gemma 3, Qwen3-MoE); each rank holds only its
+layers, their KV caches and its end of the model; the refusals; a killed stage ends the run with one line."""
 
 from __future__ import annotations
 
@@ -19,6 +23,9 @@ import torch
 from backends.mlx.llm.decoder.export import export_decoder
 from backends.mlx.llm.decoder.loop import Decoder
 from backends.mlx.llm.decoder.tensor_parallel import export_tensor_parallel
+from backends.mlx.llm.decoder.from_checkpoint import export_checkpoint
+from backends.mlx.llm.decoder.pipeline_parallel import export_pipeline_parallel
+from backends.mlx.llm.distributed.pipeline import check_pipelinable, split_layers, stage_model
 from backends.mlx.llm.distributed.launch import loopback_hostfile
 from backends.mlx.llm.distributed.rank_files import rank_file
 from backends.mlx.llm.decoder.kv_cache import StaticCacheLM
@@ -213,9 +220,9 @@ def _rank_child(launcher: subprocess.Popen, rank: int, timeout: float = 60) -> t
     raise AssertionError(f"rank {rank} never reported ready")
 
 
-@pytest.mark.parametrize("how", ["kill", "stop"])
-def test_a_rank_that_dies_or_hangs_ends_the_run_with_one_line(llama, how):
-    _, _, tp = llama
+def _kill_or_stop_rank_1(tp: Path, how: str) -> tuple[int, str, float]:
+    """`etmlx generate` of the 2-rank program `tp` with rank 1 killed or stopped once loaded: (status, stderr,
+    seconds from the signal to the launcher's end)."""
     cmd = [sys.executable, "-m", "etmlx", "generate", str(tp), "--prompt-ids", ",".join(map(str, PROMPT)),
            "--max-tokens", str(MAX_SEQ_LEN - len(PROMPT)), "--rank-timeout", "5"]
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("MLX_")}, "PYTHONPATH": str(ROOT),
@@ -228,8 +235,13 @@ def test_a_rank_that_dies_or_hangs_ends_the_run_with_one_line(llama, how):
         _, err = launcher.communicate(timeout=60)
     finally:
         launcher.kill()
-    elapsed = time.monotonic() - started
-    assert launcher.returncode != 0
+    return launcher.returncode, err, time.monotonic() - started
+
+
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_a_rank_that_dies_or_hangs_ends_the_run_with_one_line(llama, how):
+    code, err, elapsed = _kill_or_stop_rank_1(llama[2], how)
+    assert code != 0
     last = err.strip().splitlines()[-1]
     if how == "kill":
         assert last == "etmlx: error: rank 1 of 2 died (SIGKILL); the run is ended", err
@@ -250,15 +262,21 @@ def test_models_that_do_not_split_are_refused_by_name():
 
 
 class _Collectives(torch.nn.Module):
-    """Rank r scales x by r + 1: all_gather stacks the ranks' values in rank order, all_sum adds them."""
+    """Rank r scales x by r + 1. Rank 0 sends its value + 1 to rank 1 (send returns what it sent), which receives it
+    (a value rank 1 never computes); all_gather stacks the ranks' values in rank order, all_sum adds them."""
 
     def __init__(self, rank: int):
         super().__init__()
+        self.rank = rank
         self.scale = float(rank + 1)
 
     def forward(self, x):
         y = x * self.scale
-        return torch.ops.mlx.all_gather(y, 2), torch.ops.mlx.all_sum(y)
+        passed = torch.ops.mlx.send(y + 1, 1) if self.rank == 0 else torch.ops.mlx.recv_like(y, 0)
+        # The collectives take `passed` in (adding zero): every rank runs them after the point-to-point step (a
+        # receive has no inputs, so nothing else would order it against them).
+        y = y + 0 * passed
+        return torch.ops.mlx.all_gather(y, 2), torch.ops.mlx.all_sum(y), passed
 
 
 def test_collective_nodes_run_over_the_group(tmp_path):
@@ -269,13 +287,14 @@ def test_collective_nodes_run_over_the_group(tmp_path):
     for rank in range(2):
         files.append(export_to_pte(_Collectives(rank), (x,), rank=(rank, 2, "collectives")).save(tmp_path / f"c{rank}.pte"))
     code = ("import torch\nfrom backends.mlx.runtime.runner import run\n"
-            f"gathered, summed = run(path, [torch.arange(6, dtype=torch.float32).reshape(2, 3)])\n"
-            "print('OUT', gathered.flatten().tolist(), summed.flatten().tolist())")
+            "outs = run(path, [torch.arange(6, dtype=torch.float32).reshape(2, 3)])\n"
+            "print('OUT', *(out.flatten().tolist() for out in outs))")
     results = _rank_processes(code, files, tmp_path / "hosts")
     for code_, out, err in results:
         assert code_ == 0, err
         line = next(line for line in out.splitlines() if line.startswith("OUT"))
-        assert line == "OUT " + " ".join(map(str, [torch.cat([x, 2 * x]).flatten().tolist(), (3 * x).flatten().tolist()]))
+        assert line == "OUT " + " ".join(map(str, [torch.cat([x, 2 * x]).flatten().tolist(), (3 * x).flatten().tolist(),
+                                                   (x + 1).flatten().tolist()]))
 
 
 def test_etmlx_export_writes_a_verified_file_per_rank(tmp_path):
@@ -313,3 +332,108 @@ def test_a_draft_verifying_program_splits_and_decodes_the_same_tokens(llama, tmp
     assert refused.returncode == 2
     assert refused.stderr.strip().splitlines()[-1].endswith("needs --draft-model-cost C (each rank must choose the "
                                                             "same draft counts)")
+
+
+_STAGED: dict = {}
+
+
+def _staged(name: str, tmp_path_factory):
+    """(eager model, one-rank .pte, 2-stage .pte): the tensor-parallel tests' models and one-rank programs."""
+    if name not in _STAGED:
+        model, one, _ = _programs(name, tmp_path_factory)
+        pp = one.with_name("pp.pte")
+        # The float Llama's export also runs the export's own check (the 2 stages against the eager model).
+        export_pipeline_parallel(model, pp, 2, max_seq_len=MAX_SEQ_LEN, verify=name == "llama")
+        _STAGED[name] = model, one, pp
+    return _STAGED[name]
+
+
+@pytest.fixture(scope="module", params=["llama", "llama-int8", "qwen3", "gemma3", "qwen3moe"])
+def pipeline(request, tmp_path_factory):
+    return _staged(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def llama_stages(tmp_path_factory):
+    return _staged("llama", tmp_path_factory)
+
+
+def test_two_stages_decode_the_one_rank_programs_tokens(pipeline):
+    _, one, pp = pipeline
+    greedy = _one_rank(one, SamplingParams())
+    seeded = _one_rank(one, SamplingParams(**SEEDED))
+    assert seeded != greedy  # the seeded run samples: a control the comparison needs
+    assert _generate_ranks(pp) == greedy
+    # The launcher also checks both ranks produced these tokens (each samples from the all-summed logits).
+    assert _generate_ranks(pp, "--temperature", 1.0, "--seed", 7) == seeded
+
+
+def _module_bytes(module) -> int:
+    return _bytes(list(module.parameters()) + list(module.buffers()))
+
+
+def test_each_stage_holds_its_layers_and_its_end_only(llama_stages, tmp_path):
+    model, one, pp = llama_stages
+    (alone,) = _rank_processes(LOAD.replace("import mlx.core", "import os; os.environ.pop('MLX_RANK'); import mlx.core"),
+                               [one], tmp_path / "one")
+    ranks = _rank_processes(LOAD, [rank_file(pp, 0), rank_file(pp, 1)], tmp_path)
+    whole = int(alone[1].split()[-1])
+    per_rank = [int(out.split()[-1]) for _, out, _ in ranks]
+    layers = decoder_layers(model)
+    cache = StaticCacheLM(model, MAX_SEQ_LEN)
+    held = [_module_bytes(layers[i]) + _bytes(cache.layer_cache(i)) for i in range(len(layers))]
+    blocks = split_layers(len(layers), 2)
+    # What each rank does not hold: the other rank's layers and caches, and the other end of the model.
+    missing = [sum(held[i] for i in blocks[1]) + _module_bytes(model.model.norm) + _module_bytes(model.lm_head),
+               sum(held[i] for i in blocks[0]) + _module_bytes(model.model.embed_tokens)]
+    for got, gone in zip(per_rank, missing):
+        assert abs(got - (whole - gone)) / whole < 0.02, (got, whole, gone)
+    assert min(missing) > whole / 4  # a model whose split is visible in the measurement
+
+
+def test_a_stage_killed_mid_run_ends_the_run_with_one_line(llama_stages):
+    code, err, elapsed = _kill_or_stop_rank_1(llama_stages[2], "kill")
+    assert code != 0
+    assert err.strip().splitlines()[-1] == "etmlx: error: rank 1 of 2 died (SIGKILL); the run is ended", err
+    assert elapsed < 5
+
+
+def test_layers_split_in_contiguous_blocks_the_earlier_ranks_taking_the_remainder():
+    assert split_layers(3, 2) == [range(0, 2), range(2, 3)]
+    assert split_layers(10, 4) == [range(0, 3), range(3, 6), range(6, 8), range(8, 10)]
+    import transformers as T
+
+    config = T.Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=4,
+                                layer_types=["full_attention", "full_attention", "sliding_attention"])
+    model = T.AutoModelForCausalLM.from_config(config).eval()
+    last = stage_model(model, 1, 2)
+    # The stage's one layer is the model's third, renumbered 0 with its layer type; its weights are shared.
+    assert len(decoder_layers(last)) == 1 and last.config.layer_types == ["sliding_attention"]
+    assert decoder_layers(last)[0].self_attn.layer_idx == 0
+    assert decoder_layers(last)[0].mlp.up_proj.weight is decoder_layers(model)[2].mlp.up_proj.weight
+    assert len(decoder_layers(model)) == 3 and model.config.num_hidden_layers == 3  # the model is left as it was
+    assert len(decoder_layers(stage_model(model, 0, 2))) == 2
+
+
+def test_what_does_not_split_into_stages_is_refused_in_one_line(tmp_path):
+    import transformers as T
+    from types import SimpleNamespace
+
+    gpt2 = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2))
+    with pytest.raises(ValueError, match="^pipeline_parallel: gpt2 models are not split yet"):
+        check_pipelinable(gpt2, 2)
+    with pytest.raises(ValueError, match="^pipeline_parallel 3: the model has 2 decoder layers, fewer than the ranks$"):
+        check_pipelinable(_model("llama", False), 3)
+    with pytest.raises(ValueError, match="^pipeline_parallel: vision-language models are not split yet$"):
+        check_pipelinable(SimpleNamespace(config=SimpleNamespace(vision_config=object())), 2)
+    # Refused before the checkpoint is read (none is there).
+    for options, message in ((dict(tensor_parallel=2), "not built together with tensor_parallel yet"),
+                             (dict(kv_bits=8), "not built with kv_bits yet"),
+                             (dict(adapters={"a": tmp_path}), "not built with adapters yet")):
+        with pytest.raises(ValueError, match=f"^pipeline_parallel: {message}"):
+            export_checkpoint(tmp_path / "absent", tmp_path / "m.pte", pipeline_parallel=2, **options)
+    done = _etmlx("export", "--model", tmp_path / "absent", "--pipeline-parallel", 2, "--tensor-parallel", 2)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == ("etmlx: error: --pipeline-parallel: not built together with "
+                                                    "--tensor-parallel yet (choose one)")

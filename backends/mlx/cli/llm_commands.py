@@ -4,6 +4,7 @@ generate_command.py and chat_command.py, which never import the exporter)."""
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
@@ -16,7 +17,7 @@ from backends.mlx.llm.decoder.tool_formats import FORMATS as TOOL_FORMATS
 
 # export_checkpoint's options that are flags here: its messages name the option, the CLI says the flag.
 _EXPORT_OPTIONS = ("dtype", "quantize", "logprobs", "draft_tokens", "propose_tokens", "out", "sampler", "adapter",
-                   "tensor_parallel", "adapters")
+                   "tensor_parallel", "pipeline_parallel", "adapters")
 
 
 def _progress():
@@ -29,9 +30,13 @@ def _progress():
 
 
 def _as_flags(message: str) -> str:
-    """'draft_tokens must be ...' -> '--draft-tokens must be ...' (only the leading option name)."""
+    """'draft_tokens must be ...' -> '--draft-tokens must be ...': the leading option name, and the names with an
+    underscore (never English words) anywhere after it ('... with kv_bits' -> '... with --kv-bits')."""
     option = message.split(" ", 1)[0].removesuffix(":")  # "adapters: ..." too
-    return "--" + option.replace("_", "-") + message[len(option):] if option in _EXPORT_OPTIONS else message
+    if option in _EXPORT_OPTIONS:
+        message = "--" + option.replace("_", "-") + message[len(option):]
+    names = "|".join(name for name in (*_EXPORT_OPTIONS, "kv_bits") if "_" in name)
+    return re.sub(rf"(?<![\w-])({names})\b", lambda m: "--" + m.group(1).replace("_", "-"), message)
 
 
 def run_export(args) -> int:
@@ -46,7 +51,8 @@ def run_export(args) -> int:
             propose_tokens=args.propose_tokens, external_weights=args.external_weights, progress=_progress(),
             adapter=args.adapter, tool_call_format=args.tool_call_format,
             qmm_activations=args.qmm_activations, kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
-            tensor_parallel=args.tensor_parallel, adapters=_adapters(args.adapters))
+            tensor_parallel=args.tensor_parallel, pipeline_parallel=args.pipeline_parallel,
+            adapters=_adapters(args.adapters))
     except (ValueError, IsADirectoryError) as exc:  # the option names of the Python API, as this command's flags
         raise type(exc)(_as_flags(str(exc))) from None
     from backends.mlx.exporter.export import weights_path
@@ -57,8 +63,9 @@ def run_export(args) -> int:
     ptd = weights_path(out)
     if args.external_weights and ptd.is_file():
         written += f" and {ptd} ({ptd.stat().st_size / 1e6:.1f} MB)"
-    if args.tensor_parallel > 1:
-        written += f" and {args.tensor_parallel - 1} more rank file(s) beside it ({out.stem}.rankR{out.suffix})"
+    ranks = max(args.tensor_parallel, args.pipeline_parallel)
+    if ranks > 1:
+        written += f" and {ranks - 1} more rank file(s) beside it ({out.stem}.rankR{out.suffix})"
     print(f"wrote {written}: {result.summary()}")
     return 0
 
@@ -87,11 +94,11 @@ def _text_flags(parser, max_tokens: int) -> None:
 
 
 def _rank_flags(parser) -> None:
-    """A tensor-parallel program's run (docs/distributed.md)."""
-    parser.add_argument("--hostfile", metavar="FILE", help="a tensor-parallel program: MLX's ring hostfile (JSON, "
+    """An N-rank (tensor- or pipeline-parallel) program's run (docs/distributed.md)."""
+    parser.add_argument("--hostfile", metavar="FILE", help="an N-rank program: MLX's ring hostfile (JSON, "
                         "one list of \"ip:port\" per rank) for the ranks started here; default: free loopback ports")
     parser.add_argument("--rank-timeout", type=float, default=120.0, metavar="S",
-                        help="a tensor-parallel program: end the run when no rank progresses for S seconds "
+                        help="an N-rank program: end the run when no rank progresses for S seconds "
                              "(default 120)")
 
 
@@ -178,6 +185,9 @@ def add_parsers(sub) -> None:
     export.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                         help="split the model over N ranks (processes or devices; docs/distributed.md): one file per "
                              "rank, OUT.pte for rank 0 and OUT.rankR.pte; `etmlx generate OUT.pte` starts the ranks")
+    export.add_argument("--pipeline-parallel", type=int, default=1, metavar="N",
+                        help="split the model's layers over N ranks, a contiguous block each (rank 0 also the "
+                             "embedding, the last the head; docs/distributed.md): files as --tensor-parallel's")
     export.set_defaults(func=run_export)
 
     generate = sub.add_parser("generate", help="decode on the device from an exported .pte, streaming text")

@@ -1,6 +1,6 @@
-"""`etmlx generate` on a tensor-parallel program (llm/distributed/): outside a rank group it starts the program's
-ranks on this host and returns rank 0's result (llm/distributed/launch.py); inside one (started by that launcher,
-mlx.launch, or MLX_RANK/MLX_HOSTFILE set by hand) it runs this process's rank file."""
+"""`etmlx generate` on an N-rank (tensor- or pipeline-parallel) program (llm/distributed/): outside a rank group
+it starts the program's ranks on this host and returns rank 0's result (llm/distributed/launch.py); inside one
+(started by that launcher, mlx.launch, or MLX_RANK/MLX_HOSTFILE set by hand) it runs this process's rank file."""
 
 from __future__ import annotations
 

@@ -122,6 +122,10 @@ class Interpreter {
   bool exec_gather_qmm(const fb::GatherQmmNode& n);  // exec_experts.cpp
   bool exec_all_sum(const fb::AllSumNode& n);  // exec_distributed.cpp
   bool exec_all_gather(const fb::AllGatherNode& n);  // exec_distributed.cpp
+  bool exec_send(const fb::SendNode& n);  // exec_distributed.cpp
+  bool exec_recv(const fb::RecvNode& n);  // exec_distributed.cpp
+  // A SendNode's or RecvNode's peer rank, checked against the group's ranks and this rank (exec_distributed.cpp).
+  bool check_peer(int peer, const char* what);
   // An expert node's x and indices, checked against the E experts and their input features; the
   // indices clamped into [0, E) (exec_experts.cpp).
   bool read_expert_operands(const fb::Tid* x_tid, const fb::Tid* indices_tid, int experts, int in_features,

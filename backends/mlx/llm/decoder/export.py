@@ -94,8 +94,8 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
     `qmm_activations`: export_to_pte's (int16, int8 or float32 activations in the CPU's quantized products).
     `kv_bits` 4 or 8: the KV cache stored MLX-affine quantized in groups of `kv_group_size` (kv_quant.py);
     the check then runs against the eager model over the same quantized cache (kv_reference.py).
-    `rank`: (rank, ranks, group id) when `model` is one rank's part of a tensor-parallel program
-    (llm/distributed/export.py, which verifies the ranks together: a rank cannot run alone).
+    `rank`: (rank, ranks, group id) when `model` is one rank's part of an N-rank program
+    (llm/decoder/rank_programs.py, which verifies the ranks together: a rank cannot run alone).
 
     A vision-language model (vision_export.py) gets its vision method beside the decoder, and the decoder an
     image_embeds input; `processor_files` (file name -> bytes: its image processor's config) go into the program.

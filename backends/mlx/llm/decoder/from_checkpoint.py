@@ -37,7 +37,7 @@ def export_checkpoint(model: str | Path, out: str | Path | None = None, *, revis
                       draft_tokens: int = 0, propose_tokens: int = 0, external_weights: bool = False,
                       progress: Optional[Callable[[str], None]] = None, adapter: str | Path | None = None,
                       tool_call_format: str | None = None, qmm_activations: str = "int16", kv_bits: int = 0,
-                      kv_group_size: int = 64, tensor_parallel: int = 1,
+                      kv_group_size: int = 64, tensor_parallel: int = 1, pipeline_parallel: int = 1,
                       adapters: dict | None = None):
     """Export the causal LM at `model` (a local directory or a Hugging Face repo id) to `out` (default:
     NAME.pte in the current directory), which holds the program when this returns its ExportResult.
@@ -51,7 +51,9 @@ def export_checkpoint(model: str | Path, out: str | Path | None = None, *, revis
     `kv_bits` 8 or 4: the KV cache stored MLX-affine quantized, `kv_group_size` values per scale and bias
     (llm/decoder/kv_quant.py); 0: float.
     `tensor_parallel` N > 1: a program split over N ranks, one file per rank (`out` rank 0's, OUT.rankR.pte the
-    others'; llm/decoder/tensor_parallel.py, docs/distributed.md)."""
+    others'; llm/decoder/tensor_parallel.py, docs/distributed.md).
+    `pipeline_parallel` N > 1: a program whose layers are split over N ranks, a contiguous block each, one file per
+    rank as for `tensor_parallel` (llm/decoder/pipeline_parallel.py); not both."""
     from backends.mlx.llm.checkpoint_source import check_weight_files, default_pte_name, resolve_checkpoint
 
     say = progress or (lambda stage: None)
@@ -71,6 +73,15 @@ def export_checkpoint(model: str | Path, out: str | Path | None = None, *, revis
         raise ValueError("tensor_parallel: a quantized KV cache (kv_bits) is not sharded yet")
     if tensor_parallel > 1 and adapters:
         raise ValueError("tensor_parallel: switchable adapters are not sharded yet")
+    if isinstance(pipeline_parallel, bool) or not isinstance(pipeline_parallel, int) or pipeline_parallel < 1:
+        raise ValueError(f"pipeline_parallel must be an int >= 1, got {pipeline_parallel!r}")
+    if pipeline_parallel > 1:
+        if tensor_parallel > 1:
+            raise ValueError("pipeline_parallel: not built together with tensor_parallel yet (choose one)")
+        for option, value in (("draft_tokens", draft_tokens), ("propose_tokens", propose_tokens),
+                              ("kv_bits", kv_bits), ("adapters", adapters)):
+            if value:
+                raise ValueError(f"pipeline_parallel: not built with {option} yet")
     if draft_tokens < 0:
         raise ValueError(f"draft_tokens must be >= 0, got {draft_tokens}")
     if propose_tokens < 0:
@@ -128,6 +139,10 @@ def export_checkpoint(model: str | Path, out: str | Path | None = None, *, revis
 
         # Quantized before sharding (above): each rank's packed weights are the one-rank program's, cut.
         result = export_tensor_parallel(torch_model, out, tensor_parallel, max_seq_len=max_seq_len, **options)
+    elif pipeline_parallel > 1:
+        from backends.mlx.llm.decoder.pipeline_parallel import export_pipeline_parallel
+
+        result = export_pipeline_parallel(torch_model, out, pipeline_parallel, max_seq_len=max_seq_len, **options)
     else:
         result = export_decoder(torch_model, out, max_seq_len, draft_tokens=draft_tokens,
                                 propose_tokens=propose_tokens, **options)

@@ -1,29 +1,14 @@
-"""Export a causal LM as a tensor-parallel program: one file per rank (rank_files.py), each rank's part of the
-model (shard.py) traced and lowered on its own (the graphs are the same; the weights are the rank's), all
-recorded under one group id so the runtime refuses files of different exports together.
-
-A rank cannot run alone (its all_sums need the others), so the export's check runs them together: the ranks
-are started over the loopback (launch.py) for a greedy decode of verify.py's prompt, and each token is checked
-against the whole eager model's (verify.check_continuation)."""
+"""Export a causal LM as a tensor-parallel program: one file per rank, each rank's part of the model (shard.py)
+traced and lowered on its own (the graphs are the same; the weights are the rank's), written and verified
+together by rank_programs.py."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import uuid
 from pathlib import Path
 from typing import Callable, Optional
 
-from backends.mlx.exporter.export import weights_path
-from backends.mlx.llm.decoder.export import export_decoder
-from backends.mlx.llm.decoder.verify import (DECODE_STEPS, PROMPT_TOKENS, VerificationError, VerificationReport,
-                                             activation_dtype, check_continuation, is_quantized, verification_prompt)
-from backends.mlx.llm.distributed.rank_files import rank_file
+from backends.mlx.llm.decoder.rank_programs import export_rank_parts
 from backends.mlx.llm.distributed.shard import check_shardable, shard_model
-
-VERIFY_TIMEOUT_S = 600
 
 
 def export_tensor_parallel(model, out: Path, ranks: int, *, max_seq_len: int, verify: bool = True,
@@ -31,51 +16,8 @@ def export_tensor_parallel(model, out: Path, ranks: int, *, max_seq_len: int, ve
     """Write `ranks` files (`out` for rank 0, rank_file(out, r) for the others) from `model` (float or quantized),
     each with export_decoder(**export_options); rank 0's ExportResult. `verify`: run them together and check the
     greedy tokens against `model` (VerificationError, the files removed, on a mismatch)."""
-    say = progress or (lambda _stage: None)
     check_shardable(model, ranks)
     if export_options.get("propose_tokens"):  # a draft model is small: it runs whole beside the sharded target
         raise ValueError("tensor_parallel: a draft model's proposing program is not sharded")
-    out = Path(out)
-    group_id = uuid.uuid4().hex
-    results = []
-    for rank in range(ranks):
-        say(f"rank {rank} of {ranks}: sharding and exporting")
-        part = shard_model(model, rank, ranks).eval()
-        results.append(export_decoder(part, rank_file(out, rank), max_seq_len, progress=say, verify=False,
-                                      rank=(rank, ranks, group_id), **export_options))
-        del part
-    if verify:
-        say(f"verifying the {ranks} ranks together against the eager model")
-        try:
-            say(_verified(model, out, ranks).summary())
-        except VerificationError as exc:
-            for rank in range(ranks):
-                for path in (rank_file(out, rank), weights_path(rank_file(out, rank))):
-                    path.unlink(missing_ok=True)
-            raise VerificationError(f"{exc}; removed the {ranks} rank files (verify=False / --no-verify keeps "
-                                    "them)") from None
-    return results[0]
-
-
-def rank_tokens(pte: Path, prompt: list[int], max_tokens: int, timeout: float = VERIFY_TIMEOUT_S,
-                extra: tuple[str, ...] = ()) -> list[int]:
-    """`etmlx generate --json` of the N-rank program `pte` (greedy unless `extra` says otherwise): its token ids."""
-    cmd = [sys.executable, "-m", "etmlx", "generate", str(pte), "--prompt-ids", ",".join(map(str, prompt)),
-           "--max-tokens", str(max_tokens), "--json", *extra]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_")}  # start a group of its own
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    if done.returncode != 0:
-        lines = done.stderr.strip().splitlines()
-        raise VerificationError(f"{pte}: the ranks did not run ({lines[-1] if lines else done.returncode})")
-    return json.loads(done.stdout.strip().splitlines()[-1])["tokens"]
-
-
-def _verified(model, out: Path, ranks: int) -> VerificationReport:
-    config = getattr(model.config, "text_config", model.config)
-    prompt = verification_prompt(config.vocab_size, PROMPT_TOKENS)
-    tokens = rank_tokens(out, prompt, 1 + DECODE_STEPS)
-    dtype = str(activation_dtype(model)).replace("torch.", "")
-    report = VerificationReport(steps=0, dtype=dtype, quantized=is_quantized(model))
-    check_continuation(model, out, prompt, tokens, report, "step", f"({ranks} ranks) decodes differently from the "
-                       "eager model")
-    return report
+    return export_rank_parts(model, out, ranks, shard_model, max_seq_len=max_seq_len, verify=verify,
+                             progress=progress, **export_options)

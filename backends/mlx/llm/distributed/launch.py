@@ -1,5 +1,6 @@
-"""Start the ranks of a tensor-parallel run on this host and watch them (what `etmlx generate` does with an
-N-rank program when MLX's launcher has not already started it: no MLX_RANK in the environment).
+"""Start the ranks of an N-rank (tensor- or pipeline-parallel) run on this host and watch them (what `etmlx
+generate` does with an N-rank program when MLX's launcher has not already started it: no MLX_RANK in the
+environment).
 
 Every rank runs the same `etmlx` command with MLX_RANK set and MLX_HOSTFILE naming the ring's addresses (free
 loopback ports in a temporary file, or --hostfile's): the runtime joins MLX's ring group at load. Rank 0's output

@@ -1,4 +1,4 @@
-"""Where each rank's file of a tensor-parallel program lives: rank 0's is the FILE.pte a user names, rank r's
+"""Where each rank's file of an N-rank program lives: rank 0's is the FILE.pte a user names, rank r's
 FILE.rank{r}.pte beside it (and, exported with external weights, each one's .ptd beside it, as for any program)."""
 
 from __future__ import annotations

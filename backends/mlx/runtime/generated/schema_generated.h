@@ -161,6 +161,12 @@ struct AllSumNodeBuilder;
 struct AllGatherNode;
 struct AllGatherNodeBuilder;
 
+struct SendNode;
+struct SendNodeBuilder;
+
+struct RecvNode;
+struct RecvNodeBuilder;
+
 struct Instruction;
 struct InstructionBuilder;
 
@@ -610,11 +616,13 @@ enum class Node : uint8_t {
   QuantizedSdpaNode = 43,
   AllSumNode = 44,
   AllGatherNode = 45,
+  SendNode = 46,
+  RecvNode = 47,
   MIN = NONE,
-  MAX = AllGatherNode
+  MAX = RecvNode
 };
 
-inline const Node (&EnumValuesNode())[46] {
+inline const Node (&EnumValuesNode())[48] {
   static const Node values[] = {
     Node::NONE,
     Node::UnaryNode,
@@ -661,13 +669,15 @@ inline const Node (&EnumValuesNode())[46] {
     Node::PadNode,
     Node::QuantizedSdpaNode,
     Node::AllSumNode,
-    Node::AllGatherNode
+    Node::AllGatherNode,
+    Node::SendNode,
+    Node::RecvNode
   };
   return values;
 }
 
 inline const char * const *EnumNamesNode() {
-  static const char * const names[47] = {
+  static const char * const names[49] = {
     "NONE",
     "UnaryNode",
     "BinaryNode",
@@ -714,13 +724,15 @@ inline const char * const *EnumNamesNode() {
     "QuantizedSdpaNode",
     "AllSumNode",
     "AllGatherNode",
+    "SendNode",
+    "RecvNode",
     nullptr
   };
   return names;
 }
 
 inline const char *EnumNameNode(Node e) {
-  if (::flatbuffers::IsOutRange(e, Node::NONE, Node::AllGatherNode)) return "";
+  if (::flatbuffers::IsOutRange(e, Node::NONE, Node::RecvNode)) return "";
   const size_t index = static_cast<size_t>(e);
   return EnumNamesNode()[index];
 }
@@ -907,6 +919,14 @@ template<> struct NodeTraits<backends::mlx::serialization::generated::fb::AllSum
 
 template<> struct NodeTraits<backends::mlx::serialization::generated::fb::AllGatherNode> {
   static const Node enum_value = Node::AllGatherNode;
+};
+
+template<> struct NodeTraits<backends::mlx::serialization::generated::fb::SendNode> {
+  static const Node enum_value = Node::SendNode;
+};
+
+template<> struct NodeTraits<backends::mlx::serialization::generated::fb::RecvNode> {
+  static const Node enum_value = Node::RecvNode;
 };
 
 template <bool B = false>
@@ -4990,6 +5010,134 @@ inline ::flatbuffers::Offset<AllGatherNode> CreateAllGatherNode(
   return builder_.Finish();
 }
 
+struct SendNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef SendNodeBuilder Builder;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_X = 4,
+    VT_DST = 6,
+    VT_OUT = 8
+  };
+  const backends::mlx::serialization::generated::fb::Tid *x() const {
+    return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_X);
+  }
+  int32_t dst() const {
+    return GetField<int32_t>(VT_DST, 0);
+  }
+  const backends::mlx::serialization::generated::fb::Tid *out() const {
+    return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_X, 4) &&
+           VerifyField<int32_t>(verifier, VT_DST, 4) &&
+           VerifyFieldRequired<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct SendNodeBuilder {
+  typedef SendNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_x(const backends::mlx::serialization::generated::fb::Tid *x) {
+    fbb_.AddStruct(SendNode::VT_X, x);
+  }
+  void add_dst(int32_t dst) {
+    fbb_.AddElement<int32_t>(SendNode::VT_DST, dst, 0);
+  }
+  void add_out(const backends::mlx::serialization::generated::fb::Tid *out) {
+    fbb_.AddStruct(SendNode::VT_OUT, out);
+  }
+  explicit SendNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<SendNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<SendNode>(end);
+    fbb_.Required(o, SendNode::VT_X);
+    fbb_.Required(o, SendNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<SendNode> CreateSendNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const backends::mlx::serialization::generated::fb::Tid *x = nullptr,
+    int32_t dst = 0,
+    const backends::mlx::serialization::generated::fb::Tid *out = nullptr) {
+  SendNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_dst(dst);
+  builder_.add_x(x);
+  return builder_.Finish();
+}
+
+struct RecvNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef RecvNodeBuilder Builder;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_LIKE = 4,
+    VT_SRC = 6,
+    VT_OUT = 8
+  };
+  const backends::mlx::serialization::generated::fb::Tid *like() const {
+    return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_LIKE);
+  }
+  int32_t src() const {
+    return GetField<int32_t>(VT_SRC, 0);
+  }
+  const backends::mlx::serialization::generated::fb::Tid *out() const {
+    return GetStruct<const backends::mlx::serialization::generated::fb::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_LIKE, 4) &&
+           VerifyField<int32_t>(verifier, VT_SRC, 4) &&
+           VerifyFieldRequired<backends::mlx::serialization::generated::fb::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct RecvNodeBuilder {
+  typedef RecvNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_like(const backends::mlx::serialization::generated::fb::Tid *like) {
+    fbb_.AddStruct(RecvNode::VT_LIKE, like);
+  }
+  void add_src(int32_t src) {
+    fbb_.AddElement<int32_t>(RecvNode::VT_SRC, src, 0);
+  }
+  void add_out(const backends::mlx::serialization::generated::fb::Tid *out) {
+    fbb_.AddStruct(RecvNode::VT_OUT, out);
+  }
+  explicit RecvNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<RecvNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<RecvNode>(end);
+    fbb_.Required(o, RecvNode::VT_LIKE);
+    fbb_.Required(o, RecvNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<RecvNode> CreateRecvNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const backends::mlx::serialization::generated::fb::Tid *like = nullptr,
+    int32_t src = 0,
+    const backends::mlx::serialization::generated::fb::Tid *out = nullptr) {
+  RecvNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_src(src);
+  builder_.add_like(like);
+  return builder_.Finish();
+}
+
 struct Instruction FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef InstructionBuilder Builder;
   enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
@@ -5137,6 +5285,12 @@ struct Instruction FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   }
   const backends::mlx::serialization::generated::fb::AllGatherNode *node_as_AllGatherNode() const {
     return node_type() == backends::mlx::serialization::generated::fb::Node::AllGatherNode ? static_cast<const backends::mlx::serialization::generated::fb::AllGatherNode *>(node()) : nullptr;
+  }
+  const backends::mlx::serialization::generated::fb::SendNode *node_as_SendNode() const {
+    return node_type() == backends::mlx::serialization::generated::fb::Node::SendNode ? static_cast<const backends::mlx::serialization::generated::fb::SendNode *>(node()) : nullptr;
+  }
+  const backends::mlx::serialization::generated::fb::RecvNode *node_as_RecvNode() const {
+    return node_type() == backends::mlx::serialization::generated::fb::Node::RecvNode ? static_cast<const backends::mlx::serialization::generated::fb::RecvNode *>(node()) : nullptr;
   }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
@@ -5326,6 +5480,14 @@ template<> inline const backends::mlx::serialization::generated::fb::AllSumNode 
 
 template<> inline const backends::mlx::serialization::generated::fb::AllGatherNode *Instruction::node_as<backends::mlx::serialization::generated::fb::AllGatherNode>() const {
   return node_as_AllGatherNode();
+}
+
+template<> inline const backends::mlx::serialization::generated::fb::SendNode *Instruction::node_as<backends::mlx::serialization::generated::fb::SendNode>() const {
+  return node_as_SendNode();
+}
+
+template<> inline const backends::mlx::serialization::generated::fb::RecvNode *Instruction::node_as<backends::mlx::serialization::generated::fb::RecvNode>() const {
+  return node_as_RecvNode();
 }
 
 struct InstructionBuilder {
@@ -6083,6 +6245,14 @@ inline bool VerifyNode(::flatbuffers::VerifierTemplate<B> &verifier, const void 
     }
     case Node::AllGatherNode: {
       auto ptr = reinterpret_cast<const backends::mlx::serialization::generated::fb::AllGatherNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Node::SendNode: {
+      auto ptr = reinterpret_cast<const backends::mlx::serialization::generated::fb::SendNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Node::RecvNode: {
+      auto ptr = reinterpret_cast<const backends::mlx::serialization::generated::fb::RecvNode *>(obj);
       return verifier.VerifyTable(ptr);
     }
     default: return true;

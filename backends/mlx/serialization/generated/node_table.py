@@ -51,6 +51,8 @@ NODE_TAGS = {
     'QuantizedSdpaNode': 43,
     'AllSumNode': 44,
     'AllGatherNode': 45,
+    'SendNode': 46,
+    'RecvNode': 47,
 }
 
 # union member name -> {field: schema type}, in declaration order
@@ -100,4 +102,6 @@ NODE_FIELDS = {
     'QuantizedSdpaNode': {'q': 'Tid', 'k': 'Tid', 'k_scales': 'Tid', 'k_biases': 'Tid', 'v': 'Tid', 'v_scales': 'Tid', 'v_biases': 'Tid', 'mask': 'Tid', 'scale': 'float', 'group_size': 'int', 'bits': 'int', 'out': 'Tid', 'window': 'bool', 'window_base': 'Tid', 'window_shift': 'long', 'window_per_query': 'bool'},
     'AllSumNode': {'x': 'Tid', 'out': 'Tid'},
     'AllGatherNode': {'x': 'Tid', 'out': 'Tid'},
+    'SendNode': {'x': 'Tid', 'dst': 'int', 'out': 'Tid'},
+    'RecvNode': {'like': 'Tid', 'src': 'int', 'out': 'Tid'},
 }

@@ -49,6 +49,8 @@ class Node(object):
     QuantizedSdpaNode = 43
     AllSumNode = 44
     AllGatherNode = 45
+    SendNode = 46
+    RecvNode = 47
 
 def NodeCreator(unionType, table):
     from flatbuffers.table import Table
@@ -189,4 +191,10 @@ def NodeCreator(unionType, table):
     if unionType == Node.AllGatherNode:
         import backends.mlx.serialization.generated.fb.AllGatherNode
         return backends.mlx.serialization.generated.fb.AllGatherNode.AllGatherNodeT.InitFromBuf(table.Bytes, table.Pos)
+    if unionType == Node.SendNode:
+        import backends.mlx.serialization.generated.fb.SendNode
+        return backends.mlx.serialization.generated.fb.SendNode.SendNodeT.InitFromBuf(table.Bytes, table.Pos)
+    if unionType == Node.RecvNode:
+        import backends.mlx.serialization.generated.fb.RecvNode
+        return backends.mlx.serialization.generated.fb.RecvNode.RecvNodeT.InitFromBuf(table.Bytes, table.Pos)
     return None
