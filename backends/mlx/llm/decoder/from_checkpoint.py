@@ -168,7 +168,19 @@ def _load_model(model_dir: Path, dtype, quantize: str | None, group_size: int, e
         return _fused(load_mlx_quantized(model_dir, dtype), lora, say)
     config = AutoConfig.from_pretrained(str(model_dir))
     check_vision_family(config)  # before the minutes of loading: a vision tower etmlx does not export is refused
-    loader = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
+    vision = is_vision_language(config)
+    stored = stored_dtype_name(model_dir)
+    stored = getattr(torch, stored) if stored else None
+    if quantize is not None and lora is None and not vision:
+        from backends.mlx.llm.quantize.streamed import load_quantized
+
+        say(f"loading {model_dir} as {dtype}, quantizing to {quantize} one layer at a time, group size {group_size}"
+            + ("" if embeddings else " (embedding and head kept in float)"))
+        model = load_quantized(model_dir, config, dtype, SCHEMES[quantize], group_size, embeddings, stored)
+        if model is not None:
+            return model
+        say("its tensor names are not the model's: loading it whole")
+    loader = AutoModelForImageTextToText if vision else AutoModelForCausalLM
     say(f"loading {model_dir} as {dtype}")
     model = _fused(loader.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="eager"), lora, say)
     if quantize is not None:
@@ -178,9 +190,7 @@ def _load_model(model_dir: Path, dtype, quantize: str | None, group_size: int, e
             + ("" if embeddings else " (embedding and head kept in float)"))
         # Scales and biases keep the checkpoint's dtype (bf16 for most releases), as mlx_lm.convert -q writes them
         # (but the embedding's under float32 activations: modules.embedding_scales).
-        stored = stored_dtype_name(model_dir)
-        quantize_model(model, SCHEMES[quantize], group_size, embeddings=embeddings,
-                       stored=getattr(torch, stored) if stored else None)
+        quantize_model(model, SCHEMES[quantize], group_size, embeddings=embeddings, stored=stored)
     return model
 
 

@@ -9,7 +9,7 @@ each expert quantized as its [out, in] matrix would be.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -27,14 +27,27 @@ def quantize_tensor(weight: torch.Tensor, group_size: int, bits: int, stored: Op
     values, so the scales and biases are bf16 and every byte equals what `mlx_lm.convert -q` writes from
     the same checkpoint (half the bytes of float32 scales); a weight that does not round-trip through
     `stored` exactly is quantized in its own dtype."""
-    import mlx.core as mx  # the compute library itself; imported only when quantizing
-
     check_params(group_size, bits, weight.shape[-1])
     dtype = weight.dtype
     if stored is not None and stored != dtype and torch.equal(weight.to(stored).to(dtype), weight):
         dtype = stored
+    # Rows are quantized independently, so a block of rows at a time gives the same numbers with at most one
+    # block's float32, MLX and packed copies beside the weight (a 150k-row embedding's float32 copy is ~1 GB).
+    rows = weight.detach().reshape(-1, weight.shape[-1])
+    step = max(1, QUANTIZE_BLOCK // rows.shape[1])
+    parts = [_quantize_rows(rows[i:i + step], group_size, bits, dtype) for i in range(0, rows.shape[0], step)]
+    lead = weight.shape[:-1]
+    return tuple(torch.cat(p).reshape(*lead, -1) if len(p) > 1 else p[0].reshape(*lead, -1) for p in zip(*parts))
+
+
+QUANTIZE_BLOCK = 1 << 22  # weights quantized per mx.quantize call (16 MB of float32)
+
+
+def _quantize_rows(rows: torch.Tensor, group_size: int, bits: int, dtype: torch.dtype) -> tuple:
+    import mlx.core as mx  # the compute library itself; imported only when quantizing
+
     # MLX has no conversion from torch; float32 numpy carries every float dtype exactly.
-    source = mx.array(weight.detach().float().cpu().numpy())
+    source = mx.array(rows.float().cpu().numpy())
     if dtype != torch.float32:
         source = source.astype({torch.float16: mx.float16, torch.bfloat16: mx.bfloat16}[dtype])
     w, scales, biases = mx.quantize(source, group_size=group_size, bits=bits)
@@ -42,17 +55,23 @@ def quantize_tensor(weight: torch.Tensor, group_size: int, bits: int, stored: Op
     return torch.from_numpy(np.array(w)), as_torch(scales), as_torch(biases)
 
 
-def _quantized_linear(linear: nn.Linear, group_size: int, bits: int, stored=None) -> QuantizedLinear:
-    w, scales, biases = quantize_tensor(linear.weight, group_size, bits, stored)
+def _quantized_linear(linear: nn.Linear, weight: torch.Tensor, group_size: int, bits: int,
+                      stored=None) -> QuantizedLinear:
+    w, scales, biases = quantize_tensor(weight, group_size, bits, stored)
     bias = None if linear.bias is None else linear.bias.detach().clone()
     return QuantizedLinear(w, scales, biases, group_size, bits, bias=bias)
 
 
-def quantize_model(model: nn.Module, bits: int, group_size: int = 64, embeddings: bool = True,
-                   stored: Optional[torch.dtype] = None) -> nn.Module:
-    """Replace the model's Linear layers (and, with `embeddings`, the token embedding and the head) by
-    quantized ones, in place. `stored`: the checkpoint's dtype, which the scales and biases keep
-    (quantize_tensor)."""
+class Plan(NamedTuple):
+    """Which modules quantize_model replaces: the token embedding's name (None: it stays in float), the Linear
+    layers' names, and the head's name when it is tied to the embedding (it then shares the quantized table)."""
+    embedding: Optional[str]
+    linears: list
+    tied_head: Optional[str]
+
+
+def plan(model: nn.Module, group_size: int, embeddings: bool = True) -> Plan:
+    """quantize_model's choice of modules; only names, types and shapes are read (parameters may be on meta)."""
     embedding = model.get_input_embeddings()
     head = model.get_output_embeddings()
     head_name = _name_of(model, head) if head is not None else None
@@ -62,18 +81,35 @@ def quantize_model(model: nn.Module, bits: int, group_size: int = 64, embeddings
                if isinstance(module, nn.Linear) and name != head_name and module.in_features % group_size == 0]
     if embeddings and head is not None and not tied and head.in_features % group_size == 0:
         linears.append(head_name)
-    if embeddings and _quantizable_embedding(embedding, group_size):
-        w, scales, biases = quantize_tensor(embedding.weight, group_size, bits, stored)
+    quantized_embedding = embeddings and _quantizable_embedding(embedding, group_size)
+    return Plan(_name_of(model, embedding) if quantized_embedding else None, linears,
+                head_name if quantized_embedding and tied else None)
+
+
+def quantize_model(model: nn.Module, bits: int, group_size: int = 64, embeddings: bool = True,
+                   stored: Optional[torch.dtype] = None,
+                   weights: Optional[Callable[[str], torch.Tensor]] = None) -> nn.Module:
+    """Replace the model's Linear layers (and, with `embeddings`, the token embedding and the head) by
+    quantized ones, in place. `stored`: the checkpoint's dtype, which the scales and biases keep
+    (quantize_tensor). `weights`: module name -> the float weight to quantize, read only when that module is
+    replaced (quantize/streamed.py reads each from the checkpoint, the module's own parameter being on meta);
+    None: each module's own weight."""
+    chosen = plan(model, group_size, embeddings)
+    weight_of = weights or (lambda name: model.get_submodule(name).weight)
+    if chosen.embedding is not None:
+        embedding = model.get_input_embeddings()
+        w, scales, biases = quantize_tensor(weight_of(chosen.embedding), group_size, bits, stored)
+        # Under the activations' dtype (the module's), not the weight's as read (embedding_scales).
         scales, biases = embedding_scales(scales, biases, embedding.weight.dtype)
         # Gemma's embedding scales its rows (embed_scale): the quantized table keeps that scale.
         scale = getattr(embedding, "embed_scale", None)
         model.set_input_embeddings(QuantizedEmbedding(w, scales, biases, group_size, bits,
                                                       scale=None if scale is None else float(scale)))
-        if tied:
+        if chosen.tied_head is not None:
             # The head multiplies by the same table: it shares the quantized tensors.
-            _set(model, head_name, QuantizedLinear(w, scales, biases, group_size, bits))
-    for name in linears:
-        _set(model, name, _quantized_linear(model.get_submodule(name), group_size, bits, stored))
+            _set(model, chosen.tied_head, QuantizedLinear(w, scales, biases, group_size, bits))
+    for name in chosen.linears:
+        _set(model, name, _quantized_linear(model.get_submodule(name), weight_of(name), group_size, bits, stored))
     quantized_experts = False
     for module in model.modules():
         if _is_experts(module):

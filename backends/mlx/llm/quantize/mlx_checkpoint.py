@@ -112,7 +112,7 @@ def load_mlx_quantized(model_dir: Path, dtype: torch.dtype) -> nn.Module:
                          f"(quantized checkpoints of {', '.join(SUPPORTED_MODEL_TYPES)} are)")
     # Parameters are made on the meta device: a float copy of the whole model (2 GB at 0.5B in float32, built
     # and randomly initialised) would be thrown away, since every parameter comes from the checkpoint below.
-    with _parameters_on_meta():
+    with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager").eval()
     tensors = _read_weights(model_dir)
     for prefix in sorted(k[: -len(".scales")] for k in tensors if k.endswith(".scales")):
@@ -153,7 +153,7 @@ def load_mlx_quantized(model_dir: Path, dtype: torch.dtype) -> nn.Module:
 
 
 @contextlib.contextmanager
-def _parameters_on_meta():
+def parameters_on_meta():
     """Every nn.Parameter registered inside goes to the meta device (no memory, no initialisation); buffers
     (rotary tables, computed from the config) stay real. What accelerate's init_empty_weights does."""
     register = nn.Module.register_parameter
