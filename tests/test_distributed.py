@@ -311,24 +311,26 @@ def test_etmlx_export_writes_a_verified_file_per_rank(tmp_path):
                                                    "do not split over 3 ranks")
 
 
-def test_a_draft_verifying_program_splits_and_decodes_the_same_tokens(llama, tmp_path):
-    """`--draft-tokens K` with tensor parallel: every rank drafts the same tokens from the same history (prompt lookup,
+@pytest.mark.parametrize("split", ["tensor", "pipeline"])
+def test_a_draft_verifying_program_splits_and_decodes_the_same_tokens(llama, tmp_path, split):
+    """`--draft-tokens K` over 2 ranks: every rank drafts the same tokens from the same history (prompt lookup,
     Predicted Outputs) and verifies them in the same call; the tokens are the plain program's."""
     model, one, _ = llama
-    tp = tmp_path / "spec.pte"
-    export_tensor_parallel(model, tp, 2, max_seq_len=MAX_SEQ_LEN, draft_tokens=4)  # its check runs the ranks
+    export = export_tensor_parallel if split == "tensor" else export_pipeline_parallel
+    spec = tmp_path / "spec.pte"
+    export(model, spec, 2, max_seq_len=MAX_SEQ_LEN, draft_tokens=4)  # its check runs the ranks
     prediction = ",".join(map(str, _one_rank(one, SamplingParams())[:8]))
     for flags, params in (((), SamplingParams()),
                           (("--temperature", 1.0, "--seed", 7, "--prediction", prediction), SamplingParams(**SEEDED))):
-        done = _etmlx("generate", tp, "--prompt-ids", ",".join(map(str, PROMPT)), "--max-tokens", TOKENS, "--json",
+        done = _etmlx("generate", spec, "--prompt-ids", ",".join(map(str, PROMPT)), "--max-tokens", TOKENS, "--json",
                       "--rank-timeout", 60, *flags)
         assert done.returncode == 0, done.stderr
         result = json.loads(done.stdout.strip().splitlines()[-1])
         assert result["tokens"] == _one_rank(one, params)
         assert result["draft"]["proposed"] > 0  # drafts were verified (a control: the speculative path ran)
-    with pytest.raises(ValueError, match="not sharded"):
-        export_tensor_parallel(model, tmp_path / "p.pte", 2, max_seq_len=MAX_SEQ_LEN, verify=False, propose_tokens=4)
-    refused = _etmlx("generate", tp, "--prompt-ids", "1,2", "--draft-model", one)
+    with pytest.raises(ValueError, match="not s"):  # "not sharded" / "not split"
+        export(model, tmp_path / "p.pte", 2, max_seq_len=MAX_SEQ_LEN, verify=False, propose_tokens=4)
+    refused = _etmlx("generate", spec, "--prompt-ids", "1,2", "--draft-model", one)
     assert refused.returncode == 2
     assert refused.stderr.strip().splitlines()[-1].endswith("needs --draft-model-cost C (each rank must choose the "
                                                             "same draft counts)")

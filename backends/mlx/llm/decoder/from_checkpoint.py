@@ -78,8 +78,7 @@ def export_checkpoint(model: str | Path, out: str | Path | None = None, *, revis
     if pipeline_parallel > 1:
         if tensor_parallel > 1:
             raise ValueError("pipeline_parallel: not built together with tensor_parallel yet (choose one)")
-        for option, value in (("draft_tokens", draft_tokens), ("propose_tokens", propose_tokens),
-                              ("kv_bits", kv_bits), ("adapters", adapters)):
+        for option, value in (("propose_tokens", propose_tokens), ("kv_bits", kv_bits), ("adapters", adapters)):
             if value:
                 raise ValueError(f"pipeline_parallel: not built with {option} yet")
     if draft_tokens < 0:

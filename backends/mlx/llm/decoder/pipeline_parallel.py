@@ -17,7 +17,7 @@ def export_pipeline_parallel(model, out: Path, ranks: int, *, max_seq_len: int, 
     (float or quantized), each with export_decoder(**export_options); rank 0's ExportResult. `verify`: run them
     together and check the greedy tokens against `model` (VerificationError, the files removed, on a mismatch)."""
     check_pipelinable(model, ranks)
-    for option, what in (("draft_tokens", "draft-verifying"), ("propose_tokens", "proposing"),
+    for option, what in (("propose_tokens", "proposing"),
                          ("kv_bits", "quantized-KV-cache"), ("adapters", "switchable-adapter")):
         if export_options.get(option) not in (None, 0):
             raise ValueError(f"pipeline_parallel: {what} programs are not split yet")
