@@ -39,8 +39,6 @@ def _layer(spec: ckpt.CheckpointSpec, index: int, g: torch.Generator) -> dict:
 def build(spec: ckpt.CheckpointSpec, directory: Path) -> None:
     """config.json (dtype bfloat16), a tokenizer, and the weights: the embedding, one shard per layer, and the
     final norm (with the head unless it is tied), with an index."""
-    from safetensors.torch import save_file
-
     directory.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(spec.seed)
     shards = [lambda: {"model.embed_tokens.weight": _normal((spec.vocab_size, spec.hidden_size), spec, g)}]
@@ -48,16 +46,7 @@ def build(spec: ckpt.CheckpointSpec, directory: Path) -> None:
     shards.append(lambda: {"model.norm.weight": torch.ones(spec.hidden_size, dtype=torch.bfloat16),
                            **({} if spec.tie_word_embeddings else
                               {"lm_head.weight": _normal((spec.vocab_size, spec.hidden_size), spec, g)})})
-    weight_map, total = {}, 0
-    for n, make in enumerate(shards):
-        name = f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = make()  # one layer's tensors at a time
-        save_file(tensors, str(directory / name), metadata={"format": "pt"})
-        weight_map.update({key: name for key in tensors})
-        total += sum(t.numel() * t.element_size() for t in tensors.values())
-        del tensors
-    (directory / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    ckpt.save_shards(directory, shards, "pt")  # one layer's tensors at a time
     config = ckpt._config(spec).to_dict()
     config.update(rope_theta=spec.rope_theta, torch_dtype="bfloat16", dtype="bfloat16")  # checkpoints.build: why
     (directory / "config.json").write_text(json.dumps(config, indent=2))

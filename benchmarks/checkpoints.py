@@ -114,6 +114,24 @@ def save_tokenizer(vocab_size: int, directory: Path) -> None:
     PreTrainedTokenizerFast(tokenizer_object=core, unk_token="t0").save_pretrained(directory)
 
 
+def save_shards(directory: Path, shards: list, fmt: str) -> None:
+    """Write safetensors shards, each made by one of `shards` (callables returning name -> tensor) only when it is
+    written, so a real-size checkpoint never holds more than one shard's tensors; then the index naming them all.
+    `fmt`: the files' metadata format ("pt", or "mlx" for an mlx-lm directory)."""
+    from safetensors.torch import save_file
+
+    weight_map, total = {}, 0
+    for n, make in enumerate(shards):
+        name = f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = make()
+        save_file(tensors, str(directory / name), metadata={"format": fmt})
+        weight_map.update({key: name for key in tensors})
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        del tensors
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
 def build(spec: CheckpointSpec, directory: Path) -> None:
     """Write the checkpoint: float32 weights drawn from `spec.seed`, then cast to `spec.dtype`.
 

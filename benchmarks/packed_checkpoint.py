@@ -52,8 +52,6 @@ def _layer(spec: ckpt.CheckpointSpec, index: int, bits: int, g: torch.Generator)
 def build(spec: ckpt.CheckpointSpec, directory: Path, bits: int = 4) -> None:
     """Write the directory: config.json (with mlx-lm's quantization entry), a tokenizer and one shard per layer
     (the embedding, final norm and head in shards of their own) with an index, as `mlx_lm.convert -q` would."""
-    from safetensors.torch import save_file
-
     directory.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(spec.seed)
     shards = [lambda: _linear("model.embed_tokens", spec.vocab_size, spec.hidden_size, bits, g)]
@@ -62,16 +60,7 @@ def build(spec: ckpt.CheckpointSpec, directory: Path, bits: int = 4) -> None:
                     **({} if spec.tie_word_embeddings else
                        _linear("lm_head", spec.vocab_size, spec.hidden_size, bits, g))}
     shards.append(tail)
-    weight_map, total = {}, 0
-    for n, make in enumerate(shards):
-        name = f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = make()  # one layer's tensors at a time
-        save_file(tensors, str(directory / name), metadata={"format": "mlx"})
-        weight_map.update({key: name for key in tensors})
-        total += sum(t.numel() * t.element_size() for t in tensors.values())
-        del tensors
-    (directory / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    ckpt.save_shards(directory, shards, "mlx")  # one layer's tensors at a time
     config = ckpt._config(spec).to_dict()
     quantization = {"group_size": GROUP_SIZE, "bits": bits, "mode": "affine"}
     # mlx-lm writes both keys; it reads rope_theta at the top level (checkpoints.build says why)
