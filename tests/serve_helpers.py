@@ -4,7 +4,10 @@ on a free loopback port, and the eager model the .pte was exported from."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import threading
+import urllib.request
 
 import torch
 
@@ -95,3 +98,35 @@ async def lmtp_exchange(server, frames, until, timeout=60):
                     messages.append((kind, json.loads(data)))
         await asyncio.wait_for(read(), timeout)
     return messages
+
+
+def stream_in_thread(url: str, body: dict, events: list) -> threading.Thread:
+    """POST a streamed completion (`body`) to `url` in a thread: `events` gets ("chunk", data) per chunk and finally
+    ("end", the stream's error message or None)."""
+    def run():
+        request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        error = None
+        with urllib.request.urlopen(request, timeout=120) as response:
+            for raw in response:
+                line = raw.decode().strip()
+                if line.startswith("data: {"):
+                    data = json.loads(line[6:])
+                    if "error" in data:
+                        error = data["error"]["message"]
+                    else:
+                        events.append(("chunk", data))
+        events.append(("end", error))
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def wait_for(condition, limit: float = 60.0) -> bool:
+    """Whether `condition()` came true within `limit` seconds (polled every 20 ms)."""
+    done = threading.Event()
+    for _ in range(int(limit / 0.02)):
+        if condition():
+            return True
+        done.wait(0.02)
+    return False

@@ -30,7 +30,7 @@ from backends.mlx.llm.distributed.launch import loopback_hostfile
 from backends.mlx.serve.app import ServeLimits, ServerThread, load_service
 from backends.mlx.serve.program_worker import _HEADER, WorkerDied, _encode
 from backends.mlx.serve.rank_group import RankGroup
-from serve_helpers import MAX_SEQ_LEN, tiny_pte
+from serve_helpers import MAX_SEQ_LEN, stream_in_thread, tiny_pte, wait_for
 
 pytestmark = [pytest.mark.server, pytest.mark.subprocess]
 
@@ -134,34 +134,12 @@ def test_structured_output_holds_on_two_ranks(server):
 
 def _stream(server, tokenizer, events: list) -> threading.Thread:
     """A long streamed completion in a thread; `events` gets ("chunk", data) and finally ("end", error or None)."""
-    def run():
-        body = {"model": "tp", "prompt": "Hi", "max_tokens": 50, "temperature": 0, "stream": True,
-                "logit_bias": _no_eos(tokenizer)}
-        request = urllib.request.Request(server.url + "/v1/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-        error = None
-        with urllib.request.urlopen(request, timeout=120) as response:
-            for raw in response:
-                line = raw.decode().strip()
-                if line.startswith("data: {"):
-                    data = json.loads(line[6:])
-                    if "error" in data:
-                        error = data["error"]["message"]
-                    else:
-                        events.append(("chunk", data))
-        events.append(("end", error))
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread
+    return stream_in_thread(server.url, {"model": "tp", "prompt": "Hi", "max_tokens": 50, "temperature": 0,
+                                         "stream": True, "logit_bias": _no_eos(tokenizer)}, events)
 
 
-def _wait(condition, limit=90.0) -> bool:
-    done = threading.Event()
-    for _ in range(int(limit / 0.02)):
-        if condition():
-            return True
-        done.wait(0.02)
-    return False
+def _wait(condition) -> bool:
+    return wait_for(condition, limit=90.0)
 
 
 @pytest.mark.parametrize("how", ["kill", "stop"])

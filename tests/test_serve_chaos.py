@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 
 from backends.mlx.serve.app import ServeLimits, ServerThread
-from serve_helpers import bit_exact_batching, lmtp_exchange, tiny_pte
+from serve_helpers import bit_exact_batching, lmtp_exchange, stream_in_thread, tiny_pte, wait_for
 
 pytestmark = pytest.mark.server  # servers on threads
 
@@ -97,34 +97,9 @@ def test_bad_values_are_refused_at_the_edge_while_good_requests_complete(server)
 
 def _long_stream(server, events, max_tokens=50):
     """A streamed completion in a thread; `events` gets ("chunk", text) and ("end", error or None)."""
-    def run():
-        body = json.dumps({"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 1.0, "seed": 1,
-                           "stream": True, "logit_bias": {str(server.service.meta.eos_token_ids[0]): -100}})
-        request = urllib.request.Request(server.url + "/v1/completions", data=body.encode(),
-                                         headers={"Content-Type": "application/json"})
-        error = None
-        with urllib.request.urlopen(request, timeout=120) as response:
-            for raw in response:
-                line = raw.decode().strip()
-                if line.startswith("data: {"):
-                    data = json.loads(line[6:])
-                    if "error" in data:
-                        error = data["error"]["message"]
-                    else:
-                        events.append(("chunk", data))
-        events.append(("end", error))
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread
-
-
-def _wait(condition, limit=60.0):
-    done = threading.Event()
-    for _ in range(int(limit / 0.02)):
-        if condition():
-            return True
-        done.wait(0.02)
-    return False
+    return stream_in_thread(server.url, {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 1.0, "seed": 1,
+                                         "stream": True,
+                                         "logit_bias": {str(server.service.meta.eos_token_ids[0]): -100}}, events)
 
 
 @pytest.mark.parametrize("how", ["kill", "stop"])
@@ -135,13 +110,13 @@ def test_a_worker_killed_or_stopped_mid_stream_fails_its_rows_and_is_replaced(se
     pid = supervisor.worker.pid
     events = []
     thread = _long_stream(server, events)
-    assert _wait(lambda: any(kind == "chunk" for kind, _ in events))
+    assert wait_for(lambda: any(kind == "chunk" for kind, _ in events))
     os.kill(pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
     thread.join(120)
     end = events[-1]
     assert end[0] == "end" and end[1] is not None
     assert ("exited" if how == "kill" else "did not answer within 5 s") in end[1]
-    assert _wait(lambda: supervisor.restarts == restarts + 1 and _health(server)[0] == 200)
+    assert wait_for(lambda: supervisor.restarts == restarts + 1 and _health(server)[0] == 200)
     assert supervisor.worker.pid != pid
     assert _tokens(server) == solo  # a new request on the new worker: the same tokens as before
 
@@ -161,17 +136,17 @@ def test_health_is_503_while_no_worker_is_up_and_the_server_gives_up_after_its_a
         supervisor._start = slow_start
         supervisor.pause = 0.0
         os.kill(supervisor.worker.pid, signal.SIGKILL)
-        assert _wait(lambda: tries)
+        assert wait_for(lambda: tries)
         status, body = _health(srv)
         assert status == 503 and body["status"] == "restarting"
         gate.set()
-        assert _wait(lambda: _health(srv)[0] == 200) and len(tries) == 2
+        assert wait_for(lambda: _health(srv)[0] == 200) and len(tries) == 2
 
         def never():
             raise RuntimeError("cannot load (test)")
         supervisor._start = never
         os.kill(supervisor.worker.pid, signal.SIGKILL)
-        assert _wait(lambda: not srv.service.engine.running)
+        assert wait_for(lambda: not srv.service.engine.running)
         assert "could not be restarted" in srv.service.engine.fatal
         status, body = _health(srv)
         assert status == 503 and body["status"] == "stopped"
@@ -191,9 +166,9 @@ def test_beyond_max_queue_http_gets_429_and_admitted_requests_complete(tmp_path_
         threads = [threading.Thread(target=lambda k=k: results.__setitem__(k, _tokens(srv, max_tokens=4)))
                    for k in ("running", "queued")]
         threads[0].start()
-        assert _wait(lambda: srv.service.engine.active_rows == 1)
+        assert wait_for(lambda: srv.service.engine.active_rows == 1)
         threads[1].start()
-        assert _wait(lambda: srv.service.engine._queued == 1)
+        assert wait_for(lambda: srv.service.engine._queued == 1)
         status, headers, body = _complete(srv)
         assert status == 429 and headers.get("Retry-After") == "1" and body["error"]["code"] == "queue_full"
         os.kill(worker, signal.SIGCONT)
