@@ -64,7 +64,7 @@ def test_each_adapter_decodes_as_fused_and_as_its_library(tmp_path, family):
 def test_rows_on_different_adapters_share_a_call(tmp_path):
     """A 3-row program: rows on a, b and none in the same calls (the same prompt, so only the adapter input tells
     them apart) each get the tokens they get alone; the prompt cache is not reused across adapters; the C++
-    etmlx_decode runs the program's base model."""
+    etmlx_decode runs the base model or the adapter --adapter-name picks."""
     base_dir = checkpoint(tmp_path / "base")
     peft, mlx = _adapters(tmp_path, base_dir)
     decoder = _switchable(base_dir, tmp_path / "batch.pte", peft, mlx, "--batch", "3")
@@ -88,7 +88,13 @@ def test_rows_on_different_adapters_share_a_call(tmp_path):
     assert decoder.last_cached == 0
     assert [s.token for s in decoder.stream(PROMPT, STEPS, reuse=True, adapter="a")] == alone["a"]
     assert decoder.last_cached == len(PROMPT) - 1  # the same adapter reuses it (the last token is fed again)
-    assert etmlx_decode_json(tmp_path / "batch.pte", PROMPT, STEPS)["tokens"] == alone[None]
+    # The C++ decode loop: the base model by default, an adapter by name; a name the program lacks is refused.
+    for name in names:
+        flags = ("--adapter-name", name) if name else ()
+        assert etmlx_decode_json(tmp_path / "batch.pte", PROMPT, STEPS, *flags)["tokens"] == alone[name]
+    wrong = etmlx_decode_json(tmp_path / "batch.pte", PROMPT, STEPS, "--adapter-name", "c", check=False)
+    assert wrong.returncode != 0
+    assert wrong.stderr.strip().splitlines()[-1].endswith("--adapter-name c: not one of the program's adapters (a, b)")
 
 
 def test_adapters_on_a_quantized_base_decode_as_mlx_lm(tmp_path):

@@ -15,7 +15,8 @@ const char kDecodeUsage[] =
     "                    [--temperature T] [--seed S] [--KNOB VALUE ...] [--eos ID[,ID...]]\n"
     "                    [--mask-file FILE | --choice-ids 1,2;3] [--weights FILE.ptd]\n"
     "                    [--draft ngram | --prediction TEXT|@FILE | --prediction-ids 1,2,3 |\n"
-    "                     --draft-model SMALL.pte [--draft-model-cost C]] [--num-draft-tokens K] [--json]\n"
+    "                     --draft-model SMALL.pte [--draft-model-cost C]] [--num-draft-tokens K]\n"
+    "                    [--adapter-name NAME] [--json]\n"
     "\n"
     "Runs the decode loop of a .pte written by `etmlx export` on the etmlx (MLX)\n"
     "backend: one prefill call, then one call per token with seed S + step.\n"
@@ -45,6 +46,8 @@ const char kDecodeUsage[] =
     "                 (greedy; as many as pay for its calls, from their measured time)\n"
     "  --draft-model-cost  a draft call's time over a target call's, fixed (reproducible counts)\n"
     "  --num-draft-tokens  most drafts per call (default the program's K)\n"
+    "  --adapter-name one of the LoRA adapters a program exported with --adapters NAME=DIR,... keeps\n"
+    "                 switchable (default: none, the base model)\n"
     "  --json         print {\"tokens\", \"finish_reason\", timings, \"draft\"} instead of streaming ids\n";
 
 namespace {
@@ -181,6 +184,12 @@ bool parse_decode_args(int argc, char** argv, DecodeArgs* out, std::string* erro
           return false;
         }
         out->draft_model_cost = c;
+      } else if (name == "--adapter-name") {
+        if (value.empty()) {
+          *error = "--adapter-name needs a NAME";
+          return false;
+        }
+        out->adapter_name = value;
       } else if (name == "--num-draft-tokens") {
         int64_t k = 0;
         if (!parse_int(value, &k) || k < 0) {

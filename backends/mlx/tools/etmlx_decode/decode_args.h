@@ -29,6 +29,7 @@ struct DecodeArgs {
   std::optional<int64_t> num_draft_tokens;             // --num-draft-tokens: most per call (default K)
   std::optional<std::string> draft_model;              // --draft-model SMALL.pte (model_draft.h)
   std::optional<double> draft_model_cost;              // --draft-model-cost C: fixed, not measured
+  std::optional<std::string> adapter_name;  // --adapter-name NAME: one of the program's switchable adapters
   bool json = false;
   bool help = false;
 };

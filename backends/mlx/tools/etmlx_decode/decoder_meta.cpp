@@ -50,6 +50,8 @@ std::optional<DecoderMeta> parse_decoder_meta(const void* data, size_t size, con
   if (const auto ring = root->ring_cache(); ring.has_value()) meta.ring_cache = *ring;
   if (root->inputs())
     for (const auto* name : *root->inputs()) meta.inputs.push_back(name->str());
+  if (root->adapters())
+    for (const auto* name : *root->adapters()) meta.adapters.push_back(name->str());
   std::string why;
   if (!read_knobs(root->knobs(), &meta.knobs, &why)) {
     *error = where + ": " + why;

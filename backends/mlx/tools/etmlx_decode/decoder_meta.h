@@ -24,6 +24,7 @@ struct DecoderMeta {
   int64_t batch = 0;
   std::vector<int64_t> eos_token_ids;
   std::vector<std::string> inputs;  // input names in call order
+  std::vector<std::string> adapters;  // switchable LoRA adapters: the `adapter` input's value i picks the i-th (1-based)
   std::vector<KnobSpec> knobs;      // the knob table (knobs.h)
   // Ids the tokenizer adds around a text prompt (BOS, ...).
   std::vector<int64_t> prompt_prefix_ids, prompt_suffix_ids;

@@ -14,6 +14,7 @@
 // tokenizer come from inside the .pte (program_metadata.h). The generated text
 // (token ids when the program has no tokenizer) goes to stdout; errors print one "etmlx_decode: error: ..." line to stderr and exit
 // with 2 (bad input) or 1 (the program failed to load or run).
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -235,6 +236,19 @@ int run(const etmlx::DecodeArgs& args) {
   if (!etmlx::resolve_knob_flags(specs, args.knob_flags, "", &knobs, &error)) return fail(kBadInput, error);
   auto inputs = etmlx::StepInputs::plan(meta.get(), decoder.inputs, specs, knobs, &error);
   if (!inputs) return fail(kBadInput, args.pte + ": " + error);
+  if (args.adapter_name) {
+    const auto& names = decoder.adapters;
+    const auto found = std::find(names.begin(), names.end(), *args.adapter_name);
+    if (found == names.end()) {
+      std::string known;
+      for (const auto& name : names) known += (known.empty() ? "" : ", ") + name;
+      return fail(kBadInput, "--adapter-name " + *args.adapter_name + ": " +
+                                 (names.empty() ? "the program has no switchable adapters (export with --adapters "
+                                                  "NAME=DIR,...)"
+                                                : "not one of the program's adapters (" + known + ")"));
+    }
+    if (!inputs->set_adapter(found - names.begin() + 1, &error)) return fail(kBadInput, args.pte + ": " + error);
+  }
   const float temperature = static_cast<float>(knobs["temperature"].f);
   const int64_t seed = knobs["seed"].i;
   // A batched program runs one sequence in row 0 (StepInputs idles the rest).

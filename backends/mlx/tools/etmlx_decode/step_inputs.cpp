@@ -97,7 +97,7 @@ std::optional<StepInputs> StepInputs::plan(const MethodMeta& meta,
       slot.role = Role::Deliver;
       if (!expect(ScalarType::Bool, "bool") || !per_row()) return std::nullopt;
     } else if (name == "adapter") {  // meta.py ADAPTER_INPUT: switchable LoRA adapters, [B]; 0 = the base model
-      slot.role = Role::Knob;  // every row 0: this loop runs the base model (no flag picks an adapter yet)
+      slot.role = Role::Knob;  // 0 (the base model) unless set_adapter() picks one for the sequence's rows
       if (!expect(ScalarType::Long, "int64") || !per_row()) return std::nullopt;
     } else if (name == "start_pos" || name == "lengths") {
       slot.role = name == "start_pos" ? Role::StartPos : Role::Lengths;
@@ -212,6 +212,16 @@ int64_t StepInputs::mask_words() const {
       return slot.sizes.back();
   }
   return 0;
+}
+
+bool StepInputs::set_adapter(int64_t index, std::string* error) {
+  for (Slot& slot : slots_) {
+    if (slot.name != "adapter") continue;
+    slot.value.i = slot.first.i = index;  // idle rows keep 0: their tokens are thrown away
+    return true;
+  }
+  *error = "the program has no switchable adapters (export with --adapters NAME=DIR,...)";
+  return false;
 }
 
 std::vector<EValue> StepInputs::build(const CallLayout& call, float temperature, const std::vector<int32_t>* mask_row) {

@@ -38,6 +38,10 @@ class StepInputs {
   static std::optional<StepInputs> plan_defaults(const executorch::runtime::MethodMeta& meta, const DecoderMeta& decoder,
                                                  std::string* error);
 
+  // Every sequence row runs switchable adapter `index` (1-based; 0 = the base model): false, with `error`, for a
+  // program without the `adapter` input.
+  bool set_adapter(int64_t index, std::string* error);
+
   // Rows per call (the program's batch).
   int64_t batch() const { return batch_; }
 
