@@ -19,6 +19,7 @@ from torch import nn
 
 from backends.mlx.llm.decoder.gemma3_vision import Gemma3Vision, gemma3_image_text
 from backends.mlx.llm.decoder.idefics3_vision import Idefics3Vision
+from backends.mlx.llm.decoder import llava_next
 from backends.mlx.llm.decoder.model_support import check_vision_family, is_vision_language
 from backends.mlx.llm.decoder.tile_prompt import tile_prompt, tile_size
 
@@ -57,7 +58,8 @@ def _qwen2_vl(model: nn.Module, processor: dict | None) -> nn.Module:
 ENCODERS = {"llava": lambda model, _processor: LlavaVision(model),
             "gemma3": lambda model, _processor: Gemma3Vision(model), "qwen2_vl": _qwen2_vl,
             "idefics3": lambda model, _processor: Idefics3Vision(model),
-            "smolvlm": lambda model, _processor: Idefics3Vision(model)}
+            "smolvlm": lambda model, _processor: Idefics3Vision(model),
+            "llava_next": lambda model, _processor: llava_next.LlavaNextVision(model)}
 TILED = ("idefics3", "smolvlm")  # an image is several tiles, one vision call each (tile_prompt.py)
 # How a family's prompt text names an image, beyond the image token expanded in ids (DecoderMeta.image_text).
 IMAGE_TEXT = {"gemma3": gemma3_image_text}
@@ -111,8 +113,18 @@ def image_text(model: nn.Module, tokenizer) -> list[str]:
     return rule(tokenizer)
 
 
+def vision_data(model: nn.Module) -> dict[str, bytes]:
+    """Named data a family's program carries for its host-side image code (LLaVA-NeXT's image_newline)."""
+    return llava_next.newline_blob(model) if model.config.model_type == "llava_next" else {}
+
+
 def image_prompt(model: nn.Module, tokenizer, processor_files: dict, tile_tokens: int) -> str:
-    """DecoderMeta.image_prompt: a tiled family's image prompt pieces as JSON (tile_prompt.py); "" for others."""
+    """DecoderMeta.image_prompt as JSON: a tiled family's image prompt pieces (tile_prompt.py), LLaVA-NeXT's
+    packing settings (llava_next.py); "" for others."""
+    if model.config.model_type == "llava_next":
+        import json
+
+        return json.dumps(llava_next.image_prompt(model, processor_config(processor_files)))
     if model.config.model_type not in TILED:
         return ""
     if tokenizer is None:
