@@ -87,11 +87,12 @@ def build_llava_next(directory: Path, vocab_size: int = 128, seed: int = 7) -> P
     model = T.LlavaNextForConditionalGeneration(config).eval()
     with torch.no_grad():
         model.model.image_newline.normal_(0, 1)
-    processor = T.LlavaNextProcessor(
-        image_processor=T.LlavaNextImageProcessorPil(size={"shortest_edge": size}, image_grid_pinpoints=LLAVA_NEXT_PINPOINTS,
-                                                  crop_size={"height": size, "width": size}),
-        tokenizer=word_tokenizer(vocab_size), patch_size=patch, vision_feature_select_strategy="default",
-        num_additional_image_tokens=1, chat_template=CHAT_TEMPLATE)
+    crop = {"height": size, "width": size}
+    image_processor = T.LlavaNextImageProcessorPil(size={"shortest_edge": size}, crop_size=crop,
+                                                   image_grid_pinpoints=LLAVA_NEXT_PINPOINTS)
+    processor = T.LlavaNextProcessor(image_processor=image_processor, tokenizer=word_tokenizer(vocab_size),
+                                     patch_size=patch, vision_feature_select_strategy="default",
+                                     num_additional_image_tokens=1, chat_template=CHAT_TEMPLATE)
     directory = Path(directory)
     model.save_pretrained(directory)
     processor.save_pretrained(directory)

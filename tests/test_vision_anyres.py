@@ -20,7 +20,7 @@ from benchmarks.vision_checkpoints import build_llava_next
 pytestmark = pytest.mark.slow
 
 STEPS = 8
-MAX_SEQ_LEN = 96
+MAX_SEQ_LEN = 128  # two images in one prompt: 52 + 56 positions
 INT8_NATS = 0.2  # as tests/test_vision_language.py
 SHAPES = {0: (40, 70), 1: (64, 30)}  # (height, width) per image seed
 
@@ -83,6 +83,22 @@ def test_greedy_tokens_with_anyres_images_equal_transformers(checkpoint, program
     # raw text names the image once with the image token; it expands to the image's positions as in the chat
     raw = etmlx.stream_generate(loaded, "t5 t17 <image> t99 t3", STEPS, images=[_image(1)])
     assert [r.token for r in raw] == tokens[1]
+
+
+def test_two_images_of_different_grids_in_one_prompt_equal_transformers(checkpoint, program):
+    import etmlx
+
+    _, model, processor = checkpoint
+    parts = [{"type": "text", "text": "t5"}, {"type": "image"}, {"type": "text", "text": "t17"}, {"type": "image"},
+             {"type": "text", "text": "t99"}]
+    text = processor.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True)
+    images = [_image(0), _image(1)]
+    inputs = processor(text=text, images=images, return_tensors="pt")  # pixel_values padded to the larger grid
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False)
+    expected = out[0, inputs.input_ids.shape[1]:].tolist()
+    got = etmlx.stream_generate(etmlx.load(program), [{"role": "user", "content": parts}], STEPS, images=images)
+    assert [r.token for r in got] == expected
 
 
 def test_int8_tokens_are_the_float_models_choices(checkpoint, tmp_path):

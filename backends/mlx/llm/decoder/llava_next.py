@@ -1,4 +1,4 @@
-"""LLaVA-NeXT ("anyres") in a vision-language program: one tile per vision call, the image's features packed on the host.
+"""LLaVA-NeXT ("anyres") in a vision-language program: a vision call per tile, the features packed on the host.
 
 The image processor (llm/vision/preprocess.py) gives an image the whole image resized to one tile (the base) and
 the tiles of the grid pinpoint that fits it best. transformers' get_image_features encodes every tile alike (CLIP
