@@ -4,9 +4,10 @@ A vision-language `.pte` holds two methods over one file: `forward`, the decoder
 around the checkpoint's whole ...ForConditionalGeneration, taking `image_embeds` [B, L, D] beside the tokens), and
 `vision` (VISION_METHOD): pixel values [N, C, H, W], as the checkpoint's image processor makes them, to
 embeddings [N, T, D], T the image tokens one image takes in the prompt (Idefics3 / SmolVLM: one tile, an image
-being several, idefics3_vision.py). Both are the family's own transformers
-forward: the vision method is the model's get_image_features (vision tower, feature layer and selection,
-projector), so what the decoder receives at the image positions is what the family's forward would merge there.
+being several, idefics3_vision.py; LLaVA-NeXT: one tile, the host packing an image's tiles, llava_next.py). Both
+are the family's own transformers forward: the vision method is the model's get_image_features (vision tower,
+feature layer and selection, projector), so what the decoder receives at the image positions is what the family's
+forward would merge there.
 
     encoder = vision_encoder(model)          # None for a text-only model
     encoder(pixels [N, C, H, W]) -> [N, T, D] float32
