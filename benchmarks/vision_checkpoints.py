@@ -63,3 +63,37 @@ def build_llava(directory: Path, vocab_size: int = 128, text: dict | None = None
     model.save_pretrained(directory)
     processor.save_pretrained(directory)
     return directory
+
+
+LLAVA_NEXT_PINPOINTS = [[32, 64], [64, 32], [64, 64]]  # grids of tower-sized tiles: 1 x 2, 2 x 1, 2 x 2
+
+
+def build_llava_next(directory: Path, vocab_size: int = 128, seed: int = 7) -> Path:
+    """A LLaVA-NeXT ("anyres") checkpoint (CLIP tower, projector, image_newline, Llama decoder) with its processor in
+    `directory`; tokenizer and chat template as build_llava's. The image_newline is drawn as large as the features
+    so that a misplaced one changes tokens."""
+    import torch
+    import transformers as T
+
+    vision = dict(TINY_VISION)
+    size, patch = vision["image_size"], vision["patch_size"]
+    text_config = T.LlamaConfig(vocab_size=vocab_size + 2, tie_word_embeddings=False, pad_token_id=0,
+                                bos_token_id=None, eos_token_id=None, **TINY_TEXT)
+    config = T.LlavaNextConfig(vision_config=T.CLIPVisionConfig(projection_dim=vision["hidden_size"], **vision),
+                               text_config=text_config, image_token_id=vocab_size, projector_hidden_act="gelu",
+                               vision_feature_layer=-2, vision_feature_select_strategy="default",
+                               image_grid_pinpoints=LLAVA_NEXT_PINPOINTS, image_seq_length=(size // patch) ** 2)
+    torch.manual_seed(seed)
+    model = T.LlavaNextForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        model.model.image_newline.normal_(0, 1)
+    crop = {"height": size, "width": size}
+    image_processor = T.LlavaNextImageProcessorPil(size={"shortest_edge": size}, crop_size=crop,
+                                                   image_grid_pinpoints=LLAVA_NEXT_PINPOINTS)
+    processor = T.LlavaNextProcessor(image_processor=image_processor, tokenizer=word_tokenizer(vocab_size),
+                                     patch_size=patch, vision_feature_select_strategy="default",
+                                     num_additional_image_tokens=1, chat_template=CHAT_TEMPLATE)
+    directory = Path(directory)
+    model.save_pretrained(directory)
+    processor.save_pretrained(directory)
+    return directory

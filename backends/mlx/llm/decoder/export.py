@@ -35,8 +35,8 @@ from backends.mlx.llm.decoder.kv_quant import kv_quant
 from backends.mlx.llm.decoder.kv_reference import KvCacheReference
 from backends.mlx.llm.decoder.model_support import float_dtype, text_config
 from backends.mlx.llm.decoder.qwen2_vl import MropeInputs, uses_mrope
-from backends.mlx.llm.decoder.vision_export import (image_prompt, image_text, processor_config, vision_encoder,
-                                                    vision_spec)
+from backends.mlx.llm.decoder.vision_export import (image_prompt, image_text, processor_config, vision_data,
+                                                    vision_encoder, vision_spec)
 from backends.mlx.llm.decoder.pipelined import FedBackSteps
 from backends.mlx.llm.decoder.pipelined_verify import DeliveredOrFedBack
 from backends.mlx.llm.decoder.proposer import ProposingHead, verify_proposer
@@ -214,6 +214,8 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
                              detect_format(getattr(tokenizer, "chat_template", None)) if tokenizer is not None else "")
     blobs[META_KEY] = meta.to_bytes()
     blobs.update({PROCESSOR_PREFIX + name: data for name, data in (processor_files or {}).items()})
+    if encoder is not None:
+        blobs.update(vision_data(model))
     methods = {vision[3]: (encoder, (torch.zeros(1, *vision[4]),))} if vision is not None else None
     # A one-row draft program's call without drafts (verify [1, 1]) runs the plain step stored beside it, the
     # plain program's graph over the same state (exporter/plain_step.py); with more rows verify is [B, K + 1].

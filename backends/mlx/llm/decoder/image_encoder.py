@@ -5,7 +5,8 @@
     Decoder.stream(...): Sequence(prompt=keyed, images=images)
 
 Pixels come from the checkpoint's image processor (its config travels in the program, PROCESSOR_PREFIX), then
-the program's vision method ([1, C, H, W] -> [1, T, D]). Encoded images are kept by content (a digest of the
+the program's vision method ([1, C, H, W] -> [1, T, D]), one call per tile; LLaVA-NeXT's tiles' features are then
+packed on the host (llava_next.py). Encoded images are kept by content (a digest of the
 pixels), so a second question about the same image does not encode it again.
 
 The prompt cache (runtime/decode_rows.h) matches token ids; every image's positions carry the same image token, so
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from backends.mlx.llm.decoder import llava_next
 from backends.mlx.llm.decoder.meta import PROCESSOR_PREFIX, DecoderMeta
 from backends.mlx.llm.decoder.qwen2_vl import fixed_size_pixels
 from backends.mlx.llm.vision.images import image_digest
@@ -76,6 +78,8 @@ class ImageEncoder:
         self.lock = threading.Lock()
         self.method = load_method(self.pte, meta.vision_method)
         self._processor = None
+        self._anyres = llava_next.parse(meta.image_prompt)
+        self._newline = None
         self._kept: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.encoded = 0  # images run through the vision method (not found among the kept ones)
 
@@ -97,12 +101,27 @@ class ImageEncoder:
                              f"{self.meta.image_size}")
         # one call per tile (a tiled family's image is several, tile_prompt.py; others' one), in prompt order
         tiles = pixels.reshape(-1, *size)
-        embeds = torch.cat([self.method.execute([tile[None].contiguous()])[0][0].float() for tile in tiles])
+        if self._anyres is not None:
+            embeds = self.anyres(tiles[:llava_next.tiles(self._anyres, image.height, image.width)],
+                                 (image.height, image.width))
+        else:
+            embeds = torch.cat([self.method.execute([tile[None].contiguous()])[0][0].float() for tile in tiles])
         self.encoded += 1
         self._kept[digest] = embeds
         if len(self._kept) > ENCODED_KEPT:
             self._kept.popitem(last=False)
         return digest, embeds
+
+    def anyres(self, tiles: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+        """A LLaVA-NeXT image's embeddings [L, D]: its tiles [1 + grid, C, S, S] encoded, packed for an image of
+        `size` (height, width)."""
+        if self._newline is None:
+            blob = named_data(self.pte, [llava_next.NEWLINE_KEY]).get(llava_next.NEWLINE_KEY)
+            if blob is None:
+                raise ValueError(f"{self.pte} carries no LLaVA-NeXT image_newline: re-export it")
+            self._newline = llava_next.newline_from(blob)
+        features = torch.stack([self.method.execute([tile[None].contiguous()])[0][0].float() for tile in tiles])
+        return llava_next.pack(features, size, self._anyres, self._newline)
 
     def prompt(self, ids: list[int], images: list) -> tuple[list[int], PromptImages]:
         """(ids keyed by image content for the prompt cache, the images' positions and embeddings)."""

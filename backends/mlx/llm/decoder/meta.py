@@ -235,8 +235,9 @@ class DecoderMeta:
     # template writes becoming before + image token * image_tokens + after before tokenizing, as the checkpoint's
     # processor does; []: the image token, expanded in ids (image_prompt.expand_images).
     image_text: list[str] = field(default_factory=list)
-    # A family whose image takes a varying number of tiles (Idefics3 / SmolVLM: tile_prompt.py): how an image
-    # token expands, as JSON; then image_tokens are one tile's positions and the vision method encodes one tile.
+    # A family whose image takes a varying number of tiles (Idefics3 / SmolVLM: tile_prompt.py; LLaVA-NeXT:
+    # llava_next.py, its tiles' features packed on the host): how an image token expands, as JSON; then
+    # image_tokens are one tile's positions and the vision method encodes one tile.
     # "": each image is image_tokens positions of image_token_id.
     image_prompt: str = ""
 

@@ -4,9 +4,10 @@ A vision-language `.pte` holds two methods over one file: `forward`, the decoder
 around the checkpoint's whole ...ForConditionalGeneration, taking `image_embeds` [B, L, D] beside the tokens), and
 `vision` (VISION_METHOD): pixel values [N, C, H, W], as the checkpoint's image processor makes them, to
 embeddings [N, T, D], T the image tokens one image takes in the prompt (Idefics3 / SmolVLM: one tile, an image
-being several, idefics3_vision.py). Both are the family's own transformers
-forward: the vision method is the model's get_image_features (vision tower, feature layer and selection,
-projector), so what the decoder receives at the image positions is what the family's forward would merge there.
+being several, idefics3_vision.py; LLaVA-NeXT: one tile, the host packing an image's tiles, llava_next.py). Both
+are the family's own transformers forward: the vision method is the model's get_image_features (vision tower,
+feature layer and selection, projector), so what the decoder receives at the image positions is what the family's
+forward would merge there.
 
     encoder = vision_encoder(model)          # None for a text-only model
     encoder(pixels [N, C, H, W]) -> [N, T, D] float32
@@ -19,6 +20,7 @@ from torch import nn
 
 from backends.mlx.llm.decoder.gemma3_vision import Gemma3Vision, gemma3_image_text
 from backends.mlx.llm.decoder.idefics3_vision import Idefics3Vision
+from backends.mlx.llm.decoder import llava_next
 from backends.mlx.llm.decoder.model_support import check_vision_family, is_vision_language
 from backends.mlx.llm.decoder.tile_prompt import tile_prompt, tile_size
 
@@ -57,7 +59,8 @@ def _qwen2_vl(model: nn.Module, processor: dict | None) -> nn.Module:
 ENCODERS = {"llava": lambda model, _processor: LlavaVision(model),
             "gemma3": lambda model, _processor: Gemma3Vision(model), "qwen2_vl": _qwen2_vl,
             "idefics3": lambda model, _processor: Idefics3Vision(model),
-            "smolvlm": lambda model, _processor: Idefics3Vision(model)}
+            "smolvlm": lambda model, _processor: Idefics3Vision(model),
+            "llava_next": lambda model, _processor: llava_next.LlavaNextVision(model)}
 TILED = ("idefics3", "smolvlm")  # an image is several tiles, one vision call each (tile_prompt.py)
 # How a family's prompt text names an image, beyond the image token expanded in ids (DecoderMeta.image_text).
 IMAGE_TEXT = {"gemma3": gemma3_image_text}
@@ -111,8 +114,18 @@ def image_text(model: nn.Module, tokenizer) -> list[str]:
     return rule(tokenizer)
 
 
+def vision_data(model: nn.Module) -> dict[str, bytes]:
+    """Named data a family's program carries for its host-side image code (LLaVA-NeXT's image_newline)."""
+    return llava_next.newline_blob(model) if model.config.model_type == "llava_next" else {}
+
+
 def image_prompt(model: nn.Module, tokenizer, processor_files: dict, tile_tokens: int) -> str:
-    """DecoderMeta.image_prompt: a tiled family's image prompt pieces as JSON (tile_prompt.py); "" for others."""
+    """DecoderMeta.image_prompt as JSON: a tiled family's image prompt pieces (tile_prompt.py), LLaVA-NeXT's
+    packing settings (llava_next.py); "" for others."""
+    if model.config.model_type == "llava_next":
+        import json
+
+        return json.dumps(llava_next.image_prompt(model, processor_config(processor_files)))
     if model.config.model_type not in TILED:
         return ""
     if tokenizer is None:
