@@ -105,7 +105,7 @@ class ImageEncoder:
             embeds = self.anyres(tiles[:llava_next.tiles(self._anyres, image.height, image.width)],
                                  (image.height, image.width))
         else:
-            embeds = torch.cat([self.method.execute([tile[None].contiguous()])[0][0].float() for tile in tiles])
+            embeds = torch.cat(self._tile_features(tiles))
         self.encoded += 1
         self._kept[digest] = embeds
         if len(self._kept) > ENCODED_KEPT:
@@ -120,8 +120,11 @@ class ImageEncoder:
             if blob is None:
                 raise ValueError(f"{self.pte} carries no LLaVA-NeXT image_newline: re-export it")
             self._newline = llava_next.newline_from(blob)
-        features = torch.stack([self.method.execute([tile[None].contiguous()])[0][0].float() for tile in tiles])
-        return llava_next.pack(features, size, self._anyres, self._newline)
+        return llava_next.pack(torch.stack(self._tile_features(tiles)), size, self._anyres, self._newline)
+
+    def _tile_features(self, tiles: torch.Tensor) -> list[torch.Tensor]:
+        """The vision method's features [T, D] of each tile [C, S, S] (or patches), one call each."""
+        return [self.method.execute([tile[None].contiguous()])[0][0].float() for tile in tiles]
 
     def prompt(self, ids: list[int], images: list) -> tuple[list[int], PromptImages]:
         """(ids keyed by image content for the prompt cache, the images' positions and embeddings)."""
