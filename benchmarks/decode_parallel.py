@@ -113,7 +113,7 @@ def _export(shape: dict, ranks: int, out: Path, max_seq_len: int, log, split: st
 def _run(files: list[Path], shape: dict, prompt: list[int], steps: int, split: str = "tensor",
          timeout: float = 900) -> list[dict]:
     """RANK in one process per file; as ranks of one group over the loopback when there are several."""
-    from backends.mlx.llm.distributed.launch import loopback_hostfile
+    from backends.mlx.llm.distributed.hosts import loopback_hostfile
 
     with tempfile.TemporaryDirectory(prefix="etmlx-bench-tp-") as tmp:
         hosts = loopback_hostfile(len(files), Path(tmp)) if len(files) > 1 else None

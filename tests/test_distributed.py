@@ -26,7 +26,8 @@ from backends.mlx.llm.decoder.tensor_parallel import export_tensor_parallel
 from backends.mlx.llm.decoder.from_checkpoint import export_checkpoint
 from backends.mlx.llm.decoder.pipeline_parallel import export_pipeline_parallel
 from backends.mlx.llm.distributed.pipeline import check_pipelinable, split_layers, stage_model
-from backends.mlx.llm.distributed.launch import loopback_hostfile
+from backends.mlx.llm.distributed.hosts import loopback_hostfile
+from free_ports import consecutive_free_ports
 from backends.mlx.llm.distributed.rank_files import rank_file
 from backends.mlx.llm.decoder.kv_cache import StaticCacheLM
 from backends.mlx.llm.distributed.shard import check_shardable, decoder_layers, sharded_paths
@@ -121,6 +122,17 @@ def test_two_ranks_decode_the_one_rank_programs_tokens(programs):
     assert _generate_ranks(tp) == greedy
     # The launcher also checks every rank produced these tokens (each samples from the same logits and seed).
     assert _generate_ranks(tp, "--temperature", 1.0, "--seed", 7) == seeded
+
+
+def test_generate_runs_the_ranks_where_a_launch_hostfile_says_on_this_machine(llama, tmp_path):
+    """mlx.launch's hostfile naming this machine for both ranks (127.0.0.1, localhost): both started here, the
+    ring on ports counted up from --starting-port; the one-rank program's tokens."""
+    _, one, tp = llama
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]},
+                                 {"ssh": "localhost", "ips": ["127.0.0.1"]}]))
+    greedy = _one_rank(one, SamplingParams())
+    assert _generate_ranks(tp, "--hostfile", hosts, "--starting-port", consecutive_free_ports(2)) == greedy
 
 
 def _rank_processes(code: str, files: list[Path], tmp_path: Path, timeout: float = 60) -> list:

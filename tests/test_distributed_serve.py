@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import tempfile
 import threading
 import urllib.error
@@ -23,13 +24,15 @@ import torch
 from backends.mlx.llm.builtin.tiny_model import tiny_llama, train_tokenizer
 from backends.mlx.llm.decoder.loop import Decoder
 from backends.mlx.llm.decoder.tensor_parallel import export_tensor_parallel
+from backends.mlx.llm.distributed.launch import run_ranks
 from backends.mlx.llm.distributed.rank_files import rank_file
 from backends.mlx.llm.sampler.config import SamplerConfig
 from backends.mlx.llm.sampler.params import SamplingParams
-from backends.mlx.llm.distributed.launch import loopback_hostfile
+from backends.mlx.llm.distributed.hosts import RankPlacement, loopback_hostfile
 from backends.mlx.serve.app import ServeLimits, ServerThread, load_service
 from backends.mlx.serve.program_worker import _HEADER, WorkerDied, _encode
 from backends.mlx.serve.rank_group import RankGroup
+from free_ports import consecutive_free_ports
 from serve_helpers import MAX_SEQ_LEN, stream_in_thread, tiny_pte, wait_for
 
 pytestmark = [pytest.mark.server, pytest.mark.subprocess]
@@ -58,7 +61,7 @@ def server(programs, tmp_path_factory):
     # --hostfile's fixed loopback ports: a restarted group binds the same ports again (free ports: tested below)
     hosts = loopback_hostfile(2, tmp_path_factory.mktemp("hosts"))
     srv = ServerThread(programs[1], model_name="tp", limits=ServeLimits(rank_timeout=RANK_TIMEOUT),
-                       hostfile=hosts).start()
+                       placement=RankPlacement(hosts)).start()
     yield srv
     srv.stop()
 
@@ -185,13 +188,75 @@ def test_what_a_rank_group_cannot_serve_is_refused_before_starting(programs, mon
     with pytest.raises(ValueError, match="rank 1's file of a 2-rank program: serve rank 0's file"):
         load_service(rank_file(tp, 1))
     with pytest.raises(ValueError, match="--hostfile: .* is a one-rank program"):
-        load_service(one, hostfile=tmp_path / "h.json")
+        load_service(one, placement=RankPlacement(tmp_path / "h.json"))
     with pytest.raises(ValueError, match="lists 3 ranks but the program runs on 2"):
         (tmp_path / "h.json").write_text(json.dumps([["127.0.0.1:1"], ["127.0.0.1:2"], ["127.0.0.1:3"]]))
-        load_service(tp, hostfile=tmp_path / "h.json")
+        load_service(tp, placement=RankPlacement(tmp_path / "h.json"))
     monkeypatch.setenv("MLX_RANK", "0")  # under mlx.launch: each rank's server would have no inputs to run
     with pytest.raises(ValueError, match="starts its ranks itself: run it outside mlx.launch"):
         load_service(tp)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    status = Path(f"/proc/{pid}/status")  # a killed child not yet reaped by its shell counts as gone
+    return not status.is_file() or "State:\tZ" not in status.read_text()
+
+
+def test_a_rank_on_another_machine_is_started_there_over_ssh_and_killed_there(programs, tmp_path):
+    """mlx.launch's hostfile naming another machine for rank 1: the server starts that rank through the ssh command
+    (a stand-in running the remote shell script here with /bin/sh), serves the one-rank tokens, and when the rank
+    stops answering kills it on its machine through its pid file and starts the group again there."""
+    one, tp, tokenizer = programs
+    log = tmp_path / "ssh.log"
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]},
+                                    {"ssh": "node-b", "ips": ["127.0.0.1"]}]))
+    ssh = f"{sys.executable} {Path(__file__).parent / 'fake_ssh.py'} {log}"
+    placement = RankPlacement(hostfile, ssh=ssh, starting_port=consecutive_free_ports(2))
+    srv = ServerThread(tp, model_name="tp", limits=ServeLimits(rank_timeout=RANK_TIMEOUT),
+                       placement=placement).start()
+    try:
+        assert log.read_text().split() == ["node-b"]  # rank 0 started here, rank 1 through ssh
+        greedy = _alone(one, tokenizer)
+        assert _served(srv, tokenizer, temperature=0) == greedy
+        supervisor = srv.service.engine.program
+        remote = supervisor.worker.workers[1]._remote
+        pid = int(Path(remote.pidfile).read_text())  # the rank itself, not the ssh client
+        assert pid not in supervisor.worker.pids and _alive(pid)
+        events = []
+        thread = _stream(srv, tokenizer, events)
+        assert _wait(lambda: any(kind == "chunk" for kind, _ in events))
+        os.kill(pid, signal.SIGSTOP)  # the remote rank stops answering: only its machine can end it
+        thread.join(120)
+        kind, error = events[-1]
+        assert kind == "end" and f"of 2 within {RANK_TIMEOUT:g} s while running a call" in error, error
+        assert _wait(lambda: not _alive(pid))  # killed on its machine through the pid file
+        assert _wait(lambda: supervisor.restarts == 1 and _health(srv) == 200)
+        assert log.read_text().split().count("node-b") >= 3  # start, kill, start again
+        assert _served(srv, tokenizer, temperature=0) == greedy
+    finally:
+        srv.stop()
+
+
+def test_where_ranks_cannot_run_is_refused_in_one_line(programs, tmp_path):
+    _, tp, _ = programs
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([{"ssh": "node-a", "ips": ["10.0.0.1"]}, {"ssh": "127.0.0.1", "ips": ["x"]}]))
+    with pytest.raises(ValueError, match="puts rank 0 on node-a: rank 0 runs beside the server"):
+        load_service(tp, placement=RankPlacement(hostfile))
+    hostfile.write_text(json.dumps([{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}, {"ssh": "node-b"}]))
+    with pytest.raises(ValueError, match=r"rank 1 \(node-b\) lists no \"ips\" for the ring to use"):
+        load_service(tp, placement=RankPlacement(hostfile))
+    hostfile.write_text(json.dumps({"hosts": "node-a"}))
+    with pytest.raises(ValueError, match="expected MLX's ring hostfile .* or mlx.launch's"):
+        load_service(tp, placement=RankPlacement(hostfile))
+    hostfile.write_text(json.dumps([{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}, {"ssh": "node-b", "ips": ["b"]}]))
+    with pytest.raises(ValueError, match="puts rank 1 on node-b: run ranks on other machines with `mlx.launch"):
+        run_ranks(["generate", str(tp)], 2, hostfile)
 
 
 class _FakeRank:

@@ -96,7 +96,11 @@ def _text_flags(parser, max_tokens: int) -> None:
 def _rank_flags(parser) -> None:
     """An N-rank (tensor- or pipeline-parallel) program's run (docs/distributed.md)."""
     parser.add_argument("--hostfile", metavar="FILE", help="an N-rank program: MLX's ring hostfile (JSON, "
-                        "one list of \"ip:port\" per rank) for the ranks started here; default: free loopback ports")
+                        "one list of \"ip:port\" per rank) or mlx.launch's naming only this machine, for the ranks "
+                        "started here (other machines: run under mlx.launch); default: free loopback ports")
+    parser.add_argument("--starting-port", type=int, default=32323, metavar="P",
+                        help="an N-rank program with mlx.launch's hostfile: the ring's first port, counting up per "
+                             "rank and ip as mlx.launch does (default 32323)")
     parser.add_argument("--rank-timeout", type=float, default=120.0, metavar="S",
                         help="an N-rank program: end the run when no rank progresses for S seconds "
                              "(default 120)")

@@ -58,7 +58,7 @@ def start_ranks(program: RankProgram, args) -> bool:
         return False
     hostfile = Path(args.hostfile) if getattr(args, "hostfile", None) else None
     try:
-        code = run_ranks(args.argv, program.ranks, hostfile, args.rank_timeout)
+        code = run_ranks(args.argv, program.ranks, hostfile, args.rank_timeout, args.starting_port)
     except RankFailure as exc:
         raise OSError(str(exc)) from None
     if code != 0:

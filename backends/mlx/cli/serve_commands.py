@@ -10,6 +10,7 @@ def _serve(args) -> int:
     if not Path(args.pte).is_file():  # before the server's imports (torch, ~2 s): a typo fails at once
         raise FileNotFoundError(f"{args.pte} does not exist")
     from backends.mlx.llm.decoder.grammar_limits import GrammarLimits
+    from backends.mlx.llm.distributed.hosts import RankPlacement
     from backends.mlx.serve.app import ServeLimits, serve
 
     grammar = GrammarLimits(**{name: getattr(args, name) for name in GRAMMAR_FLAGS})
@@ -28,7 +29,7 @@ def _serve(args) -> int:
         raise SystemExit(f"etmlx serve: {exc}") from None
     return serve(Path(args.pte), host=args.host, port=args.port, max_batch=args.max_batch,
                  lmtp_port=args.lmtp_port, model_name=args.model_name, limits=limits,
-                 hostfile=Path(args.hostfile) if args.hostfile else None)
+                 placement=RankPlacement(Path(args.hostfile) if args.hostfile else None, args.ssh, args.starting_port))
 
 
 def _lmtp_client(args) -> int:
@@ -62,9 +63,16 @@ def add_parsers(sub) -> None:
     serve.add_argument("--step-timeout", type=float, default=120.0,
                        help="seconds one program call may take; past it the worker is replaced and the rows of "
                             "that call fail (default 120; 0 = no limit)")
-    ranks = serve.add_argument_group("tensor-parallel programs (docs/distributed.md): the ranks are started here")
-    ranks.add_argument("--hostfile", metavar="FILE", help="MLX's ring hostfile (JSON, one list of \"ip:port\" per "
-                       "rank) for the ranks; default: free loopback ports")
+    ranks = serve.add_argument_group("N-rank programs (docs/distributed.md): the server starts the ranks")
+    ranks.add_argument("--hostfile", metavar="FILE", help="where the ranks run: mlx.launch's hostfile (JSON, one "
+                       "{\"ssh\": host, \"ips\": [...]} per rank; other machines are reached over ssh, rank 0 "
+                       "is this one) or MLX's ring hostfile (one list of \"ip:port\" per rank, all here); "
+                       "default: here, on free loopback ports")
+    ranks.add_argument("--ssh", default="ssh", metavar="CMD",
+                       help="the command (and options) that starts a rank on another machine (default: ssh)")
+    ranks.add_argument("--starting-port", type=int, default=32323, metavar="P",
+                       help="the ring's first port for mlx.launch's hostfile, counting up per rank and ip, as "
+                            "mlx.launch does (default 32323)")
     ranks.add_argument("--rank-timeout", type=float, default=120.0, metavar="S",
                        help="seconds a program call waits for every rank's answer; past it (a rank stopped or "
                             "hung) the rank group is restarted and the rows of that call fail (default 120; 0 = "

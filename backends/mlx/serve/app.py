@@ -29,6 +29,7 @@ from aiohttp import web
 from backends.mlx.llm.decoder.grammar_limits import GrammarLimits
 from backends.mlx.llm.decoder.meta import DecoderMeta
 from backends.mlx.llm.decoder.tokenizer_files import load_tokenizer
+from backends.mlx.llm.distributed.hosts import RankHost, RankPlacement
 from backends.mlx.llm.vision.images import ImageLimits
 from backends.mlx.serve.body_parse import BodyParser
 from backends.mlx.serve.engine import Engine
@@ -72,8 +73,8 @@ class ServeLimits:
 
 
 def load_service(pte: Path, max_batch: int | None = None, model_name: str | None = None,
-                 limits: ServeLimits | None = None, hostfile: Path | None = None) -> Service:
-    """hostfile: an N-rank program's ring addresses (MLX's JSON hostfile) for the ranks started here; default:
+                 limits: ServeLimits | None = None, placement: RankPlacement | None = None) -> Service:
+    """placement: where an N-rank program's ranks start (a hostfile's machines and addresses); default: here, on
     free loopback ports (serve/rank_group.py)."""
     limits = limits or ServeLimits()
     limits.check()
@@ -81,13 +82,14 @@ def load_service(pte: Path, max_batch: int | None = None, model_name: str | None
     if not pte.is_file():
         raise FileNotFoundError(f"{pte} does not exist")
     meta = DecoderMeta.load(pte)
-    check_ranks(pte, meta, hostfile)
+    hosts = check_ranks(pte, meta, placement or RankPlacement())
     if max_batch is not None and not 1 <= max_batch <= meta.batch:
         raise ValueError(f"--max-batch must be in [1, {meta.batch}]: {pte} was exported with batch {meta.batch} "
                          "(re-export with --batch N for more rows)")
     tokenizer = load_tokenizer(pte, meta)
     program = SupervisedProgram.for_pte(pte, step_timeout=limits.step_timeout, attempts=limits.restart_attempts,
-                                        ranks=meta.ranks, hostfile=hostfile, rank_timeout=limits.rank_timeout)
+                                        ranks=meta.ranks, hosts=hosts, ssh=(placement or RankPlacement()).ssh,
+                                        rank_timeout=limits.rank_timeout)
     engine = Engine(program, meta, max_batch=max_batch, request_timeout=limits.request_timeout,
                     max_queue=limits.max_queue, pte=pte).start()
     return Service(meta=meta, tokenizer=tokenizer, engine=engine, model_name=model_name or pte.stem,
@@ -98,19 +100,21 @@ def load_service(pte: Path, max_batch: int | None = None, model_name: str | None
                    images=image_inputs(meta, limits))
 
 
-def check_ranks(pte: Path, meta: DecoderMeta, hostfile: Path | None) -> None:
-    """What serving a program of meta.ranks ranks needs, checked before any worker starts (one line each)."""
+def check_ranks(pte: Path, meta: DecoderMeta, placement: RankPlacement) -> list[RankHost] | None:
+    """What serving a program of meta.ranks ranks needs, checked before any worker starts (one line each); the
+    hostfile's ranks (None: on free loopback ports, chosen at each start)."""
     if meta.ranks == 1:
-        if hostfile is not None:
+        if placement.hostfile is not None:
             raise ValueError(f"--hostfile: {pte} is a one-rank program")
-        return
+        return None
     if meta.rank != 0:
         raise ValueError(f"{pte} is rank {meta.rank}'s file of a {meta.ranks}-rank program: serve rank 0's file "
                          "(the one without .rankN)")
     if "MLX_RANK" in os.environ:
         # Each rank's worker is fed by this process (the front): a server per rank would have no inputs to run.
         raise ValueError(f"{pte} is a {meta.ranks}-rank program and etmlx serve starts its ranks itself: run it "
-                         "outside mlx.launch (MLX_RANK is set), with --hostfile for the ranks' addresses")
+                         "outside mlx.launch (MLX_RANK is set), with --hostfile for the ranks' machines")
+    return placement.hosts(meta.ranks)
 
 
 def image_inputs(meta: DecoderMeta, limits: ServeLimits) -> ImageInputs:
@@ -185,13 +189,13 @@ class Server:
 
 def serve(pte: Path, host: str = "127.0.0.1", port: int = 8000, max_batch: int | None = None,
           lmtp_port: int | None = None, model_name: str | None = None, limits: ServeLimits | None = None,
-          hostfile: Path | None = None) -> int:
+          placement: RankPlacement | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     # The engine thread's Python work between program calls holds the GIL; a short switch
     # interval bounds how long the event loop can wait for it.
     sys.setswitchinterval(0.001)
     started = time.perf_counter()
-    service = load_service(pte, max_batch, model_name, limits, hostfile)
+    service = load_service(pte, max_batch, model_name, limits, placement)
 
     async def main() -> None:
         server = Server(service, host, port, lmtp_port)
@@ -229,8 +233,8 @@ class ServerThread:
 
     def __init__(self, pte: Path, host: str = "127.0.0.1", port: int = 0, max_batch: int | None = None,
                  lmtp_port: int | None = None, model_name: str | None = None, limits: ServeLimits | None = None,
-                 hostfile: Path | None = None):
-        self.service = load_service(pte, max_batch, model_name, limits, hostfile)
+                 placement: RankPlacement | None = None):
+        self.service = load_service(pte, max_batch, model_name, limits, placement)
         self.server = Server(self.service, host, port, lmtp_port)
         self.loop = asyncio.new_event_loop()
         self._ready = threading.Event()

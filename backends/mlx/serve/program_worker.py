@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from backends.mlx.llm.distributed.remote import RemoteRank
 from backends.mlx.runtime.allocator import env_with_mimalloc
 
 _HEADER = struct.Struct("<I")
@@ -119,20 +120,25 @@ class ProgramWorker:
     execute raises WorkerDied, as it does when the worker has exited."""
 
     def __init__(self, pte: Path, step_timeout: float | None = None, load_timeout: float | None = 600.0,
-                 env: dict | None = None, wait: bool = True):
+                 env: dict | None = None, wait: bool = True, remote: RemoteRank | None = None):
         """env: variables added to the worker's environment (a rank's MLX_RANK, MLX_HOSTFILE). wait=False: return
         once started; the caller then reads the load reply (`loaded`), as a rank group does for all its ranks
-        at once (each rank's load waits for the others to join the group)."""
+        at once (each rank's load waits for the others to join the group). remote: start the worker on another
+        machine over ssh (a rank of a group spread over hosts; `pte` is the path there)."""
         pte = Path(pte)
-        if not pte.is_file():
+        if remote is None and not pte.is_file():
             raise FileNotFoundError(f"pte: no such file {pte}")
         self.pte = pte
         self.step_timeout = step_timeout
         self.can_copy_rows = False
+        self._remote = remote
+        argv = [sys.executable, "-m", "backends.mlx.serve.program_worker", str(pte)]
         # The worker runs the decode steps: with mimalloc, as the `etmlx` command does (runtime/allocator.py).
-        self._process = subprocess.Popen([sys.executable, "-m", "backends.mlx.serve.program_worker", str(pte)],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         env=env_with_mimalloc({**os.environ, **(env or {})}))
+        full_env = env_with_mimalloc({**os.environ, **(env or {})})
+        if remote is not None:  # the same variables set there (the same install at the same path is assumed)
+            added = {key: value for key, value in full_env.items() if os.environ.get(key) != value}
+            argv, full_env = remote.command(argv, added), None
+        self._process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=full_env)
         if not wait:
             return
         try:
@@ -213,6 +219,8 @@ class ProgramWorker:
             except ProcessLookupError:
                 pass
         self._process.wait(timeout=30)
+        if self._remote is not None:  # the ssh client is gone; the rank itself may still wait in a collective
+            self._remote.kill()
 
     def close(self) -> None:
         try:

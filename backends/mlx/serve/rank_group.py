@@ -1,8 +1,9 @@
 """An N-rank (tensor-parallel) program served as one program: one program worker per rank, fed the same calls.
 
-`etmlx serve` of rank 0's file starts the ranks on this host (ring over the loopback on free ports, or
---hostfile's addresses): rank r's worker (serve/program_worker.py) loads FILE.rankR.pte with MLX_RANK=r, and the
-runtime joins MLX's group at load. The server process stays the front: it tokenizes, builds every call's inputs
+`etmlx serve` of rank 0's file starts the ranks on this host (ring over the loopback on free ports), or where
+--hostfile says (llm/distributed/hosts.py; a rank on another machine through ssh, llm/distributed/remote.py, its
+worker's pipes carried by the ssh connection): rank r's worker (serve/program_worker.py) loads FILE.rankR.pte with
+MLX_RANK=r, and the runtime joins MLX's group at load. The server process stays the front: it tokenizes, builds every call's inputs
 (prompt tokens, positions, sampling values, seeds, row resets, masks) once, and the group writes the same frame
 to every rank's worker, so every rank runs the same steps, and cache copies between rows go to every rank too.
 Each rank samples from the same all-summed logits; the group reads every rank's reply and checks that the
@@ -27,7 +28,9 @@ from pathlib import Path
 
 import torch
 
-from backends.mlx.llm.distributed.launch import LOAD_TIMEOUT_S, check_hostfile, loopback_hostfile
+from backends.mlx.llm.distributed.hosts import RankHost, loopback_hosts, ring_hostfile
+from backends.mlx.llm.distributed.launch import LOAD_TIMEOUT_S
+from backends.mlx.llm.distributed.remote import RemoteRank
 from backends.mlx.llm.distributed.rank_files import rank_file
 from backends.mlx.serve.program_worker import _HEADER, ProgramWorker, WorkerDied, _decode, _encode
 
@@ -35,24 +38,34 @@ from backends.mlx.serve.program_worker import _HEADER, ProgramWorker, WorkerDied
 class RankGroup:
     """`execute(inputs) -> outputs` (rank 0's), like a ProgramWorker, run by `ranks` workers together."""
 
-    def __init__(self, pte: Path, ranks: int, step_timeout: float | None = None, hostfile: Path | None = None,
+    def __init__(self, pte: Path, ranks: int, step_timeout: float | None = None,
+                 hosts: list[RankHost] | None = None, ssh: list[str] | None = None,
                  load_timeout: float = LOAD_TIMEOUT_S):
+        """hosts: where each rank runs (llm/distributed/hosts.py; default: this machine, free loopback ports);
+        a rank on another machine is started there with `ssh` (default: ssh)."""
         pte = Path(pte)
         self.ranks = ranks
         self.step_timeout = step_timeout
-        if hostfile is not None:
-            check_hostfile(hostfile, ranks)
+        hosts = hosts if hosts is not None else loopback_hosts(ranks)
+        if len(hosts) != ranks:
+            raise ValueError(f"{len(hosts)} rank hosts given for a {ranks}-rank program")
         files = [rank_file(pte, rank) for rank in range(ranks)]
         for rank, file in enumerate(files):
-            if not file.is_file():
+            if hosts[rank].ssh is None and not file.is_file():  # another machine's copy is checked there
                 raise FileNotFoundError(f"{file} (rank {rank}'s part of {pte}) does not exist")
         self._tmp = tempfile.TemporaryDirectory(prefix="etmlx-serve-ranks-")
-        hosts = Path(hostfile) if hostfile is not None else loopback_hostfile(ranks, Path(self._tmp.name))
+        ring = Path(self._tmp.name) / "hosts.json"
+        ring.write_text(ring_hostfile(hosts))
         self.workers: list[ProgramWorker] = []
         try:
-            for rank, file in enumerate(files):
-                self.workers.append(ProgramWorker(file, env={"MLX_RANK": str(rank), "MLX_HOSTFILE": str(hosts)},
-                                                  wait=False))
+            for rank, (file, host) in enumerate(zip(files, hosts)):
+                env = {"MLX_RANK": str(rank)}
+                remote = None
+                if host.ssh is not None:
+                    remote = RemoteRank(host.ssh, ring_hostfile(hosts), **({"ssh": ssh} if ssh else {}))
+                else:
+                    env["MLX_HOSTFILE"] = str(ring)
+                self.workers.append(ProgramWorker(file, env=env, wait=False, remote=remote))
             replies = self._gather(load_timeout, "loading", stop_on_error=True)
             failed = [(rank, payload.decode()) for rank, (kind, payload) in enumerate(replies) if kind == b"e"]
             if failed:

@@ -11,10 +11,12 @@ answers 503.
 from __future__ import annotations
 
 import logging
+import shlex
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from backends.mlx.llm.distributed.hosts import DEFAULT_SSH, RankHost
 from backends.mlx.serve.program_worker import ProgramWorker
 
 if TYPE_CHECKING:
@@ -37,15 +39,18 @@ class SupervisedProgram:
 
     @classmethod
     def for_pte(cls, pte: Path, step_timeout: float | None = None, attempts: int = 3, ranks: int = 1,
-                hostfile: Path | None = None, rank_timeout: float | None = None) -> "SupervisedProgram":
-        """ranks > 1: a tensor-parallel program, one worker per rank (serve/rank_group.py) started on `hostfile`'s
-        addresses (default: free loopback ports); a call waits at most min(step_timeout, rank_timeout) s."""
+                hosts: list[RankHost] | None = None, ssh: str = DEFAULT_SSH,
+                rank_timeout: float | None = None) -> "SupervisedProgram":
+        """ranks > 1: an N-rank program, one worker per rank (serve/rank_group.py) started where `hosts` say
+        (another machine's through `ssh`; default: here, on free loopback ports); a call waits at most
+        min(step_timeout, rank_timeout) s."""
         if ranks == 1:
             return cls(lambda: ProgramWorker(pte, step_timeout=step_timeout), attempts=attempts)
         from backends.mlx.serve.rank_group import RankGroup
 
         deadline = min((t for t in (step_timeout, rank_timeout) if t is not None), default=None)
-        return cls(lambda: RankGroup(pte, ranks, step_timeout=deadline, hostfile=hostfile), attempts=attempts)
+        return cls(lambda: RankGroup(pte, ranks, step_timeout=deadline, hosts=hosts, ssh=shlex.split(ssh)),
+                   attempts=attempts)
 
     @property
     def up(self) -> bool:

@@ -14,17 +14,15 @@ are killed and one line says which rank and why."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-from contextlib import ExitStack
 from pathlib import Path
 
+from backends.mlx.llm.distributed.hosts import DEFAULT_STARTING_PORT, loopback_hosts, read_hostfile, ring_hostfile
 from backends.mlx.runtime import options
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -47,35 +45,6 @@ def group_rank() -> int:
     if not value.isdigit():
         raise ValueError(f"MLX_RANK={value!r} is not a rank number")
     return int(value)
-
-
-def free_ports(count: int) -> list[int]:
-    """`count` distinct TCP ports free on the loopback now (bound to port 0, then released)."""
-    with ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(count)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-
-
-def loopback_hostfile(ranks: int, directory: Path) -> Path:
-    """MLX's ring hostfile (a JSON list, per rank, of its addresses) for `ranks` ranks on this host."""
-    path = directory / "hosts.json"
-    path.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in free_ports(ranks)]))
-    return path
-
-
-def check_hostfile(path: Path, ranks: int) -> None:
-    try:
-        hosts = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"--hostfile {path}: not a readable JSON hostfile ({exc})") from None
-    if not isinstance(hosts, list) or not all(isinstance(h, list) and h and all(isinstance(a, str) for a in h)
-                                              for h in hosts):
-        raise ValueError(f"--hostfile {path}: expected MLX's ring hostfile, a JSON list with one list of "
-                         "\"ip:port\" addresses per rank")
-    if len(hosts) != ranks:
-        raise ValueError(f"--hostfile {path} lists {len(hosts)} ranks but the program runs on {ranks}")
 
 
 class RankProgress:
@@ -115,17 +84,25 @@ def _status(code: int) -> str:
     return f"exited with status {code}"
 
 
-def run_ranks(argv: list[str], ranks: int, hostfile: Path | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> int:
+def run_ranks(argv: list[str], ranks: int, hostfile: Path | None = None, timeout: float = DEFAULT_TIMEOUT_S,
+              starting_port: int = DEFAULT_STARTING_PORT) -> int:
     """Run `etmlx ARGV` as `ranks` ranks on this host; rank 0's exit status, or RankFailure (the others killed)."""
+    hosts = read_hostfile(hostfile, ranks, starting_port) if hostfile is not None else loopback_hosts(ranks)
     if hostfile is not None:
-        check_hostfile(hostfile, ranks)
+        elsewhere = [(rank, host.ssh) for rank, host in enumerate(hosts) if host.ssh]
+        if elsewhere:
+            rank, name = elsewhere[0]
+            # This launcher watches its ranks through files on this machine; mlx.launch starts them anywhere.
+            raise ValueError(f"--hostfile {hostfile} puts rank {rank} on {name}: run ranks on other machines with "
+                             f"`mlx.launch --hostfile {hostfile} -- etmlx ...` (etmlx serve starts them itself)")
     with tempfile.TemporaryDirectory(prefix="etmlx-ranks-") as tmp:
         directory = Path(tmp)
-        hosts = Path(hostfile) if hostfile is not None else loopback_hostfile(ranks, directory)
+        ring = directory / "hosts.json"
+        ring.write_text(ring_hostfile(hosts))
         procs = []
         try:
             for rank in range(ranks):
-                env = dict(os.environ, MLX_RANK=str(rank), MLX_HOSTFILE=str(hosts), **{options.RANK_LOG: tmp})
+                env = dict(os.environ, MLX_RANK=str(rank), MLX_HOSTFILE=str(ring), **{options.RANK_LOG: tmp})
                 err = None if rank == 0 else open(directory / f"rank{rank}.stderr", "w")
                 procs.append(subprocess.Popen([sys.executable, "-m", "etmlx", *argv], env=env,
                                               stdout=None if rank == 0 else subprocess.DEVNULL, stderr=err))
