@@ -27,6 +27,7 @@ from backends.mlx.llm.decoder.from_checkpoint import export_checkpoint
 from backends.mlx.llm.decoder.pipeline_parallel import export_pipeline_parallel
 from backends.mlx.llm.distributed.pipeline import check_pipelinable, split_layers, stage_model
 from backends.mlx.llm.distributed.hosts import loopback_hostfile
+from backends.mlx.llm.distributed.split_options import NOT_SPLIT_WITH
 from free_ports import consecutive_free_ports
 from backends.mlx.llm.distributed.rank_files import rank_file
 from backends.mlx.llm.decoder.kv_cache import StaticCacheLM
@@ -340,7 +341,8 @@ def test_a_draft_verifying_program_splits_and_decodes_the_same_tokens(llama, tmp
         result = json.loads(done.stdout.strip().splitlines()[-1])
         assert result["tokens"] == _one_rank(one, params)
         assert result["draft"]["proposed"] > 0  # drafts were verified (a control: the speculative path ran)
-    with pytest.raises(ValueError, match="not s"):  # "not sharded" / "not split"
+    why = NOT_SPLIT_WITH[f"{split}_parallel"]["propose_tokens"]
+    with pytest.raises(ValueError, match=f"^{split}_parallel: {why}$"):
         export(model, tmp_path / "p.pte", 2, max_seq_len=MAX_SEQ_LEN, verify=False, propose_tokens=4)
     refused = _etmlx("generate", spec, "--prompt-ids", "1,2", "--draft-model", one)
     assert refused.returncode == 2

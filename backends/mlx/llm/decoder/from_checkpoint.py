@@ -67,20 +67,15 @@ def export_checkpoint(model: str | Path, out: str | Path | None = None, *, revis
     kv_quant(kv_bits, kv_group_size)  # before the checkpoint loads
     if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
         raise ValueError(f"tensor_parallel must be an int >= 1, got {tensor_parallel!r}")
-    if tensor_parallel > 1 and propose_tokens:  # a draft model is small: it runs whole beside the sharded target
-        raise ValueError("tensor_parallel: a draft model's proposing program is not sharded")
-    if tensor_parallel > 1 and kv_bits:
-        raise ValueError("tensor_parallel: a quantized KV cache (kv_bits) is not sharded yet")
-    if tensor_parallel > 1 and adapters:
-        raise ValueError("tensor_parallel: switchable adapters are not sharded yet")
     if isinstance(pipeline_parallel, bool) or not isinstance(pipeline_parallel, int) or pipeline_parallel < 1:
         raise ValueError(f"pipeline_parallel must be an int >= 1, got {pipeline_parallel!r}")
+    from backends.mlx.llm.distributed.split_options import check_split_options
+
+    split = dict(propose_tokens=propose_tokens, kv_bits=kv_bits, adapters=adapters)
+    if tensor_parallel > 1:
+        check_split_options("tensor_parallel", **split)
     if pipeline_parallel > 1:
-        if tensor_parallel > 1:
-            raise ValueError("pipeline_parallel: not built together with tensor_parallel yet (choose one)")
-        for option, value in (("propose_tokens", propose_tokens), ("kv_bits", kv_bits), ("adapters", adapters)):
-            if value:
-                raise ValueError(f"pipeline_parallel: not built with {option} yet")
+        check_split_options("pipeline_parallel", tensor_parallel=tensor_parallel > 1, **split)
     if draft_tokens < 0:
         raise ValueError(f"draft_tokens must be >= 0, got {draft_tokens}")
     if propose_tokens < 0:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from backends.mlx.llm.decoder.rank_programs import export_rank_parts
+from backends.mlx.llm.distributed.split_options import check_split_options
 from backends.mlx.llm.distributed.pipeline import check_pipelinable, stage_model
 
 
@@ -17,9 +18,6 @@ def export_pipeline_parallel(model, out: Path, ranks: int, *, max_seq_len: int, 
     (float or quantized), each with export_decoder(**export_options); rank 0's ExportResult. `verify`: run them
     together and check the greedy tokens against `model` (VerificationError, the files removed, on a mismatch)."""
     check_pipelinable(model, ranks)
-    for option, what in (("propose_tokens", "proposing"),
-                         ("kv_bits", "quantized-KV-cache"), ("adapters", "switchable-adapter")):
-        if export_options.get(option) not in (None, 0):
-            raise ValueError(f"pipeline_parallel: {what} programs are not split yet")
+    check_split_options("pipeline_parallel", **export_options)
     return export_rank_parts(model, out, ranks, stage_model, max_seq_len=max_seq_len, verify=verify,
                              progress=progress, **export_options)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from backends.mlx.llm.decoder.rank_programs import export_rank_parts
+from backends.mlx.llm.distributed.split_options import check_split_options
 from backends.mlx.llm.distributed.shard import check_shardable, shard_model
 
 
@@ -17,7 +18,6 @@ def export_tensor_parallel(model, out: Path, ranks: int, *, max_seq_len: int, ve
     each with export_decoder(**export_options); rank 0's ExportResult. `verify`: run them together and check the
     greedy tokens against `model` (VerificationError, the files removed, on a mismatch)."""
     check_shardable(model, ranks)
-    if export_options.get("propose_tokens"):  # a draft model is small: it runs whole beside the sharded target
-        raise ValueError("tensor_parallel: a draft model's proposing program is not sharded")
+    check_split_options("tensor_parallel", **export_options)
     return export_rank_parts(model, out, ranks, shard_model, max_seq_len=max_seq_len, verify=verify,
                              progress=progress, **export_options)
