@@ -257,6 +257,12 @@ def test_where_ranks_cannot_run_is_refused_in_one_line(programs, tmp_path):
     hostfile.write_text(json.dumps([{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}, {"ssh": "node-b", "ips": ["b"]}]))
     with pytest.raises(ValueError, match="puts rank 1 on node-b: run ranks on other machines with `mlx.launch"):
         run_ranks(["generate", str(tp)], 2, hostfile)
+    # A machine ssh cannot reach: ssh's own reason ends the one line (an ssh that fails as the real one does).
+    unreachable = "sh -c 'echo \"ssh: connect to host $0 port 22: Connection refused\" >&2; exit 255'"
+    with pytest.raises(OSError) as refused:
+        load_service(tp, placement=RankPlacement(hostfile, ssh=unreachable, starting_port=consecutive_free_ports(2)))
+    assert str(refused.value) == ("rank 1 of 2 exited (exit status 255: ssh: connect to host node-b port 22: "
+                                  "Connection refused) while loading; the rank group was stopped")
 
 
 class _FakeRank:

@@ -21,6 +21,7 @@ import struct
 import time
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -138,7 +139,13 @@ class ProgramWorker:
         if remote is not None:  # the same variables set there (the same install at the same path is assumed)
             added = {key: value for key, value in full_env.items() if os.environ.get(key) != value}
             argv, full_env = remote.command(argv, added), None
-        self._process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=full_env)
+        self._last_error = ""  # a remote rank's last stderr line (ssh's own errors too), for exit messages
+        self._process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=full_env,
+                                         stderr=subprocess.PIPE if remote is not None else None)
+        self._relay = None
+        if remote is not None:
+            self._relay = threading.Thread(target=self._relay_stderr, name="etmlx-remote-stderr", daemon=True)
+            self._relay.start()
         if not wait:
             return
         try:
@@ -146,6 +153,15 @@ class ProgramWorker:
         except WorkerDied as exc:
             raise RuntimeError(f"the program worker failed while loading {pte}: {exc}") from None
         self.loaded(kind, payload)
+
+    def _relay_stderr(self) -> None:
+        """A remote rank's stderr to ours, line by line, keeping the last one."""
+        for raw in self._process.stderr:
+            sys.stderr.buffer.write(raw)
+            sys.stderr.flush()
+            line = raw.decode(errors="replace").strip()
+            if line:
+                self._last_error = line
 
     def loaded(self, kind: bytes, payload: bytes) -> None:
         """Take the worker's load reply: ready, or ValueError with its one-line reason (the worker closed)."""
@@ -179,7 +195,10 @@ class ProgramWorker:
             code = self._process.wait(timeout=wait) if wait else self._process.poll()
         except subprocess.TimeoutExpired:
             code = None
-        return f"killed by signal {-code}" if code is not None and code < 0 else f"exit status {code}"
+        if code is not None and self._relay is not None:
+            self._relay.join(timeout=2.0)  # its last lines, written before it exited
+        status = f"killed by signal {-code}" if code is not None and code < 0 else f"exit status {code}"
+        return f"{status}: {self._last_error}" if code is not None and self._last_error else status
 
     def _died(self, what: str) -> WorkerDied:
         self.kill()
