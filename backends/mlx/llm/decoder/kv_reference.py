@@ -27,6 +27,10 @@ class KvCacheReference(nn.Module):
         self.model = model
         self.bits, self.group_size = bits, group_size
 
+    @property
+    def config(self):
+        return self.model.config
+
     def forward(self, input_ids: torch.Tensor):
         length = input_ids.shape[1]
         lm = StaticCacheLM(self.model, max_seq_len=length, batch=input_ids.shape[0], rings=False,

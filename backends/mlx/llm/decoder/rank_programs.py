@@ -20,6 +20,7 @@ from torch import nn
 
 from backends.mlx.exporter.export import weights_path
 from backends.mlx.llm.decoder.export import export_decoder
+from backends.mlx.llm.decoder.kv_reference import KvCacheReference
 from backends.mlx.llm.decoder.verify import (DECODE_STEPS, PROMPT_TOKENS, VerificationError, VerificationReport,
                                              activation_dtype, check_continuation, is_quantized, verification_prompt)
 from backends.mlx.llm.distributed.rank_files import rank_file
@@ -46,8 +47,11 @@ def export_rank_parts(model, out: Path, ranks: int, part: Callable[[nn.Module, i
         del module
     if verify:
         say(f"verifying the {ranks} ranks together against the eager model")
+        kv_bits = export_options.get("kv_bits") or 0
+        # A quantized cache's reference is the eager model over the same quantized cache (as one rank's export).
+        reference = KvCacheReference(model, kv_bits, export_options.get("kv_group_size", 64)) if kv_bits else model
         try:
-            say(_verified(model, out, ranks).summary())
+            say(_verified(reference, out, ranks).summary())
         except VerificationError as exc:
             for rank in range(ranks):
                 for path in (rank_file(out, rank), weights_path(rank_file(out, rank))):

@@ -7,11 +7,10 @@ from __future__ import annotations
 # beside the split target).
 NOT_SPLIT_WITH = {
     "tensor_parallel": {"propose_tokens": "a draft model's proposing program is not sharded",
-                        "kv_bits": "a quantized KV cache (kv_bits) is not sharded yet",
                         "adapters": "switchable adapters are not sharded yet"},
     "pipeline_parallel": {"tensor_parallel": "not built together with tensor_parallel yet (choose one)",
                           "propose_tokens": "not built with propose_tokens yet",
-                          "kv_bits": "not built with kv_bits yet", "adapters": "not built with adapters yet"},
+                          "adapters": "not built with adapters yet"},
 }
 
 
