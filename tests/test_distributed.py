@@ -445,7 +445,7 @@ def test_what_does_not_split_into_stages_is_refused_in_one_line(tmp_path):
         check_pipelinable(SimpleNamespace(config=SimpleNamespace(vision_config=object())), 2)
     # Refused before the checkpoint is read (none is there).
     for options, message in ((dict(tensor_parallel=2), "not built together with tensor_parallel yet"),
-                             (dict(adapters={"a": tmp_path}), "not built with adapters yet")):
+                             (dict(propose_tokens=4), "not built with propose_tokens yet")):
         with pytest.raises(ValueError, match=f"^pipeline_parallel: {message}"):
             export_checkpoint(tmp_path / "absent", tmp_path / "m.pte", pipeline_parallel=2, **options)
     done = _etmlx("export", "--model", tmp_path / "absent", "--pipeline-parallel", 2, "--tensor-parallel", 2)

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 import backends.mlx.custom_kernel_ops  # noqa: F401  (registers mlx::all_sum)
+from backends.mlx.llm.lora.switchable import SwitchableLora
 from backends.mlx.llm.quantize.modules import QuantizedLinear
 
 # model_type -> tested with token equality against the one-rank program (tests/test_distributed.py).
@@ -35,10 +36,15 @@ MLP_COLUMN = ("mlp.gate_proj", "mlp.up_proj")
 MLP_ROW = ("mlp.down_proj",)
 
 
+def _base(linear: nn.Module) -> nn.Module:
+    """The linear under a switchable LoRA adapter (llm/lora/switchable.py), or the module itself."""
+    return linear.base if isinstance(linear, SwitchableLora) else linear
+
+
 def _dense_mlp(layer: nn.Module) -> bool:
     """Whether the layer's MLP is a gated dense one (else an experts block, replicated)."""
     mlp = getattr(layer, "mlp", None)
-    return all(isinstance(getattr(mlp, name, None), (nn.Linear, QuantizedLinear))
+    return all(isinstance(_base(getattr(mlp, name, None)), (nn.Linear, QuantizedLinear))
                for name in ("gate_proj", "up_proj", "down_proj"))
 
 
@@ -82,14 +88,14 @@ def check_shardable(model: nn.Module, ranks: int) -> None:
     layers = decoder_layers(model)
     counts = [("attention heads", config.num_attention_heads),
               ("key/value heads", getattr(config, "num_key_value_heads", None) or config.num_attention_heads)]
-    counts += [("MLP width", width) for width in sorted({layer.mlp.gate_proj.weight.shape[0] for layer in layers
-                                                          if _dense_mlp(layer)})]
+    counts += [("MLP width", width) for width in sorted({_base(layer.mlp.gate_proj).weight.shape[0]
+                                                          for layer in layers if _dense_mlp(layer)})]
     for name, count in counts:
         if count % ranks:
             raise ValueError(f"tensor_parallel {ranks}: the model's {count} {name} do not split over {ranks} ranks")
     for i, layer in enumerate(layers):
         for path in sharded_paths(layer)[1]:
-            linear = layer.get_submodule(path)
+            linear = _base(layer.get_submodule(path))
             if isinstance(linear, QuantizedLinear):
                 columns = linear.scales.shape[-1] * linear.group_size
                 if (columns // ranks) % linear.group_size:
@@ -112,6 +118,11 @@ def _columns(t: torch.Tensor, rank: int, ranks: int) -> torch.Tensor:
 
 
 def _column_sharded(linear: nn.Module, rank: int, ranks: int) -> nn.Module:
+    if isinstance(linear, SwitchableLora):  # B's output rows split with the base's; A is whole on every rank
+        lora_b = linear.lora_b.detach()  # [N + 1, out, r]
+        n = lora_b.shape[1] // ranks
+        return SwitchableLora(_column_sharded(linear.base, rank, ranks), linear.lora_a.detach(),
+                              lora_b[:, rank * n:(rank + 1) * n].clone(), linear.lora_scales, linear._choice)
     if isinstance(linear, QuantizedLinear):
         return QuantizedLinear(_rows(linear.weight, rank, ranks), _rows(linear.scales, rank, ranks),
                                _rows(linear.biases, rank, ranks), linear.group_size, linear.bits,
@@ -125,16 +136,25 @@ def _column_sharded(linear: nn.Module, rank: int, ranks: int) -> nn.Module:
 
 
 def _row_sharded(linear: nn.Module, rank: int, ranks: int) -> nn.Module:
+    part, bias = _row_part(_base(linear), rank, ranks)
+    if isinstance(linear, SwitchableLora):
+        # A's input columns split with the base's: each rank's B (A_r x_r) is a partial sum, summed with the base's.
+        part = SwitchableLora(part, _columns(linear.lora_a.detach(), rank, ranks), linear.lora_b.detach(),
+                              linear.lora_scales, linear._choice)
+    return AllSumLinear(part, bias)
+
+
+def _row_part(linear: nn.Module, rank: int, ranks: int) -> tuple[nn.Module, torch.Tensor | None]:
+    """This rank's input columns of `linear` (no bias: added once, after the all-sum) and the bias."""
     bias = None if linear.bias is None else linear.bias.detach().clone()
     if isinstance(linear, QuantizedLinear):
         # Packed words and groups split at the same column: check_shardable made each rank's part whole groups.
-        part = QuantizedLinear(_columns(linear.weight, rank, ranks), _columns(linear.scales, rank, ranks),
-                               _columns(linear.biases, rank, ranks), linear.group_size, linear.bits)
-    else:
-        part = nn.Linear(linear.in_features // ranks, linear.out_features, bias=False, dtype=linear.weight.dtype,
-                         device="meta")
-        part.weight = nn.Parameter(_columns(linear.weight.detach(), rank, ranks), requires_grad=False)
-    return AllSumLinear(part, bias)
+        return QuantizedLinear(_columns(linear.weight, rank, ranks), _columns(linear.scales, rank, ranks),
+                               _columns(linear.biases, rank, ranks), linear.group_size, linear.bits), bias
+    part = nn.Linear(linear.in_features // ranks, linear.out_features, bias=False, dtype=linear.weight.dtype,
+                     device="meta")
+    part.weight = nn.Parameter(_columns(linear.weight.detach(), rank, ranks), requires_grad=False)
+    return part, bias
 
 
 def shard_model(model: nn.Module, rank: int, ranks: int) -> nn.Module:

@@ -6,11 +6,9 @@ from __future__ import annotations
 # What each kind of split program is not built with yet: option -> why (a draft model is small: it runs whole
 # beside the split target).
 NOT_SPLIT_WITH = {
-    "tensor_parallel": {"propose_tokens": "a draft model's proposing program is not sharded",
-                        "adapters": "switchable adapters are not sharded yet"},
+    "tensor_parallel": {"propose_tokens": "a draft model's proposing program is not sharded"},
     "pipeline_parallel": {"tensor_parallel": "not built together with tensor_parallel yet (choose one)",
-                          "propose_tokens": "not built with propose_tokens yet",
-                          "adapters": "not built with adapters yet"},
+                          "propose_tokens": "not built with propose_tokens yet"},
 }
 
 

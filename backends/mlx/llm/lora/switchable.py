@@ -75,6 +75,11 @@ class AdapterChoice:
         self.names = list(names)
         self.index: torch.Tensor | None = None
 
+    def __deepcopy__(self, memo) -> "AdapterChoice":
+        # A copy of the model (a pipeline stage, llm/distributed/pipeline.py) keeps reading the one choice its
+        # program's AdapterInput sets: a copied choice would never be set, and every row would run the base model.
+        return self
+
 
 class SwitchableLora(nn.Module):
     def __init__(self, base: nn.Module, a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, choice: AdapterChoice):
