@@ -245,11 +245,15 @@ def test_a_rank_on_another_machine_is_started_there_over_ssh_and_killed_there(pr
 def test_where_ranks_cannot_run_is_refused_in_one_line(programs, tmp_path):
     _, tp, _ = programs
     hostfile = tmp_path / "hosts.json"
-    hostfile.write_text(json.dumps([{"ssh": "node-a", "ips": ["10.0.0.1"]}, {"ssh": "127.0.0.1", "ips": ["x"]}]))
+    hostfile.write_text(json.dumps([{"ssh": "node-a", "ips": ["10.0.0.1"]},
+                                    {"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}]))
     with pytest.raises(ValueError, match="puts rank 0 on node-a: rank 0 runs beside the server"):
         load_service(tp, placement=RankPlacement(hostfile))
     hostfile.write_text(json.dumps([{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}, {"ssh": "node-b"}]))
     with pytest.raises(ValueError, match=r"rank 1 \(node-b\) lists no \"ips\" for the ring to use"):
+        load_service(tp, placement=RankPlacement(hostfile))
+    hostfile.write_text(json.dumps([["127.0.0.1:5000"], ["192.0.2.7:5001"]]))  # TEST-NET-1: nobody's address
+    with pytest.raises(ValueError, match="rank 1 would run here, but 192.0.2.7 is not an address of this machine"):
         load_service(tp, placement=RankPlacement(hostfile))
     hostfile.write_text(json.dumps({"hosts": "node-a"}))
     with pytest.raises(ValueError, match="expected MLX's ring hostfile .* or mlx.launch's"):

@@ -69,7 +69,25 @@ def read_hostfile(path: Path, ranks: int, starting_port: int = DEFAULT_STARTING_
                          "rank)")
     if len(hosts) != ranks:
         raise ValueError(f"--hostfile {path} lists {len(hosts)} ranks but the program runs on {ranks}")
+    for rank, host in enumerate(hosts):
+        for address in host.addresses if host.ssh is None else ():
+            ip = address.rsplit(":", 1)[0].strip("[]")
+            if not _bindable(ip):  # the ring would wait for a listener that can never start
+                raise ValueError(f"--hostfile {path}: rank {rank} would run here, but {ip} is not an address of this "
+                                 "machine (name other machines in mlx.launch's format: {\"ssh\": host, \"ips\": "
+                                 "[...]})")
     return hosts
+
+
+def _bindable(ip: str) -> bool:
+    """Whether this machine can listen on `ip` (one of its addresses, or the loopback)."""
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.bind((ip, 0))
+    except (OSError, UnicodeError):
+        return False
+    return True
 
 
 def _launch_hosts(path: Path, entries: list[dict], starting_port: int) -> list[RankHost]:
