@@ -2,7 +2,7 @@
 
 The score limit is lowered to one byte, so that a tiny model's 100-token prefill runs its attention in blocks of
 16 query rows (the fewest the CPU set's prefill takes), with a float cache (SdpaNode) and a 4-bit one
-(QuantizedSdpaNode, whose prefill dequantizes the keys it attends to). The greedy tokens and the returned
+(QuantizedSdpaNode, whose prefill dequantizes the keys it attends to, then one key/value head at a time). The greedy tokens and the returned
 log-probabilities (top 4 per step) must equal the unblocked run's, bit for bit. Controls: the block counter grows
 only under the low limit (the blocked path ran; the default limit leaves this prompt whole), and the same
 comparison tells the 4-bit cache's run from the 8-bit one's (it can fail)."""
@@ -59,8 +59,9 @@ def test_blocked_prefill_gives_the_unblocked_tokens_and_logprobs(tmp_path, kv_bi
     whole = _run(pte)
     assert attention_limit.query_blocks() == before  # the default limit keeps 100 rows x 128 keys whole
     blocked, blocks = _blocked(pte)
-    # 2 layers x 100 rows in blocks of >= 16 rows: 6 blocks each (the decode steps have one row)
-    assert blocks == 2 * 6
+    # 2 layers x 100 rows in blocks of >= 16 rows: 6 blocks each (the decode steps have one row); the 4-bit cache's
+    # attention also one key/value head at a time (2 heads), each head's rows in 6 blocks
+    assert blocks == 2 * 6 * (2 if kv_bits else 1)
     assert blocked == whole
     assert attention_limit.score_limit() == attention_limit.DEFAULT_SCORE_LIMIT  # restored
 

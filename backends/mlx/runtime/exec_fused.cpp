@@ -235,16 +235,22 @@ bool Interpreter::exec_quantized_sdpa(const fb::QuantizedSdpaNode& n) {
   }
   if (all_visible) mask = std::nullopt;
   if (query_len * (heads / kv_heads) > kQuantizedAttentionRows) {
+    if (program_.kernels == &kernels::cpu_kernels()) {
+      // A long prefill chunk over a long cache: one key/value head's keys and values dequantized at a time when
+      // all of them would take more than the score limit (float32 at 32k positions of 8 heads of 128: 256 MiB),
+      // and the scores a block of query rows at a time (attention_blocks.h).
+      const auto attend = [&](const mx::array& qh, const std::optional<mx::array>& mh, const mx::array* words) {
+        mx::array k = mx::dequantize(words[0], words[1], words[2], group, bits);
+        mx::array v = mx::dequantize(words[3], words[4], words[5], group, bits);
+        return kernels::attend_in_query_blocks(qh, mh, end, kCpuPrefillRows,
+                                               [&](const mx::array& qb, const std::optional<mx::array>& mb) {
+                                                 return kernels::sdpa_cpu(qb, k, v, n.scale(), false, mb, end);
+                                               });
+      };
+      return write(n.out(), kernels::attend_per_kv_head(*q, mask, cache, dim, attend));
+    }
     mx::array k = mx::dequantize(cache[0], cache[1], cache[2], group, bits);
     mx::array v = mx::dequantize(cache[3], cache[4], cache[5], group, bits);
-    if (program_.kernels == &kernels::cpu_kernels()) {
-      // A long prefill chunk over a long cache: its scores a block of query rows at a time (attention_blocks.h).
-      return write(n.out(), kernels::attend_in_query_blocks(
-                                *q, mask, end, kCpuPrefillRows,
-                                [&](const mx::array& qb, const std::optional<mx::array>& mb) {
-                                  return kernels::sdpa_cpu(qb, k, v, n.scale(), false, mb, end);
-                                }));
-    }
     return write(n.out(), kernels::sdpa(*q, k, v, n.scale(), false, mask, end));
   }
   // Query heads grouped under their key/value head as rows of one product: [B, Hkv, R * L, D] against the cache

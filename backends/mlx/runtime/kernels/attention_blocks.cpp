@@ -15,8 +15,8 @@ namespace {
 std::atomic<uint64_t> g_score_limit{kDefaultAttentionScoreLimit};
 std::atomic<uint64_t> g_query_blocks{0};
 
-// Rows [r0, r1) of x's axis `axis`.
-mx::array rows_of(const mx::array& x, int axis, int r0, int r1) {
+// Indices [r0, r1) of x's axis `axis`.
+mx::array part_of(const mx::array& x, int axis, int r0, int r1) {
   mx::Shape start(x.ndim(), 0), stop = x.shape();
   start[axis] = r0;
   stop[axis] = r1;
@@ -50,15 +50,37 @@ mx::array attend_in_query_blocks(const mx::array& q, const std::optional<mx::arr
   outs.reserve(n);
   for (int b = 0, r0 = 0; b < n; ++b) {
     const int r1 = r0 + rows / n + (b < rows % n ? 1 : 0);
-    mx::array qb = rows_of(q, 2, r0, r1);
+    mx::array qb = part_of(q, 2, r0, r1);
     if (!outs.empty()) qb = mx::depends({qb}, {outs.back()})[0];
     std::optional<mx::array> mb = mask;
-    if (mask_rows) mb = rows_of(*mask, mask->ndim() - 2, r0, r1);
+    if (mask_rows) mb = part_of(*mask, mask->ndim() - 2, r0, r1);
     outs.push_back(attend(qb, mb));
     r0 = r1;
   }
   g_query_blocks.fetch_add(static_cast<uint64_t>(n), std::memory_order_relaxed);
   return mx::concatenate(outs, 2);
+}
+
+mx::array attend_per_kv_head(const mx::array& q, const std::optional<mx::array>& mask,
+                             const std::vector<mx::array>& cache, int dim, const HeadAttention& attend) {
+  const int heads = q.shape(1), kv_heads = cache[0].shape(1);
+  const uint64_t kv_bytes = uint64_t{2} * 4 * static_cast<uint64_t>(cache[0].shape(0)) *
+                            static_cast<uint64_t>(kv_heads) * static_cast<uint64_t>(cache[0].shape(2)) *
+                            static_cast<uint64_t>(dim);
+  if (kv_heads < 2 || kv_bytes <= attention_score_limit()) return attend(q, mask, cache.data());
+  const int group = heads / kv_heads;
+  const bool mask_heads = mask && mask->ndim() >= 3 && mask->shape(-3) == heads;
+  std::vector<mx::array> outs;
+  outs.reserve(kv_heads);
+  for (int h = 0; h < kv_heads; ++h) {
+    std::vector<mx::array> own;
+    for (const mx::array& a : cache) own.push_back(part_of(a, 1, h, h + 1));
+    if (!outs.empty()) own = mx::depends(own, {outs.back()});
+    std::optional<mx::array> mh = mask;
+    if (mask_heads) mh = part_of(*mask, mask->ndim() - 3, h * group, (h + 1) * group);
+    outs.push_back(attend(part_of(q, 1, h * group, (h + 1) * group), mh, own.data()));
+  }
+  return mx::concatenate(outs, 1);
 }
 
 }  // namespace etmlx::kernels

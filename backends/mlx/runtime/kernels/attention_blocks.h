@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
+#include <vector>
 
 #include <mlx/array.h>
 
@@ -28,5 +29,16 @@ using QueryAttention = std::function<mlx::core::array(const mlx::core::array& q,
                                                       const std::optional<mlx::core::array>& mask)>;
 mlx::core::array attend_in_query_blocks(const mlx::core::array& q, const std::optional<mlx::core::array>& mask,
                                         int keys, int min_rows, const QueryAttention& attend);
+
+// A quantized cache's attention (q [B, H, L, D] over `cache`: its six [B, Hkv, S, .] operands, packed keys,
+// scales, biases, packed values, scales, biases) one key/value head at a time when the dequantized keys and values
+// (float32, [B, Hkv, S, dim] each) would exceed the score limit: attend(q's heads of that key/value head, the
+// mask's (a mask with H heads sliced on its axis -3), the head's six operands) per head, each head's operands made
+// to wait for the head before, the outputs joined along the heads. One call over all heads otherwise.
+using HeadAttention = std::function<mlx::core::array(const mlx::core::array& q,
+                                                     const std::optional<mlx::core::array>& mask,
+                                                     const mlx::core::array* cache)>;
+mlx::core::array attend_per_kv_head(const mlx::core::array& q, const std::optional<mlx::core::array>& mask,
+                                    const std::vector<mlx::core::array>& cache, int dim, const HeadAttention& attend);
 
 }  // namespace etmlx::kernels
