@@ -50,14 +50,15 @@ def _decode(args) -> int:
         return decode_parallel.main(args.json, ranks=args.tensor_parallel or args.pipeline_parallel, quick=args.quick,
                                     cache_dir=args.cache_dir, split=split)
     dtypes = tuple(d.strip() for d in args.dtypes.split(",") if d.strip())
-    if args.context or args.kv_bits or args.layers or args.vocab:
+    if args.context or args.kv_bits or args.layers or args.vocab or args.score_limit or args.kv_group_size != 64:
         from benchmarks import long_context
 
         if not (args.shape and args.context):
-            raise ValueError("etmlx bench decode: --context, --kv-bits, --layers and --vocab go with --shape and "
-                             "--context")
+            raise ValueError("etmlx bench decode: --context, --kv-bits, --kv-group-size, --layers, --vocab and "
+                             "--score-limit go with --shape and --context")
         return long_context.main(args.shape, long_context.parse_contexts(args.context), args.kv_bits, args.layers,
-                                 args.vocab, args.activations, args.cache_dir, args.json)
+                                 args.vocab, args.activations, args.cache_dir, args.json, args.score_limit,
+                                 args.kv_group_size)
     if args.shape:
         from benchmarks import decode_shapes
 
@@ -195,6 +196,10 @@ def add_parsers(bench: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, help="--context: only this many of the shape's layers (the report "
                    "extrapolates the cache per layer to the full depth)")
     p.add_argument("--vocab", type=int, help="--context: a smaller vocabulary than the shape's (weights only)")
+    p.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64,
+                   help="--kv-bits: values per scale and bias (default 64)")
+    p.add_argument("--score-limit", type=float, metavar="MB", help="--context: the runtime's bound on one "
+                   "attention's scores (default 64 MiB): a prefill chunk's attention runs in query blocks within it")
     p.add_argument("--activations", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="--context: the program's float dtype, its float KV cache's and the scales' (default float32)")
     p.add_argument("--tensor-parallel", type=int, metavar="N", help="an N-rank tensor-parallel program against the "

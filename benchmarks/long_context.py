@@ -5,7 +5,9 @@ int4 (group 64, as mlx_lm.convert -q), exported once with max_seq_len = the long
 KV cache float (the model dtype) or --kv-bits 8/4 (llm/decoder/kv_quant.py). Per context, a fresh child process
 loads the program, prefills the prompt in chunks of PREFILL_CHUNK tokens (the program's calls at their own start
 positions: one call over 32k tokens would hold [heads, 32k, 32k] scores), then decodes STEPS greedy tokens, and
-reports prefill and decode tok/s, its RSS after loading and after decoding, and its peak RSS.
+reports prefill and decode tok/s, its RSS after loading and after decoding, and its peak RSS. `--score-limit MB`
+sets the runtime's bound on one attention's scores (runtime/attention_limit.py; default 64 MiB): a chunk's
+attention over a long context runs in blocks of query rows within it, and a huge limit measures it unblocked.
 
 Memory against the cache: the program's KV buffers (what its state holds, [rows, heads, positions, .] each) are
 allocated whole on the first call, so RSS growth from load to the end of the decode is compared with their bytes;
@@ -52,9 +54,11 @@ def _shape(name: str) -> dict:
     return dict(shapes[name])
 
 
-def _program(shape: dict, layers: int, vocab: int, kv_bits: int, max_seq_len: int, dtype: str, out: Path) -> Path:
+def _program(shape: dict, layers: int, vocab: int, kv_bits: int, max_seq_len: int, dtype: str, out: Path,
+             kv_group: int = 64) -> Path:
     """The int4 program of `layers` of the shape's layers, exported once per setting under `out`."""
-    name = (f"long-{shape['hidden_size']}-l{layers}-v{vocab}-kv{kv_bits}-{dtype}-n{max_seq_len}.pte")
+    group = f"g{kv_group}" if kv_bits and kv_group != 64 else ""
+    name = (f"long-{shape['hidden_size']}-l{layers}-v{vocab}-kv{kv_bits}{group}-{dtype}-n{max_seq_len}.pte")
     pte = out / name
     if pte.is_file():
         return pte
@@ -76,7 +80,8 @@ def _program(shape: dict, layers: int, vocab: int, kv_bits: int, max_seq_len: in
     model = AutoModelForCausalLM.from_config(config).eval().to(getattr(torch, dtype))
     quantize_model(model, 4, 64)
     out.mkdir(parents=True, exist_ok=True)
-    export_decoder(model, pte, max_seq_len, pipelined=False, verify=False, kv_bits=kv_bits)
+    export_decoder(model, pte, max_seq_len, pipelined=False, verify=False, kv_bits=kv_bits,
+                   **({"kv_group_size": kv_group} if kv_bits else {}))
     return pte
 
 
@@ -87,8 +92,15 @@ def _rss_bytes(field: str) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _child(pte: str, context: str) -> None:
+def _child(pte: str, context: str, score_limit: str) -> None:
     """One context in a fresh process: one JSON line of timings and memory."""
+    from backends.mlx.runtime import attention_limit
+
+    with attention_limit.score_limit_set(int(score_limit)):
+        _measure(pte, context)
+
+
+def _measure(pte: str, context: str) -> None:
     from backends.mlx.llm.decoder.loop import Decoder
     from backends.mlx.llm.decoder.step_inputs import step_inputs
     from backends.mlx.llm.sampler.params import SamplingParams
@@ -120,20 +132,28 @@ def _child(pte: str, context: str) -> None:
 
 
 def main(shape_name: str, contexts: list[int], kv_bits: int, layers: int | None, vocab: int | None,
-         dtype: str, cache_dir: Path, json_path: str | None) -> int:
+         dtype: str, cache_dir: Path, json_path: str | None, score_limit_mb: float | None = None,
+         kv_group: int = 64) -> int:
+    from backends.mlx.runtime.attention_limit import DEFAULT_SCORE_LIMIT
+
+    if score_limit_mb is not None and score_limit_mb <= 0:
+        raise ValueError(f"--score-limit takes a positive number of MB, got {score_limit_mb}")
+    score_limit = int(score_limit_mb * 2**20) if score_limit_mb else DEFAULT_SCORE_LIMIT
     shape = _shape(shape_name)
     layers = layers or shape["num_hidden_layers"]
     vocab = vocab or shape["vocab_size"]
-    pte = _program(shape, layers, vocab, kv_bits, max(contexts) + STEPS, dtype, Path(cache_dir) / "long_context")
-    kv = f"{kv_bits}-bit" if kv_bits else f"float ({dtype})"
+    pte = _program(shape, layers, vocab, kv_bits, max(contexts) + STEPS, dtype, Path(cache_dir) / "long_context",
+                   kv_group)
+    kv = f"{kv_bits}-bit (group {kv_group}, {dtype} scales)" if kv_bits else f"float ({dtype})"
     print(f"{shape_name}: {layers} of {shape['num_hidden_layers']} layers, vocab {vocab}, int4 weights, {dtype} "
           f"activations, KV cache {kv}, max_seq_len {max(contexts) + STEPS}; prefill in chunks of {PREFILL_CHUNK}, "
-          f"{STEPS} decode steps; program {pte.stat().st_size / 1e6:.0f} MB")
+          f"{STEPS} decode steps; attention scores within {score_limit / 2**20:g} MiB; program "
+          f"{pte.stat().st_size / 1e6:.0f} MB")
     print(f"{'context':>8} {'prefill tok/s':>14} {'decode tok/s':>13} {'RSS load':>9} {'RSS end':>9} "
           f"{'peak':>9} {'growth':>9} {'KV cache':>9}")
     records = []
     for n in contexts:
-        ran = subprocess.run([sys.executable, "-m", "benchmarks.long_context", str(pte), str(n)],
+        ran = subprocess.run([sys.executable, "-m", "benchmarks.long_context", str(pte), str(n), str(score_limit)],
                              capture_output=True, text=True)
         if ran.returncode != 0:
             raise RuntimeError(f"context {n}: the child failed:\n{ran.stderr[-3000:]}")
@@ -153,7 +173,9 @@ def main(shape_name: str, contexts: list[int], kv_bits: int, layers: int | None,
           f"{(full + other) / 1e9:.2f} GB over its weights (the issue's target: <= 1.3 GB)")
     if json_path:
         Path(json_path).write_text(json.dumps({"shape": shape_name, "layers": layers, "vocab": vocab,
-                                               "kv_bits": kv_bits, "dtype": dtype, "records": records,
+                                               "kv_bits": kv_bits, "kv_group_size": kv_group, "dtype": dtype,
+                                               "score_limit": score_limit,
+                                               "records": records,
                                                "extrapolated_growth_bytes": full + other}, indent=2))
     return 0
 

@@ -11,6 +11,7 @@
 #include "dtypes.h"
 #include "interpreter.h"
 #include "kernels/attention.h"
+#include "kernels/attention_blocks.h"
 #include "kernels/attention_cpu.h"
 #include "kernels/kernel_set.h"
 #include "kernels/known_values.h"
@@ -121,6 +122,10 @@ bool Interpreter::read_attention_mask(const fb::Tid* id, mx::Dtype dtype, std::o
   return true;
 }
 
+// The fewest query rows sdpa_cpu runs as a prefill (two matmuls around its softmax); fewer take its decode loop,
+// whose sums round differently, so a query block never has fewer.
+constexpr int kCpuPrefillRows = 16;
+
 bool Interpreter::exec_sdpa(const fb::SdpaNode& n) {
   const mx::array* q = read(n.q());
   if (!q) return false;
@@ -149,7 +154,13 @@ bool Interpreter::exec_sdpa(const fb::SdpaNode& n) {
   if (!sdpa_window_end(n, q->shape(0), q->shape(2), keys, &end, &all_visible)) return false;
   if (program_.kernels == &kernels::cpu_kernels()) {  // its own softmax (attention_cpu.h)
     if (program_.fuse_nodes && sdpa_with_view(n, *q, *k, *v, mask, end)) return true;
-    return write(n.out(), kernels::sdpa_cpu(*q, *k, *v, n.scale(), n.causal(), mask, end));
+    if (n.causal()) return write(n.out(), kernels::sdpa_cpu(*q, *k, *v, n.scale(), true, mask, end));
+    // A long prefill's scores a block of query rows at a time (attention_blocks.h).
+    return write(n.out(), kernels::attend_in_query_blocks(
+                              *q, mask, end, kCpuPrefillRows,
+                              [&](const mx::array& qb, const std::optional<mx::array>& mb) {
+                                return kernels::sdpa_cpu(qb, *k, *v, n.scale(), false, mb, end);
+                              }));
   }
   // A decode step without its array mask runs MLX's fused decode kernel on CUDA instead of matmul, where
   // and softmax composed (~10 graph nodes per layer, which a host-bound GPU step pays for: an H200's decode
@@ -224,11 +235,22 @@ bool Interpreter::exec_quantized_sdpa(const fb::QuantizedSdpaNode& n) {
   }
   if (all_visible) mask = std::nullopt;
   if (query_len * (heads / kv_heads) > kQuantizedAttentionRows) {
+    if (program_.kernels == &kernels::cpu_kernels()) {
+      // A long prefill chunk over a long cache: one key/value head's keys and values dequantized at a time when
+      // all of them would take more than the score limit (float32 at 32k positions of 8 heads of 128: 256 MiB),
+      // and the scores a block of query rows at a time (attention_blocks.h).
+      const auto attend = [&](const mx::array& qh, const std::optional<mx::array>& mh, const mx::array* words) {
+        mx::array k = mx::dequantize(words[0], words[1], words[2], group, bits);
+        mx::array v = mx::dequantize(words[3], words[4], words[5], group, bits);
+        return kernels::attend_in_query_blocks(qh, mh, end, kCpuPrefillRows,
+                                               [&](const mx::array& qb, const std::optional<mx::array>& mb) {
+                                                 return kernels::sdpa_cpu(qb, k, v, n.scale(), false, mb, end);
+                                               });
+      };
+      return write(n.out(), kernels::attend_per_kv_head(*q, mask, cache, dim, attend));
+    }
     mx::array k = mx::dequantize(cache[0], cache[1], cache[2], group, bits);
     mx::array v = mx::dequantize(cache[3], cache[4], cache[5], group, bits);
-    if (program_.kernels == &kernels::cpu_kernels()) {
-      return write(n.out(), kernels::sdpa_cpu(*q, k, v, n.scale(), false, mask, end));
-    }
     return write(n.out(), kernels::sdpa(*q, k, v, n.scale(), false, mask, end));
   }
   // Query heads grouped under their key/value head as rows of one product: [B, Hkv, R * L, D] against the cache
