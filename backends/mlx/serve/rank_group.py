@@ -22,13 +22,14 @@ from __future__ import annotations
 import os
 import pickle
 import select
+import shlex
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from backends.mlx.llm.distributed.hosts import RankHost, loopback_hosts, ring_hostfile
+from backends.mlx.llm.distributed.hosts import DEFAULT_SSH, RankHost, loopback_hosts, ring_hostfile
 from backends.mlx.llm.distributed.launch import LOAD_TIMEOUT_S
 from backends.mlx.llm.distributed.remote import RemoteRank
 from backends.mlx.llm.distributed.rank_files import rank_file
@@ -54,15 +55,17 @@ class RankGroup:
             if hosts[rank].ssh is None and not file.is_file():  # another machine's copy is checked there
                 raise FileNotFoundError(f"{file} (rank {rank}'s part of {pte}) does not exist")
         self._tmp = tempfile.TemporaryDirectory(prefix="etmlx-serve-ranks-")
+        ring_text = ring_hostfile(hosts)  # a local rank reads it from a file, a remote one gets the text
         ring = Path(self._tmp.name) / "hosts.json"
-        ring.write_text(ring_hostfile(hosts))
+        ring.write_text(ring_text)
+        ssh = ssh or shlex.split(DEFAULT_SSH)
         self.workers: list[ProgramWorker] = []
         try:
             for rank, (file, host) in enumerate(zip(files, hosts)):
                 env = {"MLX_RANK": str(rank)}
                 remote = None
                 if host.ssh is not None:
-                    remote = RemoteRank(host.ssh, ring_hostfile(hosts), **({"ssh": ssh} if ssh else {}))
+                    remote = RemoteRank(host.ssh, ring_text, ssh)
                 else:
                     env["MLX_HOSTFILE"] = str(ring)
                 self.workers.append(ProgramWorker(file, env=env, wait=False, remote=remote))

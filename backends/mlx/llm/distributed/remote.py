@@ -5,8 +5,8 @@ files at the same paths. The remote shell (sh, bash or zsh: POSIX only) records 
 this process's working directory, writes the ring's hostfile to a temporary file, sets the rank's environment
 and replaces itself with the command, so the recorded pid is the rank's. ssh runs without a terminal: the
 command's stdin and stdout are the caller's binary pipes (ssh given a command allocates no terminal unless told
-to with -t, which would rewrite their bytes). A rank whose
-ssh connection drops sees its stdin close; a rank stuck in a collective is killed through its pid file.
+to with -t, which would rewrite their bytes). A rank whose ssh connection drops sees its stdin close; a rank
+stuck in a collective is killed through its pid file.
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ import subprocess
 import uuid
 from dataclasses import dataclass, field
 
-from backends.mlx.llm.distributed.hosts import DEFAULT_SSH
-
 KILL_TIMEOUT_S = 15.0
 
 
@@ -26,7 +24,7 @@ KILL_TIMEOUT_S = 15.0
 class RemoteRank:
     host: str  # what ssh is given
     ring: str  # the ring backend's hostfile text (MLX_HOSTFILE's content, llm/distributed/hosts.py)
-    ssh: list[str] = field(default_factory=lambda: shlex.split(DEFAULT_SSH))  # the ssh command and its options
+    ssh: list[str]  # the ssh command and its options
     pidfile: str = field(default_factory=lambda: f"/tmp/etmlx-rank-{uuid.uuid4().hex}.pid")
 
     def command(self, argv: list[str], env: dict[str, str]) -> list[str]:
