@@ -82,7 +82,7 @@ $(BENCH): $(LIB)
 #   test-fast: unit and parity tests (no servers, long child processes, benchmarks or training)
 #   test:      everything
 TEST_JOBS ?= auto
-PYTEST := $(VPY) -m pytest -q -n $(TEST_JOBS) --dist loadfile
+PYTEST := $(VPY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --durations=30
 FAST_TESTS := not (server or subprocess or bench or slow)
 
 test: setup

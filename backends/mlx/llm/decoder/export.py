@@ -40,7 +40,7 @@ from backends.mlx.llm.decoder.vision_export import (image_prompt, image_text, pr
 from backends.mlx.llm.decoder.pipelined import FedBackSteps
 from backends.mlx.llm.decoder.pipelined_verify import DeliveredOrFedBack
 from backends.mlx.llm.decoder.proposer import ProposingHead, verify_proposer
-from backends.mlx.llm.decoder.resident_pages import release
+from backends.mlx.llm.decoder.resident_pages import paged_out_after_use, release
 from backends.mlx.llm.decoder.speculative_head import DraftVerifyingHead
 from backends.mlx.llm.decoder.speculative_verify import verify_draft_program
 from backends.mlx.llm.decoder.verify import VerificationError, VerificationReport, verify_decoder
@@ -233,8 +233,10 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
         release(model)
         say("verifying the program against the eager model")
         reference = KvCacheReference(model, kv_bits, kv_group_size) if kv_bits else model
-        say(_verified(reference, Path(out), external_weights, draft_tokens, propose_tokens,
-                      with_image=encoder is not None).summary())
+        with paged_out_after_use(model):  # the reference forward holds about one layer's weights at a time
+            report = _verified(reference, Path(out), external_weights, draft_tokens, propose_tokens,
+                               with_image=encoder is not None)
+        say(report.summary())
     return result
 
 
