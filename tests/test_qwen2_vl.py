@@ -1,9 +1,10 @@
-"""Qwen2-VL programs: a tiny random checkpoint with sharp weights (benchmarks/qwen2_vl_checkpoint.py), `etmlx export
---model DIR`, then a chat with an image and text after it decodes transformers' own greedy `generate` (the image
-processor's patches and grid, the prompt expanded and typed as transformers' processor does: M-RoPE positions from
-transformers' get_rope_index), float and `--quantize int8`; the host's M-RoPE positions equal get_rope_index's with
-two images; the export check catches a wrong vision method and 1-D positions in place of M-RoPE's.
-"""
+"""Qwen2-VL and Qwen2.5-VL programs (each test on both; Qwen2.5-VL's tower has window attention): a tiny random
+checkpoint with sharp weights (benchmarks/qwen2_vl_checkpoint.py), `etmlx export --model DIR`, then a chat with an
+image and text after it decodes transformers' own greedy `generate` (the image processor's patches and grid, the
+prompt expanded and typed as transformers' processor does: M-RoPE positions from transformers' get_rope_index),
+float and `--quantize int8`; the host's M-RoPE positions equal get_rope_index's with two images; the export check
+catches a wrong vision method and 1-D positions in place of M-RoPE's; Qwen2.5-VL's vision method equals
+transformers' tower, and does not without its windows."""
 
 from __future__ import annotations
 
@@ -37,9 +38,9 @@ def _messages(image):
                                          {"type": "text", "text": "t99 t3 t40 t8"}]}]
 
 
-@pytest.fixture(scope="module")
-def qwen(tmp_path_factory):
-    directory = build_qwen2_vl(tmp_path_factory.mktemp("qwen2vl") / "ckpt")
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def qwen(tmp_path_factory, request):
+    directory = build_qwen2_vl(tmp_path_factory.mktemp(request.param) / "ckpt", family=request.param)
     out = directory.parent / "f.pte"
     assert main(["export", "--model", str(directory), "--out", str(out), "--max-seq-len", str(MAX_SEQ_LEN)]) == 0
     model = T.AutoModelForImageTextToText.from_pretrained(str(directory)).eval()
@@ -118,7 +119,7 @@ def test_int8_tokens_are_the_float_models_choices(qwen, tmp_path):
                            mm_token_type_ids=(ids[:, :-1] == model.config.image_token_id).int()).logits[0, -STEPS:]
         logprobs = torch.log_softmax(logits.float(), -1)
         totals.append((logprobs.max(-1).values - logprobs[torch.arange(STEPS), torch.tensor(tokens)]).max().item())
-    print(f"qwen2-vl int8: worst gap to the float model's best token {max(totals):.4f} nats")
+    print(f"{model.config.model_type} int8: worst gap to the float model's best token {max(totals):.4f} nats")
     assert max(totals) <= INT8_NATS, totals
 
 
@@ -176,3 +177,22 @@ def test_a_second_question_reuses_the_image_and_its_positions(qwen):
     assert decoder.last_cached > 2 + TOKENS and decoder.images.encoded == 1  # past the image: neither encoded again
     assert first == _generate(model, _inputs(directory, image, _messages(image)))
     assert again == _generate(model, _inputs(directory, image, more))
+
+
+def test_qwen2_5_vl_windows_are_transformers(tmp_path):
+    """The vision method's window order, masks and inverse order against transformers' tower on random pixels; the
+    control: every block attending to the whole image (Qwen2-VL's way) differs."""
+    from backends.mlx.llm.decoder.qwen2_vl import Qwen2VLVision
+
+    directory = build_qwen2_vl(tmp_path / "ckpt", family="qwen2_5_vl")
+    model = T.AutoModelForImageTextToText.from_pretrained(str(directory)).eval()
+    grid = [1, IMAGE_SIDE // 14, IMAGE_SIDE // 14]
+    encoder = Qwen2VLVision(model, grid).eval()
+    assert encoder.windowed == [True, False, True]
+    assert sorted(encoder.windows.sum(1).unique().tolist()) == [4, 8, 16]  # windows of 1, 2 and 4 merged tokens
+    pixels = torch.randn(1, *encoder.pixel_shape, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = encoder.reference(pixels)
+        assert (encoder(pixels) - expected).abs().max() < 1e-4
+        encoder.windowed = [False] * 3
+        assert (encoder(pixels) - expected).abs().max() > 0.1

@@ -1,4 +1,5 @@
-"""Qwen2-VL in a vision-language program: its vision method at one image size, and its multimodal RoPE positions.
+"""Qwen2-VL and Qwen2.5-VL in a vision-language program: the vision method at one image size, and the multimodal
+RoPE positions (the same for both families' images).
 
 The vision tower takes flattened patches and their grid (t, h, w). A program is exported for one grid: the one the
 checkpoint's image processor gives a PROBE_SIDE x PROBE_SIDE image (448 x 448 when the processor's pixel range holds
@@ -13,6 +14,12 @@ merged grid in the height / width sections; the text after an image goes on from
 side, i.e. the shift grows by side - image_tokens. The decoder program takes these as ROPE_INPUT [B, L, 3] beside
 the tokens (its cache position start_pos still decides where keys are written and what is masked); the host lays
 them out from a row's image positions (rope_positions), so decode steps are plain positions plus the row's shift.
+
+Qwen2.5-VL's tower differs in its blocks (RMSNorm, gated MLP: called as the tower's own modules) and in window
+attention: its patches are reordered into windows of window_size pixels (in merged-token units, as transformers'
+get_vision_window_index lays them out), and every block not in fullatt_block_indexes attends only within its
+window. With one image of a fixed grid the order and the windows are constants: a gather before the blocks, a
+boolean [P, P] mask per windowed block, the inverse gather after the merger.
 
     encoder = Qwen2VLVision(model, grid)                # grid_for(processor config) at export
     rope_positions(prompt_images, image_tokens, start, length) -> [length, 3] int64
@@ -30,12 +37,12 @@ from torch import nn
 
 from backends.mlx.llm.decoder.meta import ROPE_INPUT  # noqa: F401 (the decoder's input named here)
 
-MODEL_TYPE = "qwen2_vl"
+MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 PROBE_SIDE = 448
 
 
 def uses_mrope(config) -> bool:
-    return getattr(config, "model_type", "") == MODEL_TYPE
+    return getattr(config, "model_type", "") in MODEL_TYPES
 
 
 def grid_for(processor: dict) -> list[int]:
@@ -65,6 +72,15 @@ class Qwen2VLVision(nn.Module):
         positions = get_vision_position_ids(thw, self.visual.spatial_merge_size)
         with torch.no_grad():
             cos, sin = self.visual.rotary_pos_emb(torch.zeros(1), positions)
+        order, restore, windows = _window_layout(self.visual, thw)
+        self.reordered = order is not None
+        if self.reordered:  # Qwen2.5-VL: patches (and their angles) in window order
+            cos, sin = cos[order], sin[order]
+            self.register_buffer("order", order, persistent=False)
+            self.register_buffer("restore", restore, persistent=False)
+            self.register_buffer("windows", windows, persistent=False)  # [P, P] bool: same window
+        self.windowed = [order is not None and i not in self.visual.fullatt_block_indexes
+                         for i in range(len(self.visual.blocks))]
         self.register_buffer("cos", cos.float().unsqueeze(-2), persistent=False)  # [P, 1, head_dim]
         self.register_buffer("sin", sin.float().unsqueeze(-2), persistent=False)
 
@@ -82,15 +98,21 @@ class Qwen2VLVision(nn.Module):
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         visual = self.visual
         x = visual.patch_embed(pixel_values[0])
+        if self.reordered:
+            x = x.index_select(0, self.order)
         length = x.shape[0]
-        for block in visual.blocks:
+        for block, windowed in zip(visual.blocks, self.windowed):
             attn = block.attn
             q, k, v = attn.qkv(block.norm1(x)).reshape(length, 3, attn.num_heads, -1).permute(1, 2, 0, 3).unbind(0)
             q, k = self._rotate(q.transpose(0, 1)).transpose(0, 1), self._rotate(k.transpose(0, 1)).transpose(0, 1)
-            out = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), scale=attn.scaling)
+            out = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), scale=attn.scaling,
+                                                 attn_mask=self.windows if windowed else None)
             x = x + attn.proj(out[0].transpose(0, 1).reshape(length, -1))
             x = x + block.mlp(block.norm2(x))
-        return visual.merger(x).unsqueeze(0).float()
+        merged = visual.merger(x)
+        if self.reordered:
+            merged = merged.index_select(0, self.restore)
+        return merged.unsqueeze(0).float()
 
     def reference(self, pixel_values: torch.Tensor) -> torch.Tensor:
         grid = torch.tensor([self.grid])
@@ -102,6 +124,22 @@ class Qwen2VLVision(nn.Module):
         image = self.model.config.image_token_id
         return {"pixel_values": pixel_values[0], "image_grid_thw": torch.tensor([self.grid]),
                 "mm_token_type_ids": torch.tensor([[int(t == image) for t in ids]])}
+
+
+def _window_layout(visual: nn.Module, thw: torch.Tensor):
+    """(patch order, merged-token inverse order, [P, P] same-window mask) of Qwen2.5-VL's window attention for the
+    grid `thw`; (None, None, None) for a tower without windows (Qwen2-VL)."""
+    if not hasattr(visual, "fullatt_block_indexes"):
+        return None, None, None
+    from transformers.vision_utils import get_vision_window_index
+
+    merge = visual.spatial_merge_size
+    window_index, bounds = get_vision_window_index(thw, merge, visual.window_size, visual.patch_size)
+    unit = merge * merge
+    order = (window_index.unsqueeze(1) * unit + torch.arange(unit)).reshape(-1)
+    # each reordered patch's window: how many window ends lie at or before it
+    window = torch.searchsorted(torch.as_tensor(bounds)[1:].contiguous(), torch.arange(order.numel()), right=True)
+    return order, torch.argsort(window_index), window.unsqueeze(1) == window.unsqueeze(0)
 
 
 class MropeInputs(nn.Module):

@@ -50,14 +50,14 @@ def _qwen2_vl(model: nn.Module, processor: dict | None) -> nn.Module:
     from backends.mlx.llm.decoder.qwen2_vl import Qwen2VLVision, grid_for
 
     if processor is None:
-        raise ValueError("a Qwen2-VL vision method is exported for one image size: it needs the image processor's "
-                         "config")
+        raise ValueError(f"a {model.config.model_type} vision method is exported for one image size: it needs the "
+                         "image processor's config")
     return Qwen2VLVision(model, grid_for(processor))
 
 
 # model_type -> (model, the image processor's config or None) -> the vision method's module
 ENCODERS = {"llava": lambda model, _processor: LlavaVision(model),
-            "gemma3": lambda model, _processor: Gemma3Vision(model), "qwen2_vl": _qwen2_vl,
+            "gemma3": lambda model, _processor: Gemma3Vision(model), "qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_vl,
             "idefics3": lambda model, _processor: Idefics3Vision(model),
             "smolvlm": lambda model, _processor: Idefics3Vision(model),
             "llava_next": lambda model, _processor: llava_next.LlavaNextVision(model)}
