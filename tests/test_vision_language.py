@@ -154,17 +154,17 @@ def test_export_check_covers_the_vision_method(llava, tmp_path, monkeypatch):
 
 
 def test_unsupported_vision_language_family_is_refused_by_name(tmp_path, capsys):
-    # Mistral 3 (a Pixtral tower): not exported yet
-    config = T.Mistral3Config(text_config=dict(model_type="mistral", vocab_size=128, hidden_size=64,
-                                               intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                               num_key_value_heads=2, head_dim=16),
-                              vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64,
-                                                 num_hidden_layers=1, num_attention_heads=4, head_dim=8, image_size=64,
-                                                 patch_size=16))
-    T.Mistral3ForConditionalGeneration(config).save_pretrained(tmp_path / "m")
+    # PaliGemma (a SigLIP tower, prefix-LM attention over the image and prompt): not exported yet
+    config = T.PaliGemmaConfig(text_config=dict(model_type="gemma", vocab_size=128, hidden_size=64,
+                                                intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                                num_key_value_heads=2, head_dim=16),
+                               vision_config=dict(model_type="siglip_vision_model", hidden_size=32,
+                                                  intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                                  image_size=32, patch_size=8))
+    T.PaliGemmaForConditionalGeneration(config).save_pretrained(tmp_path / "m")
     rc = main(["export", "--model", str(tmp_path / "m"), "--out", str(tmp_path / "x.pte"), "--max-seq-len", "32"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and err[-1].startswith("etmlx: error: ") and "'mistral3' is a vision-language model" in err[-1]
+    assert rc == 2 and err[-1].startswith("etmlx: error: ") and "'paligemma' is a vision-language model" in err[-1]
     assert not (tmp_path / "x.pte").exists()
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from backends.mlx.llm.decoder import llava_next
+from backends.mlx.llm.decoder import llava_next, mistral3_vision
 from backends.mlx.llm.decoder.meta import PROCESSOR_PREFIX, DecoderMeta
 from backends.mlx.llm.decoder.qwen2_vl import fixed_size_pixels
 from backends.mlx.llm.vision.images import image_digest
@@ -93,6 +93,8 @@ class ImageEncoder:
             self._processor = processor_in(self.pte)
         if len(self.meta.image_size) == 2:  # flattened patches (Qwen2-VL): at the program's one grid
             pixels = fixed_size_pixels(image, self._processor, self.meta.image_size)
+        elif mistral3_vision.parse(self.meta.image_prompt) is not None:  # Mistral 3: at the program's one size
+            pixels = mistral3_vision.program_pixels(image, self._processor, self.meta.image_size[-1])
         else:
             pixels = pixel_inputs([image], self._processor)
         size = list(self.meta.image_size)

@@ -4,8 +4,8 @@ A message's content may be a list of parts, {"type": "text", "text": ...} and {"
 the part's "image" key: a PIL image, a path or bytes; or, with no such key, the next of the `images` given
 beside the messages). The chat template renders the parts (a vision-language template writes the image token
 where an image part is), and each image token then becomes the positions one image takes, as the checkpoint's
-processor expands it: DecoderMeta.image_tokens of them, a tiled family's tiles (tile_prompt.py), or as many as
-the image's size gives LLaVA-NeXT (llava_next.py). A family whose processor replaces the mark in the text
+processor expands it: DecoderMeta.image_tokens of them, a tiled family's tiles (tile_prompt.py), as many as
+the image's size gives LLaVA-NeXT (llava_next.py), or Mistral 3's rows with their break tokens (mistral3_vision.py). A family whose processor replaces the mark in the text
 (Gemma 3: DecoderMeta.image_text) has it replaced there, before tokenizing.
 
     ids, images = image_chat_prompt(tokenizer, meta, messages)
@@ -16,7 +16,7 @@ from __future__ import annotations
 from backends.mlx.llm.decoder.meta import DecoderMeta
 from backends.mlx.llm.vision.images import load_image  # noqa: F401 (callers take it from here with the prompt rules)
 from backends.mlx.llm.decoder.prompt import ROLES_HINT, has_chat_template
-from backends.mlx.llm.decoder import llava_next
+from backends.mlx.llm.decoder import llava_next, mistral3_vision
 from backends.mlx.llm.decoder.tile_prompt import expand_tiles
 
 
@@ -71,6 +71,10 @@ def expand_images(meta: DecoderMeta, ids: list[int], images: list) -> list[int]:
     if anyres is not None:
         sizes = iter([llava_next.feature_count(anyres, image.height, image.width) for image in images])
         return [t for t0 in ids for t in ([t0] * next(sizes) if t0 == meta.image_token_id else [t0])]
+    rows = mistral3_vision.parse(meta.image_prompt)
+    if rows is not None:
+        one = mistral3_vision.image_ids(rows, meta.image_token_id)
+        return [t for t0 in ids for t in (one if t0 == meta.image_token_id else [t0])]
     if meta.image_prompt:
         return expand_tiles(meta.image_prompt, ids, images, meta.image_token_id)
     out = []

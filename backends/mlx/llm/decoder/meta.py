@@ -237,7 +237,8 @@ class DecoderMeta:
     image_text: list[str] = field(default_factory=list)
     # A family whose image takes a varying number of tiles (Idefics3 / SmolVLM: tile_prompt.py; LLaVA-NeXT:
     # llava_next.py, its tiles' features packed on the host): how an image token expands, as JSON; then
-    # image_tokens are one tile's positions and the vision method encodes one tile.
+    # image_tokens are one tile's positions and the vision method encodes one tile. Mistral 3
+    # (mistral3_vision.py): the image's rows of image_tokens positions, with their break and end tokens.
     # "": each image is image_tokens positions of image_token_id.
     image_prompt: str = ""
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from backends.mlx.llm.decoder.gemma3_vision import Gemma3Vision, gemma3_image_text
 from backends.mlx.llm.decoder.idefics3_vision import Idefics3Vision
-from backends.mlx.llm.decoder import llava_next
+from backends.mlx.llm.decoder import llava_next, mistral3_vision
 from backends.mlx.llm.decoder.model_support import check_vision_family, is_vision_language
 from backends.mlx.llm.decoder.tile_prompt import tile_prompt, tile_size
 
@@ -55,12 +55,19 @@ def _qwen2_vl(model: nn.Module, processor: dict | None) -> nn.Module:
     return Qwen2VLVision(model, grid_for(processor))
 
 
+def _mistral3(model: nn.Module, processor: dict | None) -> nn.Module:
+    if processor is None:
+        raise ValueError("a mistral3 vision method is exported for one image size: it needs the image processor's "
+                         "config")
+    return mistral3_vision.Mistral3Vision(model, mistral3_vision.program_side(model.config, processor))
+
+
 # model_type -> (model, the image processor's config or None) -> the vision method's module
 ENCODERS = {"llava": lambda model, _processor: LlavaVision(model),
             "gemma3": lambda model, _processor: Gemma3Vision(model), "qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_vl,
             "idefics3": lambda model, _processor: Idefics3Vision(model),
             "smolvlm": lambda model, _processor: Idefics3Vision(model),
-            "llava_next": lambda model, _processor: llava_next.LlavaNextVision(model)}
+            "llava_next": lambda model, _processor: llava_next.LlavaNextVision(model), "mistral3": _mistral3}
 TILED = ("idefics3", "smolvlm")  # an image is several tiles, one vision call each (tile_prompt.py)
 # How a family's prompt text names an image, beyond the image token expanded in ids (DecoderMeta.image_text).
 IMAGE_TEXT = {"gemma3": gemma3_image_text}
@@ -121,17 +128,19 @@ def vision_data(model: nn.Module) -> dict[str, bytes]:
 
 def image_prompt(model: nn.Module, tokenizer, processor_files: dict, tile_tokens: int) -> str:
     """DecoderMeta.image_prompt as JSON: a tiled family's image prompt pieces (tile_prompt.py), LLaVA-NeXT's
-    packing settings (llava_next.py); "" for others."""
-    if model.config.model_type == "llava_next":
-        import json
+    packing settings (llava_next.py), Mistral 3's rows (mistral3_vision.py); "" for others."""
+    import json
 
+    if model.config.model_type == "llava_next":
         return json.dumps(llava_next.image_prompt(model, processor_config(processor_files)))
+    if model.config.model_type == mistral3_vision.MODEL_TYPE:
+        if tokenizer is None:
+            raise ValueError("mistral3: exporting needs the tokenizer (the image prompt's break and end tokens)")
+        return json.dumps(mistral3_vision.row_prompt(tokenizer, tile_tokens))
     if model.config.model_type not in TILED:
         return ""
     if tokenizer is None:
         raise ValueError(f"{model.config.model_type}: exporting needs the tokenizer (the image prompt's tokens)")
-    import json
-
     name = next(n for n in PROCESSOR_FILES if n in processor_files)
     processor = json.loads(processor_files[name])
     tile, size = tile_size(processor), model.config.vision_config.image_size

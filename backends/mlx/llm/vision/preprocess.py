@@ -17,6 +17,8 @@ families, by `image_processor_type`:
   pixel_attention_mask [1, tiles, H, W], rows / cols per image.
 - Qwen2VLImageProcessor (Qwen2-VL, Qwen2.5-VL): smart resize to multiples of patch x merge within the pixel range,
   then flattened patches; pixel_values [patches, 3 x temporal x patch x patch], image_grid_thw [N, 3].
+- PixtralImageProcessor (Mistral 3): scaled down to the longest edge (floored), sides rounded up to multiples of
+  the patch, padded to the batch's largest with zeros; pixel_values [N, 3, H, W], image_sizes [N, 2].
 
 Each step is the one transformers' PIL backend takes (PIL resizes the 8-bit image; rescale in float64 then
 float32; normalise in float32), so the results equal transformers' processors (tests/test_image_preprocess.py).
@@ -53,6 +55,9 @@ DEFAULTS = {
     "Qwen2VLImageProcessor": {**_COMMON, "size": {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 1280},
                               "resample": BICUBIC, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
                               "image_mean": OPENAI_CLIP_MEAN, "image_std": OPENAI_CLIP_STD},
+    "PixtralImageProcessor": {**_COMMON, "size": {"longest_edge": 1024}, "patch_size": {"height": 16, "width": 16},
+                              "resample": BICUBIC, "do_pad": True, "image_mean": OPENAI_CLIP_MEAN,
+                              "image_std": OPENAI_CLIP_STD},
 }
 DEFAULTS["LlavaImageProcessor"] = {**DEFAULTS["CLIPImageProcessor"], "do_pad": False}
 DEFAULTS["LlavaNextImageProcessor"] = {**DEFAULTS["CLIPImageProcessor"], "do_pad": True, "image_grid_pinpoints": [
@@ -387,10 +392,43 @@ def _qwen2_vl(images: list[Image.Image], s: dict, name: str) -> ImageBatch:
     return ImageBatch(np.concatenate(patches).astype(np.float32, copy=False), {"image_grid_thw": grid}, tokens)
 
 
+# ---- Pixtral (Mistral 3) ----
+
+def pixtral_size(height: int, width: int, longest: int, patch: tuple[int, int]) -> tuple[int, int]:
+    """(height, width) the processor resizes an image to: within longest x longest (floored, the aspect ratio
+    kept), then each side rounded up to a multiple of its patch side."""
+    ratio = max(height / longest, width / longest)
+    if ratio > 1:
+        height, width = int(math.floor(height / ratio)), int(math.floor(width / ratio))
+    return ((height - 1) // patch[0] + 1) * patch[0], ((width - 1) // patch[1] + 1) * patch[1]
+
+
+def _pixtral(images: list[Image.Image], s: dict, name: str) -> ImageBatch:
+    patch = s["patch_size"]
+    patch = (patch["height"], patch["width"]) if isinstance(patch, dict) else (int(patch), int(patch))
+    arrays = []
+    for image in images:
+        if s["do_resize"]:
+            image = _resize(image, *pixtral_size(image.height, image.width, s["size"]["longest_edge"], patch),
+                            s["resample"])
+        arrays.append(_normalised(image, s))
+    sizes = np.array([a.shape[1:] for a in arrays], dtype=np.int64)
+    if s["do_pad"]:
+        pixel_values = np.zeros((len(arrays), 3, *sizes.max(0)), dtype=np.float32)
+        for i, a in enumerate(arrays):
+            pixel_values[i, :, :a.shape[1], :a.shape[2]] = a
+    elif len({a.shape for a in arrays}) == 1:
+        pixel_values = np.stack(arrays)
+    else:
+        raise PreprocessError(f"{name} without do_pad gives images of different sizes: export with do_pad")
+    return ImageBatch(pixel_values, {"image_sizes": sizes})
+
+
 FAMILIES = {"CLIPImageProcessor": _clip, "LlavaImageProcessor": _clip, "LlavaNextImageProcessor": _llava_next,
             "SiglipImageProcessor": _siglip,
             "Gemma3ImageProcessor": _siglip, "Idefics3ImageProcessor": _idefics3,
-            "SmolVLMImageProcessor": _idefics3, "Qwen2VLImageProcessor": _qwen2_vl}
+            "SmolVLMImageProcessor": _idefics3, "Qwen2VLImageProcessor": _qwen2_vl,
+            "PixtralImageProcessor": _pixtral}
 
 
 def check_config(config: dict) -> str:
