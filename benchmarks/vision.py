@@ -12,7 +12,8 @@ Measured in one run, baselines included:
 - decode tokens/s: the VLM program's steps after an image prompt vs the same decoder weights exported text-only
   (a LlamaForCausalLM holding the language model's weights), with a text prompt of the same length.
 - peak RSS: a fresh process loads the VLM program and answers one question about an image (VmHWM), against the
-  program's weights (its .pte size).
+  program's weights (its .pte size); it starts with the malloc the `etmlx` command runs with (mimalloc where
+  installed: runtime/allocator.py), which it reports.
 
     python -m benchmarks.vision rss PTE   (the child: prints one JSON line)
 """
@@ -114,7 +115,10 @@ def _decode_rate(decoder, ids, images=None) -> float:
 
 
 def _peak_rss(pte: Path) -> dict:
-    ran = subprocess.run([sys.executable, "-m", "benchmarks.vision", "rss", str(pte)], capture_output=True, text=True)
+    from backends.mlx.runtime.allocator import env_with_mimalloc
+
+    ran = subprocess.run([sys.executable, "-m", "benchmarks.vision", "rss", str(pte)], capture_output=True, text=True,
+                         env=env_with_mimalloc())
     if ran.returncode != 0:
         raise RuntimeError(f"the peak-RSS child failed: {ran.stderr.strip().splitlines()[-1:]}")
     return json.loads(ran.stdout.strip().splitlines()[-1])
@@ -168,7 +172,7 @@ def main(json_path=None, shape: str = "0.5b", repeats: int = 3, cache_dir="out/b
         # greedy first tokens per image, both engines (random weights: near ties may differ at real shapes)
         "first_tokens": {"etmlx": [t for _, t in etmlx_runs], "transformers": [t for _, t in eager_runs]},
         "decode_tokens_per_s": {"vlm": vlm_rate, "text_only": text_rate},
-        "peak_rss_bytes": rss["peak_rss_bytes"], "weights_bytes": weights,
+        "peak_rss_bytes": rss["peak_rss_bytes"], "weights_bytes": weights, "allocator": rss["allocator"],
     }
     first = record["image_first_token_s"]
     print(f"image + first token ({shape}, one 448x448 image, {record['image_tokens']} image tokens, "
@@ -181,7 +185,7 @@ def main(json_path=None, shape: str = "0.5b", repeats: int = 3, cache_dir="out/b
     print(f"decode: VLM program {vlm_rate:.1f} tok/s vs its decoder exported text-only {text_rate:.1f} tok/s "
           f"({vlm_rate / text_rate:.3f}x)")
     print(f"peak RSS {rss['peak_rss_bytes'] / 2**20:.0f} MiB vs weights {weights / 2**20:.0f} MiB "
-          f"({rss['peak_rss_bytes'] / weights:.2f}x)")
+          f"({rss['peak_rss_bytes'] / weights:.2f}x; malloc: {rss['allocator']})")
     if json_path:
         Path(json_path).write_text(json.dumps(record, indent=2))
     return 0
@@ -196,7 +200,9 @@ def _rss_child(pte: str) -> None:
     ids, images = image_chat_prompt(decoder.tokenizer, decoder.meta, _messages(_image(0)))
     for _ in decoder.stream(ids, DECODE_STEPS, images=images):
         pass
-    print(json.dumps({"peak_rss_bytes": _peak_rss_bytes()}))
+    from backends.mlx.runtime.allocator import active
+
+    print(json.dumps({"peak_rss_bytes": _peak_rss_bytes(), "allocator": active()}))
 
 
 if __name__ == "__main__":

@@ -26,3 +26,7 @@ def test_tiny_vision_bench_report(tmp_path):
         assert report["image_first_token_s"][engine] > 0
     assert report["decode_tokens_per_s"]["vlm"] > 0 and report["decode_tokens_per_s"]["text_only"] > 0
     assert report["peak_rss_bytes"] > report["weights_bytes"] > 0
+    from backends.mlx.runtime.allocator import mimalloc_library
+
+    # the RSS child runs with the etmlx command's malloc
+    assert report["allocator"].startswith("mimalloc" if mimalloc_library() is not None else "system")
