@@ -79,6 +79,7 @@ class ImageEncoder:
         self.method = load_method(self.pte, meta.vision_method)
         self._processor = None
         self._anyres = llava_next.parse(meta.image_prompt)
+        self._rows = mistral3_vision.parse(meta.image_prompt)
         self._newline = None
         self._kept: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.encoded = 0  # images run through the vision method (not found among the kept ones)
@@ -93,7 +94,7 @@ class ImageEncoder:
             self._processor = processor_in(self.pte)
         if len(self.meta.image_size) == 2:  # flattened patches (Qwen2-VL): at the program's one grid
             pixels = fixed_size_pixels(image, self._processor, self.meta.image_size)
-        elif mistral3_vision.parse(self.meta.image_prompt) is not None:  # Mistral 3: at the program's one size
+        elif self._rows is not None:  # Mistral 3: at the program's one size
             pixels = mistral3_vision.program_pixels(image, self._processor, self.meta.image_size[-1])
         else:
             pixels = pixel_inputs([image], self._processor)

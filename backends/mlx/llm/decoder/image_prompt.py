@@ -5,8 +5,9 @@ the part's "image" key: a PIL image, a path or bytes; or, with no such key, the 
 beside the messages). The chat template renders the parts (a vision-language template writes the image token
 where an image part is), and each image token then becomes the positions one image takes, as the checkpoint's
 processor expands it: DecoderMeta.image_tokens of them, a tiled family's tiles (tile_prompt.py), as many as
-the image's size gives LLaVA-NeXT (llava_next.py), or Mistral 3's rows with their break tokens (mistral3_vision.py). A family whose processor replaces the mark in the text
-(Gemma 3: DecoderMeta.image_text) has it replaced there, before tokenizing.
+the image's size gives LLaVA-NeXT (llava_next.py), or Mistral 3's rows with their break tokens
+(mistral3_vision.py). A family whose processor replaces the mark in the text (Gemma 3: DecoderMeta.image_text) has
+it replaced there, before tokenizing.
 
     ids, images = image_chat_prompt(tokenizer, meta, messages)
 """

@@ -10,8 +10,8 @@ constants: the blocks run here over the tower's own modules.
 
 In the prompt the chat template writes the image token once; PixtralProcessor replaces it with the image's rows of
 merged tokens, each row ended by [IMG_BREAK], the last by [IMG_END]. `row_prompt` stores that layout in
-DecoderMeta.image_prompt (kind ROWS) and `expand_rows` lays it out at run time; the image embeddings go to the image
-tokens only.
+DecoderMeta.image_prompt (kind ROWS) and `image_ids` lays it out at run time (image_prompt.expand_images); the image
+embeddings go to the image tokens only.
 """
 
 from __future__ import annotations

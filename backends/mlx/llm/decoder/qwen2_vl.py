@@ -79,7 +79,7 @@ class Qwen2VLVision(nn.Module):
             self.register_buffer("order", order, persistent=False)
             self.register_buffer("restore", restore, persistent=False)
             self.register_buffer("windows", windows, persistent=False)  # [P, P] bool: same window
-        self.windowed = [order is not None and i not in self.visual.fullatt_block_indexes
+        self.windowed = [self.reordered and i not in self.visual.fullatt_block_indexes
                          for i in range(len(self.visual.blocks))]
         self.register_buffer("cos", cos.float().unsqueeze(-2), persistent=False)  # [P, 1, head_dim]
         self.register_buffer("sin", sin.float().unsqueeze(-2), persistent=False)

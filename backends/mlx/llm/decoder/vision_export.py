@@ -46,20 +46,23 @@ class LlavaVision(nn.Module):
         return torch.stack(list(out.pooler_output)).float()
 
 
-def _qwen2_vl(model: nn.Module, processor: dict | None) -> nn.Module:
-    from backends.mlx.llm.decoder.qwen2_vl import Qwen2VLVision, grid_for
-
+def _one_size(model: nn.Module, processor: dict | None) -> dict:
+    """The image processor's config of a family whose vision method is exported for one image size (read there)."""
     if processor is None:
         raise ValueError(f"a {model.config.model_type} vision method is exported for one image size: it needs the "
                          "image processor's config")
-    return Qwen2VLVision(model, grid_for(processor))
+    return processor
+
+
+def _qwen2_vl(model: nn.Module, processor: dict | None) -> nn.Module:
+    from backends.mlx.llm.decoder.qwen2_vl import Qwen2VLVision, grid_for
+
+    return Qwen2VLVision(model, grid_for(_one_size(model, processor)))
 
 
 def _mistral3(model: nn.Module, processor: dict | None) -> nn.Module:
-    if processor is None:
-        raise ValueError("a mistral3 vision method is exported for one image size: it needs the image processor's "
-                         "config")
-    return mistral3_vision.Mistral3Vision(model, mistral3_vision.program_side(model.config, processor))
+    side = mistral3_vision.program_side(model.config, _one_size(model, processor))
+    return mistral3_vision.Mistral3Vision(model, side)
 
 
 # model_type -> (model, the image processor's config or None) -> the vision method's module
@@ -131,16 +134,15 @@ def image_prompt(model: nn.Module, tokenizer, processor_files: dict, tile_tokens
     packing settings (llava_next.py), Mistral 3's rows (mistral3_vision.py); "" for others."""
     import json
 
-    if model.config.model_type == "llava_next":
+    kind = model.config.model_type
+    if kind == "llava_next":
         return json.dumps(llava_next.image_prompt(model, processor_config(processor_files)))
-    if model.config.model_type == mistral3_vision.MODEL_TYPE:
-        if tokenizer is None:
-            raise ValueError("mistral3: exporting needs the tokenizer (the image prompt's break and end tokens)")
-        return json.dumps(mistral3_vision.row_prompt(tokenizer, tile_tokens))
-    if model.config.model_type not in TILED:
+    if kind not in (*TILED, mistral3_vision.MODEL_TYPE):
         return ""
     if tokenizer is None:
-        raise ValueError(f"{model.config.model_type}: exporting needs the tokenizer (the image prompt's tokens)")
+        raise ValueError(f"{kind}: exporting needs the tokenizer (the image prompt's tokens)")
+    if kind == mistral3_vision.MODEL_TYPE:
+        return json.dumps(mistral3_vision.row_prompt(tokenizer, tile_tokens))
     name = next(n for n in PROCESSOR_FILES if n in processor_files)
     processor = json.loads(processor_files[name])
     tile, size = tile_size(processor), model.config.vision_config.image_size
