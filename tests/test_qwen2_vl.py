@@ -19,6 +19,7 @@ from backends.mlx.llm.decoder.image_encoder import PromptImages
 from backends.mlx.llm.decoder.image_prompt import image_chat_prompt
 from backends.mlx.llm.decoder.qwen2_vl import rope_positions
 from benchmarks.qwen2_vl_checkpoint import IMAGE_SIDE, build_qwen2_vl
+from vision_helpers import worst_gap
 
 pytestmark = pytest.mark.slow
 
@@ -117,8 +118,7 @@ def test_int8_tokens_are_the_float_models_choices(qwen, tmp_path):
             logits = model(input_ids=ids[:, :-1], pixel_values=inputs["pixel_values"],
                            image_grid_thw=inputs["image_grid_thw"],
                            mm_token_type_ids=(ids[:, :-1] == model.config.image_token_id).int()).logits[0, -STEPS:]
-        logprobs = torch.log_softmax(logits.float(), -1)
-        totals.append((logprobs.max(-1).values - logprobs[torch.arange(STEPS), torch.tensor(tokens)]).max().item())
+        totals.append(worst_gap(logits, tokens))
     print(f"{model.config.model_type} int8: worst gap to the float model's best token {max(totals):.4f} nats")
     assert max(totals) <= INT8_NATS, totals
 

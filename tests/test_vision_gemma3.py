@@ -18,6 +18,7 @@ from PIL import Image
 from backends.mlx.cli.main import main
 from backends.mlx.llm.decoder.image_prompt import image_chat_prompt
 from benchmarks.gemma3_checkpoint import TOKENS_PER_IMAGE, build_gemma3
+from vision_helpers import worst_gap
 
 pytestmark = pytest.mark.slow
 
@@ -140,8 +141,7 @@ def test_int8_tokens_are_the_float_models_choices(gemma3, tmp_path):
         with torch.no_grad():
             logits = model(input_ids=ids[:, :-1], pixel_values=inputs.pixel_values,
                            token_type_ids=types[:, :-1]).logits[0, -STEPS:]
-        logprobs = torch.log_softmax(logits.float(), -1)
-        worst = (logprobs.max(-1).values - logprobs[torch.arange(STEPS), torch.tensor(tokens)]).max().item()
+        worst = worst_gap(logits, tokens)
         print(f"gemma3 int8 image {seed}: worst gap to the float model's best token {worst:.4f} nats")
         assert worst <= INT8_NATS, (seed, worst, tokens)
 

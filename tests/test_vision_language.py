@@ -16,6 +16,7 @@ from backends.mlx.cli.main import main
 from backends.mlx.llm.decoder import vision_export
 from backends.mlx.llm.decoder.image_prompt import image_chat_prompt
 from benchmarks.vision_checkpoints import build_llava
+from vision_helpers import worst_gap
 
 pytestmark = pytest.mark.slow
 
@@ -113,8 +114,7 @@ def test_int8_tokens_are_the_float_models_choices(llava, tmp_path):
     ids = torch.cat([inputs.input_ids, torch.tensor([tokens])], dim=1)
     with torch.no_grad():
         logits = model(input_ids=ids[:, :-1], pixel_values=inputs.pixel_values).logits[0, -STEPS:]
-    logprobs = torch.log_softmax(logits.float(), -1)
-    worst = (logprobs.max(-1).values - logprobs[torch.arange(STEPS), torch.tensor(tokens)]).max().item()
+    worst = worst_gap(logits, tokens)
     print(f"llava int8: worst gap to the float model's best token {worst:.4f} nats")
     assert worst <= INT8_NATS, (worst, tokens)
 
