@@ -14,6 +14,7 @@
 #include <zlib.h>
 
 #include "dtypes.h"
+#include "mapped_source.h"
 
 namespace etmlx {
 
@@ -26,6 +27,10 @@ namespace {
 // Bytes checksummed per step of the copy: small enough that the copied chunk is still in cache when
 // zlib reads it, so the checksum costs no second pass over memory.
 constexpr size_t kChunk = size_t{1} << 18;
+// A source this large, if mapped from a file, gives its copied pages back every kDropEvery bytes
+// (mapped_source.h): the load then never holds a weight twice.
+constexpr uint64_t kDropFrom = uint64_t{1} << 20;
+constexpr uint64_t kDropEvery = uint64_t{1} << 22;
 
 int hex_digit(char c) {
   if (c >= '0' && c <= '9') return c - '0';
@@ -141,10 +146,12 @@ bool named_constant(const executorch::runtime::NamedDataMap* named, const char* 
              static_cast<unsigned long long>(nbytes), key);
       return false;
     }
+    MappedSource source(src, nbytes >= kDropFrom ? nbytes : 0);
     for (uint64_t at = 0; at < nbytes; at += kChunk) {
       const size_t n = static_cast<size_t>(std::min<uint64_t>(kChunk, nbytes - at));
       std::memcpy(dst + at, src + at, n);
       crc = crc32_of(dst + at, n, crc);
+      if ((at + n) % kDropEvery == 0) source.drop_copied(at + n);
     }
     buffer->Free();  // the mapping: the program reads the copy
     if (crc == want) {
