@@ -51,6 +51,20 @@ def ptes(model, tokenizer, tmp_path_factory):
     return one, three
 
 
+def test_a_verified_export_frees_its_program_before_the_check(model, tokenizer, tmp_path):
+    """The check loads the written file on top of what the export holds (issue 51): the program manager and the
+    wrapper's KV cache are freed first; the result still reads as the file."""
+    out = tmp_path / "freed.pte"
+    result = export_decoder(model, out, MAX_SEQ_LEN, config=CONFIG, tokenizer=tokenizer)
+    assert result.program is None and result.saved == out
+    assert result.pte == out.read_bytes()
+    with pytest.raises(RuntimeError, match="released after it was saved"):
+        result.save(tmp_path / "again.pte")
+    kept = export_decoder(model, tmp_path / "kept.pte", MAX_SEQ_LEN, config=CONFIG, tokenizer=tokenizer,
+                          verify=False)
+    assert kept.program is not None and kept.pte == (tmp_path / "kept.pte").read_bytes()  # control
+
+
 def test_metadata_and_tokenizer_round_trip_inside_the_pte(ptes, tokenizer):
     one, _ = ptes
     assert sorted(p.name for p in one.parent.iterdir()) == ["one.pte", "three.pte"]  # no sidecar files

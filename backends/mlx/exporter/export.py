@@ -39,11 +39,22 @@ class ExportResult:
     # Mutable buffers ExecuTorch keeps (several delegate calls or a CPU op use them; partitioner.py):
     # copied into and out of the delegate each call.
     host_state: list = field(default_factory=list)
+    saved: Optional[Path] = None  # where save() last wrote the .pte
 
     @property
     def pte(self) -> bytes:
-        """The whole .pte in memory (one more copy of the weights; save() streams instead)."""
+        """The whole .pte in memory (one more copy of the weights; save() streams instead); after
+        release_program(), the saved file's bytes."""
+        if self.program is None:
+            return self.saved.read_bytes()
         return self.program.buffer
+
+    def release_program(self) -> None:
+        """Frees ExecuTorch's program manager (the traced graphs, the lowered blob, what they hold) once the
+        program is saved: the export's check loads the written file on top of what the export still holds."""
+        if self.saved is None:
+            raise RuntimeError("release_program() before save(): the program would be lost")
+        self.program = None
 
     @property
     def ops_outside(self) -> int:
@@ -66,10 +77,13 @@ class ExportResult:
         """Writes FILE.pte, and FILE.ptd beside it for an export with weights="external". Both are streamed
         from ExecuTorch's serialized pieces, so no joined copy of the weights is made."""
         path = Path(path)
+        if self.program is None:
+            raise RuntimeError(f"the program was released after it was saved to {self.saved}")
         with open(path, "wb") as f:
             self.program.write_to_file(f)
         if self.weights == "external":
             save_external_weights(self.program, weights_path(path))
+        self.saved = path
         return path
 
 

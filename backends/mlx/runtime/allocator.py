@@ -23,7 +23,7 @@ from pathlib import Path
 
 from backends.mlx.runtime import options
 
-__all__ = ["CHOICE_ENV", "active", "env_with_mimalloc", "mimalloc_library", "reexec_with_mimalloc"]
+__all__ = ["CHOICE_ENV", "active", "env_with_mimalloc", "give_back_freed", "mimalloc_library", "reexec_with_mimalloc"]
 
 CHOICE_ENV = options.ALLOCATOR  # "system": keep glibc's malloc
 
@@ -67,6 +67,20 @@ def active() -> str:
         process.free(block)
     v = process.mi_version()  # MI_MALLOC_VERSION: major, then two digits of minor and two of patch
     return f"mimalloc {v // 10000}.{v // 100 % 100}.{v % 100}"
+
+
+def give_back_freed() -> None:
+    """Returns the memory this process's malloc holds freed to the OS (mimalloc: `mi_collect(true)`; glibc:
+    `malloc_trim(0)`), before a step that needs much more: a malloc otherwise keeps freed pages for reuse."""
+    if sys.platform != "linux":
+        return
+    process = ctypes.CDLL(None)
+    if active() != "system":
+        process.mi_collect.argtypes = [ctypes.c_bool]
+        process.mi_collect(True)
+    elif hasattr(process, "malloc_trim"):
+        process.malloc_trim.argtypes = [ctypes.c_size_t]
+        process.malloc_trim(0)
 
 
 def env_with_mimalloc(env: dict | None = None) -> dict:

@@ -17,6 +17,7 @@ the plain token and the K - 1 greedy (or seed + i) steps after it, in one call; 
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -47,6 +48,7 @@ from backends.mlx.llm.decoder.verify import VerificationError, VerificationRepor
 from backends.mlx.llm.decoder.verify_vision import verify_with_image
 from backends.mlx.llm.sampler.config import SamplerConfig
 from backends.mlx.llm.sampler.head import SamplingHead
+from backends.mlx.runtime.allocator import give_back_freed
 
 
 def _eos_ids(model) -> list[int]:
@@ -228,6 +230,14 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
     result.save(Path(out))
     if verify:
         say = progress or (lambda _stage: None)
+        # What only the export needed (the traced graphs; the wrapper's KV cache, 150 MB at 8B with 576
+        # positions) goes before the check loads the written program on top of what this process holds.
+        with_image = encoder is not None
+        result.release_program()
+        lm.release_caches()
+        program = head = lm = inputs = plain_step = methods = encoder = None
+        gc.collect()
+        give_back_freed()
         # The eager model's weights mapped from the checkpoint are read again, page by page, by the reference
         # forward; meanwhile the runtime holds its own copy of them (resident_pages.py).
         release(model)
@@ -235,7 +245,7 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
         reference = KvCacheReference(model, kv_bits, kv_group_size) if kv_bits else model
         with paged_out_after_use(model):  # the reference forward holds about one layer's weights at a time
             report = _verified(reference, Path(out), external_weights, draft_tokens, propose_tokens,
-                               with_image=encoder is not None)
+                               with_image=with_image)
         say(report.summary())
     return result
 
