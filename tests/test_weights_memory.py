@@ -4,7 +4,9 @@ plus the arrays: about 3x). A memory bound, measured with /usr/bin/time's maximu
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -64,10 +66,8 @@ def kib(field):
 source = Path(sys.argv[1]) if sys.argv[2] == "path" else Path(sys.argv[1]).read_bytes()
 digest = hashlib.sha256(source).hexdigest() if sys.argv[2] == "bytes" else ""
 if sys.argv[2] == "copy":  # the control: hold one weight's worth twice, briefly, as the load did before
-    blob = Path(sys.argv[1]).read_bytes()
-    copied = bytearray(blob[: int(sys.argv[3])])
+    copied = bytearray(memoryview(source)[: int(sys.argv[3])])
     del copied
-    method = None
 else:
     method = load_method(source)
 print(kib("VmHWM") - kib("VmRSS"), digest == (hashlib.sha256(source).hexdigest() if digest else ""))
@@ -75,9 +75,6 @@ print(kib("VmHWM") - kib("VmRSS"), digest == (hashlib.sha256(source).hexdigest()
 
 
 def _load_overshoot(pte: Path, how: str, largest: int) -> tuple[int, bool]:
-    import os
-    import sys
-
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=str(root))
     done = subprocess.run([sys.executable, "-c", LOAD_CHILD, str(pte), how, str(largest)], capture_output=True,

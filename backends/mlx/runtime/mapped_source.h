@@ -20,7 +20,6 @@ class MappedSource {
   // Gives back the whole pages inside [data, data + upto) not given back yet: unlocked, then
   // madvise(MADV_DONTNEED). A no-op outside a file mapping.
   void drop_copied(size_t upto);
-  bool file_backed() const { return file_backed_; }
 
  private:
   const unsigned char* data_;
