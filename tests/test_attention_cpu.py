@@ -89,6 +89,30 @@ def test_large_sigmoid_matches_eager():
                                torch.sigmoid(small), atol=1e-7, rtol=1e-6)
 
 
+def test_eager_attention_softmax_matches_eager():
+    """Attention spelled as matmul, softmax, matmul (transformers' eager attention, as vision towers export): the
+    softmax node runs the host loop's exp. Rows partly at -inf (a causal mask) stay exact; a row that is all -inf,
+    or holds a NaN or +inf, gives NaN everywhere, as PyTorch."""
+    torch.manual_seed(5)
+    q, k, v = torch.randn(1, 3, 40, 64) * 3, torch.randn(1, 3, 40, 64), torch.randn(1, 3, 40, 64)
+    mask = torch.full((40, 40), float("-inf")).triu(1)
+
+    def eager(q, k, v, mask):
+        return torch.matmul(torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * 0.125 + mask, dim=-1), v)
+
+    args = (q, k, v, mask)
+    got = load_method(export_fn(eager, args).pte).execute(list(args))[0]
+    torch.testing.assert_close(got, eager(*args), atol=2e-5, rtol=2e-5)
+    x = torch.randn(5, 1025) * 20
+    x[1] = float("-inf")
+    x[2, 7], x[3, 9] = float("nan"), float("inf")
+    x[4, ::2] = float("-inf")
+    fn = lambda x: torch.softmax(x, dim=-1)
+    out = load_method(export_fn(fn, [x]).pte).execute([x])[0]
+    torch.testing.assert_close(out, fn(x), atol=1e-6, rtol=1e-5, equal_nan=True)
+    assert out[1:4].isnan().all() and not out[[0, 4]].isnan().any()
+
+
 def test_causal_decode_and_transposed_keys_match_eager():
     """Causal with a few rows (L == S), and k / v that reach the loop as transposed views (strided reads)."""
     torch.manual_seed(6)

@@ -515,6 +515,9 @@ bool Interpreter::exec_softmax(const fb::SoftmaxNode& n) {
                                                                  /*keepdims=*/true)),
                                    scalar));
   }
+  if (program_.kernels == &kernels::cpu_kernels() && axis == static_cast<int>(x.ndim()) - 1) {
+    if (std::optional<mx::array> y = kernels::softmax_last_axis_cpu(x)) return write(n.out(), unscalar(std::move(*y), scalar));
+  }
   return write(n.out(), unscalar(mx::softmax(x, std::vector<int>{axis}, /*precise=*/true), scalar));
 }
 

@@ -651,6 +651,53 @@ mx::array sdpa_cpu(const mx::array& q, const mx::array& k, const mx::array& v, f
   return mx::reshape(out, {batch, heads, rows_l, dim_v});
 }
 
+namespace {
+
+// A row Softmax::row would answer differently from MLX's softmax (a NaN or +inf in it, or every value -inf, where
+// Softmax::row gives zeros for attention's fully masked rows) goes through exp(x - max) / sum in scalar float32,
+// in place, so that its NaNs come out as MLX's op and PyTorch give them. False: the row is left to Softmax::row.
+bool softmax_by_formula(float* row, int n) {
+  bool finite_max = false, special = false;
+  for (int j = 0; j < n; ++j) {
+    const float v = row[j];
+    special |= std::isnan(v) || v == std::numeric_limits<float>::infinity();
+    finite_max |= v != -std::numeric_limits<float>::infinity();
+  }
+  if (finite_max && !special) return false;
+  float most = row[0];
+  for (int j = 1; j < n; ++j) most = std::isnan(most) || std::isnan(row[j]) ? std::nanf("") : std::max(most, row[j]);
+  float sum = 0.0f;
+  for (int j = 0; j < n; ++j) sum += (row[j] = std::exp(row[j] - most));
+  for (int j = 0; j < n; ++j) row[j] /= sum;
+  return true;
+}
+
+}  // namespace
+
+std::optional<mx::array> softmax_last_axis_cpu(const mx::array& x) {
+  if (x.dtype() != mx::float32 || x.ndim() == 0 || x.size() == 0 || !(avx512_ok() || avx2_ok()) || batch_invariant()) {
+    return std::nullopt;
+  }
+  const int keys = x.shape(-1);
+  const Softmax sm{1, 1, keys, -1, 1.0f, {}};  // each row on its own: r / (heads * rows_l) = r, no mask
+  const bool wide = avx512_ok();
+  auto loop = [sm, wide](const std::vector<mx::array>& in, mx::array& out) {
+    const float* src = in[0].data<float>();
+    float* dst = out.data<float>();
+    const int64_t rows = static_cast<int64_t>(in[0].size()) / sm.keys;
+    auto range = [&](int r0, int r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        float* row = dst + r * sm.keys;
+        if (row != src + r * sm.keys) std::copy(src + r * sm.keys, src + (r + 1) * sm.keys, row);
+        if (softmax_by_formula(row, sm.keys)) continue;
+        wide ? sm.row(row, r) : sm.row_avx2(row, r);
+      }
+    };
+    parallel_for(static_cast<int>(rows), std::max<int>(1, 4096 / std::max(1, sm.keys)), range);
+  };
+  return host_kernel("SoftmaxCpu", x.shape(), mx::float32, {contiguous_operand(x)}, loop, /*may_reuse_input0=*/true);
+}
+
 std::vector<mx::array> sdpa_decode_viewed_cpu(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
                                               bool causal, const std::optional<mx::array>& mask, int key_end,
                                               const std::vector<int>& perm, const mx::Shape& shape) {
@@ -669,6 +716,8 @@ mx::array sdpa_cpu(const mx::array& q, const mx::array& k, const mx::array& v, f
                    const std::optional<mx::array>& mask, int key_end) {
   return sdpa(q, k, v, scale, causal, mask, key_end);
 }
+
+std::optional<mx::array> softmax_last_axis_cpu(const mx::array&) { return std::nullopt; }
 
 std::vector<mx::array> sdpa_decode_viewed_cpu(const mx::array&, const mx::array&, const mx::array&, float, bool,
                                               const std::optional<mx::array>&, int, const std::vector<int>&,

@@ -29,4 +29,10 @@ std::vector<mlx::core::array> sdpa_decode_viewed_cpu(const mlx::core::array& q, 
                                                      const std::optional<mlx::core::array>& mask, int key_end,
                                                      const std::vector<int>& perm, const mlx::core::Shape& shape);
 
+// softmax(x) over x's last axis, float32, with the prefill's host-loop softmax (no scale, mask or causality): for a
+// program whose attention is spelled as matmul, softmax, matmul (transformers' eager attention, as vision towers
+// export) the exponentials are most of its softmax's time. nullopt where that loop does not apply (another dtype or
+// CPU, the batch-invariant mode): the caller then takes MLX's op.
+std::optional<mlx::core::array> softmax_last_axis_cpu(const mlx::core::array& x);
+
 }  // namespace etmlx::kernels
