@@ -19,7 +19,6 @@ where the same image sat. DecodeRows.call_inputs turns keys back into the image 
 from __future__ import annotations
 
 import hashlib
-import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ from backends.mlx.llm.decoder import anyres, mistral3_vision
 from backends.mlx.llm.decoder.meta import PROCESSOR_PREFIX, DecoderMeta
 from backends.mlx.llm.decoder.qwen2_vl import fixed_size_pixels
 from backends.mlx.llm.vision.images import image_digest
-from backends.mlx.llm.vision.preprocess import preprocess
+from backends.mlx.llm.vision.preprocess import files_config, preprocess
 from backends.mlx.runtime.pte_metadata import named_data
 from backends.mlx.runtime.runner import load_method
 
@@ -67,10 +66,10 @@ def pixel_inputs(images: list, processor: dict, prompt_images: int | None = None
 def processor_in(pte: Path) -> dict:
     """The image processor's configuration stored in the program (vision_export.PROCESSOR_FILES)."""
     blobs = named_data(pte, prefix=PROCESSOR_PREFIX)
-    for name in ("processor_config.json", "preprocessor_config.json"):
-        if PROCESSOR_PREFIX + name in blobs:
-            return json.loads(blobs[PROCESSOR_PREFIX + name])
-    raise ValueError(f"{pte} carries no image processor config: re-export it")
+    config = files_config({name[len(PROCESSOR_PREFIX):]: data for name, data in blobs.items()})
+    if config is None:
+        raise ValueError(f"{pte} carries no image processor config: re-export it")
+    return config
 
 
 class ImageEncoder:

@@ -24,6 +24,7 @@ from backends.mlx.llm.decoder.idefics3_vision import Idefics3Vision
 from backends.mlx.llm.decoder import llava_next, llava_onevision, mistral3_vision
 from backends.mlx.llm.decoder.model_support import check_vision_family, is_vision_language
 from backends.mlx.llm.decoder.tile_prompt import tile_prompt, tile_size
+from backends.mlx.llm.vision.preprocess import files_config
 
 VISION_METHOD = "vision"
 # The image processor's files a checkpoint may carry (transformers 5 writes processor_config.json, holding the
@@ -91,13 +92,8 @@ def vision_encoder(model: nn.Module, processor: dict | None = None) -> nn.Module
 
 
 def processor_config(files: dict[str, bytes] | None) -> dict | None:
-    """The image processor's config among a checkpoint's PROCESSOR_FILES (name -> bytes), as the program keeps it."""
-    import json
-
-    for name in PROCESSOR_FILES:
-        if files and name in files:
-            return json.loads(files[name])
-    return None
+    """The image processor's config from a checkpoint's PROCESSOR_FILES (name -> bytes), as the program keeps them."""
+    return files_config(files)
 
 
 def image_shape(model: nn.Module) -> list[int]:
@@ -134,8 +130,8 @@ def vision_data(model: nn.Module) -> dict[str, bytes]:
 
 
 def image_prompt(model: nn.Module, tokenizer, processor_files: dict, tile_tokens: int) -> str:
-    """DecoderMeta.image_prompt as JSON: a tiled family's image prompt pieces (tile_prompt.py), LLaVA-NeXT's
-    packing settings (llava_next.py, llava_onevision.py), Mistral 3's rows (mistral3_vision.py); "" for others."""
+    """DecoderMeta.image_prompt as JSON: a tiled family's image prompt pieces (tile_prompt.py), the anyres
+    families' packing settings (llava_next.py, llava_onevision.py), Mistral 3's rows (mistral3_vision.py); "" for others."""
     import json
 
     kind = model.config.model_type
@@ -149,8 +145,7 @@ def image_prompt(model: nn.Module, tokenizer, processor_files: dict, tile_tokens
         raise ValueError(f"{kind}: exporting needs the tokenizer (the image prompt's tokens)")
     if kind == mistral3_vision.MODEL_TYPE:
         return json.dumps(mistral3_vision.row_prompt(tokenizer, tile_tokens))
-    name = next(n for n in PROCESSOR_FILES if n in processor_files)
-    processor = json.loads(processor_files[name])
+    processor = processor_config(processor_files)
     tile, size = tile_size(processor), model.config.vision_config.image_size
     if tile != size:  # the vision method's patch positions are those of a whole tower-sized tile
         raise ValueError(f"the image processor's tiles are {tile} pixels, the vision tower takes {size}: not supported")

@@ -33,6 +33,7 @@ torchvision. Anything else is refused in one line (PreprocessError).
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -486,6 +487,20 @@ FAMILIES = {"CLIPImageProcessor": _clip, "LlavaImageProcessor": _clip, "LlavaNex
             "Gemma3ImageProcessor": _siglip, "Idefics3ImageProcessor": _idefics3,
             "SmolVLMImageProcessor": _idefics3, "Qwen2VLImageProcessor": _qwen2_vl,
             "PixtralImageProcessor": _pixtral}
+
+
+def files_config(files: dict[str, bytes] | None) -> dict | None:
+    """The configuration `preprocess` takes, from a checkpoint's processor files (name -> bytes; None where it has
+    neither). transformers 5 writes one processor_config.json holding the image processor's settings under
+    "image_processor"; older checkpoints keep those in preprocessor_config.json, beside a processor_config.json of
+    the processor's own keys (num_image_tokens, ...): merged here as processor.to_dict() nests them."""
+    loaded = {name: json.loads(data) for name, data in (files or {}).items()
+              if name in ("processor_config.json", "preprocessor_config.json")}
+    outer, inner = loaded.get("processor_config.json"), loaded.get("preprocessor_config.json")
+    if isinstance(outer, dict) and isinstance(inner, dict) and not isinstance(outer.get("image_processor"), dict) \
+            and "image_processor_type" not in outer:
+        return {**outer, "image_processor": inner}
+    return outer if outer is not None else inner
 
 
 def check_config(config: dict) -> str:
