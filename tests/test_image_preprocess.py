@@ -210,7 +210,8 @@ def test_llava_onevision_image_tokens_are_the_processors():
     from benchmarks.vision_checkpoints import onevision_processor, word_tokenizer
 
     image_processor = _reference("LlavaOnevisionImageProcessorPil", {})
-    settings = {"num_image_tokens": 729, "vision_feature_select_strategy": "full", "vision_aspect_ratio": "anyres_max_4"}
+    settings = {"num_image_tokens": 729, "vision_feature_select_strategy": "full",
+                "vision_aspect_ratio": "anyres_max_4"}
     theirs = onevision_processor(image_processor, word_tokenizer(8), **settings)
     config = {"image_processor": image_processor.to_dict(), **settings}
     expected = [theirs._get_number_of_features(i.height, i.width, 384, 384) for i in IMAGES]

@@ -86,10 +86,10 @@ class ImageEncoder:
         self._kept: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.encoded = 0  # images run through the vision method (not found among the kept ones)
 
-    def encode(self, image, images: int = 1) -> tuple[str, torch.Tensor]:
-        """(digest, embeddings [T, D]) of one RGB PIL image of a prompt with `images` images."""
+    def encode(self, image, prompt_images: int = 1) -> tuple[str, torch.Tensor]:
+        """(digest, embeddings [T, D]) of one RGB PIL image of a prompt with `prompt_images` images."""
         digest = image_digest(image)
-        if self._anyres is not None and not self._anyres[0].tiled(images):  # one tile: other embeddings, other key
+        if self._anyres is not None and not self._anyres[0].tiled(prompt_images):  # one tile: other embeddings, other key
             digest = hashlib.sha256(f"{digest};one tile".encode()).hexdigest()
         if digest in self._kept:
             self._kept.move_to_end(digest)
@@ -101,7 +101,7 @@ class ImageEncoder:
         elif self._rows is not None:  # Mistral 3: at the program's one size
             pixels = mistral3_vision.program_pixels(image, self._processor, self.meta.image_size[-1])
         else:
-            pixels = pixel_inputs([image], self._processor, images)
+            pixels = pixel_inputs([image], self._processor, prompt_images)
         size = list(self.meta.image_size)
         if list(pixels.shape[-len(size):]) != size:
             raise ValueError(f"the image processor made pixels {list(pixels.shape[-len(size):])}, the vision method takes "
@@ -110,8 +110,8 @@ class ImageEncoder:
         tiles = pixels.reshape(-1, *size)
         if self._anyres is not None:
             family, prompt = self._anyres
-            embeds = self.anyres(tiles[:family.tiles(prompt, image.height, image.width, images)],
-                                 (image.height, image.width), images)
+            embeds = self.anyres(tiles[:family.tiles(prompt, image.height, image.width, prompt_images)],
+                                 (image.height, image.width), prompt_images)
         else:
             embeds = torch.cat(self._tile_features(tiles))
         self.encoded += 1
@@ -120,16 +120,16 @@ class ImageEncoder:
             self._kept.popitem(last=False)
         return digest, embeds
 
-    def anyres(self, tiles: torch.Tensor, size: tuple[int, int], images: int = 1) -> torch.Tensor:
+    def anyres(self, tiles: torch.Tensor, size: tuple[int, int], prompt_images: int = 1) -> torch.Tensor:
         """An anyres image's embeddings [L, D]: its tiles [1 + grid, C, S, S] (or one) encoded, packed for an image
-        of `size` (height, width) in a prompt with `images` images."""
+        of `size` (height, width) in a prompt with `prompt_images` images."""
         family, prompt = self._anyres
         if self._newline is None:
             blob = named_data(self.pte, [family.NEWLINE_KEY]).get(family.NEWLINE_KEY)
             if blob is None:
                 raise ValueError(f"{self.pte} carries no {prompt['kind']} image_newline: re-export it")
             self._newline = family.newline_from(blob)
-        return family.pack(torch.stack(self._tile_features(tiles)), size, prompt, self._newline, images)
+        return family.pack(torch.stack(self._tile_features(tiles)), size, prompt, self._newline, prompt_images)
 
     def _tile_features(self, tiles: torch.Tensor) -> list[torch.Tensor]:
         """The vision method's features [T, D] of each tile [C, S, S] (or patches), one call each."""

@@ -131,7 +131,8 @@ def vision_data(model: nn.Module) -> dict[str, bytes]:
 
 def image_prompt(model: nn.Module, tokenizer, processor_files: dict, tile_tokens: int) -> str:
     """DecoderMeta.image_prompt as JSON: a tiled family's image prompt pieces (tile_prompt.py), the anyres
-    families' packing settings (llava_next.py, llava_onevision.py), Mistral 3's rows (mistral3_vision.py); "" for others."""
+    families' packing settings (llava_next.py, llava_onevision.py), Mistral 3's rows (mistral3_vision.py); "" for
+    others."""
     import json
 
     kind = model.config.model_type

@@ -69,8 +69,9 @@ DEFAULTS["LlavaImageProcessor"] = {**DEFAULTS["CLIPImageProcessor"], "do_pad": F
 DEFAULTS["LlavaNextImageProcessor"] = {**DEFAULTS["CLIPImageProcessor"], "do_pad": True, "image_grid_pinpoints": [
     [336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]}
 DEFAULTS["LlavaOnevisionImageProcessor"] = {
-    **_COMMON, "size": {"height": 384, "width": 384}, "resample": BICUBIC, "do_pad": True, "image_mean": OPENAI_CLIP_MEAN,
-    "image_std": OPENAI_CLIP_STD, "image_grid_pinpoints": [[384 * r, 384 * c] for r in range(1, 7) for c in range(1, 7)]}
+    **_COMMON, "size": {"height": 384, "width": 384}, "resample": BICUBIC, "do_pad": True,
+    "image_mean": OPENAI_CLIP_MEAN, "image_std": OPENAI_CLIP_STD,
+    "image_grid_pinpoints": [[384 * r, 384 * c] for r in range(1, 7) for c in range(1, 7)]}
 DEFAULTS["SmolVLMImageProcessor"] = DEFAULTS["Idefics3ImageProcessor"]  # the same processor under SmolVLM's name
 # Processor-level keys (processor.to_dict()) that say how many tokens an image takes.
 PROCESSOR_KEYS = ("image_seq_len", "image_seq_length", "patch_size", "num_additional_image_tokens",
@@ -276,8 +277,9 @@ def _llava_onevision(images: list[Image.Image], s: dict, name: str) -> ImageBatc
     if prompt_images == 1:  # the only image of its prompt: LLaVA-NeXT's tiles
         batch = _llava_next(images, {**s, "patch_size": None}, name)
     else:  # one of several: a square of the mean colour around it, resized to one tile
-        tiles = [_normalised(_clip_resize(_square_pad(image, s["image_mean"]), s["size"], s["resample"], name), s)
-                 for image in images]
+        squares = [_square_pad(image, s["image_mean"]) for image in images]
+        tiles = [_normalised(_clip_resize(square, s["size"], s["resample"], name) if s["do_resize"] else square, s)
+                 for square in squares]
         sizes = [[image.height, image.width] for image in images]
         batch = ImageBatch(np.stack(tiles)[:, None], {"image_sizes": np.array(sizes, dtype=np.int64)})
     batch.extras["batch_num_images"] = np.array([prompt_images], dtype=np.int64)
