@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from backends.mlx.llm.decoder import llava_next
-from backends.mlx.llm.decoder.llava_next import NEWLINE_KEY, newline_blob, newline_from  # noqa: F401 (the same data)
+from backends.mlx.llm.decoder.llava_next import NEWLINE_KEY, newline_from  # noqa: F401 (anyres.py reads them here)
 
 KIND = MODEL_TYPE = "llava_onevision"
 _ASPECT = re.compile(r"anyres_max_([1-9][0-9]*)")
