@@ -97,3 +97,74 @@ def build_llava_next(directory: Path, vocab_size: int = 128, seed: int = 7) -> P
     model.save_pretrained(directory)
     processor.save_pretrained(directory)
     return directory
+
+
+# LLaVA-OneVision: 1 x 1, 1 x 2, 2 x 1 and 2 x 2 grids; "anyres_max_2" lets an unpadded grid picture hold 2 tiles'
+# patches (x 1.1^2) before it is interpolated down, so a 2 x 2 grid shrinks and a 1 x 2 one does not.
+ONEVISION_PINPOINTS = [[32, 32], [32, 64], [64, 32], [64, 64]]
+
+
+def onevision_processor(image_processor, tokenizer, **settings):
+    """transformers' LlavaOnevisionProcessor without its video processor (which needs torchvision): images and
+    text go through transformers' own code; `settings` are its num_image_tokens, vision_feature_select_strategy,
+    vision_aspect_ratio, chat_template."""
+    import transformers as T
+
+    class ImagesOnly(T.LlavaOnevisionProcessor):
+        def check_argument_for_proper_class(self, name, value):
+            if name != "video_processor":
+                return super().check_argument_for_proper_class(name, value)
+
+    return ImagesOnly(image_processor=image_processor, tokenizer=tokenizer, **settings)
+
+
+def load_onevision_processor(directory: Path):
+    """The processor build_llava_onevision saved, as onevision_processor builds it."""
+    import json
+
+    import transformers as T
+
+    saved = json.loads((Path(directory) / "processor_config.json").read_text())
+    keys = ("num_image_tokens", "vision_feature_select_strategy", "vision_aspect_ratio")
+    tokenizer = T.AutoTokenizer.from_pretrained(str(directory))
+    return onevision_processor(T.AutoImageProcessor.from_pretrained(str(directory)), tokenizer,
+                               chat_template=tokenizer.chat_template, **{k: saved[k] for k in keys})
+
+
+def build_llava_onevision(directory: Path, vocab_size: int = 128, seed: int = 7,
+                          aspect_ratio: str = "anyres_max_2") -> Path:
+    """A LLaVA-OneVision checkpoint (SigLIP tower, all positions kept, projector, image_newline, Qwen2 decoder) with
+    its processor's files in `directory` (processor_config.json as transformers writes it, the tokenizer with the
+    chat template; no video processor); tokenizer and chat template as build_llava's, the video token id
+    vocab_size + 1 outside the tokenizer. The image_newline is drawn as large as the features so that a misplaced
+    one changes tokens."""
+    import json
+
+    import torch
+    import transformers as T
+
+    vision = dict(TINY_VISION)
+    size, patch = vision["image_size"], vision["patch_size"]
+    text_config = T.Qwen2Config(vocab_size=vocab_size + 2, tie_word_embeddings=False, pad_token_id=0,
+                                bos_token_id=None, eos_token_id=None, **TINY_TEXT)
+    config = T.LlavaOnevisionConfig(vision_config=T.SiglipVisionConfig(**vision), text_config=text_config,
+                                    image_token_id=vocab_size, video_token_id=vocab_size + 1,
+                                    vision_feature_layer=-1, vision_feature_select_strategy="full",
+                                    image_grid_pinpoints=ONEVISION_PINPOINTS, vision_aspect_ratio=aspect_ratio)
+    torch.manual_seed(seed)
+    model = T.LlavaOnevisionForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        model.model.image_newline.normal_(0, 1)
+    image_processor = T.LlavaOnevisionImageProcessorPil(size={"height": size, "width": size},
+                                                        image_grid_pinpoints=ONEVISION_PINPOINTS)
+    tokenizer = word_tokenizer(vocab_size)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    processor = onevision_processor(image_processor, tokenizer, num_image_tokens=(size // patch) ** 2,
+                                    vision_feature_select_strategy="full", vision_aspect_ratio=aspect_ratio)
+    directory = Path(directory)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    saved = {k: v for k, v in processor.to_dict().items() if k not in ("video_processor", "chat_template")}
+    saved["processor_class"] = "LlavaOnevisionProcessor"
+    (directory / "processor_config.json").write_text(json.dumps(saved, indent=2))
+    return directory

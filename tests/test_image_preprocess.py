@@ -13,7 +13,7 @@ import pytest
 import transformers
 from PIL import Image
 
-from backends.mlx.llm.vision.preprocess import PreprocessError, check_config, preprocess
+from backends.mlx.llm.vision.preprocess import PreprocessError, check_config, files_config, preprocess
 
 ATOL = 1e-6
 # (width, height): landscape, portrait, square, odd, tall and thin, wide and thin, tiny, larger than a tile grid
@@ -40,6 +40,10 @@ CASES = {
                                                             "crop_size": {"height": 336, "width": 336}}),
     "llava-next (anyres)": ("LlavaNextImageProcessorPil", {"size": {"shortest_edge": 336},
                                                            "crop_size": {"height": 336, "width": 336}}),
+    "llava-onevision (anyres_max_9)": ("LlavaOnevisionImageProcessorPil", {}),
+    "llava-onevision small tiles": ("LlavaOnevisionImageProcessorPil", {
+        "size": {"height": 224, "width": 224}, "image_grid_pinpoints": [[224, 224], [224, 448], [448, 224], [448, 448]],
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}),
     "siglip 384": ("SiglipImageProcessorPil", {"size": {"height": 384, "width": 384}}),
     "gemma 3": ("Gemma3ImageProcessorPil", {"size": {"height": 896, "width": 896}, "do_pan_and_scan": False}),
     "idefics3 defaults": ("Idefics3ImageProcessorPil", {}),
@@ -69,7 +73,8 @@ def _extras(cls_name: str) -> list[str]:
     return {"Idefics3ImageProcessorPil": ["pixel_attention_mask", "rows", "cols"],
             "SmolVLMImageProcessorPil": ["pixel_attention_mask", "rows", "cols"],
             "Qwen2VLImageProcessorPil": ["image_grid_thw"], "Gemma3ImageProcessorPil": ["num_crops"],
-            "LlavaNextImageProcessorPil": ["image_sizes"]}.get(cls_name, [])
+            "LlavaNextImageProcessorPil": ["image_sizes"],
+            "LlavaOnevisionImageProcessorPil": ["image_sizes", "batch_num_images"]}.get(cls_name, [])
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -90,7 +95,8 @@ def test_several_images_of_one_prompt_equal_transformers(case):
     reference = _reference(cls_name, settings)
     images = [IMAGES[0], IMAGES[3], IMAGES[5]]
     extra = {"return_row_col_info": True} if "rows" in _extras(cls_name) else {}
-    nested = cls_name.startswith(("Idefics3", "SmolVLM"))  # their batch: one list of images per prompt
+    # their batch: one list of images per prompt (LLaVA-OneVision's then one tile each, padded with the mean colour)
+    nested = cls_name.startswith(("Idefics3", "SmolVLM", "LlavaOnevision"))
     theirs = reference([images] if nested else images, return_tensors="np", **extra)
     _compare(preprocess(images, reference.to_dict()), theirs, _extras(cls_name))
 
@@ -147,7 +153,7 @@ def test_llava_and_gemma3_image_tokens():
 
 
 @pytest.mark.parametrize("config, words", [
-    ({"image_processor_type": "LlavaOnevisionImageProcessor"}, ["LlavaOnevisionImageProcessor", "not supported"]),
+    ({"image_processor_type": "ChameleonImageProcessor"}, ["ChameleonImageProcessor", "not supported"]),
     ({}, ["None", "not supported"]),
     ({"image_processor_type": "Gemma3ImageProcessor", "do_pan_and_scan": True}, ["pan and scan"]),
     ({"image_processor_type": "CLIPImageProcessor", "size": {"longest_edge": 300}}, ["size"]),
@@ -196,3 +202,41 @@ def test_llava_next_image_tokens_are_the_processors():
                 for i in IMAGES]
     assert ours.image_tokens == expected
     assert len(set(expected)) > 2  # the sizes reach different grids
+
+
+def test_llava_onevision_image_tokens_are_the_processors():
+    """Each image's feature count from LlavaOnevisionProcessor's own code: alone, anyres_max_4's shrunk grid (the
+    sizes here reach grids that are and are not shrunk); two in one prompt, one tile and a newline each."""
+    from benchmarks.vision_checkpoints import onevision_processor, word_tokenizer
+
+    image_processor = _reference("LlavaOnevisionImageProcessorPil", {})
+    settings = {"num_image_tokens": 729, "vision_feature_select_strategy": "full",
+                "vision_aspect_ratio": "anyres_max_4"}
+    theirs = onevision_processor(image_processor, word_tokenizer(8), **settings)
+    config = {"image_processor": image_processor.to_dict(), **settings}
+    expected = [theirs._get_number_of_features(i.height, i.width, 384, 384) for i in IMAGES]
+    assert [preprocess([i], config).image_tokens[0] for i in IMAGES] == expected
+    unshrunk = [preprocess([i], {**config, "vision_aspect_ratio": "anyres_max_99"}).image_tokens[0] for i in IMAGES]
+    assert 0 < sum(a < b for a, b in zip(expected, unshrunk)) < len(IMAGES)
+    two = theirs(text="<image> <image>", images=[[IMAGES[0], IMAGES[7]]], return_tensors="np")
+    assert preprocess([IMAGES[0], IMAGES[7]], config).image_tokens == [730, 730]
+    assert int((two["input_ids"] == 8).sum()) == 2 * 730
+    with pytest.raises(PreprocessError, match="vision_aspect_ratio 'anyres' is not supported"):
+        preprocess([IMAGES[0]], {**config, "vision_aspect_ratio": "anyres"})
+
+
+def test_split_processor_files_are_merged_as_the_nested_form():
+    """Older checkpoints (llava-hf's LLaVA-OneVision) keep the processor's keys in processor_config.json and the image
+    processor in preprocessor_config.json; transformers 5 nests both in processor_config.json. Both read alike."""
+    import json
+
+    image_processor = json.loads(json.dumps(_reference("LlavaOnevisionImageProcessorPil", {}).to_dict()))
+    outer = {"num_image_tokens": 729, "vision_feature_select_strategy": "full", "vision_aspect_ratio": "anyres_max_9",
+             "processor_class": "LlavaOnevisionProcessor"}
+    split = {"processor_config.json": json.dumps(outer).encode(),
+             "preprocessor_config.json": json.dumps(image_processor).encode()}
+    nested = {"processor_config.json": json.dumps({**outer, "image_processor": image_processor}).encode()}
+    assert files_config(split) == files_config(nested) == {**outer, "image_processor": image_processor}
+    assert preprocess([IMAGES[0]], files_config(split)).image_tokens[0] > 729
+    alone = {"preprocessor_config.json": json.dumps(image_processor).encode()}
+    assert files_config(alone) == image_processor and files_config({}) is None

@@ -5,9 +5,10 @@
     Decoder.stream(...): Sequence(prompt=keyed, images=images)
 
 Pixels come from the checkpoint's image processor (its config travels in the program, PROCESSOR_PREFIX), then
-the program's vision method ([1, C, H, W] -> [1, T, D]), one call per tile; LLaVA-NeXT's tiles' features are then
-packed on the host (llava_next.py). Encoded images are kept by content (a digest of the
-pixels), so a second question about the same image does not encode it again.
+the program's vision method ([1, C, H, W] -> [1, T, D]), one call per tile; LLaVA-NeXT's and LLaVA-OneVision's
+tiles' features are then packed on the host (anyres.py). Encoded images are kept by content (a digest of the
+pixels; for LLaVA-OneVision, whose image among others is one tile, with the layout too), so a second question about
+the same image does not encode it again.
 
 The prompt cache (runtime/decode_rows.h) matches token ids; every image's positions carry the same image token, so
 two images would look alike to it. `prompt` therefore returns the ids with each image position replaced by a key
@@ -17,7 +18,7 @@ where the same image sat. DecodeRows.call_inputs turns keys back into the image 
 
 from __future__ import annotations
 
-import json
+import hashlib
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -25,11 +26,11 @@ from pathlib import Path
 
 import torch
 
-from backends.mlx.llm.decoder import llava_next, mistral3_vision
+from backends.mlx.llm.decoder import anyres, mistral3_vision
 from backends.mlx.llm.decoder.meta import PROCESSOR_PREFIX, DecoderMeta
 from backends.mlx.llm.decoder.qwen2_vl import fixed_size_pixels
 from backends.mlx.llm.vision.images import image_digest
-from backends.mlx.llm.vision.preprocess import preprocess
+from backends.mlx.llm.vision.preprocess import files_config, preprocess
 from backends.mlx.runtime.pte_metadata import named_data
 from backends.mlx.runtime.runner import load_method
 
@@ -56,18 +57,19 @@ def plain_ids(meta: DecoderMeta, ids: list[int]) -> list[int]:
     return [meta.image_token_id if t >= meta.vocab_size else t for t in ids]
 
 
-def pixel_inputs(images: list, processor: dict) -> torch.Tensor:
-    """[N, C, H, W] float32 pixel values as the checkpoint's image processor makes them (llm/vision/preprocess.py)."""
-    return torch.from_numpy(preprocess(images, processor).pixel_values).float()
+def pixel_inputs(images: list, processor: dict, prompt_images: int | None = None) -> torch.Tensor:
+    """[N, C, H, W] float32 pixel values as the checkpoint's image processor makes them (llm/vision/preprocess.py)
+    for `images` of a prompt holding `prompt_images` images (default: these)."""
+    return torch.from_numpy(preprocess(images, processor, prompt_images).pixel_values).float()
 
 
 def processor_in(pte: Path) -> dict:
     """The image processor's configuration stored in the program (vision_export.PROCESSOR_FILES)."""
     blobs = named_data(pte, prefix=PROCESSOR_PREFIX)
-    for name in ("processor_config.json", "preprocessor_config.json"):
-        if PROCESSOR_PREFIX + name in blobs:
-            return json.loads(blobs[PROCESSOR_PREFIX + name])
-    raise ValueError(f"{pte} carries no image processor config: re-export it")
+    config = files_config({name[len(PROCESSOR_PREFIX):]: data for name, data in blobs.items()})
+    if config is None:
+        raise ValueError(f"{pte} carries no image processor config: re-export it")
+    return config
 
 
 class ImageEncoder:
@@ -78,15 +80,17 @@ class ImageEncoder:
         self.lock = threading.Lock()
         self.method = load_method(self.pte, meta.vision_method)
         self._processor = None
-        self._anyres = llava_next.parse(meta.image_prompt)
+        self._anyres = anyres.parse(meta.image_prompt)  # (family, prompt) or None
         self._rows = mistral3_vision.parse(meta.image_prompt)
         self._newline = None
         self._kept: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.encoded = 0  # images run through the vision method (not found among the kept ones)
 
-    def encode(self, image) -> tuple[str, torch.Tensor]:
-        """(digest, embeddings [T, D]) of one RGB PIL image."""
+    def encode(self, image, prompt_images: int = 1) -> tuple[str, torch.Tensor]:
+        """(digest, embeddings [T, D]) of one RGB PIL image of a prompt with `prompt_images` images."""
         digest = image_digest(image)
+        if self._anyres is not None and not self._anyres[0].tiled(prompt_images):  # one tile: other embeddings, other key
+            digest = hashlib.sha256(f"{digest};one tile".encode()).hexdigest()
         if digest in self._kept:
             self._kept.move_to_end(digest)
             return digest, self._kept[digest]
@@ -97,7 +101,7 @@ class ImageEncoder:
         elif self._rows is not None:  # Mistral 3: at the program's one size
             pixels = mistral3_vision.program_pixels(image, self._processor, self.meta.image_size[-1])
         else:
-            pixels = pixel_inputs([image], self._processor)
+            pixels = pixel_inputs([image], self._processor, prompt_images)
         size = list(self.meta.image_size)
         if list(pixels.shape[-len(size):]) != size:
             raise ValueError(f"the image processor made pixels {list(pixels.shape[-len(size):])}, the vision method takes "
@@ -105,8 +109,9 @@ class ImageEncoder:
         # one call per tile (a tiled family's image is several, tile_prompt.py; others' one), in prompt order
         tiles = pixels.reshape(-1, *size)
         if self._anyres is not None:
-            embeds = self.anyres(tiles[:llava_next.tiles(self._anyres, image.height, image.width)],
-                                 (image.height, image.width))
+            family, prompt = self._anyres
+            embeds = self.anyres(tiles[:family.tiles(prompt, image.height, image.width, prompt_images)],
+                                 (image.height, image.width), prompt_images)
         else:
             embeds = torch.cat(self._tile_features(tiles))
         self.encoded += 1
@@ -115,15 +120,16 @@ class ImageEncoder:
             self._kept.popitem(last=False)
         return digest, embeds
 
-    def anyres(self, tiles: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-        """A LLaVA-NeXT image's embeddings [L, D]: its tiles [1 + grid, C, S, S] encoded, packed for an image of
-        `size` (height, width)."""
+    def anyres(self, tiles: torch.Tensor, size: tuple[int, int], prompt_images: int = 1) -> torch.Tensor:
+        """An anyres image's embeddings [L, D]: its tiles [1 + grid, C, S, S] (or one) encoded, packed for an image
+        of `size` (height, width) in a prompt with `prompt_images` images."""
+        family, prompt = self._anyres
         if self._newline is None:
-            blob = named_data(self.pte, [llava_next.NEWLINE_KEY]).get(llava_next.NEWLINE_KEY)
+            blob = named_data(self.pte, [family.NEWLINE_KEY]).get(family.NEWLINE_KEY)
             if blob is None:
-                raise ValueError(f"{self.pte} carries no LLaVA-NeXT image_newline: re-export it")
-            self._newline = llava_next.newline_from(blob)
-        return llava_next.pack(torch.stack(self._tile_features(tiles)), size, self._anyres, self._newline)
+                raise ValueError(f"{self.pte} carries no {prompt['kind']} image_newline: re-export it")
+            self._newline = family.newline_from(blob)
+        return family.pack(torch.stack(self._tile_features(tiles)), size, prompt, self._newline, prompt_images)
 
     def _tile_features(self, tiles: torch.Tensor) -> list[torch.Tensor]:
         """The vision method's features [T, D] of each tile [C, S, S] (or patches), one call each."""
@@ -136,7 +142,7 @@ class ImageEncoder:
         if not meta.image_prompt and len(positions) != len(images) * meta.image_tokens:
             raise ValueError(f"the prompt has {len(positions)} image positions; {len(images)} image(s) take "
                              f"{len(images) * meta.image_tokens}")
-        encoded = [self.encode(image) for image in images]
+        encoded = [self.encode(image, len(images)) for image in images]
         taken = sum(len(embeds) for _, embeds in encoded)
         if len(positions) != taken:  # a tiled family's: the images' tiles decide
             raise ValueError(f"the prompt has {len(positions)} image positions; {len(images)} image(s) take {taken}")

@@ -5,7 +5,8 @@ the part's "image" key: a PIL image, a path or bytes; or, with no such key, the 
 beside the messages). The chat template renders the parts (a vision-language template writes the image token
 where an image part is), and each image token then becomes the positions one image takes, as the checkpoint's
 processor expands it: DecoderMeta.image_tokens of them, a tiled family's tiles (tile_prompt.py), as many as
-the image's size gives LLaVA-NeXT (llava_next.py), or Mistral 3's rows with their break tokens
+the image's size gives LLaVA-NeXT and LLaVA-OneVision (anyres.py; OneVision's also by the prompt's image
+count), or Mistral 3's rows with their break tokens
 (mistral3_vision.py). A family whose processor replaces the mark in the text (Gemma 3: DecoderMeta.image_text) has
 it replaced there, before tokenizing.
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 from backends.mlx.llm.decoder.meta import DecoderMeta
 from backends.mlx.llm.vision.images import load_image  # noqa: F401 (callers take it from here with the prompt rules)
 from backends.mlx.llm.decoder.prompt import ROLES_HINT, has_chat_template
-from backends.mlx.llm.decoder import llava_next, mistral3_vision
+from backends.mlx.llm.decoder import anyres, mistral3_vision
 from backends.mlx.llm.decoder.tile_prompt import expand_tiles
 
 
@@ -63,14 +64,16 @@ def _parts(messages, images: list) -> tuple[list[dict], list]:
 
 def expand_images(meta: DecoderMeta, ids: list[int], images: list) -> list[int]:
     """`ids` with each image token expanded to the positions one image takes (a tiled family's: the image's tiles,
-    tile_prompt.py; LLaVA-NeXT's: by the image's size, llava_next.py); the tokens must match the RGB images."""
+    tile_prompt.py; LLaVA-NeXT's and LLaVA-OneVision's: by the image's size and the image count, anyres.py); the
+    tokens must match the RGB images."""
     count = len(images)
     marks = sum(1 for t in ids if t == meta.image_token_id)
     if marks != count:
         raise ValueError(f"the prompt has {marks} image token(s) for {count} image(s)")
-    anyres = llava_next.parse(meta.image_prompt)
-    if anyres is not None:
-        sizes = iter([llava_next.feature_count(anyres, image.height, image.width) for image in images])
+    packed = anyres.parse(meta.image_prompt)
+    if packed is not None:
+        family, prompt = packed
+        sizes = iter([family.feature_count(prompt, image.height, image.width, count) for image in images])
         return [t for t0 in ids for t in ([t0] * next(sizes) if t0 == meta.image_token_id else [t0])]
     rows = mistral3_vision.parse(meta.image_prompt)
     if rows is not None:

@@ -42,16 +42,21 @@ class LlavaNextVision(nn.Module):
 
     def __init__(self, model: nn.Module):
         super().__init__()
-        check_config(model.config)
+        self.check(model.config)
         self.model = model
         self.tower, self.projector = model.model.vision_tower, model.model.multi_modal_projector
         self.layer = model.config.vision_feature_layer
+        self.first = 1 if model.config.vision_feature_select_strategy == "default" else 0  # the class position
+
+    @staticmethod
+    def check(config) -> None:
+        check_config(config)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         pixels = pixel_values.to(next(self.tower.parameters()).dtype)
         hidden = self.tower(pixels, output_hidden_states=True).hidden_states
         layers = [self.layer] if isinstance(self.layer, int) else list(self.layer)
-        selected = torch.cat([hidden[i] for i in layers], dim=-1)[:, 1:]  # the class position dropped
+        selected = torch.cat([hidden[i] for i in layers], dim=-1)[:, self.first:]
         return self.projector(selected).float()
 
     def reference(self, pixel_values: torch.Tensor) -> torch.Tensor:
@@ -73,7 +78,8 @@ def image_prompt(model: nn.Module, processor: dict | None) -> dict:
     settings = (processor or {}).get("image_processor", processor or {})
     pinpoints = [list(p) for p in config.image_grid_pinpoints]
     if settings.get("image_grid_pinpoints") not in (None, pinpoints):
-        raise ValueError("llava_next: the image processor's image_grid_pinpoints differ from the model config's")
+        raise ValueError(f"{config.model_type}: the image processor's image_grid_pinpoints differ from the model "
+                         "config's")
     return {"kind": KIND, "pinpoints": pinpoints, "tile": vision.image_size,
             "side": vision.image_size // vision.patch_size}
 
@@ -93,45 +99,63 @@ def grid(prompt: dict, height: int, width: int) -> tuple[int, int]:
     return best_h // prompt["tile"], best_w // prompt["tile"]
 
 
-def _kept(prompt: dict, height: int, width: int) -> tuple[slice, slice]:
+def kept(prompt: dict, height: int, width: int) -> tuple[slice, slice]:
     """The patch rows and columns of the grid picture that unpad_image keeps (the others are padding)."""
     rows, cols = (n * prompt["side"] for n in grid(prompt, height, width))
     if width / height > cols / rows:
-        kept = int(round(height * (cols / width), 7))
-        pad = (rows - kept) // 2
+        inside = int(round(height * (cols / width), 7))
+        pad = (rows - inside) // 2
         return slice(pad, rows - pad), slice(0, cols)
-    kept = int(round(width * (rows / height), 7))
-    pad = (cols - kept) // 2
+    inside = int(round(width * (rows / height), 7))
+    pad = (cols - inside) // 2
     return slice(0, rows), slice(pad, cols - pad)
 
 
-def tiles(prompt: dict, height: int, width: int) -> int:
+def tiled(images: int) -> bool:
+    """Whether an image of a prompt with `images` images is cut into tiles (LLaVA-NeXT: always)."""
+    return True
+
+
+def tiles(prompt: dict, height: int, width: int, images: int = 1) -> int:
     """Vision calls an image takes: the base tile and the grid's."""
     rows, cols = grid(prompt, height, width)
     return 1 + rows * cols
 
 
-def feature_count(prompt: dict, height: int, width: int) -> int:
+def feature_count(prompt: dict, height: int, width: int, images: int = 1) -> int:
     """The image positions an image of height x width takes in the prompt."""
-    ys, xs = _kept(prompt, height, width)
+    ys, xs = kept(prompt, height, width)
     return prompt["side"] ** 2 + (ys.stop - ys.start) * (xs.stop - xs.start + 1)
 
 
-def pack(features: torch.Tensor, size: tuple[int, int], prompt: dict, newline: torch.Tensor) -> torch.Tensor:
-    """features [1 + tiles, side * side, D] (base tile first, then the grid's row by row) to the image's [L, D]."""
+def grid_picture(features: torch.Tensor, size: tuple[int, int], prompt: dict) -> torch.Tensor:
+    """features [1 + tiles, side * side, D] (base tile first, then the grid's row by row) to the grid's patch
+    features laid out as one picture [H, W, D], the padding rows or columns dropped (unpad_image)."""
     height, width = size
     rows, cols = grid(prompt, height, width)
     side, dim = prompt["side"], features.shape[-1]
     if features.shape[0] != 1 + rows * cols or features.shape[1] != side * side:
-        raise ValueError(f"llava_next: {tuple(features.shape[:2])} tile features for a {rows} x {cols} grid of "
-                         f"{side} x {side} patches")
+        raise ValueError(f"{prompt['kind']}: {tuple(features.shape[:2])} tile features for a {rows} x {cols} grid "
+                         f"of {side} x {side} patches")
     # [tiles, side * side, D] -> the grid picture [rows * side, cols * side, D], a tile's patches row-major
     picture = features[1:].reshape(rows, cols, side, side, dim).permute(0, 2, 1, 3, 4)
     picture = picture.reshape(rows * side, cols * side, dim)
-    ys, xs = _kept(prompt, height, width)
-    picture = picture[ys, xs]
+    ys, xs = kept(prompt, height, width)
+    return picture[ys, xs]
+
+
+def with_newlines(base: torch.Tensor, picture: torch.Tensor, newline: torch.Tensor) -> torch.Tensor:
+    """The base tile's features [T, D], then the picture [H, W, D] row by row, `newline` after each row."""
+    dim = picture.shape[-1]
     picture = torch.cat([picture, newline.to(picture)[None, None].expand(picture.shape[0], 1, dim)], dim=1)
-    return torch.cat([features[0], picture.reshape(-1, dim)])
+    return torch.cat([base, picture.reshape(-1, dim)])
+
+
+def pack(features: torch.Tensor, size: tuple[int, int], prompt: dict, newline: torch.Tensor,
+         images: int = 1) -> torch.Tensor:
+    """features [1 + tiles, side * side, D] (base tile first, then the grid's row by row) to the image's [L, D]
+    (`images`, the prompt's image count, does not change LLaVA-NeXT's packing)."""
+    return with_newlines(features[0], grid_picture(features, size, prompt), newline)
 
 
 def verify_size(prompt: dict) -> tuple[int, int]:

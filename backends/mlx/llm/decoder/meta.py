@@ -235,8 +235,8 @@ class DecoderMeta:
     # template writes becoming before + image token * image_tokens + after before tokenizing, as the checkpoint's
     # processor does; []: the image token, expanded in ids (image_prompt.expand_images).
     image_text: list[str] = field(default_factory=list)
-    # A family whose image takes a varying number of tiles (Idefics3 / SmolVLM: tile_prompt.py; LLaVA-NeXT:
-    # llava_next.py, its tiles' features packed on the host): how an image token expands, as JSON; then
+    # A family whose image takes a varying number of tiles (Idefics3 / SmolVLM: tile_prompt.py; LLaVA-NeXT and
+    # LLaVA-OneVision: anyres.py, their tiles' features packed on the host): how an image token expands, as JSON; then
     # image_tokens are one tile's positions and the vision method encodes one tile. Mistral 3
     # (mistral3_vision.py): the image's rows of image_tokens positions, with their break and end tokens.
     # "": each image is image_tokens positions of image_token_id.

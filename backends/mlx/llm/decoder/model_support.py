@@ -24,8 +24,8 @@ TESTED = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "olmo", "gemma", "gemma2
 # Vision-language families exported whole, vision method included (vision_export.py), tested against transformers'
 # greedy tokens with an image (tests/test_vision_language.py). Any other checkpoint with a vision tower is refused:
 # exporting its text part alone would silently drop what users send it.
-VISION_TESTED = ("llava", "llava_next", "gemma3", "qwen2_vl", "qwen2_5_vl", "idefics3", "smolvlm",
-                 "mistral3")
+VISION_TESTED = ("llava", "llava_next", "llava_onevision", "gemma3", "qwen2_vl", "qwen2_5_vl", "idefics3",
+                 "smolvlm", "mistral3")
 
 _LAYER_TYPES = {"full_attention", "sliding_attention"}
 

@@ -4,8 +4,8 @@ The vision method on seeded random pixels must give the eager vision forward's e
 tolerance, relative to their largest magnitude); then the decoder, given those embeddings at a prompt's image
 positions, must decode the eager model's greedy tokens for the same pixels (model(input_ids, pixel_values), with
 Gemma 3's token_type_ids marking the prompt's image positions: its images attend both ways, image_blocks.py).
-LLaVA-NeXT's decode runs on a whole image's tiles, packed on the host (llava_next.pack, with the program's stored
-image_newline) against the forward's own packing.
+LLaVA-NeXT's and LLaVA-OneVision's decode runs on a whole image's tiles, packed on the host (anyres.py: the family's
+pack, with the program's stored image_newline) against the forward's own packing.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from backends.mlx.llm.decoder import llava_next
+from backends.mlx.llm.decoder import anyres
 from backends.mlx.llm.decoder.image_blocks import bidirectional_images
 from backends.mlx.llm.decoder.image_encoder import PromptImages, processor_in
 from backends.mlx.llm.decoder.loop import Decoder
@@ -33,10 +33,10 @@ def verify_with_image(model: torch.nn.Module, pte: Path, steps: int = DECODE_STE
     meta = decoder.meta
     generated = 1 + steps
     image = meta.image_token_id
-    anyres = llava_next.parse(meta.image_prompt)
-    # LLaVA-NeXT: a whole image of tiles, packed on the host as at run time, at a size that leaves padding to drop
-    size = llava_next.verify_size(anyres) if anyres is not None else None
-    taken = llava_next.feature_count(anyres, *size) if anyres is not None else meta.image_tokens
+    family, packing = anyres.parse(meta.image_prompt) or (None, None)
+    # anyres: a whole image of tiles, packed on the host as at run time, at a size that leaves padding to drop
+    size = family.verify_size(packing) if family is not None else None
+    taken = family.feature_count(packing, *size) if family is not None else meta.image_tokens
     text = [t if t != image else (t + 1) % meta.vocab_size for t in verification_prompt(meta.vocab_size, TEXT_TOKENS)]
     prompt = text[:TEXT_TOKENS // 2] + [image] * taken + text[TEXT_TOKENS // 2:]
     if len(prompt) + generated > meta.max_seq_len:
@@ -55,15 +55,15 @@ def verify_with_image(model: torch.nn.Module, pte: Path, steps: int = DECODE_STE
                                 f"tolerance {tol:.3g}")
     positions = torch.tensor([i for i, t in enumerate(prompt) if t == image], dtype=torch.int64)
     embeds = got
-    if anyres is not None:
-        pixels = torch.randn(llava_next.tiles(anyres, *size), *meta.image_size,
+    if family is not None:
+        pixels = torch.randn(family.tiles(packing, *size), *meta.image_size,
                              generator=torch.Generator().manual_seed(PROMPT_SEED + 1))
         embeds = decoder.images.anyres(pixels, size)
 
     marked = set(positions.tolist())
 
     def reference(ids):
-        if anyres is not None:  # the family's forward packs the tiles itself (pack_image_features)
+        if family is not None:  # the family's forward packs the tiles itself (pack_image_features)
             return model(input_ids=torch.tensor([ids]), pixel_values=pixels[None],
                          image_sizes=torch.tensor([size])).logits[0]
         # a tiled family's forward takes pixels [1, tiles, C, H, W] (idefics3_vision.py)

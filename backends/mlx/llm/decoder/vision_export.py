@@ -4,7 +4,8 @@ A vision-language `.pte` holds two methods over one file: `forward`, the decoder
 around the checkpoint's whole ...ForConditionalGeneration, taking `image_embeds` [B, L, D] beside the tokens), and
 `vision` (VISION_METHOD): pixel values [N, C, H, W], as the checkpoint's image processor makes them, to
 embeddings [N, T, D], T the image tokens one image takes in the prompt (Idefics3 / SmolVLM: one tile, an image
-being several, idefics3_vision.py; LLaVA-NeXT: one tile, the host packing an image's tiles, llava_next.py). Both
+being several, idefics3_vision.py; LLaVA-NeXT and LLaVA-OneVision: one tile, the host packing an image's tiles,
+llava_next.py, llava_onevision.py). Both
 are the family's own transformers forward: the vision method is the model's get_image_features (vision tower,
 feature layer and selection, projector), so what the decoder receives at the image positions is what the family's
 forward would merge there.
@@ -20,9 +21,10 @@ from torch import nn
 
 from backends.mlx.llm.decoder.gemma3_vision import Gemma3Vision, gemma3_image_text
 from backends.mlx.llm.decoder.idefics3_vision import Idefics3Vision
-from backends.mlx.llm.decoder import llava_next, mistral3_vision
+from backends.mlx.llm.decoder import llava_next, llava_onevision, mistral3_vision
 from backends.mlx.llm.decoder.model_support import check_vision_family, is_vision_language
 from backends.mlx.llm.decoder.tile_prompt import tile_prompt, tile_size
+from backends.mlx.llm.vision.preprocess import files_config
 
 VISION_METHOD = "vision"
 # The image processor's files a checkpoint may carry (transformers 5 writes processor_config.json, holding the
@@ -70,7 +72,10 @@ ENCODERS = {"llava": lambda model, _processor: LlavaVision(model),
             "gemma3": lambda model, _processor: Gemma3Vision(model), "qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_vl,
             "idefics3": lambda model, _processor: Idefics3Vision(model),
             "smolvlm": lambda model, _processor: Idefics3Vision(model),
-            "llava_next": lambda model, _processor: llava_next.LlavaNextVision(model), "mistral3": _mistral3}
+            "llava_next": lambda model, _processor: llava_next.LlavaNextVision(model),
+            "llava_onevision": lambda model, _processor: llava_onevision.LlavaOnevisionVision(model),
+            "mistral3": _mistral3}
+ANYRES = ("llava_next", "llava_onevision")  # tiles packed on the host, image_newline stored (anyres.py)
 TILED = ("idefics3", "smolvlm")  # an image is several tiles, one vision call each (tile_prompt.py)
 # How a family's prompt text names an image, beyond the image token expanded in ids (DecoderMeta.image_text).
 IMAGE_TEXT = {"gemma3": gemma3_image_text}
@@ -87,13 +92,8 @@ def vision_encoder(model: nn.Module, processor: dict | None = None) -> nn.Module
 
 
 def processor_config(files: dict[str, bytes] | None) -> dict | None:
-    """The image processor's config among a checkpoint's PROCESSOR_FILES (name -> bytes), as the program keeps it."""
-    import json
-
-    for name in PROCESSOR_FILES:
-        if files and name in files:
-            return json.loads(files[name])
-    return None
+    """The image processor's config from a checkpoint's PROCESSOR_FILES (name -> bytes), as the program keeps them."""
+    return files_config(files)
 
 
 def image_shape(model: nn.Module) -> list[int]:
@@ -125,26 +125,28 @@ def image_text(model: nn.Module, tokenizer) -> list[str]:
 
 
 def vision_data(model: nn.Module) -> dict[str, bytes]:
-    """Named data a family's program carries for its host-side image code (LLaVA-NeXT's image_newline)."""
-    return llava_next.newline_blob(model) if model.config.model_type == "llava_next" else {}
+    """Named data a family's program carries for its host-side image code (the anyres families' image_newline)."""
+    return llava_next.newline_blob(model) if model.config.model_type in ANYRES else {}
 
 
 def image_prompt(model: nn.Module, tokenizer, processor_files: dict, tile_tokens: int) -> str:
-    """DecoderMeta.image_prompt as JSON: a tiled family's image prompt pieces (tile_prompt.py), LLaVA-NeXT's
-    packing settings (llava_next.py), Mistral 3's rows (mistral3_vision.py); "" for others."""
+    """DecoderMeta.image_prompt as JSON: a tiled family's image prompt pieces (tile_prompt.py), the anyres
+    families' packing settings (llava_next.py, llava_onevision.py), Mistral 3's rows (mistral3_vision.py); "" for
+    others."""
     import json
 
     kind = model.config.model_type
     if kind == "llava_next":
         return json.dumps(llava_next.image_prompt(model, processor_config(processor_files)))
+    if kind == llava_onevision.MODEL_TYPE:
+        return json.dumps(llava_onevision.image_prompt(model, processor_config(processor_files), tile_tokens))
     if kind not in (*TILED, mistral3_vision.MODEL_TYPE):
         return ""
     if tokenizer is None:
         raise ValueError(f"{kind}: exporting needs the tokenizer (the image prompt's tokens)")
     if kind == mistral3_vision.MODEL_TYPE:
         return json.dumps(mistral3_vision.row_prompt(tokenizer, tile_tokens))
-    name = next(n for n in PROCESSOR_FILES if n in processor_files)
-    processor = json.loads(processor_files[name])
+    processor = processor_config(processor_files)
     tile, size = tile_size(processor), model.config.vision_config.image_size
     if tile != size:  # the vision method's patch positions are those of a whole tower-sized tile
         raise ValueError(f"the image processor's tiles are {tile} pixels, the vision tower takes {size}: not supported")

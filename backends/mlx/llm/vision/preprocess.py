@@ -1,6 +1,7 @@
 """RGB images to what a vision-language checkpoint's image processor gives its vision tower, with PIL and numpy.
 
-`preprocess(images, config)`: `images` are the RGB images of one prompt (images.py's load_image), `config` the
+`preprocess(images, config, prompt_images)`: `images` are RGB images of one prompt (images.py's load_image; all of
+them unless `prompt_images` says how many it holds, which only LLaVA-OneVision reads), `config` the
 checkpoint's image-processor configuration (its preprocessor_config.json, or `image_processor.to_dict()`; a
 `processor.to_dict()` with an "image_processor" entry works too and also gives the image-token counts). The
 families, by `image_processor_type`:
@@ -10,6 +11,10 @@ families, by `image_processor_type`:
 - LlavaNextImageProcessor (LLaVA-NeXT, "anyres"): the whole image resized to a square plus the tiles of the
   grid pinpoint that fits it best (resized into it, padded black, cut); pixel_values [N, 1 + tiles, 3, H, W] (zero
   tiles pad images with fewer), image_sizes [N, 2].
+- LlavaOnevisionImageProcessor (LLaVA-OneVision): LLaVA-NeXT's tiles for the only image of a prompt (its base
+  resized to the tile, no crop); an image of a prompt with several is instead padded to a square of the mean colour
+  and resized to one tile (transformers' batch_num_images > 1); pixel_values [N, tiles, 3, H, W], image_sizes [N, 2],
+  batch_num_images [1] (the prompt's image count).
 - SiglipImageProcessor / Gemma3ImageProcessor (Gemma 3): resized to a fixed size; Gemma 3's num_crops [N] (pan and
   scan is refused).
 - Idefics3ImageProcessor / SmolVLMImageProcessor: longest edge resized, then (image splitting) resized to
@@ -28,6 +33,7 @@ torchvision. Anything else is refused in one line (PreprocessError).
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -62,10 +68,14 @@ DEFAULTS = {
 DEFAULTS["LlavaImageProcessor"] = {**DEFAULTS["CLIPImageProcessor"], "do_pad": False}
 DEFAULTS["LlavaNextImageProcessor"] = {**DEFAULTS["CLIPImageProcessor"], "do_pad": True, "image_grid_pinpoints": [
     [336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]}
+DEFAULTS["LlavaOnevisionImageProcessor"] = {
+    **_COMMON, "size": {"height": 384, "width": 384}, "resample": BICUBIC, "do_pad": True,
+    "image_mean": OPENAI_CLIP_MEAN, "image_std": OPENAI_CLIP_STD,
+    "image_grid_pinpoints": [[384 * r, 384 * c] for r in range(1, 7) for c in range(1, 7)]}
 DEFAULTS["SmolVLMImageProcessor"] = DEFAULTS["Idefics3ImageProcessor"]  # the same processor under SmolVLM's name
 # Processor-level keys (processor.to_dict()) that say how many tokens an image takes.
 PROCESSOR_KEYS = ("image_seq_len", "image_seq_length", "patch_size", "num_additional_image_tokens",
-                  "vision_feature_select_strategy")
+                  "vision_feature_select_strategy", "num_image_tokens", "vision_aspect_ratio")
 
 
 class PreprocessError(ValueError):
@@ -242,17 +252,66 @@ def _llava_next(images: list[Image.Image], s: dict, name: str) -> ImageBatch:
     return batch
 
 
+def _unpadded(orig_height: int, orig_width: int, rows: int, cols: int) -> tuple[int, int]:
+    """The rows and columns of a grid picture of patches that unpad_image keeps for an image of that size."""
+    if orig_width / orig_height > cols / rows:
+        return rows - (rows - int(round(orig_height * (cols / orig_width), 7))) // 2 * 2, cols
+    return rows, cols - (cols - int(round(orig_width * (rows / orig_height), 7))) // 2 * 2
+
+
 def _llava_next_tokens(orig_height: int, orig_width: int, height: int, width: int, s: dict) -> int:
     """LLaVA-NeXT's image features: the base tile's patches, then the grid's patches with the padding rows or
     columns dropped, one newline per row."""
     patch = s["patch_size"]
     best_h, best_w = best_resolution(orig_height, orig_width, s["image_grid_pinpoints"])
-    rows, cols = height // patch * (best_h // height), width // patch * (best_w // width)
-    if orig_width / orig_height > cols / rows:
-        rows -= (rows - int(round(orig_height * (cols / orig_width), 7))) // 2 * 2
-    else:
-        cols -= (cols - int(round(orig_width * (rows / orig_height), 7))) // 2 * 2
+    rows, cols = _unpadded(orig_height, orig_width, height // patch * (best_h // height),
+                           width // patch * (best_w // width))
     tokens = rows * cols + rows + (height // patch) * (width // patch) + s.get("num_additional_image_tokens", 0)
+    return tokens - (s.get("vision_feature_select_strategy") == "default")
+
+
+# ---- LLaVA-OneVision ----
+
+def _llava_onevision(images: list[Image.Image], s: dict, name: str) -> ImageBatch:
+    prompt_images = s["prompt_images"]
+    if prompt_images == 1:  # the only image of its prompt: LLaVA-NeXT's tiles
+        batch = _llava_next(images, {**s, "patch_size": None}, name)
+    else:  # one of several: a square of the mean colour around it, resized to one tile
+        squares = [_square_pad(image, s["image_mean"]) for image in images]
+        tiles = [_normalised(_clip_resize(square, s["size"], s["resample"], name) if s["do_resize"] else square, s)
+                 for square in squares]
+        sizes = [[image.height, image.width] for image in images]
+        batch = ImageBatch(np.stack(tiles)[:, None], {"image_sizes": np.array(sizes, dtype=np.int64)})
+    batch.extras["batch_num_images"] = np.array([prompt_images], dtype=np.int64)
+    if s.get("num_image_tokens") and s.get("vision_aspect_ratio"):
+        height = batch.pixel_values.shape[-2]
+        batch.image_tokens = [_llava_onevision_tokens(h, w, height, prompt_images, s)
+                              for h, w in batch.extras["image_sizes"].tolist()]
+    return batch
+
+
+def _max_tiles(aspect_ratio: str) -> int:
+    """N of "anyres_max_N" (read as transformers' processor reads it)."""
+    digits = str(aspect_ratio).strip("anyres_max_")
+    if not digits.isdigit() or int(digits) < 1:
+        raise PreprocessError(f"vision_aspect_ratio {aspect_ratio!r} is not supported (only 'anyres_max_N', N >= 1)")
+    return int(digits)
+
+
+def _llava_onevision_tokens(orig_height: int, orig_width: int, tile: int, prompt_images: int, s: dict) -> int:
+    """LlavaOnevisionProcessor's image features: alone, the base tile's, then the unpadded grid's (shrunk to about
+    N tiles' worth under anyres_max_N) with one newline per row; among several, one tile's and one newline."""
+    base = int(s["num_image_tokens"])
+    if prompt_images > 1:
+        tokens = base + 1
+    else:
+        side = int(math.sqrt(base))
+        best_h, best_w = best_resolution(orig_height, orig_width, s["image_grid_pinpoints"])
+        rows, cols = _unpadded(orig_height, orig_width, side * (best_h // tile), side * (best_w // tile))
+        ratio = math.sqrt(rows * cols / (_max_tiles(s["vision_aspect_ratio"]) * side ** 2))
+        if ratio > 1.1:
+            rows, cols = int(rows // ratio), int(cols // ratio)
+        tokens = base + rows * cols + rows
     return tokens - (s.get("vision_feature_select_strategy") == "default")
 
 
@@ -425,10 +484,25 @@ def _pixtral(images: list[Image.Image], s: dict, name: str) -> ImageBatch:
 
 
 FAMILIES = {"CLIPImageProcessor": _clip, "LlavaImageProcessor": _clip, "LlavaNextImageProcessor": _llava_next,
+            "LlavaOnevisionImageProcessor": _llava_onevision,
             "SiglipImageProcessor": _siglip,
             "Gemma3ImageProcessor": _siglip, "Idefics3ImageProcessor": _idefics3,
             "SmolVLMImageProcessor": _idefics3, "Qwen2VLImageProcessor": _qwen2_vl,
             "PixtralImageProcessor": _pixtral}
+
+
+def files_config(files: dict[str, bytes] | None) -> dict | None:
+    """The configuration `preprocess` takes, from a checkpoint's processor files (name -> bytes; None where it has
+    neither). transformers 5 writes one processor_config.json holding the image processor's settings under
+    "image_processor"; older checkpoints keep those in preprocessor_config.json, beside a processor_config.json of
+    the processor's own keys (num_image_tokens, ...): merged here as processor.to_dict() nests them."""
+    loaded = {name: json.loads(data) for name, data in (files or {}).items()
+              if name in ("processor_config.json", "preprocessor_config.json")}
+    outer, inner = loaded.get("processor_config.json"), loaded.get("preprocessor_config.json")
+    if isinstance(outer, dict) and isinstance(inner, dict) and not isinstance(outer.get("image_processor"), dict) \
+            and "image_processor_type" not in outer:
+        return {**outer, "image_processor": inner}
+    return outer if outer is not None else inner
 
 
 def check_config(config: dict) -> str:
@@ -436,14 +510,18 @@ def check_config(config: dict) -> str:
     return _settings(config)[0]
 
 
-def preprocess(images: list[Image.Image], config: dict) -> ImageBatch:
-    """One prompt's RGB images (in prompt order) to the vision method's inputs; see the module docstring."""
+def preprocess(images: list[Image.Image], config: dict, prompt_images: int | None = None) -> ImageBatch:
+    """One prompt's RGB images (in prompt order) to the vision method's inputs; see the module docstring.
+    `prompt_images`: how many images the prompt holds when `images` are only some of them."""
     name, settings = _settings(config)
     if not images:
         raise PreprocessError("no images to preprocess")
     bad = [type(i).__name__ for i in images if not isinstance(i, Image.Image) or i.mode != "RGB"]
     if bad:
         raise PreprocessError(f"preprocess takes RGB PIL images (llm/vision/images.py's load_image), got {bad[0]}")
+    if prompt_images is not None and prompt_images < len(images):
+        raise PreprocessError(f"{len(images)} images of a prompt said to hold {prompt_images}")
+    settings["prompt_images"] = prompt_images or len(images)
     batch = FAMILIES[name](list(images), settings, name)
     if name in ("CLIPImageProcessor", "LlavaImageProcessor"):
         batch.image_tokens = _llava_tokens(batch, settings)
