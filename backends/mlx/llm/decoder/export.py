@@ -17,7 +17,6 @@ the plain token and the K - 1 greedy (or seed + i) steps after it, in one call; 
 
 from __future__ import annotations
 
-import gc
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -42,13 +41,13 @@ from backends.mlx.llm.decoder.pipelined import FedBackSteps
 from backends.mlx.llm.decoder.pipelined_verify import DeliveredOrFedBack
 from backends.mlx.llm.decoder.proposer import ProposingHead, verify_proposer
 from backends.mlx.llm.decoder.resident_pages import paged_out_after_use, release
+from backends.mlx.llm.decoder.release_memory import collect_if_large
 from backends.mlx.llm.decoder.speculative_head import DraftVerifyingHead
 from backends.mlx.llm.decoder.speculative_verify import verify_draft_program
 from backends.mlx.llm.decoder.verify import VerificationError, VerificationReport, verify_decoder
 from backends.mlx.llm.decoder.verify_vision import verify_with_image
 from backends.mlx.llm.sampler.config import SamplerConfig
 from backends.mlx.llm.sampler.head import SamplingHead
-from backends.mlx.runtime.allocator import give_back_freed
 
 
 def _eos_ids(model) -> list[int]:
@@ -236,8 +235,7 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
         result.release_program()
         lm.release_caches()
         program = head = lm = inputs = plain_step = methods = encoder = None
-        gc.collect()
-        give_back_freed()
+        collect_if_large(model, give_back=True)
         # The eager model's weights mapped from the checkpoint are read again, page by page, by the reference
         # forward; meanwhile the runtime holds its own copy of them (resident_pages.py).
         release(model)

@@ -18,13 +18,13 @@ within LOGPROB_FACTOR x the tolerance (a log-softmax moves by up to twice its in
 
 from __future__ import annotations
 
-import gc
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from backends.mlx.llm.decoder.loop import Decoder
+from backends.mlx.llm.decoder.release_memory import collect_if_large
 from backends.mlx.llm.sampler.params import SamplingParams
 
 PROMPT_TOKENS = 8
@@ -111,7 +111,7 @@ def verify_decoder(model: torch.nn.Module, pte: Path, steps: int = DECODE_STEPS,
     # The runtime's copy of the weights is freed before the eager forward reads the model's: at real size the
     # two together would be twice the weights (docs/weights.md). No other reference to the program may remain.
     del decoder
-    gc.collect()
+    collect_if_large(model)
     return compare_greedy(model, Path(pte), steps, prompt)
 
 

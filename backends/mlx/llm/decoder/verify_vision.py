@@ -10,7 +10,6 @@ pack, with the program's stored image_newline) against the forward's own packing
 
 from __future__ import annotations
 
-import gc
 from pathlib import Path
 
 import torch
@@ -22,6 +21,7 @@ from backends.mlx.llm.decoder.loop import Decoder
 from backends.mlx.llm.decoder.verify import (DECODE_STEPS, PROMPT_SEED, VerificationError, VerificationReport,
                                              compare_greedy, tolerance, verification_prompt)
 from backends.mlx.llm.decoder.vision_export import vision_encoder
+from backends.mlx.llm.decoder.release_memory import collect_if_large
 from backends.mlx.llm.sampler.params import SamplingParams
 
 TEXT_TOKENS = 8  # around the image: half before, half after
@@ -76,7 +76,7 @@ def verify_with_image(model: torch.nn.Module, pte: Path, steps: int = DECODE_STE
     steps = list(decoder.stream(prompt, generated, SamplingParams(), stop_at_eos=False,
                                 images=PromptImages(positions, embeds)))
     del decoder  # the program's weights freed before the eager forward (verify.py)
-    gc.collect()
+    collect_if_large(model)
     report = compare_greedy(model, Path(pte), steps, prompt, reference=reference)
     report.vision_error = error
     return report
