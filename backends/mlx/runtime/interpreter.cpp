@@ -284,14 +284,14 @@ bool Interpreter::exec_unary(const fb::UnaryNode& n) {
     case fb::UnaryOp::Sqrt: r = mx::sqrt(a); break;
     case fb::UnaryOp::Rsqrt: r = mx::rsqrt(a); break;
     case fb::UnaryOp::Abs: r = mx::abs(a); break;
-    case fb::UnaryOp::Tanh: r = mx::tanh(a); break;
+    case fb::UnaryOp::Tanh: r = program_.kernels->tanh(a); break;
     case fb::UnaryOp::Sigmoid: r = program_.kernels->sigmoid(a); break;
     case fb::UnaryOp::LogicalNot: r = mx::logical_not(a); break;
     case fb::UnaryOp::Sin: r = mx::sin(a); break;
     case fb::UnaryOp::Cos: r = mx::cos(a); break;
     case fb::UnaryOp::Floor: r = mx::floor(a); break;
     case fb::UnaryOp::Ceil: r = mx::ceil(a); break;
-    case fb::UnaryOp::Erf: r = mx::erf(a); break;
+    case fb::UnaryOp::Erf: r = program_.kernels->erf(a); break;
     case fb::UnaryOp::Square: r = mx::square(a); break;
     case fb::UnaryOp::Log1p: r = mx::log1p(a); break;
     case fb::UnaryOp::Expm1: r = mx::expm1(a); break;

@@ -47,6 +47,7 @@ bool batch_invariant() { return options::process().blas_reference; }
 #include <immintrin.h>
 
 #include "kernels/avx2_vectors.h"
+#include "kernels/exp_vectors.h"
 
 namespace etmlx::kernels {
 
@@ -64,60 +65,13 @@ bool avx512_ok() {
   return ok;
 }
 
-// exp(x), 16 lanes: x = n ln2 + r (Cody-Waite, |r| <= ln2 / 2), e^r by Cephes expf's polynomial (within
-// 2 ulp), times 2^n by vscalefps. Below -103.9 (where expf is 0 or subnormal): exactly 0, -inf included;
-// above 88.72: inf.
-ETMLX_AVX512BW ETMLX_INLINE __m512 exp16(__m512 x) {
-  const __mmask16 zero = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-103.9f), _CMP_LT_OQ);
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.8f)), _mm512_set1_ps(-103.9f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~zero), _mm512_scalef_ps(p, n));
-}
-
+// exp16 / exp8: kernels/exp_vectors.h.
 
 // ---- AVX2+FMA (a CPU without AVX-512): the decode loop 8 lanes at a time ----
 
 bool avx2_ok() {
   static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return ok;
-}
-
-// exp(x), 8 lanes: exp16's reduction and polynomial, 2^n built in the exponent bits. Below -87.3 (where
-// expf is subnormal or 0; exp16 keeps the subnormals): exactly 0, -inf included; above 88.72: inf.
-ETMLX_AVX2_INLINE __m256 exp8(__m256 x) {
-  const __m256 zero = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ);
-  const __m256 big = _mm256_cmp_ps(x, _mm256_set1_ps(88.72f), _CMP_GT_OQ);
-  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.72f)), _mm256_set1_ps(-87.3f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  // n in [-126, 128]: 2^n as two factors, so that n = 128 (p < 1 there) stays finite where it should.
-  const __m256i ni = _mm256_cvtps_epi32(n);
-  const __m256i half = _mm256_srai_epi32(ni, 1);
-  const __m256 f1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, _mm256_set1_epi32(127)), 23));
-  const __m256 f2 = _mm256_castsi256_ps(
-      _mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half), _mm256_set1_epi32(127)), 23));
-  __m256 e = _mm256_mul_ps(_mm256_mul_ps(p, f1), f2);
-  e = _mm256_blendv_ps(e, _mm256_set1_ps(std::numeric_limits<float>::infinity()), big);
-  return _mm256_andnot_ps(zero, e);
 }
 
 // How a [B, H, L, S] score row finds its mask entries: the mask as given (up to 4-d, each dim 1 or the

@@ -29,7 +29,7 @@ const KernelSet& cpu_kernels() {
   static const KernelSet set{"cpu", gumbel_max_cpu, filter_threshold_cpu, cpu_matmul, cpu_addmm,
                              /*fast_rope=*/false, allowed_mask_cpu, drawn_or_none_cpu,
                              quantized_matmul_cpu, rms_norm_cpu, rope_tables_cpu, sigmoid_cpu,
-                             quantized_matmul_group_cpu, /*silu_product=*/nullptr};
+                             quantized_matmul_group_cpu, /*silu_product=*/nullptr, tanh_cpu, erf_cpu};
   return set;
 }
 
@@ -37,7 +37,8 @@ const KernelSet& device_kernels() {
   static const KernelSet set{"device", gumbel_max_device, filter_threshold_device, device_matmul, device_addmm,
                              /*fast_rope=*/true, allowed_mask_device, drawn_or_none_device,
                              device_quantized_matmul, rms_norm, rope_from_tables, sigmoid_device,
-                             /*quantized_matmul_group=*/nullptr, silu_product_device};
+                             /*quantized_matmul_group=*/nullptr, silu_product_device, tanh_device,
+                             erf_device};
   return set;
 }
 

@@ -24,6 +24,7 @@
 #include "options.h"
 #include "kernels/sigmoid.h"
 #include "kernels/silu_product.h"
+#include "kernels/tanh_erf.h"
 
 namespace etmlx::kernels {
 
@@ -47,6 +48,9 @@ struct KernelSet {
   QuantizedMatmulGroupFn quantized_matmul_group;
   // A gated MLP's SiLU(g) * u as one node (silu_product.h); null: the exporter's three instructions.
   SiluProductFn silu_product;
+  // GELU's tanh and erf (tanh_erf.h): MLX's ops, or host loops on the CPU.
+  UnaryFn tanh;
+  UnaryFn erf;
 };
 
 const KernelSet& cpu_kernels();

@@ -6,6 +6,7 @@
 
 #include <mlx/ops.h>
 
+#include "kernels/exp_vectors.h"
 #include "kernels/host_kernel.h"
 #include "kernels/sigmoid.h"
 
@@ -25,33 +26,13 @@ namespace {
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // as in quantized_rows_x86.cpp
 #endif
 
-// MLX (unary_ops.h, simd/math.h), with t = |x|:
-//   y = t * 1.442695f; i = floor(double(y) + 0.5); f = y - i
-//   p = fma chain of the six constants below in f
-//   e = bits((int(i) + 127) << 23) * p; e = isnan(t) ? t : e; e = t > 88 ? inf : e
-//   s = 1 / (1 + e); out = x < 0 ? s : 1 - s
-// Every step is one IEEE-rounded float operation, the same here. floor(double(y) + 0.5), y >= 0, is
-// floor(y) plus one when y - floor(y) >= 0.5 (both exact in float).
+// MLX (unary_ops.h), with t = |x|: e = exp(t) (mlx_exp16: MLX's exp, the same bits); s = 1 / (1 + e);
+// out = x < 0 ? s : 1 - s. Every step is one IEEE-rounded float operation, the same here.
 __attribute__((target("avx512f"), always_inline)) inline __m512 sigmoid16(__m512 v) {
-    const __m512 one = _mm512_set1_ps(1.0f), half = _mm512_set1_ps(0.5f);
-    const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+    const __m512 one = _mm512_set1_ps(1.0f);
     const __m512i sign = _mm512_set1_epi32(0x7fffffff);
     const __m512 t = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), sign));
-    const __m512 y = _mm512_mul_ps(t, _mm512_set1_ps(1.442695f));
-    __m512 i = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    i = _mm512_mask_add_ps(i, _mm512_cmp_ps_mask(_mm512_sub_ps(y, i), half, _CMP_GE_OQ), i, one);
-    const __m512 f = _mm512_sub_ps(y, i);
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.000000000000000f));
-    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(i), _mm512_set1_epi32(127)), 23);
-    __m512 e = _mm512_mul_ps(_mm512_castsi512_ps(bits), p);
-    e = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(t, t, _CMP_UNORD_Q), t);
-    e = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(t, _mm512_set1_ps(88.0f), _CMP_GT_OQ), inf);
+    const __m512 e = mlx_exp16(t);
     const __m512 s = _mm512_div_ps(one, _mm512_add_ps(one, e));
     return _mm512_mask_mov_ps(_mm512_sub_ps(one, s), _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LT_OQ), s);
 }
@@ -67,24 +48,9 @@ __attribute__((target("avx512f"))) void sigmoid_avx512(const float* x, float* ou
 
 // The same formula 8 lanes at a time for CPUs without AVX-512 (the masks as blends).
 __attribute__((target("avx2,fma"), always_inline)) inline __m256 sigmoid8(__m256 v) {
-  const __m256 one = _mm256_set1_ps(1.0f), half = _mm256_set1_ps(0.5f);
-  const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+  const __m256 one = _mm256_set1_ps(1.0f);
   const __m256 t = _mm256_castsi256_ps(_mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x7fffffff)));
-  const __m256 y = _mm256_mul_ps(t, _mm256_set1_ps(1.442695f));
-  __m256 i = _mm256_floor_ps(y);
-  i = _mm256_blendv_ps(i, _mm256_add_ps(i, one), _mm256_cmp_ps(_mm256_sub_ps(y, i), half, _CMP_GE_OQ));
-  const __m256 f = _mm256_sub_ps(y, i);
-  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.000000000000000f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(i), _mm256_set1_epi32(127)), 23);
-  __m256 e = _mm256_mul_ps(_mm256_castsi256_ps(bits), p);
-  e = _mm256_blendv_ps(e, t, _mm256_cmp_ps(t, t, _CMP_UNORD_Q));
-  e = _mm256_blendv_ps(e, inf, _mm256_cmp_ps(t, _mm256_set1_ps(88.0f), _CMP_GT_OQ));
+  const __m256 e = mlx_exp8(t);
   const __m256 s = _mm256_div_ps(one, _mm256_add_ps(one, e));
   return _mm256_blendv_ps(_mm256_sub_ps(one, s), s, _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ));
 }
