@@ -59,20 +59,9 @@ namespace {
 // The mask of a vector's first n lanes (all 16 from n = 16 on): for the last, partial vector of a row.
 ETMLX_INLINE __mmask16 first_lanes(int n) { return n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1); }
 
-bool avx512_ok() {
-  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma");
-  return ok;
-}
-
 // exp16 / exp8: kernels/exp_vectors.h.
 
 // ---- AVX2+FMA (a CPU without AVX-512): the decode loop 8 lanes at a time ----
-
-bool avx2_ok() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return ok;
-}
 
 // How a [B, H, L, S] score row finds its mask entries: the mask as given (up to 4-d, each dim 1 or the
 // scores'), its strides 0 where it broadcasts.
@@ -497,7 +486,7 @@ std::vector<mx::array> sdpa_decode_cpu(const mx::array& q, const mx::array& k, c
     shapes.push_back(std::move(t));
     shapes.push_back(view->second);
   }
-  const bool wide = avx512_ok();  // else AVX2 (decode_loop_applies)
+  const bool wide = exp16_supported();  // else AVX2 (decode_loop_applies)
   auto loop = [att, perm, wide](const std::vector<mx::array>& in, std::vector<mx::array>& outs) {
     mx::array& out = outs[0];
     DecodeAttention a = att;
@@ -549,7 +538,7 @@ std::vector<mx::array> sdpa_decode_cpu(const mx::array& q, const mx::array& k, c
 // sdpa_cpu's decode loop applies (float32 throughout, an AVX-512 or AVX2+FMA CPU, not the batch-invariant mode).
 bool decode_loop_applies(const mx::array& q, const mx::array& k, const mx::array& v,
                          const std::optional<mx::array>& mask, int key_end) {
-  return q.dtype() == mx::float32 && (avx512_ok() || avx2_ok()) && !batch_invariant() && q.shape(2) < kMinQueryRows &&
+  return q.dtype() == mx::float32 && (exp16_supported() || exp8_supported()) && !batch_invariant() && q.shape(2) < kMinQueryRows &&
          k.dtype() == mx::float32 && v.dtype() == mx::float32 && key_end >= 1 &&
          (!mask || mask->dtype() == mx::bool_ || mask->dtype() == mx::float32);
 }
@@ -567,7 +556,7 @@ mx::array sdpa_cpu(const mx::array& q, const mx::array& k, const mx::array& v, f
     if (decode_loop_applies(q, k, v, mask_in, key_end)) return sdpa_decode_cpu(q, k, v, scale, causal, mask_in, key_end, nullptr)[0];
     return sdpa(q, k, v, scale, causal, mask_in, key_end);
   }
-  if (q.dtype() != mx::float32 || !(avx512_ok() || avx2_ok()) || batch_invariant()) {
+  if (q.dtype() != mx::float32 || !(exp16_supported() || exp8_supported()) || batch_invariant()) {
     return sdpa(q, k, v, scale, causal, mask_in, key_end);
   }
   mx::array kk = k, vv = v;
@@ -583,7 +572,7 @@ mx::array sdpa_cpu(const mx::array& q, const mx::array& k, const mx::array& v, f
   if (mask) inputs.push_back(mx::contiguous(*mask));
   Softmax sm{heads, rows_l, keys, causal ? keys - rows_l : -1, scale, {}};
   if (mask) sm.mask = mask_view(*mask);
-  const bool wide = avx512_ok();  // else AVX2's 8 lanes
+  const bool wide = exp16_supported();  // else AVX2's 8 lanes
   auto loop = [sm, wide](const std::vector<mx::array>& in, mx::array& out) {
     Softmax s = sm;
     if (in.size() > 1) s.mask.data = in[1].data<void>();
@@ -629,12 +618,12 @@ bool softmax_by_formula(float* row, int n) {
 }  // namespace
 
 std::optional<mx::array> softmax_last_axis_cpu(const mx::array& x) {
-  if (x.dtype() != mx::float32 || x.ndim() == 0 || x.size() == 0 || !(avx512_ok() || avx2_ok()) || batch_invariant()) {
+  if (x.dtype() != mx::float32 || x.ndim() == 0 || x.size() == 0 || !(exp16_supported() || exp8_supported()) || batch_invariant()) {
     return std::nullopt;
   }
   const int keys = x.shape(-1);
   const Softmax sm{1, 1, keys, -1, 1.0f, {}};  // each row on its own: r / (heads * rows_l) = r, no mask
-  const bool wide = avx512_ok();
+  const bool wide = exp16_supported();
   auto loop = [sm, wide](const std::vector<mx::array>& in, mx::array& out) {
     const float* src = in[0].data<float>();
     float* dst = out.data<float>();

@@ -20,6 +20,18 @@
 
 namespace etmlx::kernels {
 
+// Whether the running CPU has what exp16's loops (AVX-512 F/BW/VL with FMA) and exp8's (AVX2 with FMA) need.
+inline bool exp16_supported() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma");
+  return ok;
+}
+
+inline bool exp8_supported() {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return ok;
+}
+
 // exp(x), 16 lanes: x = n ln2 + r (Cody-Waite, |r| <= ln2 / 2), e^r by Cephes expf's polynomial (within
 // 2 ulp), times 2^n by vscalefps. Below -103.9 (where expf is 0 or subnormal): exactly 0, -inf included;
 // above 88.72: inf.

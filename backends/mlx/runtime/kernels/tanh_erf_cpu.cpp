@@ -34,17 +34,6 @@ namespace {
 
 #define ETMLX_TANH_ERF_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
 
-bool avx512_ok() {
-  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma");
-  return ok;
-}
-
-bool avx2_ok() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return ok;
-}
-
 // MLX's erf (simd/math.h), v one lane:
 //   t = 1 / fma(0.3275911, |v|, 1); r = fma chain of the five constants in t
 //   e = -exp(-v * v) (MLX's exp); out = fma(e * t, r, 1); v > 0 ? out : -out
@@ -167,18 +156,18 @@ mx::array host_unary(const char* name, const mx::array& x, Loop loop) {
   return host_kernel(name, x.shape(), mx::float32, {x}, body, /*may_reuse_input0=*/true);
 }
 
-bool applies(const mx::array& x) { return x.dtype() == mx::float32 && x.size() > 0 && (avx512_ok() || avx2_ok()); }
+bool applies(const mx::array& x) { return x.dtype() == mx::float32 && x.size() > 0 && (exp16_supported() || exp8_supported()); }
 
 }  // namespace
 
 mx::array tanh_cpu(const mx::array& x) {
   if (!applies(x)) return mx::tanh(x);
-  return host_unary("TanhCpu", x, avx512_ok() ? loop16<tanh16> : loop8<tanh8>);
+  return host_unary("TanhCpu", x, exp16_supported() ? loop16<tanh16> : loop8<tanh8>);
 }
 
 mx::array erf_cpu(const mx::array& x) {
   if (!applies(x)) return mx::erf(x);
-  return host_unary("ErfCpu", x, avx512_ok() ? loop16<erf16> : loop8<erf8>);
+  return host_unary("ErfCpu", x, exp16_supported() ? loop16<erf16> : loop8<erf8>);
 }
 
 }  // namespace etmlx::kernels
