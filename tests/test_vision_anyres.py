@@ -8,7 +8,6 @@ token counts (2 x 2 tiles, 52 positions; 2 x 1 tiles, 56 positions).
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 import transformers as T
@@ -16,7 +15,7 @@ from PIL import Image
 
 from backends.mlx.cli.main import main
 from benchmarks.vision_checkpoints import build_llava_next
-from vision_helpers import worst_gap
+from vision_helpers import one_image_chat, random_image, worst_gap
 
 pytestmark = pytest.mark.slow
 
@@ -27,12 +26,7 @@ SHAPES = {0: (40, 70), 1: (64, 30)}  # (height, width) per image seed
 
 
 def _image(seed: int) -> Image.Image:
-    return Image.fromarray((np.random.RandomState(seed).rand(*SHAPES[seed], 3) * 255).astype("uint8"))
-
-
-def _messages(image=None):
-    part = {"type": "image", "image": image} if image is not None else {"type": "image"}
-    return [{"role": "user", "content": [{"type": "text", "text": "t5 t17"}, part, {"type": "text", "text": "t99 t3"}]}]
+    return random_image(seed, *SHAPES[seed])
 
 
 def _export(directory, out, *extra):
@@ -57,7 +51,7 @@ def program(checkpoint):
 
 def _reference(model, processor, image):
     """The processor's inputs and transformers' greedy tokens for the chat with `image`."""
-    text = processor.apply_chat_template(_messages(), add_generation_prompt=True)
+    text = processor.apply_chat_template(one_image_chat(), add_generation_prompt=True)
     inputs = processor(text=text, images=image, return_tensors="pt")
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False)
@@ -75,10 +69,10 @@ def test_greedy_tokens_with_anyres_images_equal_transformers(checkpoint, program
         inputs, expected = _reference(model, processor, _image(seed))
         assert len(set(expected)) > 3, expected
         tiles.add(inputs.pixel_values.shape[1])
-        ids, _ = image_chat_prompt(loaded.tokenizer, loaded.meta, _messages(_image(seed)))
+        ids, _ = image_chat_prompt(loaded.tokenizer, loaded.meta, one_image_chat(_image(seed)))
         assert ids == inputs.input_ids[0].tolist()  # the processor's feature count for this image's size
         counts.add(ids.count(loaded.meta.image_token_id))
-        tokens[seed] = [r.token for r in etmlx.stream_generate(loaded, _messages(_image(seed)), STEPS)]
+        tokens[seed] = [r.token for r in etmlx.stream_generate(loaded, one_image_chat(_image(seed)), STEPS)]
         assert tokens[seed] == expected, (seed, tokens[seed], expected)
     assert tiles == {5, 3} and counts == {52, 56} and tokens[0] != tokens[1]  # grids differ; the image decides
     # raw text names the image once with the image token; it expands to the image's positions as in the chat
@@ -109,7 +103,7 @@ def test_int8_tokens_are_the_float_models_choices(checkpoint, tmp_path):
     loaded = etmlx.load(_export(directory, tmp_path / "q8.pte", "--quantize", "int8", "--no-verify"))
     for seed in SHAPES:
         inputs, _ = _reference(model, processor, _image(seed))
-        tokens = [r.token for r in etmlx.stream_generate(loaded, _messages(_image(seed)), STEPS)]
+        tokens = [r.token for r in etmlx.stream_generate(loaded, one_image_chat(_image(seed)), STEPS)]
         ids = torch.cat([inputs.input_ids, torch.tensor([tokens])], dim=1)
         with torch.no_grad():
             logits = model(input_ids=ids[:, :-1], pixel_values=inputs.pixel_values,

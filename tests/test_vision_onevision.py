@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import shutil
 
-import numpy as np
 import pytest
 import torch
 import transformers as T
@@ -21,7 +20,7 @@ from PIL import Image
 from backends.mlx.cli.main import main
 from backends.mlx.llm.decoder import llava_next, llava_onevision
 from benchmarks.vision_checkpoints import build_llava_onevision, load_onevision_processor
-from vision_helpers import worst_gap
+from vision_helpers import one_image_chat, random_image, worst_gap
 
 pytestmark = pytest.mark.slow
 
@@ -32,12 +31,7 @@ SHAPES = {0: (40, 70), 1: (50, 60), 2: (64, 30)}  # (height, width) per image se
 
 
 def _image(seed: int) -> Image.Image:
-    return Image.fromarray((np.random.RandomState(seed).rand(*SHAPES[seed], 3) * 255).astype("uint8"))
-
-
-def _messages(image=None):
-    part = {"type": "image", "image": image} if image is not None else {"type": "image"}
-    return [{"role": "user", "content": [{"type": "text", "text": "t5 t17"}, part, {"type": "text", "text": "t99 t3"}]}]
+    return random_image(seed, *SHAPES[seed])
 
 
 def _export(directory, out, *extra):
@@ -68,7 +62,7 @@ def _generate(model, inputs) -> list[int]:
 
 def _reference(model, processor, image):
     """The processor's inputs and transformers' greedy tokens for the chat with `image`."""
-    text = processor.apply_chat_template(_messages(), add_generation_prompt=True)
+    text = processor.apply_chat_template(one_image_chat(), add_generation_prompt=True)
     inputs = processor(text=text, images=image, return_tensors="pt")
     return inputs, _generate(model, inputs)
 
@@ -106,10 +100,10 @@ def test_greedy_tokens_equal_transformers(checkpoint, program):
     for seed in SHAPES:
         inputs, expected = _reference(model, processor, _image(seed))
         assert len(set(expected)) > 3, expected
-        ids, _ = image_chat_prompt(loaded.tokenizer, loaded.meta, _messages(_image(seed)))
+        ids, _ = image_chat_prompt(loaded.tokenizer, loaded.meta, one_image_chat(_image(seed)))
         assert ids == inputs.input_ids[0].tolist()  # the processor's feature count for this image's size
         counts.append(ids.count(loaded.meta.image_token_id))
-        tokens[seed] = [r.token for r in etmlx.stream_generate(loaded, _messages(_image(seed)), STEPS)]
+        tokens[seed] = [r.token for r in etmlx.stream_generate(loaded, one_image_chat(_image(seed)), STEPS)]
         assert tokens[seed] == expected, (seed, tokens[seed], expected)
     assert counts == [52, 44, 56] and len({tuple(t) for t in tokens.values()}) == 3  # the image decides
     raw = etmlx.stream_generate(loaded, "t5 t17 <image> t99 t3", STEPS, images=[_image(1)])
@@ -133,7 +127,7 @@ def test_two_images_in_one_prompt_take_one_tile_each_as_transformers(checkpoint,
     got = [r.token for r in etmlx.stream_generate(loaded, [{"role": "user", "content": parts}], STEPS, images=images)]
     assert got == expected
     # the same image alone is tiled again (not the several-image encoding kept by content)
-    alone = [r.token for r in etmlx.stream_generate(loaded, _messages(_image(1)), STEPS)]
+    alone = [r.token for r in etmlx.stream_generate(loaded, one_image_chat(_image(1)), STEPS)]
     assert alone == _reference(model, processor, _image(1))[1]
 
 
@@ -143,9 +137,9 @@ def test_int8_tokens_are_the_float_models_choices(checkpoint, tmp_path):
     directory, model, processor = checkpoint
     loaded = etmlx.load(_export(directory, tmp_path / "q8.pte", "--quantize", "int8", "--no-verify"))
     for seed in (0, 1):
-        text = processor.apply_chat_template(_messages(), add_generation_prompt=True)
+        text = processor.apply_chat_template(one_image_chat(), add_generation_prompt=True)
         inputs = processor(text=text, images=_image(seed), return_tensors="pt")
-        tokens = [r.token for r in etmlx.stream_generate(loaded, _messages(_image(seed)), STEPS)]
+        tokens = [r.token for r in etmlx.stream_generate(loaded, one_image_chat(_image(seed)), STEPS)]
         ids = torch.cat([inputs.input_ids, torch.tensor([tokens])], dim=1)
         with torch.no_grad():
             logits = model(input_ids=ids[:, :-1], pixel_values=inputs.pixel_values,
