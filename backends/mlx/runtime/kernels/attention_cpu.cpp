@@ -546,6 +546,46 @@ bool decode_loop_applies(const mx::array& q, const mx::array& k, const mx::array
 }  // namespace
 
 
+namespace {
+
+// A row Softmax::row would answer differently from MLX's softmax (a NaN or +inf in it, or every value -inf, where
+// Softmax::row gives zeros for attention's fully masked rows) goes through exp(x - max) / sum in scalar float32,
+// in place, so that its NaNs come out as MLX's op and PyTorch give them. False: the row is left to Softmax::row.
+bool softmax_by_formula(float* row, int n) {
+  bool finite_max = false, special = false;
+  for (int j = 0; j < n; ++j) {
+    const float v = row[j];
+    special |= std::isnan(v) || v == std::numeric_limits<float>::infinity();
+    finite_max |= v != -std::numeric_limits<float>::infinity();
+  }
+  if (finite_max && !special) return false;
+  float most = row[0];
+  for (int j = 1; j < n; ++j) most = std::isnan(most) || std::isnan(row[j]) ? std::nanf("") : std::max(most, row[j]);
+  float sum = 0.0f;
+  for (int j = 0; j < n; ++j) sum += (row[j] = std::exp(row[j] - most));
+  for (int j = 0; j < n; ++j) row[j] /= sum;
+  return true;
+}
+
+// Every [keys] row of `scores` (row-contiguous) through `s` into `out` (which may be scores' own buffer), rows on
+// the pool; with `by_formula`, the rows softmax_by_formula takes go through it instead.
+void softmax_rows(const Softmax& s, const mx::array& scores, mx::array& out, bool wide, bool by_formula) {
+  const float* src = scores.data<float>();
+  float* dst = out.data<float>();
+  const int64_t rows = static_cast<int64_t>(scores.size()) / s.keys;
+  auto range = [&](int r0, int r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* row = dst + r * s.keys;
+      if (row != src + r * s.keys) std::copy(src + r * s.keys, src + (r + 1) * s.keys, row);
+      if (by_formula && softmax_by_formula(row, s.keys)) continue;
+      wide ? s.row(row, r) : s.row_avx2(row, r);
+    }
+  };
+  parallel_for(static_cast<int>(rows), std::max<int>(1, 4096 / std::max(1, s.keys)), range);
+}
+
+}  // namespace
+
 mx::array sdpa_cpu(const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal,
                    const std::optional<mx::array>& mask_in, int key_end) {
   const int batch = q.shape(0), heads = q.shape(1), rows_l = q.shape(2), dim = q.shape(3);
@@ -576,17 +616,7 @@ mx::array sdpa_cpu(const mx::array& q, const mx::array& k, const mx::array& v, f
   auto loop = [sm, wide](const std::vector<mx::array>& in, mx::array& out) {
     Softmax s = sm;
     if (in.size() > 1) s.mask.data = in[1].data<void>();
-    const float* src = in[0].data<float>();
-    float* dst = out.data<float>();
-    const int64_t rows = static_cast<int64_t>(in[0].size()) / s.keys;
-    auto range = [&](int r0, int r1) {
-      for (int64_t r = r0; r < r1; ++r) {
-        float* row = dst + r * s.keys;
-        if (row != src + r * s.keys) std::copy(src + r * s.keys, src + (r + 1) * s.keys, row);
-        wide ? s.row(row, r) : s.row_avx2(row, r);
-      }
-    };
-    parallel_for(static_cast<int>(rows), std::max<int>(1, 4096 / std::max(1, s.keys)), range);
+    softmax_rows(s, in[0], out, wide, /*by_formula=*/false);
   };
   const mx::array probs = host_kernel("AttentionSoftmaxCpu", scores.shape(), mx::float32, std::move(inputs), loop,
                                       /*may_reuse_input0=*/true);
@@ -594,28 +624,6 @@ mx::array sdpa_cpu(const mx::array& q, const mx::array& k, const mx::array& v, f
   return mx::reshape(out, {batch, heads, rows_l, dim_v});
 }
 
-namespace {
-
-// A row Softmax::row would answer differently from MLX's softmax (a NaN or +inf in it, or every value -inf, where
-// Softmax::row gives zeros for attention's fully masked rows) goes through exp(x - max) / sum in scalar float32,
-// in place, so that its NaNs come out as MLX's op and PyTorch give them. False: the row is left to Softmax::row.
-bool softmax_by_formula(float* row, int n) {
-  bool finite_max = false, special = false;
-  for (int j = 0; j < n; ++j) {
-    const float v = row[j];
-    special |= std::isnan(v) || v == std::numeric_limits<float>::infinity();
-    finite_max |= v != -std::numeric_limits<float>::infinity();
-  }
-  if (finite_max && !special) return false;
-  float most = row[0];
-  for (int j = 1; j < n; ++j) most = std::isnan(most) || std::isnan(row[j]) ? std::nanf("") : std::max(most, row[j]);
-  float sum = 0.0f;
-  for (int j = 0; j < n; ++j) sum += (row[j] = std::exp(row[j] - most));
-  for (int j = 0; j < n; ++j) row[j] /= sum;
-  return true;
-}
-
-}  // namespace
 
 std::optional<mx::array> softmax_last_axis_cpu(const mx::array& x) {
   if (x.dtype() != mx::float32 || x.ndim() == 0 || x.size() == 0 || !(exp16_supported() || exp8_supported()) || batch_invariant()) {
@@ -625,18 +633,7 @@ std::optional<mx::array> softmax_last_axis_cpu(const mx::array& x) {
   const Softmax sm{1, 1, keys, -1, 1.0f, {}};  // each row on its own: r / (heads * rows_l) = r, no mask
   const bool wide = exp16_supported();
   auto loop = [sm, wide](const std::vector<mx::array>& in, mx::array& out) {
-    const float* src = in[0].data<float>();
-    float* dst = out.data<float>();
-    const int64_t rows = static_cast<int64_t>(in[0].size()) / sm.keys;
-    auto range = [&](int r0, int r1) {
-      for (int64_t r = r0; r < r1; ++r) {
-        float* row = dst + r * sm.keys;
-        if (row != src + r * sm.keys) std::copy(src + r * sm.keys, src + (r + 1) * sm.keys, row);
-        if (softmax_by_formula(row, sm.keys)) continue;
-        wide ? sm.row(row, r) : sm.row_avx2(row, r);
-      }
-    };
-    parallel_for(static_cast<int>(rows), std::max<int>(1, 4096 / std::max(1, sm.keys)), range);
+    softmax_rows(sm, in[0], out, wide, /*by_formula=*/true);
   };
   return host_kernel("SoftmaxCpu", x.shape(), mx::float32, {contiguous_operand(x)}, loop, /*may_reuse_input0=*/true);
 }
