@@ -21,11 +21,12 @@ LIB := backends/mlx/runtime/_lib/libetmlx_backend.so
 RUNNER := backends/mlx/runtime/_lib/libetmlx_runner.so
 DECODE := build/etmlx_decode
 BENCH := build/etmlx_bench
+IMAGE_READ := build/etmlx_image_read
 RUNTIME_SOURCES := CMakeLists.txt $(wildcard backends/mlx/runtime/*.cpp backends/mlx/runtime/*.h backends/mlx/runtime/kernels/*.cpp backends/mlx/runtime/kernels/*.h backends/mlx/runtime/generated/* tests/cpp/*.cpp backends/mlx/tools/etmlx_decode/*.cpp backends/mlx/tools/etmlx_decode/*.h backends/mlx/tools/etmlx_bench/*.cpp)
 
 .PHONY: setup develop test test-fast demo bench bench-deps regenerate check-macos clean
 
-setup: $(DEPS_STAMP) $(LIB) $(RUNNER) $(DECODE) $(BENCH)
+setup: $(DEPS_STAMP) $(LIB) $(RUNNER) $(DECODE) $(BENCH) $(IMAGE_READ)
 
 $(VPY):
 	$(PYTHON) -m venv $(VENV)
@@ -74,6 +75,12 @@ $(RUNNER): $(LIB)
 $(BENCH): $(LIB)
 	@test -f build/CMakeCache.txt || $(CONFIGURE) > build.log 2>&1 || (cat build.log; exit 1)
 	$(VENV)/bin/cmake --build build -j2 --target etmlx_bench >> build.log 2>&1 || (cat build.log; exit 1)
+	@touch $@
+
+# The image-file reader's test program (tests/test_image_file_cpp.py).
+$(IMAGE_READ): $(LIB)
+	@test -f build/CMakeCache.txt || $(CONFIGURE) > build.log 2>&1 || (cat build.log; exit 1)
+	$(VENV)/bin/cmake --build build -j2 --target etmlx_image_read >> build.log 2>&1 || (cat build.log; exit 1)
 	@touch $@
 
 # Test tiers (docs/contributing.md, "Test tiers"). Both run on every core (pytest-xdist; TEST_JOBS=1 for one process), one

@@ -27,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+GNU_TIME = Path("/usr/bin/time")
 SHAPES = {
     "0.5b": dict(vocab=32000, text=dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                                         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096,
@@ -124,6 +125,33 @@ def _peak_rss(pte: Path) -> dict:
     return json.loads(ran.stdout.strip().splitlines()[-1])
 
 
+def _peak_rss_cpp(pte: Path, ids: list[int], image) -> dict | None:
+    """The same question answered by the C++ decode loop (etmlx_decode --image: no Python, no torch in the
+    process): its peak RSS by GNU time (a child's wait4 figure would start from this process's); None where the
+    program or the tool cannot (a build without image reading, a family etmlx_decode does not preprocess)."""
+    import tempfile
+
+    from backends.mlx.runtime.native_tools import tool_path
+
+    try:
+        tool = tool_path("etmlx_decode")
+    except FileNotFoundError:
+        return None
+    if not GNU_TIME.is_file():
+        return None
+    with tempfile.TemporaryDirectory() as folder:
+        png, rss = Path(folder) / "image.png", Path(folder) / "rss"
+        image.save(png)
+        ran = subprocess.run([str(GNU_TIME), "-f", "%M", "-o", str(rss), str(tool), str(pte), "--prompt-ids",
+                              ",".join(map(str, ids)), "--image", str(png), "--max-tokens", str(DECODE_STEPS),
+                              "--json"], capture_output=True, text=True)
+        if ran.returncode != 0:
+            print(f"[bench vision] etmlx_decode --image: {ran.stderr.strip()[-300:]}", file=sys.stderr)
+            return None
+        return {"peak_rss_bytes": int(rss.read_text().split()[-1]) * 1024,
+                "tokens": json.loads(ran.stdout.strip().splitlines()[-1])["tokens"]}
+
+
 def main(json_path=None, shape: str = "0.5b", repeats: int = 3, cache_dir="out/bench") -> int:
     import torch
     import transformers as T
@@ -163,6 +191,7 @@ def main(json_path=None, shape: str = "0.5b", repeats: int = 3, cache_dir="out/b
     text_rate = statistics.median(_decode_rate(text, text_ids) for _ in range(repeats))
     del text
     rss = _peak_rss(vlm_pte)
+    rss_cpp = _peak_rss_cpp(vlm_pte, *_rss_question(vlm_pte))
     weights = vlm_pte.stat().st_size
     record = {
         "shape": shape, "image_tokens": image_tokens, "prompt_tokens": len(ids), "repeats": repeats,
@@ -173,6 +202,7 @@ def main(json_path=None, shape: str = "0.5b", repeats: int = 3, cache_dir="out/b
         "first_tokens": {"etmlx": [t for _, t in etmlx_runs], "transformers": [t for _, t in eager_runs]},
         "decode_tokens_per_s": {"vlm": vlm_rate, "text_only": text_rate},
         "peak_rss_bytes": rss["peak_rss_bytes"], "weights_bytes": weights, "allocator": rss["allocator"],
+        "peak_rss_bytes_cpp": rss_cpp["peak_rss_bytes"] if rss_cpp else None,
     }
     first = record["image_first_token_s"]
     print(f"image + first token ({shape}, one 448x448 image, {record['image_tokens']} image tokens, "
@@ -185,10 +215,27 @@ def main(json_path=None, shape: str = "0.5b", repeats: int = 3, cache_dir="out/b
     print(f"decode: VLM program {vlm_rate:.1f} tok/s vs its decoder exported text-only {text_rate:.1f} tok/s "
           f"({vlm_rate / text_rate:.3f}x)")
     print(f"peak RSS {rss['peak_rss_bytes'] / 2**20:.0f} MiB vs weights {weights / 2**20:.0f} MiB "
-          f"({rss['peak_rss_bytes'] / weights:.2f}x; malloc: {rss['allocator']})")
+          f"({rss['peak_rss_bytes'] / weights:.2f}x; Python API, malloc: {rss['allocator']})")
+    if rss_cpp:
+        print(f"peak RSS {rss_cpp['peak_rss_bytes'] / 2**20:.0f} MiB ({rss_cpp['peak_rss_bytes'] / weights:.2f}x) "
+              f"answering the same question with etmlx_decode --image (C++, no torch)")
+    else:
+        print("peak RSS of etmlx_decode --image: not measured (no etmlx_decode with image reading, or no "
+              "/usr/bin/time)")
     if json_path:
         Path(json_path).write_text(json.dumps(record, indent=2))
     return 0
+
+
+def _rss_question(pte: Path) -> tuple[list[int], object]:
+    """The peak-RSS measures' question: the prompt ids of a chat with one image, and the image."""
+    from backends.mlx.llm.decoder.image_prompt import image_chat_prompt
+    from backends.mlx.llm.decoder.meta import DecoderMeta
+    from backends.mlx.llm.decoder.tokenizer_files import load_tokenizer
+
+    meta = DecoderMeta.load(pte)
+    ids, images = image_chat_prompt(load_tokenizer(pte, meta), meta, _messages(_image(0)))
+    return ids, images[0]
 
 
 def _rss_child(pte: str) -> None:

@@ -146,3 +146,17 @@ def test_a_feature_strategy_that_keeps_the_class_position_is_refused(checkpoint,
     assert err[-1] == ("etmlx: error: llava_next: vision_feature_select_strategy 'full' is not supported (only "
                        "'default': the class position dropped)")
     assert not (tmp_path / "x.pte").exists()
+
+
+def test_the_cpp_decode_loop_refuses_anyres_images_by_name(program, tmp_path):
+    import subprocess
+
+    from backends.mlx.runtime.native_tools import tool_path
+
+    _image(0).save(tmp_path / "a.png")
+    run = subprocess.run([str(tool_path("etmlx_decode")), str(program), "--prompt-ids", "5,128,6", "--image",
+                          str(tmp_path / "a.png")], capture_output=True, text=True, timeout=120)
+    # (a note line says the word-level test tokenizer is not one pytorch_tokenizers reads)
+    err = [line for line in run.stderr.strip().splitlines() if not line.startswith("etmlx_decode: note:")]
+    assert run.returncode == 2 and len(err) == 1, run.stderr
+    assert "does not give images to a llava_next program" in err[0] and "etmlx generate --image" in err[0]

@@ -206,3 +206,25 @@ def test_the_server_engine_prefills_two_images_in_one_call(gemma3):
             engine._step()
     for events, expected in requests:
         assert [e.token for e in events] == expected
+
+
+def test_the_cpp_decode_loop_decodes_the_same_tokens(gemma3, tmp_path):
+    """`etmlx_decode --image` on Gemma 3 (its image text: start and end tokens around the image's positions; its
+    fixed-size bilinear processor) gives the Python Decoder's tokens, in a batch-2 program's first row."""
+    import json
+    import subprocess
+
+    from backends.mlx.llm.decoder.loop import Decoder
+    from backends.mlx.runtime.native_tools import tool_path
+
+    _, pte, _, _ = gemma3
+    decoder = Decoder(pte)
+    for seed in SEEDS:
+        _image(seed).save(tmp_path / f"{seed}.png")
+        ids, images = image_chat_prompt(decoder.tokenizer, decoder.meta, _messages(_image(seed)))
+        expected = [s.token for s in decoder.stream(ids, STEPS, images=images, stop_at_eos=False)]
+        run = subprocess.run([str(tool_path("etmlx_decode")), str(pte), "--prompt-ids", ",".join(map(str, ids)),
+                              "--image", str(tmp_path / f"{seed}.png"), "--max-tokens", str(STEPS), "--json"],
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+        assert json.loads(run.stdout)["tokens"] == expected, seed

@@ -6,6 +6,8 @@ the processor's inputs for the same image (float), or tokens the float model ran
 
 from __future__ import annotations
 
+import subprocess
+
 import numpy as np
 import pytest
 import torch
@@ -15,6 +17,7 @@ from PIL import Image
 from backends.mlx.cli.main import main
 from backends.mlx.llm.decoder import vision_export
 from backends.mlx.llm.decoder.image_prompt import image_chat_prompt
+from backends.mlx.runtime.native_tools import tool_path
 from benchmarks.vision_checkpoints import build_llava
 from vision_helpers import worst_gap
 
@@ -179,6 +182,11 @@ def test_a_text_only_program_refuses_images(tmp_path):
     program = etmlx.load(tmp_path / "t.pte")
     with pytest.raises(ValueError, match="takes no images: it was exported from a text-only model"):
         list(program.stream([1, 2, 3], 2, images=[_image(0)]))
+    _image(0).save(tmp_path / "i.png")  # the C++ decode loop too
+    run = subprocess.run([str(tool_path("etmlx_decode")), str(tmp_path / "t.pte"), "--prompt-ids", "1,2,3",
+                          "--image", str(tmp_path / "i.png")], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and run.stderr.strip().endswith("takes no images: it was exported from a text-only "
+                                                               "model"), run.stderr
 
 
 def test_the_server_engine_decodes_a_request_with_an_image(llava):

@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-TOOLS = ("etmlx_decode", "etmlx_bench")
+TOOLS = ("etmlx_decode", "etmlx_bench", "etmlx_image_read")  # etmlx_image_read: a checkout's test program
 
 _LIB_DIR = Path(__file__).resolve().parent / "_lib"  # an installed package: next to the backend library
 _BUILD_DIR = Path(__file__).resolve().parents[3] / "build"  # a checkout: the Makefile's CMake build

@@ -35,6 +35,7 @@ from backends.mlx.llm.decoder.kv_quant import kv_quant
 from backends.mlx.llm.decoder.kv_reference import KvCacheReference
 from backends.mlx.llm.decoder.model_support import float_dtype, text_config
 from backends.mlx.llm.decoder.qwen2_vl import MropeInputs, uses_mrope
+from backends.mlx.llm.vision.preprocess import pixel_steps
 from backends.mlx.llm.decoder.vision_export import (image_prompt, image_text, processor_config, vision_data,
                                                     vision_encoder, vision_spec)
 from backends.mlx.llm.decoder.pipelined import FedBackSteps
@@ -208,6 +209,8 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
     if encoder is not None:
         meta.image_text = image_text(model, tokenizer)
         meta.image_prompt = image_prompt(model, tokenizer, processor_files, vision[1])
+        if not meta.image_prompt and len(vision[4]) == 3 and not uses_mrope(model.config):
+            meta.pixel_steps = pixel_steps(processor_config(processor_files) or {})
     # the tool-call syntax: given, else the one the chat template teaches (tool_formats.detect_format)
     if rank is not None:
         meta.rank, meta.ranks = rank[0], rank[1]

@@ -28,6 +28,7 @@ from backends.mlx.serialization.generated.fb import DecoderMeta as fb_meta
 from backends.mlx.serialization.generated.fb.DecoderKnob import DecoderKnobT
 from backends.mlx.serialization.generated.fb.DecoderMeta import DecoderMetaT
 from backends.mlx.serialization.generated.fb.DecoderSampler import DecoderSamplerT
+from backends.mlx.serialization.generated.fb.PixelSteps import PixelStepsT
 from backends.mlx.serialization.generated.fb.KnobNumber import KnobNumberT
 
 FORMAT = "etmlx-decoder/1"
@@ -143,6 +144,11 @@ def _pack(meta: "DecoderMeta") -> bytes:
             value = sampler
         elif f.name == "knobs":
             value = [_knob_table(k) for k in value]
+        elif f.name == "pixel_steps" and value is not None:
+            steps = PixelStepsT()
+            for key, v in value.items():
+                setattr(steps, _checked_attr(steps, key, "pixel_steps"), v)
+            value = steps
         setattr(t, _checked_attr(t, f.name, "DecoderMeta"), value)
     builder = flatbuffers.Builder(1024)
     builder.Finish(t.Pack(builder), file_identifier=FILE_IDENTIFIER)
@@ -241,6 +247,9 @@ class DecoderMeta:
     # (mistral3_vision.py): the image's rows of image_tokens positions, with their break and end tokens.
     # "": each image is image_tokens positions of image_token_id.
     image_prompt: str = ""
+    # The image processor's steps for a runner without Python (llm/vision/preprocess.py pixel_steps: a dict of the
+    # PixelSteps table's fields); None where the family's processing is not one fixed pipeline.
+    pixel_steps: dict | None = None
 
     @classmethod
     def build(cls, *, max_seq_len, vocab_size, batch, eos_token_ids, seeded, config: SamplerConfig, dtype,

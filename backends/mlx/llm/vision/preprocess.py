@@ -505,6 +505,46 @@ def files_config(files: dict[str, bytes] | None) -> dict | None:
     return outer if outer is not None else inner
 
 
+# Families whose processing is one fixed pipeline (pad, resize, crop, rescale, normalise): what pixel_steps describes.
+FIXED_PIPELINES = ("CLIPImageProcessor", "LlavaImageProcessor", "SiglipImageProcessor", "Gemma3ImageProcessor")
+
+
+def pixel_steps(config: dict) -> dict | None:
+    """The processing of `config` as DecoderMeta.pixel_steps (serialization/decoder_meta.fbs PixelSteps), which the C++
+    runner (tools/etmlx_decode/pixel_steps.cpp) follows to make the same pixels `preprocess` makes; None for a family
+    or setting it cannot follow (tiles, patches, other resampling filters)."""
+    try:
+        name, s = _settings(config)
+    except PreprocessError:
+        return None
+    if name not in FIXED_PIPELINES:
+        return None
+    steps = {"pad_colour": [], "resize": "", "size": [], "resample": 0, "crop": [], "rescale": 0.0, "mean": [],
+             "std": []}
+    if name == "LlavaImageProcessor" and s.get("do_pad"):
+        steps["pad_colour"] = [int(m * 255) for m in s["image_mean"]] if s["image_mean"] else [0, 0, 0]
+    if s["do_resize"]:
+        size = s["size"]
+        if int(s["resample"]) not in (BILINEAR, BICUBIC):
+            return None
+        if "shortest_edge" in size and "longest_edge" not in size and name in ("CLIPImageProcessor",
+                                                                               "LlavaImageProcessor"):
+            steps["resize"], steps["size"] = "shortest_edge", [int(size["shortest_edge"])]
+        elif "height" in size and "width" in size:
+            steps["resize"], steps["size"] = "fixed", [int(size["height"]), int(size["width"])]
+        else:
+            return None
+        steps["resample"] = int(s["resample"])
+    if s.get("do_center_crop") and name in ("CLIPImageProcessor", "LlavaImageProcessor"):
+        steps["crop"] = [int(s["crop_size"]["height"]), int(s["crop_size"]["width"])]
+    if s["do_rescale"]:
+        steps["rescale"] = float(s["rescale_factor"])
+    if s["do_normalize"]:
+        steps["mean"], steps["std"] = ([float(v) for v in np.broadcast_to(np.asarray(s[k], dtype=np.float32), (3,))]
+                                       for k in ("image_mean", "image_std"))
+    return steps
+
+
 def check_config(config: dict) -> str:
     """The processor type `config` names, or PreprocessError (unknown type, unsupported setting) in one line."""
     return _settings(config)[0]

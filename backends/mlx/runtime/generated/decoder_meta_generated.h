@@ -27,6 +27,9 @@ struct DecoderKnobBuilder;
 struct DecoderSampler;
 struct DecoderSamplerBuilder;
 
+struct PixelSteps;
+struct PixelStepsBuilder;
+
 struct DecoderMeta;
 struct DecoderMetaBuilder;
 
@@ -448,6 +451,152 @@ inline ::flatbuffers::Offset<DecoderSampler> CreateDecoderSamplerDirect(
       allowed_mask);
 }
 
+struct PixelSteps FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef PixelStepsBuilder Builder;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_PAD_COLOUR = 4,
+    VT_RESIZE = 6,
+    VT_SIZE = 8,
+    VT_RESAMPLE = 10,
+    VT_CROP = 12,
+    VT_RESCALE = 14,
+    VT_MEAN = 16,
+    VT_STD = 18
+  };
+  const ::flatbuffers::Vector<int64_t> *pad_colour() const {
+    return GetPointer<const ::flatbuffers::Vector<int64_t> *>(VT_PAD_COLOUR);
+  }
+  const ::flatbuffers::String *resize() const {
+    return GetPointer<const ::flatbuffers::String *>(VT_RESIZE);
+  }
+  const ::flatbuffers::Vector<int64_t> *size() const {
+    return GetPointer<const ::flatbuffers::Vector<int64_t> *>(VT_SIZE);
+  }
+  int64_t resample() const {
+    return GetField<int64_t>(VT_RESAMPLE, 0);
+  }
+  const ::flatbuffers::Vector<int64_t> *crop() const {
+    return GetPointer<const ::flatbuffers::Vector<int64_t> *>(VT_CROP);
+  }
+  double rescale() const {
+    return GetField<double>(VT_RESCALE, 0.0);
+  }
+  const ::flatbuffers::Vector<float> *mean() const {
+    return GetPointer<const ::flatbuffers::Vector<float> *>(VT_MEAN);
+  }
+  const ::flatbuffers::Vector<float> *std() const {
+    return GetPointer<const ::flatbuffers::Vector<float> *>(VT_STD);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyOffset(verifier, VT_PAD_COLOUR) &&
+           verifier.VerifyVector(pad_colour()) &&
+           VerifyOffset(verifier, VT_RESIZE) &&
+           verifier.VerifyString(resize()) &&
+           VerifyOffset(verifier, VT_SIZE) &&
+           verifier.VerifyVector(size()) &&
+           VerifyField<int64_t>(verifier, VT_RESAMPLE, 8) &&
+           VerifyOffset(verifier, VT_CROP) &&
+           verifier.VerifyVector(crop()) &&
+           VerifyField<double>(verifier, VT_RESCALE, 8) &&
+           VerifyOffset(verifier, VT_MEAN) &&
+           verifier.VerifyVector(mean()) &&
+           VerifyOffset(verifier, VT_STD) &&
+           verifier.VerifyVector(std()) &&
+           verifier.EndTable();
+  }
+};
+
+struct PixelStepsBuilder {
+  typedef PixelSteps Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_pad_colour(::flatbuffers::Offset<::flatbuffers::Vector<int64_t>> pad_colour) {
+    fbb_.AddOffset(PixelSteps::VT_PAD_COLOUR, pad_colour);
+  }
+  void add_resize(::flatbuffers::Offset<::flatbuffers::String> resize) {
+    fbb_.AddOffset(PixelSteps::VT_RESIZE, resize);
+  }
+  void add_size(::flatbuffers::Offset<::flatbuffers::Vector<int64_t>> size) {
+    fbb_.AddOffset(PixelSteps::VT_SIZE, size);
+  }
+  void add_resample(int64_t resample) {
+    fbb_.AddElement<int64_t>(PixelSteps::VT_RESAMPLE, resample, 0);
+  }
+  void add_crop(::flatbuffers::Offset<::flatbuffers::Vector<int64_t>> crop) {
+    fbb_.AddOffset(PixelSteps::VT_CROP, crop);
+  }
+  void add_rescale(double rescale) {
+    fbb_.AddElement<double>(PixelSteps::VT_RESCALE, rescale, 0.0);
+  }
+  void add_mean(::flatbuffers::Offset<::flatbuffers::Vector<float>> mean) {
+    fbb_.AddOffset(PixelSteps::VT_MEAN, mean);
+  }
+  void add_std(::flatbuffers::Offset<::flatbuffers::Vector<float>> std) {
+    fbb_.AddOffset(PixelSteps::VT_STD, std);
+  }
+  explicit PixelStepsBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<PixelSteps> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<PixelSteps>(end);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<PixelSteps> CreatePixelSteps(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    ::flatbuffers::Offset<::flatbuffers::Vector<int64_t>> pad_colour = 0,
+    ::flatbuffers::Offset<::flatbuffers::String> resize = 0,
+    ::flatbuffers::Offset<::flatbuffers::Vector<int64_t>> size = 0,
+    int64_t resample = 0,
+    ::flatbuffers::Offset<::flatbuffers::Vector<int64_t>> crop = 0,
+    double rescale = 0.0,
+    ::flatbuffers::Offset<::flatbuffers::Vector<float>> mean = 0,
+    ::flatbuffers::Offset<::flatbuffers::Vector<float>> std = 0) {
+  PixelStepsBuilder builder_(_fbb);
+  builder_.add_rescale(rescale);
+  builder_.add_resample(resample);
+  builder_.add_std(std);
+  builder_.add_mean(mean);
+  builder_.add_crop(crop);
+  builder_.add_size(size);
+  builder_.add_resize(resize);
+  builder_.add_pad_colour(pad_colour);
+  return builder_.Finish();
+}
+
+inline ::flatbuffers::Offset<PixelSteps> CreatePixelStepsDirect(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const std::vector<int64_t> *pad_colour = nullptr,
+    const char *resize = nullptr,
+    const std::vector<int64_t> *size = nullptr,
+    int64_t resample = 0,
+    const std::vector<int64_t> *crop = nullptr,
+    double rescale = 0.0,
+    const std::vector<float> *mean = nullptr,
+    const std::vector<float> *std = nullptr) {
+  auto pad_colour__ = pad_colour ? _fbb.CreateVector<int64_t>(*pad_colour) : 0;
+  auto resize__ = resize ? _fbb.CreateString(resize) : 0;
+  auto size__ = size ? _fbb.CreateVector<int64_t>(*size) : 0;
+  auto crop__ = crop ? _fbb.CreateVector<int64_t>(*crop) : 0;
+  auto mean__ = mean ? _fbb.CreateVector<float>(*mean) : 0;
+  auto std__ = std ? _fbb.CreateVector<float>(*std) : 0;
+  return backends::mlx::serialization::generated::fb::CreatePixelSteps(
+      _fbb,
+      pad_colour__,
+      resize__,
+      size__,
+      resample,
+      crop__,
+      rescale,
+      mean__,
+      std__);
+}
+
 struct DecoderMeta FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef DecoderMetaBuilder Builder;
   enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
@@ -483,7 +632,8 @@ struct DecoderMeta FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
     VT_IMAGE_SIZE = 62,
     VT_ADAPTERS = 64,
     VT_IMAGE_TEXT = 66,
-    VT_IMAGE_PROMPT = 68
+    VT_IMAGE_PROMPT = 68,
+    VT_PIXEL_STEPS = 70
   };
   int64_t max_seq_len() const {
     return GetField<int64_t>(VT_MAX_SEQ_LEN, 0);
@@ -584,6 +734,9 @@ struct DecoderMeta FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   const ::flatbuffers::String *image_prompt() const {
     return GetPointer<const ::flatbuffers::String *>(VT_IMAGE_PROMPT);
   }
+  const backends::mlx::serialization::generated::fb::PixelSteps *pixel_steps() const {
+    return GetPointer<const backends::mlx::serialization::generated::fb::PixelSteps *>(VT_PIXEL_STEPS);
+  }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
     return VerifyTableStart(verifier) &&
@@ -642,6 +795,8 @@ struct DecoderMeta FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
            verifier.VerifyVectorOfStrings(image_text()) &&
            VerifyOffset(verifier, VT_IMAGE_PROMPT) &&
            verifier.VerifyString(image_prompt()) &&
+           VerifyOffset(verifier, VT_PIXEL_STEPS) &&
+           verifier.VerifyTable(pixel_steps()) &&
            verifier.EndTable();
   }
 };
@@ -749,6 +904,9 @@ struct DecoderMetaBuilder {
   void add_image_prompt(::flatbuffers::Offset<::flatbuffers::String> image_prompt) {
     fbb_.AddOffset(DecoderMeta::VT_IMAGE_PROMPT, image_prompt);
   }
+  void add_pixel_steps(::flatbuffers::Offset<backends::mlx::serialization::generated::fb::PixelSteps> pixel_steps) {
+    fbb_.AddOffset(DecoderMeta::VT_PIXEL_STEPS, pixel_steps);
+  }
   explicit DecoderMetaBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
         : fbb_(_fbb) {
     start_ = fbb_.StartTable();
@@ -795,7 +953,8 @@ inline ::flatbuffers::Offset<DecoderMeta> CreateDecoderMeta(
     ::flatbuffers::Offset<::flatbuffers::Vector<int64_t>> image_size = 0,
     ::flatbuffers::Offset<::flatbuffers::Vector<::flatbuffers::Offset<::flatbuffers::String>>> adapters = 0,
     ::flatbuffers::Offset<::flatbuffers::Vector<::flatbuffers::Offset<::flatbuffers::String>>> image_text = 0,
-    ::flatbuffers::Offset<::flatbuffers::String> image_prompt = 0) {
+    ::flatbuffers::Offset<::flatbuffers::String> image_prompt = 0,
+    ::flatbuffers::Offset<backends::mlx::serialization::generated::fb::PixelSteps> pixel_steps = 0) {
   DecoderMetaBuilder builder_(_fbb);
   builder_.add_image_embed_dim(image_embed_dim);
   builder_.add_image_tokens(image_tokens);
@@ -810,6 +969,7 @@ inline ::flatbuffers::Offset<DecoderMeta> CreateDecoderMeta(
   builder_.add_batch(batch);
   builder_.add_vocab_size(vocab_size);
   builder_.add_max_seq_len(max_seq_len);
+  builder_.add_pixel_steps(pixel_steps);
   builder_.add_image_prompt(image_prompt);
   builder_.add_image_text(image_text);
   builder_.add_adapters(adapters);
@@ -867,7 +1027,8 @@ inline ::flatbuffers::Offset<DecoderMeta> CreateDecoderMetaDirect(
     const std::vector<int64_t> *image_size = nullptr,
     const std::vector<::flatbuffers::Offset<::flatbuffers::String>> *adapters = nullptr,
     const std::vector<::flatbuffers::Offset<::flatbuffers::String>> *image_text = nullptr,
-    const char *image_prompt = nullptr) {
+    const char *image_prompt = nullptr,
+    ::flatbuffers::Offset<backends::mlx::serialization::generated::fb::PixelSteps> pixel_steps = 0) {
   auto eos_token_ids__ = eos_token_ids ? _fbb.CreateVector<int64_t>(*eos_token_ids) : 0;
   auto dtype__ = dtype ? _fbb.CreateString(dtype) : 0;
   auto model_type__ = model_type ? _fbb.CreateString(model_type) : 0;
@@ -918,7 +1079,8 @@ inline ::flatbuffers::Offset<DecoderMeta> CreateDecoderMetaDirect(
       image_size__,
       adapters__,
       image_text__,
-      image_prompt__);
+      image_prompt__,
+      pixel_steps);
 }
 
 inline const backends::mlx::serialization::generated::fb::DecoderMeta *GetDecoderMeta(const void *buf) {

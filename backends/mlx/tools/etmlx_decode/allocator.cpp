@@ -32,4 +32,20 @@ void configure_allocator() {
 #endif
 }
 
+PromptPurge::PromptPurge() {
+#ifdef ETMLX_MIMALLOC
+  if (std::getenv("MIMALLOC_PURGE_DELAY") == nullptr) {
+    saved_ = mi_option_get(mi_option_purge_delay);
+    mi_option_set(mi_option_purge_delay, 0);
+    changed_ = true;
+  }
+#endif
+}
+
+PromptPurge::~PromptPurge() {
+#ifdef ETMLX_MIMALLOC
+  if (changed_) mi_option_set(mi_option_purge_delay, saved_);
+#endif
+}
+
 }  // namespace etmlx

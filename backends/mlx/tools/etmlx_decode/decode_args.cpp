@@ -16,7 +16,7 @@ const char kDecodeUsage[] =
     "                    [--mask-file FILE | --choice-ids 1,2;3] [--weights FILE.ptd]\n"
     "                    [--draft ngram | --prediction TEXT|@FILE | --prediction-ids 1,2,3 |\n"
     "                     --draft-model SMALL.pte [--draft-model-cost C]] [--num-draft-tokens K]\n"
-    "                    [--adapter-name NAME] [--json]\n"
+    "                    [--adapter-name NAME] [--image FILE ...] [--dump-pixels FILE] [--json]\n"
     "\n"
     "Runs the decode loop of a .pte written by `etmlx export` on the etmlx (MLX)\n"
     "backend: one prefill call, then one call per token with seed S + step.\n"
@@ -48,6 +48,11 @@ const char kDecodeUsage[] =
     "  --num-draft-tokens  most drafts per call (default the program's K)\n"
     "  --adapter-name one of the LoRA adapters a program exported with --adapters NAME=DIR,... keeps\n"
     "                 switchable (default: none, the base model)\n"
+    "  --image        a PNG or JPEG file for a vision-language program's prompt; repeatable, in\n"
+    "                 the order of the prompt's image marks (its image token, e.g. <image>, or\n"
+    "                 Gemma 3's <start_of_image>), each mark becoming the image's positions\n"
+    "  --dump-pixels  write the images' preprocessed pixels (float32 [N, 3, H, W], raw) to FILE\n"
+    "                 and exit: a check of the preprocessing against the checkpoint's processor\n"
     "  --json         print {\"tokens\", \"finish_reason\", timings, \"draft\"} instead of streaming ids\n";
 
 namespace {
@@ -142,6 +147,14 @@ bool parse_decode_args(int argc, char** argv, DecodeArgs* out, std::string* erro
       } else if (name == "--eos") {
         if (!out->eos_ids) out->eos_ids.emplace();
         if (!parse_id_list(value, "--eos", &*out->eos_ids, error)) return false;
+      } else if (name == "--image") {
+        if (value.empty()) {
+          *error = "--image needs a FILE";
+          return false;
+        }
+        out->images.push_back(value);
+      } else if (name == "--dump-pixels") {
+        out->dump_pixels = value;
       } else if (name == "--mask-file") {
         out->mask_file = value;
       } else if (name == "--choice-ids") {
@@ -212,10 +225,15 @@ bool parse_decode_args(int argc, char** argv, DecodeArgs* out, std::string* erro
     *error = "FILE.pte is required";
     return false;
   }
-  if (have_prompt == out->prompt_text.has_value()) {
-    *error = have_prompt ? "give --prompt or --prompt-ids, not both" : "--prompt or --prompt-ids is required";
+  if (have_prompt && out->prompt_text) {
+    *error = "give --prompt or --prompt-ids, not both";
     return false;
   }
+  if (!have_prompt && !out->prompt_text && !out->dump_pixels) {
+    *error = "--prompt or --prompt-ids is required";
+    return false;
+  }
+
   if (have_prompt && out->prompt_ids.empty()) {
     *error = "--prompt-ids is empty";
     return false;

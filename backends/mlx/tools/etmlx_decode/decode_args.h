@@ -30,6 +30,8 @@ struct DecodeArgs {
   std::optional<std::string> draft_model;              // --draft-model SMALL.pte (model_draft.h)
   std::optional<double> draft_model_cost;              // --draft-model-cost C: fixed, not measured
   std::optional<std::string> adapter_name;  // --adapter-name NAME: one of the program's switchable adapters
+  std::vector<std::string> images;          // --image FILE, in prompt order (prompt_images.h)
+  std::optional<std::string> dump_pixels;   // --dump-pixels FILE: write the images' pixels and exit
   bool json = false;
   bool help = false;
 };

@@ -14,6 +14,21 @@ std::vector<int64_t> ids(const flatbuffers::Vector<int64_t>* list) {
   return list ? std::vector<int64_t>(list->begin(), list->end()) : std::vector<int64_t>{};
 }
 
+std::string text(const flatbuffers::String* s) { return s ? s->str() : std::string(); }
+
+PixelSteps pixel_steps(const fb::PixelSteps& t) {
+  PixelSteps s;
+  s.pad_colour = ids(t.pad_colour());
+  s.resize = text(t.resize());
+  s.size = ids(t.size());
+  s.resample = t.resample();
+  s.crop = ids(t.crop());
+  s.rescale = t.rescale();
+  if (t.mean()) s.mean.assign(t.mean()->begin(), t.mean()->end());
+  if (t.std()) s.std.assign(t.std()->begin(), t.std()->end());
+  return s;
+}
+
 }  // namespace
 
 std::optional<DecoderMeta> parse_decoder_meta(const void* data, size_t size, const std::string& where,
@@ -52,6 +67,16 @@ std::optional<DecoderMeta> parse_decoder_meta(const void* data, size_t size, con
     for (const auto* name : *root->inputs()) meta.inputs.push_back(name->str());
   if (root->adapters())
     for (const auto* name : *root->adapters()) meta.adapters.push_back(name->str());
+  meta.model_type = text(root->model_type());
+  meta.image_token_id = root->image_token_id();
+  meta.image_tokens = root->image_tokens();
+  meta.image_embed_dim = root->image_embed_dim();
+  meta.vision_method = text(root->vision_method());
+  meta.image_size = ids(root->image_size());
+  if (root->image_text())
+    for (const auto* part : *root->image_text()) meta.image_text.push_back(part->str());
+  meta.image_prompt = text(root->image_prompt());
+  if (root->pixel_steps()) meta.pixel_steps = pixel_steps(*root->pixel_steps());
   std::string why;
   if (!read_knobs(root->knobs(), &meta.knobs, &why)) {
     *error = where + ": " + why;

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "knobs.h"
+#include "pixel_steps.h"
 
 namespace etmlx {
 
@@ -41,6 +42,18 @@ struct DecoderMeta {
   // Whether some layer keeps a sliding-window ring cache (a row is then reused only where positions continue,
   // decode_rows.h); nullopt when the exporter did not say, treated as a ring.
   std::optional<bool> ring_cache;
+  // A vision-language program (llm/decoder/meta.py's fields of the same names): the token an image's positions
+  // carry, how many positions one image takes, the image_embeds input's width, the method that encodes one
+  // image's pixels [1, *image_size] into [1, image_tokens, image_embed_dim]; image_token_id -1: text only.
+  std::string model_type;  // the checkpoint's (for messages)
+  int64_t image_token_id = -1;
+  int64_t image_tokens = 0;
+  int64_t image_embed_dim = 0;
+  std::string vision_method;
+  std::vector<int64_t> image_size;
+  std::vector<std::string> image_text;  // [mark, before, image token, after]: how prompt text names an image
+  std::string image_prompt;             // a tiled family's image prompt (JSON); "": fixed count
+  std::optional<PixelSteps> pixel_steps;  // absent: etmlx_decode cannot make this family's pixels
 };
 
 // Verifies and reads the DecoderMeta flatbuffer of `size` bytes at `data`; `where` names its origin in errors.

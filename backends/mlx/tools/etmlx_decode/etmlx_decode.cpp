@@ -38,7 +38,9 @@
 #include "model_draft.h"
 #include "program_metadata.h"
 #include "choice_mask.h"
+#include "image_file.h"
 #include "mask_file.h"
+#include "prompt_images.h"
 #include "step_inputs.h"
 #include "text_tokenizer.h"
 
@@ -178,6 +180,18 @@ void print_json(const std::vector<int64_t>& prompt, const std::vector<int64_t>& 
   std::printf("}\n");
 }
 
+// --dump-pixels: the images' preprocessed pixels, float32 [N, 3, H, W] in native byte order, to a file.
+int dump_pixels(const etmlx::DecoderMeta& decoder, const etmlx::DecodeArgs& args) {
+  std::string error;
+  if (args.images.empty()) return fail(kBadInput, "--dump-pixels needs --image FILE");
+  std::vector<float> pixels;
+  if (!etmlx::image_pixels(decoder, args.images, &pixels, &error)) return fail(kBadInput, error);
+  std::ofstream out(*args.dump_pixels, std::ios::binary);
+  out.write(reinterpret_cast<const char*>(pixels.data()), static_cast<std::streamsize>(pixels.size() * sizeof(float)));
+  if (!out) return fail(kBadInput, "--dump-pixels: cannot write " + *args.dump_pixels);
+  return 0;
+}
+
 int run(const etmlx::DecodeArgs& args) {
   std::error_code ec;
   if (!std::filesystem::is_regular_file(args.pte, ec))
@@ -214,18 +228,33 @@ int run(const etmlx::DecodeArgs& args) {
     if (!tokenizer)
       std::fprintf(stderr, "etmlx_decode: note: %s: %s; printing token ids\n", args.pte.c_str(), error.c_str());
   }
+  const bool with_images = !args.images.empty();
+  if ((with_images || args.dump_pixels) && !etmlx::images_supported(decoder, args.pte, &error))
+    return fail(kBadInput, error);
+  if (args.dump_pixels) return dump_pixels(decoder, args);
+  const bool takes_images = !decoder.vision_method.empty();
   std::vector<int64_t> prompt = args.prompt_ids;
+  if (takes_images && !args.prompt_text) {  // one image token per image: expanded to the image's positions
+    const auto marks = std::count(prompt.begin(), prompt.end(), decoder.image_token_id);
+    if (marks > 0 && marks == static_cast<int64_t>(args.images.size())) prompt = etmlx::expand_image_ids(decoder, prompt);
+  }
   if (args.prompt_text) {
     if (!tokenizer)
       return fail(kBadInput, args.pte + " has no tokenizer: give --prompt-ids, or re-export from a checkpoint with one");
     std::vector<int64_t> text_ids;
-    if (!tokenizer->encode(*args.prompt_text, &text_ids, &error)) return fail(kBadInput, error);
+    int64_t marks = 0;
+    const std::string text = takes_images ? etmlx::expand_image_text(decoder, *args.prompt_text, &marks)
+                                          : *args.prompt_text;
+    if (!tokenizer->encode(text, &text_ids, &error)) return fail(kBadInput, error);
+    if (takes_images && decoder.image_text.empty()) text_ids = etmlx::expand_image_ids(decoder, text_ids);
     // The special tokens the Python tokenizer adds (recorded at export): the same ids as `etmlx generate`.
     prompt = decoder.prompt_prefix_ids;
     prompt.insert(prompt.end(), text_ids.begin(), text_ids.end());
     prompt.insert(prompt.end(), decoder.prompt_suffix_ids.begin(), decoder.prompt_suffix_ids.end());
     if (prompt.empty()) return fail(kBadInput, "--prompt is empty");
   }
+  if (takes_images && !with_images && std::count(prompt.begin(), prompt.end(), decoder.image_token_id) > 0)
+    return fail(kBadInput, "the prompt has image positions but no --image was given");
   const std::string method = method_to_run(module, &error);
   if (method.empty()) return fail(kRunFailed, error);
   const auto meta = module.method_meta(method);
@@ -321,6 +350,13 @@ int run(const etmlx::DecodeArgs& args) {
   std::vector<int64_t> generated;
   std::string text;
   etmlx::Utf8Stream utf8;
+  auto prompt_purge = std::make_unique<etmlx::PromptPurge>();  // until the first token (allocator.h)
+  etmlx::PromptImages prompt_images;  // encoded after `start`: the image's cost is part of the first token's
+  if (with_images) {
+    if (!etmlx::encode_images(module, decoder, args.images, prompt, &prompt_images, &error))
+      return fail(kBadInput, error);
+    inputs->set_images(&prompt_images);
+  }
   etmlx::DecodeLoop loop(module, method, *inputs, decoder.pipelined, max_seq_len, decoder.draft_tokens);
   // The decode-step rules (runtime/decode_rows.h) end the sequence at a stop id or at max_tokens.
   if (!loop.start({prompt, temperature, seed, args.max_tokens, eos, drafts, args.num_draft_tokens.value_or(-1)}, &error))
@@ -338,6 +374,7 @@ int run(const etmlx::DecodeArgs& args) {
     if (loop.failure() == etmlx::Failure::NoToken)  // the sampler's answer for a row whose mask allows no token
       return fail(kBadInput, "step " + std::to_string(step) + ": the mask allows no token the model can produce");
     if (step == 0) {
+      prompt_purge.reset();
       first_token_at = Clock::now();  // token 0 is on the host
       first_call_tokens = 1 + loop.pending();
     }

@@ -99,6 +99,20 @@ std::optional<StepInputs> StepInputs::plan(const MethodMeta& meta,
     } else if (name == "adapter") {  // meta.py ADAPTER_INPUT: switchable LoRA adapters, [B]; 0 = the base model
       slot.role = Role::Knob;  // 0 (the base model) unless set_adapter() picks one for the sequence's rows
       if (!expect(ScalarType::Long, "int64") || !per_row()) return std::nullopt;
+    } else if (name == "image_embeds") {  // meta.py IMAGE_INPUT: [B, L, D] float32, read at image positions
+      slot.role = Role::ImageEmbeds;
+      if (!expect(ScalarType::Float, "float32")) return std::nullopt;
+      if (slot.sizes.size() != 3 || slot.sizes[0] != plan.batch_) {
+        *error = "input 'image_embeds' must be [" + std::to_string(plan.batch_) + ", L, D]";
+        return std::nullopt;
+      }
+    } else if (name == "rope_positions") {  // meta.py ROPE_INPUT (multimodal RoPE): [B, L, 3] int64
+      slot.role = Role::RopePositions;
+      if (!expect(ScalarType::Long, "int64")) return std::nullopt;
+      if (slot.sizes.size() != 3 || slot.sizes[0] != plan.batch_ || slot.sizes[2] != 3) {
+        *error = "input 'rope_positions' must be [" + std::to_string(plan.batch_) + ", L, 3]";
+        return std::nullopt;
+      }
     } else if (name == "start_pos" || name == "lengths") {
       slot.role = name == "start_pos" ? Role::StartPos : Role::Lengths;
       if (!expect(ScalarType::Long, "int64") || !per_row()) return std::nullopt;
@@ -266,6 +280,31 @@ std::vector<EValue> StepInputs::build(const CallLayout& call, float temperature,
         std::vector<float> per_row(batch);
         for (size_t b = 0; b < batch; ++b) per_row[b] = sequence(b) ? temperature : 0.0f;
         t = make_tensor_ptr(slot.sizes, std::move(per_row));
+        break;
+      }
+      case Role::ImageEmbeds: {
+        const int64_t dim = slot.sizes[2];
+        std::vector<float> embeds(batch * static_cast<size_t>(call.width * dim), 0.0f);
+        if (images_ != nullptr && images_->dim == dim) {  // row 0 comes first
+          const int64_t start = call.start_pos[0];
+          for (size_t i = 0; i < images_->positions.size(); ++i) {
+            const int64_t column = images_->positions[i] - start;
+            if (column < 0 || column >= call.width) continue;
+            std::copy_n(images_->embeds.data() + i * static_cast<size_t>(dim), dim,
+                        embeds.data() + static_cast<size_t>(column * dim));
+          }
+        }
+        t = make_tensor_ptr({static_cast<int32_t>(batch_), static_cast<int32_t>(call.width), static_cast<int32_t>(dim)},
+                            std::move(embeds));
+        break;
+      }
+      case Role::RopePositions: {  // text positions: each token's cache position on all three axes
+        std::vector<int64_t> positions(batch * static_cast<size_t>(call.width) * 3);
+        for (size_t b = 0; b < batch; ++b)
+          for (int64_t i = 0; i < call.width; ++i)
+            for (size_t a = 0; a < 3; ++a)
+              positions[(b * static_cast<size_t>(call.width) + static_cast<size_t>(i)) * 3 + a] = call.start_pos[b] + i;
+        t = make_tensor_ptr({static_cast<int32_t>(batch_), static_cast<int32_t>(call.width), 3}, std::move(positions));
         break;
       }
       case Role::Seed:  // int64 all the way: 64-bit seeds stay exact

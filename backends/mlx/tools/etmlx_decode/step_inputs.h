@@ -18,6 +18,7 @@
 #include "decode_rows.h"
 #include "knobs.h"
 #include "decoder_meta.h"
+#include "prompt_images.h"
 
 namespace etmlx {
 
@@ -42,6 +43,10 @@ class StepInputs {
   // program without the `adapter` input.
   bool set_adapter(int64_t index, std::string* error);
 
+  // Row 0's image embeddings at their prompt positions (a vision-language program's image_embeds input; other
+  // positions, rows and calls get zeros, which the program does not read). The object must outlive the calls.
+  void set_images(const PromptImages* images) { images_ = images; }
+
   // Rows per call (the program's batch).
   int64_t batch() const { return batch_; }
 
@@ -65,7 +70,7 @@ class StepInputs {
   bool set_verify(int64_t draft_tokens, int64_t min_width, std::string* error);
 
  private:
-  enum class Role { Tokens, StartPos, Lengths, Verify, Deliver, Temperature, Seed, Knob };
+  enum class Role { Tokens, StartPos, Lengths, Verify, Deliver, Temperature, Seed, Knob, ImageEmbeds, RopePositions };
   struct Slot {
     std::string name;
     Role role;
@@ -86,6 +91,7 @@ class StepInputs {
   int64_t batch_ = 1;
   int64_t draft_tokens_ = 0, verify_min_width_ = 2;
   std::vector<executorch::extension::TensorPtr> alive_;
+  const PromptImages* images_ = nullptr;
 };
 
 }  // namespace etmlx

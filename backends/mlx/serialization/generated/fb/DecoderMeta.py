@@ -413,8 +413,19 @@ class DecoderMeta(object):
             return self._tab.String(o + self._tab.Pos)
         return None
 
+    # DecoderMeta
+    def PixelSteps(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(70))
+        if o != 0:
+            x = self._tab.Indirect(o + self._tab.Pos)
+            from backends.mlx.serialization.generated.fb.PixelSteps import PixelSteps
+            obj = PixelSteps()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
 def DecoderMetaStart(builder):
-    builder.StartObject(33)
+    builder.StartObject(34)
 
 def Start(builder):
     DecoderMetaStart(builder)
@@ -671,6 +682,12 @@ def DecoderMetaAddImagePrompt(builder, imagePrompt):
 def AddImagePrompt(builder, imagePrompt):
     DecoderMetaAddImagePrompt(builder, imagePrompt)
 
+def DecoderMetaAddPixelSteps(builder, pixelSteps):
+    builder.PrependUOffsetTRelativeSlot(33, flatbuffers.number_types.UOffsetTFlags.py_type(pixelSteps), 0)
+
+def AddPixelSteps(builder, pixelSteps):
+    DecoderMetaAddPixelSteps(builder, pixelSteps)
+
 def DecoderMetaEnd(builder):
     return builder.EndObject()
 
@@ -679,6 +696,7 @@ def End(builder):
 
 import backends.mlx.serialization.generated.fb.DecoderKnob
 import backends.mlx.serialization.generated.fb.DecoderSampler
+import backends.mlx.serialization.generated.fb.PixelSteps
 try:
     from typing import List, Optional
 except:
@@ -722,6 +740,7 @@ class DecoderMetaT(object):
         adapters = None,
         imageText = None,
         imagePrompt = None,
+        pixelSteps = None,
     ):
         self.maxSeqLen = maxSeqLen  # type: int
         self.vocabSize = vocabSize  # type: int
@@ -756,6 +775,7 @@ class DecoderMetaT(object):
         self.adapters = adapters  # type: Optional[List[Optional[str]]]
         self.imageText = imageText  # type: Optional[List[Optional[str]]]
         self.imagePrompt = imagePrompt  # type: Optional[str]
+        self.pixelSteps = pixelSteps  # type: Optional[backends.mlx.serialization.generated.fb.PixelSteps.PixelStepsT]
 
     @classmethod
     def InitFromBuf(cls, buf, pos):
@@ -855,6 +875,8 @@ class DecoderMetaT(object):
             for i in range(decoderMeta.ImageTextLength()):
                 self.imageText.append(decoderMeta.ImageText(i))
         self.imagePrompt = decoderMeta.ImagePrompt()
+        if decoderMeta.PixelSteps() is not None:
+            self.pixelSteps = backends.mlx.serialization.generated.fb.PixelSteps.PixelStepsT.InitFromObj(decoderMeta.PixelSteps())
 
     # DecoderMetaT
     def Pack(self, builder):
@@ -946,6 +968,8 @@ class DecoderMetaT(object):
             imageText = builder.EndVector()
         if self.imagePrompt is not None:
             imagePrompt = builder.CreateString(self.imagePrompt)
+        if self.pixelSteps is not None:
+            pixelSteps = self.pixelSteps.Pack(builder)
         DecoderMetaStart(builder)
         DecoderMetaAddMaxSeqLen(builder, self.maxSeqLen)
         DecoderMetaAddVocabSize(builder, self.vocabSize)
@@ -997,5 +1021,7 @@ class DecoderMetaT(object):
             DecoderMetaAddImageText(builder, imageText)
         if self.imagePrompt is not None:
             DecoderMetaAddImagePrompt(builder, imagePrompt)
+        if self.pixelSteps is not None:
+            DecoderMetaAddPixelSteps(builder, pixelSteps)
         decoderMeta = DecoderMetaEnd(builder)
         return decoderMeta
