@@ -103,8 +103,14 @@ demo: setup
 
 # Optional baseline for `etmlx bench decode --shape`: llama.cpp through llama-cpp-python, built from its sdist for
 # this CPU (about 20 minutes on 2 cores); never needed by setup or the tests.
+# llama.cpp built for this CPU (GGML_NATIVE); on a CPU with AMX that also compiles ggml's AMX tile code, which
+# crashed (a general protection fault at ldtilecfg) on a 2-core Xeon VM: there its AVX-512 flags are listed instead.
+LLAMA_CPU_FLAGS := $(if $(shell grep -qw amx_tile /proc/cpuinfo 2>/dev/null && echo amx),-DGGML_NATIVE=OFF \
+  -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON \
+  -DGGML_AVX512_BF16=ON -DGGML_AVX512_VBMI=ON,-DGGML_NATIVE=ON)
+
 bench-deps: setup
-	CMAKE_ARGS="-DGGML_NATIVE=ON" $(VPY) -m pip install --quiet llama-cpp-python==0.3.36
+	CMAKE_ARGS="$(LLAMA_CPU_FLAGS)" $(VPY) -m pip install --quiet llama-cpp-python==0.3.36
 
 regenerate: $(DEPS_STAMP)
 	$(VPY) -m backends.mlx.serialization.generate
