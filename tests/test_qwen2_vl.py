@@ -196,3 +196,26 @@ def test_qwen2_5_vl_windows_are_transformers(tmp_path):
         assert (encoder(pixels) - expected).abs().max() < 1e-4
         encoder.windowed = [False] * 3
         assert (encoder(pixels) - expected).abs().max() > 0.1
+
+
+def test_the_cpp_decode_loop_decodes_text_and_refuses_images_by_name(qwen, tmp_path):
+    """etmlx_decode fills the program's rope_positions with text positions: a text prompt decodes the Python
+    Decoder's tokens; an image is refused by name (its patches and multimodal positions are the Python side's)."""
+    import json
+    import subprocess
+
+    from backends.mlx.llm.decoder.loop import Decoder
+    from backends.mlx.runtime.native_tools import tool_path
+
+    pte = qwen[1]
+    ids = [5, 17, 99, 3, 42, 7]
+    expected = [s.token for s in Decoder(pte).stream(ids, STEPS, stop_at_eos=False)]
+    run = subprocess.run([str(tool_path("etmlx_decode")), str(pte), "--prompt-ids", ",".join(map(str, ids)),
+                          "--max-tokens", str(STEPS), "--json"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["tokens"] == expected
+    _image(0).save(tmp_path / "a.png")
+    run = subprocess.run([str(tool_path("etmlx_decode")), str(pte), "--prompt-ids", "5,17", "--image",
+                          str(tmp_path / "a.png")], capture_output=True, text=True, timeout=120)
+    err = [line for line in run.stderr.strip().splitlines() if not line.startswith("etmlx_decode: note:")]
+    assert run.returncode == 2 and len(err) == 1 and "does not give images to a qwen2" in err[0], run.stderr
