@@ -1,7 +1,5 @@
 // sigmoid_cpu (sigmoid.h): MLX's CPU sigmoid, 16 lanes at a time (8 without AVX-512), bit for bit.
 #include <cstdint>
-#include <cstring>
-#include <limits>
 #include <vector>
 
 #include <mlx/ops.h>
@@ -9,6 +7,7 @@
 #include "kernels/exp_vectors.h"
 #include "kernels/host_kernel.h"
 #include "kernels/sigmoid.h"
+#include "kernels/vector_loops.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -37,15 +36,6 @@ __attribute__((target("avx512f"), always_inline)) inline __m512 sigmoid16(__m512
     return _mm512_mask_mov_ps(_mm512_sub_ps(one, s), _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LT_OQ), s);
 }
 
-__attribute__((target("avx512f"))) void sigmoid_avx512(const float* x, float* out, int64_t n) {
-  int64_t j = 0;
-  for (; j + 16 <= n; j += 16) _mm512_storeu_ps(out + j, sigmoid16(_mm512_loadu_ps(x + j)));
-  if (j < n) {
-    const __mmask16 tail = static_cast<__mmask16>((1u << (n - j)) - 1);
-    _mm512_mask_storeu_ps(out + j, tail, sigmoid16(_mm512_maskz_loadu_ps(tail, x + j)));
-  }
-}
-
 // The same formula 8 lanes at a time for CPUs without AVX-512 (the masks as blends).
 __attribute__((target("avx2,fma"), always_inline)) inline __m256 sigmoid8(__m256 v) {
   const __m256 one = _mm256_set1_ps(1.0f);
@@ -55,35 +45,14 @@ __attribute__((target("avx2,fma"), always_inline)) inline __m256 sigmoid8(__m256
   return _mm256_blendv_ps(_mm256_sub_ps(one, s), s, _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ));
 }
 
-__attribute__((target("avx2,fma"))) void sigmoid_avx2(const float* x, float* out, int64_t n) {
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(out + j, sigmoid8(_mm256_loadu_ps(x + j)));
-  if (j < n) {  // the last partial vector through a padded copy
-    alignas(32) float tail[8] = {};
-    std::memcpy(tail, x + j, sizeof(float) * static_cast<size_t>(n - j));
-    _mm256_store_ps(tail, sigmoid8(_mm256_load_ps(tail)));
-    std::memcpy(out + j, tail, sizeof(float) * static_cast<size_t>(n - j));
-  }
-}
-
-bool has_avx512() {
-  static const bool ok = __builtin_cpu_supports("avx512f");
-  return ok;
-}
-
-bool has_avx2() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return ok;
-}
-
 // The widest loop this CPU runs; false where it has neither (mx::sigmoid then).
 bool sigmoid_loop(const float* x, float* out, int64_t n) {
-  if (has_avx512()) {
-    sigmoid_avx512(x, out, n);
+  if (exp16_supported()) {
+    apply16<sigmoid16>(x, out, n);
     return true;
   }
-  if (has_avx2()) {
-    sigmoid_avx2(x, out, n);
+  if (exp8_supported()) {
+    apply8<sigmoid8>(x, out, n);
     return true;
   }
   return false;
@@ -109,23 +78,8 @@ mx::array sigmoid_cpu(const mx::array& x) {
     // x as MLX materialised it (no Contiguous node: SiLU's gate is a fresh product, row-contiguous);
     // another layout is copied in row-major order first.
     auto loop = [](const std::vector<mx::array>& in, mx::array& out) {
-      const int64_t n = static_cast<int64_t>(in[0].size());
-      if (in[0].flags().row_contiguous) {
-        sigmoid_loop(in[0].data<float>(), out.data<float>(), n);
-        return;
-      }
-      const mx::array& x = in[0];
-      const int nd = static_cast<int>(x.ndim());
-      std::vector<int> index(nd, 0);
-      float* o = out.data<float>();
-      const float* base = x.data<float>();
-      for (int64_t i = 0; i < n; ++i) {
-        int64_t at = 0;
-        for (int d = 0; d < nd; ++d) at += static_cast<int64_t>(index[d]) * x.strides()[d];
-        o[i] = base[at];
-        for (int d = nd - 1; d >= 0 && ++index[d] == x.shape(d); --d) index[d] = 0;
-      }
-      sigmoid_loop(o, o, n);
+      std::vector<float> copy;
+      sigmoid_loop(float_rows(in[0], copy), out.data<float>(), static_cast<int64_t>(in[0].size()));
     };
     return host_kernel("SigmoidCpu", x.shape(), mx::float32, {x}, loop, /*may_reuse_input0=*/true);
   }

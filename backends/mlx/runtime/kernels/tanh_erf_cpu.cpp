@@ -1,7 +1,6 @@
 // tanh_cpu / erf_cpu (tanh_erf.h): 16 lanes at a time on AVX-512 (8 on AVX2+FMA), on the kernels' pool.
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #include <mlx/ops.h>
@@ -10,6 +9,7 @@
 #include "kernels/host_kernel.h"
 #include "kernels/tanh_erf.h"
 #include "kernels/thread_pool.h"
+#include "kernels/vector_loops.h"
 
 namespace etmlx::kernels {
 
@@ -32,13 +32,11 @@ namespace etmlx::kernels {
 
 namespace {
 
-#define ETMLX_TANH_ERF_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
-
 // MLX's erf (simd/math.h), v one lane:
 //   t = 1 / fma(0.3275911, |v|, 1); r = fma chain of the five constants in t
 //   e = -exp(-v * v) (MLX's exp); out = fma(e * t, r, 1); v > 0 ? out : -out
 // NaN: MLX gives v's payload, quiet, with the sign bit set (its negations of a NaN); the same here.
-inline ETMLX_TANH_ERF_AVX512 __attribute__((always_inline)) __m512 erf16(__m512 v) {
+inline ETMLX_AVX512_EXP_TARGET __attribute__((always_inline)) __m512 erf16(__m512 v) {
   const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
   const __m512 one = _mm512_set1_ps(1.0f);
   const __m512 a = _mm512_castsi512_ps(_mm512_andnot_si512(sign, _mm512_castps_si512(v)));
@@ -59,7 +57,7 @@ inline ETMLX_TANH_ERF_AVX512 __attribute__((always_inline)) __m512 erf16(__m512 
 
 // Cephes tanhf on |x|, the sign of x put back (so -0 stays -0): below 0.625 the odd polynomial
 // a + a^3 P(a^2); else 1 - 2 / (exp(2a) + 1) (2a is exact; exp(2a) = inf from a > 44.4 gives 1). NaN: x + x.
-inline ETMLX_TANH_ERF_AVX512 __attribute__((always_inline)) __m512 tanh16(__m512 x) {
+inline ETMLX_AVX512_EXP_TARGET __attribute__((always_inline)) __m512 tanh16(__m512 x) {
   const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
   const __m512 one = _mm512_set1_ps(1.0f);
   const __m512 a = _mm512_castsi512_ps(_mm512_andnot_si512(sign, _mm512_castps_si512(x)));
@@ -113,28 +111,6 @@ ETMLX_AVX2_INLINE __m256 tanh8(__m256 x) {
   return _mm256_blendv_ps(s, _mm256_add_ps(x, x), _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
 }
 
-template <__m512 (*F)(__m512)>
-ETMLX_TANH_ERF_AVX512 void loop16(const float* x, float* out, int64_t n) {
-  int64_t j = 0;
-  for (; j + 16 <= n; j += 16) _mm512_storeu_ps(out + j, F(_mm512_loadu_ps(x + j)));
-  if (j < n) {
-    const __mmask16 tail = static_cast<__mmask16>((1u << (n - j)) - 1);
-    _mm512_mask_storeu_ps(out + j, tail, F(_mm512_maskz_loadu_ps(tail, x + j)));
-  }
-}
-
-template <__m256 (*F)(__m256)>
-ETMLX_AVX2_TARGET void loop8(const float* x, float* out, int64_t n) {
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(out + j, F(_mm256_loadu_ps(x + j)));
-  if (j < n) {  // the last partial vector through a padded copy
-    alignas(32) float tail[8] = {};
-    std::memcpy(tail, x + j, sizeof(float) * static_cast<size_t>(n - j));
-    _mm256_store_ps(tail, F(_mm256_load_ps(tail)));
-    std::memcpy(out + j, tail, sizeof(float) * static_cast<size_t>(n - j));
-  }
-}
-
 using Loop = void (*)(const float* x, float* out, int64_t n);
 
 // Values per pool chunk: a multiple of 16, large enough that a chunk outweighs handing it out.
@@ -162,12 +138,12 @@ bool applies(const mx::array& x) { return x.dtype() == mx::float32 && x.size() >
 
 mx::array tanh_cpu(const mx::array& x) {
   if (!applies(x)) return mx::tanh(x);
-  return host_unary("TanhCpu", x, exp16_supported() ? loop16<tanh16> : loop8<tanh8>);
+  return host_unary("TanhCpu", x, exp16_supported() ? apply16<tanh16> : apply8<tanh8>);
 }
 
 mx::array erf_cpu(const mx::array& x) {
   if (!applies(x)) return mx::erf(x);
-  return host_unary("ErfCpu", x, exp16_supported() ? loop16<erf16> : loop8<erf8>);
+  return host_unary("ErfCpu", x, exp16_supported() ? apply16<erf16> : apply8<erf8>);
 }
 
 }  // namespace etmlx::kernels
