@@ -132,7 +132,8 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
     if draft_tokens >= max_seq_len:
         raise ValueError(f"--draft-tokens {draft_tokens} must be below max_seq_len {max_seq_len}")
     model = model.eval()
-    encoder = vision_encoder(model, processor_config(processor_files))
+    processor = processor_config(processor_files)
+    encoder = vision_encoder(model, processor)
     if encoder is not None:
         if draft_tokens or propose_tokens:
             raise ValueError("--draft-tokens / --propose-tokens: not supported for vision-language programs")
@@ -210,7 +211,7 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
         meta.image_text = image_text(model, tokenizer)
         meta.image_prompt = image_prompt(model, tokenizer, processor_files, vision[1])
         if not meta.image_prompt and len(vision[4]) == 3 and not uses_mrope(model.config):
-            meta.pixel_steps = pixel_steps(processor_config(processor_files) or {})
+            meta.pixel_steps = pixel_steps(processor or {})
     # the tool-call syntax: given, else the one the chat template teaches (tool_formats.detect_format)
     if rank is not None:
         meta.rank, meta.ranks = rank[0], rank[1]

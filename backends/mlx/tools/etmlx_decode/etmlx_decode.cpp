@@ -38,7 +38,6 @@
 #include "model_draft.h"
 #include "program_metadata.h"
 #include "choice_mask.h"
-#include "image_file.h"
 #include "mask_file.h"
 #include "prompt_images.h"
 #include "step_inputs.h"
@@ -242,9 +241,7 @@ int run(const etmlx::DecodeArgs& args) {
     if (!tokenizer)
       return fail(kBadInput, args.pte + " has no tokenizer: give --prompt-ids, or re-export from a checkpoint with one");
     std::vector<int64_t> text_ids;
-    int64_t marks = 0;
-    const std::string text = takes_images ? etmlx::expand_image_text(decoder, *args.prompt_text, &marks)
-                                          : *args.prompt_text;
+    const std::string text = takes_images ? etmlx::expand_image_text(decoder, *args.prompt_text) : *args.prompt_text;
     if (!tokenizer->encode(text, &text_ids, &error)) return fail(kBadInput, error);
     if (takes_images && decoder.image_text.empty()) text_ids = etmlx::expand_image_ids(decoder, text_ids);
     // The special tokens the Python tokenizer adds (recorded at export): the same ids as `etmlx generate`.
@@ -355,7 +352,7 @@ int run(const etmlx::DecodeArgs& args) {
   if (with_images) {
     if (!etmlx::encode_images(module, decoder, args.images, prompt, &prompt_images, &error))
       return fail(kBadInput, error);
-    inputs->set_images(&prompt_images);
+    if (!inputs->set_images(&prompt_images, &error)) return fail(kBadInput, metadata->origin + " " + error);
   }
   etmlx::DecodeLoop loop(module, method, *inputs, decoder.pipelined, max_seq_len, decoder.draft_tokens);
   // The decode-step rules (runtime/decode_rows.h) end the sequence at a stop id or at max_tokens.

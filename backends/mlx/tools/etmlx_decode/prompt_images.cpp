@@ -1,6 +1,6 @@
 #include "prompt_images.h"
 
-#include <cmath>
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 
@@ -13,21 +13,6 @@ namespace etmlx {
 namespace {
 
 using executorch::aten::ScalarType;
-
-// A 16-bit float's bits as a float (bf16: the high half of a float32; fp16: IEEE half).
-float from_half(uint16_t h, bool bf16) {
-  if (bf16) {
-    const uint32_t bits = static_cast<uint32_t>(h) << 16;
-    float f;
-    std::memcpy(&f, &bits, sizeof f);
-    return f;
-  }
-  const uint32_t sign = (h >> 15) & 1u, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-  float magnitude = exp == 0    ? std::ldexp(static_cast<float>(man), -24)
-                    : exp == 31 ? (man ? NAN : INFINITY)
-                                : std::ldexp(static_cast<float>(man | 0x400u), static_cast<int>(exp) - 25);
-  return sign ? -magnitude : magnitude;
-}
 
 // The vision method's output [1, T, D] as float32 values, or false with `error`.
 bool embeddings_of(const executorch::aten::Tensor& t, const DecoderMeta& meta, std::vector<float>* out,
@@ -46,12 +31,11 @@ bool embeddings_of(const executorch::aten::Tensor& t, const DecoderMeta& meta, s
       std::memcpy(dst, t.const_data_ptr<float>(), n * sizeof(float));
       return true;
     case ScalarType::BFloat16:
-    case ScalarType::Half: {
-      const auto* src = static_cast<const uint16_t*>(t.const_data_ptr());
-      const bool bf16 = t.scalar_type() == ScalarType::BFloat16;
-      for (size_t i = 0; i < n; ++i) dst[i] = from_half(src[i], bf16);
+      std::copy_n(t.const_data_ptr<executorch::aten::BFloat16>(), n, dst);  // each converted to float
       return true;
-    }
+    case ScalarType::Half:
+      std::copy_n(t.const_data_ptr<executorch::aten::Half>(), n, dst);
+      return true;
     default:
       *error = "the vision method returned embeddings that are not float32, bfloat16 or float16";
       return false;
@@ -87,8 +71,7 @@ bool images_supported(const DecoderMeta& meta, const std::string& pte, std::stri
   return true;
 }
 
-std::string expand_image_text(const DecoderMeta& meta, const std::string& text, int64_t* marks) {
-  *marks = 0;
+std::string expand_image_text(const DecoderMeta& meta, const std::string& text) {
   if (meta.image_text.size() != 4 || meta.image_text[0].empty()) return text;
   const std::string& mark = meta.image_text[0];
   std::string image = meta.image_text[1];
@@ -100,7 +83,6 @@ std::string expand_image_text(const DecoderMeta& meta, const std::string& text, 
     out.append(text, from, at - from);
     out += image;
     from = at + mark.size();
-    ++*marks;
   }
   out.append(text, from, std::string::npos);
   return out;

@@ -28,9 +28,9 @@ struct PromptImages {
 bool images_supported(const DecoderMeta& meta, const std::string& pte, std::string* error);
 
 // `text` with each image mark of a family that names images in text (DecoderMeta.image_text, Gemma 3) replaced by
-// the image's full text, as the checkpoint's processor does before tokenizing; `marks` counts them. Other
-// programs' text is returned as it is (their image tokens are expanded in ids).
-std::string expand_image_text(const DecoderMeta& meta, const std::string& text, int64_t* marks);
+// the image's full text, as the checkpoint's processor does before tokenizing (encode_images then checks the
+// count). Other programs' text is returned as it is (their image tokens are expanded in ids).
+std::string expand_image_text(const DecoderMeta& meta, const std::string& text);
 
 // `ids` with each image token expanded to the image's positions (a family without image text), as
 // llm/decoder/image_prompt.py expand_images.

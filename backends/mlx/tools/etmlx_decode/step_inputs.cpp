@@ -228,6 +228,21 @@ int64_t StepInputs::mask_words() const {
   return 0;
 }
 
+bool StepInputs::set_images(const PromptImages* images, std::string* error) {
+  for (const Slot& slot : slots_) {
+    if (slot.role != Role::ImageEmbeds) continue;
+    if (slot.sizes[2] != images->dim) {
+      *error = "says image_embed_dim " + std::to_string(images->dim) + " but the program's image_embeds input is " +
+               std::to_string(slot.sizes[2]) + " wide: they come from different exports";
+      return false;
+    }
+    images_ = images;
+    return true;
+  }
+  *error = "says the program takes images but it has no image_embeds input: they come from different exports";
+  return false;
+}
+
 bool StepInputs::set_adapter(int64_t index, std::string* error) {
   for (Slot& slot : slots_) {
     if (slot.name != "adapter") continue;
@@ -285,7 +300,7 @@ std::vector<EValue> StepInputs::build(const CallLayout& call, float temperature,
       case Role::ImageEmbeds: {
         const int64_t dim = slot.sizes[2];
         std::vector<float> embeds(batch * static_cast<size_t>(call.width * dim), 0.0f);
-        if (images_ != nullptr && images_->dim == dim) {  // row 0 comes first
+        if (images_ != nullptr) {  // row 0 comes first (set_images checked the width)
           const int64_t start = call.start_pos[0];
           for (size_t i = 0; i < images_->positions.size(); ++i) {
             const int64_t column = images_->positions[i] - start;

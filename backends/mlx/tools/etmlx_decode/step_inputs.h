@@ -45,7 +45,9 @@ class StepInputs {
 
   // Row 0's image embeddings at their prompt positions (a vision-language program's image_embeds input; other
   // positions, rows and calls get zeros, which the program does not read). The object must outlive the calls.
-  void set_images(const PromptImages* images) { images_ = images; }
+  // False, with `error` saying what the metadata says, when the program has no image_embeds input or one of
+  // another width than the embeddings': program and metadata come from different exports.
+  bool set_images(const PromptImages* images, std::string* error);
 
   // Rows per call (the program's batch).
   int64_t batch() const { return batch_; }
