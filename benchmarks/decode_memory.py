@@ -17,6 +17,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+# GNU time: a child's own peak RSS (%M); wait4's ru_maxrss starts from the forking parent's.
+GNU_TIME = Path("/usr/bin/time")
+
 
 def model_files(engine: str, path: Path) -> list[Path]:
     """What each engine reads its weights from: .pte (+ .ptd external weights), mlx-lm's safetensors or a GGUF."""

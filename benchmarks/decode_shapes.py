@@ -86,9 +86,6 @@ def llama_cpp_available() -> bool:
     return True
 
 
-GNU_TIME = Path("/usr/bin/time")
-
-
 def export_in_child(checkpoint: Path, pte: Path, max_seq_len: int, log, extra: list[str] = ()) -> dict:
     """`etmlx export --model checkpoint [extra flags]` in a fresh process: its wall time and peak RSS (GNU
     time's, else wait4's ru_maxrss). `pte` is a decode_programs.cached_pte path: older exports of the same engine
@@ -105,9 +102,9 @@ def export_in_child(checkpoint: Path, pte: Path, max_seq_len: int, log, extra: l
     # A child's ru_maxrss starts from this process's own RSS (Linux keeps the forked parent's high-water mark
     # across exec): GNU time's child starts from time's few MB, so its figure is the export's alone.
     rss_file = Path(str(pte) + ".rss")
-    timed = GNU_TIME.is_file()
+    timed = memory.GNU_TIME.is_file()
     if timed:
-        command = [str(GNU_TIME), "-f", "%M", "-o", str(rss_file), *command]
+        command = [str(memory.GNU_TIME), "-f", "%M", "-o", str(rss_file), *command]
     start = time.perf_counter()
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output = child.stdout.read()

@@ -27,7 +27,6 @@ import sys
 import time
 from pathlib import Path
 
-GNU_TIME = Path("/usr/bin/time")
 SHAPES = {
     "0.5b": dict(vocab=32000, text=dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                                         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096,
@@ -132,6 +131,7 @@ def _peak_rss_cpp(pte: Path, ids: list[int], image) -> dict | None:
     import tempfile
 
     from backends.mlx.runtime.native_tools import tool_path
+    from benchmarks.decode_memory import GNU_TIME
 
     try:
         tool = tool_path("etmlx_decode")
