@@ -13,6 +13,7 @@
 #include "kernels/attention.h"
 #include "kernels/attention_blocks.h"
 #include "kernels/attention_cpu.h"
+#include "kernels/attention_quantized_cpu.h"
 #include "kernels/kernel_set.h"
 #include "kernels/known_values.h"
 #include "kernels/norms.h"
@@ -171,8 +172,9 @@ bool Interpreter::exec_sdpa(const fb::SdpaNode& n) {
 }
 
 // Few query rows (a decode step) multiply the packed cache directly (mx::quantized_matmul, as mlx-lm's
-// quantized attention); more (a prefill) dequantize the keys they attend to and run the float attention,
-// whose products go to BLAS: MLX's CPU quantized matmul is a plain loop, far slower at a prefill's sizes.
+// quantized attention; on the CPU set one host loop, attention_quantized_cpu.h); more (a prefill) dequantize
+// the keys they attend to and run the float attention, whose products go to BLAS: MLX's CPU quantized matmul
+// is a plain loop, far slower at a prefill's sizes.
 constexpr int kQuantizedAttentionRows = 16;
 
 bool Interpreter::exec_quantized_sdpa(const fb::QuantizedSdpaNode& n) {
@@ -234,8 +236,17 @@ bool Interpreter::exec_quantized_sdpa(const fb::QuantizedSdpaNode& n) {
     mask = mx::slice(*mask, mx::Shape(mask->ndim(), 0), stop);
   }
   if (all_visible) mask = std::nullopt;
+  const bool cpu_set = program_.kernels == &kernels::cpu_kernels();
+  if (query_len * (heads / kv_heads) <= kQuantizedAttentionRows && cpu_set) {
+    // A decode step on the CPU set: one host loop over the packed cache (attention_quantized_cpu.h).
+    std::vector<mx::array> whole;
+    for (const mx::array* a : parts) whole.push_back(*a);
+    if (auto out = kernels::sdpa_quantized_decode_cpu(*q, whole, n.scale(), mask, end, group, bits)) {
+      return write(n.out(), *out);
+    }
+  }
   if (query_len * (heads / kv_heads) > kQuantizedAttentionRows) {
-    if (program_.kernels == &kernels::cpu_kernels()) {
+    if (cpu_set) {
       // A long prefill chunk over a long cache: one key/value head's keys and values dequantized at a time when
       // all of them would take more than the score limit (float32 at 32k positions of 8 heads of 128: 256 MiB),
       // and the scores a block of query rows at a time (attention_blocks.h).
