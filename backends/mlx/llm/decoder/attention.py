@@ -27,6 +27,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 
 import backends.mlx.custom_kernel_ops  # noqa: F401  (registers mlx::quantized_sdpa)
+from backends.mlx.custom_kernel_ops.quantized_attention import dequantize_cache
 from backends.mlx.llm.decoder import kv_quant
 
 IMPLEMENTATION = "etmlx"
@@ -157,7 +158,10 @@ class ProgramCache(Cache):
         values from `state.quantized`. transformers gets the new float keys and values back, unused by etmlx's
         attention."""
         state, setting = self.state, self.owner.kv_quant
-        parts = [kv_quant.quantize(t, setting, k_parts[1].dtype) for t in (key, value)]
+        if self.owner.pinned_entries is not None:
+            parts = self._pinned(layer_idx, key, value)
+        else:
+            parts = [kv_quant.quantize(t, setting, k_parts[1].dtype) for t in (key, value)]
         if self.owner.ring_window(layer_idx) is not None:
             window = k_parts[0].shape[2]
             start = state.positions[:, :1]
@@ -186,6 +190,27 @@ class ProgramCache(Cache):
                 buffer.scatter_(2, slots.expand(batch, heads, length, new.shape[-1]), new)
         state.quantized[layer_idx] = [*k_parts, *v_parts]
         return key, value
+
+    def _pinned(self, layer_idx, key, value):
+        """The entries a program wrote at these positions (StaticCacheLM.pinned_entries, one row from its start) in
+        place of this forward's own quantization, and how much farther they lie from this forward's float keys and
+        values than its own quantization does, in quantization steps (`pin_steps`, the largest). A 4-bit cache rounds a value that sits near a step's edge
+        either way on a float difference of an ulp, and at 8B one such flip in a key moved a logit by 0.4: the
+        export check compares the rest of the program over the cache it holds, and bounds that cache apart."""
+        positions = self.state.positions
+        start, length = int(positions[0, 0]), positions.shape[1]
+        setting = self.owner.kv_quant
+        entries = self.owner.pinned_entries[layer_idx]
+        parts = [tuple(e[:, :, start:start + length] for e in entries[:3]),
+                 tuple(e[:, :, start:start + length] for e in entries[3:])]
+        for x, (packed, scales, biases) in zip((key, value), parts):
+            held = dequantize_cache(packed, scales, biases, setting.group_size, setting.bits).float()
+            own = dequantize_cache(*kv_quant.quantize(x, setting, scales.dtype), setting.group_size,
+                                   setting.bits).float()
+            step = scales.float().abs().clamp(min=1e-30).repeat_interleave(setting.group_size, dim=-1)
+            excess = ((held - x.float()).abs() - (own - x.float()).abs()) / step
+            self.owner.pin_steps = max(self.owner.pin_steps, float(excess.amax()))
+        return parts
 
     def mask(self, layer_idx, key_length: int, window: Optional[int]) -> torch.Tensor:
         """[B, 1, L, S] bool: query (row b, index l) may see key s. A full cache's slot s holds position s: its

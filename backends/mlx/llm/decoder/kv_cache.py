@@ -91,6 +91,12 @@ class StaticCacheLM(nn.Module):
         super().__init__()
         self.rings = rings
         self.kv_quant = kv_quant(kv_bits, kv_group_size, reference=True)
+        # A program's own cache entries, per layer (keys' packed, scales, biases, then the values'), [B, Hkv, T, .]:
+        # the quantized cache writes them in place of its own (kv_reference.py, the export check); pin_steps is
+        # then how much farther they lie from the forward's float keys and values than its own quantization, in
+        # quantization steps (the largest).
+        self.pinned_entries = None
+        self.pin_steps = 0.0
         check_model(model)
         if not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool) or max_seq_len < 1:
             raise ValueError(f"max_seq_len must be a positive int, got {max_seq_len!r}")

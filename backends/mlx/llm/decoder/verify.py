@@ -38,6 +38,10 @@ RELATIVE_TOLERANCE = {torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 
 # same weights but accumulate the dequantized products in a different order and precision.
 QUANTIZED_FACTOR = 2.0
 LOGPROB_FACTOR = 2.0
+# A --kv-bits program's cache entries, how much farther from the eager keys and values than the eager's own
+# quantization, in quantization steps: a key that differs by float noise may round to the neighbouring step (1),
+# a scale made from a range that differs by float noise moves every value by a hair more.
+PINNED_CACHE_STEPS = 1.25
 
 
 class VerificationError(ValueError):
@@ -108,11 +112,17 @@ def verify_decoder(model: torch.nn.Module, pte: Path, steps: int = DECODE_STEPS,
                                 "nothing to verify (pass verify=False / --no-verify)")
     prompt = verification_prompt(meta.vocab_size, min(prompt_tokens, room))
     steps = list(decoder.stream(prompt, generated, SamplingParams(), stop_at_eos=False))
+    pin = getattr(model, "pin_program_cache", None)  # a --kv-bits program's reference (kv_reference.py)
+    pinned = pin is not None and pin(decoder.method.state, len(prompt) + len(steps) - 1)
     # The runtime's copy of the weights is freed before the eager forward reads the model's: at real size the
     # two together would be twice the weights (docs/weights.md). No other reference to the program may remain.
     del decoder
     collect_if_large(model)
-    return compare_greedy(model, Path(pte), steps, prompt)
+    try:
+        return compare_greedy(model, Path(pte), steps, prompt)
+    finally:
+        if pinned:  # the entries belong to this sequence: later checks (drafts, proposals) run others
+            model.unpin()
 
 
 def compare_greedy(model: torch.nn.Module, pte: Path, steps: list, prompt: list[int],
@@ -129,6 +139,10 @@ def compare_greedy(model: torch.nn.Module, pte: Path, steps: list, prompt: list[
     with torch.no_grad():
         logits = reference(ids) if reference is not None else model(torch.tensor([ids])).logits[0]
         all_logits = logits[len(prompt) - 1:].float()
+    if getattr(model, "pinned", None) is not None and model.pin_steps > PINNED_CACHE_STEPS:
+        raise VerificationError(f"{pte} holds quantized KV cache entries {model.pin_steps:.3g} quantization steps "
+                                f"farther from the eager keys and values than their own quantization (at most "
+                                f"{PINNED_CACHE_STEPS})")
     for k, (step, logits) in enumerate(zip(steps, all_logits)):
         tol = relative * max(1.0, float(logits.abs().max()))
         expected = int(logits.argmax())
