@@ -275,6 +275,7 @@ class EtmlxBackend final : public BackendInterface {
       for (uint32_t c : h->program.mutable_initial) {
         h->state.push_back(h->program.constants[c]);
       }
+      release_initial_values(h->program);
       // Everything needed later lives in the handle's private copy.
       processed->Free();
       register_handle(h.get());

@@ -29,6 +29,14 @@
 namespace etmlx {
 
 namespace mx = mlx::core;
+
+void release_initial_values(Program& p) {
+  for (uint32_t c : p.mutable_initial) {
+    mx::array& a = p.constants[c];
+    a = mx::array(0, a.dtype());  // a scalar: an instruction reading it would fail on its shape, not read stale zeros
+  }
+}
+
 using executorch::runtime::Error;
 
 namespace {
@@ -451,10 +459,8 @@ bool match_plain_step(const Program& main, Program& plain, int when) {
   }
   plain.mutable_slots = std::move(slots);
   plain.mutable_initial = std::move(initial);
-  // Its state starts as its program's: the same arrays, not a second set of zeros kept alive.
-  for (size_t j = 0; j < n_state; ++j) {
-    plain.constants[plain.mutable_initial[j]] = main.constants[main.mutable_initial[j]];
-  }
+  // Its state is its program's (the handle's one state): its own starting values are never read.
+  release_initial_values(plain);
   return true;
 }
 

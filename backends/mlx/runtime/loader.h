@@ -102,6 +102,12 @@ executorch::runtime::Error load_program(const void* data, size_t size,
                                         const executorch::runtime::NamedDataMap* named,
                                         Program& out, const Program* share = nullptr);
 
+// Drops the constants `p`'s mutable buffers start from, once its state holds them (backend.cpp's init; a plain
+// step's state is its program's): the graph reads each buffer's own slot, never its starting constant, and a kept
+// one pins a KV cache's starting zeros beside the state the first call writes, the cache twice over (+1.3 GB for
+// an 8B program with a 32k 4-bit cache). Each becomes a scalar of its dtype.
+void release_initial_values(Program& p);
+
 // Header-only check, usable without touching the payload.
 executorch::runtime::Error check_header(const void* data, size_t size, uint64_t* payload_len);
 
