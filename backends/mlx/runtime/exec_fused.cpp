@@ -222,14 +222,7 @@ bool Interpreter::exec_quantized_sdpa(const fb::QuantizedSdpaNode& n) {
                       &end, &all_visible)) {
     return false;
   }
-  // The keys [0, end) of every cache operand (and of a mask over all S keys); the packed bytes as MLX's words.
-  std::vector<mx::array> cache;
-  for (int i = 0; i < 6; ++i) {
-    mx::array a = *parts[i];
-    if (end < keys) a = mx::slice(a, {0, 0, 0, 0}, {batch, kv_heads, end, a.shape(3)});
-    if (i % 3 == 0) a = mx::view(mx::contiguous(a), mx::uint32);
-    cache.push_back(std::move(a));
-  }
+  // The mask over all S keys cut to the keys [0, end).
   if (mask && end < keys && mask->ndim() >= 1 && mask->shape(-1) == keys) {
     mx::Shape stop = mask->shape();
     stop.back() = end;
@@ -244,6 +237,14 @@ bool Interpreter::exec_quantized_sdpa(const fb::QuantizedSdpaNode& n) {
     if (auto out = kernels::sdpa_quantized_decode_cpu(*q, whole, n.scale(), mask, end, group, bits)) {
       return write(n.out(), *out);
     }
+  }
+  // The keys [0, end) of every cache operand; the packed bytes as MLX's words.
+  std::vector<mx::array> cache;
+  for (int i = 0; i < 6; ++i) {
+    mx::array a = *parts[i];
+    if (end < keys) a = mx::slice(a, {0, 0, 0, 0}, {batch, kv_heads, end, a.shape(3)});
+    if (i % 3 == 0) a = mx::view(mx::contiguous(a), mx::uint32);
+    cache.push_back(std::move(a));
   }
   if (query_len * (heads / kv_heads) > kQuantizedAttentionRows) {
     if (cpu_set) {
