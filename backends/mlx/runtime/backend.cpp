@@ -223,7 +223,15 @@ Error run(Handle& h, Span<EValue*> args) {
   tensors.clear();
   h.state = std::move(new_state);
   try {
+    // MLX decides whether a cache write may reuse the old buffer when it schedules the write: only if
+    // nothing else holds that buffer. The last call's kernels hold their inputs until their stream has
+    // run past them, which can be after the token it waited for; a caller that calls again at once (the
+    // C++ loop) then found the whole cache still held and copied it each step: twice the cache resident
+    // and a cache-sized copy per call. Waiting for the stream here costs only the overlap of this call's
+    // scheduling with the last call's tail; the outputs depend on that state anyway (decode tok/s unchanged
+    // on the CPU, docs/log.md). Not on a GPU: there that overlap keeps the device busy, and it is unmeasured.
     timer.mark(CallPhase::Build);
+    if (!h.state.empty() && mx::default_device() == mx::Device::cpu) mx::synchronize();  // in the submit phase
     mx::async_eval(outputs);
     mx::async_eval(h.state);
     timer.mark(CallPhase::Submit);
