@@ -193,6 +193,11 @@ int64_t DecodeRows::start(int64_t slot, RowRequest request, bool reuse, const Co
   }
   RowState row;
   row.feed.assign(prompt.begin() + n, prompt.end());
+  const int64_t chunk = config_.draft_tokens ? 0 : request.prefill_chunk;  // a verify call feeds drafts too
+  if (chunk > 0 && static_cast<int64_t>(row.feed.size()) > chunk) {
+    row.rest.assign(row.feed.begin() + chunk, row.feed.end());
+    row.feed.resize(static_cast<size_t>(chunk));
+  }
   row.pos = row.cached = n;
   row.request = std::move(request);
   rows_[static_cast<size_t>(slot)] = std::move(row);
@@ -298,7 +303,7 @@ CallLayout DecodeRows::layout(int64_t only) {
     call.start_pos[slot] = r->pos;
     call.lengths[slot] = static_cast<int64_t>(r->feed.size() + r->drafts.size());
     call.steps[slot] = r->step;
-    call.first[slot] = r->step == 0;
+    call.first[slot] = r->step == 0 && r->calls == 0;  // a later prefill chunk continues the same step 0
     call.drafts[slot] = r->drafts;
     int64_t base_seed = 0;  // greedy rows draw with the default knobs
     if (!r->request.forced) {
@@ -435,9 +440,17 @@ std::vector<RowEvent> DecodeRows::read(const int64_t* tokens, const int64_t* acc
     }
     // A pipelined row's prefill returns nothing of its own (the outputs are the slot's previous call's);
     // its decode calls feed the device's token, which is the one this call returns.
-    const bool has_result = !(config_.pipelined && row.step == 0);
+    const bool has_result = !(config_.pipelined && row.step == 0) && row.rest.empty();
     const bool fed_back = row.feed.size() == 1 && row.feed[0] == kFedBack;
     wrote(slot, row.pos, fed_back ? std::vector<int64_t>{token} : row.feed);
+    if (!row.rest.empty()) {  // a prefill chunk: its token is dropped, the next call feeds the next chunk
+      row.pos += static_cast<int64_t>(row.feed.size());
+      const auto take = static_cast<std::ptrdiff_t>(
+          std::min<size_t>(static_cast<size_t>(row.request.prefill_chunk), row.rest.size()));
+      row.feed.assign(row.rest.begin(), row.rest.begin() + take);
+      row.rest.erase(row.rest.begin(), row.rest.begin() + take);
+      continue;
+    }
     if (has_result) {
       RowEvent event{slot, token, Finish::None, Failure::None, 0, row.cached, 0, 0};
       const bool goes_on = check(row, slot, event, advance);

@@ -5,7 +5,9 @@
 //
 // The rules:
 // - Step 0 of a row prefills its prompt (only the part its row's cache does not already hold) in one
-//   call; step k > 0 feeds the previous token at the next position.
+//   call, or with the request's prefill_chunk in calls of at most that many tokens (each chunk's token is
+//   dropped, as a pipelined prefill's outputs are: the row takes the last chunk's); step k > 0 feeds the
+//   previous token at the next position.
 // - A row draws with seed = its base seed + step, so a generation is reproducible from one base seed;
 //   step 0 is also the call that resets the row's penalty state ("first").
 // - Pipelined programs get the same calls, except that step k > 0 feeds kFedBack (the token the device
@@ -49,6 +51,9 @@ namespace etmlx {
 
 // The token input of a pipelined program that means "the token this row sampled last" (meta.py FED_BACK).
 constexpr int64_t kFedBack = -1;
+// The prefill chunk the decode loops use by default (RowRequest::prefill_chunk; mlx-lm prefills 2,048 tokens a
+// call too): a 32k prompt's activations are then a 2k prompt's, at a few percent of prefill speed.
+constexpr int64_t kPrefillChunk = 2048;
 // The sampler's token for a row whose mask allows no token it can draw (allowed_mask.py NO_ALLOWED_TOKEN).
 constexpr int64_t kNoAllowedToken = -1;
 
@@ -70,6 +75,10 @@ struct RowRequest {
   std::optional<std::vector<int64_t>> forced;  // scoring: the token to force at each step
   int64_t seed = 0;                            // the base seed: step k draws with seed + k
   bool constrained = false;                    // the driver checks each token (read()'s advance)
+  // > 0: prefill in calls of at most this many tokens, bounding a long prompt's working set (activations grow
+  // with the tokens of a call). The driver sets it only for programs whose calls keep no per-token host-visible
+  // state beyond the KV cache: no penalty state (a chunk's dropped token would count), no drafts, no images.
+  int64_t prefill_chunk = 0;
 };
 
 // Whose sampling knobs a row's next call uses.
@@ -112,6 +121,7 @@ struct CallLayout {
 struct RowState {
   RowRequest request;
   std::vector<int64_t> feed;  // tokens of the next call ({kFedBack} when a pipelined program decodes)
+  std::vector<int64_t> rest;  // prompt tokens after `feed` that later prefill chunks feed (request.prefill_chunk)
   int64_t pos = 0;            // cache position of feed[0]
   int64_t cached = 0;         // prompt tokens its row's cache already held
   int64_t step = 0;           // the row's decode step of the next call (0 = prefill)

@@ -96,7 +96,8 @@ typedef int (*etmlx_rows_advance_fn)(void* ctx, int64_t slot, int64_t token);
 ETMLX_EXPORT const char* etmlx_rows_error() { return etmlx::t_error.c_str(); }
 
 ETMLX_EXPORT int64_t etmlx_rows_fields(int64_t which) {
-  return which == 0 ? etmlx::kRowFields : which == 1 ? etmlx::kEventFields : etmlx::kLayoutArrays;
+  return which == 0 ? etmlx::kRowFields : which == 1 ? etmlx::kEventFields : which == 2 ? etmlx::kLayoutArrays
+                                                                                     : etmlx::kPrefillChunk;
 }
 
 ETMLX_EXPORT void* etmlx_rows_new(int64_t batch, int64_t max_seq_len, int ring, int prompt_cache, int pipelined,
@@ -220,10 +221,12 @@ ETMLX_EXPORT int64_t etmlx_rows_busy_prefix(void* h, const int64_t* prompt, int6
   });
 }
 
-// n_forced < 0: no scoring. Returns the prompt tokens the row did not need to prefill.
+// n_forced < 0: no scoring. prefill_chunk > 0: the prompt in calls of at most that many tokens (RowRequest).
+// Returns the prompt tokens the row did not need to prefill.
 ETMLX_EXPORT int64_t etmlx_rows_start(void* h, int64_t slot, const int64_t* prompt, int64_t n, int64_t max_tokens,
                                       int stop_at_eos, const int64_t* forced, int64_t n_forced, int64_t seed,
-                                      int constrained, int reuse, etmlx_rows_copy_fn copy, void* ctx) {
+                                      int constrained, int reuse, int64_t prefill_chunk, etmlx_rows_copy_fn copy,
+                                      void* ctx) {
   return guarded([&]() -> int64_t {
     etmlx::RowRequest request;
     request.prompt = ids(prompt, n);
@@ -232,6 +235,7 @@ ETMLX_EXPORT int64_t etmlx_rows_start(void* h, int64_t slot, const int64_t* prom
     if (n_forced >= 0) request.forced = ids(forced, n_forced);
     request.seed = seed;
     request.constrained = constrained != 0;
+    request.prefill_chunk = prefill_chunk;
     // A failed copy is the caller's to report (it returns 0); the request then prefills its whole prompt.
     etmlx::DecodeRows::Copier copier;
     if (copy) copier = [&](int64_t src, int64_t dst, int64_t count) { return copy(ctx, src, dst, count) > 0; };

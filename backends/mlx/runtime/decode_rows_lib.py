@@ -49,7 +49,7 @@ def _lib() -> ctypes.CDLL:
         "tokens": [vp, _i64, _i64, ctypes.c_int, _P64, _i64], "reusable": [vp, _i64, _P64, _i64],
         "set_held": [vp, _i64, _P64, _i64], "taken": [vp, _i64], "used": [vp, _i64], "forget": [vp],
         "room": [vp], "choose": [vp, _P64, _i64, _i64, ctypes.c_int, _P64], "busy_prefix": [vp, _P64, _i64, _P64],
-        "start": [vp, _i64, _P64, _i64, _i64, ctypes.c_int, _P64, _i64, _i64, ctypes.c_int, ctypes.c_int, COPY_FN,
+        "start": [vp, _i64, _P64, _i64, _i64, ctypes.c_int, _P64, _i64, _i64, ctypes.c_int, ctypes.c_int, _i64, COPY_FN,
                   vp],
         "end": [vp, _i64], "place": [vp, _i64, _i64, _i64], "draft_room": [vp, _i64, _i64], "ask": [vp, _i64, _i64],
         "set_drafts": [vp, _i64, _P64, _i64], "layout": [vp, _i64], "layout_copy": [vp, _P64, _P64],
@@ -77,6 +77,11 @@ def _lib() -> ctypes.CDLL:
         fn.restype, fn.argtypes = restype, argtypes
     lib._etmlx_rows_typed = True
     return lib
+
+
+def default_prefill_chunk() -> int:
+    """The decode loops' prompt tokens per prefill call (decode_rows.h kPrefillChunk)."""
+    return int(_lib().etmlx_rows_fields(3))
 
 
 def _ids(values) -> tuple[ctypes.Array, int]:
@@ -172,12 +177,14 @@ class RowsCore:
         return (None if out[0] < 0 else int(out[0])), int(out[1]), int(out[2])
 
     def start(self, slot: int, prompt: list[int], max_tokens: int, stop_at_eos: bool, forced: list[int] | None,
-              seed: int, constrained: bool, reuse: bool, copy=None) -> int:
-        """copy(src, dst, n) -> bool; an exception in it fails the start and is re-raised."""
+              seed: int, constrained: bool, reuse: bool, copy=None, prefill_chunk: int = 0) -> int:
+        """copy(src, dst, n) -> bool; an exception in it fails the start and is re-raised. `prefill_chunk` > 0:
+        the prompt is prefilled in calls of at most that many tokens (decode_rows.h RowRequest)."""
         forced_ids, n_forced = _ids(forced or [])
         callback = COPY_FN(self._callback(copy, lambda ok: 1 if ok else 0)) if copy else COPY_FN()
         return self._call("start", slot, *_ids(prompt), max_tokens, stop_at_eos, forced_ids,
-                          n_forced if forced is not None else -1, seed, constrained, reuse, callback, None)
+                          n_forced if forced is not None else -1, seed, constrained, reuse, prefill_chunk, callback,
+                          None)
 
     def end(self, slot: int) -> None:
         self._call("end", slot)

@@ -34,7 +34,7 @@ from backends.mlx.llm.decoder.step_inputs import step_inputs
 from backends.mlx.llm.sampler.knobs import mask_words
 from backends.mlx.llm.sampler.params import SamplingParams
 from backends.mlx.runtime import decode_rows_lib as lib
-from backends.mlx.runtime.decode_rows_lib import RowsCore
+from backends.mlx.runtime.decode_rows_lib import RowsCore, default_prefill_chunk
 
 log = logging.getLogger("etmlx.decode_rows")
 # Logit bias that forces a scored token; raw logprobs are unaffected by bias.
@@ -164,12 +164,26 @@ class RowCaches:
         self._core.taken(slot)
 
 
+def prefill_chunk_for(meta: DecoderMeta, chunk: int) -> int:
+    """`chunk`, or 0 (the whole prompt in one call) for the programs whose calls a dropped chunk token would
+    change: penalty state (it counts each call's token), drafts, K proposals per call. Image prompts are
+    prefilled whole too (DecodeRows.start). The C++ loop's rule: etmlx_decode's decode_loop.cpp."""
+    if chunk < 0:
+        raise ValueError(f"prefill_chunk must be >= 0 (0: the whole prompt in one call), not {chunk}")
+    if meta.draft_tokens or meta.propose_tokens or {"penalty_reset", "penalty_add"} & set(meta.inputs):
+        return 0
+    return chunk
+
+
 class DecodeRows:
-    def __init__(self, meta: DecoderMeta, prompt_cache: bool = True, copy_rows=None):
+    def __init__(self, meta: DecoderMeta, prompt_cache: bool = True, copy_rows=None, prefill_chunk: int | None = None):
         """`copy_rows(src, dst, n)`: copies positions [0, n) of row src's KV cache into row dst inside the
         program's state (LoadedMethod.copy_rows); with it, a request reuses the longest prefix any row holds,
-        busy or free (cross-row reuse), not only the one its own row holds. Never for ring programs."""
+        busy or free (cross-row reuse), not only the one its own row holds. Never for ring programs.
+        `prefill_chunk`: prompt tokens per prefill call (default decode_rows.h's 2,048; 0: the whole prompt in one
+        call), for the programs and requests prefill_chunk_for() allows."""
         self.meta = meta
+        self.prefill_chunk = prefill_chunk_for(meta, default_prefill_chunk() if prefill_chunk is None else prefill_chunk)
         if meta.adapters:  # another row's KV cache may come from another adapter: no cross-row copies
             copy_rows = None
         ring = meta.ring_cache is not False  # programs exported before the field may keep rings
@@ -221,7 +235,8 @@ class DecodeRows:
             self.cache_adapters[slot] = adapter
         self.core.start(slot, list(request.prompt), request.max_tokens, request.stop_at_eos, request.forced,
                         request.params.seed, request.matcher is not None, reuse,
-                        copy=self._copy if self.copy_rows is not None else None)
+                        copy=self._copy if self.copy_rows is not None else None,
+                        prefill_chunk=0 if getattr(request, "prompt_images", None) is not None else self.prefill_chunk)
         if not self.meta.draft_tokens:
             budget = None
         elif budget is None:

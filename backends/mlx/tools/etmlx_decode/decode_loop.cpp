@@ -41,6 +41,7 @@ bool DecodeLoop::start(const Sequence& sequence, std::string* error) {
   request.max_tokens = sequence.max_tokens;
   request.seed = sequence.seed;
   request.stop_at_eos = !sequence.eos.empty();
+  request.prefill_chunk = sequence.prefill_chunk;
   DecodeRowsConfig config = rows_.config();
   config.eos = sequence.eos;
   try {

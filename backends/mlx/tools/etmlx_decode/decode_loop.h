@@ -50,6 +50,9 @@ class DecodeLoop {
     // many per call (-1: the program's K).
     std::shared_ptr<DraftSource> draft;
     int64_t max_drafts = -1;
+    // > 0: the prompt is prefilled in calls of at most this many tokens (decode_rows.h RowRequest; the caller
+    // decides which programs may: prefill_chunk_for()).
+    int64_t prefill_chunk = 0;
   };
   struct DraftStats {
     int64_t calls = 0;     // program calls, the prefill included

@@ -6,8 +6,8 @@
 //                (etmlx_decode --help lists every option; the knob flags come
 //                from the metadata's "knobs", the table in llm/sampler/knobs.py)
 //
-// It loads FILE.pte with ExecuTorch's Module, runs one prefill call over the
-// prompt and then one call per generated token; step k samples with seed
+// It loads FILE.pte with ExecuTorch's Module, prefills the prompt in calls of up
+// to 2,048 tokens (--prefill-chunk) and then runs one call per generated token; step k samples with seed
 // S + k on the device, so only token ids cross to the host. A pipelined
 // program returns each token one call later, while the device runs the next
 // step (decode_loop.h). The metadata and
@@ -54,6 +54,17 @@ using executorch::runtime::Error;
 
 constexpr int kBadInput = 2;
 constexpr int kRunFailed = 1;
+
+// Prompt tokens per prefill call: `requested` (default kPrefillChunk), or 0 (the whole prompt in one call) where a
+// chunk's dropped token would change the calls: penalty state, drafts, K proposals per call, image prompts (the
+// Python loop's rule: llm/decoder/decode_rows.py prefill_chunk_for).
+int64_t prefill_chunk_for(const etmlx::DecoderMeta& meta, std::optional<int64_t> requested, bool images) {
+  const bool penalties = std::any_of(meta.inputs.begin(), meta.inputs.end(), [](const std::string& name) {
+    return name == "penalty_reset" || name == "penalty_add";
+  });
+  if (penalties || meta.draft_tokens > 0 || meta.propose_tokens > 0 || images) return 0;
+  return requested.value_or(etmlx::kPrefillChunk);
+}
 
 int fail(int code, const std::string& message) {
   std::fprintf(stderr, "etmlx_decode: error: %s\n", message.c_str());
@@ -356,7 +367,9 @@ int run(const etmlx::DecodeArgs& args) {
   }
   etmlx::DecodeLoop loop(module, method, *inputs, decoder.pipelined, max_seq_len, decoder.draft_tokens);
   // The decode-step rules (runtime/decode_rows.h) end the sequence at a stop id or at max_tokens.
-  if (!loop.start({prompt, temperature, seed, args.max_tokens, eos, drafts, args.num_draft_tokens.value_or(-1)}, &error))
+  if (!loop.start({prompt, temperature, seed, args.max_tokens, eos, drafts, args.num_draft_tokens.value_or(-1),
+                   prefill_chunk_for(decoder, args.prefill_chunk, with_images)},
+                  &error))
     return fail(kBadInput, error);
   int64_t first_call_tokens = 1;  // tokens the first call brought (accepted drafts too): the rate counts the rest
   const char* finish = "length";

@@ -1,0 +1,137 @@
+"""A long prompt is prefilled in calls of at most `prefill_chunk` tokens (runtime/decode_rows.h RowRequest), so its
+activations are a chunk's, not the prompt's: the Python loop and the C++ etmlx_decode decode the eager model's greedy
+tokens whatever the chunk (1 token, one that does not divide the prompt, the whole prompt, 0 = one call), pipelined
+or not, with the calls the chunks ask for; seeded sampling draws the same tokens chunked or not; programs whose
+calls a chunk's dropped token would change (penalty state, drafts, proposals) prefill whole; and a long prompt's
+peak memory falls with the chunk."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from backends.mlx.llm.decoder.decode_rows import prefill_chunk_for
+from backends.mlx.llm.decoder.export import export_decoder
+from backends.mlx.llm.decoder.loop import Decoder
+from backends.mlx.llm.sampler.params import SamplingParams
+from backends.mlx.runtime.native_tools import tool_path
+
+PROMPT_LEN = 150
+STEPS = 8
+
+
+def _model(intermediate: int = 128) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=intermediate,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        head_dim=16, max_position_embeddings=4096, eos_token_id=None,
+                                        bos_token_id=None, tie_word_embeddings=False)).eval()
+
+
+@pytest.fixture(scope="module")
+def programs(tmp_path_factory):
+    model = _model()
+    folder = tmp_path_factory.mktemp("chunks")
+    prompt = torch.randint(0, 256, (PROMPT_LEN,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        eager = model.generate(torch.tensor([prompt]), max_new_tokens=STEPS, do_sample=False, min_new_tokens=STEPS)
+    paths = {}
+    for pipelined in (True, False):
+        paths[pipelined] = folder / f"p{int(pipelined)}.pte"
+        export_decoder(model, paths[pipelined], 256, pipelined=pipelined)
+    return SimpleNamespace(paths=paths, prompt=prompt, eager=eager[0, PROMPT_LEN:].tolist())
+
+
+def _cpp(pte, prompt, *flags) -> subprocess.CompletedProcess:
+    return subprocess.run([str(tool_path("etmlx_decode")), str(pte), "--prompt-ids", ",".join(map(str, prompt)),
+                           "--max-tokens", str(STEPS), "--json", *map(str, flags)], capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_the_python_loop_decodes_the_eager_tokens_in_chunks(programs, pipelined):
+    for chunk in (0, 1, 37, PROMPT_LEN, PROMPT_LEN + 1):
+        decoder = Decoder(programs.paths[pipelined], prefill_chunk=chunk)
+        calls, execute = [0], decoder.method.execute
+
+        def counted(*args, **kwargs):
+            calls[0] += 1
+            return execute(*args, **kwargs)
+
+        decoder.method.execute = counted
+        tokens = [s.token for s in decoder.stream(programs.prompt, STEPS, SamplingParams(), stop_at_eos=False)]
+        assert tokens == programs.eager, chunk
+        prefill_calls = math.ceil(PROMPT_LEN / chunk) if chunk else 1
+        # a pipelined program's last token comes with one more call
+        assert calls[0] == prefill_calls + STEPS - 1 + int(pipelined), chunk
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_etmlx_decode_decodes_the_eager_tokens_in_chunks(programs, pipelined):
+    for chunk in (1, 37, 0):
+        done = _cpp(programs.paths[pipelined], programs.prompt, "--prefill-chunk", chunk)
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout.splitlines()[-1])["tokens"] == programs.eager, chunk
+
+
+def test_sampled_tokens_do_not_depend_on_the_chunk(programs):
+    runs = {}
+    for chunk in (0, 37):
+        done = _cpp(programs.paths[True], programs.prompt, "--prefill-chunk", chunk, "--temperature", 1, "--seed", 5)
+        assert done.returncode == 0, done.stderr
+        runs[chunk] = json.loads(done.stdout.splitlines()[-1])["tokens"]
+        decoder = Decoder(programs.paths[True], prefill_chunk=chunk)
+        params = SamplingParams(temperature=1.0, seed=5)
+        assert [s.token for s in decoder.stream(programs.prompt, STEPS, params, stop_at_eos=False)] == runs[chunk]
+    assert runs[0] == runs[37]
+    assert runs[0] != programs.eager  # control: the draws are not the greedy tokens
+
+
+def test_programs_whose_calls_a_chunk_would_change_prefill_whole():
+    plain = SimpleNamespace(draft_tokens=0, propose_tokens=0, inputs=["tokens", "start_pos", "lengths", "seed"])
+    assert prefill_chunk_for(plain, 64) == 64
+    assert prefill_chunk_for(SimpleNamespace(**{**vars(plain), "inputs": plain.inputs + ["penalty_reset"]}), 64) == 0
+    assert prefill_chunk_for(SimpleNamespace(**{**vars(plain), "draft_tokens": 3}), 64) == 0
+    assert prefill_chunk_for(SimpleNamespace(**{**vars(plain), "propose_tokens": 4}), 64) == 0
+    with pytest.raises(ValueError, match="prefill_chunk must be >= 0"):
+        prefill_chunk_for(plain, -1)
+
+
+def test_a_bad_chunk_is_refused_in_one_line(programs):
+    done = _cpp(programs.paths[True], programs.prompt, "--prefill-chunk", "-2")
+    assert done.returncode == 2
+    assert "--prefill-chunk must be an integer >= 0, got '-2'" in done.stderr
+
+
+CPP_PEAK = """
+import resource, subprocess, sys
+subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL)
+print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)
+"""
+
+
+@pytest.mark.subprocess
+def test_a_long_prompt_peaks_lower_in_chunks(tmp_path):
+    """A 3,000-token prompt through a model whose MLP is 4,096 wide: one call holds [3000, 4096] float32
+    activations (47 MiB each); chunks of 128 hold 2 MiB."""
+    pte = tmp_path / "wide.pte"
+    export_decoder(_model(intermediate=4096), pte, 3072, verify=False)
+    prompt = ",".join(str(i % 256) for i in range(3000))
+
+    def peak(chunk: int) -> int:
+        cmd = [str(tool_path("etmlx_decode")), str(pte), "--prompt-ids", prompt, "--max-tokens", "2",
+               "--prefill-chunk", str(chunk)]
+        runs = [subprocess.run([sys.executable, "-c", CPP_PEAK, *cmd], capture_output=True, text=True, timeout=300)
+                for _ in range(2)]
+        assert all(r.returncode == 0 for r in runs), runs[0].stderr[-2000:]
+        return min(int(r.stdout.strip().splitlines()[-1]) for r in runs)
+
+    whole, chunked = peak(0), peak(128)
+    assert whole - chunked > 60 << 20, (whole >> 20, chunked >> 20)
