@@ -180,7 +180,7 @@ class DecodeRows:
         """`copy_rows(src, dst, n)`: copies positions [0, n) of row src's KV cache into row dst inside the
         program's state (LoadedMethod.copy_rows); with it, a request reuses the longest prefix any row holds,
         busy or free (cross-row reuse), not only the one its own row holds. Never for ring programs.
-        `prefill_chunk`: prompt tokens per prefill call (default decode_rows.h's 2,048; 0: the whole prompt in one
+        `prefill_chunk`: prompt tokens per prefill call (default decode_rows.h's 512; 0: the whole prompt in one
         call), for the programs and requests prefill_chunk_for() allows."""
         self.meta = meta
         self.prefill_chunk = prefill_chunk_for(meta, default_prefill_chunk() if prefill_chunk is None else prefill_chunk)

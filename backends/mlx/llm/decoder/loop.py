@@ -95,7 +95,7 @@ def decode_alone(rows: DecodeRows, execute, request: Sequence, reuse: bool, star
 
 class Decoder(ProgramTokenizer, ProgramGrammar):
     def __init__(self, pte: Path, prefill_chunk: int | None = None):
-        """`prefill_chunk`: prompt tokens per prefill call (None: 2,048; 0: the whole prompt in one call), where
+        """`prefill_chunk`: prompt tokens per prefill call (None: 512; 0: the whole prompt in one call), where
         the program allows it (decode_rows.py prefill_chunk_for)."""
         self.pte = Path(pte)
         if not self.pte.is_file():

@@ -53,7 +53,7 @@ const char kDecodeUsage[] =
     "  --image        a PNG or JPEG file for a vision-language program's prompt; repeatable, in\n"
     "                 the order of the prompt's image marks (its image token, e.g. <image>, or\n"
     "                 Gemma 3's <start_of_image>), each mark becoming the image's positions\n"
-    "  --prefill-chunk  prompt tokens per prefill call (default 2048; 0: the whole prompt in\n"
+    "  --prefill-chunk  prompt tokens per prefill call (default 512; 0: the whole prompt in\n"
     "                 one call): a long prompt's activations stay a chunk's (not for programs with\n"
     "                 penalties, drafts or proposals, nor image prompts: those prefill whole)\n"
     "  --dump-pixels  write the images' preprocessed pixels (float32 [N, 3, H, W], raw) to FILE\n"
