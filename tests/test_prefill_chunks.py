@@ -58,7 +58,7 @@ def _cpp(pte, prompt, *flags) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("pipelined", [True, False])
 def test_the_python_loop_decodes_the_eager_tokens_in_chunks(programs, pipelined):
     for chunk in (0, 1, 37, PROMPT_LEN, PROMPT_LEN + 1):
-        decoder = Decoder(programs.paths[pipelined], prefill_chunk=chunk)
+        decoder = Decoder(programs.paths[pipelined], prefill_step_size=chunk)
         calls, execute = [0], decoder.method.execute
 
         def counted(*args, **kwargs):
@@ -76,7 +76,7 @@ def test_the_python_loop_decodes_the_eager_tokens_in_chunks(programs, pipelined)
 @pytest.mark.parametrize("pipelined", [True, False])
 def test_etmlx_decode_decodes_the_eager_tokens_in_chunks(programs, pipelined):
     for chunk in (1, 37, 0):
-        done = _cpp(programs.paths[pipelined], programs.prompt, "--prefill-chunk", chunk)
+        done = _cpp(programs.paths[pipelined], programs.prompt, "--prefill-step-size", chunk)
         assert done.returncode == 0, done.stderr
         assert json.loads(done.stdout.splitlines()[-1])["tokens"] == programs.eager, chunk
 
@@ -84,10 +84,10 @@ def test_etmlx_decode_decodes_the_eager_tokens_in_chunks(programs, pipelined):
 def test_sampled_tokens_do_not_depend_on_the_chunk(programs):
     runs = {}
     for chunk in (0, 37):
-        done = _cpp(programs.paths[True], programs.prompt, "--prefill-chunk", chunk, "--temperature", 1, "--seed", 5)
+        done = _cpp(programs.paths[True], programs.prompt, "--prefill-step-size", chunk, "--temperature", 1, "--seed", 5)
         assert done.returncode == 0, done.stderr
         runs[chunk] = json.loads(done.stdout.splitlines()[-1])["tokens"]
-        decoder = Decoder(programs.paths[True], prefill_chunk=chunk)
+        decoder = Decoder(programs.paths[True], prefill_step_size=chunk)
         params = SamplingParams(temperature=1.0, seed=5)
         assert [s.token for s in decoder.stream(programs.prompt, STEPS, params, stop_at_eos=False)] == runs[chunk]
     assert runs[0] == runs[37]
@@ -100,14 +100,30 @@ def test_programs_whose_calls_a_chunk_would_change_prefill_whole():
     assert prefill_chunk_for(SimpleNamespace(**{**vars(plain), "inputs": plain.inputs + ["penalty_reset"]}), 64) == 0
     assert prefill_chunk_for(SimpleNamespace(**{**vars(plain), "draft_tokens": 3}), 64) == 0
     assert prefill_chunk_for(SimpleNamespace(**{**vars(plain), "propose_tokens": 4}), 64) == 0
-    with pytest.raises(ValueError, match="prefill_chunk must be >= 0"):
+    with pytest.raises(ValueError, match="prefill_step_size must be >= 0"):
         prefill_chunk_for(plain, -1)
 
 
+def _generate(pte, prompt, *flags) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "etmlx", "generate", str(pte), "--prompt-ids",
+                           ",".join(map(str, prompt)), "--max-tokens", str(STEPS), "--json", *map(str, flags)],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_etmlx_generate_takes_the_step_size(programs):
+    done = _generate(programs.paths[True], programs.prompt, "--prefill-step-size", 37)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1])["tokens"] == programs.eager
+
+
 def test_a_bad_chunk_is_refused_in_one_line(programs):
-    done = _cpp(programs.paths[True], programs.prompt, "--prefill-chunk", "-2")
+    done = _cpp(programs.paths[True], programs.prompt, "--prefill-step-size", "-2")
     assert done.returncode == 2
-    assert "--prefill-chunk must be an integer >= 0, got '-2'" in done.stderr
+    assert "--prefill-step-size must be an integer >= 0, got '-2'" in done.stderr
+    done = _generate(programs.paths[True], programs.prompt, "--prefill-step-size", "-2")
+    assert done.returncode != 0
+    assert "prefill_step_size must be >= 0" in done.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in done.stderr
 
 
 CPP_PEAK = """
@@ -127,7 +143,7 @@ def test_a_long_prompt_peaks_lower_in_chunks(tmp_path):
 
     def peak(chunk: int) -> int:
         cmd = [str(tool_path("etmlx_decode")), str(pte), "--prompt-ids", prompt, "--max-tokens", "2",
-               "--prefill-chunk", str(chunk)]
+               "--prefill-step-size", str(chunk)]
         runs = [subprocess.run([sys.executable, "-c", CPP_PEAK, *cmd], capture_output=True, text=True, timeout=300)
                 for _ in range(2)]
         assert all(r.returncode == 0 for r in runs), runs[0].stderr[-2000:]

@@ -36,7 +36,8 @@ def run_generate(args, params) -> int:
     from backends.mlx.llm.decoder.text_generation import stream_text
 
     constraint = constraint_from_args(args)
-    decoder = load_decoder(pte)  # a --draft-tokens program decodes speculatively: the same tokens
+    # a --draft-tokens program decodes speculatively: the same tokens
+    decoder = load_decoder(pte, prefill_step_size=args.prefill_step_size)
     drafts = speculation_from_args(args, decoder)
     decoder.meta.adapter_index(args.adapter_name)  # an unknown adapter: one line, before decoding
     if constraint is not None:

@@ -204,6 +204,8 @@ def add_parsers(sub) -> None:
                           help="tokenize the prompt as raw text instead of as a user message")
     add_knob_arguments(generate)
     generate.add_argument("--json", action="store_true", help="print token ids, text, logprobs and timings as JSON")
+    generate.add_argument("--prefill-step-size", type=int, default=None, metavar="N",
+                          help="prompt tokens per prefill call (default 512; 0: the whole prompt in one call)")
     structured = generate.add_mutually_exclusive_group()  # needs a program exported with --sampler ...,mask
     structured.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid for this JSON schema")
     structured.add_argument("--regex", metavar="R", help="the output matches this regular expression")

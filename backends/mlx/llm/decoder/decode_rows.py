@@ -169,7 +169,7 @@ def prefill_chunk_for(meta: DecoderMeta, chunk: int) -> int:
     change: penalty state (it counts each call's token), drafts, K proposals per call. Image prompts are
     prefilled whole too (DecodeRows.start). The C++ loop's rule: etmlx_decode's decode_loop.cpp."""
     if chunk < 0:
-        raise ValueError(f"prefill_chunk must be >= 0 (0: the whole prompt in one call), not {chunk}")
+        raise ValueError(f"prefill_step_size must be >= 0 (0: the whole prompt in one call), not {chunk}")
     if meta.draft_tokens or meta.propose_tokens or {"penalty_reset", "penalty_add"} & set(meta.inputs):
         return 0
     return chunk

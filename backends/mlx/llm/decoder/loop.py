@@ -94,9 +94,9 @@ def decode_alone(rows: DecodeRows, execute, request: Sequence, reuse: bool, star
 
 
 class Decoder(ProgramTokenizer, ProgramGrammar):
-    def __init__(self, pte: Path, prefill_chunk: int | None = None):
-        """`prefill_chunk`: prompt tokens per prefill call (None: 512; 0: the whole prompt in one call), where
-        the program allows it (decode_rows.py prefill_chunk_for)."""
+    def __init__(self, pte: Path, prefill_step_size: int | None = None):
+        """`prefill_step_size` (mlx-lm's name): prompt tokens per prefill call (None: 512; 0: the whole prompt in
+        one call), where the program allows it (decode_rows.py prefill_chunk_for)."""
         self.pte = Path(pte)
         if not self.pte.is_file():
             raise FileNotFoundError(f"{self.pte} does not exist")
@@ -107,7 +107,7 @@ class Decoder(ProgramTokenizer, ProgramGrammar):
         self._vocabulary = None
         # the step rules; its row caches persist between generations
         self.rows = DecodeRows(self.meta, copy_rows=self.method.copy_rows if self.method.can_copy_rows else None,
-                               prefill_chunk=prefill_chunk)
+                               prefill_chunk=prefill_step_size)
         self.last_cached = 0
         self.last_slot = 0
         self._images: ImageEncoder | None = None

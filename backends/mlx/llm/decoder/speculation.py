@@ -28,14 +28,15 @@ DRAFTS = ("ngram", "none")  # `draft=` / --draft: prompt lookup, or no drafts
 PLAIN_HINT = "needs a program exported with --draft-tokens K"
 
 
-def load_decoder(pte: Path) -> Decoder | SpeculativeDecoder:
+def load_decoder(pte: Path, prefill_step_size: int | None = None) -> Decoder | SpeculativeDecoder:
+    """The program's decoder; `prefill_step_size`: Decoder's (a draft-verifying program prefills whole)."""
     pte = Path(pte)
     if not pte.is_file():
         raise FileNotFoundError(f"{pte} does not exist")
     meta = DecoderMeta.load(pte)
     if meta.ranks > 1 and meta.rank == 0:  # a tensor-parallel program: this process's rank's file (under mlx.launch)
         pte = rank_file(pte, group_rank())
-    return SpeculativeDecoder(pte, meta) if meta.draft_tokens else Decoder(pte)
+    return SpeculativeDecoder(pte, meta) if meta.draft_tokens else Decoder(pte, prefill_step_size)
 
 
 @dataclass

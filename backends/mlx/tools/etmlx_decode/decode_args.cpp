@@ -17,10 +17,10 @@ const char kDecodeUsage[] =
     "                    [--draft ngram | --prediction TEXT|@FILE | --prediction-ids 1,2,3 |\n"
     "                     --draft-model SMALL.pte [--draft-model-cost C]] [--num-draft-tokens K]\n"
     "                    [--adapter-name NAME] [--image FILE ...] [--dump-pixels FILE]\n"
-    "                    [--prefill-chunk N] [--json]\n"
+    "                    [--prefill-step-size N] [--json]\n"
     "\n"
     "Runs the decode loop of a .pte written by `etmlx export` on the etmlx (MLX)\n"
-    "backend: prefill calls of up to --prefill-chunk tokens, then one call per token with\n"
+    "backend: prefill calls of up to --prefill-step-size tokens, then one call per token with\n"
     "seed S + step.\n"
     "  --prompt       prompt text, tokenized with the tokenizer inside FILE.pte (plus the\n"
     "                 special tokens it adds, e.g. BOS); the output is then text\n"
@@ -53,7 +53,7 @@ const char kDecodeUsage[] =
     "  --image        a PNG or JPEG file for a vision-language program's prompt; repeatable, in\n"
     "                 the order of the prompt's image marks (its image token, e.g. <image>, or\n"
     "                 Gemma 3's <start_of_image>), each mark becoming the image's positions\n"
-    "  --prefill-chunk  prompt tokens per prefill call (default 512; 0: the whole prompt in\n"
+    "  --prefill-step-size  prompt tokens per prefill call (default 512; 0: the whole prompt in\n"
     "                 one call): a long prompt's activations stay a chunk's (not for programs with\n"
     "                 penalties, drafts or proposals, nor image prompts: those prefill whole)\n"
     "  --dump-pixels  write the images' preprocessed pixels (float32 [N, 3, H, W], raw) to FILE\n"
@@ -208,10 +208,10 @@ bool parse_decode_args(int argc, char** argv, DecodeArgs* out, std::string* erro
           return false;
         }
         out->adapter_name = value;
-      } else if (name == "--prefill-chunk") {
+      } else if (name == "--prefill-step-size") {
         int64_t n = 0;
         if (!parse_int(value, &n) || n < 0) {
-          *error = "--prefill-chunk must be an integer >= 0, got '" + value + "'";
+          *error = "--prefill-step-size must be an integer >= 0, got '" + value + "'";
           return false;
         }
         out->prefill_chunk = n;

@@ -27,7 +27,7 @@ struct DecodeArgs {
   std::optional<std::string> prediction_text;          // --prediction TEXT|@FILE (Predicted Outputs)
   std::optional<std::vector<int64_t>> prediction_ids;  // --prediction-ids 1,2,3
   std::optional<int64_t> num_draft_tokens;             // --num-draft-tokens: most per call (default K)
-  std::optional<int64_t> prefill_chunk;                // --prefill-chunk N: prompt tokens per call (0: all)
+  std::optional<int64_t> prefill_chunk;                // --prefill-step-size N: prompt tokens per call (0: all)
   std::optional<std::string> draft_model;              // --draft-model SMALL.pte (model_draft.h)
   std::optional<double> draft_model_cost;              // --draft-model-cost C: fixed, not measured
   std::optional<std::string> adapter_name;  // --adapter-name NAME: one of the program's switchable adapters

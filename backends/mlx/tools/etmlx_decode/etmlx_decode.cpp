@@ -7,7 +7,7 @@
 //                from the metadata's "knobs", the table in llm/sampler/knobs.py)
 //
 // It loads FILE.pte with ExecuTorch's Module, prefills the prompt in calls of up
-// to 512 tokens (--prefill-chunk) and then runs one call per generated token; step k samples with seed
+// to 512 tokens (--prefill-step-size) and then runs one call per generated token; step k samples with seed
 // S + k on the device, so only token ids cross to the host. A pipelined
 // program returns each token one call later, while the device runs the next
 // step (decode_loop.h). The metadata and
