@@ -151,3 +151,11 @@ def test_a_long_prompt_peaks_lower_in_chunks(tmp_path):
 
     whole, chunked = peak(0), peak(128)
     assert whole - chunked > 60 << 20, (whole >> 20, chunked >> 20)
+
+
+def test_etmlx_serve_refuses_a_negative_step_size():
+    from backends.mlx.serve.app import ServeLimits
+
+    ServeLimits(prefill_step_size=0).check()
+    with pytest.raises(ValueError, match="--prefill-step-size must be >= 0, got -1"):
+        ServeLimits(prefill_step_size=-1).check()

@@ -336,3 +336,24 @@ def test_rows_of_a_worker_that_died_between_calls_end_with_an_error(pipelined):
     for _ in range(3):
         _turn(engine)
     assert [e.finish_reason for e in b] == [None, "length"]
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_a_long_prompt_is_prefilled_in_chunks_beside_a_decoding_row(pipelined):
+    """With prefill_step_size 3 a 7-token prompt takes calls of 3, 3 and 1 tokens while the other row decodes one
+    token a call; both rows' tokens are those of the unchunked engine (control: chunks off, one 7-token call)."""
+    meta = _meta(max_seq_len=32, config=SamplerConfig(logprobs=2, logit_bias=1), pipelined=pipelined)
+    runs = {}
+    for step_size in (3, 0):
+        engine = Engine((PipelinedRecorder if pipelined else Recorder)(meta), meta, prefill_step_size=step_size)
+        engine.running = True
+        a, b = [], []
+        engine.submit(_request([1, 2], 6, a, seed=10))
+        _turn(engine)
+        engine.submit(_request([3, 4, 5, 6, 7, 8, 9], 4, b, seed=20))
+        while not (a and a[-1].finish_reason and b and b[-1].finish_reason):
+            _turn(engine)
+        widths = [int(c["lengths"][1]) for c in engine.program.calls[1:4]]
+        runs[step_size] = ([e.token for e in a], [e.token for e in b], widths)
+    assert runs[3][:2] == runs[0][:2]
+    assert runs[3][2] == [3, 3, 1] and runs[0][2][0] == 7

@@ -22,7 +22,7 @@ def _serve(args) -> int:
                          lmtp_inflight=args.lmtp_inflight, max_prompt_bytes=args.max_prompt_bytes,
                          max_body_values=args.max_body_values, grammar=grammar, max_images=args.max_images,
                          image=ImageLimits(max_bytes=args.max_image_bytes, max_pixels=args.max_image_pixels),
-                         allow_local_images=args.allow_local_images)
+                         allow_local_images=args.allow_local_images, prefill_step_size=args.prefill_step_size)
     try:
         limits.check()
     except ValueError as exc:
@@ -58,6 +58,8 @@ def add_parsers(sub) -> None:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--max-batch", type=int, default=None,
                        help="rows decoded together (default: the batch the .pte was exported with)")
+    serve.add_argument("--prefill-step-size", type=int, default=None, metavar="N",
+                       help="prompt tokens per prefill call (default 512; 0: a prompt in one call)")
     serve.add_argument("--lmtp-port", type=int, default=None, help="also serve LMTP lines on this TCP port")
     serve.add_argument("--model-name", default=None, help="model id in the API (default: the .pte's stem)")
     serve.add_argument("--step-timeout", type=float, default=120.0,

@@ -55,6 +55,7 @@ class ServeLimits:
     max_images: int | None = None  # images per request; None: the program's (DecoderMeta.max_images) or 8
     image: ImageLimits = field(default_factory=ImageLimits)  # bytes and pixels of one image (400 beyond)
     allow_local_images: Path | None = None  # image files under this directory may be named; None: none
+    prefill_step_size: int | None = None  # prompt tokens per prefill call; None: 512 (decode_rows.py), 0: one call
 
     def check(self) -> None:
         self.grammar.check()
@@ -66,7 +67,7 @@ class ServeLimits:
             if value is not None and not value > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds, got {value}")
         for name, low in (("restart_attempts", 0), ("max_queue", 1), ("lmtp_inflight", 1), ("max_prompt_bytes", 1),
-                          ("max_body_values", 1), ("max_images", 1)):
+                          ("max_body_values", 1), ("max_images", 1), ("prefill_step_size", 0)):
             value = getattr(self, name)
             if value is not None and value < low:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
@@ -91,7 +92,7 @@ def load_service(pte: Path, max_batch: int | None = None, model_name: str | None
                                         ranks=meta.ranks, hosts=hosts, ssh=(placement or RankPlacement()).ssh,
                                         rank_timeout=limits.rank_timeout)
     engine = Engine(program, meta, max_batch=max_batch, request_timeout=limits.request_timeout,
-                    max_queue=limits.max_queue, pte=pte).start()
+                    max_queue=limits.max_queue, pte=pte, prefill_step_size=limits.prefill_step_size).start()
     return Service(meta=meta, tokenizer=tokenizer, engine=engine, model_name=model_name or pte.stem,
                    max_prompt_bytes=limits.max_prompt_bytes,
                    lmtp_inflight=limits.lmtp_inflight or 2 * engine.usable,

@@ -99,14 +99,16 @@ class Engine(ProgramGrammar):
     def __init__(self, program, meta: DecoderMeta, max_batch: int | None = None,
                  request_timeout: float | None = None, max_queue: int | None = None, pte=None,
                  prompt_cache: bool = True, prefix_affinity: bool = True,
-                 step_cost_tokens: float = STEP_COST_TOKENS):
+                 step_cost_tokens: float = STEP_COST_TOKENS, prefill_step_size: int | None = None):
         """program: anything with execute(inputs) -> outputs (a loaded method, a ProgramWorker or a
         SupervisedProgram). request_timeout: seconds a request may take from submission (None: no limit).
         max_queue: requests that may wait for a row (default 8 x the rows); beyond it submit raises QueueFull.
         pte: the program's file, where structured output reads the tokenizer from.
         prompt_cache: reuse what a row's cache holds from earlier requests (runtime/decode_rows.h).
         prefix_affinity: let a request wait for a running row that will hold a long prefix of its prompt.
-        step_cost_tokens: prefill tokens one decode step is worth in that choice (0: always wait)."""
+        step_cost_tokens: prefill tokens one decode step is worth in that choice (0: always wait).
+        prefill_step_size: prompt tokens per prefill call (None: 512; 0: a prompt in one call; decode_rows.py):
+        a long prompt then shares calls with the other rows' decode steps instead of stalling them."""
         if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int)
                                       or not 1 <= max_batch <= meta.batch):
             raise ValueError(f"max_batch must be an int in [1, {meta.batch}] (the program's batch), got {max_batch!r}")
@@ -117,7 +119,7 @@ class Engine(ProgramGrammar):
         self.images: ImageEncoder | None = None  # a vision-language program's, loaded on the first image
         # cross-row reuse where the program can copy a row's KV entries into another (decode_rows.py)
         copy_rows = program.copy_rows if getattr(program, "can_copy_rows", False) else None
-        self.core = DecodeRows(meta, prompt_cache=prompt_cache, copy_rows=copy_rows)
+        self.core = DecodeRows(meta, prompt_cache=prompt_cache, copy_rows=copy_rows, prefill_chunk=prefill_step_size)
         self.prefix_affinity = prefix_affinity
         self.step_cost_tokens = step_cost_tokens
         self.usable = max_batch or meta.batch
