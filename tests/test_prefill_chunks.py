@@ -2,8 +2,8 @@
 activations are a chunk's, not the prompt's: the Python loop and the C++ etmlx_decode decode the eager model's greedy
 tokens whatever the chunk (1 token, one that does not divide the prompt, the whole prompt, 0 = one call), pipelined
 or not, with the calls the chunks ask for; seeded sampling draws the same tokens chunked or not; programs whose
-calls a chunk's dropped token would change (penalty state, drafts, proposals) prefill whole; and a long prompt's
-peak memory falls with the chunk."""
+calls a chunk would change (drafts, proposals) prefill whole; penalty counts (reset by every chunk) end as a whole
+prefill leaves them; and a long prompt's peak memory falls with the chunk."""
 
 from __future__ import annotations
 
@@ -97,7 +97,6 @@ def test_sampled_tokens_do_not_depend_on_the_chunk(programs):
 def test_programs_whose_calls_a_chunk_would_change_prefill_whole():
     plain = SimpleNamespace(draft_tokens=0, propose_tokens=0, inputs=["tokens", "start_pos", "lengths", "seed"])
     assert prefill_chunk_for(plain, 64) == 64
-    assert prefill_chunk_for(SimpleNamespace(**{**vars(plain), "inputs": plain.inputs + ["penalty_reset"]}), 64) == 0
     assert prefill_chunk_for(SimpleNamespace(**{**vars(plain), "draft_tokens": 3}), 64) == 0
     assert prefill_chunk_for(SimpleNamespace(**{**vars(plain), "propose_tokens": 4}), 64) == 0
     with pytest.raises(ValueError, match="prefill_step_size must be >= 0"):
@@ -159,3 +158,25 @@ def test_etmlx_serve_refuses_a_negative_step_size():
     ServeLimits(prefill_step_size=0).check()
     with pytest.raises(ValueError, match="--prefill-step-size must be >= 0, got -1"):
         ServeLimits(prefill_step_size=-1).check()
+
+
+def test_penalty_counts_end_as_a_whole_prefill_leaves_them(tmp_path):
+    """Each chunk resets the counts, so no dropped chunk token is counted: strong penalties draw the same tokens
+    chunked or not (control: the penalties change the draws; a chunk's token counted changed them too, checked)."""
+    from backends.mlx.llm.sampler.config import SamplerConfig
+
+    pte = tmp_path / "penalties.pte"
+    export_decoder(_model(), pte, 256, config=SamplerConfig(penalties=True), verify=False)
+    prompt = torch.randint(0, 256, (PROMPT_LEN,), generator=torch.Generator().manual_seed(2)).tolist()
+    penalised = ("--temperature", 0.7, "--seed", 3, "--presence-penalty", 2, "--frequency-penalty", 2)
+    runs = {}
+    for chunk, knobs in ((0, penalised), (37, penalised), (1, penalised), (0, penalised[:4])):
+        done = _cpp(pte, prompt, "--prefill-step-size", chunk, "--max-tokens", 24, *knobs)
+        assert done.returncode == 0, done.stderr
+        runs[chunk, len(knobs)] = json.loads(done.stdout.splitlines()[-1])["tokens"]
+        if len(knobs) == len(penalised) and chunk:
+            params = SamplingParams(temperature=0.7, seed=3, presence_penalty=2.0, frequency_penalty=2.0)
+            decoder = Decoder(pte, prefill_step_size=chunk)
+            assert [s.token for s in decoder.stream(prompt, 24, params, stop_at_eos=False)] == runs[chunk, len(knobs)]
+    assert runs[37, 8] == runs[0, 8] == runs[1, 8]
+    assert runs[0, 4] != runs[0, 8]  # control: the penalties change the draws

@@ -303,7 +303,9 @@ CallLayout DecodeRows::layout(int64_t only) {
     call.start_pos[slot] = r->pos;
     call.lengths[slot] = static_cast<int64_t>(r->feed.size() + r->drafts.size());
     call.steps[slot] = r->step;
-    call.first[slot] = r->step == 0 && r->calls == 0;  // a later prefill chunk continues the same step 0
+    // Every prefill chunk is step 0 and resets the row's penalty counts: after the last chunk they hold only its
+    // token, as after a whole prefill (a dropped chunk token is never counted).
+    call.first[slot] = r->step == 0;
     call.drafts[slot] = r->drafts;
     int64_t base_seed = 0;  // greedy rows draw with the default knobs
     if (!r->request.forced) {

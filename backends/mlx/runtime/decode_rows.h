@@ -78,8 +78,8 @@ struct RowRequest {
   int64_t seed = 0;                            // the base seed: step k draws with seed + k
   bool constrained = false;                    // the driver checks each token (read()'s advance)
   // > 0: prefill in calls of at most this many tokens, bounding a long prompt's working set (activations grow
-  // with the tokens of a call). The driver sets it only for programs whose calls keep no per-token host-visible
-  // state beyond the KV cache: no penalty state (a chunk's dropped token would count), no drafts, no images.
+  // with the tokens of a call). Each chunk is a step-0 call (its seed, its penalty reset). The drivers leave it 0
+  // where a chunk would change the calls: drafts, K proposals per call, image prompts.
   int64_t prefill_chunk = 0;
 };
 

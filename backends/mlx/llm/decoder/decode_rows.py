@@ -165,12 +165,12 @@ class RowCaches:
 
 
 def prefill_chunk_for(meta: DecoderMeta, chunk: int) -> int:
-    """`chunk`, or 0 (the whole prompt in one call) for the programs whose calls a dropped chunk token would
-    change: penalty state (it counts each call's token), drafts, K proposals per call. Image prompts are
-    prefilled whole too (DecodeRows.start). The C++ loop's rule: etmlx_decode's decode_loop.cpp."""
+    """`chunk`, or 0 (the whole prompt in one call) for the programs a chunk would change: drafts (a verify call
+    carries them), K proposals per call. Image prompts are prefilled whole too (DecodeRows.start). Penalty
+    counts need nothing: each chunk resets them (decode_rows.cpp layout). The C++ loop's rule: etmlx_decode.cpp."""
     if chunk < 0:
         raise ValueError(f"prefill_step_size must be >= 0 (0: the whole prompt in one call), not {chunk}")
-    if meta.draft_tokens or meta.propose_tokens or {"penalty_reset", "penalty_add"} & set(meta.inputs):
+    if meta.draft_tokens or meta.propose_tokens:
         return 0
     return chunk
 

@@ -54,8 +54,8 @@ const char kDecodeUsage[] =
     "                 the order of the prompt's image marks (its image token, e.g. <image>, or\n"
     "                 Gemma 3's <start_of_image>), each mark becoming the image's positions\n"
     "  --prefill-step-size  prompt tokens per prefill call (default 512; 0: the whole prompt in\n"
-    "                 one call): a long prompt's activations stay a chunk's (not for programs with\n"
-    "                 penalties, drafts or proposals, nor image prompts: those prefill whole)\n"
+    "                 one call): a long prompt's activations stay a chunk's (programs with drafts\n"
+    "                 or proposals, and image prompts, prefill whole)\n"
     "  --dump-pixels  write the images' preprocessed pixels (float32 [N, 3, H, W], raw) to FILE\n"
     "                 and exit: a check of the preprocessing against the checkpoint's processor\n"
     "  --json         print {\"tokens\", \"finish_reason\", timings, \"draft\"} instead of streaming ids\n";

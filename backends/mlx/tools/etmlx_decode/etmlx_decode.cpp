@@ -56,13 +56,10 @@ constexpr int kBadInput = 2;
 constexpr int kRunFailed = 1;
 
 // Prompt tokens per prefill call: `requested` (default kPrefillChunk), or 0 (the whole prompt in one call) where a
-// chunk's dropped token would change the calls: penalty state, drafts, K proposals per call, image prompts (the
-// Python loop's rule: llm/decoder/decode_rows.py prefill_chunk_for).
+// chunk would change the calls: drafts, K proposals per call, image prompts (the Python loop's rule:
+// llm/decoder/decode_rows.py prefill_chunk_for).
 int64_t prefill_chunk_for(const etmlx::DecoderMeta& meta, std::optional<int64_t> requested, bool images) {
-  const bool penalties = std::any_of(meta.inputs.begin(), meta.inputs.end(), [](const std::string& name) {
-    return name == "penalty_reset" || name == "penalty_add";
-  });
-  if (penalties || meta.draft_tokens > 0 || meta.propose_tokens > 0 || images) return 0;
+  if (meta.draft_tokens > 0 || meta.propose_tokens > 0 || images) return 0;
   return requested.value_or(etmlx::kPrefillChunk);
 }
 
