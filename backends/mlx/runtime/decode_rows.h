@@ -79,7 +79,8 @@ struct RowRequest {
   bool constrained = false;                    // the driver checks each token (read()'s advance)
   // > 0: prefill in calls of at most this many tokens, bounding a long prompt's working set (activations grow
   // with the tokens of a call). Each chunk is a step-0 call (its seed, its penalty reset). The drivers leave it 0
-  // where a chunk would change the calls: drafts, K proposals per call, image prompts.
+  // where a chunk would change the calls: drafts, K proposals per call, image prompts (an image's positions may
+  // attend to each other both ways, as Gemma 3's do: a chunk boundary inside one would cut that).
   int64_t prefill_chunk = 0;
 };
 
