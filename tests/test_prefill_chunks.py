@@ -180,3 +180,19 @@ def test_penalty_counts_end_as_a_whole_prefill_leaves_them(tmp_path):
             assert [s.token for s in decoder.stream(prompt, 24, params, stop_at_eos=False)] == runs[chunk, len(knobs)]
     assert runs[37, 8] == runs[0, 8] == runs[1, 8]
     assert runs[0, 4] != runs[0, 8]  # control: the penalties change the draws
+
+
+def test_a_waiting_request_counts_a_busy_rows_prefill_chunks():
+    """Prefix affinity weighs the steps a busy row has left before it holds the prefix: every chunk is a call."""
+    from backends.mlx.llm.decoder.decode_rows import DecodeRows
+    from backends.mlx.llm.decoder.meta import DecoderMeta
+    from backends.mlx.llm.sampler.config import SamplerConfig
+    from backends.mlx.serve.engine import EngineRequest
+
+    meta = DecoderMeta.build(max_seq_len=32, vocab_size=50, batch=2, eos_token_ids=[0], seeded=True,
+                             config=SamplerConfig(), dtype="float32", pipelined=False, ring_cache=False)
+    prompt = [3, 4, 5, 6, 7, 8, 9]
+    for chunk, prefill_calls in ((3, 3), (0, 1)):
+        rows = DecodeRows(meta, prefill_chunk=chunk)
+        rows.start(0, EngineRequest(prompt, SamplingParams(), 5, lambda _: None), reuse=False)
+        assert rows.busy_prefix(prompt + [1]) == (0, 7, 5 + prefill_calls)

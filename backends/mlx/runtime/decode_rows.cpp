@@ -167,8 +167,11 @@ std::vector<int64_t> DecodeRows::busy_prefix(const std::vector<int64_t>& prompt)
     if (!r) continue;
     const int64_t n = std::min(common_prefix(r->request.prompt, prompt), static_cast<int64_t>(prompt.size()) - 1);
     if (n > best[1]) {
-      // With copies, the prefix can be copied as soon as the row has prefilled it (its prefill call).
-      const int64_t steps = config_.copies ? 1 : r->request.max_tokens - r->produced + (r->step == 0 ? 1 : 0);
+      // With copies, the prefix can be copied as soon as the row has prefilled it (its prefill calls: one per
+      // chunk still to feed).
+      const auto rest = static_cast<int64_t>(r->rest.size()), chunk = std::max<int64_t>(r->request.prefill_chunk, 1);
+      const int64_t prefill = r->step == 0 ? 1 + (rest + chunk - 1) / chunk : 0;
+      const int64_t steps = config_.copies ? std::max<int64_t>(prefill, 1) : r->request.max_tokens - r->produced + prefill;
       best = {slot, n, steps};
     }
   }

@@ -171,7 +171,7 @@ class DecodeRows {
   // Without `reuse`, the least recently used free slot.
   std::pair<int64_t, int64_t> choose(const std::vector<int64_t>& prompt, int64_t usable, bool reuse) const;
   // (slot, n, steps): the running row whose prompt shares the longest prefix (n) with `prompt`, and the
-  // steps it has left at most (1 with copies: its prefill call). (-1, 0, 0) with none.
+  // steps it has left at most (with copies: its prefill calls, at least 1). (-1, 0, 0) with none.
   std::vector<int64_t> busy_prefix(const std::vector<int64_t>& prompt) const;
   // Row `slot` takes `request`; with `reuse`, from the longest prefix its cache (or, with a copier, another
   // row's) holds. Returns the prompt tokens it did not need to prefill.

@@ -220,7 +220,7 @@ class DecodeRows:
 
     def busy_prefix(self, prompt: list[int]) -> tuple[int | None, int, int]:
         """(slot, n, steps): the running row whose prompt shares the longest prefix (n tokens) with
-        `prompt`, and the steps it has left at most (1 with cross-row reuse: its prefill call);
+        `prompt`, and the steps it has left at most (with cross-row reuse: its prefill calls, at least 1);
         (None, 0, 0) with none, with caching off, or for ring programs."""
         return self.core.busy_prefix(prompt)
 
