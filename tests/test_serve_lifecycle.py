@@ -40,9 +40,10 @@ def pte(tmp_path_factory):
 # Streams long enough that no row can finish before the signal reaches the server, even on a loaded machine
 # (the shared tiny program's 64 positions leave ~60 tokens: ~0.1 s; its model has 512 positions). 480 tokens of
 # the 2-layer, 64-wide model (~0.2 s) lost that race in a loaded suite run once decoding got faster (mimalloc), so
-# the long program's model is wider and deeper (LONG_MODEL): each token costs several times more.
+# the long program's model is wider and deeper (LONG_MODEL): each token costs several times more. The C++ cache
+# write stopped copying the cache each step (backend.cpp) and lost the race again (1 run in 3): 4x the layers.
 LONG_TOKENS = 480
-LONG_MODEL = {"hidden": 256, "layers": 6}
+LONG_MODEL = {"hidden": 256, "layers": 24}
 
 
 @pytest.fixture(scope="module")
