@@ -3,7 +3,8 @@ at a time dequantized, then the float decode loop's row functions) gives, bit fo
 result over mx::dequantize's keys and values: 4- and 8-bit caches, groups of 32/64/128, head sizes through the
 blocked score loop (<= 128) and the plain one (160), grouped-query heads, verify rows, a batch of two with its own
 windows, windows ending inside and across the 64-key blocks. MLX's own route (the device kernel set: quantized
-matmuls) agrees within float32 noise. Control: one changed scale in the cache changes the bits."""
+matmuls) agrees within float32 noise. The same with the scales and biases in bfloat16 (a float32 program's
+default) or float16, read widened. Control: one changed scale in the cache changes the bits."""
 
 from __future__ import annotations
 
@@ -52,22 +53,24 @@ class _Float(torch.nn.Module):
                                               enable_gqa=q.shape[1] != k.shape[1])
 
 
-def _quantize(x: np.ndarray, group: int, bits: int):
-    """[B, Hkv, S, D] float32 -> (bytes, scales, biases, the dequantized float32) as torch tensors."""
+def _quantize(x: np.ndarray, group: int, bits: int, scale_dtype=torch.float32):
+    """[B, Hkv, S, D] float32 -> (bytes, scales, biases in `scale_dtype`, the dequantized float32) as torch
+    tensors; narrower scales are rounded first and the float32 is what they stand for, widened."""
     b, h, s, d = x.shape
     wq, scales, biases = mx.quantize(mx.array(x.reshape(-1, d)), group_size=group, bits=bits)
-    deq = np.array(mx.dequantize(wq, scales, biases, group_size=group, bits=bits)).reshape(b, h, s, d)
-    packed = np.array(wq).view(np.uint8).reshape(b, h, s, d * bits // 8)
     t = lambda a, *shape: torch.from_numpy(np.ascontiguousarray(a).reshape(*shape))
-    return (t(packed, b, h, s, -1), t(np.array(scales), b, h, s, -1), t(np.array(biases), b, h, s, -1),
-            t(deq, b, h, s, d))
+    scales, biases = (t(np.array(a), b, h, s, -1).to(scale_dtype) for a in (scales, biases))
+    wide = [mx.array(a.float().reshape(b * h * s, -1).numpy()) for a in (scales, biases)]
+    deq = np.array(mx.dequantize(wq, *wide, group_size=group, bits=bits)).reshape(b, h, s, d)
+    packed = np.array(wq).view(np.uint8).reshape(b, h, s, d * bits // 8)
+    return t(packed, b, h, s, -1), scales, biases, t(deq, b, h, s, d)
 
 
-def _case(seed, batch, heads, kv_heads, rows, dim, slots, group, bits):
+def _case(seed, batch, heads, kv_heads, rows, dim, slots, group, bits, scale_dtype=torch.float32):
     rng = np.random.default_rng(seed)
     q = torch.from_numpy(rng.standard_normal((batch, heads, rows, dim), dtype=np.float32) * 3)
-    k = _quantize(rng.standard_normal((batch, kv_heads, slots, dim), dtype=np.float32), group, bits)
-    v = _quantize(rng.standard_normal((batch, kv_heads, slots, dim), dtype=np.float32), group, bits)
+    k = _quantize(rng.standard_normal((batch, kv_heads, slots, dim), dtype=np.float32), group, bits, scale_dtype)
+    v = _quantize(rng.standard_normal((batch, kv_heads, slots, dim), dtype=np.float32), group, bits, scale_dtype)
     return q, k, v
 
 
@@ -86,25 +89,34 @@ CASES = [  # seed, batch, heads, kv_heads, rows, dim, slots, group, bits, starts
 ]
 
 
-@pytest.mark.parametrize("seed,batch,heads,kv_heads,rows,dim,slots,group,bits,starts", CASES)
+# A float32 program's cache keeps bfloat16 scales and biases by default (--kv-scale-dtype, kv_quant.py); float16
+# is the other choice. Each with two cases, and a prefill-sized query (32 rows: MLX's route, the cache widened).
+NARROW_SCALES = [(dtype, CASES[i]) for dtype in (torch.bfloat16, torch.float16) for i in (0, 2)] + [
+    (torch.bfloat16, (5, 1, 4, 2, 32, 128, 120, 64, 4, [(0,), (88,)]))]
+
+
+@pytest.mark.parametrize("seed,batch,heads,kv_heads,rows,dim,slots,group,bits,starts,scale_dtype",
+                         [(*case, torch.float32) for case in CASES]
+                         + [(*case, dtype) for dtype, case in NARROW_SCALES])
 def test_packed_decode_equals_the_float_loop_over_the_dequantized_cache(
-        seed, batch, heads, kv_heads, rows, dim, slots, group, bits, starts, monkeypatch):
+        seed, batch, heads, kv_heads, rows, dim, slots, group, bits, starts, scale_dtype, monkeypatch):
     monkeypatch.setenv("ETMLX_KERNELS", "cpu")
-    q, k, v = _case(seed, batch, heads, kv_heads, rows, dim, slots, group, bits)
+    q, k, v = _case(seed, batch, heads, kv_heads, rows, dim, slots, group, bits, scale_dtype)
     start = torch.tensor(starts[0])
     packed, plain = _programs(q, k, v, group, bits, start)
     for s in starts:
         start = torch.tensor(s)
         got = packed.execute([q, *k[:3], *v[:3], start])[0]
         want = plain.execute([q, k[3], v[3], start])[0]
-        if _host_loop_runs():  # the host loop: the float loop's bits
+        if _host_loop_runs() and rows * heads // kv_heads <= 16:  # the host loop: the float loop's bits
             np.testing.assert_array_equal(got.numpy().view(np.uint32), want.numpy().view(np.uint32))
         torch.testing.assert_close(got, _Float()(q, k[3], v[3], start), atol=2e-5, rtol=2e-5)
 
 
-def test_mlx_route_agrees_and_a_changed_scale_changes_the_bits(monkeypatch):
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+def test_mlx_route_agrees_and_a_changed_scale_changes_the_bits(monkeypatch, scale_dtype):
     seed, batch, heads, kv_heads, rows, dim, slots, group, bits, starts = CASES[0]
-    q, k, v = _case(seed, batch, heads, kv_heads, rows, dim, slots, group, bits)
+    q, k, v = _case(seed, batch, heads, kv_heads, rows, dim, slots, group, bits, scale_dtype)
     start = torch.tensor(starts[3])
     args = [q, *k[:3], *v[:3], start]
     monkeypatch.setenv("ETMLX_KERNELS", "cpu")

@@ -83,7 +83,9 @@ def test_bad_paths_and_absent_servers_are_one_line_errors(tmp_path):
              (("export", "--model", str(tmp_path), "--out", str(tmp_path)), "is a directory; give the .pte file"),
              (("export", "--model", str(tmp_path), "--propose-tokens", "4", "--logprobs", "2"),
               "--propose-tokens takes the plain sampling head"),
-             (("export", "--model", str(tmp_path), "--propose-tokens", "-1"), "--propose-tokens must be >= 0")]
+             (("export", "--model", str(tmp_path), "--propose-tokens", "-1"), "--propose-tokens must be >= 0"),
+             (("export", "--model", str(tmp_path), "--kv-scale-dtype", "bfloat16"),
+              "--kv-scale-dtype needs a quantized cache (--kv-bits 4 or 8)")]
     for args, needle in cases:
         out = _etmlx(*args, timeout=120)
         lines = out.stderr.strip().splitlines()

@@ -5,6 +5,7 @@
   divide it), the teacher-forced log-probability of each next token with a quantized cache against the float cache
   (prefill of 8 tokens, then one token per call: positions written at different times, as in a decode). 8-bit stays
   within 0.05 nats on average, 4-bit within the stated bound; the 2-bit cache is the control that must exceed them.
+  The default bfloat16 scales of a float32 model's cache do as well as float32 ones.
   The eager model over the quantized cache is the program's reference: each export checks the program against it.
 - Bytes: the program's own buffers, at 32k positions, 8-bit and 4-bit against float16; its attention node keeps
   the key window (a decode step reads the filled part of the cache).
@@ -32,9 +33,10 @@ from test_model_families import CONFIGS
 TEXT = torch.randint(1, 128, (24,), generator=torch.Generator().manual_seed(1)).tolist()
 PREFILL = 8
 EIGHT_BIT_NATS = 0.05  # the issue's target, mean over the families
-# Measured (this file's gaps, printed by the test): 8-bit mean 0.018, worst mixtral 0.13 (its router picks other
-# experts for a key moved by rounding; the dense families <= 0.021); 4-bit mean 0.24, worst mixtral 0.58;
-# 2-bit mean 0.82, best cohere 0.12.
+# Measured (this file's gaps, printed by the test; float32 scales): 8-bit mean 0.018, worst mixtral 0.13 (its router
+# picks other experts for a key moved by rounding; the dense families <= 0.021); 4-bit mean 0.24, worst mixtral
+# 0.58; 2-bit mean 0.82, best cohere 0.12. With bfloat16 scales (the default for these float32 models): 8-bit
+# mean 0.014, 4-bit 0.237, worst mixtral 0.60.
 EIGHT_BIT_WORST = 0.2
 FOUR_BIT_NATS = 0.4  # mean over the families
 FOUR_BIT_WORST = 0.8
@@ -95,19 +97,24 @@ def test_logprob_gap_to_the_float_cache_over_the_families(capsys):
                 StaticCacheLM(model, 32, kv_bits=8, kv_group_size=32)
             continue
         float_cache = _teacher_forced(StaticCacheLM(model, 32))
-        gaps[family] = {bits: float((_teacher_forced(StaticCacheLM(model, 32, kv_bits=bits, kv_group_size=32))
-                                     - float_cache).abs().mean()) for bits in (8, 4, 2)}
+        # The models are float32: their caches' scales are bfloat16 (the default) unless "f32" asks for float32.
+        gaps[family] = {key: float((_teacher_forced(StaticCacheLM(
+            model, 32, kv_bits=int(key[0]), kv_group_size=32, kv_scale_dtype="float32" if "f32" in key else ""))
+            - float_cache).abs().mean()) for key in ("8", "4", "2", "8 f32", "4 f32")}
     with capsys.disabled():
         for family, row in gaps.items():
-            print(f"\n{family:12s} " + "  ".join(f"{bits}-bit {gap:.4f}" for bits, gap in row.items()), end="")
+            print(f"\n{family:12s} " + "  ".join(f"{key}-bit {gap:.4f}" for key, gap in row.items()), end="")
         print(file=sys.stdout)
-    mean = {bits: sum(row[bits] for row in gaps.values()) / len(gaps) for bits in (8, 4, 2)}
-    assert mean[8] <= EIGHT_BIT_NATS, mean
-    assert mean[4] <= FOUR_BIT_NATS, mean
-    assert all(row[8] <= EIGHT_BIT_WORST and row[4] <= FOUR_BIT_WORST for row in gaps.values()), gaps
+    mean = {key: sum(row[key] for row in gaps.values()) / len(gaps) for key in gaps["llama"]}
+    assert mean["8"] <= EIGHT_BIT_NATS, mean
+    assert mean["4"] <= FOUR_BIT_NATS, mean
+    assert all(row["8"] <= EIGHT_BIT_WORST and row["4"] <= FOUR_BIT_WORST for row in gaps.values()), gaps
+    # bfloat16 scales lose nothing measurable against float32 ones (measured means 0.014 vs 0.019 at 8 bits,
+    # 0.237 vs 0.238 at 4: router flips dominate either way).
+    assert mean["8"] <= mean["8 f32"] + 0.01 and mean["4"] <= mean["4 f32"] + 0.02, mean
     # The control: 2 bits is a visible loss in every family, beyond the 8-bit bound, and on average beyond 4-bit's.
-    assert all(row[2] > EIGHT_BIT_NATS for row in gaps.values()), gaps
-    assert mean[2] > FOUR_BIT_NATS, mean
+    assert all(row["2"] > EIGHT_BIT_NATS for row in gaps.values()), gaps
+    assert mean["2"] > FOUR_BIT_NATS, mean
 
 
 def _tiny(head_dim: int = 32, dtype=torch.float32, positions: int = 128, kind=T.LlamaConfig, **extra):
@@ -146,6 +153,25 @@ def test_cache_bytes_at_32k_from_the_programs_buffers(tmp_path):
     assert len(nodes) == 2 and all(n.window and n.windowBase is not None for n in nodes)
 
 
+def test_a_float32_caches_scales_are_bfloat16_unless_asked():
+    """The scales' and biases' dtype (kv_quant.DEFAULT_SCALES, --kv-scale-dtype) as the program's buffers take it,
+    and the bytes kv_quant.cache_bytes counts for it: at head size 128 and group 64, 4 bits, 72 bytes a position
+    and head against float32 scales' 80."""
+    for model_dtype, asked, want in [(torch.float32, "", torch.bfloat16), (torch.float32, "float32", torch.float32),
+                                     (torch.float32, "float16", torch.float16), (torch.bfloat16, "", torch.bfloat16),
+                                     (torch.float16, "", torch.float16), (torch.float16, "bfloat16", torch.bfloat16)]:
+        model = _tiny(head_dim=128, dtype=model_dtype)
+        lm = StaticCacheLM(model, 16, kv_bits=4, kv_scale_dtype=asked)
+        (k, ks, kb), (v, vs, vb) = lm.layer_cache(0)
+        assert (k.dtype, v.dtype) == (torch.uint8, torch.uint8)
+        assert {ks.dtype, kb.dtype, vs.dtype, vb.dtype} == {want}, (model_dtype, asked)
+        setting = lm.kv_quant
+        assert lm.cache_bytes() == 2 * cache_bytes(1, 16, 128, 128, setting, model_dtype)
+    narrow = cache_bytes(1, 1, 128, 128, KvQuant(4, 64), torch.float32)
+    wide = cache_bytes(1, 1, 128, 128, KvQuant(4, 64, "float32"), torch.float32)
+    assert (narrow, wide) == (2 * 72, 2 * 80)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("bits, kind", [(8, "ring"), (4, "batched"), (4, "drafts")])
 def test_programs_with_a_quantized_cache_pass_their_check(tmp_path, bits, kind):
@@ -165,7 +191,9 @@ def test_programs_with_a_quantized_cache_pass_their_check(tmp_path, bits, kind):
     (lambda: _tiny(head_dim=16), dict(kv_bits=8, kv_group_size=32), "does not divide the key head size 16"),
     (lambda: _tiny(), dict(kv_bits=2), "--kv-bits 2 is not supported"),
     (lambda: _tiny(), dict(kv_bits=4, kv_group_size=48), "--kv-group-size 48 is not supported"),
-], ids=["group_over_head", "two_bits", "group_size"])
+    (lambda: _tiny(), dict(kv_bits=4, kv_scale_dtype="int8"), "--kv-scale-dtype 'int8' is not supported"),
+    (lambda: _tiny(), dict(kv_scale_dtype="bfloat16"), "--kv-scale-dtype needs a quantized cache"),
+], ids=["group_over_head", "two_bits", "group_size", "scale_dtype", "scales_without_bits"])
 def test_what_cannot_be_quantized_is_refused_in_one_line(tmp_path, model, kwargs, match):
     with pytest.raises(ValueError, match=match) as info:
         export_decoder(model(), tmp_path / "x.pte", 16, verify=False, **kwargs)

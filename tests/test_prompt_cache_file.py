@@ -81,9 +81,9 @@ def test_a_cache_loaded_from_a_file_gives_the_fresh_tokens_and_prefills_only_the
     prefill = max(calls[0])  # the row's first call: every token it was not given from the file
     assert prefill == len(PROMPT) + len(first) + len(MORE) - held
 
-    if program == "kv4":  # the quantized cache as the program holds it: packed bytes, then float scales and biases
-        entries, _ = cache_file._read_safetensors(path)
-        assert [entries[f"kv.{k}"].dtype for k in range(6)] == [torch.uint8, torch.float32, torch.float32] * 2
+    if program == "kv4":  # the quantized cache as the program holds it: packed bytes, then the scales and biases
+        entries, _ = cache_file._read_safetensors(path)  # (bfloat16: a float32 program's default, kv_quant.py)
+        assert [entries[f"kv.{k}"].dtype for k in range(6)] == [torch.uint8, torch.bfloat16, torch.bfloat16] * 2
 
     if program == "plain" and sampling:  # the file is plain safetensors: the library reads the same tensors
         safetensors = pytest.importorskip("safetensors.torch")

@@ -62,6 +62,6 @@ def test_the_cache_is_resident_once(tmp_path, kv_bits, loop):
     export_decoder(model, short, 64, kv_bits=kv_bits, kv_group_size=32, verify=False)
     export_decoder(model, long, LONG, kv_bits=kv_bits, kv_group_size=32, verify=False)
     cache = StaticCacheLM(model, LONG, kv_bits=kv_bits, kv_group_size=32).cache_bytes()
-    assert cache > 20 << 20  # large enough to read in the RSS (float: 128 MiB, 4-bit: 24 MiB)
+    assert cache >= 16 << 20  # large enough to read in the RSS (float: 128 MiB, 4-bit with bfloat16 scales: 20)
     growth = min(_peak_rss_bytes(long, loop) for _ in range(2)) - min(_peak_rss_bytes(short, loop) for _ in range(2))
     assert growth < 1.35 * cache, (growth / cache, cache)

@@ -35,7 +35,7 @@ def _as_flags(message: str) -> str:
     option = message.split(" ", 1)[0].removesuffix(":")  # "adapters: ..." too
     if option in _EXPORT_OPTIONS:
         message = "--" + option.replace("_", "-") + message[len(option):]
-    names = "|".join(name for name in (*_EXPORT_OPTIONS, "kv_bits") if "_" in name)
+    names = "|".join(name for name in (*_EXPORT_OPTIONS, "kv_bits", "kv_scale_dtype") if "_" in name)
     return re.sub(rf"(?<![\w-])({names})\b", lambda m: "--" + m.group(1).replace("_", "-"), message)
 
 
@@ -51,7 +51,7 @@ def run_export(args) -> int:
             propose_tokens=args.propose_tokens, external_weights=args.external_weights, progress=_progress(),
             adapter=args.adapter, tool_call_format=args.tool_call_format,
             qmm_activations=args.qmm_activations, kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
-            tensor_parallel=args.tensor_parallel, pipeline_parallel=args.pipeline_parallel,
+            kv_scale_dtype=args.kv_scale_dtype or "", tensor_parallel=args.tensor_parallel, pipeline_parallel=args.pipeline_parallel,
             adapters=_adapters(args.adapters))
     except (ValueError, IsADirectoryError) as exc:  # the option names of the Python API, as this command's flags
         raise type(exc)(_as_flags(str(exc))) from None
@@ -147,6 +147,9 @@ def add_parsers(sub) -> None:
                              "attention over it in the program (default: float, the --dtype)")
     export.add_argument("--kv-group-size", type=int, default=64,
                         help="--kv-bits: head-dimension values per scale and bias, 32, 64 (default) or 128")
+    export.add_argument("--kv-scale-dtype", choices=["float32", "float16", "bfloat16"], default=None,
+                        help="--kv-bits: the dtype of the cache's scales and biases (default: bfloat16 for a "
+                             "float32 model, 0.9x its cache bytes at 4 bits; else the --dtype)")
     export.add_argument("--batch", type=int, default=1, help="rows per call (default 1; a server uses more)")
     seeding = export.add_mutually_exclusive_group()
     seeding.add_argument("--seeded", dest="seeded", action="store_true", default=True,

@@ -198,6 +198,11 @@ bool Interpreter::exec_quantized_sdpa(const fb::QuantizedSdpaNode& n) {
   if (q->ndim() != 4 || !mx::issubdtype(q->dtype(), mx::floating)) return fail("q must be 4-d floating");
   const int batch = q->shape(0), heads = q->shape(1), dim = q->shape(3);
   const mx::array* parts[6] = {packed[0], ks, kb, packed[1], vs, vb};
+  // The scales and biases: q's dtype, or (--kv-scale-dtype, a float32 program's default) a narrower float.
+  const mx::Dtype scale_dtype = ks->dtype();
+  if (scale_dtype != mx::float32 && scale_dtype != mx::bfloat16 && scale_dtype != mx::float16) {
+    return fail("the cache's scales are %s, not float32, bfloat16 or float16", mlx_dtype_name(scale_dtype));
+  }
   const int kv_heads = packed[0]->shape(1), keys = packed[0]->ndim() == 4 ? packed[0]->shape(2) : -1;
   if (dim % group != 0) return fail("head size %d is not a multiple of group_size %d", dim, group);
   for (int i = 0; i < 6; ++i) {
@@ -207,8 +212,8 @@ bool Interpreter::exec_quantized_sdpa(const fb::QuantizedSdpaNode& n) {
     if (a.ndim() != 4 || a.shape(0) != batch || a.shape(1) != kv_heads || a.shape(2) != keys || a.shape(3) != last) {
       return fail("cache operand %d must be [%d, %d, %d, %d]", i, batch, kv_heads, keys, last);
     }
-    if (words ? a.dtype() != mx::uint8 : a.dtype() != q->dtype()) {
-      return fail("cache operand %d is %s: the packed cache is uint8, its scales and biases in q's dtype", i,
+    if (words ? a.dtype() != mx::uint8 : a.dtype() != scale_dtype) {
+      return fail("cache operand %d is %s: the packed cache is uint8, its scales and biases all one float dtype", i,
                   mlx_dtype_name(a.dtype()));
     }
   }
@@ -244,6 +249,8 @@ bool Interpreter::exec_quantized_sdpa(const fb::QuantizedSdpaNode& n) {
     mx::array a = *parts[i];
     if (end < keys) a = mx::slice(a, {0, 0, 0, 0}, {batch, kv_heads, end, a.shape(3)});
     if (i % 3 == 0) a = mx::view(mx::contiguous(a), mx::uint32);
+    // Narrower scales widened to q's dtype: mx::dequantize would otherwise round the keys to the scales' dtype.
+    else if (a.dtype() != q->dtype()) a = mx::astype(a, q->dtype());
     cache.push_back(std::move(a));
   }
   if (query_len * (heads / kv_heads) > kQuantizedAttentionRows) {

@@ -80,7 +80,7 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
                    pipelined: bool | None = None, verify: bool = True, draft_tokens: int = 0,
                    propose_tokens: int = 0, tool_call_format: str | None = None,
                    qmm_activations: str = "int16", kv_bits: int = 0, kv_group_size: int = 64,
-                   rank: tuple[int, int, str] | None = None,
+                   kv_scale_dtype: str = "", rank: tuple[int, int, str] | None = None,
                    processor_files: dict[str, bytes] | None = None, adapters=None) -> ExportResult:
     """Write `out` (.pte) holding the program, its DecoderMeta and, given one (a transformers tokenizer or
     a directory holding one), the tokenizer: the one file is all a decode loop needs. `external_weights`:
@@ -94,8 +94,8 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
     `propose_tokens` K > 1: a draft model's program returning K tokens per call (proposer.py).
     `tool_call_format`: the call syntax of tool calls (tool_formats.py; default: detected from the chat template).
     `qmm_activations`: export_to_pte's (int16, int8 or float32 activations in the CPU's quantized products).
-    `kv_bits` 4 or 8: the KV cache stored MLX-affine quantized in groups of `kv_group_size` (kv_quant.py);
-    the check then runs against the eager model over the same quantized cache (kv_reference.py).
+    `kv_bits` 4 or 8: the KV cache stored MLX-affine quantized in groups of `kv_group_size` (kv_quant.py), the
+    scales and biases in `kv_scale_dtype` (default: bfloat16 for a float32 model, else the model's dtype); the check then runs against the eager model over the same quantized cache (kv_reference.py).
     `rank`: (rank, ranks, group id) when `model` is one rank's part of an N-rank program
     (llm/decoder/rank_programs.py, which verifies the ranks together: a rank cannot run alone).
 
@@ -106,7 +106,7 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
     program takes the per-row `adapter` input after the model inputs (adapter_input.py)."""
     if tool_call_format:
         check_format(tool_call_format)  # before the export's minutes
-    kv_quant(kv_bits, kv_group_size)  # 4 or 8 bits only in a program (2 is the eager reference's control)
+    kv_quant(kv_bits, kv_group_size, kv_scale_dtype)  # 4 or 8 bits only in a program (2 is the eager reference's control)
     config = config or SamplerConfig()
     if config.expose_counts:
         raise ValueError("expose_counts is for sampler tests, not decoder programs")
@@ -145,7 +145,7 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
         if adapters is not None:
             raise ValueError("adapters: switchable adapters are not supported for vision-language programs yet")
     lm = StaticCacheLM(model, max_seq_len=max_seq_len, batch=batch, rings=not (draft_tokens or propose_tokens),
-                       kv_bits=kv_bits, kv_group_size=kv_group_size)
+                       kv_bits=kv_bits, kv_group_size=kv_group_size, kv_scale_dtype=kv_scale_dtype)
     vocab = text_config(model.config).vocab_size
     if pipelined is None:
         pipelined = not config.allowed_mask
@@ -244,7 +244,7 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
         # forward; meanwhile the runtime holds its own copy of them (resident_pages.py).
         release(model)
         say("verifying the program against the eager model")
-        reference = KvCacheReference(model, kv_bits, kv_group_size) if kv_bits else model
+        reference = KvCacheReference(model, kv_bits, kv_group_size, kv_scale_dtype) if kv_bits else model
         with paged_out_after_use(model):  # the reference forward holds about one layer's weights at a time
             report = _verified(reference, Path(out), external_weights, draft_tokens, propose_tokens,
                                with_image=with_image)

@@ -37,7 +37,7 @@ def export_checkpoint(model: str | Path, out: str | Path | None = None, *, revis
                       draft_tokens: int = 0, propose_tokens: int = 0, external_weights: bool = False,
                       progress: Optional[Callable[[str], None]] = None, adapter: str | Path | None = None,
                       tool_call_format: str | None = None, qmm_activations: str = "int16", kv_bits: int = 0,
-                      kv_group_size: int = 64, tensor_parallel: int = 1, pipeline_parallel: int = 1,
+                      kv_group_size: int = 64, kv_scale_dtype: str = "", tensor_parallel: int = 1, pipeline_parallel: int = 1,
                       adapters: dict | None = None):
     """Export the causal LM at `model` (a local directory or a Hugging Face repo id) to `out` (default:
     NAME.pte in the current directory), which holds the program when this returns its ExportResult.
@@ -48,8 +48,8 @@ def export_checkpoint(model: str | Path, out: str | Path | None = None, *, revis
     llm/decoder/tool_formats.py).
     `qmm_activations`: int16 (default), int8 or float32 activations in the CPU's quantized products, recorded in
     the program (exporter/export.py).
-    `kv_bits` 8 or 4: the KV cache stored MLX-affine quantized, `kv_group_size` values per scale and bias
-    (llm/decoder/kv_quant.py); 0: float.
+    `kv_bits` 8 or 4: the KV cache stored MLX-affine quantized, `kv_group_size` values per scale and bias, those in
+    `kv_scale_dtype` (default: bfloat16 for a float32 model, else its dtype; llm/decoder/kv_quant.py); 0: float.
     `tensor_parallel` N > 1: a program split over N ranks, one file per rank (`out` rank 0's, OUT.rankR.pte the
     others'; llm/decoder/tensor_parallel.py, docs/distributed.md).
     `pipeline_parallel` N > 1: a program whose layers are split over N ranks, a contiguous block each, one file per
@@ -64,7 +64,7 @@ def export_checkpoint(model: str | Path, out: str | Path | None = None, *, revis
     config = sampler_config(sampler, logprobs, logprobs_mode)
     from backends.mlx.llm.decoder.kv_quant import kv_quant
 
-    kv_quant(kv_bits, kv_group_size)  # before the checkpoint loads
+    kv_quant(kv_bits, kv_group_size, kv_scale_dtype)  # before the checkpoint loads
     if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
         raise ValueError(f"tensor_parallel must be an int >= 1, got {tensor_parallel!r}")
     if isinstance(pipeline_parallel, bool) or not isinstance(pipeline_parallel, int) or pipeline_parallel < 1:
@@ -127,7 +127,7 @@ def export_checkpoint(model: str | Path, out: str | Path | None = None, *, revis
     options = dict(config=config, batch=batch, seeded=seeded, tokenizer=tokenizer, progress=say,
                    external_weights=external_weights, pipelined=pipelined, verify=verify,
                    tool_call_format=tool_call_format, qmm_activations=qmm_activations, kv_bits=kv_bits,
-                   kv_group_size=kv_group_size, processor_files=processor_files, adapters=attached)
+                   kv_group_size=kv_group_size, kv_scale_dtype=kv_scale_dtype, processor_files=processor_files, adapters=attached)
     if tensor_parallel > 1:
         from backends.mlx.llm.decoder.tensor_parallel import export_tensor_parallel
 

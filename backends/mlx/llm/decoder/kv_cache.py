@@ -82,15 +82,16 @@ def _last_positions(_module, _args, output):
 
 class StaticCacheLM(nn.Module):
     def __init__(self, model: nn.Module, max_seq_len: int, batch: int = 1, rings: bool = True, kv_bits: int = 0,
-                 kv_group_size: int = 64):
+                 kv_group_size: int = 64, kv_scale_dtype: str = ""):
         """`rings=False` keeps every layer's cache full-length (a sliding window is then only a mask): a
         program that writes positions it may later reject (speculative verification) needs that, since a ring
         slot written for a rejected position has lost the older position it held.
         `kv_bits` 4 or 8: the keys and values are stored MLX-affine quantized in groups of `kv_group_size`
-        (kv_quant.py); 0 keeps them in the model's float dtype."""
+        (kv_quant.py), their scales and biases in `kv_scale_dtype` ("": the model's float dtype); 0 keeps them in
+        the model's float dtype."""
         super().__init__()
         self.rings = rings
-        self.kv_quant = kv_quant(kv_bits, kv_group_size, reference=True)
+        self.kv_quant = kv_quant(kv_bits, kv_group_size, kv_scale_dtype, reference=True)
         # A program's own cache entries, per layer (keys' packed, scales, biases, then the values'), [B, Hkv, T, .]:
         # the quantized cache writes them in place of its own (kv_reference.py, the export check); pin_steps is
         # then how much farther they lie from the forward's float keys and values than its own quantization, in
@@ -141,7 +142,8 @@ class StaticCacheLM(nn.Module):
                                                                       q.packed_dim(dim), dtype=torch.uint8))
                 for part in ("scales", "biases"):
                     self.register_buffer(f"{name}_{part}_{i}", torch.zeros(batch, shape.kv_heads, slots,
-                                                                           q.groups(dim), dtype=shape.dtype))
+                                                                           q.groups(dim),
+                                                                           dtype=q.scales_dtype(shape.dtype)))
 
     def _probe(self) -> dict:
         """One eager token through the model records each layer's key/value shape and sliding window."""

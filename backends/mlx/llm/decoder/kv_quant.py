@@ -1,11 +1,12 @@
 """The quantized KV cache (`etmlx export --kv-bits 8|4`): keys and values stored MLX-affine quantized.
 
 As mlx-lm's QuantizedKVCache: each position's key (and value) of each head is quantized along the head
-dimension in groups of `group_size` (default 64) with one scale and one bias per group, in the cache's float
-dtype (float16 for a float16 model: 4 bits at D = 128 and group 64 keep 72 bytes where float16 keeps 256,
-0.28x). Keys and values are quantized as they are written (`quantize`, the formula of mlx.core.quantize,
-mode "affine"), and attention runs over the packed cache (custom_kernel_ops/quantized_attention.py), so
-every query, the prefill's included, sees the keys as the cache holds them.
+dimension in groups of `group_size` (default 64) with one scale and one bias per group. The scales and biases
+are in the cache's float dtype (float16 for a float16 model: 4 bits at D = 128 and group 64 keep 72 bytes where
+float16 keeps 256, 0.28x), bfloat16 for a float32 model (DEFAULT_SCALES), or `--kv-scale-dtype`'s. Keys and
+values are quantized as they are written (`quantize`, the formula of mlx.core.quantize, mode "affine"), and
+attention runs over the packed cache (custom_kernel_ops/quantized_attention.py), so every query, the prefill's
+included, sees the keys as the cache holds them.
 
 The packed integers are stored as bytes (uint8 [..., D * bits / 8]): the same bytes as MLX's uint32 words on
 a little-endian machine, kept in a dtype torch and the prompt-cache file handle.
@@ -21,12 +22,25 @@ BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
 # Widths the eager reference also takes: 2 bits serves as the tests' control (too coarse to pass the bound).
 REFERENCE_BITS = (2, 4, 8)
+SCALE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Without --kv-scale-dtype a float32 cache keeps its scales and biases in bfloat16 (0.9x the bytes at 4 bits and
+# group 64): over the test families the teacher-forced logprob gap to a float cache was the same as with float32
+# scales (tests/test_kv_quant.py prints both), bfloat16 has float32's range (float16 would turn a key past 65504
+# into inf), and it is what mlx-lm's cache holds for a bfloat16 model. A 16-bit cache keeps its own dtype.
+DEFAULT_SCALES = {torch.float32: torch.bfloat16}
 
 
 @dataclass(frozen=True)
 class KvQuant:
     bits: int
     group_size: int = 64
+    scale_dtype: str = ""  # a SCALE_DTYPES name; "": DEFAULT_SCALES
+
+    def scales_dtype(self, cache_dtype: torch.dtype) -> torch.dtype:
+        """The dtype of the scales and biases of a cache whose float dtype is `cache_dtype`."""
+        if self.scale_dtype:
+            return SCALE_DTYPES[self.scale_dtype]
+        return DEFAULT_SCALES.get(cache_dtype, cache_dtype)
 
     def packed_dim(self, dim: int) -> int:
         return dim * self.bits // 8
@@ -35,12 +49,16 @@ class KvQuant:
         return dim // self.group_size
 
 
-def kv_quant(bits: int, group_size: int = 64, *, reference: bool = False) -> KvQuant | None:
+def kv_quant(bits: int, group_size: int = 64, scale_dtype: str = "", *, reference: bool = False) -> KvQuant | None:
     """The checked setting (None for bits 0: a float cache); ValueError (one line) for what MLX cannot take."""
+    if scale_dtype and scale_dtype not in SCALE_DTYPES:
+        raise ValueError(f"--kv-scale-dtype {scale_dtype!r} is not supported (one of {', '.join(SCALE_DTYPES)})")
     if isinstance(bits, bool) or not isinstance(bits, int) or isinstance(group_size, bool) \
             or not isinstance(group_size, int):
         raise ValueError(f"kv_bits and kv_group_size must be ints, got {bits!r} and {group_size!r}")
     if bits == 0:
+        if scale_dtype:
+            raise ValueError("--kv-scale-dtype needs a quantized cache (--kv-bits 4 or 8)")
         return None
     allowed = REFERENCE_BITS if reference else BITS
     if bits not in allowed:
@@ -48,7 +66,7 @@ def kv_quant(bits: int, group_size: int = 64, *, reference: bool = False) -> KvQ
     if group_size not in GROUP_SIZES:
         raise ValueError(f"--kv-group-size {group_size} is not supported (one of "
                          f"{', '.join(map(str, GROUP_SIZES))})")
-    return KvQuant(bits, group_size)
+    return KvQuant(bits, group_size, scale_dtype)
 
 
 def check_head_dim(setting: KvQuant, dim: int, what: str) -> None:
@@ -94,5 +112,6 @@ def cache_bytes(kv_heads: int, slots: int, key_dim: int, value_dim: int, setting
         if setting is None:
             per_position += dim * size
         else:
-            per_position += setting.packed_dim(dim) + 2 * setting.groups(dim) * size
+            scale_size = torch.empty(0, dtype=setting.scales_dtype(dtype)).element_size()
+            per_position += setting.packed_dim(dim) + 2 * setting.groups(dim) * scale_size
     return batch * kv_heads * slots * per_position

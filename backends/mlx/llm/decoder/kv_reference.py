@@ -27,10 +27,10 @@ class KvCacheReference(nn.Module):
     """Callable as a transformers causal LM for the export checks (`.logits` of a [1, T] forward); its modules
     and parameters are the model's (the checks read dtype and quantization from them)."""
 
-    def __init__(self, model: nn.Module, bits: int, group_size: int):
+    def __init__(self, model: nn.Module, bits: int, group_size: int, scale_dtype: str = ""):
         super().__init__()
         self.model = model
-        self.bits, self.group_size = bits, group_size
+        self.bits, self.group_size, self.scale_dtype = bits, group_size, scale_dtype
         self.pinned = None  # per layer, the program's six cache entries [1, Hkv, T, .] (pin_program_cache)
         self.pin_steps = 0.0
 
@@ -63,7 +63,8 @@ class KvCacheReference(nn.Module):
     def forward(self, input_ids: torch.Tensor):
         length = input_ids.shape[1]
         lm = StaticCacheLM(self.model, max_seq_len=length, batch=input_ids.shape[0], rings=False,
-                           kv_bits=self.bits, kv_group_size=self.group_size)
+                           kv_bits=self.bits, kv_group_size=self.group_size,
+                           kv_scale_dtype=self.scale_dtype)
         if self.pinned is not None:
             if len(self.pinned) != len(lm.layers) or self.pinned[0][0].shape[2] < length:
                 raise ValueError(f"the pinned cache holds {len(self.pinned)} layers of "

@@ -49,7 +49,8 @@ def export_rank_parts(model, out: Path, ranks: int, part: Callable[[nn.Module, i
         say(f"verifying the {ranks} ranks together against the eager model")
         kv_bits = export_options.get("kv_bits") or 0
         # A quantized cache's reference is the eager model over the same quantized cache (as one rank's export).
-        reference = KvCacheReference(model, kv_bits, export_options.get("kv_group_size", 64)) if kv_bits else model
+        reference = KvCacheReference(model, kv_bits, export_options.get("kv_group_size", 64),
+                                     export_options.get("kv_scale_dtype", "")) if kv_bits else model
         try:
             say(_verified(reference, out, ranks).summary())
         except VerificationError as exc:

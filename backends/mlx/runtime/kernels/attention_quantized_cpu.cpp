@@ -40,10 +40,29 @@ Rows<T> rows_of(const mx::array& a) {
   return Rows<T>{a.data<T>(), a.strides()[0], a.strides()[1], a.strides()[2]};
 }
 
+// A scales or biases operand [B, Hkv, S, G] in float32, bfloat16 or float16 (--kv-scale-dtype: a float32 program's
+// cache keeps them in bfloat16 by default), read one group's value at a time as float32 (exactly: every value of
+// the narrower types is a float32).
+struct ScaleRows {
+  const void* data;
+  int64_t sb, sh, ss;
+  mx::Dtype dtype;
+  float at(int64_t b, int64_t h, int64_t j, int g) const {
+    const int64_t i = b * sb + h * sh + j * ss + g;
+    if (dtype == mx::bfloat16) return static_cast<float>(static_cast<const mx::bfloat16_t*>(data)[i]);
+    if (dtype == mx::float16) return static_cast<float>(static_cast<const mx::float16_t*>(data)[i]);
+    return static_cast<const float*>(data)[i];
+  }
+};
+
+ScaleRows scale_rows_of(const mx::array& a) {
+  return ScaleRows{a.data<void>(), a.strides()[0], a.strides()[1], a.strides()[2], a.dtype()};
+}
+
 // One side of the cache (keys or values): the packed integers with their scales and biases.
 struct Packed {
   Rows<uint8_t> words;
-  Rows<float> scales, biases;
+  ScaleRows scales, biases;
 };
 
 // 16 integers of a packed row from column c on (c a multiple of 16) as float32.
@@ -65,13 +84,17 @@ ETMLX_AVX512BW void dequantize_block(const Packed& p, int64_t b, int64_t h, int 
   constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   for (int i = 0; i < n; ++i) {
     const uint8_t* w = p.words.at(b, h, j0 + i);
-    const float* s = p.scales.at(b, h, j0 + i);
-    const float* z = p.biases.at(b, h, j0 + i);
     float* o = out + static_cast<int64_t>(i) * width;
+    int g = -1;
+    __m512 scale = _mm512_setzero_ps(), bias = _mm512_setzero_ps();
     for (int c = c0; c < c0 + width; c += 16) {
-      const int g = c / group;  // 16 columns never straddle a group (groups of 32, 64 or 128)
-      const __m512 x = _mm512_mul_round_ps(unpack16(w, c, bits), _mm512_set1_ps(s[g]), kRound);
-      _mm512_storeu_ps(o + (c - c0), _mm512_add_round_ps(x, _mm512_set1_ps(z[g]), kRound));
+      if (c / group != g) {  // 16 columns never straddle a group (groups of 32, 64 or 128)
+        g = c / group;
+        scale = _mm512_set1_ps(p.scales.at(b, h, j0 + i, g));
+        bias = _mm512_set1_ps(p.biases.at(b, h, j0 + i, g));
+      }
+      const __m512 x = _mm512_mul_round_ps(unpack16(w, c, bits), scale, kRound);
+      _mm512_storeu_ps(o + (c - c0), _mm512_add_round_ps(x, bias, kRound));
     }
   }
 }
@@ -135,8 +158,8 @@ ETMLX_AVX512BW void weigh_values(const QuantizedDecode& a, const Packed& v, int6
 
 void run(QuantizedDecode a, const std::vector<mx::array>& in, mx::array& out) {
   const View4 qv = view4(in[0]);
-  const Packed k{rows_of<uint8_t>(in[1]), rows_of<float>(in[2]), rows_of<float>(in[3])};
-  const Packed v{rows_of<uint8_t>(in[4]), rows_of<float>(in[5]), rows_of<float>(in[6])};
+  const Packed k{rows_of<uint8_t>(in[1]), scale_rows_of(in[2]), scale_rows_of(in[3])};
+  const Packed v{rows_of<uint8_t>(in[4]), scale_rows_of(in[5]), scale_rows_of(in[6])};
   if (in.size() > 7) a.softmax.mask.data = in[7].data<void>();
   const int64_t rows = int64_t{a.batch} * a.heads * a.rows_l;
   std::vector<float> scores(static_cast<size_t>(rows) * a.keys);
@@ -193,8 +216,10 @@ std::optional<mx::array> sdpa_quantized_decode_cpu(const mx::array& q, const std
   if (keys < 1 || kv_heads < 1 || heads % kv_heads != 0 || dim % group_size != 0 || dim_v % group_size != 0) {
     return std::nullopt;
   }
+  const mx::Dtype scales = cache[1].dtype();
+  if (scales != mx::float32 && scales != mx::bfloat16 && scales != mx::float16) return std::nullopt;
   for (int i = 0; i < 6; ++i) {
-    if (cache[i].dtype() != (i % 3 == 0 ? mx::uint8 : mx::float32)) return std::nullopt;
+    if (cache[i].dtype() != (i % 3 == 0 ? mx::uint8 : scales)) return std::nullopt;
   }
   const mx::Shape out_shape{batch, heads, rows_l, dim_v};
   const mx::Shape score_shape{batch, heads, rows_l, keys};

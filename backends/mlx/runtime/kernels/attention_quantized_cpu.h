@@ -17,9 +17,10 @@ namespace etmlx::kernels {
 
 // Attention of q [B, H, L, D] (float32, a few rows) against the keys [0, key_end) of a packed cache. `cache`
 // holds the keys' bytes (uint8 [B, Hkv, S, D * bits / 8], MLX's packing: for 4 bits element 2i in the low
-// nibble of byte i), their scales and biases (float32 [B, Hkv, S, D / group_size]), then the same three for
-// the values. `mask` (bool or float32, up to 4-d, each dim 1 or [B, H, L, key_end]'s) is applied as sdpa's.
-// The result [B, H, L, Dv] float32 equals sdpa_cpu over mx::dequantize's keys and values bit for bit.
+// nibble of byte i), their scales and biases ([B, Hkv, S, D / group_size] in float32, bfloat16 or float16, all
+// four the same), then the same three for the values. `mask` (bool or float32, up to 4-d, each dim 1 or
+// [B, H, L, key_end]'s) is applied as sdpa's. The result [B, H, L, Dv] float32 equals sdpa_cpu over
+// mx::dequantize's keys and values (with the scales widened to float32) bit for bit.
 // nullopt where the loop does not apply (no AVX-512, another dtype or shape, the batch-invariant mode): the
 // caller then takes MLX's ops.
 std::optional<mlx::core::array> sdpa_quantized_decode_cpu(const mlx::core::array& q,
