@@ -17,7 +17,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from backends.mlx.llm.decoder.decode_rows import prefill_chunk_for
+from backends.mlx.llm.decoder.decode_rows import checked_prefill_chunk
+from backends.mlx.runtime.decode_rows_lib import RowsCore
 from backends.mlx.llm.decoder.export import export_decoder
 from backends.mlx.llm.decoder.loop import Decoder
 from backends.mlx.llm.sampler.params import SamplingParams
@@ -95,12 +96,20 @@ def test_sampled_tokens_do_not_depend_on_the_chunk(programs):
 
 
 def test_programs_whose_calls_a_chunk_would_change_prefill_whole():
-    plain = SimpleNamespace(draft_tokens=0, propose_tokens=0, inputs=["tokens", "start_pos", "lengths", "seed"])
-    assert prefill_chunk_for(plain, 64) == 64
-    assert prefill_chunk_for(SimpleNamespace(**{**vars(plain), "draft_tokens": 3}), 64) == 0
-    assert prefill_chunk_for(SimpleNamespace(**{**vars(plain), "propose_tokens": 4}), 64) == 0
+    """The decode-step rules (decode_rows.cpp start(), every loop's) feed a 100-token prompt in chunks of 64 to a
+    plain program, whole to a draft-verifying or proposing one."""
+    def first_call(**program) -> int:
+        core = RowsCore(1, 256, ring=False, prompt_cache=False, pipelined=False, eos=[], copies=False, **program)
+        core.start(0, list(range(1, 101)), 4, True, None, 0, False, False, prefill_chunk=64)
+        tokens, _ = core.layout()
+        return len(tokens[0])
+
+    assert first_call(draft_tokens=0) == 64
+    assert first_call(draft_tokens=3) == 100
+    assert first_call(draft_tokens=0, propose_tokens=4) == 100
+    assert checked_prefill_chunk(64) == 64
     with pytest.raises(ValueError, match="prefill_step_size must be >= 0"):
-        prefill_chunk_for(plain, -1)
+        checked_prefill_chunk(-1)
 
 
 def _generate(pte, prompt, *flags) -> subprocess.CompletedProcess:

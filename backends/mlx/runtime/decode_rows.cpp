@@ -196,7 +196,9 @@ int64_t DecodeRows::start(int64_t slot, RowRequest request, bool reuse, const Co
   }
   RowState row;
   row.feed.assign(prompt.begin() + n, prompt.end());
-  const int64_t chunk = config_.draft_tokens ? 0 : request.prefill_chunk;  // a verify call feeds drafts too
+  // The one home of the rule for which programs prefill in chunks (RowRequest::prefill_chunk): a verify call
+  // feeds drafts beside the prompt, a proposing call returns K tokens for what it was fed.
+  const int64_t chunk = config_.draft_tokens || config_.propose_tokens ? 0 : request.prefill_chunk;
   if (chunk > 0 && static_cast<int64_t>(row.feed.size()) > chunk) {
     row.rest.assign(row.feed.begin() + chunk, row.feed.end());
     row.feed.resize(static_cast<size_t>(chunk));

@@ -66,6 +66,7 @@ struct DecodeRowsConfig {
   bool prompt_cache = true;
   bool pipelined = false;
   int64_t draft_tokens = 0;  // K of a draft-verifying program, 0 for a plain one
+  int64_t propose_tokens = 0;  // K of a draft model's program returning K tokens a call (proposer.py), else 0
   std::vector<int64_t> eos;
   bool copies = false;  // the driver copies rows (cross-row reuse; start()'s copier). Never for ring programs.
 };
@@ -78,9 +79,10 @@ struct RowRequest {
   int64_t seed = 0;                            // the base seed: step k draws with seed + k
   bool constrained = false;                    // the driver checks each token (read()'s advance)
   // > 0: prefill in calls of at most this many tokens, bounding a long prompt's working set (activations grow
-  // with the tokens of a call). Each chunk is a step-0 call (its seed, its penalty reset). The drivers leave it 0
-  // where a chunk would change the calls: drafts, K proposals per call, image prompts (an image's positions may
-  // attend to each other both ways, as Gemma 3's do: a chunk boundary inside one would cut that).
+  // with the tokens of a call). Each chunk is a step-0 call (its seed, its penalty reset). start() ignores it for
+  // the programs a chunk would change (drafts ride in a verify call; a proposing call returns K tokens); the
+  // drivers leave it 0 for image prompts (an image's positions may attend to each other both ways, as Gemma 3's
+  // do: a chunk boundary inside one would cut that).
   int64_t prefill_chunk = 0;
 };
 

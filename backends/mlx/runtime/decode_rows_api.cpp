@@ -101,7 +101,8 @@ ETMLX_EXPORT int64_t etmlx_rows_fields(int64_t which) {
 }
 
 ETMLX_EXPORT void* etmlx_rows_new(int64_t batch, int64_t max_seq_len, int ring, int prompt_cache, int pipelined,
-                                  int64_t draft_tokens, const int64_t* eos, int64_t n_eos, int copies) {
+                                  int64_t draft_tokens, int64_t propose_tokens, const int64_t* eos, int64_t n_eos,
+                                  int copies) {
   void* out = nullptr;
   guarded([&]() -> int64_t {
     etmlx::DecodeRowsConfig config;
@@ -111,6 +112,7 @@ ETMLX_EXPORT void* etmlx_rows_new(int64_t batch, int64_t max_seq_len, int ring, 
     config.prompt_cache = prompt_cache != 0;
     config.pipelined = pipelined != 0;
     config.draft_tokens = draft_tokens;
+    config.propose_tokens = propose_tokens;
     config.eos = ids(eos, n_eos);
     config.copies = copies != 0;
     out = new etmlx::Handle(std::move(config));

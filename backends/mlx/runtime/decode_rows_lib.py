@@ -40,7 +40,7 @@ def _lib() -> ctypes.CDLL:
     vp = ctypes.c_void_p
     lib.etmlx_rows_error.restype = ctypes.c_char_p
     lib.etmlx_rows_new.restype = vp
-    lib.etmlx_rows_new.argtypes = [_i64, _i64, ctypes.c_int, ctypes.c_int, ctypes.c_int, _i64, _P64, _i64,
+    lib.etmlx_rows_new.argtypes = [_i64, _i64, ctypes.c_int, ctypes.c_int, ctypes.c_int, _i64, _i64, _P64, _i64,
                                    ctypes.c_int]
     lib.etmlx_rows_free.argtypes = [vp]
     lib.etmlx_rows_free.restype = None
@@ -97,11 +97,11 @@ class RowsCore:
     """One DecodeRows of decode_rows.cpp (see decode_rows.h for the rules)."""
 
     def __init__(self, batch: int, max_seq_len: int, *, ring: bool, prompt_cache: bool, pipelined: bool,
-                 draft_tokens: int, eos: list[int], copies: bool):
+                 draft_tokens: int, eos: list[int], copies: bool, propose_tokens: int = 0):
         self._lib = _lib()
         eos_ids, n = _ids(eos)
-        handle = self._lib.etmlx_rows_new(batch, max_seq_len, ring, prompt_cache, pipelined, draft_tokens, eos_ids,
-                                          n, copies)
+        handle = self._lib.etmlx_rows_new(batch, max_seq_len, ring, prompt_cache, pipelined, draft_tokens,
+                                          propose_tokens, eos_ids, n, copies)
         if not handle:
             raise DecodeRowsError(self._lib.etmlx_rows_error().decode())
         self._h = ctypes.c_void_p(handle)

@@ -164,14 +164,13 @@ class RowCaches:
         self._core.taken(slot)
 
 
-def prefill_chunk_for(meta: DecoderMeta, chunk: int) -> int:
-    """`chunk`, or 0 (the whole prompt in one call) for the programs a chunk would change: drafts (a verify call
-    carries them), K proposals per call. Image prompts are prefilled whole too (DecodeRows.start). Penalty
-    counts need nothing: each chunk resets them (decode_rows.cpp layout). The C++ loop's rule: etmlx_decode.cpp."""
+def checked_prefill_chunk(chunk: int) -> int:
+    """`chunk` (prompt tokens per prefill call; 0: the whole prompt in one call), or a one-line ValueError. Which
+    programs may prefill in chunks is the decode-step rules' to say (decode_rows.cpp start(): not those with drafts
+    or proposals); image prompts are prefilled whole (DecodeRows.start). Penalty counts need nothing: each chunk
+    resets them (decode_rows.cpp layout)."""
     if chunk < 0:
         raise ValueError(f"prefill_step_size must be >= 0 (0: the whole prompt in one call), not {chunk}")
-    if meta.draft_tokens or meta.propose_tokens:
-        return 0
     return chunk
 
 
@@ -181,15 +180,16 @@ class DecodeRows:
         program's state (LoadedMethod.copy_rows); with it, a request reuses the longest prefix any row holds,
         busy or free (cross-row reuse), not only the one its own row holds. Never for ring programs.
         `prefill_chunk`: prompt tokens per prefill call (default decode_rows.h's 512; 0: the whole prompt in one
-        call), for the programs and requests prefill_chunk_for() allows."""
+        call), for the programs and requests that allow it (checked_prefill_chunk)."""
         self.meta = meta
-        self.prefill_chunk = prefill_chunk_for(meta, default_prefill_chunk() if prefill_chunk is None else prefill_chunk)
+        self.prefill_chunk = checked_prefill_chunk(default_prefill_chunk() if prefill_chunk is None else prefill_chunk)
         if meta.adapters:  # another row's KV cache may come from another adapter: no cross-row copies
             copy_rows = None
         ring = meta.ring_cache is not False  # programs exported before the field may keep rings
         self.core = RowsCore(meta.batch, meta.max_seq_len, ring=ring, prompt_cache=prompt_cache,
                              pipelined=bool(meta.pipelined), draft_tokens=int(meta.draft_tokens or 0),
-                             eos=list(meta.eos_token_ids), copies=copy_rows is not None)
+                             propose_tokens=int(meta.propose_tokens or 0), eos=list(meta.eos_token_ids),
+                             copies=copy_rows is not None)
         self.copy_rows = copy_rows if self.core.copies else None
         self.rows: list[Row | None] = [None] * meta.batch
         # Switchable adapters: the adapter each row's cache was written with; a request on another starts afresh.

@@ -96,7 +96,7 @@ def decode_alone(rows: DecodeRows, execute, request: Sequence, reuse: bool, star
 class Decoder(ProgramTokenizer, ProgramGrammar):
     def __init__(self, pte: Path, prefill_step_size: int | None = None):
         """`prefill_step_size` (mlx-lm's name): prompt tokens per prefill call (None: 512; 0: the whole prompt in
-        one call), where the program allows it (decode_rows.py prefill_chunk_for)."""
+        one call), where the program allows it (decode_rows.py checked_prefill_chunk)."""
         self.pte = Path(pte)
         if not self.pte.is_file():
             raise FileNotFoundError(f"{self.pte} does not exist")

@@ -12,12 +12,13 @@ const char kPipelinedMaskHint[] =
 namespace {
 
 DecodeRowsConfig config_for(int64_t batch, int64_t max_seq_len, bool pipelined, int64_t draft_tokens,
-                            bool prompt_cache, bool ring) {
+                            bool prompt_cache, bool ring, int64_t propose_tokens) {
   DecodeRowsConfig config;
   config.batch = batch;
   config.max_seq_len = max_seq_len;
   config.pipelined = pipelined;
   config.draft_tokens = draft_tokens;
+  config.propose_tokens = propose_tokens;
   config.ring = ring && draft_tokens == 0;  // draft-verifying programs keep full-length caches
   config.prompt_cache = prompt_cache;  // the idle rows write at position 0 either way: only row 0 is reused
   return config;
@@ -26,14 +27,15 @@ DecodeRowsConfig config_for(int64_t batch, int64_t max_seq_len, bool pipelined, 
 }  // namespace
 
 DecodeLoop::DecodeLoop(executorch::extension::module::Module& module, std::string method, StepInputs& inputs,
-                       bool pipelined, int64_t max_seq_len, int64_t draft_tokens, bool prompt_cache, bool ring)
+                       bool pipelined, int64_t max_seq_len, int64_t draft_tokens, bool prompt_cache, bool ring,
+                       int64_t propose_tokens)
     : module_(module),
       method_(std::move(method)),
       inputs_(inputs),
       pipelined_(pipelined),
       draft_tokens_(draft_tokens),
       prompt_cache_(prompt_cache),
-      rows_(config_for(inputs.batch(), max_seq_len, pipelined, draft_tokens, prompt_cache, ring)) {}
+      rows_(config_for(inputs.batch(), max_seq_len, pipelined, draft_tokens, prompt_cache, ring, propose_tokens)) {}
 
 bool DecodeLoop::start(const Sequence& sequence, std::string* error) {
   RowRequest request;

@@ -50,8 +50,8 @@ class DecodeLoop {
     // many per call (-1: the program's K).
     std::shared_ptr<DraftSource> draft;
     int64_t max_drafts = -1;
-    // > 0: the prompt is prefilled in calls of at most this many tokens (decode_rows.h RowRequest; the caller
-    // decides which programs may: prefill_chunk_for()).
+    // > 0: the prompt is prefilled in calls of at most this many tokens (decode_rows.h RowRequest: not for a
+    // program with drafts or proposals; the caller leaves it 0 for image prompts).
     int64_t prefill_chunk = 0;
   };
   struct DraftStats {
@@ -60,13 +60,14 @@ class DecodeLoop {
     int64_t accepted = 0;  // of those, accepted
   };
 
-  // `draft_tokens`: K of a draft-verifying program (0 for a plain one). With `prompt_cache`, row 0's KV cache
+  // `draft_tokens`: K of a draft-verifying program (0 for a plain one); `propose_tokens`: K of a proposing one.
+  // With `prompt_cache`, row 0's KV cache
   // outlives its sequence: a sequence that starts with tokens it holds prefills only the rest (decode_rows.h's
   // row caches; `ring`: some layer keeps a sliding-window ring, whose row is reused only where positions
   // continue). A draft model's loop (model_draft.h) runs so; without it each sequence prefills its prompt.
   DecodeLoop(executorch::extension::module::Module& module, std::string method, StepInputs& inputs,
              bool pipelined, int64_t max_seq_len, int64_t draft_tokens = 0, bool prompt_cache = false,
-             bool ring = true);
+             bool ring = true, int64_t propose_tokens = 0);
 
   bool pipelined() const { return pipelined_; }
 

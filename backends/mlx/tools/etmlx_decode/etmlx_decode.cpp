@@ -55,12 +55,11 @@ using executorch::runtime::Error;
 constexpr int kBadInput = 2;
 constexpr int kRunFailed = 1;
 
-// Prompt tokens per prefill call: `requested` (default kPrefillChunk), or 0 (the whole prompt in one call) where a
-// chunk would change the calls: drafts, K proposals per call, image prompts (the Python loop's rule:
-// llm/decoder/decode_rows.py prefill_chunk_for).
-int64_t prefill_chunk_for(const etmlx::DecoderMeta& meta, std::optional<int64_t> requested, bool images) {
-  if (meta.draft_tokens > 0 || meta.propose_tokens > 0 || images) return 0;
-  return requested.value_or(etmlx::kPrefillChunk);
+// Prompt tokens per prefill call: `requested` (default kPrefillChunk), or 0 (the whole prompt in one call) for an
+// image prompt (as the Python loop's DecodeRows.start). The rules ignore it for programs with drafts or
+// proposals (decode_rows.cpp start()).
+int64_t prefill_chunk_for(std::optional<int64_t> requested, bool images) {
+  return images ? 0 : requested.value_or(etmlx::kPrefillChunk);
 }
 
 int fail(int code, const std::string& message) {
@@ -362,10 +361,11 @@ int run(const etmlx::DecodeArgs& args) {
       return fail(kBadInput, error);
     if (!inputs->set_images(&prompt_images, &error)) return fail(kBadInput, metadata->origin + " " + error);
   }
-  etmlx::DecodeLoop loop(module, method, *inputs, decoder.pipelined, max_seq_len, decoder.draft_tokens);
+  etmlx::DecodeLoop loop(module, method, *inputs, decoder.pipelined, max_seq_len, decoder.draft_tokens,
+                         /*prompt_cache=*/false, /*ring=*/true, decoder.propose_tokens);
   // The decode-step rules (runtime/decode_rows.h) end the sequence at a stop id or at max_tokens.
   if (!loop.start({prompt, temperature, seed, args.max_tokens, eos, drafts, args.num_draft_tokens.value_or(-1),
-                   prefill_chunk_for(decoder, args.prefill_chunk, with_images)},
+                   prefill_chunk_for(args.prefill_chunk, with_images)},
                   &error))
     return fail(kBadInput, error);
   int64_t first_call_tokens = 1;  // tokens the first call brought (accepted drafts too): the rate counts the rest
