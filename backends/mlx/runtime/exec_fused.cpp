@@ -249,11 +249,14 @@ bool Interpreter::exec_quantized_sdpa(const fb::QuantizedSdpaNode& n) {
     mx::array a = *parts[i];
     if (end < keys) a = mx::slice(a, {0, 0, 0, 0}, {batch, kv_heads, end, a.shape(3)});
     if (i % 3 == 0) a = mx::view(mx::contiguous(a), mx::uint32);
-    // Narrower scales widened to q's dtype: mx::dequantize would otherwise round the keys to the scales' dtype.
-    else if (a.dtype() != q->dtype()) a = mx::astype(a, q->dtype());
     cache.push_back(std::move(a));
   }
   if (query_len * (heads / kv_heads) > kQuantizedAttentionRows) {
+    // Narrower scales widened to q's dtype: mx::dequantize would otherwise round the keys to the scales' dtype.
+    // (mx::quantized_matmul below takes them as they are and computes in q's dtype.)
+    for (int i = 0; i < 6; ++i) {
+      if (i % 3 != 0 && cache[i].dtype() != q->dtype()) cache[i] = mx::astype(cache[i], q->dtype());
+    }
     if (cpu_set) {
       // A long prefill chunk over a long cache: one key/value head's keys and values dequantized at a time when
       // all of them would take more than the score limit (float32 at 32k positions of 8 heads of 128: 256 MiB),
