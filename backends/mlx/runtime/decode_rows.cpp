@@ -169,7 +169,8 @@ std::vector<int64_t> DecodeRows::busy_prefix(const std::vector<int64_t>& prompt)
     if (n > best[1]) {
       // With copies, the prefix can be copied as soon as the row has prefilled it (its prefill calls: one per
       // chunk still to feed).
-      const auto rest = static_cast<int64_t>(r->rest.size()), chunk = std::max<int64_t>(r->request.prefill_chunk, 1);
+      const auto rest = static_cast<int64_t>(r->request.prompt.size() - r->rest);
+      const int64_t chunk = std::max<int64_t>(r->request.prefill_chunk, 1);
       const int64_t prefill = r->step == 0 ? 1 + (rest + chunk - 1) / chunk : 0;
       const int64_t steps = config_.copies ? std::max<int64_t>(prefill, 1) : r->request.max_tokens - r->produced + prefill;
       best = {slot, n, steps};
@@ -199,8 +200,9 @@ int64_t DecodeRows::start(int64_t slot, RowRequest request, bool reuse, const Co
   // The one home of the rule for which programs prefill in chunks (RowRequest::prefill_chunk): a verify call
   // feeds drafts beside the prompt, a proposing call returns K tokens for what it was fed.
   const int64_t chunk = config_.draft_tokens || config_.propose_tokens ? 0 : request.prefill_chunk;
+  row.rest = prompt.size();
   if (chunk > 0 && static_cast<int64_t>(row.feed.size()) > chunk) {
-    row.rest.assign(row.feed.begin() + chunk, row.feed.end());
+    row.rest = static_cast<size_t>(n + chunk);
     row.feed.resize(static_cast<size_t>(chunk));
   }
   row.pos = row.cached = n;
@@ -447,15 +449,16 @@ std::vector<RowEvent> DecodeRows::read(const int64_t* tokens, const int64_t* acc
     }
     // A pipelined row's prefill returns nothing of its own (the outputs are the slot's previous call's);
     // its decode calls feed the device's token, which is the one this call returns.
-    const bool has_result = !(config_.pipelined && row.step == 0) && row.rest.empty();
+    const std::vector<int64_t>& prompt = row.request.prompt;
+    const bool has_result = !(config_.pipelined && row.step == 0) && row.rest == prompt.size();
     const bool fed_back = row.feed.size() == 1 && row.feed[0] == kFedBack;
     wrote(slot, row.pos, fed_back ? std::vector<int64_t>{token} : row.feed);
-    if (!row.rest.empty()) {  // a prefill chunk: its token is dropped, the next call feeds the next chunk
+    if (row.rest < prompt.size()) {  // a prefill chunk: its token is dropped, the next call feeds the next chunk
       row.pos += static_cast<int64_t>(row.feed.size());
-      const auto take = static_cast<std::ptrdiff_t>(
-          std::min<size_t>(static_cast<size_t>(row.request.prefill_chunk), row.rest.size()));
-      row.feed.assign(row.rest.begin(), row.rest.begin() + take);
-      row.rest.erase(row.rest.begin(), row.rest.begin() + take);
+      const size_t take = std::min(static_cast<size_t>(row.request.prefill_chunk), prompt.size() - row.rest);
+      row.feed.assign(prompt.begin() + static_cast<std::ptrdiff_t>(row.rest),
+                      prompt.begin() + static_cast<std::ptrdiff_t>(row.rest + take));
+      row.rest += take;
       continue;
     }
     if (has_result) {

@@ -126,7 +126,7 @@ struct CallLayout {
 struct RowState {
   RowRequest request;
   std::vector<int64_t> feed;  // tokens of the next call ({kFedBack} when a pipelined program decodes)
-  std::vector<int64_t> rest;  // prompt tokens after `feed` that later prefill chunks feed (request.prefill_chunk)
+  size_t rest = 0;            // request.prompt[rest, end): what later prefill chunks feed (request.prefill_chunk)
   int64_t pos = 0;            // cache position of feed[0]
   int64_t cached = 0;         // prompt tokens its row's cache already held
   int64_t step = 0;           // the row's decode step of the next call (0 = prefill)
