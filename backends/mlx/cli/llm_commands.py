@@ -51,8 +51,8 @@ def run_export(args) -> int:
             propose_tokens=args.propose_tokens, external_weights=args.external_weights, progress=_progress(),
             adapter=args.adapter, tool_call_format=args.tool_call_format,
             qmm_activations=args.qmm_activations, kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
-            kv_scale_dtype=args.kv_scale_dtype or "", tensor_parallel=args.tensor_parallel, pipeline_parallel=args.pipeline_parallel,
-            adapters=_adapters(args.adapters))
+            kv_scale_dtype=args.kv_scale_dtype, tensor_parallel=args.tensor_parallel,
+            pipeline_parallel=args.pipeline_parallel, adapters=_adapters(args.adapters))
     except (ValueError, IsADirectoryError) as exc:  # the option names of the Python API, as this command's flags
         raise type(exc)(_as_flags(str(exc))) from None
     from backends.mlx.exporter.export import weights_path
@@ -147,7 +147,7 @@ def add_parsers(sub) -> None:
                              "attention over it in the program (default: float, the --dtype)")
     export.add_argument("--kv-group-size", type=int, default=64,
                         help="--kv-bits: head-dimension values per scale and bias, 32, 64 (default) or 128")
-    export.add_argument("--kv-scale-dtype", choices=["float32", "float16", "bfloat16"], default=None,
+    export.add_argument("--kv-scale-dtype", choices=["float32", "float16", "bfloat16"], default="",
                         help="--kv-bits: the dtype of the cache's scales and biases (default: bfloat16 for a "
                              "float32 model, 0.9x its cache bytes at 4 bits; else the --dtype)")
     export.add_argument("--batch", type=int, default=1, help="rows per call (default 1; a server uses more)")

@@ -95,7 +95,8 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
     `tool_call_format`: the call syntax of tool calls (tool_formats.py; default: detected from the chat template).
     `qmm_activations`: export_to_pte's (int16, int8 or float32 activations in the CPU's quantized products).
     `kv_bits` 4 or 8: the KV cache stored MLX-affine quantized in groups of `kv_group_size` (kv_quant.py), the
-    scales and biases in `kv_scale_dtype` (default: bfloat16 for a float32 model, else the model's dtype); the check then runs against the eager model over the same quantized cache (kv_reference.py).
+    scales and biases in `kv_scale_dtype` (default: bfloat16 for a float32 model, else the model's dtype); the
+    check then runs against the eager model over the same quantized cache (kv_reference.py).
     `rank`: (rank, ranks, group id) when `model` is one rank's part of an N-rank program
     (llm/decoder/rank_programs.py, which verifies the ranks together: a rank cannot run alone).
 
@@ -106,7 +107,8 @@ def export_decoder(model: torch.nn.Module, out: Path, max_seq_len: int, *, confi
     program takes the per-row `adapter` input after the model inputs (adapter_input.py)."""
     if tool_call_format:
         check_format(tool_call_format)  # before the export's minutes
-    kv_quant(kv_bits, kv_group_size, kv_scale_dtype)  # 4 or 8 bits only in a program (2 is the eager reference's control)
+    # 4 or 8 bits only in a program (2 is the eager reference's control)
+    kv_quant(kv_bits, kv_group_size, kv_scale_dtype)
     config = config or SamplerConfig()
     if config.expose_counts:
         raise ValueError("expose_counts is for sampler tests, not decoder programs")

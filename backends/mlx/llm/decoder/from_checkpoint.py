@@ -37,8 +37,8 @@ def export_checkpoint(model: str | Path, out: str | Path | None = None, *, revis
                       draft_tokens: int = 0, propose_tokens: int = 0, external_weights: bool = False,
                       progress: Optional[Callable[[str], None]] = None, adapter: str | Path | None = None,
                       tool_call_format: str | None = None, qmm_activations: str = "int16", kv_bits: int = 0,
-                      kv_group_size: int = 64, kv_scale_dtype: str = "", tensor_parallel: int = 1, pipeline_parallel: int = 1,
-                      adapters: dict | None = None):
+                      kv_group_size: int = 64, kv_scale_dtype: str = "", tensor_parallel: int = 1,
+                      pipeline_parallel: int = 1, adapters: dict | None = None):
     """Export the causal LM at `model` (a local directory or a Hugging Face repo id) to `out` (default:
     NAME.pte in the current directory), which holds the program when this returns its ExportResult.
     `adapter`: a LoRA adapter directory (mlx-lm's or PEFT's) fused into the weights (llm/lora/).
@@ -127,7 +127,8 @@ def export_checkpoint(model: str | Path, out: str | Path | None = None, *, revis
     options = dict(config=config, batch=batch, seeded=seeded, tokenizer=tokenizer, progress=say,
                    external_weights=external_weights, pipelined=pipelined, verify=verify,
                    tool_call_format=tool_call_format, qmm_activations=qmm_activations, kv_bits=kv_bits,
-                   kv_group_size=kv_group_size, kv_scale_dtype=kv_scale_dtype, processor_files=processor_files, adapters=attached)
+                   kv_group_size=kv_group_size, kv_scale_dtype=kv_scale_dtype, processor_files=processor_files,
+                   adapters=attached)
     if tensor_parallel > 1:
         from backends.mlx.llm.decoder.tensor_parallel import export_tensor_parallel
 

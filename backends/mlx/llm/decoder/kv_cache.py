@@ -87,8 +87,8 @@ class StaticCacheLM(nn.Module):
         program that writes positions it may later reject (speculative verification) needs that, since a ring
         slot written for a rejected position has lost the older position it held.
         `kv_bits` 4 or 8: the keys and values are stored MLX-affine quantized in groups of `kv_group_size`
-        (kv_quant.py), their scales and biases in `kv_scale_dtype` ("": the model's float dtype); 0 keeps them in
-        the model's float dtype."""
+        (kv_quant.py), their scales and biases in `kv_scale_dtype` ("": kv_quant.DEFAULT_SCALES, bfloat16 for a
+        float32 model, else the model's dtype); 0 keeps them in the model's float dtype."""
         super().__init__()
         self.rings = rings
         self.kv_quant = kv_quant(kv_bits, kv_group_size, kv_scale_dtype, reference=True)
